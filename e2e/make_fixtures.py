@@ -64,6 +64,20 @@ Weights are perturbed after init (see `perturb`) so logits are not flat. For eve
 script asserts: logits std over vocab > 0.1, greedy output not one repeated token, greedy argmax
 margins, router top-k / group margins and DSA pool-selection margins (no near-ties anywhere the
 engine makes a discrete choice), retrying with another perturbation seed otherwise.
+Counts in "checks" are summed over all 33 uncached forwards (prefill + 32 greedy recomputes).
+
+Reference behaviours these fixtures pin down (transformers 5.23.0, modeling_glm5_next.py)
+- Glm5NextTextIndexer.forward / append_visible_tail: a query at position p with (p+1) % kpool == 0
+  has no tail; its own just-completed pool is an ordinary candidate, and if it is not among the
+  top index_topk/kpool pools the query does NOT attend to itself. The fixtures contain such rows.
+- Glm5NextTextAttention.__init__ (next_skip_topk): a full layer hands its selection only to the
+  immediately next layer; every "shared" layer here directly follows a full MLA layer.
+- chunk_kimi_delta_attention (prefill, chunk 64) vs recurrent_kimi_delta_attention (decode):
+  the greedy recomputes reach 72 tokens in tiny_mixed, so the 2-chunk path is exercised.
+- Prefix logits of the same tokens differ by ~3e-6 between sequence lengths (float32 summation
+  order), so compare with a tolerance (~1e-4 abs), not bitwise.
+- Glm5NextTextConfig default pad_token_id (154820) asserts in nn.Embedding for a small vocab:
+  fixtures set pad_token_id null.
 """
 
 import argparse
@@ -243,6 +257,7 @@ class Probe:
     def reset(self):
         self.pool_gaps = []      # per full-indexer call: min gap (last selected - best rejected)
         self.pool_drops = 0      # queries where visible complete pools > selected pools
+        self.self_excluded = 0   # query rows whose own token is not in the DSA selection
         self.router_gaps = []
         self.group_gaps = []
         self.clamp_hits = 0
@@ -288,6 +303,10 @@ def _indexer_hook(mod, args, kwargs, out):
             gaps.append(float(srt[k - 1] - srt[k]))
     if gaps:
         PROBE.pool_gaps.append(min(gaps))
+    sel = out[0]
+    for qi in range(sel.shape[0]):
+        if qi not in set(sel[qi].tolist()):
+            PROBE.self_excluded += 1
 
 
 def _router_hook(mod, args, out):
@@ -542,6 +561,7 @@ def make_one(name, spec, out_dir, seed):
             min_group_topk_gap=min(pr.group_gaps) if pr.group_gaps else None,
             min_pool_select_gap=min(pr.pool_gaps) if pr.pool_gaps else None,
             dsa_queries_with_dropped_pools=pr.pool_drops,
+            dsa_queries_not_attending_to_self=pr.self_excluded,
             swiglu_clamped_fraction=pr.clamp_hits / max(pr.clamp_total, 1),
             prefix_recompute_max_abs_diff=prefix_diff,
             safetensors_dtypes=dtypes,
@@ -560,7 +580,8 @@ def make_one(name, spec, out_dir, seed):
             f"{'agreed at all 32 steps' if cached['argmax_agrees_all_steps'] else 'DISAGREED first at step ' + str(cached['first_argmax_mismatch_step'])}. "
             f"Margins: greedy top1-top2 >= {min(logit_gaps):.3g}, router top-k >= "
             f"{checks['min_router_topk_gap']}, DSA pool selection >= {checks['min_pool_select_gap']} "
-            f"({pr.pool_drops} indexer query rows dropped pools); swiglu clamp fraction "
+            f"({pr.pool_drops} indexer query rows dropped pools, {pr.self_excluded} query rows whose own "
+            f"just-completed pool was not selected so they do not attend to themselves); swiglu clamp fraction "
             f"{checks['swiglu_clamped_fraction']:.3f}."
         )
         refj = dict(
