@@ -1,5 +1,8 @@
 //! glmflash-node: the inference pod for GLM-5.3-Flash.
 //!
-//! Imports point down: `model` -> `backend`, `quant`; nothing here knows HTTP yet.
+//! Imports point down: `model` -> `backend`, `quant`; `backend` knows no model.
 
+pub mod backend;
+pub mod mmap;
+pub mod model;
 pub mod quant;

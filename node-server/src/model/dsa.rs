@@ -1,0 +1,146 @@
+//! The DSA indexer with k-pools: picks which cached tokens an MLA query attends to.
+//!
+//! Tokens are grouped into pools of `kpool` consecutive positions. A pool's key is a
+//! per-channel softmax-weighted sum of its tokens' indexer keys (weights: learned gate +
+//! position bias). A query scores every complete pool it can see with
+//! `sum_h w_h relu(q_h . key * Di^-0.5)`, keeps the best `index_topk / kpool`, expands them
+//! to their tokens, and always adds its own incomplete tail pool. Ties go to the earlier
+//! pool, so a choice never depends on how many pools exist.
+
+use super::config::Config;
+use super::loader::{LoadError, Loader};
+use crate::backend::cpu::{Matrix, ops};
+
+const K_NORM_EPS: f32 = 1e-6;
+
+pub struct Indexer {
+    wq_b: Matrix,
+    wk: Matrix,
+    k_norm_weight: Vec<f32>,
+    k_norm_bias: Vec<f32>,
+    weights_proj: Matrix,
+    /// `[kpool, Di]`
+    ape: Vec<f32>,
+    gate: Matrix,
+    heads: usize,
+    dim: usize,
+    kpool: usize,
+    topk: usize,
+    select_tail: bool,
+}
+
+/// What the indexer keeps per sequence: per-token keys and gate scores, and the keys of the
+/// pools completed so far.
+#[derive(Clone, Debug, Default, PartialEq)]
+pub struct IndexerCache {
+    /// `[T, Di]`
+    pub keys: Vec<f32>,
+    /// `[T, Di]`
+    pub gates: Vec<f32>,
+    /// `[complete pools, Di]`
+    pub pool_keys: Vec<f32>,
+}
+
+impl IndexerCache {
+    pub fn bytes(&self) -> usize {
+        (self.keys.len() + self.gates.len() + self.pool_keys.len()) * 4
+    }
+}
+
+/// Projections of the new tokens the selection needs (all `[T, ..]`).
+pub struct IndexerInputs {
+    q: Vec<f32>,
+    weights: Vec<f32>,
+}
+
+impl Indexer {
+    pub fn load(cfg: &Config, vb: Loader) -> Result<Indexer, LoadError> {
+        let (d, di, hi) = (cfg.hidden_size, cfg.index_head_dim, cfg.index_n_heads);
+        Ok(Indexer {
+            wq_b: vb.matrix("wq_b.weight", hi * di, cfg.q_lora_rank)?,
+            wk: vb.matrix("wk.weight", di, d)?,
+            k_norm_weight: vb.vector("k_norm.weight", di)?,
+            k_norm_bias: vb.vector("k_norm.bias", di)?,
+            weights_proj: vb.matrix("weights_proj.weight", hi, d)?,
+            ape: vb.f32s("index_kpool_compress_ape", &[cfg.index_kpool, di])?,
+            gate: vb.matrix("index_kpool_compress_gate", di, d)?,
+            heads: hi,
+            dim: di,
+            kpool: cfg.index_kpool,
+            topk: cfg.index_topk,
+            select_tail: cfg.index_kpool_always_select_tail,
+        })
+    }
+
+    /// Projects the new tokens (`x`: block input, `qr`: normalised q latent) and appends their
+    /// keys to each sequence's cache. Returns the query side for [`Indexer::select`].
+    pub fn prepare(&self, x: &[f32], qr: &[f32], tokens: usize) -> (IndexerInputs, Vec<f32>, Vec<f32>) {
+        let mut keys = self.wk.matmul(x, tokens);
+        ops::layer_norm(&mut keys, &self.k_norm_weight, &self.k_norm_bias, K_NORM_EPS);
+        let gates = self.gate.matmul(x, tokens);
+        let scale = (self.heads as f32).powf(-0.5);
+        let weights = self.weights_proj.matmul(x, tokens).into_iter().map(|w| w * scale).collect();
+        (
+            IndexerInputs {
+                q: self.wq_b.matmul(qr, tokens),
+                weights,
+            },
+            keys,
+            gates,
+        )
+    }
+
+    /// Appends new tokens' keys and gates, and computes the keys of pools they complete.
+    pub fn append(&self, cache: &mut IndexerCache, keys: &[f32], gates: &[f32]) {
+        let di = self.dim;
+        cache.keys.extend_from_slice(keys);
+        cache.gates.extend_from_slice(gates);
+        let tokens = cache.keys.len() / di;
+        let mut pool = cache.pool_keys.len() / di;
+        while (pool + 1) * self.kpool <= tokens {
+            let first = pool * self.kpool;
+            let mut key = vec![0f32; di];
+            let mut logits = vec![0f32; self.kpool];
+            for c in 0..di {
+                for j in 0..self.kpool {
+                    logits[j] = cache.gates[(first + j) * di + c] + self.ape[j * di + c];
+                }
+                ops::softmax(&mut logits);
+                key[c] = (0..self.kpool).map(|j| logits[j] * cache.keys[(first + j) * di + c]).sum();
+            }
+            cache.pool_keys.extend_from_slice(&key);
+            pool += 1;
+        }
+    }
+
+    /// The token positions query `row` of `inputs` (at absolute position `pos`) attends to,
+    /// ascending.
+    pub fn select(&self, inputs: &IndexerInputs, row: usize, pos: usize, cache: &IndexerCache) -> Vec<u32> {
+        let (di, hi) = (self.dim, self.heads);
+        let visible = pos + 1;
+        let candidates = (visible / self.kpool).min(cache.pool_keys.len() / di);
+        let q = &inputs.q[row * hi * di..(row + 1) * hi * di];
+        let w = &inputs.weights[row * hi..(row + 1) * hi];
+        let scale = (di as f32).powf(-0.5);
+        let scores: Vec<f32> = (0..candidates)
+            .map(|p| {
+                let key = &cache.pool_keys[p * di..(p + 1) * di];
+                (0..hi)
+                    .map(|h| w[h] * (ops::dot(&q[h * di..(h + 1) * di], key) * scale).max(0.0))
+                    .sum()
+            })
+            .collect();
+        let budget = (self.topk / self.kpool).min(candidates);
+        let mut pools = ops::top_k(&scores, budget);
+        pools.sort_unstable();
+        let mut tokens: Vec<u32> = pools
+            .iter()
+            .flat_map(|&p| (p * self.kpool..(p + 1) * self.kpool).map(|t| t as u32))
+            .collect();
+        if self.select_tail {
+            let tail = visible % self.kpool;
+            tokens.extend((visible - tail..visible).map(|t| t as u32));
+        }
+        tokens
+    }
+}

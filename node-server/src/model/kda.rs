@@ -1,0 +1,394 @@
+//! KDA linear attention (Kimi delta attention) with a depthwise causal conv on q|k|v.
+//!
+//! Per head the state `S` (`Dk x Dv`, f32) evolves as `S *= exp(g)` (per key channel),
+//! `S += k (beta (v - k^T S))^T`, and the output is `o = q^T S`. Decode steps that recurrence
+//! once per token; prefill uses the chunked (WY) form over chunks of [`CHUNK`] tokens, which
+//! computes the same thing with matrix products inside each chunk.
+
+use super::config::Config;
+use super::loader::{LoadError, Loader};
+use crate::backend::cpu::{Matrix, ops};
+use rayon::prelude::*;
+
+/// Chunk length of the chunked prefill form (as the reference's).
+pub const CHUNK: usize = 64;
+const L2_EPS: f32 = 1e-6;
+
+pub struct Kda {
+    q_proj: Matrix,
+    k_proj: Matrix,
+    v_proj: Matrix,
+    /// `[3C, K]`: depthwise conv taps over the concatenated q|k|v channels.
+    conv: Vec<f32>,
+    f_a: Matrix,
+    f_b: Matrix,
+    dt_bias: Vec<f32>,
+    a_log: Vec<f32>,
+    b_proj: Matrix,
+    g_a: Matrix,
+    g_b: Matrix,
+    o_norm: Vec<f32>,
+    o_proj: Matrix,
+    heads: usize,
+    head_dim: usize,
+    kernel: usize,
+    lower_bound: Option<f32>,
+    eps: f32,
+}
+
+/// Per-sequence KDA state: the last `K - 1` conv inputs and the recurrent state.
+#[derive(Clone, Debug, PartialEq)]
+pub struct KdaState {
+    /// `[(K - 1), 3C]`, oldest first.
+    pub conv: Vec<f32>,
+    /// `[H, Dk, Dv]`
+    pub recurrent: Vec<f32>,
+}
+
+impl KdaState {
+    pub fn new(cfg: &Config) -> KdaState {
+        let c = cfg.kda_dim();
+        KdaState {
+            conv: vec![0.0; (cfg.linear_conv_kernel_dim - 1) * 3 * c],
+            recurrent: vec![0.0; cfg.linear_num_heads * cfg.linear_head_dim * cfg.linear_head_dim],
+        }
+    }
+
+    pub fn bytes(&self) -> usize {
+        (self.conv.len() + self.recurrent.len()) * 4
+    }
+}
+
+/// How the recurrence runs over a span of tokens.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum KdaMode {
+    /// Chunked for more than one token, recurrent for one (what the engine does).
+    Auto,
+    /// Token by token (the decode form), whatever the length.
+    Recurrent,
+}
+
+impl Kda {
+    pub fn load(cfg: &Config, vb: Loader) -> Result<Kda, LoadError> {
+        let (d, c, h, dh, k) = (
+            cfg.hidden_size,
+            cfg.kda_dim(),
+            cfg.linear_num_heads,
+            cfg.linear_head_dim,
+            cfg.linear_conv_kernel_dim,
+        );
+        let conv = if vb.contains("conv1d.weight") {
+            vb.f32s("conv1d.weight", &[3 * c, 1, k])?
+        } else {
+            let mut taps = vb.f32s("q_conv1d.weight", &[c, 1, k])?;
+            taps.extend(vb.f32s("k_conv1d.weight", &[c, 1, k])?);
+            taps.extend(vb.f32s("v_conv1d.weight", &[c, 1, k])?);
+            taps
+        };
+        let fg = if vb.contains("forget_gate.f_a_proj.weight") {
+            vb.pp("forget_gate")
+        } else {
+            vb
+        };
+        Ok(Kda {
+            q_proj: vb.matrix("q_proj.weight", c, d)?,
+            k_proj: vb.matrix("k_proj.weight", c, d)?,
+            v_proj: vb.matrix("v_proj.weight", c, d)?,
+            conv,
+            f_a: fg.matrix("f_a_proj.weight", dh, d)?,
+            f_b: fg.matrix("f_b_proj.weight", c, dh)?,
+            dt_bias: fg.vector("dt_bias", c)?,
+            a_log: fg.vector("A_log", h)?,
+            b_proj: vb.matrix("b_proj.weight", h, d)?,
+            g_a: vb.matrix("g_a_proj.weight", dh, d)?,
+            g_b: vb.matrix("g_b_proj.weight", c, dh)?,
+            o_norm: vb.vector("o_norm.weight", dh)?,
+            o_proj: vb.matrix("o_proj.weight", d, c)?,
+            heads: h,
+            head_dim: dh,
+            kernel: k,
+            lower_bound: cfg.linear_lower_bound,
+            eps: cfg.rms_norm_eps,
+        })
+    }
+
+    /// Runs the layer over `x` (`[T, D]`, all sequences' tokens); `spans[i]` is sequence i's
+    /// `(first row, rows)`, continuing from `states[i]`.
+    pub fn forward(&self, x: &[f32], spans: &[(usize, usize)], states: &mut [&mut KdaState], mode: KdaMode) -> Vec<f32> {
+        let tokens: usize = spans.iter().map(|s| s.1).sum();
+        let c = self.heads * self.head_dim;
+        let q = self.q_proj.matmul(x, tokens);
+        let k = self.k_proj.matmul(x, tokens);
+        let v = self.v_proj.matmul(x, tokens);
+        let mut qkv = vec![0f32; tokens * 3 * c];
+        for t in 0..tokens {
+            let row = &mut qkv[t * 3 * c..(t + 1) * 3 * c];
+            row[..c].copy_from_slice(&q[t * c..(t + 1) * c]);
+            row[c..2 * c].copy_from_slice(&k[t * c..(t + 1) * c]);
+            row[2 * c..].copy_from_slice(&v[t * c..(t + 1) * c]);
+        }
+        let gate_log = self.forget_gate(x, tokens);
+        let beta: Vec<f32> = self.b_proj.matmul(x, tokens).into_iter().map(ops::sigmoid).collect();
+        let out_gate = self.g_b.matmul(&self.g_a.matmul(x, tokens), tokens);
+
+        let mut core = vec![0f32; tokens * c];
+        for (&(start, len), state) in spans.iter().zip(states.iter_mut()) {
+            let mixed = self.conv_step(&qkv[start * 3 * c..(start + len) * 3 * c], len, &mut state.conv);
+            let out = self.attend(
+                &mixed,
+                &gate_log[start * c..(start + len) * c],
+                &beta[start * self.heads..(start + len) * self.heads],
+                len,
+                &mut state.recurrent,
+                mode,
+            );
+            core[start * c..(start + len) * c].copy_from_slice(&out);
+        }
+
+        // Gated RMSNorm per head, then the output projection.
+        let dh = self.head_dim;
+        for (o, g) in core.chunks_exact_mut(dh).zip(out_gate.chunks_exact(dh)) {
+            ops::rms_norm(o, Some(&self.o_norm), dh, self.eps);
+            o.iter_mut().zip(g).for_each(|(o, g)| *o *= ops::sigmoid(*g));
+        }
+        self.o_proj.matmul(&core, tokens)
+    }
+
+    /// The per-channel log decay `g` (`[T, C]`, <= 0).
+    fn forget_gate(&self, x: &[f32], tokens: usize) -> Vec<f32> {
+        let c = self.heads * self.head_dim;
+        let mut g = self.f_b.matmul(&self.f_a.matmul(x, tokens), tokens);
+        for t in 0..tokens {
+            for ch in 0..c {
+                let rate = self.a_log[ch / self.head_dim].exp();
+                let pre = g[t * c + ch] + self.dt_bias[ch];
+                g[t * c + ch] = match self.lower_bound {
+                    Some(bound) => bound * ops::sigmoid(rate * pre),
+                    None => {
+                        let softplus = if pre > 20.0 { pre } else { (1.0 + pre.exp()).ln() };
+                        -rate * softplus
+                    }
+                };
+            }
+        }
+        g
+    }
+
+    /// Depthwise causal conv (kernel K, no bias) + SiLU over `[T, 3C]`, continuing `conv_state`.
+    fn conv_step(&self, qkv: &[f32], len: usize, conv_state: &mut [f32]) -> Vec<f32> {
+        let width = qkv.len() / len.max(1);
+        let k = self.kernel;
+        let hist = k - 1;
+        // Inputs of the window: the K-1 remembered rows, then this span's rows.
+        let mut window = conv_state.to_vec();
+        window.extend_from_slice(qkv);
+        let mut out = vec![0f32; len * width];
+        for t in 0..len {
+            for ch in 0..width {
+                let taps = &self.conv[ch * k..(ch + 1) * k];
+                let mut acc = 0f32;
+                for (j, w) in taps.iter().enumerate() {
+                    acc += w * window[(t + j) * width + ch];
+                }
+                out[t * width + ch] = ops::silu(acc);
+            }
+        }
+        conv_state.copy_from_slice(&window[len * width..(len + hist) * width]);
+        out
+    }
+
+    /// Normalises q and k, then runs the delta rule per head (in parallel across heads).
+    fn attend(&self, mixed: &[f32], g: &[f32], beta: &[f32], len: usize, state: &mut [f32], mode: KdaMode) -> Vec<f32> {
+        let (h, dh) = (self.heads, self.head_dim);
+        let c = h * dh;
+        let scale = 1.0 / (dh as f32).sqrt();
+        let mut out = vec![0f32; len * c];
+        let per_head: Vec<Vec<f32>> = state
+            .par_chunks_mut(dh * dh)
+            .enumerate()
+            .map(|(head, s)| {
+                let gather = |offset: usize| -> Vec<f32> {
+                    let mut v = Vec::with_capacity(len * dh);
+                    for t in 0..len {
+                        v.extend_from_slice(&mixed[t * 3 * c + offset + head * dh..t * 3 * c + offset + (head + 1) * dh]);
+                    }
+                    v
+                };
+                let mut q = gather(0);
+                let mut k = gather(c);
+                let v = gather(2 * c);
+                ops::l2_norm(&mut q, dh, L2_EPS);
+                ops::l2_norm(&mut k, dh, L2_EPS);
+                q.iter_mut().for_each(|x| *x *= scale);
+                let gh: Vec<f32> = (0..len).flat_map(|t| g[t * c + head * dh..t * c + (head + 1) * dh].to_vec()).collect();
+                let bh: Vec<f32> = (0..len).map(|t| beta[t * h + head]).collect();
+                if len == 1 || mode == KdaMode::Recurrent {
+                    recurrent(&q, &k, &v, &gh, &bh, dh, s)
+                } else {
+                    chunked(&q, &k, &v, &gh, &bh, dh, s)
+                }
+            })
+            .collect();
+        for (head, o) in per_head.iter().enumerate() {
+            for t in 0..len {
+                out[t * c + head * dh..t * c + (head + 1) * dh].copy_from_slice(&o[t * dh..(t + 1) * dh]);
+            }
+        }
+        out
+    }
+}
+
+/// The delta rule token by token. `s` is `[Dk, Dv]` with `Dk = Dv = d`.
+pub fn recurrent(q: &[f32], k: &[f32], v: &[f32], g: &[f32], beta: &[f32], d: usize, s: &mut [f32]) -> Vec<f32> {
+    let len = beta.len();
+    let mut out = vec![0f32; len * d];
+    let mut kv_mem = vec![0f32; d];
+    for t in 0..len {
+        let (qt, kt, vt, gt) = (&q[t * d..(t + 1) * d], &k[t * d..(t + 1) * d], &v[t * d..(t + 1) * d], &g[t * d..(t + 1) * d]);
+        for i in 0..d {
+            let decay = gt[i].exp();
+            s[i * d..(i + 1) * d].iter_mut().for_each(|x| *x *= decay);
+        }
+        kv_mem.iter_mut().for_each(|x| *x = 0.0);
+        for i in 0..d {
+            ops::axpy(&mut kv_mem, kt[i], &s[i * d..(i + 1) * d]);
+        }
+        let delta: Vec<f32> = vt.iter().zip(&kv_mem).map(|(v, m)| (v - m) * beta[t]).collect();
+        for i in 0..d {
+            ops::axpy(&mut s[i * d..(i + 1) * d], kt[i], &delta);
+        }
+        let o = &mut out[t * d..(t + 1) * d];
+        for i in 0..d {
+            ops::axpy(o, qt[i], &s[i * d..(i + 1) * d]);
+        }
+    }
+    out
+}
+
+/// The chunked (WY) form of [`recurrent`]: within a chunk the delta rule's triangular system
+/// is solved by forward substitution, then one state update per chunk.
+pub fn chunked(q: &[f32], k: &[f32], v: &[f32], g: &[f32], beta: &[f32], d: usize, s: &mut [f32]) -> Vec<f32> {
+    let len = beta.len();
+    let mut out = vec![0f32; len * d];
+    for c0 in (0..len).step_by(CHUNK) {
+        let n = CHUNK.min(len - c0);
+        let rows = |x: &[f32]| x[c0 * d..(c0 + n) * d].to_vec();
+        let (qc, kc, vc) = (rows(q), rows(k), rows(v));
+        let bc = &beta[c0..c0 + n];
+        // Cumulative log decay within the chunk.
+        let mut gc = rows(g);
+        for t in 1..n {
+            for i in 0..d {
+                gc[t * d + i] += gc[(t - 1) * d + i];
+            }
+        }
+        // A[i][j] = -beta_i sum_c k_i[c] k_j[c] exp(G_i[c] - G_j[c]) for j < i; then
+        // T = (I + A)^-1-style forward substitution, as the reference solves it.
+        let mut a = vec![0f32; n * n];
+        for i in 0..n {
+            for j in 0..i {
+                let mut acc = 0f32;
+                for c in 0..d {
+                    acc += kc[i * d + c] * bc[i] * kc[j * d + c] * (gc[i * d + c] - gc[j * d + c]).exp();
+                }
+                a[i * n + j] = -acc;
+            }
+        }
+        for i in 1..n {
+            let row: Vec<f32> = a[i * n..i * n + i].to_vec();
+            for j in 0..i {
+                let mut acc = 0f32;
+                for m in 0..i {
+                    acc += row[m] * a[m * n + j];
+                }
+                a[i * n + j] = row[j] + acc;
+            }
+        }
+        for i in 0..n {
+            a[i * n + i] += 1.0;
+        }
+        // u = T (beta v), w = T (beta k exp(G)).
+        let mut u = vec![0f32; n * d];
+        let mut w = vec![0f32; n * d];
+        for i in 0..n {
+            for j in 0..=i {
+                let t = a[i * n + j];
+                if t == 0.0 {
+                    continue;
+                }
+                for c in 0..d {
+                    u[i * d + c] += t * vc[j * d + c] * bc[j];
+                    w[i * d + c] += t * kc[j * d + c] * bc[j] * gc[j * d + c].exp();
+                }
+            }
+        }
+        // v_new = u - w S
+        let mut v_new = u;
+        for i in 0..n {
+            for c in 0..d {
+                let wc = w[i * d + c];
+                if wc != 0.0 {
+                    let srow = &s[c * d..(c + 1) * d];
+                    for e in 0..d {
+                        v_new[i * d + e] -= wc * srow[e];
+                    }
+                }
+            }
+        }
+        // o_i = (q_i exp(G_i)) S + sum_{j<=i} (q_i . k_j exp(G_i - G_j)) v_new_j
+        for i in 0..n {
+            let o = &mut out[(c0 + i) * d..(c0 + i + 1) * d];
+            for c in 0..d {
+                let coef = qc[i * d + c] * gc[i * d + c].exp();
+                ops::axpy(o, coef, &s[c * d..(c + 1) * d]);
+            }
+            for j in 0..=i {
+                let mut acc = 0f32;
+                for c in 0..d {
+                    acc += qc[i * d + c] * kc[j * d + c] * (gc[i * d + c] - gc[j * d + c]).exp();
+                }
+                ops::axpy(o, acc, &v_new[j * d..(j + 1) * d]);
+            }
+        }
+        // S = S exp(G_last) + sum_j (k_j exp(G_last - G_j))^T v_new_j
+        let last = &gc[(n - 1) * d..n * d];
+        for c in 0..d {
+            let decay = last[c].exp();
+            s[c * d..(c + 1) * d].iter_mut().for_each(|x| *x *= decay);
+        }
+        for j in 0..n {
+            for c in 0..d {
+                let coef = kc[j * d + c] * (last[c] - gc[j * d + c]).exp();
+                ops::axpy(&mut s[c * d..(c + 1) * d], coef, &v_new[j * d..(j + 1) * d]);
+            }
+        }
+    }
+    out
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use rand::{Rng, SeedableRng};
+
+    #[test]
+    fn chunked_equals_recurrent_across_chunks() {
+        let mut rng = rand_chacha::ChaCha8Rng::seed_from_u64(7);
+        let (len, d) = (150, 8);
+        let mut rnd = |n: usize, lo: f32, hi: f32| -> Vec<f32> { (0..n).map(|_| rng.random_range(lo..hi)).collect() };
+        let mut q = rnd(len * d, -1.0, 1.0);
+        let mut k = rnd(len * d, -1.0, 1.0);
+        ops::l2_norm(&mut q, d, L2_EPS);
+        ops::l2_norm(&mut k, d, L2_EPS);
+        let v = rnd(len * d, -1.0, 1.0);
+        let g = rnd(len * d, -0.5, 0.0);
+        let beta = rnd(len, 0.0, 1.0);
+        let s0 = rnd(d * d, -0.5, 0.5);
+        let (mut s1, mut s2) = (s0.clone(), s0);
+        let o1 = recurrent(&q, &k, &v, &g, &beta, d, &mut s1);
+        let o2 = chunked(&q, &k, &v, &g, &beta, d, &mut s2);
+        let max_diff = |a: &[f32], b: &[f32]| a.iter().zip(b).map(|(x, y)| (x - y).abs()).fold(0f32, f32::max);
+        assert!(max_diff(&o1, &o2) < 1e-4, "outputs differ by {}", max_diff(&o1, &o2));
+        assert!(max_diff(&s1, &s2) < 1e-4, "states differ by {}", max_diff(&s1, &s2));
+    }
+}

@@ -1,0 +1,162 @@
+//! Typed reads of a layer's weights from a [`Checkpoint`], under a module-path prefix
+//! (`layers.3.self_attn`), the way the module tree names them.
+
+use super::checkpoint::{Checkpoint, CheckpointError, DType, TensorView};
+use crate::backend::cpu::{Matrix, MatrixError};
+use crate::quant::Format;
+
+#[derive(Debug, thiserror::Error)]
+pub enum LoadError {
+    #[error(transparent)]
+    Checkpoint(#[from] CheckpointError),
+    #[error("tensor `{key}`: {source}")]
+    Matrix {
+        key: String,
+        #[source]
+        source: MatrixError,
+    },
+    #[error("tensor `{key}`: {message}")]
+    Invalid { key: String, message: String },
+    #[error(transparent)]
+    Config(#[from] super::config::ConfigError),
+}
+
+/// Metadata key under which a quantized (U8) tensor records `format:cols`.
+pub fn quant_metadata_key(tensor_key: &str) -> String {
+    format!("glmflash.quant.{tensor_key}")
+}
+
+#[derive(Clone, Copy)]
+pub struct Loader<'a> {
+    ckpt: &'a Checkpoint,
+    prefix: &'a str,
+}
+
+impl<'a> Loader<'a> {
+    pub fn new(ckpt: &'a Checkpoint) -> Loader<'a> {
+        Loader { ckpt, prefix: "" }
+    }
+
+    pub fn checkpoint(&self) -> &'a Checkpoint {
+        self.ckpt
+    }
+
+    /// The full name of `name` under this prefix.
+    pub fn name(&self, name: &str) -> String {
+        if self.prefix.is_empty() {
+            name.to_string()
+        } else {
+            format!("{}.{name}", self.prefix)
+        }
+    }
+
+    /// A loader one module deeper; the prefix string is leaked once per module at load time.
+    pub fn pp(&self, name: &str) -> Loader<'a> {
+        Loader {
+            ckpt: self.ckpt,
+            prefix: Box::leak(self.name(name).into_boxed_str()),
+        }
+    }
+
+    pub fn contains(&self, name: &str) -> bool {
+        self.ckpt.contains(&self.name(name))
+    }
+
+    /// The first name of `names` present (one tensor's names across the on-disk layouts).
+    pub fn pick<'n>(&self, names: &[&'n str]) -> Result<&'n str, LoadError> {
+        names.iter().copied().find(|n| self.contains(n)).ok_or_else(|| {
+            LoadError::Checkpoint(CheckpointError::Missing {
+                key: self.name(names[0]),
+                tried: names.iter().map(|n| format!("`{}`", self.name(n))).collect::<Vec<_>>().join(", "),
+            })
+        })
+    }
+
+    /// A vector of exactly `len` values.
+    pub fn vector(&self, name: &str, len: usize) -> Result<Vec<f32>, LoadError> {
+        Ok(self.ckpt.tensor(&self.name(name), &[len])?.to_f32()?)
+    }
+
+    /// Any float tensor of `shape`, as f32.
+    pub fn f32s(&self, name: &str, shape: &[usize]) -> Result<Vec<f32>, LoadError> {
+        Ok(self.ckpt.tensor(&self.name(name), shape)?.to_f32()?)
+    }
+
+    /// A `rows x cols` weight in its stored format (float, or quantized blocks).
+    pub fn matrix(&self, name: &str, rows: usize, cols: usize) -> Result<Matrix, LoadError> {
+        let full = self.name(name);
+        let view = self.ckpt.view(&full)?;
+        if view.dtype == DType::U8 {
+            return self.quantized(view, rows, cols);
+        }
+        let view = self.ckpt.tensor(&full, &[rows, cols])?;
+        let format = float_format(view.dtype);
+        Matrix::from_bytes(rows, cols, format, view.bytes.to_vec()).map_err(|source| LoadError::Matrix {
+            key: view.key.to_string(),
+            source,
+        })
+    }
+
+    /// Row block `[row0, row0 + rows)` of slice `index` of a 3-D float tensor `[n, total_rows, cols]`
+    /// (one expert of transformers' fused layout).
+    pub fn matrix_slice(
+        &self,
+        name: &str,
+        shape: [usize; 3],
+        index: usize,
+        row0: usize,
+        rows: usize,
+    ) -> Result<Matrix, LoadError> {
+        let view = self.ckpt.tensor(&self.name(name), &shape)?;
+        let [_, total_rows, cols] = shape;
+        let size = view.dtype.size();
+        let start = (index * total_rows + row0) * cols * size;
+        let bytes = view.bytes[start..start + rows * cols * size].to_vec();
+        Matrix::from_bytes(rows, cols, float_format(view.dtype), bytes).map_err(|source| LoadError::Matrix {
+            key: view.key.to_string(),
+            source,
+        })
+    }
+
+    fn quantized(&self, view: TensorView<'_>, rows: usize, cols: usize) -> Result<Matrix, LoadError> {
+        let invalid = |message: String| LoadError::Invalid {
+            key: view.key.to_string(),
+            message,
+        };
+        let meta = self
+            .ckpt
+            .metadata()
+            .get(&quant_metadata_key(view.key))
+            .ok_or_else(|| invalid(format!("is U8 but the file has no `{}` metadata", quant_metadata_key(view.key))))?;
+        let (format, stored_cols) = meta
+            .split_once(':')
+            .and_then(|(f, c)| Some((Format::from_name(f).ok()?, c.parse::<usize>().ok()?)))
+            .ok_or_else(|| invalid(format!("quantization metadata `{meta}` is not `format:cols`")))?;
+        if stored_cols != cols {
+            return Err(invalid(format!("quantized for {stored_cols} columns, expected {cols}")));
+        }
+        let row_bytes = format
+            .row_bytes(cols)
+            .map_err(|e| invalid(e.to_string()))?;
+        if view.shape != [rows, row_bytes] {
+            return Err(LoadError::Checkpoint(CheckpointError::Shape {
+                key: view.key.to_string(),
+                expected: vec![rows, row_bytes],
+                found: view.shape.to_vec(),
+            }));
+        }
+        Matrix::from_bytes(rows, cols, format, view.bytes.to_vec()).map_err(|source| LoadError::Matrix {
+            key: view.key.to_string(),
+            source,
+        })
+    }
+}
+
+fn float_format(dtype: DType) -> Format {
+    match dtype {
+        DType::F32 => Format::F32,
+        DType::F16 => Format::F16,
+        DType::Bf16 => Format::Bf16,
+        DType::U8 => unreachable!("U8 tensors are read as quantized blocks"),
+    }
+}

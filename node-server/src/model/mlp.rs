@@ -1,0 +1,43 @@
+//! Clamped SwiGLU: `down(silu(min(gate x, L)) * clamp(up x, -L, L))`. The dense layers, the
+//! shared expert and every routed expert are this block.
+
+use super::loader::{LoadError, Loader};
+use crate::backend::cpu::{Matrix, ops};
+
+pub struct SwiGlu {
+    pub gate: Matrix,
+    pub up: Matrix,
+    pub down: Matrix,
+    pub limit: f32,
+}
+
+impl SwiGlu {
+    pub fn load(vb: Loader, hidden: usize, inter: usize, limit: f32) -> Result<SwiGlu, LoadError> {
+        Ok(SwiGlu {
+            gate: vb.matrix("gate_proj.weight", inter, hidden)?,
+            up: vb.matrix("up_proj.weight", inter, hidden)?,
+            down: vb.matrix("down_proj.weight", hidden, inter)?,
+            limit,
+        })
+    }
+
+    pub fn forward(&self, x: &[f32], tokens: usize) -> Vec<f32> {
+        let gate = self.gate.matmul(x, tokens);
+        let up = self.up.matmul(x, tokens);
+        let act = swiglu(&gate, &up, self.limit);
+        self.down.matmul(&act, tokens)
+    }
+
+    /// Bytes of the three weights.
+    pub fn storage_bytes(&self) -> usize {
+        self.gate.storage_bytes() + self.up.storage_bytes() + self.down.storage_bytes()
+    }
+}
+
+/// `silu(min(g, limit)) * clamp(u, -limit, limit)` elementwise.
+pub fn swiglu(gate: &[f32], up: &[f32], limit: f32) -> Vec<f32> {
+    gate.iter()
+        .zip(up)
+        .map(|(&g, &u)| ops::silu(g.min(limit)) * u.clamp(-limit, limit))
+        .collect()
+}

@@ -1,0 +1,15 @@
+//! The glm5_next model: config, checkpoint loading, and one file per block, each reading like
+//! the math in `shared/reference/glm5-next.md`.
+
+pub mod checkpoint;
+pub mod config;
+pub mod dsa;
+pub mod glm5;
+pub mod kda;
+pub mod loader;
+pub mod mhc;
+pub mod mla;
+pub mod mlp;
+pub mod moe;
+
+pub use glm5::{ForwardHooks, ForwardOptions, Model, SeqCache, Step};

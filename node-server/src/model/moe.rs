@@ -1,0 +1,242 @@
+//! The MoE sublayer: a sigmoid router with correction bias and expert groups, routed experts
+//! reached only through [`ExpertProvider`], and the shared expert.
+//!
+//! The router's choice is a [`Routing`] value handed to the provider, so a tiered store sees
+//! every pick (to count, predict and prefetch) before it computes anything.
+
+use super::config::Config;
+use super::loader::{LoadError, Loader};
+use super::mlp::SwiGlu;
+use crate::backend::cpu::{Matrix, ops};
+use rayon::prelude::*;
+
+/// Per token: the `k` chosen experts and their weights, in the router's order.
+#[derive(Clone, Debug, PartialEq)]
+pub struct Routing {
+    pub k: usize,
+    /// `[T * k]`
+    pub ids: Vec<u32>,
+    /// `[T * k]`, already normalised and scaled.
+    pub weights: Vec<f32>,
+}
+
+impl Routing {
+    pub fn tokens(&self) -> usize {
+        self.ids.len() / self.k.max(1)
+    }
+
+    /// Token indices routed to each expert (`experts` long), in token order.
+    pub fn tokens_per_expert(&self, experts: usize) -> Vec<Vec<(usize, usize)>> {
+        let mut per = vec![Vec::new(); experts];
+        for (i, &e) in self.ids.iter().enumerate() {
+            per[e as usize].push((i / self.k, i % self.k));
+        }
+        per
+    }
+}
+
+/// Where routed experts are computed. The engine holds one; a tiered store implements it.
+pub trait ExpertProvider: Send + Sync {
+    /// `out[t] = sum_j routing.weights[t, j] * expert(routing.ids[t, j])(x[t])` for layer
+    /// `layer`; the sum runs in pick order `j = 0..k` so every provider gives the same bits.
+    fn forward(&self, layer: usize, x: &[f32], routing: &Routing, out: &mut [f32]) -> anyhow::Result<()>;
+}
+
+/// Runs the picked experts of one layer given a way to compute one expert on token rows,
+/// and sums their weighted outputs per token in pick order.
+pub fn combine_experts<F>(hidden: usize, x: &[f32], routing: &Routing, experts: usize, out: &mut [f32], run: F) -> anyhow::Result<()>
+where
+    F: Fn(usize, &[f32], usize) -> anyhow::Result<Vec<f32>> + Sync,
+{
+    let k = routing.k;
+    let tokens = routing.tokens();
+    let per_expert = routing.tokens_per_expert(experts);
+    let results: Vec<(Vec<(usize, usize)>, Vec<f32>)> = per_expert
+        .into_par_iter()
+        .enumerate()
+        .filter(|(_, picks)| !picks.is_empty())
+        .map(|(e, picks)| {
+            let mut rows = Vec::with_capacity(picks.len() * hidden);
+            for &(t, _) in &picks {
+                rows.extend_from_slice(&x[t * hidden..(t + 1) * hidden]);
+            }
+            run(e, &rows, picks.len()).map(|y| (picks, y))
+        })
+        .collect::<anyhow::Result<_>>()?;
+    let mut slots = vec![0f32; tokens * k * hidden];
+    for (picks, y) in results {
+        for (row, (t, j)) in picks.into_iter().enumerate() {
+            slots[(t * k + j) * hidden..(t * k + j + 1) * hidden].copy_from_slice(&y[row * hidden..(row + 1) * hidden]);
+        }
+    }
+    for t in 0..tokens {
+        let o = &mut out[t * hidden..(t + 1) * hidden];
+        for j in 0..k {
+            let w = routing.weights[t * k + j];
+            ops::axpy(o, w, &slots[(t * k + j) * hidden..(t * k + j + 1) * hidden]);
+        }
+    }
+    Ok(())
+}
+
+/// All routed experts in memory, as loaded from the checkpoint.
+pub struct InMemoryExperts {
+    hidden: usize,
+    /// `[layer][expert]`; empty for dense layers.
+    layers: Vec<Vec<SwiGlu>>,
+}
+
+impl InMemoryExperts {
+    pub fn load(cfg: &Config, vb: Loader) -> Result<InMemoryExperts, LoadError> {
+        let mut layers = Vec::new();
+        for (i, kind) in cfg.mlp_kinds.iter().enumerate() {
+            if *kind == super::config::MlpKind::Moe {
+                let ev = vb.pp(&format!("layers.{i}.mlp.experts"));
+                layers.push((0..cfg.n_routed_experts).map(|e| load_expert(cfg, ev, e)).collect::<Result<_, _>>()?);
+            } else {
+                layers.push(Vec::new());
+            }
+        }
+        Ok(InMemoryExperts {
+            hidden: cfg.hidden_size,
+            layers,
+        })
+    }
+
+    pub fn expert(&self, layer: usize, expert: usize) -> Option<&SwiGlu> {
+        self.layers.get(layer).and_then(|l| l.get(expert))
+    }
+
+    /// Bytes of all routed expert weights.
+    pub fn storage_bytes(&self) -> usize {
+        self.layers.iter().flatten().map(SwiGlu::storage_bytes).sum()
+    }
+}
+
+/// One routed expert from either layout: per-expert keys (`experts.{e}.gate_proj.weight`)
+/// or transformers' fused `experts.gate_up_proj` `[E, 2I, D]` / `experts.down_proj` `[E, D, I]`.
+pub fn load_expert(cfg: &Config, experts: Loader, e: usize) -> Result<SwiGlu, LoadError> {
+    let (d, i, n) = (cfg.hidden_size, cfg.moe_intermediate_size, cfg.n_routed_experts);
+    if experts.contains("gate_up_proj") {
+        return Ok(SwiGlu {
+            gate: experts.matrix_slice("gate_up_proj", [n, 2 * i, d], e, 0, i)?,
+            up: experts.matrix_slice("gate_up_proj", [n, 2 * i, d], e, i, i)?,
+            down: experts.matrix_slice("down_proj", [n, d, i], e, 0, d)?,
+            limit: cfg.swiglu_limit,
+        });
+    }
+    SwiGlu::load(experts.pp(&e.to_string()), d, i, cfg.swiglu_limit)
+}
+
+impl ExpertProvider for InMemoryExperts {
+    fn forward(&self, layer: usize, x: &[f32], routing: &Routing, out: &mut [f32]) -> anyhow::Result<()> {
+        let experts = &self.layers[layer];
+        combine_experts(self.hidden, x, routing, experts.len(), out, |e, rows, n| Ok(experts[e].forward(rows, n)))
+    }
+}
+
+pub struct Router {
+    weight: Matrix,
+    bias: Vec<f32>,
+    experts: usize,
+    top_k: usize,
+    groups: usize,
+    topk_groups: usize,
+    normalize: bool,
+    scale: f32,
+}
+
+impl Router {
+    pub fn load(cfg: &Config, vb: Loader) -> Result<Router, LoadError> {
+        let e = cfg.n_routed_experts;
+        Ok(Router {
+            weight: vb.matrix("weight", e, cfg.hidden_size)?,
+            bias: vb.vector("e_score_correction_bias", e)?,
+            experts: e,
+            top_k: cfg.num_experts_per_tok,
+            groups: cfg.n_group,
+            topk_groups: cfg.topk_group,
+            normalize: cfg.norm_topk_prob,
+            scale: cfg.routed_scaling_factor,
+        })
+    }
+
+    /// Sigmoid scores; choice by score + bias within the best groups; weights from the scores.
+    pub fn route(&self, x: &[f32], tokens: usize) -> Routing {
+        let logits = self.weight.matmul(x, tokens);
+        let (e, k) = (self.experts, self.top_k);
+        let per_group = e / self.groups;
+        let mut ids = Vec::with_capacity(tokens * k);
+        let mut weights = Vec::with_capacity(tokens * k);
+        for t in 0..tokens {
+            let scores: Vec<f32> = logits[t * e..(t + 1) * e].iter().map(|&l| ops::sigmoid(l)).collect();
+            let mut choice: Vec<f32> = scores.iter().zip(&self.bias).map(|(s, b)| s + b).collect();
+            if self.groups > 1 {
+                let group_scores: Vec<f32> = choice
+                    .chunks_exact(per_group)
+                    .map(|g| ops::top_k(g, 2).iter().map(|&i| g[i]).sum())
+                    .collect();
+                let keep = ops::top_k(&group_scores, self.topk_groups);
+                for (g, chunk) in choice.chunks_exact_mut(per_group).enumerate() {
+                    if !keep.contains(&g) {
+                        chunk.iter_mut().for_each(|v| *v = f32::NEG_INFINITY);
+                    }
+                }
+            }
+            let picked = ops::top_k(&choice, k);
+            let mut w: Vec<f32> = picked.iter().map(|&i| scores[i]).collect();
+            if self.normalize {
+                let denom = w.iter().sum::<f32>() + 1e-20;
+                w.iter_mut().for_each(|v| *v /= denom);
+            }
+            w.iter_mut().for_each(|v| *v *= self.scale);
+            ids.extend(picked.iter().map(|&i| i as u32));
+            weights.extend(w);
+        }
+        Routing { k, ids, weights }
+    }
+}
+
+pub struct Moe {
+    pub router: Router,
+    pub shared: Option<SwiGlu>,
+    hidden: usize,
+}
+
+impl Moe {
+    pub fn load(cfg: &Config, vb: Loader) -> Result<Moe, LoadError> {
+        let shared = if cfg.n_shared_experts > 0 {
+            Some(SwiGlu::load(
+                vb.pp("shared_experts"),
+                cfg.hidden_size,
+                cfg.moe_intermediate_size * cfg.n_shared_experts,
+                cfg.swiglu_limit,
+            )?)
+        } else {
+            None
+        };
+        Ok(Moe {
+            router: Router::load(cfg, vb.pp("gate"))?,
+            shared,
+            hidden: cfg.hidden_size,
+        })
+    }
+
+    /// Routed experts (through `experts`) plus the shared expert; returns the output and the routing.
+    pub fn forward(
+        &self,
+        layer: usize,
+        x: &[f32],
+        tokens: usize,
+        experts: &dyn ExpertProvider,
+    ) -> anyhow::Result<(Vec<f32>, Routing)> {
+        let routing = self.router.route(x, tokens);
+        let mut out = vec![0f32; tokens * self.hidden];
+        experts.forward(layer, x, &routing, &mut out)?;
+        if let Some(shared) = &self.shared {
+            let s = shared.forward(x, tokens);
+            out.iter_mut().zip(&s).for_each(|(o, s)| *o += s);
+        }
+        Ok((out, routing))
+    }
+}

@@ -1,0 +1,205 @@
+//! The engine against transformers' glm5_next on tiny random checkpoints
+//! (`e2e/make_fixtures.py`). `GLMFLASH_FIXTURES` points at a freshly generated set (CI makes
+//! one with a random seed); otherwise the committed `e2e/fixtures` are used.
+
+use glmflash_node::model::kda::KdaMode;
+use glmflash_node::model::mla::MlaPath;
+use glmflash_node::model::{ForwardOptions, Model, Step};
+use serde::Deserialize;
+use std::path::PathBuf;
+
+const FIXTURES: [&str; 4] = ["tiny_mixed", "tiny_nested", "tiny_bf16", "tiny_fused"];
+/// Max |ours - ref| / max |ref| allowed against the reference.
+const REF_TOLERANCE: f32 = 1e-4;
+/// Between two forms of our own computation (cached vs recomputed, batched vs alone, ...).
+const SELF_TOLERANCE: f32 = 1e-5;
+
+#[derive(Deserialize)]
+struct Reference {
+    prompt: Vec<u32>,
+    prefill_logits: Vec<Vec<f32>>,
+    greedy: Vec<u32>,
+    greedy_logits: Vec<Vec<f32>>,
+}
+
+fn fixture_dir(name: &str) -> PathBuf {
+    match std::env::var_os("GLMFLASH_FIXTURES") {
+        Some(dir) => PathBuf::from(dir).join(name),
+        None => PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../e2e/fixtures").join(name),
+    }
+}
+
+fn load(name: &str) -> (Model, Reference) {
+    let dir = fixture_dir(name);
+    let model = Model::load(&dir).unwrap_or_else(|e| panic!("{name}: {e:#}"));
+    let text = std::fs::read_to_string(dir.join("reference.json")).expect("reference.json");
+    (model, serde_json::from_str(&text).expect("reference.json parses"))
+}
+
+/// max |a - b| / max |b|
+fn rel_err(a: &[f32], b: &[f32]) -> f32 {
+    assert_eq!(a.len(), b.len());
+    assert!(a.iter().all(|v| v.is_finite()), "non-finite output");
+    let scale = b.iter().fold(0f32, |m, v| m.max(v.abs()));
+    a.iter().zip(b).fold(0f32, |m, (x, y)| m.max((x - y).abs())) / scale
+}
+
+fn all_logits(model: &Model, tokens: &[u32]) -> Vec<f32> {
+    let mut cache = model.new_cache();
+    model
+        .forward(
+            &mut [Step {
+                tokens,
+                cache: &mut cache,
+                all_logits: true,
+            }],
+            None,
+        )
+        .unwrap()
+        .remove(0)
+}
+
+#[test]
+fn prefill_logits_match_reference() {
+    for name in FIXTURES {
+        let (model, r) = load(name);
+        let ours = all_logits(&model, &r.prompt);
+        let expected: Vec<f32> = r.prefill_logits.concat();
+        let err = rel_err(&ours, &expected);
+        eprintln!("{name}: prefill rel err {err:.2e}");
+        assert!(err < REF_TOLERANCE, "{name}: prefill logits rel err {err:.3e}");
+    }
+}
+
+#[test]
+fn greedy_continuation_matches_reference() {
+    for name in FIXTURES {
+        let (model, r) = load(name);
+        let (tokens, logits) = model.greedy(&r.prompt, r.greedy.len()).unwrap();
+        assert_eq!(tokens, r.greedy, "{name}: greedy tokens");
+        let err = rel_err(&logits.concat(), &r.greedy_logits.concat());
+        eprintln!("{name}: greedy logits rel err {err:.2e}");
+        assert!(err < REF_TOLERANCE, "{name}: greedy logits rel err {err:.3e}");
+    }
+}
+
+#[test]
+fn cached_decode_equals_full_recompute() {
+    for name in FIXTURES {
+        let (model, r) = load(name);
+        let (tokens, cached) = model.greedy(&r.prompt, 12).unwrap();
+        for step in [0, 5, 11] {
+            let mut seq = r.prompt.clone();
+            seq.extend_from_slice(&tokens[..step]);
+            let (full, _) = model.prefill(&seq).unwrap();
+            let err = rel_err(&cached[step], &full);
+            assert!(err < SELF_TOLERANCE, "{name} step {step}: cached vs recomputed rel err {err:.3e}");
+        }
+    }
+}
+
+#[test]
+fn chunked_prefill_equals_one_pass() {
+    for name in FIXTURES {
+        let (model, r) = load(name);
+        let one = all_logits(&model, &r.prompt);
+        let mut cache = model.new_cache();
+        let split = r.prompt.len() / 3;
+        let mut chunks = Vec::new();
+        for part in [&r.prompt[..split], &r.prompt[split..]] {
+            let out = model
+                .forward(
+                    &mut [Step {
+                        tokens: part,
+                        cache: &mut cache,
+                        all_logits: true,
+                    }],
+                    None,
+                )
+                .unwrap();
+            chunks.extend(out.into_iter().flatten());
+        }
+        let err = rel_err(&chunks, &one);
+        assert!(err < SELF_TOLERANCE, "{name}: chunked prefill rel err {err:.3e}");
+    }
+}
+
+#[test]
+fn batch_of_different_lengths_equals_each_alone() {
+    for name in FIXTURES {
+        let (model, r) = load(name);
+        let a = &r.prompt;
+        let b: Vec<u32> = r.prompt[..r.prompt.len() / 2 + 3].iter().rev().copied().collect();
+        let alone_a = all_logits(&model, a);
+        let alone_b = all_logits(&model, &b);
+        let (mut ca, mut cb) = (model.new_cache(), model.new_cache());
+        let out = model
+            .forward(
+                &mut [
+                    Step {
+                        tokens: a,
+                        cache: &mut ca,
+                        all_logits: true,
+                    },
+                    Step {
+                        tokens: &b,
+                        cache: &mut cb,
+                        all_logits: true,
+                    },
+                ],
+                None,
+            )
+            .unwrap();
+        assert!(rel_err(&out[0], &alone_a) < SELF_TOLERANCE, "{name}: batched a");
+        assert!(rel_err(&out[1], &alone_b) < SELF_TOLERANCE, "{name}: batched b");
+        // Then one decode step for both at different positions, batched vs alone.
+        let next = [3u32, 5u32];
+        let (mut ca2, mut cb2) = (ca.clone(), cb.clone());
+        let both = model
+            .forward(
+                &mut [
+                    Step {
+                        tokens: &next[..1],
+                        cache: &mut ca,
+                        all_logits: false,
+                    },
+                    Step {
+                        tokens: &next[1..],
+                        cache: &mut cb,
+                        all_logits: false,
+                    },
+                ],
+                None,
+            )
+            .unwrap();
+        for (i, cache) in [&mut ca2, &mut cb2].into_iter().enumerate() {
+            let alone = model
+                .forward(
+                    &mut [Step {
+                        tokens: &next[i..i + 1],
+                        cache,
+                        all_logits: false,
+                    }],
+                    None,
+                )
+                .unwrap()
+                .remove(0);
+            assert!(rel_err(&both[i], &alone) < SELF_TOLERANCE, "{name}: batched decode {i}");
+        }
+    }
+}
+
+#[test]
+fn kernel_forms_agree() {
+    for name in FIXTURES {
+        let (mut model, r) = load(name);
+        let auto = all_logits(&model, &r.prompt);
+        model.options = ForwardOptions {
+            kda: KdaMode::Recurrent,
+            mla: MlaPath::Absorbed,
+        };
+        let other = all_logits(&model, &r.prompt);
+        let err = rel_err(&other, &auto);
+        assert!(err < SELF_TOLERANCE, "{name}: recurrent+absorbed vs chunked+expanded rel err {err:.3e}");
+    }
+}
