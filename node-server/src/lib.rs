@@ -3,6 +3,9 @@
 //! Imports point down: `model` -> `backend`, `quant`; `backend` knows no model.
 
 pub mod backend;
+pub mod bench;
+pub mod demo;
+pub mod engine;
 pub mod mmap;
 pub mod model;
 pub mod quant;

@@ -1,3 +1,237 @@
+//! `glmflash-node`: the inference pod's command line.
+
+use anyhow::{Context, bail};
+use clap::{Args, Parser, Subcommand};
+use glmflash_node::engine::sampling::Sampler;
+use glmflash_node::model::{Model, Step};
+use glmflash_node::tokenizer::TextCodec;
+use glmflash_node::{bench, demo};
+use std::io::Write;
+use std::path::PathBuf;
+use std::time::Instant;
+
+#[derive(Parser)]
+#[command(
+    name = "glmflash-node",
+    version,
+    about = "GLM-5.3-Flash inference pod: engine, expert tiers and tools",
+    long_about = "GLM-5.3-Flash inference pod.\n\nRuns glm5_next checkpoints on the CPU (CUDA and the expert tiers come in later releases). \
+                  Every flag can also be set through the environment variable shown in its help."
+)]
+struct Cli {
+    /// Log format: `text` for terminals, `json` for containers.
+    #[arg(long, env = "GLMFLASH_LOG_FORMAT", default_value = "text", global = true)]
+    log_format: String,
+    #[command(subcommand)]
+    command: Command,
+}
+
+#[derive(Subcommand)]
+enum Command {
+    /// Make the demo model (if missing) in the cache dir and chat with it in the terminal.
+    Demo {
+        /// Where the demo model lives (default: $GLMFLASH_CACHE_DIR/demo-model or ~/.cache/glmflash/demo-model).
+        #[arg(long, env = "GLMFLASH_DEMO_DIR")]
+        dir: Option<PathBuf>,
+        #[arg(long, env = "GLMFLASH_PROMPT", default_value = "Explain in one paragraph why experts are cached in VRAM.")]
+        prompt: String,
+        #[arg(long, env = "GLMFLASH_MAX_TOKENS", default_value_t = 64)]
+        max_tokens: usize,
+    },
+    /// Write the deterministic demo model (random weights, real tokenizer, chat template).
+    MakeDemoModel {
+        /// Output directory.
+        #[arg(long, env = "GLMFLASH_OUT")]
+        out: PathBuf,
+        /// Seed of the random weights.
+        #[arg(long, env = "GLMFLASH_SEED", default_value_t = demo::DEFAULT_SEED)]
+        seed: u64,
+    },
+    /// Print the last prompt position's logits and a cached greedy continuation as JSON.
+    Logits {
+        #[command(flatten)]
+        model: ModelArgs,
+        /// Prompt token ids, comma-separated.
+        #[arg(long, env = "GLMFLASH_TOKENS", value_delimiter = ',', required = true)]
+        tokens: Vec<u32>,
+        /// Greedy tokens to generate after the prompt.
+        #[arg(long, env = "GLMFLASH_GREEDY", default_value_t = 0)]
+        greedy: usize,
+    },
+    /// Generate text for a prompt, streaming tokens to the terminal, then print tok/s.
+    Generate {
+        #[command(flatten)]
+        model: ModelArgs,
+        #[command(flatten)]
+        generation: GenerationArgs,
+    },
+    /// Rewrite a checkpoint with its routed experts in a block format (e.g. q4_k).
+    ConvertExperts {
+        /// Source checkpoint directory.
+        #[arg(long, env = "GLMFLASH_MODEL")]
+        model: PathBuf,
+        /// Output directory (a complete checkpoint).
+        #[arg(long, env = "GLMFLASH_OUT")]
+        out: PathBuf,
+        /// Target format: q4_k, q8_0, bf16, f16 or f32.
+        #[arg(long, env = "GLMFLASH_EXPERT_FORMAT", default_value = "q4_k")]
+        format: String,
+    },
+    /// Measure CPU prefill and decode speed on a random model of the given shape.
+    Bench(bench::BenchArgs),
+}
+
+#[derive(Args)]
+struct ModelArgs {
+    /// Checkpoint directory: config.json, safetensors, tokenizer files.
+    #[arg(long, env = "GLMFLASH_MODEL")]
+    model: PathBuf,
+}
+
+#[derive(Args)]
+struct GenerationArgs {
+    /// The user message (rendered with the model's chat template unless --raw).
+    #[arg(long, env = "GLMFLASH_PROMPT")]
+    prompt: String,
+    /// Feed the prompt as plain text, without the chat template.
+    #[arg(long, env = "GLMFLASH_RAW")]
+    raw: bool,
+    #[arg(long, env = "GLMFLASH_MAX_TOKENS", default_value_t = 128)]
+    max_tokens: usize,
+    /// 0 is greedy.
+    #[arg(long, env = "GLMFLASH_TEMPERATURE", default_value_t = 0.0)]
+    temperature: f32,
+    #[arg(long, env = "GLMFLASH_TOP_P", default_value_t = 1.0)]
+    top_p: f32,
+    #[arg(long, env = "GLMFLASH_SEED", default_value_t = 0)]
+    seed: u64,
+}
+
 fn main() {
-    println!("glmflash-node: under construction");
+    let cli = Cli::parse();
+    init_logging(&cli.log_format);
+    if let Err(e) = run(cli.command) {
+        eprintln!("error: {e:#}");
+        std::process::exit(1);
+    }
+}
+
+fn init_logging(format: &str) {
+    let filter = tracing_subscriber::EnvFilter::try_from_env("GLMFLASH_LOG").unwrap_or_else(|_| "info".into());
+    let builder = tracing_subscriber::fmt().with_env_filter(filter).with_writer(std::io::stderr);
+    if format == "json" {
+        builder.json().init();
+    } else {
+        builder.init();
+    }
+}
+
+fn run(command: Command) -> anyhow::Result<()> {
+    match command {
+        Command::Demo { dir, prompt, max_tokens } => {
+            let dir = dir.unwrap_or_else(demo::default_demo_dir);
+            demo::ensure_demo_model(&dir)?;
+            generate(
+                &dir,
+                &GenerationArgs {
+                    prompt,
+                    raw: false,
+                    max_tokens,
+                    temperature: 0.8,
+                    top_p: 0.95,
+                    seed: 0,
+                },
+            )
+        }
+        Command::MakeDemoModel { out, seed } => {
+            demo::make_demo_model(&out, seed)?;
+            eprintln!("demo model written to {}", out.display());
+            Ok(())
+        }
+        Command::Logits { model, tokens, greedy } => {
+            let model = Model::load(&model.model)?;
+            let (logits, _) = model.prefill(&tokens)?;
+            let (greedy_tokens, _) = if greedy > 0 { model.greedy(&tokens, greedy)? } else { (Vec::new(), Vec::new()) };
+            println!("{}", serde_json::json!({"logits": logits, "greedy": greedy_tokens}));
+            Ok(())
+        }
+        Command::Generate { model, generation } => generate(&model.model, &generation),
+        Command::ConvertExperts { model, out, format } => {
+            let format = glmflash_node::quant::Format::from_name(&format)?;
+            let started = Instant::now();
+            let report = glmflash_node::model::convert::convert_experts(&model, &out, format, |done, total| {
+                if done == total || done % 64 == 0 {
+                    eprint!("\rconverted {done}/{total} experts");
+                }
+            })?;
+            eprintln!();
+            eprintln!(
+                "{} experts: {:.1} MiB -> {:.1} MiB ({}) in {} shards, {:.1}s",
+                report.experts,
+                report.source_bytes as f64 / 1048576.0,
+                report.converted_bytes as f64 / 1048576.0,
+                format.name(),
+                report.shards,
+                started.elapsed().as_secs_f64()
+            );
+            Ok(())
+        }
+        Command::Bench(args) => bench::run(&args),
+    }
+}
+
+fn generate(dir: &std::path::Path, args: &GenerationArgs) -> anyhow::Result<()> {
+    let codec = TextCodec::from_dir(dir).with_context(|| format!("loading the tokenizer of {}", dir.display()))?;
+    let load_started = Instant::now();
+    let model = Model::load(dir)?;
+    tracing::info!(seconds = load_started.elapsed().as_secs_f64(), "model loaded");
+    let text = if args.raw || !codec.has_chat_template() {
+        args.prompt.clone()
+    } else {
+        codec.render_chat(&serde_json::json!([{"role": "user", "content": args.prompt}]), None, true, false)?
+    };
+    let prompt = codec.encode(&text)?;
+    if prompt.is_empty() {
+        bail!("the prompt encodes to no tokens");
+    }
+    let mut sampler = Sampler::new(args.temperature, args.top_p, args.seed);
+    let mut decoder = codec.stream_decoder(true);
+    let mut stdout = std::io::stdout();
+
+    let started = Instant::now();
+    let (mut logits, mut cache) = model.prefill(&prompt)?;
+    let prefill_s = started.elapsed().as_secs_f64();
+    let decode_started = Instant::now();
+    let mut generated = 0;
+    for _ in 0..args.max_tokens {
+        let next = sampler.sample(&logits);
+        generated += 1;
+        if codec.eos_ids().contains(&next) {
+            break;
+        }
+        write!(stdout, "{}", decoder.push(next)?)?;
+        stdout.flush()?;
+        logits = model
+            .forward(
+                &mut [Step {
+                    tokens: &[next],
+                    cache: &mut cache,
+                    all_logits: false,
+                }],
+                None,
+            )?
+            .remove(0);
+    }
+    writeln!(stdout, "{}", decoder.finish()?)?;
+    let decode_s = decode_started.elapsed().as_secs_f64();
+    eprintln!(
+        "prompt {} tokens in {:.2}s ({:.1} tok/s); generated {} tokens in {:.2}s ({:.1} tok/s)",
+        prompt.len(),
+        prefill_s,
+        prompt.len() as f64 / prefill_s,
+        generated,
+        decode_s,
+        generated as f64 / decode_s.max(1e-9)
+    );
+    Ok(())
 }

@@ -402,6 +402,12 @@ impl Config {
                 format!("must be a positive multiple of index_kpool ({}), got {}", self.index_kpool, self.index_topk),
             ));
         }
+        if !self.index_kpool_always_select_tail && self.index_kpool > 1 {
+            return Err(field_err(
+                "index_kpool_always_select_tail",
+                "false is not supported with index_kpool > 1: early queries would have no keys to attend to",
+            ));
+        }
         let has_moe = self.mlp_kinds.contains(&MlpKind::Moe);
         if has_moe {
             let e = self.n_routed_experts;

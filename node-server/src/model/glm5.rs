@@ -105,6 +105,9 @@ pub struct Model {
     lm_head: Matrix,
     experts: Arc<dyn ExpertProvider>,
     pub options: ForwardOptions,
+    /// Bytes of every weight but the routed experts, as stored in the checkpoint.
+    dense_bytes: usize,
+    embed_bytes: usize,
 }
 
 impl Model {
@@ -144,7 +147,15 @@ impl Model {
         let layers = (0..cfg.num_hidden_layers)
             .map(|i| Layer::load(&cfg, vb.pp(&format!("layers.{i}")), i))
             .collect::<Result<_, _>>()?;
+        let dense_bytes = ckpt
+            .keys()
+            .into_iter()
+            .filter(|k| !is_routed_expert_key(k))
+            .map(|k| ckpt.view(k).map(|v| v.bytes.len()).unwrap_or(0))
+            .sum();
         Ok(Model {
+            dense_bytes,
+            embed_bytes: embed.storage_bytes(),
             norm: vb.vector("norm.weight", d)?,
             embed,
             layers,
@@ -172,6 +183,20 @@ impl Model {
 
     pub fn experts(&self) -> &Arc<dyn ExpertProvider> {
         &self.experts
+    }
+
+    /// Bytes of all weights, routed experts included.
+    pub fn weight_bytes(&self) -> usize {
+        self.dense_bytes + self.experts.weight_bytes()
+    }
+
+    pub fn routed_expert_bytes(&self) -> usize {
+        self.experts.weight_bytes()
+    }
+
+    /// Bytes of the embedding table (read one row per token, not streamed).
+    pub fn embedding_bytes(&self) -> usize {
+        self.embed_bytes
     }
 
     /// Runs every step's new tokens through the model, appending to its cache. Returns, per
@@ -343,6 +368,11 @@ impl Model {
         }
         Ok((tokens, all))
     }
+}
+
+/// Whether a checkpoint key holds a routed expert's weights (either layout).
+fn is_routed_expert_key(key: &str) -> bool {
+    key.contains(".mlp.experts.")
 }
 
 impl Layer {

@@ -3,6 +3,7 @@
 
 pub mod checkpoint;
 pub mod config;
+pub mod convert;
 pub mod dsa;
 pub mod glm5;
 pub mod kda;
@@ -11,5 +12,6 @@ pub mod mhc;
 pub mod mla;
 pub mod mlp;
 pub mod moe;
+pub mod random;
 
 pub use glm5::{ForwardHooks, ForwardOptions, Model, SeqCache, Step};

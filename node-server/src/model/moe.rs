@@ -40,6 +40,9 @@ pub trait ExpertProvider: Send + Sync {
     /// `out[t] = sum_j routing.weights[t, j] * expert(routing.ids[t, j])(x[t])` for layer
     /// `layer`; the sum runs in pick order `j = 0..k` so every provider gives the same bits.
     fn forward(&self, layer: usize, x: &[f32], routing: &Routing, out: &mut [f32]) -> anyhow::Result<()>;
+
+    /// Bytes of all routed expert weights this provider serves, wherever they reside.
+    fn weight_bytes(&self) -> usize;
 }
 
 /// Runs the picked experts of one layer given a way to compute one expert on token rows,
@@ -132,6 +135,10 @@ impl ExpertProvider for InMemoryExperts {
     fn forward(&self, layer: usize, x: &[f32], routing: &Routing, out: &mut [f32]) -> anyhow::Result<()> {
         let experts = &self.layers[layer];
         combine_experts(self.hidden, x, routing, experts.len(), out, |e, rows, n| Ok(experts[e].forward(rows, n)))
+    }
+
+    fn weight_bytes(&self) -> usize {
+        self.storage_bytes()
     }
 }
 

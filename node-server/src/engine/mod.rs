@@ -1,0 +1,3 @@
+//! Generation on top of the model: sampling and the decode loop.
+
+pub mod sampling;

@@ -1,0 +1,132 @@
+//! `convert-experts`: rewrites a checkpoint with every routed expert's weights in a block
+//! format (e.g. q4_k), leaving all other tensors as they are.
+//!
+//! Output: one safetensors shard per decoder layer plus one for the rest, with
+//! `model.safetensors.index.json`; experts always in the original per-expert key layout.
+//! A quantized tensor is stored as U8 `[rows, row bytes]` with `format:cols` in the file's
+//! metadata (see [`quant_metadata_key`]).
+
+use super::checkpoint::{Checkpoint, DType};
+use super::config::{Config, MlpKind};
+use super::loader::{Loader, quant_metadata_key};
+use super::moe::load_expert;
+use crate::backend::cpu::Matrix;
+use crate::quant::Format;
+use anyhow::{Context, bail};
+use std::collections::BTreeMap;
+use std::path::Path;
+
+#[derive(Debug, Default)]
+pub struct ConvertReport {
+    pub experts: usize,
+    pub source_bytes: usize,
+    pub converted_bytes: usize,
+    pub shards: usize,
+}
+
+type Tensor = (String, DType, Vec<usize>, Vec<u8>);
+
+/// Converts `src`'s routed experts to `format`, writing a complete checkpoint to `dst`.
+pub fn convert_experts(src: &Path, dst: &Path, format: Format, mut progress: impl FnMut(usize, usize)) -> anyhow::Result<ConvertReport> {
+    if src.canonicalize().ok() == dst.canonicalize().ok() {
+        bail!("--out must differ from --model ({})", src.display());
+    }
+    let cfg = Config::from_file(&src.join("config.json"))?;
+    for (what, cols) in [("hidden_size", cfg.hidden_size), ("moe_intermediate_size", cfg.moe_intermediate_size)] {
+        if cols % format.block_values() != 0 {
+            bail!(
+                "{what} is {cols}; {} stores rows in blocks of {} values, so it needs a multiple of {}",
+                format.name(),
+                format.block_values(),
+                format.block_values()
+            );
+        }
+    }
+    let ckpt = Checkpoint::open(src)?;
+    std::fs::create_dir_all(dst).with_context(|| format!("creating {}", dst.display()))?;
+    for entry in std::fs::read_dir(src)? {
+        let path = entry?.path();
+        let name = path.file_name().and_then(|n| n.to_str()).unwrap_or_default();
+        if path.is_file() && !name.ends_with(".safetensors") && name != "model.safetensors.index.json" {
+            std::fs::copy(&path, dst.join(name))?;
+        }
+    }
+
+    let vb = Loader::new(&ckpt);
+    let prefix = ckpt_prefix(&ckpt);
+    let moe_layer = |l: usize| cfg.mlp_kinds[l] == MlpKind::Moe;
+    let is_expert_key = |key: &str| (0..cfg.num_hidden_layers).any(|l| moe_layer(l) && key.contains(&format!("layers.{l}.mlp.experts.")));
+    // Non-expert tensors grouped by layer (None: embeddings, final norm, head), one shard each.
+    let mut groups: BTreeMap<Option<usize>, Vec<Tensor>> = BTreeMap::new();
+    for key in ckpt.keys() {
+        if is_expert_key(key) {
+            continue;
+        }
+        let view = ckpt.view(key)?;
+        let layer = key
+            .split("layers.")
+            .nth(1)
+            .and_then(|rest| rest.split('.').next())
+            .and_then(|n| n.parse::<usize>().ok());
+        groups
+            .entry(layer)
+            .or_default()
+            .push((key.to_string(), view.dtype, view.shape.to_vec(), view.bytes.to_vec()));
+    }
+    for l in (0..cfg.num_hidden_layers).filter(|&l| moe_layer(l)) {
+        groups.entry(Some(l)).or_default();
+    }
+
+    let total_experts = (0..cfg.num_hidden_layers).filter(|&l| moe_layer(l)).count() * cfg.n_routed_experts;
+    let shard_count = groups.len();
+    let mut report = ConvertReport {
+        shards: shard_count,
+        ..ConvertReport::default()
+    };
+    let mut weight_map = serde_json::Map::new();
+    for (shard, (group, mut tensors)) in groups.into_iter().enumerate() {
+        let mut metadata = BTreeMap::new();
+        if let Some(layer) = group.filter(|&l| moe_layer(l)) {
+            let experts = vb.pp(&format!("layers.{layer}.mlp.experts"));
+            for e in 0..cfg.n_routed_experts {
+                let expert = load_expert(&cfg, experts, e)?;
+                for (part, m) in [("gate_proj", &expert.gate), ("up_proj", &expert.up), ("down_proj", &expert.down)] {
+                    let key = format!("{prefix}layers.{layer}.mlp.experts.{e}.{part}.weight");
+                    report.source_bytes += m.storage_bytes();
+                    let q = m.convert(format).with_context(|| format!("quantizing {key}"))?;
+                    report.converted_bytes += q.storage_bytes();
+                    push_matrix(&mut tensors, &mut metadata, key, &q);
+                }
+                report.experts += 1;
+                progress(report.experts, total_experts);
+            }
+        }
+        let file = format!("model-{:05}-of-{shard_count:05}.safetensors", shard + 1);
+        for (k, ..) in &tensors {
+            weight_map.insert(k.clone(), file.clone().into());
+        }
+        super::checkpoint::write_safetensors(&dst.join(&file), &tensors, &metadata)?;
+    }
+    let index = serde_json::json!({"metadata": {"glmflash.expert_format": format.name()}, "weight_map": weight_map});
+    std::fs::write(dst.join("model.safetensors.index.json"), serde_json::to_string_pretty(&index)?)?;
+    Ok(report)
+}
+
+fn ckpt_prefix(ckpt: &Checkpoint) -> String {
+    let embed = ckpt.resolve("embed_tokens.weight").unwrap_or_default();
+    embed.trim_end_matches("embed_tokens.weight").to_string()
+}
+
+fn push_matrix(tensors: &mut Vec<Tensor>, metadata: &mut BTreeMap<String, String>, key: String, m: &Matrix) {
+    let format = m.format();
+    let (dtype, shape) = match format {
+        Format::F32 => (DType::F32, vec![m.rows(), m.cols()]),
+        Format::F16 => (DType::F16, vec![m.rows(), m.cols()]),
+        Format::Bf16 => (DType::Bf16, vec![m.rows(), m.cols()]),
+        _ => {
+            metadata.insert(quant_metadata_key(&key), format!("{}:{}", format.name(), m.cols()));
+            (DType::U8, vec![m.rows(), format.row_bytes(m.cols()).expect("converted matrix")])
+        }
+    };
+    tensors.push((key, dtype, shape, m.to_bytes()));
+}
