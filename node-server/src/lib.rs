@@ -3,3 +3,4 @@
 //! Imports point down: `model` -> `backend`, `quant`; nothing here knows HTTP yet.
 
 pub mod quant;
+pub mod tokenizer;
