@@ -9,3 +9,4 @@ pub mod engine;
 pub mod mmap;
 pub mod model;
 pub mod quant;
+pub mod tokenizer;
