@@ -1,3 +1,4 @@
+#![recursion_limit = "256"]
 //! glmflash-node: the inference pod for GLM-5.3-Flash.
 //!
 //! Imports point down: `model` -> `backend`, `quant`; `backend` knows no model.
