@@ -437,3 +437,10 @@ fn chat_render_with_extra_variables() {
             .is_err()
     );
 }
+
+#[test]
+fn codec_is_shareable_across_threads() {
+    fn send_sync<T: Send + Sync>() {}
+    send_sync::<TextCodec>();
+    send_sync::<StreamDecoder>();
+}
