@@ -21,8 +21,14 @@ pub struct ChatTemplate {
 
 /// Formats a minijinja error as "ORIGIN: WHAT at line N: DETAIL".
 fn describe(origin: &str, what: &str, err: &Error) -> anyhow::Error {
-    let line = err.line().map(|l| format!(" at line {l}")).unwrap_or_default();
-    let detail = err.detail().map(str::to_owned).unwrap_or_else(|| err.kind().to_string());
+    let line = err
+        .line()
+        .map(|l| format!(" at line {l}"))
+        .unwrap_or_default();
+    let detail = err
+        .detail()
+        .map(str::to_owned)
+        .unwrap_or_else(|| err.kind().to_string());
     let mut msg = format!("{origin}: {what}{line}: {detail}");
     // Errors raised from nested calls keep their cause.
     let mut source = std::error::Error::source(err);

@@ -206,6 +206,21 @@ impl TextCodec {
         add_generation_prompt: bool,
         enable_thinking: bool,
     ) -> Result<String> {
+        let extra = serde_json::json!({ "enable_thinking": enable_thinking });
+        self.render_chat_with(messages, tools, add_generation_prompt, Some(&extra))
+    }
+
+    /// Like [`render_chat`](TextCodec::render_chat), with extra template variables
+    /// (an object, e.g. a request's `chat_template_kwargs`; `enable_thinking` left
+    /// out means thinking on). `messages`, `tools` and `add_generation_prompt` win
+    /// over same-named entries of `extra`.
+    pub fn render_chat_with(
+        &self,
+        messages: &Value,
+        tools: Option<&Value>,
+        add_generation_prompt: bool,
+        extra: Option<&Value>,
+    ) -> Result<String> {
         let Some(template) = &self.template else {
             bail!(
                 "{}: no chat template (neither {CHAT_TEMPLATE_FILE} nor chat_template in {TOKENIZER_CONFIG_FILE})",
@@ -215,20 +230,29 @@ impl TextCodec {
         if !messages.is_array() {
             bail!("render_chat: messages must be a JSON array");
         }
-        let messages = normalize_tool_call_arguments(messages);
-        let tools = match tools {
-            Some(Value::Null) | None => JValue::from(()),
-            Some(t) => JValue::from_serialize(t),
-        };
-        let ctx = minijinja::context! {
-            messages => JValue::from_serialize(&messages),
-            tools => tools,
-            add_generation_prompt => add_generation_prompt,
-            enable_thinking => enable_thinking,
-            bos_token => self.bos_token.clone().unwrap_or_default(),
-            eos_token => self.eos_token.clone().unwrap_or_default(),
-        };
-        template.render(ctx)
+        let mut ctx = serde_json::Map::new();
+        ctx.insert(
+            "bos_token".into(),
+            self.bos_token.clone().unwrap_or_default().into(),
+        );
+        ctx.insert(
+            "eos_token".into(),
+            self.eos_token.clone().unwrap_or_default().into(),
+        );
+        match extra {
+            None | Some(Value::Null) => {}
+            Some(Value::Object(map)) => {
+                ctx.extend(map.iter().map(|(k, v)| (k.clone(), v.clone())));
+            }
+            Some(_) => bail!("render_chat: extra template variables must be a JSON object"),
+        }
+        ctx.insert("messages".into(), normalize_tool_call_arguments(messages));
+        ctx.insert("tools".into(), tools.cloned().unwrap_or(Value::Null));
+        ctx.insert(
+            "add_generation_prompt".into(),
+            Value::Bool(add_generation_prompt),
+        );
+        template.render(JValue::from_serialize(&ctx))
     }
 }
 

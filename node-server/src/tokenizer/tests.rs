@@ -17,7 +17,11 @@ fn read(path: &Path) -> Vec<u8> {
 
 #[test]
 fn corpus_is_tens_of_kb() {
-    assert!(DEMO_CORPUS.len() > 20_000, "corpus is {} bytes", DEMO_CORPUS.len());
+    assert!(
+        DEMO_CORPUS.len() > 20_000,
+        "corpus is {} bytes",
+        DEMO_CORPUS.len()
+    );
 }
 
 #[test]
@@ -32,7 +36,11 @@ fn training_is_deterministic() {
     let i2 = write_demo_tokenizer_files(d2.path(), DEMO_VOCAB_SIZE).unwrap();
     assert_eq!(i1, i2);
     for f in [TOKENIZER_FILE, TOKENIZER_CONFIG_FILE, CHAT_TEMPLATE_FILE] {
-        assert_eq!(read(&d1.path().join(f)), read(&d2.path().join(f)), "{f} differs");
+        assert_eq!(
+            read(&d1.path().join(f)),
+            read(&d2.path().join(f)),
+            "{f} differs"
+        );
     }
 }
 
@@ -158,7 +166,10 @@ fn stream_decoder_flushes_incomplete_tail_and_specials() {
         "<think>plan</think>\nanswer<|user|>"
     );
     let mut skip = codec.stream_decoder(true);
-    assert_eq!(skip.push_all(&ids).unwrap() + &skip.finish().unwrap(), "plan\nanswer");
+    assert_eq!(
+        skip.push_all(&ids).unwrap() + &skip.finish().unwrap(),
+        "plan\nanswer"
+    );
 }
 
 fn weather_tools() -> serde_json::Value {
@@ -249,7 +260,9 @@ fn chat_render_without_thinking_and_inline_think() {
         {"role": "user", "content": "Hi"},
         {"role": "assistant", "content": "<think>greet back</think>Hello!"}
     ]);
-    let out = codec.render_chat(&msgs, Some(&json!(null)), false, true).unwrap();
+    let out = codec
+        .render_chat(&msgs, Some(&json!(null)), false, true)
+        .unwrap();
     assert_eq!(
         out,
         "[gMASK]<sop><|user|>\nHi<|assistant|>\n<think>greet back</think>\nHello!"
@@ -286,12 +299,21 @@ fn chat_render_consecutive_tool_results_and_object_arguments() {
 fn chat_render_errors() {
     let (_dir, _info, codec) = demo_dir();
     let err = codec
-        .render_chat(&json!([{"role": "narrator", "content": "x"}]), None, true, true)
+        .render_chat(
+            &json!([{"role": "narrator", "content": "x"}]),
+            None,
+            true,
+            true,
+        )
         .unwrap_err()
         .to_string();
     assert!(err.contains("chat_template.jinja"), "{err}");
     assert!(err.contains("unsupported message role: narrator"), "{err}");
-    assert!(codec.render_chat(&json!({"role": "user"}), None, true, true).is_err());
+    assert!(
+        codec
+            .render_chat(&json!({"role": "user"}), None, true, true)
+            .is_err()
+    );
 }
 
 #[test]
@@ -317,7 +339,10 @@ fn tojson_is_python_style() {
 fn loading_errors_name_file_and_problem() {
     let empty = tempfile::tempdir().unwrap();
     let err = TextCodec::from_dir(empty.path()).unwrap_err().to_string();
-    assert!(err.contains("tokenizer.json") && err.contains("missing"), "{err}");
+    assert!(
+        err.contains("tokenizer.json") && err.contains("missing"),
+        "{err}"
+    );
 
     let (dir, _info, _codec) = demo_dir();
     // A template with a syntax error on line 3.
@@ -338,21 +363,84 @@ fn loading_errors_name_file_and_problem() {
     cfg["chat_template"] = json!("line one\n{% if %}");
     std::fs::write(&cfg_path, serde_json::to_vec(&cfg).unwrap()).unwrap();
     let err = TextCodec::from_dir(dir.path()).unwrap_err().to_string();
-    assert!(err.contains("tokenizer_config.json") && err.contains("line 2"), "{err}");
+    assert!(
+        err.contains("tokenizer_config.json") && err.contains("line 2"),
+        "{err}"
+    );
 
     // No template at all: loading works, rendering says why not.
     cfg.as_object_mut().unwrap().remove("chat_template");
     std::fs::write(&cfg_path, serde_json::to_vec(&cfg).unwrap()).unwrap();
     let codec = TextCodec::from_dir(dir.path()).unwrap();
-    let err = codec.render_chat(&json!([]), None, true, true).unwrap_err().to_string();
+    let err = codec
+        .render_chat(&json!([]), None, true, true)
+        .unwrap_err()
+        .to_string();
     assert!(err.contains("no chat template"), "{err}");
 
     // Broken config JSON and broken tokenizer.json.
     std::fs::write(&cfg_path, "{not json").unwrap();
     let err = TextCodec::from_dir(dir.path()).unwrap_err().to_string();
-    assert!(err.contains("tokenizer_config.json") && err.contains("invalid JSON"), "{err}");
+    assert!(
+        err.contains("tokenizer_config.json") && err.contains("invalid JSON"),
+        "{err}"
+    );
     std::fs::remove_file(&cfg_path).unwrap();
     std::fs::write(dir.path().join(TOKENIZER_FILE), "{\"model\": 3}").unwrap();
     let err = TextCodec::from_dir(dir.path()).unwrap_err().to_string();
-    assert!(err.contains("tokenizer.json") && err.contains("not a valid tokenizer"), "{err}");
+    assert!(
+        err.contains("tokenizer.json") && err.contains("not a valid tokenizer"),
+        "{err}"
+    );
+}
+
+/// FNV-1a, to pin the exact bytes of the demo tokenizer across processes and machines.
+fn fnv1a(bytes: &[u8]) -> u64 {
+    bytes.iter().fold(0xcbf2_9ce4_8422_2325, |h, &b| {
+        (h ^ u64::from(b)).wrapping_mul(0x0100_0000_01b3)
+    })
+}
+
+#[test]
+fn demo_tokenizer_bytes_are_pinned() {
+    // Hash maps inside the trainer are seeded per process; the output must not
+    // depend on that. If a `tokenizers` upgrade changes the bytes, update this
+    // value deliberately (demo checkpoints change with it).
+    let json = train_demo_tokenizer(DEMO_VOCAB_SIZE)
+        .unwrap()
+        .to_string(true)
+        .unwrap();
+    let h = fnv1a(json.as_bytes());
+    println!("demo tokenizer.json: {} bytes, fnv1a {h:#018x}", json.len());
+    assert_eq!(h, 0x940e_f889_7cef_df7e);
+}
+
+#[test]
+fn chat_render_with_extra_variables() {
+    let (_dir, _info, codec) = demo_dir();
+    let msgs = json!([{"role": "user", "content": "Hi"}]);
+    let off = json!({"enable_thinking": false});
+    assert_eq!(
+        codec
+            .render_chat_with(&msgs, None, true, Some(&off))
+            .unwrap(),
+        "[gMASK]<sop><|user|>\nHi<|assistant|>\n<think></think>"
+    );
+    // Thinking defaults to on when the variable is absent.
+    assert_eq!(
+        codec.render_chat_with(&msgs, None, true, None).unwrap(),
+        "[gMASK]<sop><|user|>\nHi<|assistant|>"
+    );
+    assert!(
+        codec
+            .render_chat_with(&msgs, None, true, Some(&json!([1])))
+            .is_err()
+    );
+}
+
+#[test]
+fn codec_is_shareable_across_threads() {
+    fn send_sync<T: Send + Sync>() {}
+    send_sync::<TextCodec>();
+    send_sync::<StreamDecoder>();
 }

@@ -146,10 +146,7 @@ pub fn write_demo_tokenizer_files(dir: &Path, vocab_size: usize) -> Result<DemoT
     let mut config_text = serde_json::to_string_pretty(&config)?;
     config_text.push('\n');
     write_file(&dir.join(TOKENIZER_CONFIG_FILE), config_text.as_bytes())?;
-    write_file(
-        &dir.join(CHAT_TEMPLATE_FILE),
-        DEMO_CHAT_TEMPLATE.as_bytes(),
-    )?;
+    write_file(&dir.join(CHAT_TEMPLATE_FILE), DEMO_CHAT_TEMPLATE.as_bytes())?;
 
     let id = |t: &str| {
         tokenizer
