@@ -1,0 +1,263 @@
+//! GGML Q4_K: super-blocks of 256 values, 144 bytes each:
+//!
+//! | bytes    | content                                                    |
+//! |----------|------------------------------------------------------------|
+//! | 0..2     | f16 `d` (scale of the sub-block scales), little-endian    |
+//! | 2..4     | f16 `dmin` (scale of the sub-block mins), little-endian   |
+//! | 4..16    | eight 6-bit scales `sc` and eight 6-bit mins `m`, packed  |
+//! | 16..144  | 256 4-bit quants                                           |
+//!
+//! Sub-block `j` (values `32j..32j+32`) decodes as
+//! `value = (d * sc[j]) * q - (dmin * m[j])`.
+//!
+//! Scale packing (GGML's `get_scale_min_k4`): for `j < 4`, byte `j` holds
+//! `sc[j]` in its low 6 bits and byte `j + 4` holds `m[j]`; for `j >= 4`, the
+//! low 4 bits of `sc[j]` / `m[j]` are the low / high nibble of byte `j + 4`
+//! and their top 2 bits sit in the top 2 bits of byte `j - 4` / byte `j`.
+//!
+//! Quant order: each 64-value chunk `c` uses bytes `32c..32c+32` of the quant
+//! area; their low nibbles are values `64c..64c+32` (sub-block `2c`) and their
+//! high nibbles values `64c+32..64c+64` (sub-block `2c+1`).
+
+use half::f16;
+
+use super::float::f16_at;
+use super::sum_lanes;
+
+pub(super) const BLOCK_VALUES: usize = 256;
+pub(super) const BLOCK_BYTES: usize = 144;
+const SUB: usize = 32;
+const NSUB: usize = 8;
+const QMAX: f32 = 15.0;
+const SCALE_MAX: f32 = 63.0;
+
+/// Unpacks the 12 scale bytes into (scales, mins), each eight 6-bit values.
+#[inline]
+pub(super) fn unpack_scales(s: &[u8]) -> ([u8; NSUB], [u8; NSUB]) {
+    let mut sc = [0u8; NSUB];
+    let mut m = [0u8; NSUB];
+    for j in 0..4 {
+        sc[j] = s[j] & 63;
+        m[j] = s[j + 4] & 63;
+        sc[j + 4] = (s[j + 8] & 0x0F) | ((s[j] >> 6) << 4);
+        m[j + 4] = (s[j + 8] >> 4) | ((s[j + 4] >> 6) << 4);
+    }
+    (sc, m)
+}
+
+/// Inverse of [`unpack_scales`]; inputs must be < 64.
+fn pack_scales(sc: &[u8; NSUB], m: &[u8; NSUB]) -> [u8; 12] {
+    let mut s = [0u8; 12];
+    for j in 0..4 {
+        s[j] = sc[j] | ((sc[j + 4] >> 4) << 6);
+        s[j + 4] = m[j] | ((m[j + 4] >> 4) << 6);
+        s[j + 8] = (sc[j + 4] & 0x0F) | ((m[j + 4] & 0x0F) << 4);
+    }
+    s
+}
+
+/// Per-sub-block effective scale `d * sc[j]` and offset `dmin * m[j]`, each
+/// rounded to f32 exactly as GGML does.
+#[inline]
+pub(super) fn sub_scales(blk: &[u8]) -> ([f32; NSUB], [f32; NSUB]) {
+    let d = f16_at(&blk[0..2]);
+    let dmin = f16_at(&blk[2..4]);
+    let (sc, m) = unpack_scales(&blk[4..16]);
+    let mut ds = [0.0f32; NSUB];
+    let mut dm = [0.0f32; NSUB];
+    for j in 0..NSUB {
+        ds[j] = d * f32::from(sc[j]);
+        dm[j] = dmin * f32::from(m[j]);
+    }
+    (ds, dm)
+}
+
+pub(super) fn dequantize(src: &[u8], dst: &mut [f32]) {
+    for (blk, out) in src
+        .chunks_exact(BLOCK_BYTES)
+        .zip(dst.chunks_exact_mut(BLOCK_VALUES))
+    {
+        let (ds, dm) = sub_scales(blk);
+        let qs = &blk[16..];
+        for c in 0..4 {
+            let bytes = &qs[32 * c..32 * c + 32];
+            let (lo, hi) = out[64 * c..64 * c + 64].split_at_mut(32);
+            for l in 0..32 {
+                // Two separate roundings (no FMA) to match GGML bit for bit.
+                lo[l] = ds[2 * c] * f32::from(bytes[l] & 0x0F) - dm[2 * c];
+                hi[l] = ds[2 * c + 1] * f32::from(bytes[l] >> 4) - dm[2 * c + 1];
+            }
+        }
+    }
+}
+
+pub(super) fn dot(row: &[u8], x: &[f32]) -> f32 {
+    let mut acc = [0.0f32; 8];
+    for (blk, xs) in row
+        .chunks_exact(BLOCK_BYTES)
+        .zip(x.chunks_exact(BLOCK_VALUES))
+    {
+        let (ds, dm) = sub_scales(blk);
+        let qs = &blk[16..];
+        for c in 0..4 {
+            let bytes = &qs[32 * c..32 * c + 32];
+            let xlo = &xs[64 * c..64 * c + 32];
+            let xhi = &xs[64 * c + 32..64 * c + 64];
+            for g in 0..4 {
+                for lane in 0..8 {
+                    let l = 8 * g + lane;
+                    let wlo = ds[2 * c] * f32::from(bytes[l] & 0x0F) - dm[2 * c];
+                    let whi = ds[2 * c + 1] * f32::from(bytes[l] >> 4) - dm[2 * c + 1];
+                    acc[lane] += wlo * xlo[l] + whi * xhi[l];
+                }
+            }
+        }
+    }
+    sum_lanes(acc)
+}
+
+/// Least-squares `(scale, offset)` with `offset <= 0` for fixed quants `q`,
+/// minimising `sum (scale * q + offset - x)^2`; returns it with its error.
+fn fit(x: &[f32], q: &[u8; SUB]) -> (f32, f32, f32) {
+    let n = SUB as f32;
+    let (mut sq, mut sx, mut sqq, mut sqx) = (0.0f32, 0.0f32, 0.0f32, 0.0f32);
+    for (v, &qi) in x.iter().zip(q) {
+        let qf = f32::from(qi);
+        sq += qf;
+        sx += v;
+        sqq += qf * qf;
+        sqx += qf * v;
+    }
+    let det = n * sqq - sq * sq;
+    let (mut scale, mut offset) = if det > 0.0 {
+        let s = (n * sqx - sq * sx) / det;
+        (s, (sx - s * sq) / n)
+    } else {
+        (0.0, sx / n)
+    };
+    if offset > 0.0 || scale < 0.0 {
+        // Offset must be <= 0 (it is stored as `-dmin * m` with m >= 0).
+        offset = 0.0;
+        scale = if sqq > 0.0 { (sqx / sqq).max(0.0) } else { 0.0 };
+    }
+    let err = x
+        .iter()
+        .zip(q)
+        .map(|(v, &qi)| {
+            let e = scale * f32::from(qi) + offset - v;
+            e * e
+        })
+        .sum();
+    (scale, offset, err)
+}
+
+fn assign(x: &[f32], scale: f32, offset: f32, q: &mut [u8; SUB]) {
+    let inv = if scale > 0.0 { 1.0 / scale } else { 0.0 };
+    for (qi, v) in q.iter_mut().zip(x) {
+        *qi = ((v - offset) * inv).round().clamp(0.0, QMAX) as u8;
+    }
+}
+
+/// Chooses `(scale >= 0, offset <= 0)` for one 32-value sub-block: a small
+/// search over the grid step around `(max - min) / 15`, each candidate
+/// assigned then refit by least squares, keeping the lowest squared error.
+fn fit_subblock(x: &[f32]) -> (f32, f32) {
+    let lo = x.iter().fold(0.0f32, |m, &v| m.min(v));
+    let hi = x.iter().fold(f32::MIN, |m, &v| m.max(v));
+    let range = hi - lo;
+    if range <= 0.0 {
+        return (0.0, lo);
+    }
+    let mut best = (range / QMAX, lo, f32::INFINITY);
+    let mut q = [0u8; SUB];
+    for step in -6..=10 {
+        // Candidate grids slightly finer / coarser than min-max, anchored at lo.
+        let levels = QMAX + 0.125 * step as f32;
+        let mut scale = range / levels;
+        let mut offset = lo;
+        for _ in 0..2 {
+            assign(x, scale, offset, &mut q);
+            let (s, o, err) = fit(x, &q);
+            if err < best.2 {
+                best = (s, o, err);
+            }
+            (scale, offset) = (s, o);
+        }
+    }
+    (best.0, best.1)
+}
+
+/// `src` is finite and `dst` has the right length (checked by the caller).
+pub(super) fn quantize(src: &[f32], dst: &mut [u8]) {
+    for (xs, out) in src
+        .chunks_exact(BLOCK_VALUES)
+        .zip(dst.chunks_exact_mut(BLOCK_BYTES))
+    {
+        quantize_block(xs, out);
+    }
+}
+
+fn to_f16_finite(v: f32) -> f16 {
+    let h = f16::from_f32(v);
+    if h.is_infinite() { f16::MAX } else { h }
+}
+
+fn quantize_block(xs: &[f32], out: &mut [u8]) {
+    let mut scales = [0.0f32; NSUB];
+    let mut mins = [0.0f32; NSUB];
+    for j in 0..NSUB {
+        let (s, o) = fit_subblock(&xs[SUB * j..SUB * (j + 1)]);
+        scales[j] = s;
+        mins[j] = -o;
+    }
+    let max_scale = scales.iter().fold(0.0f32, |m, &v| m.max(v));
+    let max_min = mins.iter().fold(0.0f32, |m, &v| m.max(v));
+    let d = to_f16_finite(max_scale / SCALE_MAX);
+    let dmin = to_f16_finite(max_min / SCALE_MAX);
+    let (df, dminf) = (d.to_f32(), dmin.to_f32());
+    let q6 = |v: f32, unit: f32| -> u8 {
+        if unit > 0.0 {
+            (v / unit).round().clamp(0.0, SCALE_MAX) as u8
+        } else {
+            0
+        }
+    };
+    let mut sc = [0u8; NSUB];
+    let mut m = [0u8; NSUB];
+    for j in 0..NSUB {
+        sc[j] = q6(scales[j], df);
+        m[j] = q6(mins[j], dminf);
+    }
+    out[0..2].copy_from_slice(&d.to_le_bytes());
+    out[2..4].copy_from_slice(&dmin.to_le_bytes());
+    out[4..16].copy_from_slice(&pack_scales(&sc, &m));
+
+    // Final quants against the scales exactly as they will be decoded.
+    let mut q = [[0u8; SUB]; NSUB];
+    for j in 0..NSUB {
+        let ds = df * f32::from(sc[j]);
+        let dm = dminf * f32::from(m[j]);
+        assign(&xs[SUB * j..SUB * (j + 1)], ds, -dm, &mut q[j]);
+    }
+    let qs = &mut out[16..BLOCK_BYTES];
+    for c in 0..4 {
+        for l in 0..32 {
+            qs[32 * c + l] = q[2 * c][l] | (q[2 * c + 1][l] << 4);
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn scale_packing_round_trips_all_values() {
+        for a in 0..64u8 {
+            let sc = [a, 63 - a, a / 2, 1, a, 63 - a, (a * 7) % 64, 63];
+            let m = [63 - a, a, 0, (a * 5) % 64, a / 3, a, 62, (a * 11) % 64];
+            let packed = pack_scales(&sc, &m);
+            assert_eq!(unpack_scales(&packed), (sc, m), "a={a}");
+        }
+    }
+}
