@@ -161,7 +161,11 @@ fn our_blocks_decode_identically_in_gguf() {
         let den: f64 = input.iter().map(|a| f64::from(*a).powi(2)).sum();
         let err = (num / den).sqrt();
         let bound = if f == Format::Q4K { 0.08 } else { 0.01 };
-        assert!(err < bound, "{}: gguf decode of ours, rel RMS {err}", f.name());
+        assert!(
+            err < bound,
+            "{}: gguf decode of ours, rel RMS {err}",
+            f.name()
+        );
         checked += 1;
     }
     eprintln!("checked {checked} formats of our blocks");
@@ -196,8 +200,9 @@ fn export_our_blocks() {
         let mut blocks = vec![0u8; f.row_bytes(input.len()).unwrap()];
         quantize_row(f, &input, &mut blocks).unwrap();
         match &out {
-            Some(dir) => std::fs::write(dir.join(format!("ours_{}.bin", f.name())), &blocks)
-                .unwrap(),
+            Some(dir) => {
+                std::fs::write(dir.join(format!("ours_{}.bin", f.name())), &blocks).unwrap()
+            }
             None => {
                 let committed = fixture_dir().join(format!("ours_{}.bin", f.name()));
                 if std::fs::read(&committed).ok().as_deref() != Some(&blocks[..]) {

@@ -165,7 +165,7 @@ fn dot_q4k(row: &[u8], x: &[f32]) -> f32 {
     {
         let blk: &[u8; q4k::BLOCK_BYTES] = arr(blk);
         let xs: &[f32; q4k::BLOCK_VALUES] = arr(xs);
-        let (ds, dm) = q4k::sub_scales(blk);
+        let (ds, dm) = q4k::sub_scales_with(blk, f16_scalar(&blk[0..2]), f16_scalar(&blk[2..4]));
         for c in 0..4 {
             let ds_lo = _mm256_set1_ps(ds[2 * c]);
             let dm_lo = _mm256_set1_ps(dm[2 * c]);

@@ -61,19 +61,28 @@ fn sizes_and_names() {
 #[test]
 fn errors_name_format_and_numbers() {
     let e = Format::Q4K.row_bytes(300).unwrap_err().to_string();
-    assert!(e.contains("q4_k") && e.contains("300") && e.contains("256"), "{e}");
+    assert!(
+        e.contains("q4_k") && e.contains("300") && e.contains("256"),
+        "{e}"
+    );
     let e = Format::from_name("q5_k").unwrap_err().to_string();
     assert!(e.contains("q5_k"), "{e}");
     let mut dst = vec![0u8; 33];
     let e = quantize_row(Format::Q8_0, &[0.0; 32], &mut dst)
         .unwrap_err()
         .to_string();
-    assert!(e.contains("q8_0") && e.contains("33") && e.contains("34"), "{e}");
+    assert!(
+        e.contains("q8_0") && e.contains("33") && e.contains("34"),
+        "{e}"
+    );
     let mut out = vec![0.0f32; 64];
     let e = dequantize_row(Format::F16, &[0u8; 100], &mut out)
         .unwrap_err()
         .to_string();
-    assert!(e.contains("f16") && e.contains("100") && e.contains("128"), "{e}");
+    assert!(
+        e.contains("f16") && e.contains("100") && e.contains("128"),
+        "{e}"
+    );
     let mut src = vec![0.5f32; 256];
     src[77] = f32::NAN;
     let mut dst = vec![0u8; 144];
