@@ -161,8 +161,9 @@ pub fn quantize_row(format: Format, src: &[f32], dst: &mut [u8]) -> Result<(), Q
 /// Decodes `src` (exactly `format.row_bytes(dst.len())` bytes) into `dst`.
 ///
 /// Results are bit-identical to GGML / `gguf.quants.dequantize`: Q8_0 is
-/// `d * q`, Q4_K is `(d * sc) * q - (dmin * m)` with each product and the
-/// difference rounded to f32 separately (no fused multiply-add).
+/// `d * q`, Q4_K is `(d * sc) * q - (dmin * m)` in f32. All products there
+/// are exact (an f16 mantissa times 6- and 4-bit integers fits in 24 bits), so
+/// the only rounding is the final subtraction and the result is unambiguous.
 pub fn dequantize_row(format: Format, src: &[u8], dst: &mut [f32]) -> Result<(), QuantError> {
     check_bytes(format, "source", dst.len(), src.len())?;
     match format {

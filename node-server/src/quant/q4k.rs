@@ -87,7 +87,9 @@ pub(super) fn dequantize(src: &[u8], dst: &mut [f32]) {
             let bytes = &qs[32 * c..32 * c + 32];
             let (lo, hi) = out[64 * c..64 * c + 64].split_at_mut(32);
             for l in 0..32 {
-                // Two separate roundings (no FMA) to match GGML bit for bit.
+                // `ds * q` and `d * sc`, `dmin * m` are exact in f32 (at most
+                // 11 + 6 + 4 significant bits), so only the subtraction rounds:
+                // bit-identical to GGML, fused or not.
                 lo[l] = ds[2 * c] * f32::from(bytes[l] & 0x0F) - dm[2 * c];
                 hi[l] = ds[2 * c + 1] * f32::from(bytes[l] >> 4) - dm[2 * c + 1];
             }
@@ -95,6 +97,8 @@ pub(super) fn dequantize(src: &[u8], dst: &mut [f32]) {
     }
 }
 
+/// Per sub-block `sum_i (ds*q_i - dm)*x_i = ds*sum_i q_i*x_i - dm*sum_i x_i`
+/// (the same factorisation as the SIMD kernel), in eight lanes.
 pub(super) fn dot(row: &[u8], x: &[f32]) -> f32 {
     let mut acc = [0.0f32; 8];
     for (blk, xs) in row
@@ -107,12 +111,20 @@ pub(super) fn dot(row: &[u8], x: &[f32]) -> f32 {
             let bytes = &qs[32 * c..32 * c + 32];
             let xlo = &xs[64 * c..64 * c + 32];
             let xhi = &xs[64 * c + 32..64 * c + 64];
+            let mut qx = [[0.0f32; 8]; 2];
+            let mut sx = [[0.0f32; 8]; 2];
             for g in 0..4 {
                 for lane in 0..8 {
                     let l = 8 * g + lane;
-                    let wlo = ds[2 * c] * f32::from(bytes[l] & 0x0F) - dm[2 * c];
-                    let whi = ds[2 * c + 1] * f32::from(bytes[l] >> 4) - dm[2 * c + 1];
-                    acc[lane] += wlo * xlo[l] + whi * xhi[l];
+                    qx[0][lane] += f32::from(bytes[l] & 0x0F) * xlo[l];
+                    qx[1][lane] += f32::from(bytes[l] >> 4) * xhi[l];
+                    sx[0][lane] += xlo[l];
+                    sx[1][lane] += xhi[l];
+                }
+            }
+            for h in 0..2 {
+                for lane in 0..8 {
+                    acc[lane] += ds[2 * c + h] * qx[h][lane] - dm[2 * c + h] * sx[h][lane];
                 }
             }
         }

@@ -155,10 +155,14 @@ fn dot_q8_0(row: &[u8], x: &[f32]) -> f32 {
     hsum(_mm256_add_ps(tot[0], tot[1]))
 }
 
+/// Q4_K: per sub-block `sum_i (ds*q_i - dm)*x_i` is evaluated as
+/// `ds * sum_i q_i*x_i - dm * sum_i x_i`, i.e. one FMA plus one add per eight
+/// values instead of two FMAs (adds run on more ports than FMAs on recent
+/// Intel cores), then two FMAs per 32-value sub-block.
 #[target_feature(enable = "avx2,fma,f16c")]
 fn dot_q4k(row: &[u8], x: &[f32]) -> f32 {
     let mask = _mm256_set1_epi32(0x0F);
-    let mut acc = [_mm256_setzero_ps(); 4];
+    let mut acc = [_mm256_setzero_ps(); 2];
     for (blk, xs) in row
         .chunks_exact(q4k::BLOCK_BYTES)
         .zip(x.chunks_exact(q4k::BLOCK_VALUES))
@@ -167,29 +171,29 @@ fn dot_q4k(row: &[u8], x: &[f32]) -> f32 {
         let xs: &[f32; q4k::BLOCK_VALUES] = arr(xs);
         let (ds, dm) = q4k::sub_scales_with(blk, f16_scalar(&blk[0..2]), f16_scalar(&blk[2..4]));
         for c in 0..4 {
-            let ds_lo = _mm256_set1_ps(ds[2 * c]);
-            let dm_lo = _mm256_set1_ps(dm[2 * c]);
-            let ds_hi = _mm256_set1_ps(ds[2 * c + 1]);
-            let dm_hi = _mm256_set1_ps(dm[2 * c + 1]);
             let base = 16 + 32 * c;
+            // [low-nibble sub-block 2c, high-nibble sub-block 2c+1]
+            let mut qx = [_mm256_setzero_ps(); 2];
+            let mut sx = [_mm256_setzero_ps(); 2];
             for g in 0..4 {
                 // 8 quant bytes -> 8 low nibbles (sub-block 2c) and 8 high
                 // nibbles (sub-block 2c+1), widened to i32 lanes.
                 let b = _mm256_cvtepu8_epi32(load_64(arr(&blk[base + 8 * g..base + 8 * g + 8])));
                 let lo = _mm256_cvtepi32_ps(_mm256_and_si256(b, mask));
                 let hi = _mm256_cvtepi32_ps(_mm256_srli_epi32::<4>(b));
-                let wlo = _mm256_fmsub_ps(ds_lo, lo, dm_lo);
-                let whi = _mm256_fmsub_ps(ds_hi, hi, dm_hi);
                 let xlo = load_ps(arr(&xs[64 * c + 8 * g..64 * c + 8 * g + 8]));
                 let xhi = load_ps(arr(&xs[64 * c + 32 + 8 * g..64 * c + 40 + 8 * g]));
-                let k = 2 * (g & 1);
-                acc[k] = _mm256_fmadd_ps(wlo, xlo, acc[k]);
-                acc[k + 1] = _mm256_fmadd_ps(whi, xhi, acc[k + 1]);
+                qx[0] = _mm256_fmadd_ps(lo, xlo, qx[0]);
+                qx[1] = _mm256_fmadd_ps(hi, xhi, qx[1]);
+                sx[0] = _mm256_add_ps(xlo, sx[0]);
+                sx[1] = _mm256_add_ps(xhi, sx[1]);
+            }
+            for h in 0..2 {
+                let j = 2 * c + h;
+                acc[h] = _mm256_fmadd_ps(_mm256_set1_ps(ds[j]), qx[h], acc[h]);
+                acc[h] = _mm256_fnmadd_ps(_mm256_set1_ps(dm[j]), sx[h], acc[h]);
             }
         }
     }
-    hsum(_mm256_add_ps(
-        _mm256_add_ps(acc[0], acc[1]),
-        _mm256_add_ps(acc[2], acc[3]),
-    ))
+    hsum(_mm256_add_ps(acc[0], acc[1]))
 }
