@@ -30,7 +30,25 @@ fn f32_at(b: &[u8]) -> f32 {
 
 #[inline]
 pub(super) fn f16_at(b: &[u8]) -> f32 {
-    f16::from_le_bytes([b[0], b[1]]).to_f32()
+    f16_to_f32(u16::from_le_bytes([b[0], b[1]]))
+}
+
+/// Exact f16 -> f32 widening without branches on the value (so loops over it
+/// vectorise, unlike `half`'s runtime-dispatched conversion): shifting the
+/// exponent and mantissa into f32 position and multiplying by 2^112 rebiases
+/// the exponent (15 -> 127) and normalises subnormals exactly; inf/NaN keep
+/// an all-ones exponent.
+#[inline]
+pub(super) fn f16_to_f32(h: u16) -> f32 {
+    const TWO_POW_112: f32 = f32::from_bits((127 + 112) << 23);
+    let sign = u32::from(h & 0x8000) << 16;
+    let em = u32::from(h & 0x7fff);
+    let mag = if em >= 0x7c00 {
+        f32::from_bits(0x7f80_0000 | ((em & 0x03ff) << 13))
+    } else {
+        f32::from_bits(em << 13) * TWO_POW_112
+    };
+    f32::from_bits(mag.to_bits() | sign)
 }
 
 #[inline]
@@ -85,4 +103,22 @@ pub(super) fn dot_f16(row: &[u8], x: &[f32]) -> f32 {
 
 pub(super) fn dot_bf16(row: &[u8], x: &[f32]) -> f32 {
     dot_generic(row, x, 2, bf16_at)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn f16_widening_matches_half_for_all_bit_patterns() {
+        for bits in 0..=u16::MAX {
+            let ours = f16_to_f32(bits);
+            let theirs = f16::from_bits(bits).to_f32();
+            if theirs.is_nan() {
+                assert!(ours.is_nan(), "{bits:#06x}");
+            } else {
+                assert_eq!(ours.to_bits(), theirs.to_bits(), "{bits:#06x}");
+            }
+        }
+    }
 }

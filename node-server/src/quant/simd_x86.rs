@@ -6,9 +6,11 @@
 //! Each unsafe block is a single load from a fixed-size array reference, or
 //! the one dispatch call guarded by runtime CPU detection.
 //!
-//! The activation `x` stays f32. Weights are dequantized in registers with the
-//! same per-sub-block scales as the portable path; only the summation order
-//! (and, for Q4_K, one fused multiply-subtract) differs.
+//! The activation `x` stays f32 (no activation quantization). Weights are
+//! dequantized in registers with the same per-block scales as the portable
+//! path and the same factorisation (Q8_0: `d * sum q*x`; Q4_K:
+//! `ds * sum q*x - dm * sum x` per sub-block), so the two paths differ only in
+//! summation order / FMA rounding.
 #![allow(unsafe_code)]
 
 use std::arch::x86_64::*;
