@@ -34,10 +34,19 @@ fn main() {
     };
     let x: Vec<f32> = (0..cols).map(|_| next()).collect();
     let w: Vec<f32> = (0..cols).map(|_| next() + next() + next()).collect();
+    let mut quant_rates = Vec::new();
     for format in Format::ALL {
         let row_bytes = format.row_bytes(cols).expect("cols fits the block size");
         let mut row = vec![0u8; row_bytes];
-        quantize_row(format, &w, &mut row).unwrap();
+        let t = Instant::now();
+        let reps = 64;
+        for _ in 0..reps {
+            quantize_row(format, std::hint::black_box(&w), &mut row).unwrap();
+        }
+        quant_rates.push((
+            format.name(),
+            (reps * cols) as f64 / t.elapsed().as_secs_f64() / 1e6,
+        ));
         // Distinct rows are not needed for bandwidth; replicate one row.
         let matrix: Vec<u8> = row.iter().copied().cycle().take(row_bytes * rows).collect();
         let total = matrix.len() as f64;
@@ -69,5 +78,9 @@ fn main() {
             s,
             speedup
         );
+    }
+    println!("quantize_row throughput (single thread, M input values/s):");
+    for (name, rate) in quant_rates {
+        println!("  {name:<6} {rate:>10.1}");
     }
 }

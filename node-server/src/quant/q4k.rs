@@ -132,45 +132,73 @@ pub(super) fn dot(row: &[u8], x: &[f32]) -> f32 {
     sum_lanes(acc)
 }
 
-/// Least-squares `(scale, offset)` with `offset <= 0` for fixed quants `q`,
-/// minimising `sum (scale * q + offset - x)^2`; returns it with its error.
-fn fit(x: &[f32], q: &[u8; SUB]) -> (f32, f32, f32) {
-    let n = SUB as f32;
-    let (mut sq, mut sx, mut sqq, mut sqx) = (0.0f32, 0.0f32, 0.0f32, 0.0f32);
-    for (v, &qi) in x.iter().zip(q) {
-        let qf = f32::from(qi);
-        sq += qf;
-        sx += v;
-        sqq += qf * qf;
-        sqx += qf * v;
+/// Sums over one sub-block needed for a least-squares fit, for quants
+/// assigned on the grid `offset + scale * q`.
+struct Sums {
+    q: f32,
+    qq: f32,
+    qx: f32,
+}
+
+const ROUNDER: f32 = 12_582_912.0;
+
+/// Assigns quants on the grid `offset + scale * q` (q in 0..=15, nearest
+/// level) and returns their sums; eight lanes so the loop vectorises.
+fn assign_sums(x: &[f32], scale: f32, offset: f32) -> Sums {
+    let inv = if scale > 0.0 { 1.0 / scale } else { 0.0 };
+    let (mut q, mut qq, mut qx) = ([0.0f32; 8], [0.0f32; 8], [0.0f32; 8]);
+    for xs in x.chunks_exact(8) {
+        for lane in 0..8 {
+            let v = xs[lane];
+            // Adding and subtracting 1.5 * 2^23 rounds to the nearest integer
+            // (ties to even) in pure float ops, so this loop vectorises.
+            let qf = (((v - offset) * inv).clamp(0.0, QMAX) + ROUNDER) - ROUNDER;
+            q[lane] += qf;
+            qq[lane] += qf * qf;
+            qx[lane] += qf * v;
+        }
     }
-    let det = n * sqq - sq * sq;
+    Sums {
+        q: sum_lanes(q),
+        qq: sum_lanes(qq),
+        qx: sum_lanes(qx),
+    }
+}
+
+/// Least-squares `(scale, offset <= 0)` for fixed quants (given by their
+/// sums), minimising `sum (scale * q + offset - x)^2`; returns it with that
+/// squared error (computed from the sums in f64).
+fn fit(n: f32, sx: f32, sxx: f32, s: &Sums) -> (f32, f32, f64) {
+    let det = n * s.qq - s.q * s.q;
     let (mut scale, mut offset) = if det > 0.0 {
-        let s = (n * sqx - sq * sx) / det;
-        (s, (sx - s * sq) / n)
+        let a = (n * s.qx - s.q * sx) / det;
+        (a, (sx - a * s.q) / n)
     } else {
         (0.0, sx / n)
     };
     if offset > 0.0 || scale < 0.0 {
         // Offset must be <= 0 (it is stored as `-dmin * m` with m >= 0).
         offset = 0.0;
-        scale = if sqq > 0.0 { (sqx / sqq).max(0.0) } else { 0.0 };
+        scale = if s.qq > 0.0 {
+            (s.qx / s.qq).max(0.0)
+        } else {
+            0.0
+        };
     }
-    let err = x
-        .iter()
-        .zip(q)
-        .map(|(v, &qi)| {
-            let e = scale * f32::from(qi) + offset - v;
-            e * e
-        })
-        .sum();
+    let (a, b) = (f64::from(scale), f64::from(offset));
+    let err = f64::from(sxx) - 2.0 * a * f64::from(s.qx) - 2.0 * b * f64::from(sx)
+        + a * a * f64::from(s.qq)
+        + 2.0 * a * b * f64::from(s.q)
+        + f64::from(n) * b * b;
     (scale, offset, err)
 }
 
 fn assign(x: &[f32], scale: f32, offset: f32, q: &mut [u8; SUB]) {
     let inv = if scale > 0.0 { 1.0 / scale } else { 0.0 };
     for (qi, v) in q.iter_mut().zip(x) {
-        *qi = ((v - offset) * inv).round().clamp(0.0, QMAX) as u8;
+        // Non-negative after the clamp, so `+ 0.5` and truncation round half
+        // up (f32::round is a libm call on baseline x86_64). NaN casts to 0.
+        *qi = (((v - offset) * inv).clamp(0.0, QMAX) + 0.5) as u8;
     }
 }
 
@@ -184,16 +212,16 @@ fn fit_subblock(x: &[f32]) -> (f32, f32) {
     if range <= 0.0 {
         return (0.0, lo);
     }
-    let mut best = (range / QMAX, lo, f32::INFINITY);
-    let mut q = [0u8; SUB];
-    for step in -6..=10 {
+    let n = x.len() as f32;
+    let sx: f32 = x.iter().sum();
+    let sxx: f32 = x.iter().map(|v| v * v).sum();
+    let mut best = (range / QMAX, lo, f64::INFINITY);
+    for step in STEPS {
         // Candidate grids slightly finer / coarser than min-max, anchored at lo.
-        let levels = QMAX + 0.125 * step as f32;
-        let mut scale = range / levels;
+        let mut scale = range / (QMAX + step);
         let mut offset = lo;
         for _ in 0..2 {
-            assign(x, scale, offset, &mut q);
-            let (s, o, err) = fit(x, &q);
+            let (s, o, err) = fit(n, sx, sxx, &assign_sums(x, scale, offset));
             if err < best.2 {
                 best = (s, o, err);
             }
@@ -202,6 +230,9 @@ fn fit_subblock(x: &[f32]) -> (f32, f32) {
     }
     (best.0, best.1)
 }
+
+/// Offsets of the candidate number of grid steps from 15.
+const STEPS: [f32; 9] = [-0.5, -0.25, 0.0, 0.25, 0.5, 0.75, 1.0, 1.5, 2.0];
 
 /// `src` is finite and `dst` has the right length (checked by the caller).
 pub(super) fn quantize(src: &[f32], dst: &mut [u8]) {
@@ -233,7 +264,7 @@ fn quantize_block(xs: &[f32], out: &mut [u8]) {
     let (df, dminf) = (d.to_f32(), dmin.to_f32());
     let q6 = |v: f32, unit: f32| -> u8 {
         if unit > 0.0 {
-            (v / unit).round().clamp(0.0, SCALE_MAX) as u8
+            ((v / unit).clamp(0.0, SCALE_MAX) + 0.5) as u8
         } else {
             0
         }

@@ -27,7 +27,11 @@ pub(super) fn quantize(src: &[f32], dst: &mut [u8]) {
         let inv = if df > 0.0 { 1.0 / df } else { 0.0 };
         out[..2].copy_from_slice(&d.to_le_bytes());
         for (q, v) in out[2..].iter_mut().zip(xs) {
-            *q = ((v * inv).round().clamp(-127.0, 127.0) as i8) as u8;
+            // Round half away from zero like C's roundf, via a truncating
+            // cast (f32::round is a libm call on baseline x86_64).
+            let t = (v * inv).clamp(-127.0, 127.0);
+            let r = (t.abs() + 0.5) as i8;
+            *q = (if t < 0.0 { -r } else { r }) as u8;
         }
     }
 }
