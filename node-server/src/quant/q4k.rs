@@ -301,8 +301,17 @@ mod tests {
     #[test]
     fn scale_packing_round_trips_all_values() {
         for a in 0..64u8 {
-            let sc = [a, 63 - a, a / 2, 1, a, 63 - a, (a * 7) % 64, 63];
-            let m = [63 - a, a, 0, (a * 5) % 64, a / 3, a, 62, (a * 11) % 64];
+            let sc = [a, 63 - a, a / 2, 1, a, 63 - a, a.wrapping_mul(7) % 64, 63];
+            let m = [
+                63 - a,
+                a,
+                0,
+                a.wrapping_mul(5) % 64,
+                a / 3,
+                a,
+                62,
+                a.wrapping_mul(11) % 64,
+            ];
             let packed = pack_scales(&sc, &m);
             assert_eq!(unpack_scales(&packed), (sc, m), "a={a}");
         }
