@@ -60,12 +60,8 @@ fn pack_scales(sc: &[u8; NSUB], m: &[u8; NSUB]) -> [u8; 12] {
 /// rounded to f32 exactly as GGML does.
 #[inline]
 pub(super) fn sub_scales(blk: &[u8]) -> ([f32; NSUB], [f32; NSUB]) {
-    sub_scales_with(blk, f16_at(&blk[0..2]), f16_at(&blk[2..4]))
-}
-
-/// [`sub_scales`] with `d` and `dmin` already decoded (the SIMD path uses F16C).
-#[inline]
-pub(super) fn sub_scales_with(blk: &[u8], d: f32, dmin: f32) -> ([f32; NSUB], [f32; NSUB]) {
+    let d = f16_at(&blk[0..2]);
+    let dmin = f16_at(&blk[2..4]);
     let (sc, m) = unpack_scales(&blk[4..16]);
     let mut ds = [0.0f32; NSUB];
     let mut dm = [0.0f32; NSUB];

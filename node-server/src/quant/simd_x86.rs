@@ -157,6 +157,42 @@ fn dot_q8_0(row: &[u8], x: &[f32]) -> f32 {
     hsum(_mm256_add_ps(tot[0], tot[1]))
 }
 
+#[target_feature(enable = "avx2,fma,f16c")]
+#[inline]
+fn to_array(v: __m256) -> [f32; 8] {
+    let mut out = [0.0f32; 8];
+    // SAFETY: `out` is 32 writable bytes; storeu has no alignment requirement.
+    unsafe { _mm256_storeu_ps(out.as_mut_ptr(), v) };
+    out
+}
+
+/// Q4_K per-sub-block `d * sc[j]` and `dmin * m[j]` (same values as
+/// `q4k::sub_scales`), unpacking the 6-bit fields four at a time in u32 words
+/// (byte lane `j` of each word is sub-block `j` / `j + 4`) and scaling all
+/// eight with one vector multiply.
+#[target_feature(enable = "avx2,fma,f16c")]
+#[inline]
+fn q4k_scales(blk: &[u8; q4k::BLOCK_BYTES]) -> ([f32; 8], [f32; 8]) {
+    let word = |i: usize| u32::from_le_bytes([blk[i], blk[i + 1], blk[i + 2], blk[i + 3]]);
+    let (s0, s1, s2) = (word(4), word(8), word(12));
+    let sc_lo = s0 & 0x3f3f_3f3f;
+    let m_lo = s1 & 0x3f3f_3f3f;
+    let sc_hi = (s2 & 0x0f0f_0f0f) | (((s0 >> 6) & 0x0303_0303) << 4);
+    let m_hi = ((s2 >> 4) & 0x0f0f_0f0f) | (((s1 >> 6) & 0x0303_0303) << 4);
+    let widen = |lo: u32, hi: u32| {
+        let bytes = (u64::from(hi) << 32) | u64::from(lo);
+        _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_cvtsi64_si128(bytes as i64)))
+    };
+    // Lanes 0 and 1: d and dmin.
+    let dd = _mm_cvtph_ps(_mm_cvtsi32_si128(word(0) as i32));
+    let d = _mm256_broadcastss_ps(dd);
+    let dmin = _mm256_broadcastss_ps(_mm_movehdup_ps(dd));
+    (
+        to_array(_mm256_mul_ps(d, widen(sc_lo, sc_hi))),
+        to_array(_mm256_mul_ps(dmin, widen(m_lo, m_hi))),
+    )
+}
+
 /// Q4_K: per sub-block `sum_i (ds*q_i - dm)*x_i` is evaluated as
 /// `ds * sum_i q_i*x_i - dm * sum_i x_i`, i.e. one FMA plus one add per eight
 /// values instead of two FMAs (adds run on more ports than FMAs on recent
@@ -171,7 +207,7 @@ fn dot_q4k(row: &[u8], x: &[f32]) -> f32 {
     {
         let blk: &[u8; q4k::BLOCK_BYTES] = arr(blk);
         let xs: &[f32; q4k::BLOCK_VALUES] = arr(xs);
-        let (ds, dm) = q4k::sub_scales_with(blk, f16_scalar(&blk[0..2]), f16_scalar(&blk[2..4]));
+        let (ds, dm) = q4k_scales(blk);
         for c in 0..4 {
             let base = 16 + 32 * c;
             // [low-nibble sub-block 2c, high-nibble sub-block 2c+1]
