@@ -40,7 +40,15 @@ pub fn run(args: &BenchArgs) -> anyhow::Result<()> {
     let dir = match &args.model {
         Some(dir) => dir.clone(),
         None => {
-            let config = scaled_config(args.vocab, args.hidden, args.layers, 1, args.experts, args.expert_width, args.top_k);
+            let config = scaled_config(
+                args.vocab,
+                args.hidden,
+                args.layers,
+                1,
+                args.experts,
+                args.expert_width,
+                args.top_k,
+            );
             let raw = scratch.join("bf16");
             write_random_checkpoint(&raw, &config, 1, DType::Bf16)?;
             let format = Format::from_name(&args.expert_format)?;
@@ -64,7 +72,9 @@ fn measure(dir: &std::path::Path, args: &BenchArgs) -> anyhow::Result<serde_json
     let model = Model::load(dir)?;
     let cfg = &model.cfg;
     let vocab = cfg.vocab_size as u32;
-    let prompt: Vec<u32> = (0..args.prompt_tokens as u32).map(|i| (i * 7919 + 13) % vocab).collect();
+    let prompt: Vec<u32> = (0..args.prompt_tokens as u32)
+        .map(|i| (i * 7919 + 13) % vocab)
+        .collect();
 
     let started = Instant::now();
     let (mut logits, mut cache) = model.prefill(&prompt)?;
@@ -90,7 +100,8 @@ fn measure(dir: &std::path::Path, args: &BenchArgs) -> anyhow::Result<serde_json
     let moe_layers = cfg.mlp_kinds.iter().filter(|k| **k == MlpKind::Moe).count();
     let expert_bytes = weights.routed / (moe_layers * cfg.n_routed_experts).max(1);
     // Decode reads every non-expert weight once and k experts per MoE layer (the head once).
-    let bytes_per_token = weights.total - weights.routed - weights.embed + moe_layers * cfg.num_experts_per_tok * expert_bytes;
+    let bytes_per_token = weights.total - weights.routed - weights.embed
+        + moe_layers * cfg.num_experts_per_tok * expert_bytes;
     let bandwidth = measure_read_bandwidth();
     let decode_tok_s = args.decode_tokens as f64 / decode_s;
     let roofline_tok_s = bandwidth / bytes_per_token as f64;
@@ -138,7 +149,10 @@ fn measure_read_bandwidth() -> f64 {
     let mut sink = 0f32;
     for _ in 0..3 {
         let started = Instant::now();
-        sink += buf.par_chunks(1 << 16).map(|c| c.iter().sum::<f32>()).sum::<f32>();
+        sink += buf
+            .par_chunks(1 << 16)
+            .map(|c| c.iter().sum::<f32>())
+            .sum::<f32>();
         best = best.min(started.elapsed().as_secs_f64());
     }
     std::hint::black_box(sink);

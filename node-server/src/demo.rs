@@ -35,9 +35,14 @@ pub fn default_demo_dir() -> PathBuf {
 
 /// The demo model directory, made first if it is missing or incomplete.
 pub fn ensure_demo_model(dir: &Path) -> anyhow::Result<()> {
-    let complete = ["config.json", "model.safetensors", "tokenizer.json", "tokenizer_config.json"]
-        .iter()
-        .all(|f| dir.join(f).is_file());
+    let complete = [
+        "config.json",
+        "model.safetensors",
+        "tokenizer.json",
+        "tokenizer_config.json",
+    ]
+    .iter()
+    .all(|f| dir.join(f).is_file());
     if !complete {
         tracing::info!(dir = %dir.display(), "making the demo model");
         // Build beside the target and rename, so an interrupted run never leaves half a model.

@@ -20,7 +20,12 @@ use std::time::Instant;
 )]
 struct Cli {
     /// Log format: `text` for terminals, `json` for containers.
-    #[arg(long, env = "GLMFLASH_LOG_FORMAT", default_value = "text", global = true)]
+    #[arg(
+        long,
+        env = "GLMFLASH_LOG_FORMAT",
+        default_value = "text",
+        global = true
+    )]
     log_format: String,
     #[command(subcommand)]
     command: Command,
@@ -33,7 +38,11 @@ enum Command {
         /// Where the demo model lives (default: $GLMFLASH_CACHE_DIR/demo-model or ~/.cache/glmflash/demo-model).
         #[arg(long, env = "GLMFLASH_DEMO_DIR")]
         dir: Option<PathBuf>,
-        #[arg(long, env = "GLMFLASH_PROMPT", default_value = "Explain in one paragraph why experts are cached in VRAM.")]
+        #[arg(
+            long,
+            env = "GLMFLASH_PROMPT",
+            default_value = "Explain in one paragraph why experts are cached in VRAM."
+        )]
         prompt: String,
         #[arg(long, env = "GLMFLASH_MAX_TOKENS", default_value_t = 64)]
         max_tokens: usize,
@@ -117,8 +126,11 @@ fn main() {
 }
 
 fn init_logging(format: &str) {
-    let filter = tracing_subscriber::EnvFilter::try_from_env("GLMFLASH_LOG").unwrap_or_else(|_| "info".into());
-    let builder = tracing_subscriber::fmt().with_env_filter(filter).with_writer(std::io::stderr);
+    let filter = tracing_subscriber::EnvFilter::try_from_env("GLMFLASH_LOG")
+        .unwrap_or_else(|_| "info".into());
+    let builder = tracing_subscriber::fmt()
+        .with_env_filter(filter)
+        .with_writer(std::io::stderr);
     if format == "json" {
         builder.json().init();
     } else {
@@ -128,7 +140,11 @@ fn init_logging(format: &str) {
 
 fn run(command: Command) -> anyhow::Result<()> {
     match command {
-        Command::Demo { dir, prompt, max_tokens } => {
+        Command::Demo {
+            dir,
+            prompt,
+            max_tokens,
+        } => {
             let dir = dir.unwrap_or_else(demo::default_demo_dir);
             demo::ensure_demo_model(&dir)?;
             generate(
@@ -148,22 +164,38 @@ fn run(command: Command) -> anyhow::Result<()> {
             eprintln!("demo model written to {}", out.display());
             Ok(())
         }
-        Command::Logits { model, tokens, greedy } => {
+        Command::Logits {
+            model,
+            tokens,
+            greedy,
+        } => {
             let model = Model::load(&model.model)?;
             let (logits, _) = model.prefill(&tokens)?;
-            let (greedy_tokens, _) = if greedy > 0 { model.greedy(&tokens, greedy)? } else { (Vec::new(), Vec::new()) };
-            println!("{}", serde_json::json!({"logits": logits, "greedy": greedy_tokens}));
+            let (greedy_tokens, _) = if greedy > 0 {
+                model.greedy(&tokens, greedy)?
+            } else {
+                (Vec::new(), Vec::new())
+            };
+            println!(
+                "{}",
+                serde_json::json!({"logits": logits, "greedy": greedy_tokens})
+            );
             Ok(())
         }
         Command::Generate { model, generation } => generate(&model.model, &generation),
         Command::ConvertExperts { model, out, format } => {
             let format = glmflash_node::quant::Format::from_name(&format)?;
             let started = Instant::now();
-            let report = glmflash_node::model::convert::convert_experts(&model, &out, format, |done, total| {
-                if done == total || done % 64 == 0 {
-                    eprint!("\rconverted {done}/{total} experts");
-                }
-            })?;
+            let report = glmflash_node::model::convert::convert_experts(
+                &model,
+                &out,
+                format,
+                |done, total| {
+                    if done == total || done % 64 == 0 {
+                        eprint!("\rconverted {done}/{total} experts");
+                    }
+                },
+            )?;
             eprintln!();
             eprintln!(
                 "{} experts: {:.1} MiB -> {:.1} MiB ({}) in {} shards, {:.1}s",
@@ -181,14 +213,23 @@ fn run(command: Command) -> anyhow::Result<()> {
 }
 
 fn generate(dir: &std::path::Path, args: &GenerationArgs) -> anyhow::Result<()> {
-    let codec = TextCodec::from_dir(dir).with_context(|| format!("loading the tokenizer of {}", dir.display()))?;
+    let codec = TextCodec::from_dir(dir)
+        .with_context(|| format!("loading the tokenizer of {}", dir.display()))?;
     let load_started = Instant::now();
     let model = Model::load(dir)?;
-    tracing::info!(seconds = load_started.elapsed().as_secs_f64(), "model loaded");
+    tracing::info!(
+        seconds = load_started.elapsed().as_secs_f64(),
+        "model loaded"
+    );
     let text = if args.raw || !codec.has_chat_template() {
         args.prompt.clone()
     } else {
-        codec.render_chat(&serde_json::json!([{"role": "user", "content": args.prompt}]), None, true, false)?
+        codec.render_chat(
+            &serde_json::json!([{"role": "user", "content": args.prompt}]),
+            None,
+            true,
+            false,
+        )?
     };
     let prompt = codec.encode(&text)?;
     if prompt.is_empty() {

@@ -8,42 +8,92 @@ use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
 
 fn fixture(name: &str) -> PathBuf {
-    PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../e2e/fixtures").join(name)
+    PathBuf::from(env!("CARGO_MANIFEST_DIR"))
+        .join("../e2e/fixtures")
+        .join(name)
 }
 
 fn base_config() -> Value {
-    serde_json::from_str(&std::fs::read_to_string(fixture("tiny_mixed").join("config.json")).unwrap()).unwrap()
+    serde_json::from_str(
+        &std::fs::read_to_string(fixture("tiny_mixed").join("config.json")).unwrap(),
+    )
+    .unwrap()
 }
 
 fn config_error(edit: impl FnOnce(&mut Value)) -> String {
     let mut cfg = base_config();
     edit(&mut cfg);
-    Config::from_json(&cfg).expect_err("config must be rejected").to_string()
+    Config::from_json(&cfg)
+        .expect_err("config must be rejected")
+        .to_string()
 }
 
 #[test]
 fn config_flat_and_nested_parse_the_same_fields() {
     let flat = base_config();
     let nested = json!({"model_type": "glm5_next", "text_config": flat.clone()});
-    assert_eq!(Config::from_json(&flat).unwrap(), Config::from_json(&nested).unwrap());
+    assert_eq!(
+        Config::from_json(&flat).unwrap(),
+        Config::from_json(&nested).unwrap()
+    );
 }
 
 #[test]
 fn unsupported_config_values_name_the_field() {
-    let cases: Vec<(Box<dyn FnOnce(&mut Value)>, &str)> = vec![
-        (Box::new(|c| c["qk_rope_head_dim"] = json!(64)), "`qk_rope_head_dim`: GLM-5.3-Flash attention is NoPE"),
-        (Box::new(|c| c["n_group"] = json!(3)), "`n_group`: must divide n_routed_experts (16), got 3"),
-        (Box::new(|c| c["layer_types"][2] = json!("sliding_attention")), "`layer_types[2]`: unknown layer type `sliding_attention`"),
-        (Box::new(|c| c["mlp_layer_types"][0] = json!("moe")), "`mlp_layer_types[0]`: unknown layer type `moe`"),
-        (Box::new(|c| c["indexer_types"][1] = json!("shared")), "`indexer_types[1]`: a shared indexer layer needs an earlier full"),
-        (Box::new(|c| c["index_topk"] = json!(6)), "`index_topk`: must be a positive multiple of index_kpool (4), got 6"),
-        (Box::new(|c| c["hidden_size"] = json!("64")), "`hidden_size`: expected a non-negative integer, got \"64\""),
-        (Box::new(|c| c["num_key_value_heads"] = json!(1)), "`num_key_value_heads`: must equal num_attention_heads (2), got 1"),
-        (Box::new(|c| c["hidden_act"] = json!("gelu")), "`hidden_act`: only `silu` is supported"),
-        (Box::new(|c| c["num_experts_per_tok"] = json!(9)), "`num_experts_per_tok`: must be between 1 and the experts in the kept groups (8), got 9"),
-        (Box::new(|c| c["layer_types"] = json!(["linear_attention"])), "`layer_types`: has 1 entries but num_hidden_layers is 6"),
-        (Box::new(|c| c["attention_bias"] = json!(true)), "`attention_bias`"),
-        (Box::new(|c| c["index_kpool_always_select_tail"] = json!(false)), "`index_kpool_always_select_tail`"),
+    type Edit = Box<dyn FnOnce(&mut Value)>;
+    let cases: Vec<(Edit, &str)> = vec![
+        (
+            Box::new(|c| c["qk_rope_head_dim"] = json!(64)),
+            "`qk_rope_head_dim`: GLM-5.3-Flash attention is NoPE",
+        ),
+        (
+            Box::new(|c| c["n_group"] = json!(3)),
+            "`n_group`: must divide n_routed_experts (16), got 3",
+        ),
+        (
+            Box::new(|c| c["layer_types"][2] = json!("sliding_attention")),
+            "`layer_types[2]`: unknown layer type `sliding_attention`",
+        ),
+        (
+            Box::new(|c| c["mlp_layer_types"][0] = json!("moe")),
+            "`mlp_layer_types[0]`: unknown layer type `moe`",
+        ),
+        (
+            Box::new(|c| c["indexer_types"][1] = json!("shared")),
+            "`indexer_types[1]`: a shared indexer layer needs an earlier full",
+        ),
+        (
+            Box::new(|c| c["index_topk"] = json!(6)),
+            "`index_topk`: must be a positive multiple of index_kpool (4), got 6",
+        ),
+        (
+            Box::new(|c| c["hidden_size"] = json!("64")),
+            "`hidden_size`: expected a non-negative integer, got \"64\"",
+        ),
+        (
+            Box::new(|c| c["num_key_value_heads"] = json!(1)),
+            "`num_key_value_heads`: must equal num_attention_heads (2), got 1",
+        ),
+        (
+            Box::new(|c| c["hidden_act"] = json!("gelu")),
+            "`hidden_act`: only `silu` is supported",
+        ),
+        (
+            Box::new(|c| c["num_experts_per_tok"] = json!(9)),
+            "`num_experts_per_tok`: must be between 1 and the experts in the kept groups (8), got 9",
+        ),
+        (
+            Box::new(|c| c["layer_types"] = json!(["linear_attention"])),
+            "`layer_types`: has 1 entries but num_hidden_layers is 6",
+        ),
+        (
+            Box::new(|c| c["attention_bias"] = json!(true)),
+            "`attention_bias`",
+        ),
+        (
+            Box::new(|c| c["index_kpool_always_select_tail"] = json!(false)),
+            "`index_kpool_always_select_tail`",
+        ),
     ];
     for (edit, expected) in cases {
         let msg = config_error(edit);
@@ -52,7 +102,9 @@ fn unsupported_config_values_name_the_field() {
 }
 
 /// Copies tiny_mixed into a temp dir with its tensors edited by `edit`.
-fn edited_checkpoint(edit: impl FnOnce(&mut Vec<(String, DType, Vec<usize>, Vec<u8>)>)) -> tempfile::TempDir {
+fn edited_checkpoint(
+    edit: impl FnOnce(&mut Vec<(String, DType, Vec<usize>, Vec<u8>)>),
+) -> tempfile::TempDir {
     let src = fixture("tiny_mixed");
     let dir = tempfile::tempdir().unwrap();
     std::fs::copy(src.join("config.json"), dir.path().join("config.json")).unwrap();
@@ -66,7 +118,12 @@ fn edited_checkpoint(edit: impl FnOnce(&mut Vec<(String, DType, Vec<usize>, Vec<
         })
         .collect();
     edit(&mut tensors);
-    write_safetensors(&dir.path().join("model.safetensors"), &tensors, &BTreeMap::new()).unwrap();
+    write_safetensors(
+        &dir.path().join("model.safetensors"),
+        &tensors,
+        &BTreeMap::new(),
+    )
+    .unwrap();
     dir
 }
 
@@ -82,7 +139,10 @@ fn missing_tensor_names_the_key() {
     let key = "model.language_model.layers.1.self_attn.kv_b_proj.weight";
     let dir = edited_checkpoint(|t| t.retain(|(k, ..)| k != key));
     let msg = load_error(dir.path());
-    assert!(msg.contains(&format!("tensor `layers.1.self_attn.kv_b_proj.weight` is missing")), "{msg}");
+    assert!(
+        msg.contains("tensor `layers.1.self_attn.kv_b_proj.weight` is missing"),
+        "{msg}"
+    );
     assert!(msg.contains(key), "{msg}");
 }
 
@@ -94,7 +154,12 @@ fn misshaped_tensor_names_key_and_both_shapes() {
         entry.2 = vec![8, 64];
     });
     let msg = load_error(dir.path());
-    assert!(msg.contains(&format!("tensor `{key}` has shape [8, 64], expected [64, 8]")), "{msg}");
+    assert!(
+        msg.contains(&format!(
+            "tensor `{key}` has shape [8, 64], expected [64, 8]"
+        )),
+        "{msg}"
+    );
 }
 
 #[test]
@@ -119,10 +184,21 @@ fn unsupported_dtype_and_truncated_file_are_refused() {
 #[test]
 fn no_weights_and_bad_index_are_refused() {
     let dir = tempfile::tempdir().unwrap();
-    std::fs::copy(fixture("tiny_mixed").join("config.json"), dir.path().join("config.json")).unwrap();
+    std::fs::copy(
+        fixture("tiny_mixed").join("config.json"),
+        dir.path().join("config.json"),
+    )
+    .unwrap();
     let msg = load_error(dir.path());
-    assert!(msg.contains("has neither model.safetensors nor model.safetensors.index.json"), "{msg}");
-    std::fs::write(dir.path().join("model.safetensors.index.json"), "{\"metadata\": {}}").unwrap();
+    assert!(
+        msg.contains("has neither model.safetensors nor model.safetensors.index.json"),
+        "{msg}"
+    );
+    std::fs::write(
+        dir.path().join("model.safetensors.index.json"),
+        "{\"metadata\": {}}",
+    )
+    .unwrap();
     let msg = load_error(dir.path());
     assert!(msg.contains("has no `weight_map` object"), "{msg}");
 }
@@ -131,5 +207,8 @@ fn no_weights_and_bad_index_are_refused() {
 fn vocabulary_overflow_is_an_error_not_a_panic() {
     let model = Model::load(&fixture("tiny_mixed")).unwrap();
     let err = model.prefill(&[1, 2, 128]).unwrap_err().to_string();
-    assert!(err.contains("token id 128 is outside the vocabulary (size 128)"), "{err}");
+    assert!(
+        err.contains("token id 128 is outside the vocabulary (size 128)"),
+        "{err}"
+    );
 }

@@ -25,7 +25,9 @@ struct Reference {
 fn fixture_dir(name: &str) -> PathBuf {
     match std::env::var_os("GLMFLASH_FIXTURES") {
         Some(dir) => PathBuf::from(dir).join(name),
-        None => PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../e2e/fixtures").join(name),
+        None => PathBuf::from(env!("CARGO_MANIFEST_DIR"))
+            .join("../e2e/fixtures")
+            .join(name),
     }
 }
 
@@ -33,7 +35,10 @@ fn load(name: &str) -> (Model, Reference) {
     let dir = fixture_dir(name);
     let model = Model::load(&dir).unwrap_or_else(|e| panic!("{name}: {e:#}"));
     let text = std::fs::read_to_string(dir.join("reference.json")).expect("reference.json");
-    (model, serde_json::from_str(&text).expect("reference.json parses"))
+    (
+        model,
+        serde_json::from_str(&text).expect("reference.json parses"),
+    )
 }
 
 /// max |a - b| / max |b|
@@ -67,7 +72,10 @@ fn prefill_logits_match_reference() {
         let expected: Vec<f32> = r.prefill_logits.concat();
         let err = rel_err(&ours, &expected);
         eprintln!("{name}: prefill rel err {err:.2e}");
-        assert!(err < REF_TOLERANCE, "{name}: prefill logits rel err {err:.3e}");
+        assert!(
+            err < REF_TOLERANCE,
+            "{name}: prefill logits rel err {err:.3e}"
+        );
     }
 }
 
@@ -79,7 +87,10 @@ fn greedy_continuation_matches_reference() {
         assert_eq!(tokens, r.greedy, "{name}: greedy tokens");
         let err = rel_err(&logits.concat(), &r.greedy_logits.concat());
         eprintln!("{name}: greedy logits rel err {err:.2e}");
-        assert!(err < REF_TOLERANCE, "{name}: greedy logits rel err {err:.3e}");
+        assert!(
+            err < REF_TOLERANCE,
+            "{name}: greedy logits rel err {err:.3e}"
+        );
     }
 }
 
@@ -93,7 +104,10 @@ fn cached_decode_equals_full_recompute() {
             seq.extend_from_slice(&tokens[..step]);
             let (full, _) = model.prefill(&seq).unwrap();
             let err = rel_err(&cached[step], &full);
-            assert!(err < SELF_TOLERANCE, "{name} step {step}: cached vs recomputed rel err {err:.3e}");
+            assert!(
+                err < SELF_TOLERANCE,
+                "{name} step {step}: cached vs recomputed rel err {err:.3e}"
+            );
         }
     }
 }
@@ -120,7 +134,10 @@ fn chunked_prefill_equals_one_pass() {
             chunks.extend(out.into_iter().flatten());
         }
         let err = rel_err(&chunks, &one);
-        assert!(err < SELF_TOLERANCE, "{name}: chunked prefill rel err {err:.3e}");
+        assert!(
+            err < SELF_TOLERANCE,
+            "{name}: chunked prefill rel err {err:.3e}"
+        );
     }
 }
 
@@ -129,7 +146,11 @@ fn batch_of_different_lengths_equals_each_alone() {
     for name in FIXTURES {
         let (model, r) = load(name);
         let a = &r.prompt;
-        let b: Vec<u32> = r.prompt[..r.prompt.len() / 2 + 3].iter().rev().copied().collect();
+        let b: Vec<u32> = r.prompt[..r.prompt.len() / 2 + 3]
+            .iter()
+            .rev()
+            .copied()
+            .collect();
         let alone_a = all_logits(&model, a);
         let alone_b = all_logits(&model, &b);
         let (mut ca, mut cb) = (model.new_cache(), model.new_cache());
@@ -150,8 +171,14 @@ fn batch_of_different_lengths_equals_each_alone() {
                 None,
             )
             .unwrap();
-        assert!(rel_err(&out[0], &alone_a) < SELF_TOLERANCE, "{name}: batched a");
-        assert!(rel_err(&out[1], &alone_b) < SELF_TOLERANCE, "{name}: batched b");
+        assert!(
+            rel_err(&out[0], &alone_a) < SELF_TOLERANCE,
+            "{name}: batched a"
+        );
+        assert!(
+            rel_err(&out[1], &alone_b) < SELF_TOLERANCE,
+            "{name}: batched b"
+        );
         // Then one decode step for both at different positions, batched vs alone.
         let next = [3u32, 5u32];
         let (mut ca2, mut cb2) = (ca.clone(), cb.clone());
@@ -184,7 +211,10 @@ fn batch_of_different_lengths_equals_each_alone() {
                 )
                 .unwrap()
                 .remove(0);
-            assert!(rel_err(&both[i], &alone) < SELF_TOLERANCE, "{name}: batched decode {i}");
+            assert!(
+                rel_err(&both[i], &alone) < SELF_TOLERANCE,
+                "{name}: batched decode {i}"
+            );
         }
     }
 }
@@ -200,6 +230,9 @@ fn kernel_forms_agree() {
         };
         let other = all_logits(&model, &r.prompt);
         let err = rel_err(&other, &auto);
-        assert!(err < SELF_TOLERANCE, "{name}: recurrent+absorbed vs chunked+expanded rel err {err:.3e}");
+        assert!(
+            err < SELF_TOLERANCE,
+            "{name}: recurrent+absorbed vs chunked+expanded rel err {err:.3e}"
+        );
     }
 }

@@ -101,7 +101,10 @@ impl TensorView<'_> {
     pub fn to_f32(&self) -> Result<Vec<f32>, CheckpointError> {
         let b = self.bytes;
         Ok(match self.dtype {
-            DType::F32 => b.chunks_exact(4).map(|c| f32::from_le_bytes([c[0], c[1], c[2], c[3]])).collect(),
+            DType::F32 => b
+                .chunks_exact(4)
+                .map(|c| f32::from_le_bytes([c[0], c[1], c[2], c[3]]))
+                .collect(),
             DType::F16 => b
                 .chunks_exact(2)
                 .map(|c| half::f16::from_le_bytes([c[0], c[1]]).to_f32())
@@ -156,11 +159,17 @@ impl Checkpoint {
                 path: index.display().to_string(),
                 message: format!("not valid JSON: {e}"),
             })?;
-            let map = json.get("weight_map").and_then(Value::as_object).ok_or_else(|| CheckpointError::Format {
-                path: index.display().to_string(),
-                message: "has no `weight_map` object".into(),
-            })?;
-            let mut names: Vec<String> = map.values().filter_map(|v| v.as_str().map(str::to_string)).collect();
+            let map = json
+                .get("weight_map")
+                .and_then(Value::as_object)
+                .ok_or_else(|| CheckpointError::Format {
+                    path: index.display().to_string(),
+                    message: "has no `weight_map` object".into(),
+                })?;
+            let mut names: Vec<String> = map
+                .values()
+                .filter_map(|v| v.as_str().map(str::to_string))
+                .collect();
             names.sort();
             names.dedup();
             names.into_iter().map(|n| dir.join(n)).collect()
@@ -169,7 +178,8 @@ impl Checkpoint {
             if !single.exists() {
                 return Err(CheckpointError::Format {
                     path: dir.display().to_string(),
-                    message: "has neither model.safetensors nor model.safetensors.index.json".into(),
+                    message: "has neither model.safetensors nor model.safetensors.index.json"
+                        .into(),
                 });
             }
             vec![single]
@@ -239,7 +249,10 @@ impl Checkpoint {
             key: name.to_string(),
             tried: format!("`{}{name}`", self.prefix),
         })?;
-        let (key, e) = self.entries.get_key_value(&key).expect("resolved key exists");
+        let (key, e) = self
+            .entries
+            .get_key_value(&key)
+            .expect("resolved key exists");
         Ok(TensorView {
             key,
             dtype: e.dtype,
@@ -283,13 +296,21 @@ fn read_file(path: &Path, index: usize) -> Result<FileContents, CheckpointError>
         source,
     })?;
     if map.len() < 8 {
-        return Err(fmt_err(format!("is {} bytes, too short for a safetensors header", map.len())));
+        return Err(fmt_err(format!(
+            "is {} bytes, too short for a safetensors header",
+            map.len()
+        )));
     }
     let header_len = u64::from_le_bytes(map[..8].try_into().expect("8 bytes")) as usize;
     let data_start = 8usize
         .checked_add(header_len)
         .filter(|&end| end <= map.len())
-        .ok_or_else(|| fmt_err(format!("header length {header_len} runs past the end of the file ({} bytes)", map.len())))?;
+        .ok_or_else(|| {
+            fmt_err(format!(
+                "header length {header_len} runs past the end of the file ({} bytes)",
+                map.len()
+            ))
+        })?;
     let header: Value = serde_json::from_slice(&map[8..data_start])
         .map_err(|e| fmt_err(format!("safetensors header is not valid JSON: {e}")))?;
     let header = header
@@ -310,17 +331,30 @@ fn read_file(path: &Path, index: usize) -> Result<FileContents, CheckpointError>
             continue;
         }
         let dtype_name = info.get("dtype").and_then(Value::as_str).unwrap_or("?");
-        let dtype = DType::parse(dtype_name)
-            .ok_or_else(|| fmt_err(format!("tensor `{key}` has unsupported dtype {dtype_name} (F32, F16, BF16, U8 are)")))?;
+        let dtype = DType::parse(dtype_name).ok_or_else(|| {
+            fmt_err(format!(
+                "tensor `{key}` has unsupported dtype {dtype_name} (F32, F16, BF16, U8 are)"
+            ))
+        })?;
         let shape: Vec<usize> = info
             .get("shape")
             .and_then(Value::as_array)
-            .map(|a| a.iter().filter_map(Value::as_u64).map(|n| n as usize).collect())
+            .map(|a| {
+                a.iter()
+                    .filter_map(Value::as_u64)
+                    .map(|n| n as usize)
+                    .collect()
+            })
             .ok_or_else(|| fmt_err(format!("tensor `{key}` has no shape")))?;
         let offsets: Vec<usize> = info
             .get("data_offsets")
             .and_then(Value::as_array)
-            .map(|a| a.iter().filter_map(Value::as_u64).map(|n| n as usize).collect())
+            .map(|a| {
+                a.iter()
+                    .filter_map(Value::as_u64)
+                    .map(|n| n as usize)
+                    .collect()
+            })
             .filter(|o: &Vec<usize>| o.len() == 2)
             .ok_or_else(|| fmt_err(format!("tensor `{key}` has no data_offsets pair")))?;
         let (start, end) = (offsets[0], offsets[1]);
@@ -353,7 +387,10 @@ pub fn write_safetensors(
     use std::io::Write;
     let mut header = serde_json::Map::new();
     if !metadata.is_empty() {
-        header.insert("__metadata__".into(), serde_json::to_value(metadata).expect("string map"));
+        header.insert(
+            "__metadata__".into(),
+            serde_json::to_value(metadata).expect("string map"),
+        );
     }
     let mut offset = 0usize;
     let mut sorted: Vec<&(String, DType, Vec<usize>, Vec<u8>)> = tensors.iter().collect();
@@ -366,7 +403,7 @@ pub fn write_safetensors(
         offset += bytes.len();
     }
     let mut header_bytes = serde_json::to_vec(&header).expect("header serialises");
-    while (8 + header_bytes.len()) % 8 != 0 {
+    while !(8 + header_bytes.len()).is_multiple_of(8) {
         header_bytes.push(b' ');
     }
     let mut out = std::io::BufWriter::new(File::create(path)?);

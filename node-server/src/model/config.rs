@@ -155,13 +155,19 @@ impl Fields<'_> {
                 .iter()
                 .enumerate()
                 .map(|(i, v)| {
-                    v.as_str()
-                        .map(str::to_string)
-                        .ok_or_else(|| field_err(&format!("{key}[{i}]"), format!("expected a string, got {v}")))
+                    v.as_str().map(str::to_string).ok_or_else(|| {
+                        field_err(
+                            &format!("{key}[{i}]"),
+                            format!("expected a string, got {v}"),
+                        )
+                    })
                 })
                 .collect::<Result<Vec<_>, _>>()
                 .map(Some),
-            Some(v) => Err(field_err(key, format!("expected a list of strings, got {v}"))),
+            Some(v) => Err(field_err(
+                key,
+                format!("expected a list of strings, got {v}"),
+            )),
         }
     }
 
@@ -204,7 +210,12 @@ impl Config {
         let map = match top.get("text_config") {
             Some(Value::Object(text)) => text,
             Some(Value::Null) | None => top,
-            Some(v) => return Err(field_err("text_config", format!("expected an object, got {v}"))),
+            Some(v) => {
+                return Err(field_err(
+                    "text_config",
+                    format!("expected an object, got {v}"),
+                ));
+            }
         };
         let f = Fields { map };
 
@@ -222,31 +233,49 @@ impl Config {
         if num_key_value_heads != num_attention_heads {
             return Err(field_err(
                 "num_key_value_heads",
-                format!("must equal num_attention_heads ({num_attention_heads}), got {num_key_value_heads}"),
+                format!(
+                    "must equal num_attention_heads ({num_attention_heads}), got {num_key_value_heads}"
+                ),
             ));
         }
         let qk_rope_head_dim = f.usize("qk_rope_head_dim", 0)?;
         if qk_rope_head_dim > 0 {
             return Err(field_err(
                 "qk_rope_head_dim",
-                format!("GLM-5.3-Flash attention is NoPE; RoPE dims > 0 are not supported (got {qk_rope_head_dim})"),
+                format!(
+                    "GLM-5.3-Flash attention is NoPE; RoPE dims > 0 are not supported (got {qk_rope_head_dim})"
+                ),
             ));
         }
         if f.present("q_lora_rank").is_none() && map.contains_key("q_lora_rank") {
-            return Err(field_err("q_lora_rank", "is required by the DSA indexer (got null)"));
+            return Err(field_err(
+                "q_lora_rank",
+                "is required by the DSA indexer (got null)",
+            ));
         }
         let hidden_act = f.string("hidden_act", "silu")?;
         if hidden_act != "silu" {
-            return Err(field_err("hidden_act", format!("only `silu` is supported, got `{hidden_act}`")));
+            return Err(field_err(
+                "hidden_act",
+                format!("only `silu` is supported, got `{hidden_act}`"),
+            ));
         }
         if f.bool("attention_bias", false)? {
-            return Err(field_err("attention_bias", "attention biases are not supported (GLM-5.3-Flash has none)"));
+            return Err(field_err(
+                "attention_bias",
+                "attention biases are not supported (GLM-5.3-Flash has none)",
+            ));
         }
 
         // KDA fields may come as the original `linear_attn_config` dict.
         let linear = match f.present("linear_attn_config") {
             Some(Value::Object(m)) => Some(m),
-            Some(v) => return Err(field_err("linear_attn_config", format!("expected an object, got {v}"))),
+            Some(v) => {
+                return Err(field_err(
+                    "linear_attn_config",
+                    format!("expected an object, got {v}"),
+                ));
+            }
             None => None,
         };
         let mut linear_head_dim = f.usize("linear_head_dim", 128)?;
@@ -262,8 +291,9 @@ impl Config {
             linear_num_heads = lf.usize("num_heads", linear_num_heads)?;
             linear_conv_kernel_dim = lf.usize("short_conv_kernel_size", linear_conv_kernel_dim)?;
             if let Some(v) = lf.present("gate_lower_bound") {
-                linear_lower_bound =
-                    Some(v.as_f64().ok_or_else(|| field_err("linear_attn_config.gate_lower_bound", "expected a number"))? as f32);
+                linear_lower_bound = Some(v.as_f64().ok_or_else(|| {
+                    field_err("linear_attn_config.gate_lower_bound", "expected a number")
+                })? as f32);
             }
             if lf.bool("safe_gate", true)? && linear_lower_bound.is_none() {
                 linear_lower_bound = Some(-5.0);
@@ -392,14 +422,20 @@ impl Config {
             if len != self.num_hidden_layers {
                 return Err(field_err(
                     field,
-                    format!("has {len} entries but num_hidden_layers is {}", self.num_hidden_layers),
+                    format!(
+                        "has {len} entries but num_hidden_layers is {}",
+                        self.num_hidden_layers
+                    ),
                 ));
             }
         }
-        if self.index_topk % self.index_kpool != 0 || self.index_topk == 0 {
+        if !self.index_topk.is_multiple_of(self.index_kpool) || self.index_topk == 0 {
             return Err(field_err(
                 "index_topk",
-                format!("must be a positive multiple of index_kpool ({}), got {}", self.index_kpool, self.index_topk),
+                format!(
+                    "must be a positive multiple of index_kpool ({}), got {}",
+                    self.index_kpool, self.index_topk
+                ),
             ));
         }
         if !self.index_kpool_always_select_tail && self.index_kpool > 1 {
@@ -412,9 +448,12 @@ impl Config {
         if has_moe {
             let e = self.n_routed_experts;
             if e == 0 {
-                return Err(field_err("n_routed_experts", "must be at least 1 when a layer is sparse"));
+                return Err(field_err(
+                    "n_routed_experts",
+                    "must be at least 1 when a layer is sparse",
+                ));
             }
-            if e % self.n_group != 0 {
+            if !e.is_multiple_of(self.n_group) {
                 return Err(field_err(
                     "n_group",
                     format!("must divide n_routed_experts ({e}), got {}", self.n_group),
@@ -424,13 +463,19 @@ impl Config {
             if self.n_group > 1 && per_group < 2 {
                 return Err(field_err(
                     "n_group",
-                    format!("groups are ranked by their top-2 experts, so each needs 2; {e} experts in {} groups", self.n_group),
+                    format!(
+                        "groups are ranked by their top-2 experts, so each needs 2; {e} experts in {} groups",
+                        self.n_group
+                    ),
                 ));
             }
             if self.topk_group > self.n_group {
                 return Err(field_err(
                     "topk_group",
-                    format!("must be at most n_group ({}), got {}", self.n_group, self.topk_group),
+                    format!(
+                        "must be at most n_group ({}), got {}",
+                        self.n_group, self.topk_group
+                    ),
                 ));
             }
             let reachable = self.topk_group * per_group;
@@ -448,7 +493,10 @@ impl Config {
             }
         }
         if self.mlp_kinds.contains(&MlpKind::Dense) && self.intermediate_size == 0 {
-            return Err(field_err("intermediate_size", "must be at least 1 when a layer is dense"));
+            return Err(field_err(
+                "intermediate_size",
+                "must be at least 1 when a layer is dense",
+            ));
         }
         let mut seen_full = false;
         for (i, (attn, idx)) in self.attn_kinds.iter().zip(&self.indexer_kinds).enumerate() {
@@ -466,11 +514,17 @@ impl Config {
                 IndexerKind::Shared => {}
             }
         }
-        if !(self.rms_norm_eps > 0.0) {
-            return Err(field_err("rms_norm_eps", format!("must be positive, got {}", self.rms_norm_eps)));
+        if self.rms_norm_eps.is_nan() || self.rms_norm_eps <= 0.0 {
+            return Err(field_err(
+                "rms_norm_eps",
+                format!("must be positive, got {}", self.rms_norm_eps),
+            ));
         }
-        if !(self.swiglu_limit > 0.0) {
-            return Err(field_err("swiglu_limit", format!("must be positive, got {}", self.swiglu_limit)));
+        if self.swiglu_limit.is_nan() || self.swiglu_limit <= 0.0 {
+            return Err(field_err(
+                "swiglu_limit",
+                format!("must be positive, got {}", self.swiglu_limit),
+            ));
         }
         Ok(())
     }
@@ -490,7 +544,10 @@ fn parse_indexer_kinds(f: &Fields, layers: usize) -> Result<Vec<IndexerKind>, Co
     let parse = |field: &str, s: &str| match s {
         "full" | "F" => Ok(IndexerKind::Full),
         "shared" | "S" => Ok(IndexerKind::Shared),
-        other => Err(field_err(field, format!("unknown indexer type `{other}` (expected full or shared)"))),
+        other => Err(field_err(
+            field,
+            format!("unknown indexer type `{other}` (expected full or shared)"),
+        )),
     };
     if let Some(types) = f.strings("indexer_types")? {
         return types
@@ -516,7 +573,12 @@ fn parse_indexer_kinds(f: &Fields, layers: usize) -> Result<Vec<IndexerKind>, Co
                 .map(|(i, t)| parse(&format!("index_topk_pattern[{i}]"), t))
                 .collect();
         }
-        Some(v) => return Err(field_err("index_topk_pattern", format!("expected a string or list, got {v}"))),
+        Some(v) => {
+            return Err(field_err(
+                "index_topk_pattern",
+                format!("expected a string or list, got {v}"),
+            ));
+        }
         None => {}
     }
     let freq = f.usize("index_topk_freq", 1)?.max(1);

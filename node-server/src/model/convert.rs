@@ -27,12 +27,20 @@ pub struct ConvertReport {
 type Tensor = (String, DType, Vec<usize>, Vec<u8>);
 
 /// Converts `src`'s routed experts to `format`, writing a complete checkpoint to `dst`.
-pub fn convert_experts(src: &Path, dst: &Path, format: Format, mut progress: impl FnMut(usize, usize)) -> anyhow::Result<ConvertReport> {
+pub fn convert_experts(
+    src: &Path,
+    dst: &Path,
+    format: Format,
+    mut progress: impl FnMut(usize, usize),
+) -> anyhow::Result<ConvertReport> {
     if src.canonicalize().ok() == dst.canonicalize().ok() {
         bail!("--out must differ from --model ({})", src.display());
     }
     let cfg = Config::from_file(&src.join("config.json"))?;
-    for (what, cols) in [("hidden_size", cfg.hidden_size), ("moe_intermediate_size", cfg.moe_intermediate_size)] {
+    for (what, cols) in [
+        ("hidden_size", cfg.hidden_size),
+        ("moe_intermediate_size", cfg.moe_intermediate_size),
+    ] {
         if cols % format.block_values() != 0 {
             bail!(
                 "{what} is {cols}; {} stores rows in blocks of {} values, so it needs a multiple of {}",
@@ -46,8 +54,14 @@ pub fn convert_experts(src: &Path, dst: &Path, format: Format, mut progress: imp
     std::fs::create_dir_all(dst).with_context(|| format!("creating {}", dst.display()))?;
     for entry in std::fs::read_dir(src)? {
         let path = entry?.path();
-        let name = path.file_name().and_then(|n| n.to_str()).unwrap_or_default();
-        if path.is_file() && !name.ends_with(".safetensors") && name != "model.safetensors.index.json" {
+        let name = path
+            .file_name()
+            .and_then(|n| n.to_str())
+            .unwrap_or_default();
+        if path.is_file()
+            && !name.ends_with(".safetensors")
+            && name != "model.safetensors.index.json"
+        {
             std::fs::copy(&path, dst.join(name))?;
         }
     }
@@ -55,7 +69,10 @@ pub fn convert_experts(src: &Path, dst: &Path, format: Format, mut progress: imp
     let vb = Loader::new(&ckpt);
     let prefix = ckpt_prefix(&ckpt);
     let moe_layer = |l: usize| cfg.mlp_kinds[l] == MlpKind::Moe;
-    let is_expert_key = |key: &str| (0..cfg.num_hidden_layers).any(|l| moe_layer(l) && key.contains(&format!("layers.{l}.mlp.experts.")));
+    let is_expert_key = |key: &str| {
+        (0..cfg.num_hidden_layers)
+            .any(|l| moe_layer(l) && key.contains(&format!("layers.{l}.mlp.experts.")))
+    };
     // Non-expert tensors grouped by layer (None: embeddings, final norm, head), one shard each.
     let mut groups: BTreeMap<Option<usize>, Vec<Tensor>> = BTreeMap::new();
     for key in ckpt.keys() {
@@ -68,16 +85,19 @@ pub fn convert_experts(src: &Path, dst: &Path, format: Format, mut progress: imp
             .nth(1)
             .and_then(|rest| rest.split('.').next())
             .and_then(|n| n.parse::<usize>().ok());
-        groups
-            .entry(layer)
-            .or_default()
-            .push((key.to_string(), view.dtype, view.shape.to_vec(), view.bytes.to_vec()));
+        groups.entry(layer).or_default().push((
+            key.to_string(),
+            view.dtype,
+            view.shape.to_vec(),
+            view.bytes.to_vec(),
+        ));
     }
     for l in (0..cfg.num_hidden_layers).filter(|&l| moe_layer(l)) {
         groups.entry(Some(l)).or_default();
     }
 
-    let total_experts = (0..cfg.num_hidden_layers).filter(|&l| moe_layer(l)).count() * cfg.n_routed_experts;
+    let total_experts =
+        (0..cfg.num_hidden_layers).filter(|&l| moe_layer(l)).count() * cfg.n_routed_experts;
     let shard_count = groups.len();
     let mut report = ConvertReport {
         shards: shard_count,
@@ -90,10 +110,16 @@ pub fn convert_experts(src: &Path, dst: &Path, format: Format, mut progress: imp
             let experts = vb.pp(&format!("layers.{layer}.mlp.experts"));
             for e in 0..cfg.n_routed_experts {
                 let expert = load_expert(&cfg, experts, e)?;
-                for (part, m) in [("gate_proj", &expert.gate), ("up_proj", &expert.up), ("down_proj", &expert.down)] {
+                for (part, m) in [
+                    ("gate_proj", &expert.gate),
+                    ("up_proj", &expert.up),
+                    ("down_proj", &expert.down),
+                ] {
                     let key = format!("{prefix}layers.{layer}.mlp.experts.{e}.{part}.weight");
                     report.source_bytes += m.storage_bytes();
-                    let q = m.convert(format).with_context(|| format!("quantizing {key}"))?;
+                    let q = m
+                        .convert(format)
+                        .with_context(|| format!("quantizing {key}"))?;
                     report.converted_bytes += q.storage_bytes();
                     push_matrix(&mut tensors, &mut metadata, key, &q);
                 }
@@ -108,7 +134,10 @@ pub fn convert_experts(src: &Path, dst: &Path, format: Format, mut progress: imp
         super::checkpoint::write_safetensors(&dst.join(&file), &tensors, &metadata)?;
     }
     let index = serde_json::json!({"metadata": {"glmflash.expert_format": format.name()}, "weight_map": weight_map});
-    std::fs::write(dst.join("model.safetensors.index.json"), serde_json::to_string_pretty(&index)?)?;
+    std::fs::write(
+        dst.join("model.safetensors.index.json"),
+        serde_json::to_string_pretty(&index)?,
+    )?;
     Ok(report)
 }
 
@@ -117,15 +146,29 @@ fn ckpt_prefix(ckpt: &Checkpoint) -> String {
     embed.trim_end_matches("embed_tokens.weight").to_string()
 }
 
-fn push_matrix(tensors: &mut Vec<Tensor>, metadata: &mut BTreeMap<String, String>, key: String, m: &Matrix) {
+fn push_matrix(
+    tensors: &mut Vec<Tensor>,
+    metadata: &mut BTreeMap<String, String>,
+    key: String,
+    m: &Matrix,
+) {
     let format = m.format();
     let (dtype, shape) = match format {
         Format::F32 => (DType::F32, vec![m.rows(), m.cols()]),
         Format::F16 => (DType::F16, vec![m.rows(), m.cols()]),
         Format::Bf16 => (DType::Bf16, vec![m.rows(), m.cols()]),
         _ => {
-            metadata.insert(quant_metadata_key(&key), format!("{}:{}", format.name(), m.cols()));
-            (DType::U8, vec![m.rows(), format.row_bytes(m.cols()).expect("converted matrix")])
+            metadata.insert(
+                quant_metadata_key(&key),
+                format!("{}:{}", format.name(), m.cols()),
+            );
+            (
+                DType::U8,
+                vec![
+                    m.rows(),
+                    format.row_bytes(m.cols()).expect("converted matrix"),
+                ],
+            )
         }
     };
     tensors.push((key, dtype, shape, m.to_bytes()));

@@ -74,12 +74,27 @@ impl Indexer {
 
     /// Projects the new tokens (`x`: block input, `qr`: normalised q latent) and appends their
     /// keys to each sequence's cache. Returns the query side for [`Indexer::select`].
-    pub fn prepare(&self, x: &[f32], qr: &[f32], tokens: usize) -> (IndexerInputs, Vec<f32>, Vec<f32>) {
+    pub fn prepare(
+        &self,
+        x: &[f32],
+        qr: &[f32],
+        tokens: usize,
+    ) -> (IndexerInputs, Vec<f32>, Vec<f32>) {
         let mut keys = self.wk.matmul(x, tokens);
-        ops::layer_norm(&mut keys, &self.k_norm_weight, &self.k_norm_bias, K_NORM_EPS);
+        ops::layer_norm(
+            &mut keys,
+            &self.k_norm_weight,
+            &self.k_norm_bias,
+            K_NORM_EPS,
+        );
         let gates = self.gate.matmul(x, tokens);
         let scale = (self.heads as f32).powf(-0.5);
-        let weights = self.weights_proj.matmul(x, tokens).into_iter().map(|w| w * scale).collect();
+        let weights = self
+            .weights_proj
+            .matmul(x, tokens)
+            .into_iter()
+            .map(|w| w * scale)
+            .collect();
         (
             IndexerInputs {
                 q: self.wq_b.matmul(qr, tokens),
@@ -106,7 +121,9 @@ impl Indexer {
                     logits[j] = cache.gates[(first + j) * di + c] + self.ape[j * di + c];
                 }
                 ops::softmax(&mut logits);
-                key[c] = (0..self.kpool).map(|j| logits[j] * cache.keys[(first + j) * di + c]).sum();
+                key[c] = (0..self.kpool)
+                    .map(|j| logits[j] * cache.keys[(first + j) * di + c])
+                    .sum();
             }
             cache.pool_keys.extend_from_slice(&key);
             pool += 1;
@@ -115,7 +132,13 @@ impl Indexer {
 
     /// The token positions query `row` of `inputs` (at absolute position `pos`) attends to,
     /// ascending.
-    pub fn select(&self, inputs: &IndexerInputs, row: usize, pos: usize, cache: &IndexerCache) -> Vec<u32> {
+    pub fn select(
+        &self,
+        inputs: &IndexerInputs,
+        row: usize,
+        pos: usize,
+        cache: &IndexerCache,
+    ) -> Vec<u32> {
         let (di, hi) = (self.dim, self.heads);
         let visible = pos + 1;
         let candidates = (visible / self.kpool).min(cache.pool_keys.len() / di);

@@ -117,10 +117,17 @@ impl Model {
     }
 
     /// As [`Model::load`], with routed experts served by `experts` when given.
-    pub fn load_with(dir: &Path, experts: Option<Arc<dyn ExpertProvider>>) -> anyhow::Result<Model> {
+    pub fn load_with(
+        dir: &Path,
+        experts: Option<Arc<dyn ExpertProvider>>,
+    ) -> anyhow::Result<Model> {
         let cfg = Config::from_file(&dir.join("config.json"))?;
         let ckpt = Checkpoint::open(dir)?;
-        if ckpt.keys().iter().any(|k| k.contains(&format!("layers.{}.", cfg.num_hidden_layers))) {
+        if ckpt
+            .keys()
+            .iter()
+            .any(|k| k.contains(&format!("layers.{}.", cfg.num_hidden_layers)))
+        {
             tracing::info!(
                 layer = cfg.num_hidden_layers,
                 "checkpoint carries an MTP layer; it is ignored (no speculative decoding)"
@@ -133,7 +140,11 @@ impl Model {
         Ok(Model::from_checkpoint(cfg, &ckpt, experts)?)
     }
 
-    pub fn from_checkpoint(cfg: Config, ckpt: &Checkpoint, experts: Arc<dyn ExpertProvider>) -> Result<Model, LoadError> {
+    pub fn from_checkpoint(
+        cfg: Config,
+        ckpt: &Checkpoint,
+        experts: Arc<dyn ExpertProvider>,
+    ) -> Result<Model, LoadError> {
         let vb = Loader::new(ckpt);
         let (d, v) = (cfg.hidden_size, cfg.vocab_size);
         let embed = vb.matrix("embed_tokens.weight", v, d)?;
@@ -201,7 +212,11 @@ impl Model {
 
     /// Runs every step's new tokens through the model, appending to its cache. Returns, per
     /// step, logits rows (`[new tokens or 1, vocab]`, flattened).
-    pub fn forward(&self, steps: &mut [Step], hooks: Option<&dyn ForwardHooks>) -> anyhow::Result<Vec<Vec<f32>>> {
+    pub fn forward(
+        &self,
+        steps: &mut [Step],
+        hooks: Option<&dyn ForwardHooks>,
+    ) -> anyhow::Result<Vec<Vec<f32>>> {
         let cfg = &self.cfg;
         let (d, n) = (cfg.hidden_size, cfg.hc_mult);
         let mut spans = Vec::with_capacity(steps.len());
@@ -211,7 +226,10 @@ impl Model {
                 bail!("sequence {i} of the batch has no tokens to process");
             }
             if let Some(&bad) = step.tokens.iter().find(|&&t| t as usize >= cfg.vocab_size) {
-                bail!("token id {bad} is outside the vocabulary (size {})", cfg.vocab_size);
+                bail!(
+                    "token id {bad} is outside the vocabulary (size {})",
+                    cfg.vocab_size
+                );
             }
             if step.cache.layers.len() != cfg.num_hidden_layers {
                 bail!("sequence {i}'s cache does not belong to this model");
@@ -265,7 +283,13 @@ impl Model {
                             LayerCache::Kda(_) => unreachable!("cache built from the same config"),
                         })
                         .collect();
-                    let (y, fresh) = mla.forward(&x, &spans, &mut caches, carried.as_deref(), self.options.mla);
+                    let (y, fresh) = mla.forward(
+                        &x,
+                        &spans,
+                        &mut caches,
+                        carried.as_deref(),
+                        self.options.mla,
+                    );
                     if fresh.is_some() {
                         carried = fresh;
                     }
@@ -278,7 +302,12 @@ impl Model {
             // Feed-forward sublayer.
             let (mut x, mix) = layer.ffn_hc.collapse(&streams, tokens);
             tap(&name("ffn_hc.collapsed"), &x, d);
-            ops::rms_norm(&mut x, Some(&layer.post_attention_norm), d, cfg.rms_norm_eps);
+            ops::rms_norm(
+                &mut x,
+                Some(&layer.post_attention_norm),
+                d,
+                cfg.rms_norm_eps,
+            );
             let y = match &layer.feed_forward {
                 FeedForward::Dense(mlp) => mlp.forward(&x, tokens),
                 FeedForward::Moe(moe) => {
@@ -300,7 +329,11 @@ impl Model {
         let mut rows = Vec::new();
         let mut counts = Vec::with_capacity(steps.len());
         for (step, &(start, len)) in steps.iter().zip(&spans) {
-            let first = if step.all_logits { start } else { start + len - 1 };
+            let first = if step.all_logits {
+                start
+            } else {
+                start + len - 1
+            };
             rows.extend(first..start + len);
             counts.push(start + len - first);
         }
@@ -345,7 +378,11 @@ impl Model {
 
     /// Greedy continuation of `prompt` for `steps` tokens through the cache; returns the
     /// tokens and the logits that chose each.
-    pub fn greedy(&self, prompt: &[u32], steps: usize) -> anyhow::Result<(Vec<u32>, Vec<Vec<f32>>)> {
+    pub fn greedy(
+        &self,
+        prompt: &[u32],
+        steps: usize,
+    ) -> anyhow::Result<(Vec<u32>, Vec<Vec<f32>>)> {
         let (mut logits, mut cache) = self.prefill(prompt)?;
         let mut tokens = Vec::with_capacity(steps);
         let mut all = Vec::with_capacity(steps);
@@ -387,7 +424,12 @@ impl Layer {
             )?),
         };
         let feed_forward = match cfg.mlp_kinds[i] {
-            MlpKind::Dense => FeedForward::Dense(SwiGlu::load(vb.pp("mlp"), d, cfg.intermediate_size, cfg.swiglu_limit)?),
+            MlpKind::Dense => FeedForward::Dense(SwiGlu::load(
+                vb.pp("mlp"),
+                d,
+                cfg.intermediate_size,
+                cfg.swiglu_limit,
+            )?),
             MlpKind::Moe => FeedForward::Moe(Moe::load(cfg, vb.pp("mlp"))?),
         };
         Ok(Layer {

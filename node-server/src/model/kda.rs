@@ -114,7 +114,13 @@ impl Kda {
 
     /// Runs the layer over `x` (`[T, D]`, all sequences' tokens); `spans[i]` is sequence i's
     /// `(first row, rows)`, continuing from `states[i]`.
-    pub fn forward(&self, x: &[f32], spans: &[(usize, usize)], states: &mut [&mut KdaState], mode: KdaMode) -> Vec<f32> {
+    pub fn forward(
+        &self,
+        x: &[f32],
+        spans: &[(usize, usize)],
+        states: &mut [&mut KdaState],
+        mode: KdaMode,
+    ) -> Vec<f32> {
         let tokens: usize = spans.iter().map(|s| s.1).sum();
         let c = self.heads * self.head_dim;
         let q = self.q_proj.matmul(x, tokens);
@@ -128,12 +134,21 @@ impl Kda {
             row[2 * c..].copy_from_slice(&v[t * c..(t + 1) * c]);
         }
         let gate_log = self.forget_gate(x, tokens);
-        let beta: Vec<f32> = self.b_proj.matmul(x, tokens).into_iter().map(ops::sigmoid).collect();
+        let beta: Vec<f32> = self
+            .b_proj
+            .matmul(x, tokens)
+            .into_iter()
+            .map(ops::sigmoid)
+            .collect();
         let out_gate = self.g_b.matmul(&self.g_a.matmul(x, tokens), tokens);
 
         let mut core = vec![0f32; tokens * c];
         for (&(start, len), state) in spans.iter().zip(states.iter_mut()) {
-            let mixed = self.conv_step(&qkv[start * 3 * c..(start + len) * 3 * c], len, &mut state.conv);
+            let mixed = self.conv_step(
+                &qkv[start * 3 * c..(start + len) * 3 * c],
+                len,
+                &mut state.conv,
+            );
             let out = self.attend(
                 &mixed,
                 &gate_log[start * c..(start + len) * c],
@@ -149,7 +164,9 @@ impl Kda {
         let dh = self.head_dim;
         for (o, g) in core.chunks_exact_mut(dh).zip(out_gate.chunks_exact(dh)) {
             ops::rms_norm(o, Some(&self.o_norm), dh, self.eps);
-            o.iter_mut().zip(g).for_each(|(o, g)| *o *= ops::sigmoid(*g));
+            o.iter_mut()
+                .zip(g)
+                .for_each(|(o, g)| *o *= ops::sigmoid(*g));
         }
         self.o_proj.matmul(&core, tokens)
     }
@@ -165,7 +182,11 @@ impl Kda {
                 g[t * c + ch] = match self.lower_bound {
                     Some(bound) => bound * ops::sigmoid(rate * pre),
                     None => {
-                        let softplus = if pre > 20.0 { pre } else { (1.0 + pre.exp()).ln() };
+                        let softplus = if pre > 20.0 {
+                            pre
+                        } else {
+                            (1.0 + pre.exp()).ln()
+                        };
                         -rate * softplus
                     }
                 };
@@ -198,7 +219,15 @@ impl Kda {
     }
 
     /// Normalises q and k, then runs the delta rule per head (in parallel across heads).
-    fn attend(&self, mixed: &[f32], g: &[f32], beta: &[f32], len: usize, state: &mut [f32], mode: KdaMode) -> Vec<f32> {
+    fn attend(
+        &self,
+        mixed: &[f32],
+        g: &[f32],
+        beta: &[f32],
+        len: usize,
+        state: &mut [f32],
+        mode: KdaMode,
+    ) -> Vec<f32> {
         let (h, dh) = (self.heads, self.head_dim);
         let c = h * dh;
         let scale = 1.0 / (dh as f32).sqrt();
@@ -210,7 +239,10 @@ impl Kda {
                 let gather = |offset: usize| -> Vec<f32> {
                     let mut v = Vec::with_capacity(len * dh);
                     for t in 0..len {
-                        v.extend_from_slice(&mixed[t * 3 * c + offset + head * dh..t * 3 * c + offset + (head + 1) * dh]);
+                        v.extend_from_slice(
+                            &mixed[t * 3 * c + offset + head * dh
+                                ..t * 3 * c + offset + (head + 1) * dh],
+                        );
                     }
                     v
                 };
@@ -220,7 +252,9 @@ impl Kda {
                 ops::l2_norm(&mut q, dh, L2_EPS);
                 ops::l2_norm(&mut k, dh, L2_EPS);
                 q.iter_mut().for_each(|x| *x *= scale);
-                let gh: Vec<f32> = (0..len).flat_map(|t| g[t * c + head * dh..t * c + (head + 1) * dh].to_vec()).collect();
+                let gh: Vec<f32> = (0..len)
+                    .flat_map(|t| g[t * c + head * dh..t * c + (head + 1) * dh].to_vec())
+                    .collect();
                 let bh: Vec<f32> = (0..len).map(|t| beta[t * h + head]).collect();
                 if len == 1 || mode == KdaMode::Recurrent {
                     recurrent(&q, &k, &v, &gh, &bh, dh, s)
@@ -231,7 +265,8 @@ impl Kda {
             .collect();
         for (head, o) in per_head.iter().enumerate() {
             for t in 0..len {
-                out[t * c + head * dh..t * c + (head + 1) * dh].copy_from_slice(&o[t * dh..(t + 1) * dh]);
+                out[t * c + head * dh..t * c + (head + 1) * dh]
+                    .copy_from_slice(&o[t * dh..(t + 1) * dh]);
             }
         }
         out
@@ -239,12 +274,25 @@ impl Kda {
 }
 
 /// The delta rule token by token. `s` is `[Dk, Dv]` with `Dk = Dv = d`.
-pub fn recurrent(q: &[f32], k: &[f32], v: &[f32], g: &[f32], beta: &[f32], d: usize, s: &mut [f32]) -> Vec<f32> {
+pub fn recurrent(
+    q: &[f32],
+    k: &[f32],
+    v: &[f32],
+    g: &[f32],
+    beta: &[f32],
+    d: usize,
+    s: &mut [f32],
+) -> Vec<f32> {
     let len = beta.len();
     let mut out = vec![0f32; len * d];
     let mut kv_mem = vec![0f32; d];
     for t in 0..len {
-        let (qt, kt, vt, gt) = (&q[t * d..(t + 1) * d], &k[t * d..(t + 1) * d], &v[t * d..(t + 1) * d], &g[t * d..(t + 1) * d]);
+        let (qt, kt, vt, gt) = (
+            &q[t * d..(t + 1) * d],
+            &k[t * d..(t + 1) * d],
+            &v[t * d..(t + 1) * d],
+            &g[t * d..(t + 1) * d],
+        );
         for i in 0..d {
             let decay = gt[i].exp();
             s[i * d..(i + 1) * d].iter_mut().for_each(|x| *x *= decay);
@@ -253,7 +301,11 @@ pub fn recurrent(q: &[f32], k: &[f32], v: &[f32], g: &[f32], beta: &[f32], d: us
         for i in 0..d {
             ops::axpy(&mut kv_mem, kt[i], &s[i * d..(i + 1) * d]);
         }
-        let delta: Vec<f32> = vt.iter().zip(&kv_mem).map(|(v, m)| (v - m) * beta[t]).collect();
+        let delta: Vec<f32> = vt
+            .iter()
+            .zip(&kv_mem)
+            .map(|(v, m)| (v - m) * beta[t])
+            .collect();
         for i in 0..d {
             ops::axpy(&mut s[i * d..(i + 1) * d], kt[i], &delta);
         }
@@ -267,7 +319,15 @@ pub fn recurrent(q: &[f32], k: &[f32], v: &[f32], g: &[f32], beta: &[f32], d: us
 
 /// The chunked (WY) form of [`recurrent`]: within a chunk the delta rule's triangular system
 /// is solved by forward substitution, then one state update per chunk.
-pub fn chunked(q: &[f32], k: &[f32], v: &[f32], g: &[f32], beta: &[f32], d: usize, s: &mut [f32]) -> Vec<f32> {
+pub fn chunked(
+    q: &[f32],
+    k: &[f32],
+    v: &[f32],
+    g: &[f32],
+    beta: &[f32],
+    d: usize,
+    s: &mut [f32],
+) -> Vec<f32> {
     let len = beta.len();
     let mut out = vec![0f32; len * d];
     for c0 in (0..len).step_by(CHUNK) {
@@ -289,7 +349,10 @@ pub fn chunked(q: &[f32], k: &[f32], v: &[f32], g: &[f32], beta: &[f32], d: usiz
             for j in 0..i {
                 let mut acc = 0f32;
                 for c in 0..d {
-                    acc += kc[i * d + c] * bc[i] * kc[j * d + c] * (gc[i * d + c] - gc[j * d + c]).exp();
+                    acc += kc[i * d + c]
+                        * bc[i]
+                        * kc[j * d + c]
+                        * (gc[i * d + c] - gc[j * d + c]).exp();
                 }
                 a[i * n + j] = -acc;
             }
@@ -375,7 +438,9 @@ mod tests {
     fn chunked_equals_recurrent_across_chunks() {
         let mut rng = rand_chacha::ChaCha8Rng::seed_from_u64(7);
         let (len, d) = (150, 8);
-        let mut rnd = |n: usize, lo: f32, hi: f32| -> Vec<f32> { (0..n).map(|_| rng.random_range(lo..hi)).collect() };
+        let mut rnd = |n: usize, lo: f32, hi: f32| -> Vec<f32> {
+            (0..n).map(|_| rng.random_range(lo..hi)).collect()
+        };
         let mut q = rnd(len * d, -1.0, 1.0);
         let mut k = rnd(len * d, -1.0, 1.0);
         ops::l2_norm(&mut q, d, L2_EPS);
@@ -387,8 +452,21 @@ mod tests {
         let (mut s1, mut s2) = (s0.clone(), s0);
         let o1 = recurrent(&q, &k, &v, &g, &beta, d, &mut s1);
         let o2 = chunked(&q, &k, &v, &g, &beta, d, &mut s2);
-        let max_diff = |a: &[f32], b: &[f32]| a.iter().zip(b).map(|(x, y)| (x - y).abs()).fold(0f32, f32::max);
-        assert!(max_diff(&o1, &o2) < 1e-4, "outputs differ by {}", max_diff(&o1, &o2));
-        assert!(max_diff(&s1, &s2) < 1e-4, "states differ by {}", max_diff(&s1, &s2));
+        let max_diff = |a: &[f32], b: &[f32]| {
+            a.iter()
+                .zip(b)
+                .map(|(x, y)| (x - y).abs())
+                .fold(0f32, f32::max)
+        };
+        assert!(
+            max_diff(&o1, &o2) < 1e-4,
+            "outputs differ by {}",
+            max_diff(&o1, &o2)
+        );
+        assert!(
+            max_diff(&s1, &s2) < 1e-4,
+            "states differ by {}",
+            max_diff(&s1, &s2)
+        );
     }
 }

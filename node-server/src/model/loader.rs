@@ -64,12 +64,20 @@ impl<'a> Loader<'a> {
 
     /// The first name of `names` present (one tensor's names across the on-disk layouts).
     pub fn pick<'n>(&self, names: &[&'n str]) -> Result<&'n str, LoadError> {
-        names.iter().copied().find(|n| self.contains(n)).ok_or_else(|| {
-            LoadError::Checkpoint(CheckpointError::Missing {
-                key: self.name(names[0]),
-                tried: names.iter().map(|n| format!("`{}`", self.name(n))).collect::<Vec<_>>().join(", "),
+        names
+            .iter()
+            .copied()
+            .find(|n| self.contains(n))
+            .ok_or_else(|| {
+                LoadError::Checkpoint(CheckpointError::Missing {
+                    key: self.name(names[0]),
+                    tried: names
+                        .iter()
+                        .map(|n| format!("`{}`", self.name(n)))
+                        .collect::<Vec<_>>()
+                        .join(", "),
+                })
             })
-        })
     }
 
     /// A vector of exactly `len` values.
@@ -91,9 +99,11 @@ impl<'a> Loader<'a> {
         }
         let view = self.ckpt.tensor(&full, &[rows, cols])?;
         let format = float_format(view.dtype);
-        Matrix::from_bytes(rows, cols, format, view.bytes.to_vec()).map_err(|source| LoadError::Matrix {
-            key: view.key.to_string(),
-            source,
+        Matrix::from_bytes(rows, cols, format, view.bytes.to_vec()).map_err(|source| {
+            LoadError::Matrix {
+                key: view.key.to_string(),
+                source,
+            }
         })
     }
 
@@ -112,13 +122,20 @@ impl<'a> Loader<'a> {
         let size = view.dtype.size();
         let start = (index * total_rows + row0) * cols * size;
         let bytes = view.bytes[start..start + rows * cols * size].to_vec();
-        Matrix::from_bytes(rows, cols, float_format(view.dtype), bytes).map_err(|source| LoadError::Matrix {
-            key: view.key.to_string(),
-            source,
+        Matrix::from_bytes(rows, cols, float_format(view.dtype), bytes).map_err(|source| {
+            LoadError::Matrix {
+                key: view.key.to_string(),
+                source,
+            }
         })
     }
 
-    fn quantized(&self, view: TensorView<'_>, rows: usize, cols: usize) -> Result<Matrix, LoadError> {
+    fn quantized(
+        &self,
+        view: TensorView<'_>,
+        rows: usize,
+        cols: usize,
+    ) -> Result<Matrix, LoadError> {
         let invalid = |message: String| LoadError::Invalid {
             key: view.key.to_string(),
             message,
@@ -127,17 +144,26 @@ impl<'a> Loader<'a> {
             .ckpt
             .metadata()
             .get(&quant_metadata_key(view.key))
-            .ok_or_else(|| invalid(format!("is U8 but the file has no `{}` metadata", quant_metadata_key(view.key))))?;
+            .ok_or_else(|| {
+                invalid(format!(
+                    "is U8 but the file has no `{}` metadata",
+                    quant_metadata_key(view.key)
+                ))
+            })?;
         let (format, stored_cols) = meta
             .split_once(':')
             .and_then(|(f, c)| Some((Format::from_name(f).ok()?, c.parse::<usize>().ok()?)))
-            .ok_or_else(|| invalid(format!("quantization metadata `{meta}` is not `format:cols`")))?;
+            .ok_or_else(|| {
+                invalid(format!(
+                    "quantization metadata `{meta}` is not `format:cols`"
+                ))
+            })?;
         if stored_cols != cols {
-            return Err(invalid(format!("quantized for {stored_cols} columns, expected {cols}")));
+            return Err(invalid(format!(
+                "quantized for {stored_cols} columns, expected {cols}"
+            )));
         }
-        let row_bytes = format
-            .row_bytes(cols)
-            .map_err(|e| invalid(e.to_string()))?;
+        let row_bytes = format.row_bytes(cols).map_err(|e| invalid(e.to_string()))?;
         if view.shape != [rows, row_bytes] {
             return Err(LoadError::Checkpoint(CheckpointError::Shape {
                 key: view.key.to_string(),
@@ -145,9 +171,11 @@ impl<'a> Loader<'a> {
                 found: view.shape.to_vec(),
             }));
         }
-        Matrix::from_bytes(rows, cols, format, view.bytes.to_vec()).map_err(|source| LoadError::Matrix {
-            key: view.key.to_string(),
-            source,
+        Matrix::from_bytes(rows, cols, format, view.bytes.to_vec()).map_err(|source| {
+            LoadError::Matrix {
+                key: view.key.to_string(),
+                source,
+            }
         })
     }
 }

@@ -58,7 +58,12 @@ pub type Selections = Vec<Vec<u32>>;
 
 impl Mla {
     pub fn load(cfg: &Config, vb: Loader, full_indexer: bool) -> Result<Mla, LoadError> {
-        let (d, h, q, r) = (cfg.hidden_size, cfg.num_attention_heads, cfg.q_lora_rank, cfg.kv_lora_rank);
+        let (d, h, q, r) = (
+            cfg.hidden_size,
+            cfg.num_attention_heads,
+            cfg.q_lora_rank,
+            cfg.kv_lora_rank,
+        );
         let (nope, vd) = (cfg.qk_nope_head_dim, cfg.v_head_dim);
         Ok(Mla {
             q_a: vb.matrix("q_a_proj.weight", q, d)?,
@@ -108,8 +113,14 @@ impl Mla {
                 .map(|(&(start, len), cache)| {
                     let ic = cache.indexer.get_or_insert_with(IndexerCache::default);
                     let past = ic.keys.len() / di.max(1);
-                    indexer.append(ic, &keys[start * di..(start + len) * di], &gates[start * di..(start + len) * di]);
-                    (0..len).map(|i| indexer.select(&inputs, start + i, past + i, ic)).collect()
+                    indexer.append(
+                        ic,
+                        &keys[start * di..(start + len) * di],
+                        &gates[start * di..(start + len) * di],
+                    );
+                    (0..len)
+                        .map(|i| indexer.select(&inputs, start + i, past + i, ic))
+                        .collect()
                 })
                 .collect()
         });
@@ -120,7 +131,9 @@ impl Mla {
 
         let mut attn = vec![0f32; tokens * h * vd];
         for ((&(start, len), cache), sel) in spans.iter().zip(caches.iter_mut()).zip(selections) {
-            cache.latents.extend_from_slice(&latent[start * r..(start + len) * r]);
+            cache
+                .latents
+                .extend_from_slice(&latent[start * r..(start + len) * r]);
             let past = cache.latents.len() / r - len;
             let absorbed = match path {
                 MlaPath::Auto => len == 1,
@@ -143,7 +156,14 @@ impl Mla {
     }
 
     /// Keys and values expanded from the latents: `k_nope`, `v` per token per head.
-    fn attend_expanded(&self, q: &[f32], len: usize, past: usize, latents: &[f32], sel: &Selections) -> Vec<f32> {
+    fn attend_expanded(
+        &self,
+        q: &[f32],
+        len: usize,
+        past: usize,
+        latents: &[f32],
+        sel: &Selections,
+    ) -> Vec<f32> {
         let (h, nope, vd) = (self.heads, self.nope, self.v_dim);
         let total = past + len;
         let kv = self.kv_b.matmul(latents, total);
@@ -173,7 +193,13 @@ impl Mla {
     }
 
     /// Weight-absorbed attention over the latents.
-    fn attend_absorbed(&self, q: &[f32], len: usize, latents: &[f32], sel: &Selections) -> Vec<f32> {
+    fn attend_absorbed(
+        &self,
+        q: &[f32],
+        len: usize,
+        latents: &[f32],
+        sel: &Selections,
+    ) -> Vec<f32> {
         let (h, nope, vd, r) = (self.heads, self.nope, self.v_dim, self.rank);
         let scale = self.scale();
         let mut out = vec![0f32; len * h * vd];
@@ -182,7 +208,9 @@ impl Mla {
             .map(|head| {
                 let base = head * (nope + vd);
                 let uk: Vec<Vec<f32>> = (0..nope).map(|i| self.kv_b.row_f32(base + i)).collect();
-                let uv: Vec<Vec<f32>> = (0..vd).map(|i| self.kv_b.row_f32(base + nope + i)).collect();
+                let uv: Vec<Vec<f32>> = (0..vd)
+                    .map(|i| self.kv_b.row_f32(base + nope + i))
+                    .collect();
                 let mut head_out = vec![0f32; len * vd];
                 for i in 0..len {
                     let qh = &q[(i * h + head) * nope..(i * h + head + 1) * nope];
@@ -193,12 +221,18 @@ impl Mla {
                     let picks = &sel[i];
                     let mut scores: Vec<f32> = picks
                         .iter()
-                        .map(|&j| ops::dot(&q_lat, &latents[j as usize * r..(j as usize + 1) * r]) * scale)
+                        .map(|&j| {
+                            ops::dot(&q_lat, &latents[j as usize * r..(j as usize + 1) * r]) * scale
+                        })
                         .collect();
                     ops::softmax(&mut scores);
                     let mut o_lat = vec![0f32; r];
                     for (&j, p) in picks.iter().zip(&scores) {
-                        ops::axpy(&mut o_lat, *p, &latents[j as usize * r..(j as usize + 1) * r]);
+                        ops::axpy(
+                            &mut o_lat,
+                            *p,
+                            &latents[j as usize * r..(j as usize + 1) * r],
+                        );
                     }
                     for (v, row) in uv.iter().enumerate() {
                         head_out[i * vd + v] = ops::dot(row, &o_lat);
@@ -209,7 +243,8 @@ impl Mla {
             .collect();
         for (head, ho) in per_head.iter().enumerate() {
             for i in 0..len {
-                out[(i * h + head) * vd..(i * h + head + 1) * vd].copy_from_slice(&ho[i * vd..(i + 1) * vd]);
+                out[(i * h + head) * vd..(i * h + head + 1) * vd]
+                    .copy_from_slice(&ho[i * vd..(i + 1) * vd]);
             }
         }
         out

@@ -39,22 +39,38 @@ impl Routing {
 pub trait ExpertProvider: Send + Sync {
     /// `out[t] = sum_j routing.weights[t, j] * expert(routing.ids[t, j])(x[t])` for layer
     /// `layer`; the sum runs in pick order `j = 0..k` so every provider gives the same bits.
-    fn forward(&self, layer: usize, x: &[f32], routing: &Routing, out: &mut [f32]) -> anyhow::Result<()>;
+    fn forward(
+        &self,
+        layer: usize,
+        x: &[f32],
+        routing: &Routing,
+        out: &mut [f32],
+    ) -> anyhow::Result<()>;
 
     /// Bytes of all routed expert weights this provider serves, wherever they reside.
     fn weight_bytes(&self) -> usize;
 }
 
+/// `(token, pick slot)` pairs routed to one expert.
+type Picks = Vec<(usize, usize)>;
+
 /// Runs the picked experts of one layer given a way to compute one expert on token rows,
 /// and sums their weighted outputs per token in pick order.
-pub fn combine_experts<F>(hidden: usize, x: &[f32], routing: &Routing, experts: usize, out: &mut [f32], run: F) -> anyhow::Result<()>
+pub fn combine_experts<F>(
+    hidden: usize,
+    x: &[f32],
+    routing: &Routing,
+    experts: usize,
+    out: &mut [f32],
+    run: F,
+) -> anyhow::Result<()>
 where
     F: Fn(usize, &[f32], usize) -> anyhow::Result<Vec<f32>> + Sync,
 {
     let k = routing.k;
     let tokens = routing.tokens();
     let per_expert = routing.tokens_per_expert(experts);
-    let results: Vec<(Vec<(usize, usize)>, Vec<f32>)> = per_expert
+    let results: Vec<(Picks, Vec<f32>)> = per_expert
         .into_par_iter()
         .enumerate()
         .filter(|(_, picks)| !picks.is_empty())
@@ -69,7 +85,8 @@ where
     let mut slots = vec![0f32; tokens * k * hidden];
     for (picks, y) in results {
         for (row, (t, j)) in picks.into_iter().enumerate() {
-            slots[(t * k + j) * hidden..(t * k + j + 1) * hidden].copy_from_slice(&y[row * hidden..(row + 1) * hidden]);
+            slots[(t * k + j) * hidden..(t * k + j + 1) * hidden]
+                .copy_from_slice(&y[row * hidden..(row + 1) * hidden]);
         }
     }
     for t in 0..tokens {
@@ -95,7 +112,11 @@ impl InMemoryExperts {
         for (i, kind) in cfg.mlp_kinds.iter().enumerate() {
             if *kind == super::config::MlpKind::Moe {
                 let ev = vb.pp(&format!("layers.{i}.mlp.experts"));
-                layers.push((0..cfg.n_routed_experts).map(|e| load_expert(cfg, ev, e)).collect::<Result<_, _>>()?);
+                layers.push(
+                    (0..cfg.n_routed_experts)
+                        .map(|e| load_expert(cfg, ev, e))
+                        .collect::<Result<_, _>>()?,
+                );
             } else {
                 layers.push(Vec::new());
             }
@@ -112,14 +133,22 @@ impl InMemoryExperts {
 
     /// Bytes of all routed expert weights.
     pub fn storage_bytes(&self) -> usize {
-        self.layers.iter().flatten().map(SwiGlu::storage_bytes).sum()
+        self.layers
+            .iter()
+            .flatten()
+            .map(SwiGlu::storage_bytes)
+            .sum()
     }
 }
 
 /// One routed expert from either layout: per-expert keys (`experts.{e}.gate_proj.weight`)
 /// or transformers' fused `experts.gate_up_proj` `[E, 2I, D]` / `experts.down_proj` `[E, D, I]`.
 pub fn load_expert(cfg: &Config, experts: Loader, e: usize) -> Result<SwiGlu, LoadError> {
-    let (d, i, n) = (cfg.hidden_size, cfg.moe_intermediate_size, cfg.n_routed_experts);
+    let (d, i, n) = (
+        cfg.hidden_size,
+        cfg.moe_intermediate_size,
+        cfg.n_routed_experts,
+    );
     if experts.contains("gate_up_proj") {
         return Ok(SwiGlu {
             gate: experts.matrix_slice("gate_up_proj", [n, 2 * i, d], e, 0, i)?,
@@ -132,9 +161,17 @@ pub fn load_expert(cfg: &Config, experts: Loader, e: usize) -> Result<SwiGlu, Lo
 }
 
 impl ExpertProvider for InMemoryExperts {
-    fn forward(&self, layer: usize, x: &[f32], routing: &Routing, out: &mut [f32]) -> anyhow::Result<()> {
+    fn forward(
+        &self,
+        layer: usize,
+        x: &[f32],
+        routing: &Routing,
+        out: &mut [f32],
+    ) -> anyhow::Result<()> {
         let experts = &self.layers[layer];
-        combine_experts(self.hidden, x, routing, experts.len(), out, |e, rows, n| Ok(experts[e].forward(rows, n)))
+        combine_experts(self.hidden, x, routing, experts.len(), out, |e, rows, n| {
+            Ok(experts[e].forward(rows, n))
+        })
     }
 
     fn weight_bytes(&self) -> usize {
@@ -176,7 +213,10 @@ impl Router {
         let mut ids = Vec::with_capacity(tokens * k);
         let mut weights = Vec::with_capacity(tokens * k);
         for t in 0..tokens {
-            let scores: Vec<f32> = logits[t * e..(t + 1) * e].iter().map(|&l| ops::sigmoid(l)).collect();
+            let scores: Vec<f32> = logits[t * e..(t + 1) * e]
+                .iter()
+                .map(|&l| ops::sigmoid(l))
+                .collect();
             let mut choice: Vec<f32> = scores.iter().zip(&self.bias).map(|(s, b)| s + b).collect();
             if self.groups > 1 {
                 let group_scores: Vec<f32> = choice

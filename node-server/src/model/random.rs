@@ -12,10 +12,18 @@ use std::path::Path;
 
 /// Writes `config.json` and `model.safetensors` for `config` (a flat glm5_next text config)
 /// into `dir`, storing floats as `dtype` (F32 or BF16).
-pub fn write_random_checkpoint(dir: &Path, config: &Value, seed: u64, dtype: DType) -> anyhow::Result<Config> {
+pub fn write_random_checkpoint(
+    dir: &Path,
+    config: &Value,
+    seed: u64,
+    dtype: DType,
+) -> anyhow::Result<Config> {
     let cfg = Config::from_json(config)?;
     std::fs::create_dir_all(dir)?;
-    std::fs::write(dir.join("config.json"), serde_json::to_string_pretty(config)? + "\n")?;
+    std::fs::write(
+        dir.join("config.json"),
+        serde_json::to_string_pretty(config)? + "\n",
+    )?;
     let tensors = random_tensors(&cfg, seed, dtype);
     write_safetensors(&dir.join("model.safetensors"), &tensors, &BTreeMap::new())?;
     Ok(cfg)
@@ -32,7 +40,10 @@ struct Gen {
 impl Gen {
     fn push(&mut self, name: String, shape: Vec<usize>, values: Vec<f32>, dtype: DType) {
         let bytes = match dtype {
-            DType::Bf16 => values.iter().flat_map(|v| half::bf16::from_f32(*v).to_le_bytes()).collect(),
+            DType::Bf16 => values
+                .iter()
+                .flat_map(|v| half::bf16::from_f32(*v).to_le_bytes())
+                .collect(),
             _ => values.iter().flat_map(|v| v.to_le_bytes()).collect(),
         };
         self.out.push((name, dtype, shape, bytes));
@@ -72,7 +83,12 @@ fn random_tensors(cfg: &Config, seed: u64, dtype: DType) -> Vec<Tensor> {
     let (d, n) = (cfg.hidden_size, cfg.hc_mult);
     let p = "model.language_model";
     let values = g.uniform(cfg.vocab_size * d, -1.0, 1.0);
-    g.push(format!("{p}.embed_tokens.weight"), vec![cfg.vocab_size, d], values, dtype);
+    g.push(
+        format!("{p}.embed_tokens.weight"),
+        vec![cfg.vocab_size, d],
+        values,
+        dtype,
+    );
     g.norm(format!("{p}.norm.weight"), d);
     g.linear("lm_head.weight".into(), cfg.vocab_size, d, 1.0);
     for i in 0..cfg.num_hidden_layers {
@@ -87,10 +103,20 @@ fn random_tensors(cfg: &Config, seed: u64, dtype: DType) -> Vec<Tensor> {
         let a = format!("{l}.self_attn");
         match cfg.attn_kinds[i] {
             AttnKind::Kda => {
-                let (c, h, dh, k) = (cfg.kda_dim(), cfg.linear_num_heads, cfg.linear_head_dim, cfg.linear_conv_kernel_dim);
+                let (c, h, dh, k) = (
+                    cfg.kda_dim(),
+                    cfg.linear_num_heads,
+                    cfg.linear_head_dim,
+                    cfg.linear_conv_kernel_dim,
+                );
                 for proj in ["q", "k", "v"] {
                     g.linear(format!("{a}.{proj}_proj.weight"), c, d, 1.0);
-                    g.small_f32(format!("{a}.{proj}_conv1d.weight"), vec![c, 1, k], -0.6, 0.6);
+                    g.small_f32(
+                        format!("{a}.{proj}_conv1d.weight"),
+                        vec![c, 1, k],
+                        -0.6,
+                        0.6,
+                    );
                 }
                 g.linear(format!("{a}.f_a_proj.weight"), dh, d, 1.0);
                 g.linear(format!("{a}.f_b_proj.weight"), c, dh, 1.0);
@@ -119,7 +145,12 @@ fn random_tensors(cfg: &Config, seed: u64, dtype: DType) -> Vec<Tensor> {
                     g.norm(format!("{a}.indexer.k_norm.weight"), di);
                     g.small_f32(format!("{a}.indexer.k_norm.bias"), vec![di], -0.1, 0.1);
                     g.linear(format!("{a}.indexer.weights_proj.weight"), hi, d, 1.0);
-                    g.small_f32(format!("{a}.indexer.index_kpool_compress_ape"), vec![cfg.index_kpool, di], -0.5, 0.5);
+                    g.small_f32(
+                        format!("{a}.indexer.index_kpool_compress_ape"),
+                        vec![cfg.index_kpool, di],
+                        -0.5,
+                        0.5,
+                    );
                     g.linear(format!("{a}.indexer.index_kpool_compress_gate"), di, d, 1.0);
                 }
             }
@@ -129,12 +160,27 @@ fn random_tensors(cfg: &Config, seed: u64, dtype: DType) -> Vec<Tensor> {
             MlpKind::Dense => swiglu(&mut g, &m, d, cfg.intermediate_size),
             MlpKind::Moe => {
                 g.linear(format!("{m}.gate.weight"), cfg.n_routed_experts, d, 1.0);
-                g.small_f32(format!("{m}.gate.e_score_correction_bias"), vec![cfg.n_routed_experts], -0.05, 0.05);
+                g.small_f32(
+                    format!("{m}.gate.e_score_correction_bias"),
+                    vec![cfg.n_routed_experts],
+                    -0.05,
+                    0.05,
+                );
                 if cfg.n_shared_experts > 0 {
-                    swiglu(&mut g, &format!("{m}.shared_experts"), d, cfg.moe_intermediate_size * cfg.n_shared_experts);
+                    swiglu(
+                        &mut g,
+                        &format!("{m}.shared_experts"),
+                        d,
+                        cfg.moe_intermediate_size * cfg.n_shared_experts,
+                    );
                 }
                 for e in 0..cfg.n_routed_experts {
-                    swiglu(&mut g, &format!("{m}.experts.{e}"), d, cfg.moe_intermediate_size);
+                    swiglu(
+                        &mut g,
+                        &format!("{m}.experts.{e}"),
+                        d,
+                        cfg.moe_intermediate_size,
+                    );
                 }
             }
         }
@@ -160,7 +206,13 @@ pub fn scaled_config(
     top_k: usize,
 ) -> Value {
     let layer_types: Vec<&str> = (0..layers)
-        .map(|i| if i % 4 == 3 { "indexed_attention" } else { "linear_attention" })
+        .map(|i| {
+            if i % 4 == 3 {
+                "indexed_attention"
+            } else {
+                "linear_attention"
+            }
+        })
         .collect();
     let mut mla_seen = 0;
     let indexer_types: Vec<&str> = layer_types
@@ -174,9 +226,15 @@ pub fn scaled_config(
             }
         })
         .collect();
-    let mlp_types: Vec<&str> = (0..layers).map(|i| if i < dense_layers { "dense" } else { "sparse" }).collect();
+    let mlp_types: Vec<&str> = (0..layers)
+        .map(|i| if i < dense_layers { "dense" } else { "sparse" })
+        .collect();
     let heads = (hidden / 64).max(2);
-    let groups = if experts % 4 == 0 && experts >= 8 { 4 } else { 1 };
+    let groups = if experts.is_multiple_of(4) && experts >= 8 {
+        4
+    } else {
+        1
+    };
     json!({
         "model_type": "glm5_next_text",
         "architectures": ["Glm5NextForConditionalGeneration"],

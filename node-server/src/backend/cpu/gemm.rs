@@ -6,9 +6,21 @@ const PARALLEL_MIN_WORK: usize = 1 << 18;
 
 /// `y[n x rows] = x[n x cols] * w[rows x cols]^T`. `parallel_min_work` overrides the
 /// threshold for going parallel (`usize::MAX`: never, for callers already inside rayon).
-pub fn gemm_xwt(x: &[f32], n: usize, w: &[f32], rows: usize, cols: usize, y: &mut [f32], parallel_min_work: usize) {
+pub fn gemm_xwt(
+    x: &[f32],
+    n: usize,
+    w: &[f32],
+    rows: usize,
+    cols: usize,
+    y: &mut [f32],
+    parallel_min_work: usize,
+) {
     assert!(x.len() >= n * cols && w.len() >= rows * cols && y.len() >= n * rows);
-    let threshold = if parallel_min_work == 0 { PARALLEL_MIN_WORK } else { parallel_min_work };
+    let threshold = if parallel_min_work == 0 {
+        PARALLEL_MIN_WORK
+    } else {
+        parallel_min_work
+    };
     let parallelism = if n * rows * cols >= threshold {
         gemm::Parallelism::Rayon(0)
     } else {

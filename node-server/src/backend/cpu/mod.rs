@@ -29,7 +29,13 @@ pub struct Matrix {
 
 impl std::fmt::Debug for Matrix {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        write!(f, "Matrix({}x{} {})", self.rows, self.cols, self.format.name())
+        write!(
+            f,
+            "Matrix({}x{} {})",
+            self.rows,
+            self.cols,
+            self.format.name()
+        )
     }
 }
 
@@ -59,7 +65,12 @@ impl Matrix {
     }
 
     /// Rows already encoded in `format` (little-endian floats or quantized blocks).
-    pub fn from_bytes(rows: usize, cols: usize, format: Format, bytes: Vec<u8>) -> Result<Matrix, MatrixError> {
+    pub fn from_bytes(
+        rows: usize,
+        cols: usize,
+        format: Format,
+        bytes: Vec<u8>,
+    ) -> Result<Matrix, MatrixError> {
         let expected = rows * format.row_bytes(cols)?;
         if bytes.len() != expected {
             return Err(MatrixError::Size {
@@ -140,8 +151,12 @@ impl Matrix {
                 let rb = self.format.row_bytes(c).expect("validated at construction");
                 for r in r0..r1 {
                     let start = r * rb;
-                    quant::dequantize_row(self.format, &b[start..start + rb], &mut out[(r - r0) * c..(r - r0 + 1) * c])
-                        .expect("validated at construction");
+                    quant::dequantize_row(
+                        self.format,
+                        &b[start..start + rb],
+                        &mut out[(r - r0) * c..(r - r0 + 1) * c],
+                    )
+                    .expect("validated at construction");
                 }
             }
         }
@@ -157,15 +172,26 @@ impl Matrix {
     /// As [`Matrix::matmul`], writing into `y` (`n x rows`).
     pub fn matmul_into(&self, x: &[f32], n: usize, y: &mut [f32]) {
         let (rows, cols) = (self.rows, self.cols);
-        assert_eq!(x.len(), n * cols, "matmul input of {n} rows for a {rows}x{cols} matrix");
-        assert_eq!(y.len(), n * rows, "matmul output of {n} rows for a {rows}x{cols} matrix");
+        assert_eq!(
+            x.len(),
+            n * cols,
+            "matmul input of {n} rows for a {rows}x{cols} matrix"
+        );
+        assert_eq!(
+            y.len(),
+            n * rows,
+            "matmul output of {n} rows for a {rows}x{cols} matrix"
+        );
         if n == 0 || rows == 0 {
             return;
         }
         match &self.data {
             Data::F32(w) => gemm::gemm_xwt(x, n, w, rows, cols, y, 0),
             Data::Packed(b) if n <= ROW_DOT_MAX_TOKENS => {
-                let rb = self.format.row_bytes(cols).expect("validated at construction");
+                let rb = self
+                    .format
+                    .row_bytes(cols)
+                    .expect("validated at construction");
                 let fmt = self.format;
                 // Parallel over output rows; each row's dot is one SIMD pass over its bytes.
                 let mut yt = vec![0f32; rows * n];
@@ -197,7 +223,8 @@ impl Matrix {
                 for (r0, part) in tiles {
                     let width = part.len() / n;
                     for t in 0..n {
-                        y[t * rows + r0..t * rows + r0 + width].copy_from_slice(&part[t * width..(t + 1) * width]);
+                        y[t * rows + r0..t * rows + r0 + width]
+                            .copy_from_slice(&part[t * width..(t + 1) * width]);
                     }
                 }
             }

@@ -1,0 +1,37 @@
+#!/usr/bin/env bash
+# Every test of the project, from a fresh clone: installs what it needs (a Python venv with
+# the reference stack), then formatting, lints, the Rust test suites, and the live checks
+# against independent implementations (transformers, gguf) on freshly random inputs.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+step() { printf '\n==== %s ====\n' "$*"; }
+
+step "python reference stack (.venv)"
+if [ ! -x .venv/bin/python ]; then
+  python3 -m venv .venv
+fi
+.venv/bin/pip install -q --disable-pip-version-check -r e2e/requirements.txt -r e2e/requirements-quant.txt
+export PATH="$PWD/.venv/bin:$PATH"
+
+step "rustfmt"
+cargo fmt --all -- --check
+
+step "clippy"
+cargo clippy --workspace --all-targets -- -D warnings
+
+step "cargo test (workspace)"
+cargo test --workspace
+
+step "engine vs transformers on fresh random fixtures"
+e2e/fixtures_check.sh
+
+step "Q4_K / Q8_0 vs gguf on fresh random blocks"
+e2e/quant_check.sh
+
+step "demo command"
+demo_dir="$(mktemp -d)"
+GLMFLASH_CACHE_DIR="$demo_dir" cargo run -q --release -p glmflash-node -- demo --max-tokens 16
+rm -rf "$demo_dir"
+
+echo
+echo "all tests passed"
