@@ -3,10 +3,12 @@
 //!
 //! Imports point down: `model` -> `backend`, `quant`; `backend` knows no model.
 
+pub mod api;
 pub mod backend;
 pub mod bench;
 pub mod demo;
 pub mod engine;
+pub mod metrics;
 pub mod mmap;
 pub mod model;
 pub mod quant;

@@ -2,6 +2,7 @@
 
 use anyhow::{Context, bail};
 use clap::{Args, Parser, Subcommand};
+use glmflash_node::api::server::{self, ServeArgs};
 use glmflash_node::engine::sampling::Sampler;
 use glmflash_node::model::{Model, Step};
 use glmflash_node::tokenizer::TextCodec;
@@ -33,19 +34,20 @@ struct Cli {
 
 #[derive(Subcommand)]
 enum Command {
-    /// Make the demo model (if missing) in the cache dir and chat with it in the terminal.
+    /// Make the demo model (if missing) in the cache dir and serve it through the OpenAI API.
     Demo {
         /// Where the demo model lives (default: $GLMFLASH_CACHE_DIR/demo-model or ~/.cache/glmflash/demo-model).
         #[arg(long, env = "GLMFLASH_DEMO_DIR")]
         dir: Option<PathBuf>,
-        #[arg(
-            long,
-            env = "GLMFLASH_PROMPT",
-            default_value = "Explain in one paragraph why experts are cached in VRAM."
-        )]
-        prompt: String,
-        #[arg(long, env = "GLMFLASH_MAX_TOKENS", default_value_t = 64)]
-        max_tokens: usize,
+        #[command(flatten)]
+        serve: ServeArgs,
+    },
+    /// Serve a checkpoint through the OpenAI-compatible API (chat, completions, SSE, metrics).
+    Serve {
+        #[command(flatten)]
+        model: ModelArgs,
+        #[command(flatten)]
+        serve: ServeArgs,
     },
     /// Write the deterministic demo model (random weights, real tokenizer, chat template).
     MakeDemoModel {
@@ -140,25 +142,12 @@ fn init_logging(format: &str) {
 
 fn run(command: Command) -> anyhow::Result<()> {
     match command {
-        Command::Demo {
-            dir,
-            prompt,
-            max_tokens,
-        } => {
+        Command::Demo { dir, serve } => {
             let dir = dir.unwrap_or_else(demo::default_demo_dir);
             demo::ensure_demo_model(&dir)?;
-            generate(
-                &dir,
-                &GenerationArgs {
-                    prompt,
-                    raw: false,
-                    max_tokens,
-                    temperature: 0.8,
-                    top_p: 0.95,
-                    seed: 0,
-                },
-            )
+            server::serve(dir, serve)
         }
+        Command::Serve { model, serve } => server::serve(model.model, serve),
         Command::MakeDemoModel { out, seed } => {
             demo::make_demo_model(&out, seed)?;
             eprintln!("demo model written to {}", out.display());
