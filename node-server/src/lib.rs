@@ -8,6 +8,7 @@ pub mod backend;
 pub mod bench;
 pub mod demo;
 pub mod engine;
+pub mod gates;
 pub mod metrics;
 pub mod mmap;
 pub mod model;

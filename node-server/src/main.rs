@@ -88,6 +88,8 @@ enum Command {
         #[arg(long, env = "GLMFLASH_EXPERT_FORMAT", default_value = "q4_k")]
         format: String,
     },
+    /// Run the acceptance gates (load, chat, reasoning, tools, context, speed) against a server.
+    Gates(glmflash_node::gates::GatesArgs),
     /// Measure CPU prefill and decode speed on a random model of the given shape.
     Bench(bench::BenchArgs),
 }
@@ -198,6 +200,13 @@ fn run(command: Command) -> anyhow::Result<()> {
             Ok(())
         }
         Command::Bench(args) => bench::run(&args),
+        Command::Gates(args) => {
+            if glmflash_node::gates::run(&args)? {
+                Ok(())
+            } else {
+                bail!("some gates failed")
+            }
+        }
     }
 }
 
