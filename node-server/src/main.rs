@@ -3,6 +3,7 @@
 use anyhow::{Context, bail};
 use clap::{Args, Parser, Subcommand};
 use glmflash_node::engine::sampling::Sampler;
+use glmflash_node::model::dump::Dump;
 use glmflash_node::model::{Model, Step};
 use glmflash_node::tokenizer::TextCodec;
 use glmflash_node::{bench, demo};
@@ -66,6 +67,10 @@ enum Command {
         /// Greedy tokens to generate after the prompt.
         #[arg(long, env = "GLMFLASH_GREEDY", default_value_t = 0)]
         greedy: usize,
+        /// Also save every named intermediate of the prompt pass to this safetensors file
+        /// (compare with e2e/dump_reference.py + e2e/compare_dumps.py).
+        #[arg(long, env = "GLMFLASH_DUMP")]
+        dump: Option<PathBuf>,
     },
     /// Generate text for a prompt, streaming tokens to the terminal, then print tok/s.
     Generate {
@@ -168,8 +173,24 @@ fn run(command: Command) -> anyhow::Result<()> {
             model,
             tokens,
             greedy,
+            dump,
         } => {
             let model = Model::load(&model.model)?;
+            if let Some(path) = dump {
+                let hooks = Dump::default();
+                let mut cache = model.new_cache();
+                model.forward(
+                    &mut [Step {
+                        tokens: &tokens,
+                        cache: &mut cache,
+                        all_logits: true,
+                    }],
+                    Some(&hooks),
+                )?;
+                hooks
+                    .save(&path)
+                    .with_context(|| format!("writing {}", path.display()))?;
+            }
             let (logits, _) = model.prefill(&tokens)?;
             let (greedy_tokens, _) = if greedy > 0 {
                 model.greedy(&tokens, greedy)?
