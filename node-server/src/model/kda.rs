@@ -352,8 +352,15 @@ pub fn chunked(
         for i in 0..n {
             for j in 0..=i {
                 let (gi, gj) = (&gc[i * d..(i + 1) * d], &gc[j * d..(j + 1) * d]);
-                decay.iter_mut().zip(gi.iter().zip(gj)).for_each(|(e, (x, y))| *e = (x - y).exp());
-                let (ki, kj, qi) = (&kc[i * d..(i + 1) * d], &kc[j * d..(j + 1) * d], &qc[i * d..(i + 1) * d]);
+                decay
+                    .iter_mut()
+                    .zip(gi.iter().zip(gj))
+                    .for_each(|(e, (x, y))| *e = (x - y).exp());
+                let (ki, kj, qi) = (
+                    &kc[i * d..(i + 1) * d],
+                    &kc[j * d..(j + 1) * d],
+                    &qc[i * d..(i + 1) * d],
+                );
                 decay.iter_mut().zip(kj).for_each(|(e, k)| *e *= k);
                 let (kk, qk) = (ops::dot(ki, &decay), ops::dot(qi, &decay));
                 if j < i {
@@ -377,21 +384,31 @@ pub fn chunked(
         }
         // u = T (beta v), w = T (beta k exp(G)).
         let v_beta: Vec<f32> = (0..n * d).map(|x| vc[x] * bc[x / d]).collect();
-        let k_beta_decay: Vec<f32> = (0..n * d).map(|x| kc[x] * bc[x / d] * gc[x].exp()).collect();
+        let k_beta_decay: Vec<f32> = (0..n * d)
+            .map(|x| kc[x] * bc[x / d] * gc[x].exp())
+            .collect();
         let mut u = vec![0f32; n * d];
         let mut w = vec![0f32; n * d];
         for i in 0..n {
             for j in 0..=i {
                 let t = a[i * n + j];
                 ops::axpy(&mut u[i * d..(i + 1) * d], t, &v_beta[j * d..(j + 1) * d]);
-                ops::axpy(&mut w[i * d..(i + 1) * d], t, &k_beta_decay[j * d..(j + 1) * d]);
+                ops::axpy(
+                    &mut w[i * d..(i + 1) * d],
+                    t,
+                    &k_beta_decay[j * d..(j + 1) * d],
+                );
             }
         }
         // v_new = u - w S
         let mut v_new = u;
         for i in 0..n {
             for c in 0..d {
-                ops::axpy(&mut v_new[i * d..(i + 1) * d], -w[i * d + c], &s[c * d..(c + 1) * d]);
+                ops::axpy(
+                    &mut v_new[i * d..(i + 1) * d],
+                    -w[i * d + c],
+                    &s[c * d..(c + 1) * d],
+                );
             }
         }
         // o_i = (q_i exp(G_i)) S + sum_{j<=i} (q_i . k_j exp(G_i - G_j)) v_new_j

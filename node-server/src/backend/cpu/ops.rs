@@ -57,7 +57,12 @@ pub fn dot(a: &[f32], b: &[f32]) -> f32 {
     // Eight partial sums so the compiler vectorises; the order is fixed, so results repeat.
     let mut acc = [0f32; 8];
     let (ca, cb) = (a.chunks_exact(8), b.chunks_exact(8));
-    let tail: f32 = ca.remainder().iter().zip(cb.remainder()).map(|(x, y)| x * y).sum();
+    let tail: f32 = ca
+        .remainder()
+        .iter()
+        .zip(cb.remainder())
+        .map(|(x, y)| x * y)
+        .sum();
     for (x, y) in ca.zip(cb) {
         for l in 0..8 {
             acc[l] += x[l] * y[l];
