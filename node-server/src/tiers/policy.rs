@@ -122,14 +122,14 @@ pub fn simulate(policy: &mut dyn Policy, slots: usize, trace: &[usize]) -> f64 {
         }
         if resident.len() < slots {
             resident.push(e);
-        } else if let Some(v) = policy.victim(&resident) {
-            if policy.admit(e, v) {
-                let at = resident
-                    .iter()
-                    .position(|&r| r == v)
-                    .expect("victim is resident");
-                resident[at] = e;
-            }
+        } else if let Some(v) = policy.victim(&resident)
+            && policy.admit(e, v)
+        {
+            let at = resident
+                .iter()
+                .position(|&r| r == v)
+                .expect("victim is resident");
+            resident[at] = e;
         }
     }
     hits as f64 / trace.len().max(1) as f64

@@ -34,10 +34,10 @@ pub fn cgroup_limit(root: &Path) -> Option<(u64, String)> {
     }
     candidates.push(root.join("memory/memory.limit_in_bytes"));
     for path in candidates {
-        if let Ok(text) = std::fs::read_to_string(&path) {
-            if let Some(limit) = parse_limit(&text) {
-                return Some((limit, path.display().to_string()));
-            }
+        if let Ok(text) = std::fs::read_to_string(&path)
+            && let Some(limit) = parse_limit(&text)
+        {
+            return Some((limit, path.display().to_string()));
         }
     }
     None
