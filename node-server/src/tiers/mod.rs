@@ -3,4 +3,5 @@
 //! on these with the store reader.
 
 pub mod policy;
+pub mod provider;
 pub mod sizing;
