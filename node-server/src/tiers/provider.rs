@@ -294,9 +294,8 @@ impl ExpertProvider for TieredExperts {
             let mut l = self.layers[layer].lock().expect("tier lock");
             for &e in &routing.ids {
                 let e = e as usize;
-                if !picked.contains_key(&e) {
-                    let w = self.resolve(layer, &mut l, e, phase)?;
-                    picked.insert(e, w);
+                if let std::collections::hash_map::Entry::Vacant(slot) = picked.entry(e) {
+                    slot.insert(self.resolve(layer, &mut l, e, phase)?);
                 }
             }
         }
