@@ -10,4 +10,5 @@ pub mod engine;
 pub mod mmap;
 pub mod model;
 pub mod quant;
+pub mod store;
 pub mod tokenizer;
