@@ -105,6 +105,9 @@ enum Command {
         /// Test hook: sleep this many milliseconds after each record.
         #[arg(long, env = "GLMFLASH_PACK_THROTTLE_MS", hide = true)]
         pack_throttle_ms: Option<u64>,
+        /// Bytes written per batch (whole records, at least one).
+        #[arg(long, env = "GLMFLASH_PACK_BATCH_BYTES", default_value_t = 64 << 20, hide = true)]
+        pack_batch_bytes: usize,
         /// Test hook: skip the free-space check.
         #[arg(long, env = "GLMFLASH_PACK_SKIP_SPACE_CHECK", hide = true)]
         pack_skip_space_check: bool,
@@ -247,6 +250,7 @@ fn run(command: Command) -> anyhow::Result<()> {
             verify_sample,
             no_verify,
             pack_throttle_ms,
+            pack_batch_bytes,
             pack_skip_space_check,
         } => {
             let opts = store::PackOptions {
@@ -254,6 +258,7 @@ fn run(command: Command) -> anyhow::Result<()> {
                 sample: verify_sample,
                 throttle: pack_throttle_ms.map(std::time::Duration::from_millis),
                 skip_space_check: pack_skip_space_check,
+                batch_bytes: pack_batch_bytes,
                 ..store::PackOptions::default()
             };
             let report = store::pack_store(&model, &store, &opts)?;

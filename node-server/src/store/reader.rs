@@ -191,6 +191,7 @@ pub struct StoreReader {
     engine: Box<dyn Engine>,
     in_flight: Mutex<HashMap<usize, Arc<Shared>>>,
     reads: AtomicU64,
+    issued: AtomicU64,
     opts: ReaderOptions,
 }
 
@@ -258,6 +259,7 @@ impl StoreReader {
             engine,
             in_flight: Mutex::new(HashMap::new()),
             reads: AtomicU64::new(0),
+            issued: AtomicU64::new(0),
             opts,
         })
     }
@@ -265,6 +267,16 @@ impl StoreReader {
     /// `"io_uring"` or `"pread"`.
     pub fn engine_name(&self) -> &'static str {
         self.engine.name()
+    }
+
+    /// Whether reads go into buffers registered with io_uring (READ_FIXED).
+    pub fn fixed_buffers(&self) -> bool {
+        self.engine.pool().is_some()
+    }
+
+    /// Reads sent to the engine so far (shared reads count once).
+    pub fn reads_issued(&self) -> u64 {
+        self.issued.load(Ordering::Relaxed)
     }
 
     pub fn manifest(&self) -> &Manifest {
@@ -321,6 +333,8 @@ impl StoreReader {
                 roles.push(Role::Leader(index, shared));
             }
         }
+        self.issued
+            .fetch_add(requests.len() as u64, Ordering::Relaxed);
         self.engine.submit(requests);
         // Leaders first: a follower may be waiting on a leader in this very call.
         let mut out: Vec<Option<Outcome>> = (0..keys.len()).map(|_| None).collect();
