@@ -108,7 +108,7 @@ impl Manifest {
                 self.format_version
             ));
         }
-        if self.alignment != super::ALIGN || self.record_size % self.alignment != 0 {
+        if self.alignment != super::ALIGN || !self.record_size.is_multiple_of(self.alignment) {
             return Err(format!(
                 "record size {} / alignment {} are not 4 KiB-aligned",
                 self.record_size, self.alignment
