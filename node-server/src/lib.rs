@@ -10,5 +10,6 @@ pub mod engine;
 pub mod mmap;
 pub mod model;
 pub mod quant;
+pub mod store;
 pub mod tiers;
 pub mod tokenizer;

@@ -8,7 +8,7 @@ use glmflash_node::model::dump::Dump;
 use glmflash_node::model::{Model, Step};
 use glmflash_node::tiers::provider::{CheckpointSource, Mode, Tier, TierCaps, TieredExperts};
 use glmflash_node::tokenizer::TextCodec;
-use glmflash_node::{bench, demo};
+use glmflash_node::{bench, demo, store};
 use std::io::Write;
 use std::path::PathBuf;
 use std::sync::Arc;
@@ -96,6 +96,41 @@ enum Command {
     },
     /// Measure CPU prefill and decode speed on a random model of the given shape.
     Bench(bench::BenchArgs),
+    /// Pack every routed expert into the O_DIRECT expert store (resumable, idempotent), then verify it.
+    PackStore {
+        /// Source checkpoint directory.
+        #[arg(long, env = "GLMFLASH_MODEL")]
+        model: PathBuf,
+        /// Store directory (experts.bin + experts.json), on a disk filesystem with O_DIRECT.
+        #[arg(long, env = "GLMFLASH_STORE")]
+        store: PathBuf,
+        /// Records compared byte for byte with the source after packing.
+        #[arg(long, env = "GLMFLASH_VERIFY_SAMPLE", default_value_t = 300)]
+        verify_sample: usize,
+        /// Skip the verification pass after packing.
+        #[arg(long, env = "GLMFLASH_NO_VERIFY")]
+        no_verify: bool,
+        /// Test hook: sleep this many milliseconds after each record.
+        #[arg(long, env = "GLMFLASH_PACK_THROTTLE_MS", hide = true)]
+        pack_throttle_ms: Option<u64>,
+        /// Bytes written per batch (whole records, at least one).
+        #[arg(long, env = "GLMFLASH_PACK_BATCH_BYTES", default_value_t = 64 << 20, hide = true)]
+        pack_batch_bytes: usize,
+        /// Test hook: skip the free-space check.
+        #[arg(long, env = "GLMFLASH_PACK_SKIP_SPACE_CHECK", hide = true)]
+        pack_skip_space_check: bool,
+    },
+    /// Check every record of an expert store (sha256 with O_DIRECT reads); with --model also the
+    /// model fingerprint and a byte compare of a sample against the source.
+    VerifyStore {
+        /// Source checkpoint directory (optional: without it only checksums are checked).
+        #[arg(long, env = "GLMFLASH_MODEL")]
+        model: Option<PathBuf>,
+        #[arg(long, env = "GLMFLASH_STORE")]
+        store: PathBuf,
+        #[arg(long, env = "GLMFLASH_VERIFY_SAMPLE", default_value_t = 300)]
+        verify_sample: usize,
+    },
 }
 
 #[derive(Args)]
@@ -295,7 +330,78 @@ fn run(command: Command) -> anyhow::Result<()> {
             Ok(())
         }
         Command::Bench(args) => bench::run(&args),
+        Command::PackStore {
+            model,
+            store,
+            verify_sample,
+            no_verify,
+            pack_throttle_ms,
+            pack_batch_bytes,
+            pack_skip_space_check,
+        } => {
+            let opts = store::PackOptions {
+                verify: !no_verify,
+                sample: verify_sample,
+                throttle: pack_throttle_ms.map(std::time::Duration::from_millis),
+                skip_space_check: pack_skip_space_check,
+                batch_bytes: pack_batch_bytes,
+                ..store::PackOptions::default()
+            };
+            let report = store::pack_store(&model, &store, &opts)?;
+            let what = match report.outcome {
+                store::PackOutcome::AlreadyComplete => {
+                    "store is already complete for this model; nothing to do".to_string()
+                }
+                store::PackOutcome::Packed => "packed".to_string(),
+                store::PackOutcome::Resumed { from_record } => {
+                    format!("resumed at record {from_record} and packed")
+                }
+            };
+            eprintln!(
+                "{}: {what}: {} records of {} bytes, {:.1} MiB written in {:.1}s; fingerprint {}",
+                store.display(),
+                report.records,
+                report.record_size,
+                report.bytes_written as f64 / 1048576.0,
+                report.seconds,
+                report.fingerprint
+            );
+            if let Some(v) = report.verify {
+                print_verify(&v);
+            }
+            Ok(())
+        }
+        Command::VerifyStore {
+            model,
+            store,
+            verify_sample,
+        } => {
+            let opts = store::VerifyOptions {
+                sample: verify_sample,
+                ..store::VerifyOptions::default()
+            };
+            let report = store::verify_store(&store, model.as_deref(), &opts)?;
+            print_verify(&report);
+            Ok(())
+        }
     }
+}
+
+fn print_verify(v: &store::VerifyReport) {
+    eprintln!(
+        "verified {} records ({:.1} MiB) by sha256 in {:.2}s ({:.2} GB/s, {}); {} compared with the source{}",
+        v.records,
+        v.bytes as f64 / 1048576.0,
+        v.seconds,
+        v.bytes as f64 / v.seconds.max(1e-9) / 1e9,
+        v.engine,
+        v.compared,
+        if v.fingerprint_checked {
+            "; model fingerprint matches"
+        } else {
+            ""
+        }
+    );
 }
 
 fn generate(dir: &std::path::Path, model: Model, args: &GenerationArgs) -> anyhow::Result<()> {
