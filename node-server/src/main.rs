@@ -6,7 +6,9 @@ use glmflash_node::engine::sampling::Sampler;
 use glmflash_node::model::config::MlpKind;
 use glmflash_node::model::dump::Dump;
 use glmflash_node::model::{Model, Step};
-use glmflash_node::tiers::provider::{CheckpointSource, Mode, Tier, TierCaps, TieredExperts};
+use glmflash_node::tiers::provider::{
+    CheckpointSource, ExpertSource, Mode, StoreSource, Tier, TierCaps, TieredExperts,
+};
 use glmflash_node::tokenizer::TextCodec;
 use glmflash_node::{bench, demo, store};
 use std::io::Write;
@@ -147,6 +149,10 @@ struct ModelArgs {
     /// RAM-tier expert slots per MoE layer (tiered modes).
     #[arg(long, env = "GLMFLASH_RAM_SLOTS", default_value_t = 8)]
     ram_slots: usize,
+    /// Packed expert store (from `pack-store`) that expert misses are read from; without it
+    /// a tiered mode reads misses from the checkpoint.
+    #[arg(long, env = "GLMFLASH_STORE")]
+    store: Option<PathBuf>,
 }
 
 impl ModelArgs {
@@ -155,8 +161,18 @@ impl ModelArgs {
         let Some(mode) = self.mode else {
             return Ok((Model::load(&self.model)?, None));
         };
-        let source = Arc::new(CheckpointSource::open(&self.model)?);
-        let cfg = source.config().clone();
+        let cfg = glmflash_node::model::config::Config::from_file(&self.model.join("config.json"))?;
+        let source: Arc<dyn ExpertSource> = match &self.store {
+            Some(store) => {
+                let s = StoreSource::open(store, &self.model, &cfg)?;
+                tracing::info!(
+                    engine = s.engine_name(),
+                    "experts served from the packed store"
+                );
+                Arc::new(s)
+            }
+            None => Arc::new(CheckpointSource::open(&self.model)?),
+        };
         let moe: Vec<bool> = cfg.mlp_kinds.iter().map(|k| *k == MlpKind::Moe).collect();
         let caps = TierCaps {
             device_slots_per_layer: self.vram_slots,

@@ -136,3 +136,48 @@ fn every_mode_and_cap_is_bit_identical_to_untiered() {
         }
     }
 }
+
+#[test]
+fn packed_store_source_is_bit_identical_too() {
+    use glmflash_node::tiers::provider::StoreSource;
+    for name in ["tiny_mixed", "tiny_fused"] {
+        let dir = fixture(name);
+        let store = tempfile::tempdir_in(env!("CARGO_TARGET_TMPDIR")).unwrap();
+        glmflash_node::store::pack_store(&dir, store.path(), &Default::default()).unwrap();
+        let untiered = Model::load(&dir).unwrap();
+        let prompt: Vec<u32> = (0..30)
+            .map(|i| (i * 13 + 1) % untiered.cfg.vocab_size as u32)
+            .collect();
+        let expected = run(&untiered, &prompt);
+        let moe: Vec<bool> = untiered
+            .cfg
+            .mlp_kinds
+            .iter()
+            .map(|k| *k == MlpKind::Moe)
+            .collect();
+        for mode in [Mode::NvmeExact, Mode::Nvme, Mode::Exact] {
+            let source = Arc::new(StoreSource::open(store.path(), &dir, &untiered.cfg).unwrap());
+            let caps = TierCaps {
+                device_slots_per_layer: 1,
+                ram_slots_per_layer: 1,
+            };
+            let tiers = Arc::new(
+                TieredExperts::new(
+                    source,
+                    untiered.cfg.hidden_size,
+                    untiered.cfg.n_routed_experts,
+                    &moe,
+                    mode,
+                    caps,
+                    64,
+                )
+                .unwrap(),
+            );
+            let model = Model::load_with(&dir, Some(tiers.clone())).unwrap();
+            assert!(
+                run(&model, &prompt) == expected,
+                "{name} {mode:?} from the store: logits differ"
+            );
+        }
+    }
+}

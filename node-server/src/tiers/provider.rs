@@ -353,3 +353,46 @@ impl ExpertSource for CheckpointSource {
         self.record_bytes
     }
 }
+
+/// Experts read from the packed store (O_DIRECT, io_uring or pread; sha256-checked).
+pub struct StoreSource {
+    reader: crate::store::StoreReader,
+    limit: f32,
+    record_bytes: usize,
+}
+
+impl StoreSource {
+    /// Opens `store` for the model in `model_dir`, refusing a store made from another model.
+    pub fn open(
+        store: &std::path::Path,
+        model_dir: &std::path::Path,
+        cfg: &Config,
+    ) -> anyhow::Result<StoreSource> {
+        let fingerprint = crate::store::quick_fingerprint(model_dir)?;
+        let reader = crate::store::StoreReader::open(
+            store,
+            Some(&fingerprint),
+            crate::store::ReaderOptions::default(),
+        )?;
+        Ok(StoreSource {
+            record_bytes: reader.manifest().record_size,
+            reader,
+            limit: cfg.swiglu_limit,
+        })
+    }
+
+    pub fn engine_name(&self) -> &'static str {
+        self.reader.engine_name()
+    }
+}
+
+impl ExpertSource for StoreSource {
+    fn load(&self, layer: usize, expert: usize) -> anyhow::Result<SwiGlu> {
+        let record = self.reader.read(layer, expert)?;
+        Ok(record.to_expert(self.limit)?)
+    }
+
+    fn record_bytes(&self) -> usize {
+        self.record_bytes
+    }
+}
