@@ -13,4 +13,6 @@ pub mod metrics;
 pub mod mmap;
 pub mod model;
 pub mod quant;
+pub mod store;
+pub mod tiers;
 pub mod tokenizer;

@@ -4,11 +4,17 @@ use anyhow::{Context, bail};
 use clap::{Args, Parser, Subcommand};
 use glmflash_node::api::server::{self, ServeArgs};
 use glmflash_node::engine::sampling::Sampler;
+use glmflash_node::model::config::MlpKind;
+use glmflash_node::model::dump::Dump;
 use glmflash_node::model::{Model, Step};
+use glmflash_node::tiers::provider::{
+    CheckpointSource, ExpertSource, Mode, StoreSource, Tier, TierCaps, TieredExperts,
+};
 use glmflash_node::tokenizer::TextCodec;
-use glmflash_node::{bench, demo};
+use glmflash_node::{bench, demo, store};
 use std::io::Write;
 use std::path::PathBuf;
+use std::sync::Arc;
 use std::time::Instant;
 
 #[derive(Parser)]
@@ -68,6 +74,10 @@ enum Command {
         /// Greedy tokens to generate after the prompt.
         #[arg(long, env = "GLMFLASH_GREEDY", default_value_t = 0)]
         greedy: usize,
+        /// Also save every named intermediate of the prompt pass to this safetensors file
+        /// (compare with e2e/dump_reference.py + e2e/compare_dumps.py).
+        #[arg(long, env = "GLMFLASH_DUMP")]
+        dump: Option<PathBuf>,
     },
     /// Generate text for a prompt, streaming tokens to the terminal, then print tok/s.
     Generate {
@@ -92,6 +102,41 @@ enum Command {
     Gates(glmflash_node::gates::GatesArgs),
     /// Measure CPU prefill and decode speed on a random model of the given shape.
     Bench(bench::BenchArgs),
+    /// Pack every routed expert into the O_DIRECT expert store (resumable, idempotent), then verify it.
+    PackStore {
+        /// Source checkpoint directory.
+        #[arg(long, env = "GLMFLASH_MODEL")]
+        model: PathBuf,
+        /// Store directory (experts.bin + experts.json), on a disk filesystem with O_DIRECT.
+        #[arg(long, env = "GLMFLASH_STORE")]
+        store: PathBuf,
+        /// Records compared byte for byte with the source after packing.
+        #[arg(long, env = "GLMFLASH_VERIFY_SAMPLE", default_value_t = 300)]
+        verify_sample: usize,
+        /// Skip the verification pass after packing.
+        #[arg(long, env = "GLMFLASH_NO_VERIFY")]
+        no_verify: bool,
+        /// Test hook: sleep this many milliseconds after each record.
+        #[arg(long, env = "GLMFLASH_PACK_THROTTLE_MS", hide = true)]
+        pack_throttle_ms: Option<u64>,
+        /// Bytes written per batch (whole records, at least one).
+        #[arg(long, env = "GLMFLASH_PACK_BATCH_BYTES", default_value_t = 64 << 20, hide = true)]
+        pack_batch_bytes: usize,
+        /// Test hook: skip the free-space check.
+        #[arg(long, env = "GLMFLASH_PACK_SKIP_SPACE_CHECK", hide = true)]
+        pack_skip_space_check: bool,
+    },
+    /// Check every record of an expert store (sha256 with O_DIRECT reads); with --model also the
+    /// model fingerprint and a byte compare of a sample against the source.
+    VerifyStore {
+        /// Source checkpoint directory (optional: without it only checksums are checked).
+        #[arg(long, env = "GLMFLASH_MODEL")]
+        model: Option<PathBuf>,
+        #[arg(long, env = "GLMFLASH_STORE")]
+        store: PathBuf,
+        #[arg(long, env = "GLMFLASH_VERIFY_SAMPLE", default_value_t = 300)]
+        verify_sample: usize,
+    },
 }
 
 #[derive(Args)]
@@ -99,6 +144,74 @@ struct ModelArgs {
     /// Checkpoint directory: config.json, safetensors, tokenizer files.
     #[arg(long, env = "GLMFLASH_MODEL")]
     model: PathBuf,
+    /// Expert residency: fast/exact (all experts in RAM) or nvme/nvme-exact (tiered).
+    #[arg(long, env = "GLMFLASH_MODE", value_enum)]
+    mode: Option<Mode>,
+    /// Device-tier expert slots per MoE layer (tiered modes; a CPU-memory tier without a GPU).
+    #[arg(long, env = "GLMFLASH_VRAM_SLOTS", default_value_t = 4)]
+    vram_slots: usize,
+    /// RAM-tier expert slots per MoE layer (tiered modes).
+    #[arg(long, env = "GLMFLASH_RAM_SLOTS", default_value_t = 8)]
+    ram_slots: usize,
+    /// Packed expert store (from `pack-store`) that expert misses are read from; without it
+    /// a tiered mode reads misses from the checkpoint.
+    #[arg(long, env = "GLMFLASH_STORE")]
+    store: Option<PathBuf>,
+}
+
+impl ModelArgs {
+    /// The model with its experts served as the flags ask (untiered when no --mode).
+    fn load(&self) -> anyhow::Result<(Model, Option<Arc<TieredExperts>>)> {
+        let Some(mode) = self.mode else {
+            return Ok((Model::load(&self.model)?, None));
+        };
+        let cfg = glmflash_node::model::config::Config::from_file(&self.model.join("config.json"))?;
+        let source: Arc<dyn ExpertSource> = match &self.store {
+            Some(store) => {
+                let s = StoreSource::open(store, &self.model, &cfg)?;
+                tracing::info!(
+                    engine = s.engine_name(),
+                    "experts served from the packed store"
+                );
+                Arc::new(s)
+            }
+            None => Arc::new(CheckpointSource::open(&self.model)?),
+        };
+        let moe: Vec<bool> = cfg.mlp_kinds.iter().map(|k| *k == MlpKind::Moe).collect();
+        let caps = TierCaps {
+            device_slots_per_layer: self.vram_slots,
+            ram_slots_per_layer: self.ram_slots,
+        };
+        let tiers = Arc::new(TieredExperts::new(
+            source,
+            cfg.hidden_size,
+            cfg.n_routed_experts,
+            &moe,
+            mode,
+            caps,
+            4096,
+        )?);
+        Ok((
+            Model::load_with(&self.model, Some(tiers.clone()))?,
+            Some(tiers),
+        ))
+    }
+}
+
+/// One line per tier: lookups and residents.
+fn tier_summary(tiers: &TieredExperts) -> String {
+    [Tier::Device, Tier::Ram, Tier::Store]
+        .iter()
+        .map(|&t| {
+            format!(
+                "{}: {} lookups, {} resident",
+                t.name(),
+                tiers.stats.lookups(t),
+                tiers.resident(t)
+            )
+        })
+        .collect::<Vec<_>>()
+        .join("; ")
 }
 
 #[derive(Args)]
@@ -147,9 +260,12 @@ fn run(command: Command) -> anyhow::Result<()> {
         Command::Demo { dir, serve } => {
             let dir = dir.unwrap_or_else(demo::default_demo_dir);
             demo::ensure_demo_model(&dir)?;
-            server::serve(dir, serve)
+            server::serve(dir, serve, None)
         }
-        Command::Serve { model, serve } => server::serve(model.model, serve),
+        Command::Serve { model, serve } => {
+            let dir = model.model.clone();
+            server::serve(dir, serve, Some(Box::new(move || Ok(model.load()?.0))))
+        }
         Command::MakeDemoModel { out, seed } => {
             demo::make_demo_model(&out, seed)?;
             eprintln!("demo model written to {}", out.display());
@@ -159,8 +275,24 @@ fn run(command: Command) -> anyhow::Result<()> {
             model,
             tokens,
             greedy,
+            dump,
         } => {
-            let model = Model::load(&model.model)?;
+            let (model, _) = model.load()?;
+            if let Some(path) = dump {
+                let hooks = Dump::default();
+                let mut cache = model.new_cache();
+                model.forward(
+                    &mut [Step {
+                        tokens: &tokens,
+                        cache: &mut cache,
+                        all_logits: true,
+                    }],
+                    Some(&hooks),
+                )?;
+                hooks
+                    .save(&path)
+                    .with_context(|| format!("writing {}", path.display()))?;
+            }
             let (logits, _) = model.prefill(&tokens)?;
             let (greedy_tokens, _) = if greedy > 0 {
                 model.greedy(&tokens, greedy)?
@@ -173,7 +305,14 @@ fn run(command: Command) -> anyhow::Result<()> {
             );
             Ok(())
         }
-        Command::Generate { model, generation } => generate(&model.model, &generation),
+        Command::Generate { model, generation } => {
+            let (loaded, tiers) = model.load()?;
+            generate(&model.model, loaded, &generation)?;
+            if let Some(tiers) = tiers {
+                eprintln!("tiers ({:?}): {}", tiers.mode(), tier_summary(&tiers));
+            }
+            Ok(())
+        }
         Command::ConvertExperts { model, out, format } => {
             let format = glmflash_node::quant::Format::from_name(&format)?;
             let started = Instant::now();
@@ -207,18 +346,83 @@ fn run(command: Command) -> anyhow::Result<()> {
                 bail!("some gates failed")
             }
         }
+        Command::PackStore {
+            model,
+            store,
+            verify_sample,
+            no_verify,
+            pack_throttle_ms,
+            pack_batch_bytes,
+            pack_skip_space_check,
+        } => {
+            let opts = store::PackOptions {
+                verify: !no_verify,
+                sample: verify_sample,
+                throttle: pack_throttle_ms.map(std::time::Duration::from_millis),
+                skip_space_check: pack_skip_space_check,
+                batch_bytes: pack_batch_bytes,
+                ..store::PackOptions::default()
+            };
+            let report = store::pack_store(&model, &store, &opts)?;
+            let what = match report.outcome {
+                store::PackOutcome::AlreadyComplete => {
+                    "store is already complete for this model; nothing to do".to_string()
+                }
+                store::PackOutcome::Packed => "packed".to_string(),
+                store::PackOutcome::Resumed { from_record } => {
+                    format!("resumed at record {from_record} and packed")
+                }
+            };
+            eprintln!(
+                "{}: {what}: {} records of {} bytes, {:.1} MiB written in {:.1}s; fingerprint {}",
+                store.display(),
+                report.records,
+                report.record_size,
+                report.bytes_written as f64 / 1048576.0,
+                report.seconds,
+                report.fingerprint
+            );
+            if let Some(v) = report.verify {
+                print_verify(&v);
+            }
+            Ok(())
+        }
+        Command::VerifyStore {
+            model,
+            store,
+            verify_sample,
+        } => {
+            let opts = store::VerifyOptions {
+                sample: verify_sample,
+                ..store::VerifyOptions::default()
+            };
+            let report = store::verify_store(&store, model.as_deref(), &opts)?;
+            print_verify(&report);
+            Ok(())
+        }
     }
 }
 
-fn generate(dir: &std::path::Path, args: &GenerationArgs) -> anyhow::Result<()> {
+fn print_verify(v: &store::VerifyReport) {
+    eprintln!(
+        "verified {} records ({:.1} MiB) by sha256 in {:.2}s ({:.2} GB/s, {}); {} compared with the source{}",
+        v.records,
+        v.bytes as f64 / 1048576.0,
+        v.seconds,
+        v.bytes as f64 / v.seconds.max(1e-9) / 1e9,
+        v.engine,
+        v.compared,
+        if v.fingerprint_checked {
+            "; model fingerprint matches"
+        } else {
+            ""
+        }
+    );
+}
+
+fn generate(dir: &std::path::Path, model: Model, args: &GenerationArgs) -> anyhow::Result<()> {
     let codec = TextCodec::from_dir(dir)
         .with_context(|| format!("loading the tokenizer of {}", dir.display()))?;
-    let load_started = Instant::now();
-    let model = Model::load(dir)?;
-    tracing::info!(
-        seconds = load_started.elapsed().as_secs_f64(),
-        "model loaded"
-    );
     let text = if args.raw || !codec.has_chat_template() {
         args.prompt.clone()
     } else {

@@ -101,16 +101,26 @@ impl ServeArgs {
     }
 }
 
-/// Loads the tokenizer and model of `dir` and starts the engine.
+/// Loads the tokenizer and model of `dir` (experts in memory) and starts the engine.
 pub fn load_engine(
     dir: &Path,
     config: EngineConfig,
     metrics: Arc<Metrics>,
 ) -> anyhow::Result<Engine> {
+    load_engine_with(dir, config, metrics, || Model::load(dir))
+}
+
+/// As [`load_engine`], with the model from `load` (e.g. with tiered experts).
+pub fn load_engine_with(
+    dir: &Path,
+    config: EngineConfig,
+    metrics: Arc<Metrics>,
+    load: impl FnOnce() -> anyhow::Result<Model>,
+) -> anyhow::Result<Engine> {
     let started = Instant::now();
     let codec = TextCodec::from_dir(dir)
         .with_context(|| format!("loading the tokenizer of {}", dir.display()))?;
-    let model = Model::load(dir)?;
+    let model = load()?;
     tracing::info!(
         seconds = started.elapsed().as_secs_f64(),
         dir = %dir.display(),
@@ -119,17 +129,21 @@ pub fn load_engine(
     Ok(Engine::start(model, Arc::new(codec), config, metrics))
 }
 
-/// Runs the server until SIGTERM / ctrl-c, then drains.
-pub fn serve(dir: PathBuf, args: ServeArgs) -> anyhow::Result<()> {
+/// Type of the model loader [`serve`] runs once the socket is bound.
+pub type Loader = Box<dyn FnOnce() -> anyhow::Result<Model> + Send>;
+
+/// Runs the server until SIGTERM / ctrl-c, then drains. `load` gives the model (default:
+/// `Model::load(dir)`); the tokenizer comes from `dir`.
+pub fn serve(dir: PathBuf, args: ServeArgs, load: Option<Loader>) -> anyhow::Result<()> {
     let runtime = tokio::runtime::Builder::new_multi_thread()
         .enable_all()
         .worker_threads(2)
         .thread_name("glmflash-http")
         .build()?;
-    runtime.block_on(serve_async(dir, args))
+    runtime.block_on(serve_async(dir, args, load))
 }
 
-async fn serve_async(dir: PathBuf, args: ServeArgs) -> anyhow::Result<()> {
+async fn serve_async(dir: PathBuf, args: ServeArgs, load: Option<Loader>) -> anyhow::Result<()> {
     let metrics = Arc::new(Metrics::new());
     let state = AppState::new(args.api_config()?, metrics.clone());
     let addr = format!("{}:{}", args.host, args.port);
@@ -150,8 +164,12 @@ async fn serve_async(dir: PathBuf, args: ServeArgs) -> anyhow::Result<()> {
 
     let loader_state = state.clone();
     let engine_config = args.engine_config();
-    let loader =
-        tokio::task::spawn_blocking(move || match load_engine(&dir, engine_config, metrics) {
+    let loader = tokio::task::spawn_blocking(move || {
+        let loaded = match load {
+            Some(load) => load_engine_with(&dir, engine_config, metrics, load),
+            None => load_engine(&dir, engine_config, metrics),
+        };
+        match loaded {
             Ok(engine) => {
                 loader_state.set_engine(Arc::new(engine));
                 tracing::info!("ready");
@@ -160,7 +178,8 @@ async fn serve_async(dir: PathBuf, args: ServeArgs) -> anyhow::Result<()> {
                 tracing::error!(error = %format!("{e:#}"), "loading the model failed");
                 loader_state.set_load_error(format!("{e:#}"));
             }
-        });
+        }
+    });
 
     let (signalled_tx, mut signalled) = tokio::sync::watch::channel(false);
     let server = axum::serve(listener, app(state.clone())).with_graceful_shutdown(async move {

@@ -1,0 +1,219 @@
+//! Store read throughput: io_uring vs pread at queue depth 1, 8 and 32, the sha256 cost,
+//! and `fio` on the same file when it is installed.
+//!
+//! `cargo run --release -p glmflash-node --example store_bench -- [DIR] [GIB]` builds a
+//! synthetic store of about GIB GiB (default 1) of 3 MiB records (bf16 gate/up 512x1024,
+//! down 1024x512) in DIR (default: a temporary directory under /tmp), then reads every
+//! record once in a shuffled order per configuration. Reads bypass the page cache (O_DIRECT),
+//! so the numbers are the disk's.
+
+use glmflash_node::quant::Format;
+use glmflash_node::store::{
+    self, ALIGN, ChecksumPolicy, EngineChoice, Manifest, Part, Parts, ReaderOptions, RecordEntry,
+    StoreReader,
+};
+use sha2::{Digest, Sha256};
+use std::io::Write;
+use std::path::Path;
+use std::time::Instant;
+
+fn main() -> anyhow::Result<()> {
+    let args: Vec<String> = std::env::args().skip(1).collect();
+    let tmp;
+    let dir = match args.first() {
+        Some(d) => Path::new(d).to_path_buf(),
+        None => {
+            tmp = tempfile::tempdir_in("/tmp")?;
+            tmp.path().to_path_buf()
+        }
+    };
+    let gib: f64 = args.get(1).map(|s| s.parse()).transpose()?.unwrap_or(1.0);
+    let m = build_store(&dir, gib)?;
+    let total = m.data_bytes() as f64;
+    println!(
+        "store: {} records x {} bytes = {:.2} GiB in {}",
+        m.records.len(),
+        m.record_size,
+        total / (1u64 << 30) as f64,
+        dir.display()
+    );
+
+    let mut order: Vec<(usize, usize)> = m.records.iter().map(|r| (r.layer, r.expert)).collect();
+    let mut state = 0x9e3779b97f4a7c15u64;
+    for i in (1..order.len()).rev() {
+        state ^= state << 13;
+        state ^= state >> 7;
+        state ^= state << 17;
+        order.swap(i, (state % (i as u64 + 1)) as usize);
+    }
+    // One untimed pass first, so every configuration meets the same host-side caches.
+    let warm = StoreReader::open(&dir, None, ReaderOptions::default())?;
+    for chunk in order.chunks(32) {
+        for r in warm.read_many(chunk) {
+            r?;
+        }
+    }
+    drop(warm);
+    println!("engine    qd  checksum  GB/s");
+    for qd in [1, 8, 32] {
+        for (engine, name) in [
+            (EngineChoice::Uring, "io_uring"),
+            (EngineChoice::Pread, "pread"),
+        ] {
+            for checksum in [ChecksumPolicy::Never, ChecksumPolicy::Always] {
+                if checksum == ChecksumPolicy::Always && qd != 32 {
+                    continue;
+                }
+                let reader = StoreReader::open(
+                    &dir,
+                    None,
+                    ReaderOptions {
+                        engine,
+                        queue_depth: qd,
+                        registered_buffers: qd,
+                        pread_threads: qd,
+                        checksum,
+                        ..ReaderOptions::default()
+                    },
+                )?;
+                assert_eq!(reader.engine_name(), name);
+                let started = Instant::now();
+                for chunk in order.chunks(qd) {
+                    for r in reader.read_many(chunk) {
+                        r?;
+                    }
+                }
+                let s = started.elapsed().as_secs_f64();
+                println!(
+                    "{name:9} {qd:3}  {:8}  {:.2}",
+                    if checksum == ChecksumPolicy::Always {
+                        "sha256"
+                    } else {
+                        "off"
+                    },
+                    total / s / 1e9
+                );
+            }
+        }
+    }
+
+    let buf = vec![7u8; 64 << 20];
+    let started = Instant::now();
+    let rounds = 4;
+    for _ in 0..rounds {
+        std::hint::black_box(Sha256::digest(&buf));
+    }
+    let ns_per_mib = started.elapsed().as_nanos() as f64 / (rounds * 64) as f64;
+    println!(
+        "sha256 on one core: {:.0} ns/MiB ({:.2} GB/s)",
+        ns_per_mib,
+        1048576.0 / ns_per_mib
+    );
+
+    fio(&dir.join(store::DATA), m.record_size, total as u64);
+    Ok(())
+}
+
+/// Writes random records and their manifest (the reader needs only these two files).
+fn build_store(dir: &Path, gib: f64) -> anyhow::Result<Manifest> {
+    let (rows, cols) = (512, 1024);
+    let len = rows * cols * 2;
+    let part = |offset, rows, cols| Part {
+        format: Format::Bf16,
+        rows,
+        cols,
+        offset,
+        length: len,
+    };
+    let parts = Parts {
+        gate: part(0, rows, cols),
+        up: part(len, rows, cols),
+        down: part(2 * len, cols, rows),
+    };
+    let record_size = (parts.length()).div_ceil(ALIGN) * ALIGN;
+    let experts = 64;
+    let n = ((gib * (1u64 << 30) as f64) / record_size as f64).ceil() as usize;
+    let layers: Vec<usize> = (0..n.div_ceil(experts)).collect();
+    std::fs::create_dir_all(dir)?;
+    let mut file = std::io::BufWriter::new(std::fs::File::create(dir.join(store::DATA))?);
+    let mut records = Vec::new();
+    let mut state = 1u64;
+    let mut record = vec![0u8; record_size];
+    for (i, (l, e)) in layers
+        .iter()
+        .flat_map(|&l| (0..experts).map(move |e| (l, e)))
+        .enumerate()
+    {
+        for chunk in record[..parts.length()].chunks_exact_mut(8) {
+            state = state
+                .wrapping_mul(6364136223846793005)
+                .wrapping_add(1442695040888963407);
+            chunk.copy_from_slice(&state.to_le_bytes());
+        }
+        file.write_all(&record)?;
+        records.push(RecordEntry {
+            layer: l,
+            expert: e,
+            offset: (i * record_size) as u64,
+            length: parts.length(),
+            sha256: hex(&Sha256::digest(&record[..parts.length()])),
+        });
+    }
+    file.into_inner()?.sync_all()?;
+    let m = Manifest {
+        format_version: 1,
+        fingerprint: "synthetic".into(),
+        quick_fingerprint: "synthetic".into(),
+        record_size,
+        alignment: ALIGN,
+        experts_per_layer: experts,
+        layers,
+        parts,
+        records,
+    };
+    std::fs::write(dir.join(store::MANIFEST), serde_json::to_vec(&m)?)?;
+    Ok(m)
+}
+
+fn hex(b: &[u8]) -> String {
+    b.iter().map(|x| format!("{x:02x}")).collect()
+}
+
+fn fio(file: &Path, block: usize, size: u64) {
+    if std::process::Command::new("fio")
+        .arg("--version")
+        .output()
+        .is_err()
+    {
+        println!("fio: not installed (apt-get install -y fio)");
+        return;
+    }
+    for qd in [1, 8, 32] {
+        let out = std::process::Command::new("fio")
+            .args([
+                "--name=store",
+                "--rw=randread",
+                "--direct=1",
+                "--ioengine=io_uring",
+                "--output-format=json",
+                &format!("--bs={block}"),
+                &format!("--iodepth={qd}"),
+                &format!("--size={size}"),
+                "--io_size",
+                &size.to_string(),
+            ])
+            .arg(format!("--filename={}", file.display()))
+            .output();
+        let bw = out
+            .ok()
+            .and_then(|o| serde_json::from_slice::<serde_json::Value>(&o.stdout).ok())
+            .and_then(|j| j["jobs"][0]["read"]["bw_bytes"].as_f64());
+        match bw {
+            Some(bw) => println!(
+                "fio io_uring randread bs={block} qd {qd:2}: {:.2} GB/s",
+                bw / 1e9
+            ),
+            None => println!("fio qd {qd}: no result"),
+        }
+    }
+}

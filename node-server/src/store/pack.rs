@@ -1,0 +1,499 @@
+//! `pack-store`: one pass over the checkpoint writing `experts.bin` with O_DIRECT.
+//!
+//! Records are built in batches (on all cores), written with one aligned `pwrite`, made
+//! durable with `fdatasync`, and only then appended to the journal `experts.json.partial`
+//! (header line, then one JSON line per record with its sha256 and its source tensors'
+//! hashes), which is fsynced too. After `kill -9` or a full disk the journal names exactly
+//! the records that are on disk; a rerun with the same model (same quick fingerprint)
+//! re-reads those records with O_DIRECT, keeps the prefix whose sha256 still matches and
+//! rewrites the rest. Every record is a pure function of the source, so the resumed store
+//! is byte-identical to an uninterrupted run. At the end the manifest is written to a
+//! temporary file, fsynced and renamed over `experts.json`, and the journal removed.
+
+use super::aligned::{AlignedBuf, align_up};
+use super::io::{DirectOpenError, open_direct};
+use super::manifest::{
+    self, DATA, FORMAT_VERSION, JOURNAL, MANIFEST, Manifest, Part, Parts, RecordEntry,
+    expert_owner, moe_layers, sha256_hex,
+};
+use super::verify::{VerifyOptions, VerifyReport, verify_opened};
+use super::{ALIGN, StoreError};
+use crate::model::loader::Loader;
+use crate::model::moe::load_expert;
+use indicatif::{ProgressBar, ProgressDrawTarget, ProgressStyle};
+use rayon::prelude::*;
+use serde::{Deserialize, Serialize};
+use std::collections::{BTreeMap, HashMap};
+use std::fs::File;
+use std::io::{BufRead, Write};
+use std::os::unix::fs::FileExt;
+use std::path::Path;
+use std::time::{Duration, Instant};
+
+#[derive(Clone, Debug)]
+pub struct PackOptions {
+    /// Draw a progress bar on stderr (hidden anyway when stderr is not a terminal).
+    pub progress: bool,
+    /// Verify the store after packing (every sha256, plus a byte compare of a sample).
+    pub verify: bool,
+    /// Records compared byte for byte with the source during verification.
+    pub sample: usize,
+    /// Bytes written per batch (rounded to whole records, at least one).
+    pub batch_bytes: usize,
+    /// Test hook: sleep this long after each record.
+    #[doc(hidden)]
+    pub throttle: Option<Duration>,
+    /// Test hook: skip the free-space check (to hit a real ENOSPC).
+    #[doc(hidden)]
+    pub skip_space_check: bool,
+}
+
+impl Default for PackOptions {
+    fn default() -> PackOptions {
+        PackOptions {
+            progress: true,
+            verify: true,
+            sample: 300,
+            batch_bytes: 64 << 20,
+            throttle: None,
+            skip_space_check: false,
+        }
+    }
+}
+
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum PackOutcome {
+    /// Packed from scratch.
+    Packed,
+    /// Continued a partial store; records before `from_record` were kept.
+    Resumed { from_record: usize },
+    /// The store was already complete for this model; nothing was written.
+    AlreadyComplete,
+}
+
+#[derive(Clone, Debug)]
+pub struct PackReport {
+    pub outcome: PackOutcome,
+    pub records: usize,
+    pub record_size: usize,
+    /// Bytes written by this run.
+    pub bytes_written: u64,
+    pub fingerprint: String,
+    pub seconds: f64,
+    pub verify: Option<VerifyReport>,
+}
+
+#[derive(Serialize, Deserialize, PartialEq)]
+struct JournalHeader {
+    format_version: u32,
+    quick_fingerprint: String,
+    record_size: usize,
+    records: usize,
+    parts: Parts,
+}
+
+#[derive(Serialize, Deserialize, Clone)]
+struct JournalRecord {
+    i: usize,
+    sha256: String,
+    /// Content hashes of the source tensors this record owns (for the full fingerprint).
+    tensors: BTreeMap<String, String>,
+}
+
+fn io_err(path: &Path) -> impl FnOnce(std::io::Error) -> StoreError + '_ {
+    move |source| StoreError::Io {
+        path: path.display().to_string(),
+        source,
+    }
+}
+
+/// Packs the routed experts of the checkpoint in `model` into `store` (see the module doc).
+pub fn pack_store(
+    model: &Path,
+    store: &Path,
+    opts: &PackOptions,
+) -> Result<PackReport, StoreError> {
+    let started = Instant::now();
+    let (config_bytes, cfg, ckpt) = manifest::open_model(model)?;
+    let layers = moe_layers(&cfg);
+    if layers.is_empty() {
+        return Err(StoreError::Other(format!(
+            "{}: the model has no MoE layers, so there is nothing to pack",
+            model.display()
+        )));
+    }
+    let experts = cfg.n_routed_experts;
+    let keys: Vec<(usize, usize)> = layers
+        .iter()
+        .flat_map(|&l| (0..experts).map(move |e| (l, e)))
+        .collect();
+    let loader = Loader::new(&ckpt);
+    let layer_loaders: HashMap<usize, Loader> = layers
+        .iter()
+        .map(|&l| (l, loader.pp(&format!("layers.{l}.mlp.experts"))))
+        .collect();
+    let build = |l: usize, e: usize| -> Result<[Vec<u8>; 3], StoreError> {
+        let x = load_expert(&cfg, layer_loaders[&l], e)?;
+        Ok([x.gate.to_bytes(), x.up.to_bytes(), x.down.to_bytes()])
+    };
+    let parts = {
+        let x = load_expert(&cfg, layer_loaders[&layers[0]], 0)?;
+        let part = |m: &crate::backend::cpu::Matrix, offset: usize| Part {
+            format: m.format(),
+            rows: m.rows(),
+            cols: m.cols(),
+            offset,
+            length: m.storage_bytes(),
+        };
+        let gate = part(&x.gate, 0);
+        let up = part(&x.up, gate.length);
+        let down = part(&x.down, gate.length + up.length);
+        Parts { gate, up, down }
+    };
+    let record_size = align_up(parts.length());
+    let total = keys.len();
+    let total_bytes = (total * record_size) as u64;
+
+    let mut owned: HashMap<(usize, usize), Vec<String>> = HashMap::new();
+    for k in ckpt.keys() {
+        if let Some(owner) = expert_owner(k, &layers) {
+            owned.entry(owner).or_default().push(k.to_string());
+        }
+    }
+    let mut hashes = manifest::tensor_hashes(&ckpt, |k| expert_owner(k, &layers).is_none())?;
+    let quick = manifest::fingerprint(&config_bytes, &ckpt, &hashes, false)?;
+
+    std::fs::create_dir_all(store).map_err(io_err(store))?;
+    let data_path = store.join(DATA);
+    let journal_path = store.join(JOURNAL);
+    let manifest_path = store.join(MANIFEST);
+
+    if manifest_path.exists() {
+        let existing = Manifest::load(store)?;
+        if existing.quick_fingerprint != quick {
+            return Err(StoreError::FingerprintMismatch {
+                store: store.display().to_string(),
+                store_fingerprint: existing.quick_fingerprint,
+                model_fingerprint: quick,
+            });
+        }
+        let found = std::fs::metadata(&data_path).map(|m| m.len()).unwrap_or(0);
+        super::reader::check_length(&existing, &data_path, found)?;
+        tracing::info!(store = %store.display(), "store is already complete for this model; nothing to do");
+        return Ok(PackReport {
+            outcome: PackOutcome::AlreadyComplete,
+            records: existing.records.len(),
+            record_size: existing.record_size,
+            bytes_written: 0,
+            fingerprint: existing.fingerprint,
+            seconds: started.elapsed().as_secs_f64(),
+            verify: None,
+        });
+    }
+
+    let header = JournalHeader {
+        format_version: FORMAT_VERSION,
+        quick_fingerprint: quick.clone(),
+        record_size,
+        records: total,
+        parts: parts.clone(),
+    };
+    let file = open_direct(&data_path, true).map_err(|e| match e {
+        DirectOpenError::Unsupported => StoreError::NoDirectIo {
+            path: data_path.display().to_string(),
+        },
+        DirectOpenError::Io(source) => StoreError::Io {
+            path: data_path.display().to_string(),
+            source,
+        },
+    })?;
+    let done = resume_point(&journal_path, &header, &file, store)?;
+    let from = done.len();
+
+    if !opts.skip_space_check {
+        let existing = file.metadata().map_err(io_err(&data_path))?.len();
+        let needed = total_bytes.saturating_sub(existing) + (total as u64 * 256);
+        let stat = rustix::fs::statvfs(store).map_err(|e| StoreError::Io {
+            path: store.display().to_string(),
+            source: e.into(),
+        })?;
+        let available = stat.f_bavail * stat.f_frsize;
+        if needed > available {
+            return Err(StoreError::NoSpace {
+                path: store.display().to_string(),
+                needed,
+                available,
+            });
+        }
+    }
+
+    // The journal restarts from the verified prefix, so a torn tail never survives.
+    let mut journal = rewrite_journal(&journal_path, &header, &done)?;
+    let mut records: Vec<JournalRecord> = done;
+    if from > 0 {
+        tracing::info!(from_record = from, total, "resuming a partial store");
+    }
+
+    let bar = if opts.progress {
+        ProgressBar::with_draw_target(Some(total_bytes), ProgressDrawTarget::stderr())
+    } else {
+        ProgressBar::hidden()
+    };
+    bar.set_style(
+        ProgressStyle::with_template(
+            "packing [{bar:40}] {bytes}/{total_bytes} {bytes_per_sec} eta {eta}",
+        )
+        .expect("valid template")
+        .progress_chars("=> "),
+    );
+    bar.set_position((from * record_size) as u64);
+    bar.reset_eta();
+
+    let per_batch = (opts.batch_bytes / record_size).max(1);
+    let mut written = 0u64;
+    let mut start = from;
+    while start < total {
+        let end = (start + per_batch).min(total);
+        let built: Vec<(Vec<u8>, JournalRecord)> = (start..end)
+            .into_par_iter()
+            .map(|i| {
+                let (l, e) = keys[i];
+                let [gate, up, down] = build(l, e)?;
+                for (bytes, part, name) in [
+                    (&gate, &parts.gate, "gate"),
+                    (&up, &parts.up, "up"),
+                    (&down, &parts.down, "down"),
+                ] {
+                    if bytes.len() != part.length {
+                        return Err(StoreError::Other(format!(
+                            "layer {l}, expert {e}: {name} is {} bytes, expert 0 of layer {} had {}; every expert must share one layout",
+                            bytes.len(),
+                            layers[0],
+                            part.length
+                        )));
+                    }
+                }
+                let mut record = Vec::with_capacity(parts.length());
+                record.extend_from_slice(&gate);
+                record.extend_from_slice(&up);
+                record.extend_from_slice(&down);
+                let mut tensors = BTreeMap::new();
+                for key in owned.get(&(l, e)).into_iter().flatten() {
+                    let view = manifest::raw_view(&ckpt, key)?;
+                    tensors.insert(key.clone(), sha256_hex(view.bytes));
+                }
+                let sha256 = sha256_hex(&record);
+                Ok((record, JournalRecord { i, sha256, tensors }))
+            })
+            .collect::<Result<_, StoreError>>()?;
+        let mut buf = AlignedBuf::new((end - start) * record_size);
+        for (k, (record, _)) in built.iter().enumerate() {
+            buf.as_mut_slice()[k * record_size..k * record_size + record.len()]
+                .copy_from_slice(record);
+        }
+        let offset = (start * record_size) as u64;
+        let disk_full = |e: &std::io::Error| e.raw_os_error() == Some(libc::ENOSPC);
+        let write = file
+            .write_all_at(buf.as_slice(), offset)
+            .and_then(|()| file.sync_data());
+        if let Err(e) = write {
+            if disk_full(&e) {
+                return Err(StoreError::DiskFull {
+                    path: data_path.display().to_string(),
+                    record: start,
+                    total,
+                });
+            }
+            return Err(StoreError::Io {
+                path: data_path.display().to_string(),
+                source: e,
+            });
+        }
+        for (_, r) in &built {
+            if let Some(pause) = opts.throttle {
+                std::thread::sleep(pause);
+            }
+            let line = serde_json::to_string(r).expect("journal record serializes") + "\n";
+            journal
+                .write_all(line.as_bytes())
+                .map_err(|e| journal_error(&journal_path, e, start, total))?;
+            records.push(r.clone());
+            bar.inc(record_size as u64);
+        }
+        journal
+            .sync_data()
+            .map_err(|e| journal_error(&journal_path, e, start, total))?;
+        written += buf.len() as u64;
+        start = end;
+    }
+    bar.finish_and_clear();
+    file.sync_all().map_err(io_err(&data_path))?;
+
+    for r in &records {
+        hashes.extend(r.tensors.clone());
+    }
+    let fingerprint = manifest::fingerprint(&config_bytes, &ckpt, &hashes, true)?;
+    let manifest = Manifest {
+        format_version: FORMAT_VERSION,
+        fingerprint: fingerprint.clone(),
+        quick_fingerprint: quick,
+        record_size,
+        alignment: ALIGN,
+        experts_per_layer: experts,
+        layers,
+        parts,
+        records: records
+            .iter()
+            .map(|r| {
+                let (layer, expert) = keys[r.i];
+                RecordEntry {
+                    layer,
+                    expert,
+                    offset: (r.i * record_size) as u64,
+                    length: header.parts.length(),
+                    sha256: r.sha256.clone(),
+                }
+            })
+            .collect(),
+    };
+    write_durably(
+        store,
+        &manifest_path,
+        &serde_json::to_vec_pretty(&manifest).expect("manifest serializes"),
+    )?;
+    std::fs::remove_file(&journal_path).map_err(io_err(&journal_path))?;
+    sync_dir(store)?;
+    tracing::info!(records = total, bytes = total_bytes, "store packed");
+
+    let verify = if opts.verify {
+        let vopts = VerifyOptions {
+            sample: opts.sample,
+            progress: opts.progress,
+            ..VerifyOptions::default()
+        };
+        Some(verify_opened(
+            store,
+            &manifest,
+            Some((&cfg, &ckpt)),
+            &vopts,
+        )?)
+    } else {
+        None
+    };
+    Ok(PackReport {
+        outcome: if from == 0 {
+            PackOutcome::Packed
+        } else {
+            PackOutcome::Resumed { from_record: from }
+        },
+        records: total,
+        record_size,
+        bytes_written: written,
+        fingerprint,
+        seconds: started.elapsed().as_secs_f64(),
+        verify,
+    })
+}
+
+fn journal_error(path: &Path, e: std::io::Error, record: usize, total: usize) -> StoreError {
+    if e.raw_os_error() == Some(libc::ENOSPC) {
+        StoreError::DiskFull {
+            path: path.display().to_string(),
+            record,
+            total,
+        }
+    } else {
+        StoreError::Io {
+            path: path.display().to_string(),
+            source: e,
+        }
+    }
+}
+
+/// The journal's records that are still intact on disk, in order. A journal from another
+/// model is refused; one from another layout or version is discarded.
+fn resume_point(
+    journal: &Path,
+    header: &JournalHeader,
+    file: &File,
+    store: &Path,
+) -> Result<Vec<JournalRecord>, StoreError> {
+    let Ok(f) = File::open(journal) else {
+        return Ok(Vec::new());
+    };
+    let mut lines = std::io::BufReader::new(f).lines();
+    let Some(Ok(first)) = lines.next() else {
+        return Ok(Vec::new());
+    };
+    let Ok(found) = serde_json::from_str::<JournalHeader>(&first) else {
+        return Ok(Vec::new());
+    };
+    if found.quick_fingerprint != header.quick_fingerprint {
+        return Err(StoreError::FingerprintMismatch {
+            store: store.display().to_string(),
+            store_fingerprint: found.quick_fingerprint,
+            model_fingerprint: header.quick_fingerprint.clone(),
+        });
+    }
+    if found != *header {
+        tracing::warn!("the partial store has another layout; packing from scratch");
+        return Ok(Vec::new());
+    }
+    let mut done = Vec::new();
+    let mut buf = AlignedBuf::new(header.record_size);
+    for line in lines {
+        let Ok(line) = line else { break };
+        let Ok(r) = serde_json::from_str::<JournalRecord>(&line) else {
+            break;
+        };
+        if r.i != done.len() {
+            break;
+        }
+        let offset = (r.i * header.record_size) as u64;
+        let intact = file.read_exact_at(buf.as_mut_slice(), offset).is_ok()
+            && sha256_hex(&buf.as_slice()[..header.parts.length()]) == r.sha256;
+        if !intact {
+            tracing::warn!(
+                record = r.i,
+                "a journaled record is not intact on disk; rewriting from it"
+            );
+            break;
+        }
+        done.push(r);
+    }
+    Ok(done)
+}
+
+fn rewrite_journal(
+    path: &Path,
+    header: &JournalHeader,
+    done: &[JournalRecord],
+) -> Result<File, StoreError> {
+    let mut text = serde_json::to_string(header).expect("header serializes") + "\n";
+    for r in done {
+        text += &(serde_json::to_string(r).expect("record serializes") + "\n");
+    }
+    let store = path.parent().unwrap_or(Path::new("."));
+    write_durably(store, path, text.as_bytes())?;
+    std::fs::OpenOptions::new()
+        .append(true)
+        .open(path)
+        .map_err(io_err(path))
+}
+
+/// Writes `bytes` to a temporary file, fsyncs it and renames it over `path`.
+fn write_durably(dir: &Path, path: &Path, bytes: &[u8]) -> Result<(), StoreError> {
+    let tmp = path.with_extension("tmp");
+    let mut f = File::create(&tmp).map_err(io_err(&tmp))?;
+    f.write_all(bytes)
+        .and_then(|()| f.sync_all())
+        .map_err(io_err(&tmp))?;
+    std::fs::rename(&tmp, path).map_err(io_err(path))?;
+    sync_dir(dir)
+}
+
+fn sync_dir(dir: &Path) -> Result<(), StoreError> {
+    File::open(dir)
+        .and_then(|d| d.sync_all())
+        .map_err(io_err(dir))
+}

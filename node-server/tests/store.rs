@@ -1,0 +1,536 @@
+//! The expert store end to end: pack a small random checkpoint on a disk filesystem, read it
+//! back through both engines, and break it every way issue 3 lists.
+
+use glmflash_node::model::checkpoint::{Checkpoint, DType};
+use glmflash_node::model::config::Config;
+use glmflash_node::model::loader::Loader;
+use glmflash_node::model::moe::load_expert;
+use glmflash_node::model::random::{scaled_config, write_random_checkpoint};
+use glmflash_node::store::{
+    self, ChecksumPolicy, EngineChoice, Manifest, PackOptions, PackOutcome, ReadErrorKind,
+    ReaderOptions, StoreError, StoreReader, VerifyOptions,
+};
+use std::os::unix::fs::FileExt;
+use std::path::{Path, PathBuf};
+use std::process::Command;
+use std::time::{Duration, Instant};
+
+/// hidden 256, 4 layers (1 dense), 16 experts of width 256: 48 records of 384 KiB.
+fn make_model(dir: &Path, seed: u64, width: usize, dtype: DType) -> Config {
+    let cfg = scaled_config(64, 256, 4, 1, 16, width, 2);
+    write_random_checkpoint(dir, &cfg, seed, dtype).expect("random checkpoint")
+}
+
+struct Fixture {
+    _tmp: tempfile::TempDir,
+    model: PathBuf,
+    store: PathBuf,
+    cfg: Config,
+}
+
+fn quiet() -> PackOptions {
+    PackOptions {
+        progress: false,
+        ..PackOptions::default()
+    }
+}
+
+fn fixture_with(seed: u64, width: usize, dtype: DType) -> Fixture {
+    let tmp = tempfile::tempdir().expect("tempdir");
+    let model = tmp.path().join("model");
+    let store = tmp.path().join("store");
+    let cfg = make_model(&model, seed, width, dtype);
+    Fixture {
+        _tmp: tmp,
+        model,
+        store,
+        cfg,
+    }
+}
+
+fn packed() -> Fixture {
+    let f = fixture_with(7, 256, DType::Bf16);
+    let report = store::pack_store(&f.model, &f.store, &quiet()).expect("pack");
+    assert_eq!(report.outcome, PackOutcome::Packed);
+    assert_eq!(report.records, 48);
+    let v = report.verify.expect("verified after packing");
+    assert_eq!(v.records, 48);
+    assert_eq!(
+        v.compared, 48,
+        "fewer records than the sample: all compared"
+    );
+    f
+}
+
+fn flip_byte(path: &Path, offset: u64) {
+    let file = std::fs::OpenOptions::new()
+        .read(true)
+        .write(true)
+        .open(path)
+        .unwrap();
+    let mut b = [0u8];
+    file.read_exact_at(&mut b, offset).unwrap();
+    b[0] ^= 0x5a;
+    file.write_all_at(&b, offset).unwrap();
+    file.sync_all().unwrap();
+}
+
+fn reader(store: &Path, engine: EngineChoice) -> StoreReader {
+    StoreReader::open(
+        store,
+        None,
+        ReaderOptions {
+            engine,
+            queue_depth: 8,
+            registered_buffers: 8,
+            ..ReaderOptions::default()
+        },
+    )
+    .expect("open store")
+}
+
+#[test]
+fn every_record_rebuilds_the_expert_bit_for_bit_through_both_engines() {
+    let f = packed();
+    let ckpt = Checkpoint::open(&f.model).unwrap();
+    let vb = Loader::new(&ckpt);
+    let manifest = Manifest::load(&f.store).unwrap();
+    assert_eq!(manifest.record_size % 4096, 0);
+    let keys: Vec<(usize, usize)> = manifest
+        .records
+        .iter()
+        .map(|r| (r.layer, r.expert))
+        .collect();
+    assert_eq!(keys.len(), 48);
+    for engine in [EngineChoice::Uring, EngineChoice::Pread] {
+        let r = reader(&f.store, engine);
+        assert_eq!(
+            r.engine_name(),
+            if engine == EngineChoice::Uring {
+                "io_uring"
+            } else {
+                "pread"
+            }
+        );
+        assert_eq!(r.fixed_buffers(), engine == EngineChoice::Uring);
+        // More keys than registered buffers: the rest read into buffers of their own.
+        let records = r.read_many(&keys);
+        for (&(l, e), rec) in keys.iter().zip(records) {
+            let rec = rec.expect("record reads");
+            let got = rec.to_expert(f.cfg.swiglu_limit).unwrap();
+            let want = load_expert(&f.cfg, vb.pp(&format!("layers.{l}.mlp.experts")), e).unwrap();
+            for (g, w) in [
+                (&got.gate, &want.gate),
+                (&got.up, &want.up),
+                (&got.down, &want.down),
+            ] {
+                assert_eq!(
+                    (g.rows(), g.cols(), g.format()),
+                    (w.rows(), w.cols(), w.format())
+                );
+                assert_eq!(
+                    g.to_bytes(),
+                    w.to_bytes(),
+                    "layer {l} expert {e} via {engine:?}"
+                );
+            }
+            assert_eq!(got.limit, want.limit);
+        }
+    }
+}
+
+#[test]
+fn records_are_padded_and_f32_round_trips() {
+    // Width 98 in f32: 3 x 100352 bytes = 73.5 pages, padded to 74.
+    let f = fixture_with(3, 98, DType::F32);
+    store::pack_store(&f.model, &f.store, &quiet()).unwrap();
+    let m = Manifest::load(&f.store).unwrap();
+    assert_eq!(m.parts.length(), 3 * 98 * 256 * 4);
+    assert_eq!(m.record_size, 74 * 4096);
+    let data = std::fs::read(f.store.join(store::DATA)).unwrap();
+    assert_eq!(data.len(), m.records.len() * m.record_size);
+    assert!(
+        data[m.parts.length()..m.record_size]
+            .iter()
+            .all(|&b| b == 0)
+    );
+    let ckpt = Checkpoint::open(&f.model).unwrap();
+    let r = reader(&f.store, EngineChoice::Auto);
+    let rec = r.read(3, 5).unwrap();
+    let want = load_expert(&f.cfg, Loader::new(&ckpt).pp("layers.3.mlp.experts"), 5).unwrap();
+    assert_eq!(rec.parts().unwrap()[2].to_bytes(), want.down.to_bytes());
+}
+
+#[test]
+fn concurrent_requests_for_one_record_share_one_read() {
+    let f = packed();
+    let r = reader(&f.store, EngineChoice::Auto);
+    let out = r.read_many(&[(2, 4), (2, 4), (3, 1), (2, 4)]);
+    assert_eq!(r.reads_issued(), 2);
+    let a = out[0].as_ref().unwrap();
+    assert!(std::sync::Arc::ptr_eq(a, out[1].as_ref().unwrap()));
+    assert!(std::sync::Arc::ptr_eq(a, out[3].as_ref().unwrap()));
+    // Many threads at once: every one gets the same bytes.
+    let want = a.bytes().to_vec();
+    std::thread::scope(|s| {
+        for _ in 0..8 {
+            s.spawn(|| {
+                for _ in 0..20 {
+                    assert_eq!(r.read(2, 4).unwrap().bytes(), want.as_slice());
+                }
+            });
+        }
+    });
+    assert!(r.read(0, 0).is_err(), "layer 0 is dense: no record");
+}
+
+#[test]
+fn rerun_on_a_complete_store_does_nothing() {
+    let f = packed();
+    let data = f.store.join(store::DATA);
+    let before = std::fs::metadata(&data).unwrap().modified().unwrap();
+    let bytes = std::fs::read(&data).unwrap();
+    let again = store::pack_store(&f.model, &f.store, &quiet()).unwrap();
+    assert_eq!(again.outcome, PackOutcome::AlreadyComplete);
+    assert_eq!(again.bytes_written, 0);
+    assert_eq!(
+        std::fs::metadata(&data).unwrap().modified().unwrap(),
+        before
+    );
+    assert_eq!(std::fs::read(&data).unwrap(), bytes);
+    let out = Command::new(env!("CARGO_BIN_EXE_glmflash-node"))
+        .args(["pack-store", "--model"])
+        .arg(&f.model)
+        .arg("--store")
+        .arg(&f.store)
+        .output()
+        .unwrap();
+    assert!(out.status.success());
+    assert!(String::from_utf8_lossy(&out.stderr).contains("nothing to do"));
+}
+
+fn journal_lines(store: &Path) -> usize {
+    std::fs::read_to_string(store.join(store::JOURNAL))
+        .map(|t| t.lines().count())
+        .unwrap_or(0)
+}
+
+#[test]
+fn kill_9_mid_pack_resumes_to_the_identical_store() {
+    let reference = packed();
+    let f = fixture_with(7, 256, DType::Bf16);
+    for corrupt_first in [false, true] {
+        let _ = std::fs::remove_dir_all(&f.store);
+        let mut child = Command::new(env!("CARGO_BIN_EXE_glmflash-node"))
+            .args(["pack-store", "--model"])
+            .arg(&f.model)
+            .arg("--store")
+            .arg(&f.store)
+            .env("GLMFLASH_PACK_THROTTLE_MS", "40")
+            .env("GLMFLASH_PACK_BATCH_BYTES", "1")
+            .stderr(std::process::Stdio::null())
+            .spawn()
+            .unwrap();
+        let deadline = Instant::now() + Duration::from_secs(60);
+        while journal_lines(&f.store) < 10 {
+            assert!(Instant::now() < deadline, "pack-store made no progress");
+            std::thread::sleep(Duration::from_millis(10));
+        }
+        // SIGKILL, as kill -9 would.
+        child.kill().unwrap();
+        child.wait().unwrap();
+        assert!(!f.store.join(store::MANIFEST).exists());
+        let kept = journal_lines(&f.store) - 1;
+        assert!(kept < 48, "killed before the end");
+        if corrupt_first {
+            // A journaled record damaged on disk is noticed and rewritten.
+            flip_byte(&f.store.join(store::DATA), 1000);
+        }
+        let report = store::pack_store(&f.model, &f.store, &quiet()).unwrap();
+        let from_record = match report.outcome {
+            PackOutcome::Resumed { from_record } => from_record,
+            // Record 0 itself was damaged: nothing could be kept.
+            PackOutcome::Packed => 0,
+            other => panic!("expected a resume, got {other:?}"),
+        };
+        if corrupt_first {
+            assert_eq!(from_record, 0);
+        } else {
+            assert!(
+                from_record >= kept - 1 && from_record > 0,
+                "{from_record} vs {kept}"
+            );
+        }
+        for name in [store::DATA, store::MANIFEST] {
+            assert!(
+                std::fs::read(f.store.join(name)).unwrap()
+                    == std::fs::read(reference.store.join(name)).unwrap(),
+                "{name} differs from an uninterrupted run"
+            );
+        }
+        assert!(!f.store.join(store::JOURNAL).exists());
+    }
+}
+
+#[test]
+fn a_flipped_byte_is_caught_by_verify_and_by_read() {
+    let f = packed();
+    let m = Manifest::load(&f.store).unwrap();
+    let victim = m
+        .records
+        .iter()
+        .find(|r| r.layer == 2 && r.expert == 9)
+        .unwrap()
+        .clone();
+    flip_byte(&f.store.join(store::DATA), victim.offset + 12345);
+    let named = format!("layer 2, expert 9 at offset {}", victim.offset);
+    let err = store::verify_store(
+        &f.store,
+        None,
+        &VerifyOptions {
+            progress: false,
+            ..VerifyOptions::default()
+        },
+    )
+    .unwrap_err();
+    assert!(matches!(err, StoreError::Corrupt { count: 1, .. }), "{err}");
+    assert!(err.to_string().contains(&named), "{err}");
+    for engine in [EngineChoice::Uring, EngineChoice::Pread] {
+        let r = reader(&f.store, engine);
+        let e = r.read(2, 9).unwrap_err();
+        assert!(matches!(e.kind, ReadErrorKind::Checksum { .. }));
+        assert_eq!((e.layer, e.expert, e.offset), (2, 9, victim.offset));
+        assert!(e.to_string().contains(&named), "{e}");
+        assert!(r.read(2, 8).is_ok(), "neighbours are fine");
+    }
+    // The CLI says the same and fails.
+    let out = Command::new(env!("CARGO_BIN_EXE_glmflash-node"))
+        .args(["verify-store", "--store"])
+        .arg(&f.store)
+        .output()
+        .unwrap();
+    assert!(!out.status.success());
+    assert!(String::from_utf8_lossy(&out.stderr).contains(&named));
+    // With checksums off the damage goes through, by design; the default never lets it.
+    let unchecked = StoreReader::open(
+        &f.store,
+        None,
+        ReaderOptions {
+            checksum: ChecksumPolicy::Never,
+            ..ReaderOptions::default()
+        },
+    )
+    .unwrap();
+    assert!(unchecked.read(2, 9).is_ok());
+}
+
+#[test]
+fn a_truncated_store_fails_cleanly() {
+    let f = packed();
+    let m = Manifest::load(&f.store).unwrap();
+    let data = f.store.join(store::DATA);
+    let open_reader = reader(&f.store, EngineChoice::Uring);
+    let pread_reader = reader(&f.store, EngineChoice::Pread);
+    let last = m.records.last().unwrap().clone();
+    let cut = last.offset + 8192;
+    std::fs::OpenOptions::new()
+        .write(true)
+        .open(&data)
+        .unwrap()
+        .set_len(cut)
+        .unwrap();
+    // Readers opened before the cut see a short read, named.
+    for r in [&open_reader, &pread_reader] {
+        let e = r.read(last.layer, last.expert).unwrap_err();
+        assert_eq!(
+            e.kind,
+            ReadErrorKind::Truncated {
+                got: 8192,
+                want: m.record_size
+            },
+            "{}",
+            r.engine_name()
+        );
+        assert!(r.read(1, 0).is_ok());
+    }
+    // Opening, verifying and re-packing refuse, naming the first record cut.
+    let named = format!(
+        "layer {}, expert {}, offset {}",
+        last.layer, last.expert, last.offset
+    );
+    let e = StoreReader::open(&f.store, None, ReaderOptions::default()).unwrap_err();
+    assert!(e.to_string().contains(&named), "{e}");
+    let e = store::verify_store(&f.store, None, &VerifyOptions::default()).unwrap_err();
+    assert!(matches!(e, StoreError::Truncated { .. }), "{e}");
+    let e = store::pack_store(&f.model, &f.store, &quiet()).unwrap_err();
+    assert!(e.to_string().contains(&named), "{e}");
+}
+
+#[test]
+fn a_store_from_another_model_is_refused() {
+    let f = packed();
+    let other = f.model.with_file_name("other-model");
+    make_model(&other, 8, 256, DType::Bf16);
+    let mine = Manifest::load(&f.store).unwrap();
+    let theirs = store::model_fingerprint(&other).unwrap();
+    assert_ne!(mine.fingerprint, theirs);
+    let e = store::verify_store(&f.store, Some(&other), &VerifyOptions::default()).unwrap_err();
+    assert!(matches!(e, StoreError::FingerprintMismatch { .. }));
+    let text = e.to_string();
+    assert!(
+        text.contains(&mine.fingerprint) && text.contains(&theirs),
+        "{text}"
+    );
+    let e = StoreReader::open(&f.store, Some(&theirs), ReaderOptions::default()).unwrap_err();
+    assert!(e.to_string().contains(&theirs));
+    let e = store::pack_store(&other, &f.store, &quiet()).unwrap_err();
+    assert!(matches!(e, StoreError::FingerprintMismatch { .. }), "{e}");
+    // The right model passes, with either fingerprint.
+    assert_eq!(
+        store::model_fingerprint(&f.model).unwrap(),
+        mine.fingerprint
+    );
+    assert_eq!(
+        store::quick_fingerprint(&f.model).unwrap(),
+        mine.quick_fingerprint
+    );
+    StoreReader::open(
+        &f.store,
+        Some(&mine.quick_fingerprint),
+        ReaderOptions::default(),
+    )
+    .unwrap();
+    let v = store::verify_store(
+        &f.store,
+        Some(&f.model),
+        &VerifyOptions {
+            progress: false,
+            ..VerifyOptions::default()
+        },
+    )
+    .unwrap();
+    assert!(v.fingerprint_checked);
+}
+
+#[test]
+fn an_injected_read_error_fails_only_that_request() {
+    let f = packed();
+    for engine in [EngineChoice::Uring, EngineChoice::Pread] {
+        let r = StoreReader::open(
+            &f.store,
+            None,
+            ReaderOptions {
+                engine,
+                fail_record: Some((3, 7)),
+                ..ReaderOptions::default()
+            },
+        )
+        .unwrap();
+        let out = r.read_many(&[(3, 6), (3, 7), (3, 8)]);
+        assert!(out[0].is_ok() && out[2].is_ok());
+        let e = out[1].as_ref().unwrap_err();
+        assert!(matches!(e.kind, ReadErrorKind::Io(_)));
+        assert!(e.to_string().contains("layer 3, expert 7"), "{e}");
+        assert!(r.read(3, 6).is_ok(), "the reader keeps working");
+    }
+}
+
+/// A scratch mount for filesystem-specific tests, unmounted on drop; `None` (with a note)
+/// where this process may not mount.
+struct Mount(PathBuf);
+
+impl Mount {
+    fn new(fstype: &str, options: &str) -> Option<Mount> {
+        let dir = tempfile::tempdir().unwrap().keep();
+        let ok = Command::new("mount")
+            .args(["-t", fstype, "-o", options, fstype])
+            .arg(&dir)
+            .status()
+            .map(|s| s.success())
+            .unwrap_or(false);
+        if ok {
+            Some(Mount(dir))
+        } else {
+            eprintln!("SKIP: cannot mount a {fstype} here (needs root)");
+            None
+        }
+    }
+
+    fn remount(&self, options: &str) {
+        let ok = Command::new("mount")
+            .args(["-o", &format!("remount,{options}")])
+            .arg(&self.0)
+            .status()
+            .unwrap()
+            .success();
+        assert!(ok);
+    }
+}
+
+impl Drop for Mount {
+    fn drop(&mut self) {
+        let _ = Command::new("umount").arg(&self.0).status();
+        let _ = std::fs::remove_dir(&self.0);
+    }
+}
+
+#[test]
+fn a_filesystem_without_o_direct_is_refused() {
+    let f = fixture_with(7, 256, DType::Bf16);
+    let Some(ramfs) = Mount::new("ramfs", "size=64m") else {
+        return;
+    };
+    let e = store::pack_store(&f.model, &ramfs.0.join("store"), &quiet()).unwrap_err();
+    assert!(matches!(e, StoreError::NoDirectIo { .. }), "{e}");
+    assert!(e.to_string().contains("O_DIRECT"), "{e}");
+}
+
+#[test]
+fn too_little_space_is_refused_and_a_full_disk_leaves_a_resumable_store() {
+    let reference = packed();
+    let f = fixture_with(7, 256, DType::Bf16);
+    // tmpfs takes O_DIRECT on this kernel (6.6+); the store needs 18 MiB.
+    let Some(small) = Mount::new("tmpfs", "size=8m") else {
+        return;
+    };
+    let dir = small.0.join("store");
+    let e = store::pack_store(&f.model, &dir, &quiet()).unwrap_err();
+    let StoreError::NoSpace {
+        needed, available, ..
+    } = e
+    else {
+        panic!("expected NoSpace, got {e}");
+    };
+    assert!(needed > 18 << 20 && available <= 8 << 20);
+    let msg = StoreError::NoSpace {
+        path: String::new(),
+        needed,
+        available,
+    }
+    .to_string();
+    assert!(msg.contains(&needed.to_string()) && msg.contains(&available.to_string()));
+
+    // Past the check, the disk really fills up mid-pack.
+    let opts = PackOptions {
+        skip_space_check: true,
+        batch_bytes: 1 << 20,
+        ..quiet()
+    };
+    let e = store::pack_store(&f.model, &dir, &opts).unwrap_err();
+    assert!(matches!(e, StoreError::DiskFull { .. }), "{e}");
+    assert!(journal_lines(&dir) > 1, "some records were journaled");
+    small.remount("size=64m");
+    let report = store::pack_store(&f.model, &dir, &quiet()).unwrap();
+    assert!(
+        matches!(report.outcome, PackOutcome::Resumed { .. }),
+        "{:?}",
+        report.outcome
+    );
+    for name in [store::DATA, store::MANIFEST] {
+        assert!(
+            std::fs::read(dir.join(name)).unwrap()
+                == std::fs::read(reference.store.join(name)).unwrap(),
+            "{name} differs from an uninterrupted run"
+        );
+    }
+}
