@@ -17,10 +17,13 @@ fi
 cargo build -q --release -p glmflash-node
 bin=target/release/glmflash-node
 
-port=$("$python" -c 'import socket; s=socket.socket(); s.bind(("127.0.0.1", 0)); print(s.getsockname()[1])')
+free_port() { "$python" -c 'import socket; s=socket.socket(); s.bind(("127.0.0.1", 0)); print(s.getsockname()[1])'; }
+port=$(free_port)
+mport=$(free_port)
 work="$(mktemp -d)"
 log="$work/server.log"
 GLMFLASH_CACHE_DIR="$work/cache" "$bin" demo --host 127.0.0.1 --port "$port" \
+  --metrics-port "$mport" \
   --max-batch-size 8 --max-waiting 16 --shutdown-timeout 20 >"$log" 2>&1 &
 server=$!
 cleanup() {
@@ -42,7 +45,27 @@ fi
 status=0
 GLMFLASH_E2E_URL="http://127.0.0.1:$port" "$python" e2e/openai_client_test.py || status=$?
 
+# /metrics on its own port.
+curl -sf "http://127.0.0.1:$mport/metrics" | grep -q '^glmflash_server_ready 1' \
+  || { echo "--metrics-port does not serve the metrics"; status=1; }
+
+# SIGTERM with a stream in flight: the stream still ends with [DONE], then the server exits 0.
+stream_out="$work/stream.txt"
+curl -sN "http://127.0.0.1:$port/v1/chat/completions" -H 'content-type: application/json' \
+  -d '{"messages":[{"role":"user","content":"Hi"}],"max_tokens":300,"ignore_eos":true,"stream":true}' \
+  >"$stream_out" &
+client=$!
+for _ in $(seq 1 100); do
+  grep -q '"content"' "$stream_out" 2>/dev/null && break
+  sleep 0.05
+done
 kill -TERM "$server"
+wait "$client" || true
+if [ "$(grep -c '^data: ' "$stream_out")" -lt 10 ] || ! tail -n 3 "$stream_out" | grep -q '^data: \[DONE\]'; then
+  echo "the in-flight stream was not drained on SIGTERM:"; tail -5 "$stream_out"; status=1
+else
+  echo "in-flight stream drained on SIGTERM ($(grep -c '"finish_reason":"length"' "$stream_out") finish chunk)"
+fi
 exit_code=0
 wait "$server" || exit_code=$?
 if [ "$exit_code" != 0 ]; then
