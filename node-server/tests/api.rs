@@ -507,3 +507,60 @@ async fn tools_and_thinking_pass_through_the_template() {
     assert_eq!(s, StatusCode::BAD_REQUEST);
     assert_error(&v, "invalid_request_error", Some("tool_choice"));
 }
+
+#[tokio::test]
+async fn chunked_prefill_keeps_running_streams_flowing() {
+    use futures::StreamExt;
+    // 8 prompt tokens a tick: a 480-token prompt takes 60 ticks to prefill, and a stream
+    // already decoding gets a token on every one of them.
+    let (app, _) = server(
+        EngineConfig {
+            chunk_size: 8,
+            ..EngineConfig::default()
+        },
+        ApiConfig::default(),
+    );
+    let a = app
+        .clone()
+        .oneshot(post(
+            "/v1/completions",
+            &json!({"prompt": "Stream", "max_tokens": 3000, "ignore_eos": true, "stream": true})
+                .to_string(),
+        ))
+        .await
+        .unwrap();
+    let mut a_body = a.into_body().into_data_stream();
+    // Wait until A decodes.
+    a_body.next().await.unwrap().unwrap();
+    let arrivals = Arc::new(std::sync::Mutex::new(Vec::<Instant>::new()));
+    let sink = arrivals.clone();
+    let reader = tokio::spawn(async move {
+        while let Some(Ok(_)) = a_body.next().await {
+            sink.lock().unwrap().push(Instant::now());
+        }
+    });
+    let long: Vec<u32> = (0..480).map(|i| 32 + (i % 64)).collect();
+    let submitted = Instant::now();
+    let (s, v) = send_json(
+        &app,
+        post(
+            "/v1/completions",
+            &json!({"prompt": long, "max_tokens": 1}).to_string(),
+        ),
+    )
+    .await;
+    let answered = Instant::now();
+    assert_eq!(s, StatusCode::OK, "{v}");
+    assert_eq!(v["usage"]["prompt_tokens"], 480);
+    reader.abort();
+    let during = arrivals
+        .lock()
+        .unwrap()
+        .iter()
+        .filter(|t| **t > submitted && **t < answered)
+        .count();
+    assert!(
+        during >= 20,
+        "only {during} tokens of the running stream while a 480-token prompt was prefilled"
+    );
+}
