@@ -263,6 +263,7 @@ async fn bad_requests_get_openai_errors_naming_the_field() {
         "{msg}"
     );
     assert_eq!(v["error"]["code"], "context_length_exceeded");
+    assert_eq!(v["error"]["param"], "prompt");
     let (s, v) = send_json(
         &app,
         post(

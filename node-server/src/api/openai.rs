@@ -207,17 +207,14 @@ fn check_model(state: &AppState, model: Option<&str>) -> Result<(), ApiError> {
 fn budget(
     engine: &Engine,
     prompt_tokens: usize,
+    prompt_param: &str,
     max_tokens: Option<i64>,
     field: &str,
 ) -> Result<usize, ApiError> {
     let ctx = engine.config.context_length;
     if prompt_tokens == 0 {
         return Err(ApiError::invalid(
-            if field == "max_tokens" {
-                "prompt"
-            } else {
-                "messages"
-            },
+            prompt_param,
             "The prompt is empty (it encodes to no tokens).",
         ));
     }
@@ -225,7 +222,7 @@ fn budget(
         return Err(ApiError {
             code: Some("context_length_exceeded"),
             ..ApiError::invalid(
-                "messages",
+                prompt_param,
                 format!(
                     "This model's maximum context length is {ctx} tokens. However, your prompt has {prompt_tokens} tokens, which leaves no room for a completion."
                 ),
@@ -519,7 +516,7 @@ pub async fn chat_completions(
         Some(m) => ("max_completion_tokens", Some(m)),
         None => ("max_tokens", req.max_tokens),
     };
-    let max_tokens = budget(&engine, prompt.len(), max, field)?;
+    let max_tokens = budget(&engine, prompt.len(), "messages", max, field)?;
     let stop_ids = if req.ignore_eos == Some(true) {
         Vec::new()
     } else {
@@ -693,7 +690,7 @@ pub async fn completions(
     let mut reqs = Vec::new();
     let mut prompt_tokens = 0;
     for p in &prompts {
-        let max_tokens = budget(&engine, p.len(), req.max_tokens, "max_tokens")?;
+        let max_tokens = budget(&engine, p.len(), "prompt", req.max_tokens, "max_tokens")?;
         prompt_tokens += p.len();
         reqs.extend(requests(p, &v, max_tokens, &stop_ids, true));
     }

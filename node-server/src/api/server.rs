@@ -162,6 +162,8 @@ async fn serve_async(dir: PathBuf, args: ServeArgs, load: Option<Loader>) -> any
         });
     }
 
+    let load_failed = Arc::new(tokio::sync::Notify::new());
+    let failed = load_failed.clone();
     let loader_state = state.clone();
     let engine_config = args.engine_config();
     let loader = tokio::task::spawn_blocking(move || {
@@ -177,13 +179,17 @@ async fn serve_async(dir: PathBuf, args: ServeArgs, load: Option<Loader>) -> any
             Err(e) => {
                 tracing::error!(error = %format!("{e:#}"), "loading the model failed");
                 loader_state.set_load_error(format!("{e:#}"));
+                failed.notify_one();
             }
         }
     });
 
     let (signalled_tx, mut signalled) = tokio::sync::watch::channel(false);
     let server = axum::serve(listener, app(state.clone())).with_graceful_shutdown(async move {
-        shutdown_signal().await;
+        tokio::select! {
+            _ = shutdown_signal() => {}
+            _ = load_failed.notified() => {}
+        }
         let _ = signalled_tx.send(true);
     });
     let timeout = Duration::from_secs(args.shutdown_timeout);
@@ -201,6 +207,10 @@ async fn serve_async(dir: PathBuf, args: ServeArgs, load: Option<Loader>) -> any
         );
     }
     let _ = loader.await;
+    if state.engine().is_none() {
+        // The model never loaded: exit non-zero so the pod restarts and shows why.
+        anyhow::bail!("the model did not load; see the log above");
+    }
     if let Some(engine) = state.engine().cloned() {
         let _ = tokio::task::spawn_blocking(move || {
             if drained {

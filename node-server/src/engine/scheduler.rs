@@ -266,7 +266,15 @@ impl Worker {
             if !self.admit() {
                 return;
             }
-            self.tick();
+            // Forward errors and panics are handled per batch inside; this is the last
+            // resort for a bug elsewhere in the tick: its sequences fail, the engine lives on.
+            if std::panic::catch_unwind(AssertUnwindSafe(|| self.tick())).is_err() {
+                tracing::error!("the scheduler panicked; failing the running sequences");
+                for s in self.running.drain(..) {
+                    let _ =
+                        s.tx.send(Event::Error("the engine failed on this batch".into()));
+                }
+            }
         }
     }
 
