@@ -502,9 +502,57 @@ async fn tools_and_thinking_pass_through_the_template() {
     }));
     let (s, v) = send_json(&app, post("/v1/chat/completions", &body)).await;
     assert_eq!(s, StatusCode::OK, "{v}");
-    // tool_choice forcing is refused rather than silently ignored.
-    let forced = chat(json!({"tools": tools, "tool_choice": "required"}));
-    let (s, v) = send_json(&app, post("/v1/chat/completions", &forced)).await;
+    // tool_choice required / named force a well-formed call even from random weights.
+    for choice in [
+        json!("required"),
+        json!({"type": "function", "function": {"name": "get_weather"}}),
+    ] {
+        for stream in [false, true] {
+            let body = chat(
+                json!({"tools": tools, "tool_choice": choice, "max_tokens": 200,
+                                   "seed": 3, "stream": stream}),
+            );
+            let (s, text) = send(&app, post("/v1/chat/completions", &body)).await;
+            assert_eq!(s, StatusCode::OK, "{text}");
+            let (name, args, finish) = if stream {
+                let (mut name, mut args, mut finish) =
+                    (String::new(), String::new(), String::new());
+                for d in sse_data(&text).iter().filter(|d| *d != "[DONE]") {
+                    let c: Value = serde_json::from_str(d).unwrap();
+                    let ch = &c["choices"][0];
+                    if let Some(tc) = ch["delta"]["tool_calls"].get(0) {
+                        name += tc["function"]["name"].as_str().unwrap_or("");
+                        args += tc["function"]["arguments"].as_str().unwrap_or("");
+                    }
+                    if let Some(f) = ch["finish_reason"].as_str() {
+                        finish = f.to_string();
+                    }
+                }
+                (name, args, finish)
+            } else {
+                let v: Value = serde_json::from_str(&text).unwrap();
+                let call = &v["choices"][0]["message"]["tool_calls"][0]["function"];
+                (
+                    call["name"].as_str().unwrap_or("").to_string(),
+                    call["arguments"].as_str().unwrap_or("").to_string(),
+                    v["choices"][0]["finish_reason"]
+                        .as_str()
+                        .unwrap()
+                        .to_string(),
+                )
+            };
+            assert_eq!(name, "get_weather", "{text}");
+            let args: Value = serde_json::from_str(&args).unwrap();
+            assert!(
+                args["city"].is_string() || args["city"].is_number(),
+                "{args}"
+            );
+            assert_eq!(finish, "tool_calls");
+        }
+    }
+    let named_missing = chat(json!({"tools": tools, "tool_choice":
+        {"type": "function", "function": {"name": "nope"}}}));
+    let (s, v) = send_json(&app, post("/v1/chat/completions", &named_missing)).await;
     assert_eq!(s, StatusCode::BAD_REQUEST);
     assert_error(&v, "invalid_request_error", Some("tool_choice"));
 }

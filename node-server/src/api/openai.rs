@@ -2,6 +2,7 @@
 
 use super::parse::{ChatParser, Piece, parse_all};
 use super::{ApiError, ApiJson, AppState};
+use crate::engine::constraint::{Part, Program};
 use crate::engine::sampling::SamplingParams;
 use crate::engine::scheduler::{
     Engine, Event, FinishReason, GenRequest, SubmitError, TokenLogprob,
@@ -276,8 +277,96 @@ fn requests(
             stop: v.stop.clone(),
             stop_token_ids: stop_ids.to_vec(),
             skip_special_tokens,
+            program: None,
         })
         .collect()
+}
+
+fn tool_name(tool: &Value) -> Option<&str> {
+    tool.get("function")
+        .unwrap_or(tool)
+        .get("name")
+        .and_then(Value::as_str)
+}
+
+/// Most tokens of one forced argument value.
+const MAX_ARG_TOKENS: usize = 64;
+
+/// The token program of a forced GLM tool call: `<tool_call>NAME` (one of `tools`), then
+/// `<arg_key>K</arg_key><arg_value>V</arg_value>` for each required parameter (all of them
+/// when none is marked required), values free text without special tokens, `</tool_call>`.
+fn tool_call_program(
+    codec: &crate::tokenizer::TextCodec,
+    tools: &[Value],
+    thinking: bool,
+) -> Result<Program, ApiError> {
+    let id = |t: &str| {
+        codec.token_to_id(t).ok_or_else(|| {
+            ApiError::invalid(
+                "tool_choice",
+                format!(
+                    "Forced tool calls need the GLM tool-call tokens; this tokenizer has no {t}."
+                ),
+            )
+        })
+    };
+    let end = id("</arg_value>")?;
+    id("<tool_call>")?;
+    let mut banned: Vec<u32> = crate::tokenizer::SPECIAL_TOKENS
+        .iter()
+        .filter_map(|t| codec.token_to_id(t))
+        .filter(|&t| t != end)
+        .collect();
+    banned.extend(codec.eos_ids().iter().copied().filter(|&t| t != end));
+    let encode = |s: &str| codec.encode(s).map_err(ApiError::internal);
+    let mut alternatives = Vec::new();
+    for (i, tool) in tools.iter().enumerate() {
+        let name = tool_name(tool).ok_or_else(|| {
+            ApiError::invalid(
+                &format!("tools[{i}].function.name"),
+                format!("`tools[{i}].function.name` must be a string."),
+            )
+        })?;
+        let params = tool.get("function").unwrap_or(tool).get("parameters");
+        let mut keys: Vec<String> = params
+            .and_then(|p| p.get("required"))
+            .and_then(Value::as_array)
+            .map(|r| {
+                r.iter()
+                    .filter_map(|k| k.as_str().map(String::from))
+                    .collect()
+            })
+            .unwrap_or_default();
+        if keys.is_empty() {
+            keys = params
+                .and_then(|p| p.get("properties"))
+                .and_then(Value::as_object)
+                .map(|o| o.keys().cloned().collect())
+                .unwrap_or_default();
+        }
+        let mut then = Vec::new();
+        for k in keys {
+            then.push(Part::Fixed(encode(&format!(
+                "<arg_key>{k}</arg_key><arg_value>"
+            ))?));
+            then.push(Part::Free {
+                end,
+                banned: banned.clone(),
+                max: MAX_ARG_TOKENS,
+            });
+        }
+        then.push(Part::Fixed(encode("</tool_call>")?));
+        alternatives.push((encode(name)?, then));
+    }
+    let opening = if thinking {
+        "\n<think></think>\n<tool_call>"
+    } else {
+        "\n<tool_call>"
+    };
+    Ok(Program::new(vec![
+        Part::Fixed(encode(opening)?),
+        Part::OneOf(alternatives),
+    ]))
 }
 
 fn new_id(prefix: &str) -> String {
@@ -465,14 +554,36 @@ pub async fn chat_completions(
         }
     }
     let mut parse_tools = req.tools.as_ref().is_some_and(|t| !t.is_empty());
+    // Tools a forced tool call may pick (tool_choice required or named).
+    let mut forced: Option<Vec<Value>> = None;
+    let tool_list = req.tools.clone().unwrap_or_default();
     match &req.tool_choice {
         None => {}
         Some(Value::String(s)) if s == "auto" => {}
         Some(Value::String(s)) if s == "none" => parse_tools = false,
+        Some(Value::String(s)) if s == "required" => {
+            if tool_list.is_empty() {
+                return Err(ApiError::invalid(
+                    "tool_choice",
+                    "`tool_choice` \"required\" needs at least one tool in `tools`.",
+                ));
+            }
+            forced = Some(tool_list.clone());
+        }
+        Some(Value::Object(o)) if o.get("function").and_then(|f| f.get("name")).is_some() => {
+            let name = o["function"]["name"].as_str().unwrap_or_default();
+            let Some(tool) = tool_list.iter().find(|t| tool_name(t) == Some(name)) else {
+                return Err(ApiError::invalid(
+                    "tool_choice",
+                    format!("`tool_choice` names {name:?}, which is not in `tools`."),
+                ));
+            };
+            forced = Some(vec![tool.clone()]);
+        }
         Some(_) => {
             return Err(ApiError::invalid(
                 "tool_choice",
-                "`tool_choice` may be \"auto\" or \"none\" on this server (forced tool calls are not supported yet).",
+                "`tool_choice` must be \"none\", \"auto\", \"required\" or {\"type\": \"function\", \"function\": {\"name\": ...}}.",
             ));
         }
     }
@@ -522,7 +633,18 @@ pub async fn chat_completions(
     } else {
         codec.eos_ids().to_vec()
     };
-    let rxs = submit(&engine, requests(&prompt, &v, max_tokens, &stop_ids, false))?;
+    let mut reqs = requests(&prompt, &v, max_tokens, &stop_ids, false);
+    if let Some(tools) = &forced {
+        let thinking = kwargs
+            .as_ref()
+            .and_then(|k| k.get("enable_thinking"))
+            .is_none_or(|t| t.as_bool() != Some(false));
+        let program = tool_call_program(&codec, tools, thinking)?;
+        for r in &mut reqs {
+            r.program = Some(program.clone());
+        }
+    }
+    let rxs = submit(&engine, reqs)?;
     let meta = Meta {
         id: new_id("chatcmpl"),
         created: now_secs(),

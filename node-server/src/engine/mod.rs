@@ -1,4 +1,5 @@
 //! Generation on top of the model: sampling and the decode loop.
 
+pub mod constraint;
 pub mod sampling;
 pub mod scheduler;

@@ -8,6 +8,7 @@
 //! strings are held back across token boundaries and cut, and events go to the request's
 //! channel.
 
+use crate::engine::constraint::Program;
 use crate::engine::sampling::{Sampler, SamplingParams};
 use crate::metrics::Metrics;
 use crate::model::{Model, SeqCache, Step};
@@ -57,6 +58,8 @@ pub struct GenRequest {
     pub stop_token_ids: Vec<u32>,
     /// Leave special tokens out of the text (completions); chat keeps them for parsing.
     pub skip_special_tokens: bool,
+    /// Forces the output's shape (forced tool calls); the sequence ends when it is done.
+    pub program: Option<Program>,
 }
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -246,6 +249,7 @@ struct Seq {
     submitted: Instant,
     last_token_at: Option<Instant>,
     reserved: usize,
+    program: Option<Program>,
 }
 
 struct Worker {
@@ -333,6 +337,7 @@ impl Worker {
                 submitted: p.submitted,
                 last_token_at: None,
                 reserved: need,
+                program: p.req.program,
                 prompt: p.req.prompt,
             });
         }
@@ -434,7 +439,20 @@ fn sample_one(
     metrics: &Metrics,
     config: &EngineConfig,
 ) -> Option<FinishReason> {
+    let masked;
+    let logits = match &s.program {
+        Some(p) => {
+            let mut l = logits.to_vec();
+            p.mask(&mut l);
+            masked = l;
+            &masked[..]
+        }
+        None => logits,
+    };
     let out = s.sampler.sample_full(logits);
+    if let Some(p) = &mut s.program {
+        p.advance(out.token);
+    }
     let now = Instant::now();
     match s.last_token_at {
         None => metrics.ttft.observe((now - s.submitted).as_secs_f64()),
@@ -460,15 +478,21 @@ fn sample_one(
     }
     let delta = s.decoder.push(out.token).unwrap_or_default();
     s.held.push_str(&delta);
+    let program_done = s.program.as_ref().is_some_and(Program::done);
     let out_of_room =
         s.generated >= s.max_tokens || s.prompt.len() + s.generated >= config.context_length;
-    if out_of_room {
+    if out_of_room || program_done {
         let rest = s.decoder.finish().unwrap_or_default();
         s.held.push_str(&rest);
     }
     if let Some(at) = find_stop(&s.held, &s.stop) {
         let mut text = std::mem::take(&mut s.held);
         text.truncate(at);
+        emit(s, text);
+        return Some(FinishReason::Stop);
+    }
+    if program_done {
+        let text = std::mem::take(&mut s.held);
         emit(s, text);
         return Some(FinishReason::Stop);
     }
