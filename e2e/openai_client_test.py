@@ -116,6 +116,29 @@ def chat_thinking_off_and_tools_render():
 
 
 @test
+def forced_tool_call():
+    tools = [{"type": "function", "function": {"name": "get_weather", "parameters": {
+        "type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}}}]
+    r = client.chat.completions.create(model=MODEL, messages=MESSAGES, tools=tools,
+                                       tool_choice="required", max_tokens=200)
+    call = r.choices[0].message.tool_calls[0]
+    assert call.type == "function" and call.function.name == "get_weather", r
+    assert "city" in json.loads(call.function.arguments), call.function.arguments
+    assert r.choices[0].finish_reason == "tool_calls"
+    streamed = {}
+    for c in client.chat.completions.create(
+        model=MODEL, messages=MESSAGES, tools=tools, stream=True, max_tokens=200,
+        tool_choice={"type": "function", "function": {"name": "get_weather"}},
+    ):
+        for tc in (c.choices[0].delta.tool_calls or []) if c.choices else []:
+            entry = streamed.setdefault(tc.index, {"name": "", "arguments": ""})
+            entry["name"] += tc.function.name or ""
+            entry["arguments"] += tc.function.arguments or ""
+    assert streamed[0]["name"] == "get_weather", streamed
+    assert "city" in json.loads(streamed[0]["arguments"]), streamed
+
+
+@test
 def completions_non_streaming_and_streaming():
     r = client.completions.create(model=MODEL, prompt="The experts", max_tokens=8, temperature=0,
                                   extra_body={"ignore_eos": True})
