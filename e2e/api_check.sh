@@ -46,7 +46,9 @@ status=0
 GLMFLASH_E2E_URL="http://127.0.0.1:$port" "$python" e2e/openai_client_test.py || status=$?
 
 # /metrics on its own port.
-curl -sf "http://127.0.0.1:$mport/metrics" | grep -q '^glmflash_server_ready 1' \
+# (captured first: grep -q closing the pipe early would fail curl under pipefail)
+mtext="$(curl -sf "http://127.0.0.1:$mport/metrics" || true)"
+grep -q '^glmflash_server_ready 1' <<<"$mtext" \
   || { echo "--metrics-port does not serve the metrics"; status=1; }
 
 # SIGTERM with a stream in flight: the stream still ends with [DONE], then the server exits 0.
