@@ -140,6 +140,54 @@ fn every_record_rebuilds_the_expert_bit_for_bit_through_both_engines() {
 }
 
 #[test]
+fn a_quantized_checkpoint_packs_in_its_serving_format() {
+    let f = fixture_with(11, 256, DType::Bf16);
+    let q4k = f.model.with_file_name("model-q4k");
+    glmflash_node::model::convert::convert_experts(
+        &f.model,
+        &q4k,
+        glmflash_node::quant::Format::Q4K,
+        |_, _| {},
+    )
+    .unwrap();
+    store::pack_store(&q4k, &f.store, &quiet()).unwrap();
+    let m = Manifest::load(&f.store).unwrap();
+    assert_eq!(m.parts.gate.format, glmflash_node::quant::Format::Q4K);
+    let ckpt = Checkpoint::open(&q4k).unwrap();
+    let r = reader(&f.store, EngineChoice::Auto);
+    for (l, e) in [(1, 0), (2, 15), (3, 8)] {
+        let got = r.read(l, e).unwrap().to_expert(f.cfg.swiglu_limit).unwrap();
+        let want = load_expert(
+            &f.cfg,
+            Loader::new(&ckpt).pp(&format!("layers.{l}.mlp.experts")),
+            e,
+        )
+        .unwrap();
+        assert_eq!(got.gate.format(), want.gate.format());
+        assert_eq!(got.up.to_bytes(), want.up.to_bytes());
+        assert_eq!(got.down.to_bytes(), want.down.to_bytes());
+    }
+}
+
+#[test]
+fn a_refused_io_uring_falls_back_to_pread() {
+    let f = packed();
+    let opts = ReaderOptions {
+        refuse_uring: true,
+        ..ReaderOptions::default()
+    };
+    let r = StoreReader::open(&f.store, None, opts.clone()).unwrap();
+    assert_eq!(r.engine_name(), "pread");
+    assert!(r.read(1, 3).is_ok());
+    let strict = ReaderOptions {
+        engine: EngineChoice::Uring,
+        ..opts
+    };
+    let e = StoreReader::open(&f.store, None, strict).unwrap_err();
+    assert!(e.to_string().contains("io_uring setup refused"), "{e}");
+}
+
+#[test]
 fn records_are_padded_and_f32_round_trips() {
     // Width 98 in f32: 3 x 100352 bytes = 73.5 pages, padded to 74.
     let f = fixture_with(3, 98, DType::F32);

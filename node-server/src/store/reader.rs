@@ -56,6 +56,9 @@ pub struct ReaderOptions {
     /// Test hook: reads of this (layer, expert) fail with an injected EIO.
     #[doc(hidden)]
     pub fail_record: Option<(usize, usize)>,
+    /// Test hook: io_uring setup fails with EPERM, as under a seccomp profile that blocks it.
+    #[doc(hidden)]
+    pub refuse_uring: bool,
 }
 
 impl Default for ReaderOptions {
@@ -67,6 +70,7 @@ impl Default for ReaderOptions {
             pread_threads: 8,
             checksum: ChecksumPolicy::Always,
             fail_record: None,
+            refuse_uring: false,
         }
     }
 }
@@ -470,7 +474,12 @@ fn make_engine(
     }
     let pool = (opts.registered_buffers > 0)
         .then(|| BufPool::new(manifest.record_size, opts.registered_buffers));
-    match UringEngine::new(Arc::clone(file), opts.queue_depth, pool) {
+    let uring = if opts.refuse_uring {
+        Err(std::io::Error::from_raw_os_error(libc::EPERM))
+    } else {
+        UringEngine::new(Arc::clone(file), opts.queue_depth, pool)
+    };
+    match uring {
         Ok(engine) => Ok(Box::new(engine)),
         Err(e) if opts.engine == EngineChoice::Uring => Err(StoreError::Other(format!(
             "io_uring setup refused ({e}) and the uring engine was asked for"
