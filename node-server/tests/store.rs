@@ -209,8 +209,12 @@ fn records_are_padded_and_f32_round_trips() {
     assert_eq!(rec.parts().unwrap()[2].to_bytes(), want.down.to_bytes());
 }
 
+fn assert_send_sync<T: Send + Sync>() {}
+
 #[test]
 fn concurrent_requests_for_one_record_share_one_read() {
+    assert_send_sync::<StoreReader>();
+    assert_send_sync::<store::RecordBuf>();
     let f = packed();
     let r = reader(&f.store, EngineChoice::Auto);
     let out = r.read_many(&[(2, 4), (2, 4), (3, 1), (2, 4)]);
@@ -229,6 +233,13 @@ fn concurrent_requests_for_one_record_share_one_read() {
             });
         }
     });
+    // From rayon threads too.
+    use rayon::prelude::*;
+    let n: usize = (0..64)
+        .into_par_iter()
+        .map(|i| r.read(1 + i % 3, i % 16).unwrap().bytes().len())
+        .sum();
+    assert_eq!(n, 64 * want.len());
     assert!(r.read(0, 0).is_err(), "layer 0 is dense: no record");
 }
 
@@ -293,6 +304,14 @@ fn kill_9_mid_pack_resumes_to_the_identical_store() {
         if corrupt_first {
             // A journaled record damaged on disk is noticed and rewritten.
             flip_byte(&f.store.join(store::DATA), 1000);
+        } else {
+            // A torn last journal line is ignored.
+            use std::io::Write;
+            let mut j = std::fs::OpenOptions::new()
+                .append(true)
+                .open(f.store.join(store::JOURNAL))
+                .unwrap();
+            j.write_all(b"{\"i\": 4").unwrap();
         }
         let report = store::pack_store(&f.model, &f.store, &quiet()).unwrap();
         let from_record = match report.outcome {

@@ -327,7 +327,10 @@ pub fn pack_store(
         start = end;
     }
     bar.finish_and_clear();
-    file.sync_all().map_err(io_err(&data_path))?;
+    // A longer file left by an abandoned layout would break byte identity: cut it.
+    file.set_len(total_bytes)
+        .and_then(|()| file.sync_all())
+        .map_err(io_err(&data_path))?;
 
     for r in &records {
         hashes.extend(r.tensors.clone());
