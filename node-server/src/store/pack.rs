@@ -172,6 +172,7 @@ pub fn pack_store(
         let existing = Manifest::load(store)?;
         if existing.quick_fingerprint != quick {
             return Err(StoreError::FingerprintMismatch {
+                which: "quick fingerprint",
                 store: store.display().to_string(),
                 store_fingerprint: existing.quick_fingerprint,
                 model_fingerprint: quick,
@@ -433,6 +434,7 @@ fn resume_point(
     };
     if found.quick_fingerprint != header.quick_fingerprint {
         return Err(StoreError::FingerprintMismatch {
+            which: "quick fingerprint",
             store: store.display().to_string(),
             store_fingerprint: found.quick_fingerprint,
             model_fingerprint: header.quick_fingerprint.clone(),

@@ -227,6 +227,7 @@ impl StoreReader {
             && expected != manifest.quick_fingerprint
         {
             return Err(StoreError::FingerprintMismatch {
+                which: "fingerprint",
                 store: dir.display().to_string(),
                 store_fingerprint: manifest.fingerprint.clone(),
                 model_fingerprint: expected.to_string(),
