@@ -355,10 +355,15 @@ impl StoreReader {
                 _ => None,
             })
             .collect();
-        let finished: Vec<(usize, Outcome)> = leaders
-            .into_par_iter()
-            .map(|(i, index, shared)| (i, self.finish(index, shared)))
-            .collect();
+        let finish =
+            |(i, index, shared): (usize, usize, &Arc<Shared>)| (i, self.finish(index, shared));
+        // Hashing is the only work worth spreading; one record stays on this thread.
+        let finished: Vec<(usize, Outcome)> =
+            if leaders.len() > 1 && self.opts.checksum != ChecksumPolicy::Never {
+                leaders.into_par_iter().map(finish).collect()
+            } else {
+                leaders.into_iter().map(finish).collect()
+            };
         for (i, outcome) in finished {
             out[i] = Some(outcome);
         }
