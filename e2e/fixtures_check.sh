@@ -11,3 +11,9 @@ trap 'rm -rf "$dir"' EXIT
 echo "fixtures check: seed $seed, dir $dir"
 python3 e2e/make_fixtures.py --out "$dir" --seed "$seed"
 GLMFLASH_FIXTURES="$dir" cargo test -q -p glmflash-node --test reference_fixtures -- --nocapture
+
+echo "named-intermediate dump of tiny_mixed: engine vs reference, op by op"
+tokens="$(python3 -c "import json,sys;print(','.join(map(str,json.load(open(sys.argv[1]))['prompt'])))" "$dir/tiny_mixed/reference.json")"
+cargo run -q --release -p glmflash-node -- logits --model "$dir/tiny_mixed" --tokens "$tokens" --dump "$dir/ours.safetensors" >/dev/null
+python3 e2e/dump_reference.py --model "$dir/tiny_mixed" --tokens "$tokens" --out "$dir/ref.safetensors"
+python3 e2e/compare_dumps.py "$dir/ours.safetensors" "$dir/ref.safetensors"

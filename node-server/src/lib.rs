@@ -11,4 +11,5 @@ pub mod mmap;
 pub mod model;
 pub mod quant;
 pub mod store;
+pub mod tiers;
 pub mod tokenizer;

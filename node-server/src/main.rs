@@ -3,11 +3,15 @@
 use anyhow::{Context, bail};
 use clap::{Args, Parser, Subcommand};
 use glmflash_node::engine::sampling::Sampler;
+use glmflash_node::model::config::MlpKind;
+use glmflash_node::model::dump::Dump;
 use glmflash_node::model::{Model, Step};
+use glmflash_node::tiers::provider::{CheckpointSource, Mode, Tier, TierCaps, TieredExperts};
 use glmflash_node::tokenizer::TextCodec;
 use glmflash_node::{bench, demo, store};
 use std::io::Write;
 use std::path::PathBuf;
+use std::sync::Arc;
 use std::time::Instant;
 
 #[derive(Parser)]
@@ -66,6 +70,10 @@ enum Command {
         /// Greedy tokens to generate after the prompt.
         #[arg(long, env = "GLMFLASH_GREEDY", default_value_t = 0)]
         greedy: usize,
+        /// Also save every named intermediate of the prompt pass to this safetensors file
+        /// (compare with e2e/dump_reference.py + e2e/compare_dumps.py).
+        #[arg(long, env = "GLMFLASH_DUMP")]
+        dump: Option<PathBuf>,
     },
     /// Generate text for a prompt, streaming tokens to the terminal, then print tok/s.
     Generate {
@@ -130,6 +138,60 @@ struct ModelArgs {
     /// Checkpoint directory: config.json, safetensors, tokenizer files.
     #[arg(long, env = "GLMFLASH_MODEL")]
     model: PathBuf,
+    /// Expert residency: fast/exact (all experts in RAM) or nvme/nvme-exact (tiered).
+    #[arg(long, env = "GLMFLASH_MODE", value_enum)]
+    mode: Option<Mode>,
+    /// Device-tier expert slots per MoE layer (tiered modes; a CPU-memory tier without a GPU).
+    #[arg(long, env = "GLMFLASH_VRAM_SLOTS", default_value_t = 4)]
+    vram_slots: usize,
+    /// RAM-tier expert slots per MoE layer (tiered modes).
+    #[arg(long, env = "GLMFLASH_RAM_SLOTS", default_value_t = 8)]
+    ram_slots: usize,
+}
+
+impl ModelArgs {
+    /// The model with its experts served as the flags ask (untiered when no --mode).
+    fn load(&self) -> anyhow::Result<(Model, Option<Arc<TieredExperts>>)> {
+        let Some(mode) = self.mode else {
+            return Ok((Model::load(&self.model)?, None));
+        };
+        let source = Arc::new(CheckpointSource::open(&self.model)?);
+        let cfg = source.config().clone();
+        let moe: Vec<bool> = cfg.mlp_kinds.iter().map(|k| *k == MlpKind::Moe).collect();
+        let caps = TierCaps {
+            device_slots_per_layer: self.vram_slots,
+            ram_slots_per_layer: self.ram_slots,
+        };
+        let tiers = Arc::new(TieredExperts::new(
+            source,
+            cfg.hidden_size,
+            cfg.n_routed_experts,
+            &moe,
+            mode,
+            caps,
+            4096,
+        )?);
+        Ok((
+            Model::load_with(&self.model, Some(tiers.clone()))?,
+            Some(tiers),
+        ))
+    }
+}
+
+/// One line per tier: lookups and residents.
+fn tier_summary(tiers: &TieredExperts) -> String {
+    [Tier::Device, Tier::Ram, Tier::Store]
+        .iter()
+        .map(|&t| {
+            format!(
+                "{}: {} lookups, {} resident",
+                t.name(),
+                tiers.stats.lookups(t),
+                tiers.resident(t)
+            )
+        })
+        .collect::<Vec<_>>()
+        .join("; ")
 }
 
 #[derive(Args)]
@@ -184,6 +246,7 @@ fn run(command: Command) -> anyhow::Result<()> {
             demo::ensure_demo_model(&dir)?;
             generate(
                 &dir,
+                Model::load(&dir)?,
                 &GenerationArgs {
                     prompt,
                     raw: false,
@@ -203,8 +266,24 @@ fn run(command: Command) -> anyhow::Result<()> {
             model,
             tokens,
             greedy,
+            dump,
         } => {
-            let model = Model::load(&model.model)?;
+            let (model, _) = model.load()?;
+            if let Some(path) = dump {
+                let hooks = Dump::default();
+                let mut cache = model.new_cache();
+                model.forward(
+                    &mut [Step {
+                        tokens: &tokens,
+                        cache: &mut cache,
+                        all_logits: true,
+                    }],
+                    Some(&hooks),
+                )?;
+                hooks
+                    .save(&path)
+                    .with_context(|| format!("writing {}", path.display()))?;
+            }
             let (logits, _) = model.prefill(&tokens)?;
             let (greedy_tokens, _) = if greedy > 0 {
                 model.greedy(&tokens, greedy)?
@@ -217,7 +296,14 @@ fn run(command: Command) -> anyhow::Result<()> {
             );
             Ok(())
         }
-        Command::Generate { model, generation } => generate(&model.model, &generation),
+        Command::Generate { model, generation } => {
+            let (loaded, tiers) = model.load()?;
+            generate(&model.model, loaded, &generation)?;
+            if let Some(tiers) = tiers {
+                eprintln!("tiers ({:?}): {}", tiers.mode(), tier_summary(&tiers));
+            }
+            Ok(())
+        }
         Command::ConvertExperts { model, out, format } => {
             let format = glmflash_node::quant::Format::from_name(&format)?;
             let started = Instant::now();
@@ -318,15 +404,9 @@ fn print_verify(v: &store::VerifyReport) {
     );
 }
 
-fn generate(dir: &std::path::Path, args: &GenerationArgs) -> anyhow::Result<()> {
+fn generate(dir: &std::path::Path, model: Model, args: &GenerationArgs) -> anyhow::Result<()> {
     let codec = TextCodec::from_dir(dir)
         .with_context(|| format!("loading the tokenizer of {}", dir.display()))?;
-    let load_started = Instant::now();
-    let model = Model::load(dir)?;
-    tracing::info!(
-        seconds = load_started.elapsed().as_secs_f64(),
-        "model loaded"
-    );
     let text = if args.raw || !codec.has_chat_template() {
         args.prompt.clone()
     } else {

@@ -342,19 +342,31 @@ pub fn chunked(
                 gc[t * d + i] += gc[(t - 1) * d + i];
             }
         }
-        // A[i][j] = -beta_i sum_c k_i[c] k_j[c] exp(G_i[c] - G_j[c]) for j < i; then
-        // T = (I + A)^-1-style forward substitution, as the reference solves it.
+        // With D_ij[c] = exp(G_i[c] - G_j[c]) (j <= i, one exp each, shared by both):
+        // A[i][j] = -beta_i sum_c k_i[c] k_j[c] D_ij[c] for j < i (the delta rule's triangular
+        // system, solved below by forward substitution as the reference does), and the
+        // intra-chunk attention P[i][j] = sum_c q_i[c] k_j[c] D_ij[c] for j <= i.
         let mut a = vec![0f32; n * n];
+        let mut intra = vec![0f32; n * n];
+        let mut decay = vec![0f32; d];
         for i in 0..n {
-            for j in 0..i {
-                let mut acc = 0f32;
-                for c in 0..d {
-                    acc += kc[i * d + c]
-                        * bc[i]
-                        * kc[j * d + c]
-                        * (gc[i * d + c] - gc[j * d + c]).exp();
+            for j in 0..=i {
+                let (gi, gj) = (&gc[i * d..(i + 1) * d], &gc[j * d..(j + 1) * d]);
+                decay
+                    .iter_mut()
+                    .zip(gi.iter().zip(gj))
+                    .for_each(|(e, (x, y))| *e = (x - y).exp());
+                let (ki, kj, qi) = (
+                    &kc[i * d..(i + 1) * d],
+                    &kc[j * d..(j + 1) * d],
+                    &qc[i * d..(i + 1) * d],
+                );
+                decay.iter_mut().zip(kj).for_each(|(e, k)| *e *= k);
+                let (kk, qk) = (ops::dot(ki, &decay), ops::dot(qi, &decay));
+                if j < i {
+                    a[i * n + j] = -(kk * bc[i]);
                 }
-                a[i * n + j] = -acc;
+                intra[i * n + j] = qk;
             }
         }
         for i in 1..n {
@@ -371,31 +383,32 @@ pub fn chunked(
             a[i * n + i] += 1.0;
         }
         // u = T (beta v), w = T (beta k exp(G)).
+        let v_beta: Vec<f32> = (0..n * d).map(|x| vc[x] * bc[x / d]).collect();
+        let k_beta_decay: Vec<f32> = (0..n * d)
+            .map(|x| kc[x] * bc[x / d] * gc[x].exp())
+            .collect();
         let mut u = vec![0f32; n * d];
         let mut w = vec![0f32; n * d];
         for i in 0..n {
             for j in 0..=i {
                 let t = a[i * n + j];
-                if t == 0.0 {
-                    continue;
-                }
-                for c in 0..d {
-                    u[i * d + c] += t * vc[j * d + c] * bc[j];
-                    w[i * d + c] += t * kc[j * d + c] * bc[j] * gc[j * d + c].exp();
-                }
+                ops::axpy(&mut u[i * d..(i + 1) * d], t, &v_beta[j * d..(j + 1) * d]);
+                ops::axpy(
+                    &mut w[i * d..(i + 1) * d],
+                    t,
+                    &k_beta_decay[j * d..(j + 1) * d],
+                );
             }
         }
         // v_new = u - w S
         let mut v_new = u;
         for i in 0..n {
             for c in 0..d {
-                let wc = w[i * d + c];
-                if wc != 0.0 {
-                    let srow = &s[c * d..(c + 1) * d];
-                    for e in 0..d {
-                        v_new[i * d + e] -= wc * srow[e];
-                    }
-                }
+                ops::axpy(
+                    &mut v_new[i * d..(i + 1) * d],
+                    -w[i * d + c],
+                    &s[c * d..(c + 1) * d],
+                );
             }
         }
         // o_i = (q_i exp(G_i)) S + sum_{j<=i} (q_i . k_j exp(G_i - G_j)) v_new_j
@@ -406,11 +419,7 @@ pub fn chunked(
                 ops::axpy(o, coef, &s[c * d..(c + 1) * d]);
             }
             for j in 0..=i {
-                let mut acc = 0f32;
-                for c in 0..d {
-                    acc += qc[i * d + c] * kc[j * d + c] * (gc[i * d + c] - gc[j * d + c]).exp();
-                }
-                ops::axpy(o, acc, &v_new[j * d..(j + 1) * d]);
+                ops::axpy(o, intra[i * n + j], &v_new[j * d..(j + 1) * d]);
             }
         }
         // S = S exp(G_last) + sum_j (k_j exp(G_last - G_j))^T v_new_j

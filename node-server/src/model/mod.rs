@@ -5,6 +5,7 @@ pub mod checkpoint;
 pub mod config;
 pub mod convert;
 pub mod dsa;
+pub mod dump;
 pub mod glm5;
 pub mod kda;
 pub mod loader;

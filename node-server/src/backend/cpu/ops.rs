@@ -56,15 +56,17 @@ pub fn softmax(x: &mut [f32]) {
 pub fn dot(a: &[f32], b: &[f32]) -> f32 {
     // Eight partial sums so the compiler vectorises; the order is fixed, so results repeat.
     let mut acc = [0f32; 8];
-    let chunks = a.len() / 8;
-    for i in 0..chunks {
+    let (ca, cb) = (a.chunks_exact(8), b.chunks_exact(8));
+    let tail: f32 = ca
+        .remainder()
+        .iter()
+        .zip(cb.remainder())
+        .map(|(x, y)| x * y)
+        .sum();
+    for (x, y) in ca.zip(cb) {
         for l in 0..8 {
-            acc[l] += a[i * 8 + l] * b[i * 8 + l];
+            acc[l] += x[l] * y[l];
         }
-    }
-    let mut tail = 0.0;
-    for i in chunks * 8..a.len() {
-        tail += a[i] * b[i];
     }
     acc.iter().sum::<f32>() + tail
 }

@@ -1,0 +1,7 @@
+//! Expert residency across tiers (device slots, pinned RAM slots, the NVMe store): sizing
+//! from the container's limits and the eviction policy. The tiered `ExpertProvider` builds
+//! on these with the store reader.
+
+pub mod policy;
+pub mod provider;
+pub mod sizing;

@@ -1,0 +1,262 @@
+//! Weight formats end to end (f16 checkpoints, converted q8_0/q4_k experts), the routing
+//! hook, the demo model's determinism, and the `logits` command against the reference.
+
+use glmflash_node::backend::cpu::ops;
+use glmflash_node::model::checkpoint::{Checkpoint, DType, write_safetensors};
+use glmflash_node::model::convert::convert_experts;
+use glmflash_node::model::moe::Routing;
+use glmflash_node::model::random::{scaled_config, write_random_checkpoint};
+use glmflash_node::model::{ForwardHooks, Model, Step};
+use glmflash_node::quant::Format;
+use std::collections::BTreeMap;
+use std::path::PathBuf;
+use std::sync::Mutex;
+
+fn fixture(name: &str) -> PathBuf {
+    PathBuf::from(env!("CARGO_MANIFEST_DIR"))
+        .join("../e2e/fixtures")
+        .join(name)
+}
+
+fn rel_err(a: &[f32], b: &[f32]) -> f32 {
+    let scale = b.iter().fold(0f32, |m, v| m.max(v.abs()));
+    a.iter().zip(b).fold(0f32, |m, (x, y)| m.max((x - y).abs())) / scale
+}
+
+fn last_logits(model: &Model, tokens: &[u32]) -> Vec<f32> {
+    model.prefill(tokens).unwrap().0
+}
+
+#[test]
+fn f16_checkpoint_loads_and_matches_f32_within_f16_rounding() {
+    let src = fixture("tiny_mixed");
+    let ckpt = Checkpoint::open(&src).unwrap();
+    let tensors: Vec<_> = ckpt
+        .keys()
+        .into_iter()
+        .map(|k| {
+            let v = ckpt.view(k).unwrap();
+            let bytes = v
+                .to_f32()
+                .unwrap()
+                .iter()
+                .flat_map(|x| half::f16::from_f32(*x).to_le_bytes())
+                .collect();
+            (k.to_string(), DType::F16, v.shape.to_vec(), bytes)
+        })
+        .collect();
+    let dir = tempfile::tempdir().unwrap();
+    std::fs::copy(src.join("config.json"), dir.path().join("config.json")).unwrap();
+    write_safetensors(
+        &dir.path().join("model.safetensors"),
+        &tensors,
+        &BTreeMap::new(),
+    )
+    .unwrap();
+    let prompt: Vec<u32> = (0..24).map(|i| (i * 37 + 5) % 128).collect();
+    let f32_logits = last_logits(&Model::load(&src).unwrap(), &prompt);
+    let f16_logits = last_logits(&Model::load(dir.path()).unwrap(), &prompt);
+    let err = rel_err(&f16_logits, &f32_logits);
+    assert!(err > 0.0, "f16 rounding must change something");
+    assert!(err < 2e-2, "f16 checkpoint drifts {err:.3e} from f32");
+}
+
+#[test]
+fn converted_experts_load_bit_exact_and_stay_close() {
+    let root = tempfile::tempdir().unwrap();
+    let src = root.path().join("bf16");
+    let config = scaled_config(256, 256, 4, 1, 16, 256, 4);
+    write_random_checkpoint(&src, &config, 3, DType::Bf16).unwrap();
+    let base = Model::load(&src).unwrap();
+    let prompt: Vec<u32> = (0..40).map(|i| (i * 53 + 11) % 256).collect();
+    let reference = last_logits(&base, &prompt);
+    for (format, bound) in [(Format::Q8_0, 0.02), (Format::Q4K, 0.25)] {
+        let out = root.path().join(format.name());
+        let mut last = (0, 0);
+        let report =
+            convert_experts(&src, &out, format, |done, total| last = (done, total)).unwrap();
+        assert_eq!(report.experts, 3 * 16);
+        assert_eq!(last, (48, 48));
+        let converted = Model::load(&out).unwrap();
+        assert!(converted.routed_expert_bytes() < base.routed_expert_bytes());
+        // The stored blocks are exactly what converting the source matrix gives.
+        let ck = Checkpoint::open(&out).unwrap();
+        let loader = glmflash_node::model::loader::Loader::new(&ck);
+        let original = glmflash_node::model::moe::load_expert(
+            &base.cfg,
+            glmflash_node::model::loader::Loader::new(&Checkpoint::open(&src).unwrap())
+                .pp("layers.2.mlp.experts"),
+            7,
+        )
+        .unwrap();
+        let stored = glmflash_node::model::moe::load_expert(
+            &converted.cfg,
+            loader.pp("layers.2.mlp.experts"),
+            7,
+        )
+        .unwrap();
+        assert_eq!(stored.down.format(), format);
+        assert_eq!(
+            stored.down.to_bytes(),
+            original.down.convert(format).unwrap().to_bytes()
+        );
+        let err = rel_err(&last_logits(&converted, &prompt), &reference);
+        assert!(
+            err > 0.0 && err < bound,
+            "{}: logits drift {err:.3e}",
+            format.name()
+        );
+    }
+    // A width that is not a block multiple is refused with the numbers.
+    let narrow = root.path().join("narrow");
+    write_random_checkpoint(
+        &narrow,
+        &scaled_config(64, 64, 2, 1, 8, 32, 2),
+        1,
+        DType::F32,
+    )
+    .unwrap();
+    let err = convert_experts(&narrow, &root.path().join("x"), Format::Q4K, |_, _| {})
+        .unwrap_err()
+        .to_string();
+    assert!(
+        err.contains("hidden_size is 64; q4_k stores rows in blocks of 256 values"),
+        "{err}"
+    );
+}
+
+#[derive(Default)]
+struct RoutingLog(Mutex<Vec<(usize, Routing)>>);
+
+impl ForwardHooks for RoutingLog {
+    fn routing(&self, layer: usize, routing: &Routing) {
+        self.0.lock().unwrap().push((layer, routing.clone()));
+    }
+}
+
+#[test]
+fn router_output_is_observable_per_layer_and_token() {
+    let model = Model::load(&fixture("tiny_mixed")).unwrap();
+    let log = RoutingLog::default();
+    let mut cache = model.new_cache();
+    let tokens: Vec<u32> = (0..10).collect();
+    model
+        .forward(
+            &mut [Step {
+                tokens: &tokens,
+                cache: &mut cache,
+                all_logits: false,
+            }],
+            Some(&log),
+        )
+        .unwrap();
+    let seen = log.0.into_inner().unwrap();
+    assert_eq!(
+        seen.iter().map(|(l, _)| *l).collect::<Vec<_>>(),
+        vec![1, 2, 3, 4, 5]
+    );
+    for (_, r) in &seen {
+        assert_eq!((r.k, r.tokens()), (4, 10));
+        for t in 0..10 {
+            let ids = &r.ids[t * 4..(t + 1) * 4];
+            let mut uniq = ids.to_vec();
+            uniq.sort();
+            uniq.dedup();
+            assert_eq!(uniq.len(), 4, "distinct picks");
+            // Picks come from at most topk_group (2) of the 4 groups of 4 experts.
+            let mut groups: Vec<u32> = ids.iter().map(|e| e / 4).collect();
+            groups.sort();
+            groups.dedup();
+            assert!(groups.len() <= 2, "{ids:?}");
+            let sum: f32 = r.weights[t * 4..(t + 1) * 4].iter().sum();
+            assert!(
+                (sum - 2.5).abs() < 1e-5,
+                "weights normalised then scaled: {sum}"
+            );
+        }
+    }
+}
+
+#[test]
+fn demo_model_is_deterministic() {
+    let (a, b) = (tempfile::tempdir().unwrap(), tempfile::tempdir().unwrap());
+    glmflash_node::demo::make_demo_model(a.path(), 5).unwrap();
+    glmflash_node::demo::make_demo_model(b.path(), 5).unwrap();
+    for f in [
+        "config.json",
+        "model.safetensors",
+        "tokenizer.json",
+        "tokenizer_config.json",
+        "chat_template.jinja",
+    ] {
+        assert_eq!(
+            std::fs::read(a.path().join(f)).unwrap(),
+            std::fs::read(b.path().join(f)).unwrap(),
+            "{f}"
+        );
+    }
+    let model = Model::load(a.path()).unwrap();
+    let logits = last_logits(&model, &[0, 1, 4, 100, 200]);
+    let spread = logits.iter().fold(f32::MIN, |m, v| m.max(*v))
+        - logits.iter().fold(f32::MAX, |m, v| m.min(*v));
+    assert!(spread > 1.0, "demo logits are not flat (spread {spread})");
+}
+
+#[test]
+fn logits_command_prints_reference_logits_and_greedy() {
+    #[derive(serde::Deserialize)]
+    struct Reference {
+        prompt: Vec<u32>,
+        prefill_logits: Vec<Vec<f32>>,
+        greedy: Vec<u32>,
+    }
+    let dir = fixture("tiny_nested");
+    let r: Reference =
+        serde_json::from_str(&std::fs::read_to_string(dir.join("reference.json")).unwrap())
+            .unwrap();
+    let tokens = r
+        .prompt
+        .iter()
+        .map(u32::to_string)
+        .collect::<Vec<_>>()
+        .join(",");
+    let out = std::process::Command::new(env!("CARGO_BIN_EXE_glmflash-node"))
+        .args([
+            "logits",
+            "--model",
+            dir.to_str().unwrap(),
+            "--tokens",
+            &tokens,
+            "--greedy",
+            "8",
+        ])
+        .output()
+        .unwrap();
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let json: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
+    let logits: Vec<f32> = serde_json::from_value(json["logits"].clone()).unwrap();
+    let greedy: Vec<u32> = serde_json::from_value(json["greedy"].clone()).unwrap();
+    assert!(rel_err(&logits, r.prefill_logits.last().unwrap()) < 1e-4);
+    assert_eq!(greedy, r.greedy[..8]);
+    assert_eq!(ops::argmax(&logits) as u32, r.greedy[0]);
+
+    let bad = std::process::Command::new(env!("CARGO_BIN_EXE_glmflash-node"))
+        .args([
+            "logits",
+            "--model",
+            dir.to_str().unwrap(),
+            "--tokens",
+            "1,2,9999",
+        ])
+        .output()
+        .unwrap();
+    assert!(!bad.status.success());
+    assert!(
+        String::from_utf8_lossy(&bad.stderr)
+            .contains("token id 9999 is outside the vocabulary (size 96)")
+    );
+}
