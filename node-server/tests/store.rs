@@ -35,8 +35,14 @@ fn quiet() -> PackOptions {
     }
 }
 
+/// Under cargo's target dir, which sits on the repository's disk filesystem (/tmp may be a
+/// tmpfs, which refuses O_DIRECT before Linux 6.6).
+fn disk_tempdir() -> tempfile::TempDir {
+    tempfile::tempdir_in(env!("CARGO_TARGET_TMPDIR")).expect("tempdir")
+}
+
 fn fixture_with(seed: u64, width: usize, dtype: DType) -> Fixture {
-    let tmp = tempfile::tempdir().expect("tempdir");
+    let tmp = disk_tempdir();
     let model = tmp.path().join("model");
     let store = tmp.path().join("store");
     let cfg = make_model(&model, seed, width, dtype);
@@ -508,7 +514,7 @@ struct Mount(PathBuf);
 
 impl Mount {
     fn new(fstype: &str, options: &str) -> Option<Mount> {
-        let dir = tempfile::tempdir().unwrap().keep();
+        let dir = disk_tempdir().keep();
         let ok = Command::new("mount")
             .args(["-t", fstype, "-o", options, fstype])
             .arg(&dir)
