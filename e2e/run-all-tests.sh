@@ -33,5 +33,14 @@ demo_dir="$(mktemp -d)"
 GLMFLASH_CACHE_DIR="$demo_dir" cargo run -q --release -p glmflash-node -- demo --max-tokens 16
 rm -rf "$demo_dir"
 
+step "expert store: pack-store, rerun, verify-store from the CLI"
+store_tmp="$(mktemp -d /tmp/glmflash-store.XXXXXX)"
+cargo run -q --release -p glmflash-node -- make-demo-model --out "$store_tmp/model"
+cargo run -q --release -p glmflash-node -- pack-store --model "$store_tmp/model" --store "$store_tmp/store"
+rerun="$(cargo run -q --release -p glmflash-node -- pack-store --model "$store_tmp/model" --store "$store_tmp/store" 2>&1)"
+grep -q "nothing to do" <<<"$rerun" || { echo "$rerun"; echo "pack-store rerun was not idempotent"; exit 1; }
+cargo run -q --release -p glmflash-node -- verify-store --model "$store_tmp/model" --store "$store_tmp/store"
+rm -rf "$store_tmp"
+
 echo
 echo "all tests passed"
