@@ -40,6 +40,15 @@ cargo run -q --release -p glmflash-node -- pack-store --model "$store_tmp/model"
 rerun="$(cargo run -q --release -p glmflash-node -- pack-store --model "$store_tmp/model" --store "$store_tmp/store" 2>&1)"
 grep -q "nothing to do" <<<"$rerun" || { echo "$rerun"; echo "pack-store rerun was not idempotent"; exit 1; }
 cargo run -q --release -p glmflash-node -- verify-store --model "$store_tmp/model" --store "$store_tmp/store"
+
+step "every mode, down to one slot per tier, prints the untiered logits bit for bit"
+node=target/release/glmflash-node
+base="$($node logits --model "$store_tmp/model" --tokens 0,1,4,100,200,300 --greedy 8)"
+for mode in fast exact nvme nvme-exact; do
+  got="$($node logits --model "$store_tmp/model" --store "$store_tmp/store" --mode "$mode" --vram-slots 1 --ram-slots 1 --tokens 0,1,4,100,200,300 --greedy 8)"
+  [ "$got" = "$base" ] || { echo "mode $mode differs from the untiered engine"; exit 1; }
+  echo "mode $mode: identical"
+done
 rm -rf "$store_tmp"
 
 echo
