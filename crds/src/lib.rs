@@ -36,6 +36,8 @@ pub const CRD_FILE: &str = "crds/glmflash.io_glmflashdeployments.yaml";
 pub const CHART_CRD_FILE: &str = "charts/glmflash/crds/glmflash.io_glmflashdeployments.yaml";
 
 /// Desired state of one GLM-5.3-Flash server.
+// Several `printcolumn(type_ = "string")` look like one attribute repeated to clippy.
+#[allow(clippy::duplicated_attributes)]
 #[derive(CustomResource, KubeSchema, Deserialize, Serialize, Clone, Debug, PartialEq)]
 #[kube(
     group = "glmflash.io",
@@ -56,7 +58,11 @@ pub const CHART_CRD_FILE: &str = "charts/glmflash/crds/glmflash.io_glmflashdeplo
         type_ = "number",
         json_path = ".status.live.decodeTokensPerSecond"
     ),
-    printcolumn(name = "Age", type_ = "date", json_path = ".metadata.creationTimestamp")
+    printcolumn(
+        name = "Age",
+        type_ = "date",
+        json_path = ".metadata.creationTimestamp"
+    )
 )]
 #[x_kube(
     validation = Rule::new("self.server.prefillChunk <= self.server.contextLength")

@@ -15,12 +15,9 @@ fn root() -> &'static Path {
 #[test]
 fn checked_in_crd_matches_generated() {
     let generated = crd_yaml();
-    for file in [
-        glmflash_crds::CRD_FILE,
-        glmflash_crds::CHART_CRD_FILE,
-    ] {
-        let on_disk = std::fs::read_to_string(root().join(file))
-            .unwrap_or_else(|e| panic!("{file}: {e}"));
+    for file in [glmflash_crds::CRD_FILE, glmflash_crds::CHART_CRD_FILE] {
+        let on_disk =
+            std::fs::read_to_string(root().join(file)).unwrap_or_else(|e| panic!("{file}: {e}"));
         assert!(
             on_disk == generated,
             "{file} is stale: run `cargo run -p glmflash-crds --bin crdgen -- --write`"
@@ -76,6 +73,18 @@ fn example() -> Value {
     serde_yaml::from_str(&text).unwrap()
 }
 
+/// Every field of `part` is in `whole` with the same value.
+fn assert_contains(whole: &Value, part: &Value, path: &str) {
+    match part {
+        Value::Object(fields) => {
+            for (key, value) in fields {
+                assert_contains(&whole[key], value, &format!("{path}.{key}"));
+            }
+        }
+        _ => assert_eq!(whole, part, "{path}"),
+    }
+}
+
 fn parse(value: Value) -> GlmFlashDeployment {
     serde_json::from_value(value).expect("object parses")
 }
@@ -92,9 +101,10 @@ fn errors_of(value: Value) -> Vec<String> {
 fn example_round_trips_without_unknown_fields_and_is_valid() {
     let value = example();
     let gfd = parse(value.clone());
-    // Serializing back must reproduce every field: a misspelled key would be dropped.
+    // Serializing back must reproduce every field given (defaults may be added): a
+    // misspelled key would be dropped.
     let back = serde_json::to_value(&gfd).unwrap();
-    assert_eq!(back["spec"], value["spec"]);
+    assert_contains(&back["spec"], &value["spec"], "spec");
     assert_eq!(gfd.validate(), Vec::<SpecError>::new());
     assert_eq!(gfd.spec.mode, Mode::Nvme);
 }
@@ -122,19 +132,75 @@ fn minimal_object_gets_the_seed_defaults() {
 /// Each mistake, applied to the valid example, and a fragment of the message it must give.
 #[test]
 fn each_cel_rule_rejects_its_mistake() {
-    let cases: Vec<(&str, fn(&mut Value), &str)> = vec![
-        ("both sources", |v| v["spec"]["model"]["nodePath"] = json!("/data/glm"), "exactly one of huggingFace or nodePath"),
-        ("no source", |v| { v["spec"]["model"].as_object_mut().unwrap().remove("huggingFace"); }, "exactly one of huggingFace or nodePath"),
-        ("relative node path", |v| { v["spec"]["model"] = json!({"nodePath": "data/glm"}); }, "model.nodePath must be an absolute path"),
-        ("bad repo", |v| v["spec"]["model"]["huggingFace"]["repo"] = json!("no-slash"), "owner/name"),
-        ("fast mode on 55Gi", |v| v["spec"]["mode"] = json!("fast"), "at least 128Gi"),
-        ("exact mode on 55Gi", |v| v["spec"]["mode"] = json!("exact"), "at least 128Gi"),
-        ("cap under 16Gi", |v| v["spec"]["memory"]["limit"] = json!("8Gi"), "at least 16Gi"),
-        ("cap not a quantity", |v| v["spec"]["memory"]["limit"] = json!("lots"), "memory.limit must be a quantity"),
-        ("shm not below cap", |v| v["spec"]["memory"]["shmSize"] = json!("55Gi"), "shmSize must be smaller"),
-        ("chunk over context", |v| v["spec"]["server"]["prefillChunk"] = json!(262144), "prefillChunk must not exceed"),
-        ("relative store", |v| v["spec"]["store"]["hostPath"] = json!("nvme"), "store.hostPath must be an absolute path"),
-        ("root store", |v| v["spec"]["store"]["hostPath"] = json!("/"), "store.hostPath must be an absolute path"),
+    type Mistake = (&'static str, fn(&mut Value), &'static str);
+    let cases: Vec<Mistake> = vec![
+        (
+            "both sources",
+            |v| v["spec"]["model"]["nodePath"] = json!("/data/glm"),
+            "exactly one of huggingFace or nodePath",
+        ),
+        (
+            "no source",
+            |v| {
+                v["spec"]["model"]
+                    .as_object_mut()
+                    .unwrap()
+                    .remove("huggingFace");
+            },
+            "exactly one of huggingFace or nodePath",
+        ),
+        (
+            "relative node path",
+            |v| {
+                v["spec"]["model"] = json!({"nodePath": "data/glm"});
+            },
+            "model.nodePath must be an absolute path",
+        ),
+        (
+            "bad repo",
+            |v| v["spec"]["model"]["huggingFace"]["repo"] = json!("no-slash"),
+            "owner/name",
+        ),
+        (
+            "fast mode on 55Gi",
+            |v| v["spec"]["mode"] = json!("fast"),
+            "at least 128Gi",
+        ),
+        (
+            "exact mode on 55Gi",
+            |v| v["spec"]["mode"] = json!("exact"),
+            "at least 128Gi",
+        ),
+        (
+            "cap under 16Gi",
+            |v| v["spec"]["memory"]["limit"] = json!("8Gi"),
+            "at least 16Gi",
+        ),
+        (
+            "cap not a quantity",
+            |v| v["spec"]["memory"]["limit"] = json!("lots"),
+            "memory.limit must be a quantity",
+        ),
+        (
+            "shm not below cap",
+            |v| v["spec"]["memory"]["shmSize"] = json!("55Gi"),
+            "shmSize must be smaller",
+        ),
+        (
+            "chunk over context",
+            |v| v["spec"]["server"]["prefillChunk"] = json!(262144),
+            "prefillChunk must not exceed",
+        ),
+        (
+            "relative store",
+            |v| v["spec"]["store"]["hostPath"] = json!("nvme"),
+            "store.hostPath must be an absolute path",
+        ),
+        (
+            "root store",
+            |v| v["spec"]["store"]["hostPath"] = json!("/"),
+            "store.hostPath must be an absolute path",
+        ),
     ];
     for (name, mutate, expected) in cases {
         let mut value = example();
@@ -161,6 +227,14 @@ fn checks_cel_cannot_express() {
     value["spec"]["vram"]["expertSlots"] = json!(20000);
     value["spec"]["placement"]["nodeName"] = json!("");
     let errors = errors_of(value);
-    assert!(errors.iter().any(|e| e.contains("vram.expertSlots: 20000 exceeds the model's 12096")), "{errors:?}");
-    assert!(errors.iter().any(|e| e.contains("placement.nodeName")), "{errors:?}");
+    assert!(
+        errors
+            .iter()
+            .any(|e| e.contains("vram.expertSlots: 20000 exceeds the model's 12096")),
+        "{errors:?}"
+    );
+    assert!(
+        errors.iter().any(|e| e.contains("placement.nodeName")),
+        "{errors:?}"
+    );
 }

@@ -119,7 +119,10 @@ pub fn server_selector(gfd_name: &str) -> BTreeMap<String, String> {
     BTreeMap::from([
         (NAME_LABEL.to_string(), "glmflash-node".to_string()),
         (INSTANCE_LABEL.to_string(), gfd_name.to_string()),
-        (COMPONENT_LABEL.to_string(), Component::Server.as_str().to_string()),
+        (
+            COMPONENT_LABEL.to_string(),
+            Component::Server.as_str().to_string(),
+        ),
     ])
 }
 
@@ -764,7 +767,14 @@ mod tests {
     use glmflash_crds::{Mode, SecretKeyRef};
 
     fn server_container(d: &Deployment) -> &Container {
-        &d.spec.as_ref().unwrap().template.spec.as_ref().unwrap().containers[0]
+        &d.spec
+            .as_ref()
+            .unwrap()
+            .template
+            .spec
+            .as_ref()
+            .unwrap()
+            .containers[0]
     }
 
     fn pod_spec(d: &Deployment) -> &PodSpec {
@@ -804,8 +814,17 @@ mod tests {
             dashboard_config_map(&g).metadata,
             service_monitor(&g).metadata,
         ] {
-            assert_eq!(owned.owner_references.as_ref().unwrap()[0].uid, "0b5e0c4e-uid");
-            assert!(owned.annotations.as_ref().unwrap().contains_key(CONFIG_HASH));
+            assert_eq!(
+                owned.owner_references.as_ref().unwrap()[0].uid,
+                "0b5e0c4e-uid"
+            );
+            assert!(
+                owned
+                    .annotations
+                    .as_ref()
+                    .unwrap()
+                    .contains_key(CONFIG_HASH)
+            );
         }
     }
 
@@ -819,15 +838,31 @@ mod tests {
         let d = server_deployment(&g, "gpu-a", 1);
         let spec = d.spec.as_ref().unwrap();
         assert_eq!(spec.replicas, Some(1));
-        assert_eq!(spec.strategy.as_ref().unwrap().type_.as_deref(), Some("Recreate"));
-        assert_eq!(spec.selector.match_labels.as_ref().unwrap(), &server_selector("glm"));
-        let template_labels = spec.template.metadata.as_ref().unwrap().labels.as_ref().unwrap();
+        assert_eq!(
+            spec.strategy.as_ref().unwrap().type_.as_deref(),
+            Some("Recreate")
+        );
+        assert_eq!(
+            spec.selector.match_labels.as_ref().unwrap(),
+            &server_selector("glm")
+        );
+        let template_labels = spec
+            .template
+            .metadata
+            .as_ref()
+            .unwrap()
+            .labels
+            .as_ref()
+            .unwrap();
         for (k, v) in server_selector("glm") {
             assert_eq!(template_labels[&k], v);
         }
 
         let c = server_container(&d);
-        assert_eq!(c.image.as_deref(), Some("ghcr.io/glmflash/glmflash-node:0.1.0"));
+        assert_eq!(
+            c.image.as_deref(),
+            Some("ghcr.io/glmflash/glmflash-node:0.1.0")
+        );
         assert_eq!(c.image_pull_policy.as_deref(), Some("IfNotPresent"));
         assert_eq!(
             c.args.as_ref().unwrap().join(" "),
@@ -839,17 +874,35 @@ mod tests {
         let limits = c.resources.as_ref().unwrap().limits.as_ref().unwrap();
         assert_eq!(limits["memory"], Quantity("55Gi".into()));
         assert_eq!(limits["nvidia.com/gpu"], Quantity("1".into()));
-        assert_eq!(c.resources.as_ref().unwrap().requests.as_ref(), Some(limits));
-        let caps = c.security_context.as_ref().unwrap().capabilities.as_ref().unwrap();
+        assert_eq!(
+            c.resources.as_ref().unwrap().requests.as_ref(),
+            Some(limits)
+        );
+        let caps = c
+            .security_context
+            .as_ref()
+            .unwrap()
+            .capabilities
+            .as_ref()
+            .unwrap();
         assert_eq!(caps.add.as_deref(), Some(&["IPC_LOCK".to_string()][..]));
         assert_eq!(caps.drop.as_deref(), Some(&["ALL".to_string()][..]));
         assert_eq!(
-            c.security_context.as_ref().unwrap().allow_privilege_escalation,
+            c.security_context
+                .as_ref()
+                .unwrap()
+                .allow_privilege_escalation,
             Some(false)
         );
         let env = &c.env.as_ref().unwrap()[0];
         assert_eq!(env.name, "GLMFLASH_API_KEY");
-        let secret = env.value_from.as_ref().unwrap().secret_key_ref.as_ref().unwrap();
+        let secret = env
+            .value_from
+            .as_ref()
+            .unwrap()
+            .secret_key_ref
+            .as_ref()
+            .unwrap();
         assert_eq!((secret.name.as_str(), secret.key.as_str()), ("api", "key"));
         let ports = c.ports.as_ref().unwrap();
         assert_eq!(ports.len(), 1);
@@ -857,12 +910,21 @@ mod tests {
         assert_eq!(ports[0].name.as_deref(), Some("http"));
 
         let startup = c.startup_probe.as_ref().unwrap();
-        assert_eq!(startup.http_get.as_ref().unwrap().path.as_deref(), Some("/health"));
+        assert_eq!(
+            startup.http_get.as_ref().unwrap().path.as_deref(),
+            Some("/health")
+        );
         assert!(startup.period_seconds.unwrap() * startup.failure_threshold.unwrap() >= 1800);
         let ready = c.readiness_probe.as_ref().unwrap();
-        assert_eq!(ready.http_get.as_ref().unwrap().path.as_deref(), Some("/ready"));
+        assert_eq!(
+            ready.http_get.as_ref().unwrap().path.as_deref(),
+            Some("/ready")
+        );
         let live = c.liveness_probe.as_ref().unwrap();
-        assert_eq!(live.http_get.as_ref().unwrap().path.as_deref(), Some("/health"));
+        assert_eq!(
+            live.http_get.as_ref().unwrap().path.as_deref(),
+            Some("/health")
+        );
 
         let mounts: Vec<(&str, &str, Option<bool>)> = c
             .volume_mounts
@@ -886,7 +948,10 @@ mod tests {
             volumes[0].host_path.as_ref().unwrap().path,
             "/mnt/nvme/glmflash/hf/turboderp--GLM-5.3-Flash-exl3/332ab457b709b7ba30dd9a448be5de03b80a7ac9"
         );
-        assert_eq!(volumes[1].host_path.as_ref().unwrap().path, "/mnt/nvme/glmflash/store");
+        assert_eq!(
+            volumes[1].host_path.as_ref().unwrap().path,
+            "/mnt/nvme/glmflash/store"
+        );
         let shm = volumes[2].empty_dir.as_ref().unwrap();
         assert_eq!(shm.medium.as_deref(), Some("Memory"));
         assert_eq!(shm.size_limit, Some(Quantity("1Gi".into())));
@@ -903,7 +968,11 @@ mod tests {
             .node_selector_terms[0];
         let field = &term.match_fields.as_ref().unwrap()[0];
         assert_eq!(
-            (field.key.as_str(), field.operator.as_str(), field.values.as_deref()),
+            (
+                field.key.as_str(),
+                field.operator.as_str(),
+                field.values.as_deref()
+            ),
             ("metadata.name", "In", Some(&["gpu-a".to_string()][..]))
         );
         assert!(pod.tolerations.is_none());
@@ -926,13 +995,20 @@ mod tests {
         assert!(!args.contains("--vram-expert-slots"), "{args}");
         assert_eq!(c.ports.as_ref().unwrap()[1].container_port, 9400);
         assert_eq!(
-            pod_spec(&d).volumes.as_ref().unwrap()[0].host_path.as_ref().unwrap().path,
+            pod_spec(&d).volumes.as_ref().unwrap()[0]
+                .host_path
+                .as_ref()
+                .unwrap()
+                .path,
             "/data/glm53"
         );
         let svc = metrics_service(&g);
         let port = &svc.spec.as_ref().unwrap().ports.as_ref().unwrap()[0];
         assert_eq!(port.port, 9400);
-        assert_eq!(port.target_port, Some(IntOrString::String("metrics".into())));
+        assert_eq!(
+            port.target_port,
+            Some(IntOrString::String("metrics".into()))
+        );
         assert_eq!(metrics_url(&g), "http://glm-metrics.ai.svc:9400/metrics");
     }
 
@@ -1017,10 +1093,25 @@ mod tests {
         assert_eq!(pack.termination_message_policy.as_deref(), Some("File"));
         // pack-store needs no GPU and no pinning.
         assert!(pack.resources.is_none());
-        assert!(pack.security_context.as_ref().unwrap().capabilities.as_ref().unwrap().add.is_none());
+        assert!(
+            pack.security_context
+                .as_ref()
+                .unwrap()
+                .capabilities
+                .as_ref()
+                .unwrap()
+                .add
+                .is_none()
+        );
         let volumes = pod.volumes.as_ref().unwrap();
-        assert_eq!(volumes[0].host_path.as_ref().unwrap().type_.as_deref(), Some("DirectoryOrCreate"));
-        assert_eq!(volumes[1].host_path.as_ref().unwrap().path, "/mnt/nvme/glmflash/store");
+        assert_eq!(
+            volumes[0].host_path.as_ref().unwrap().type_.as_deref(),
+            Some("DirectoryOrCreate")
+        );
+        assert_eq!(
+            volumes[1].host_path.as_ref().unwrap().path,
+            "/mnt/nvme/glmflash/store"
+        );
         let token = volumes[2].secret.as_ref().unwrap();
         assert_eq!(token.secret_name.as_deref(), Some("hf"));
         assert_eq!(token.items.as_ref().unwrap()[0].path, "token");
@@ -1039,7 +1130,10 @@ mod tests {
         assert!(pod.init_containers.is_none());
         let model = &pod.volumes.as_ref().unwrap()[0];
         assert_eq!(model.host_path.as_ref().unwrap().path, "/data/glm53");
-        assert_eq!(model.host_path.as_ref().unwrap().type_.as_deref(), Some("Directory"));
+        assert_eq!(
+            model.host_path.as_ref().unwrap().type_.as_deref(),
+            Some("Directory")
+        );
     }
 
     #[test]
@@ -1075,7 +1169,11 @@ mod tests {
             "rm -rf /reclaim/store /reclaim/hf"
         );
         assert_eq!(
-            pod.volumes.as_ref().unwrap()[0].host_path.as_ref().unwrap().path,
+            pod.volumes.as_ref().unwrap()[0]
+                .host_path
+                .as_ref()
+                .unwrap()
+                .path,
             "/mnt/nvme/glmflash"
         );
     }
@@ -1083,7 +1181,10 @@ mod tests {
     #[test]
     fn dashboard_config_map_is_labelled_for_grafana() {
         let cm = dashboard_config_map(&gfd());
-        assert_eq!(cm.metadata.labels.as_ref().unwrap()["grafana_dashboard"], "1");
+        assert_eq!(
+            cm.metadata.labels.as_ref().unwrap()["grafana_dashboard"],
+            "1"
+        );
         let data = cm.data.as_ref().unwrap();
         let json: serde_json::Value = serde_json::from_str(&data["glmflash-glm.json"]).unwrap();
         assert_eq!(json["uid"], "glmflash-node");

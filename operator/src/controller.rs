@@ -101,11 +101,7 @@ impl Context {
 }
 
 fn key(gfd: &GlmFlashDeployment) -> String {
-    format!(
-        "{}/{}",
-        gfd.namespace().unwrap_or_default(),
-        gfd.name_any()
-    )
+    format!("{}/{}", gfd.namespace().unwrap_or_default(), gfd.name_any())
 }
 
 /// Requeue delay after `failures` consecutive errors: 5 s doubling to 5 min.
@@ -563,7 +559,9 @@ async fn apply(gfd: &GlmFlashDeployment, ctx: &Context) -> Result<Action> {
             remove(&monitors, &names::metrics(&name)).await?;
         }
     } else if gfd.spec.metrics.service_monitor {
-        notes.push("metrics.serviceMonitor is set but the cluster has no monitoring.coreos.com/v1 API");
+        notes.push(
+            "metrics.serviceMonitor is set but the cluster has no monitoring.coreos.com/v1 API",
+        );
     }
     let config_maps: Api<ConfigMap> = Api::namespaced(ctx.client.clone(), &ns);
     if gfd.spec.metrics.dashboards {
@@ -602,7 +600,10 @@ async fn apply(gfd: &GlmFlashDeployment, ctx: &Context) -> Result<Action> {
     } else {
         (
             Phase::Starting,
-            Cond::no("Starting", "the server is loading the model (startup probe pending)"),
+            Cond::no(
+                "Starting",
+                "the server is loading the model (startup probe pending)",
+            ),
             Cond::no("Starting", "the server is loading the model"),
             None,
             Action::requeue(WAITING_REQUEUE),

@@ -25,6 +25,15 @@ pub enum Error {
 pub type Result<T, E = Error> = std::result::Result<T, E>;
 
 impl Error {
+    /// Every value [`Error::metric_label`] returns.
+    pub const METRIC_LABELS: [&'static str; 5] = [
+        "kube",
+        "finalizer",
+        "missing_field",
+        "reclaim_pending",
+        "serialize",
+    ];
+
     /// A bounded label for the errors metric.
     pub fn metric_label(&self) -> &'static str {
         match self {

@@ -152,7 +152,6 @@ impl Step {
 pub struct Seen {
     pub method: String,
     pub path: String,
-    pub query: String,
     pub body: Value,
 }
 
@@ -182,11 +181,14 @@ glmflash_expert_lookups_total{tier=\"vram\",phase=\"decode\"} 700\n\
 glmflash_expert_lookups_total{tier=\"ram\",phase=\"decode\"} 250\n\
 glmflash_expert_lookups_total{tier=\"nvme\",phase=\"decode\"} 50\n";
 
+/// The test's end of kube's mocked API service.
+pub type ApiHandle = mock::Handle<Request<Body>, Response<Body>>;
+
 /// A context on a fresh mocked API server.
 pub fn context(
     page: Result<&str, &str>,
     service_monitor_api: bool,
-) -> (Arc<Context>, Arc<FixedPage>, mock::Handle<Request<Body>, Response<Body>>) {
+) -> (Arc<Context>, Arc<FixedPage>, ApiHandle) {
     let (service, handle) = mock::pair::<Request<Body>, Response<Body>>();
     let client = Client::new(service, NS);
     let scraper = Arc::new(FixedPage {
@@ -220,7 +222,16 @@ fn decode(s: &str) -> String {
 fn respond(reply: &Reply, body: &Value) -> Response<Body> {
     let (status, value) = match reply {
         Reply::Json(v) => (StatusCode::OK, v.clone()),
-        Reply::Echo => (StatusCode::OK, body.clone()),
+        Reply::Echo => {
+            // A status apply carries only status; the API server answers with the object.
+            if body.get("metadata").is_none() && body.get("status").is_some() {
+                let mut object = serde_json::to_value(gfd_with_finalizer()).expect("json");
+                object["status"] = body["status"].clone();
+                (StatusCode::OK, object)
+            } else {
+                (StatusCode::OK, body.clone())
+            }
+        }
         Reply::NotFound => (
             StatusCode::NOT_FOUND,
             json!({"kind": "Status", "apiVersion": "v1", "metadata": {}, "status": "Failure",
@@ -242,7 +253,7 @@ fn respond(reply: &Reply, body: &Value) -> Response<Body> {
 /// not in the script, and on a script step that never came.
 pub async fn run(
     ctx: Arc<Context>,
-    mut handle: mock::Handle<Request<Body>, Response<Body>>,
+    mut handle: ApiHandle,
     gfd: GlmFlashDeployment,
     steps: Vec<Step>,
 ) -> (crate::Result<Action>, Vec<Seen>) {
@@ -250,10 +261,12 @@ pub async fn run(
     let server = tokio::spawn(async move {
         let mut seen = Vec::new();
         for (i, step) in steps.into_iter().enumerate() {
-            let (request, send) = tokio::time::timeout(Duration::from_secs(5), handle.next_request())
+            let next = tokio::time::timeout(Duration::from_secs(5), handle.next_request())
                 .await
-                .unwrap_or_else(|_| panic!("step {i}: no request came for {step:?}"))
-                .expect("client dropped");
+                .map_err(|_| format!("step {i}: no request came for {step:?}"))?;
+            let Some((request, send)) = next else {
+                return Err(format!("step {i}: the reconcile ended before {step:?}"));
+            };
             let method = request.method().to_string();
             let path = request.uri().path().to_string();
             let query = decode(request.uri().query().unwrap_or_default());
@@ -263,33 +276,31 @@ pub async fn run(
             } else {
                 serde_json::from_slice(&bytes).expect("json body")
             };
-            assert_eq!(
-                (method.as_str(), path.as_str()),
-                (step.method, step.path.as_str()),
-                "step {i}: unexpected request (query {query}, body {body})"
-            );
+            if (method.as_str(), path.as_str()) != (step.method, step.path.as_str()) {
+                return Err(format!(
+                    "step {i}: expected {} {}, got {method} {path}?{query} with body {body}",
+                    step.method, step.path
+                ));
+            }
             for pair in &step.query {
-                assert!(
-                    query.split('&').any(|q| q == pair),
-                    "step {i}: {method} {path}: query {query:?} lacks {pair:?}"
-                );
+                if !query.split('&').any(|q| q == pair) {
+                    return Err(format!(
+                        "step {i}: {method} {path}: query {query:?} lacks {pair:?}"
+                    ));
+                }
             }
             send.send_response(respond(&step.reply, &body));
-            seen.push(Seen {
-                method,
-                path,
-                query,
-                body,
-            });
+            seen.push(Seen { method, path, body });
         }
         tokio::select! {
             extra = handle.next_request() => {
-                let (request, _) = extra.expect("client dropped");
-                panic!("unexpected extra request {} {}", request.method(), request.uri());
+                if let Some((request, _)) = extra {
+                    return Err(format!("unexpected extra request {} {}", request.method(), request.uri()));
+                }
             }
             _ = done_rx => {}
         }
-        seen
+        Ok(seen)
     });
     let result = tokio::time::timeout(
         Duration::from_secs(10),
@@ -297,9 +308,9 @@ pub async fn run(
     )
     .await;
     let _ = done_tx.send(());
-    let seen = match server.await {
+    let seen = match server.await.expect("server task") {
         Ok(seen) => seen,
-        Err(e) => std::panic::resume_unwind(e.into_panic()),
+        Err(why) => panic!("{why}\nreconcile returned {result:?}"),
     };
     (result.expect("reconcile hung"), seen)
 }
@@ -315,7 +326,7 @@ pub fn status_written(seen: &[Seen]) -> Option<glmflash_crds::GlmFlashDeployment
 /// would, recording every request: for property tests, where no script can be written.
 pub async fn run_auto(
     ctx: Arc<Context>,
-    mut handle: mock::Handle<Request<Body>, Response<Body>>,
+    mut handle: ApiHandle,
     gfd: GlmFlashDeployment,
 ) -> (crate::Result<Action>, Vec<Seen>) {
     let (done_tx, mut done_rx) = tokio::sync::oneshot::channel::<()>();
@@ -329,7 +340,6 @@ pub async fn run_auto(
             let Some((request, send)) = next else { break };
             let method = request.method().to_string();
             let path = request.uri().path().to_string();
-            let query = decode(request.uri().query().unwrap_or_default());
             let bytes = request.into_body().collect_bytes().await.expect("body");
             let body: Value = serde_json::from_slice(&bytes).unwrap_or(Value::Null);
             let reply = match (method.as_str(), path.as_str()) {
@@ -342,12 +352,7 @@ pub async fn run_auto(
                 _ => Reply::Echo,
             };
             send.send_response(respond(&reply, &body));
-            seen.push(Seen {
-                method,
-                path,
-                query,
-                body,
-            });
+            seen.push(Seen { method, path, body });
         }
         seen
     });

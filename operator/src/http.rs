@@ -81,7 +81,10 @@ mod tests {
         assert_eq!(get(app(health.clone()), "/readyz").await.0, StatusCode::OK);
         let (status, text) = get(app(health), "/metrics").await;
         assert_eq!(status, StatusCode::OK);
-        assert!(text.contains("glmflash_operator_reconciliations_total 1"), "{text}");
+        assert!(
+            text.contains("glmflash_operator_reconciliations_total 1"),
+            "{text}"
+        );
         assert!(text.contains("glmflash_operator_leader 0"), "{text}");
     }
 }

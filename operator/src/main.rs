@@ -12,7 +12,10 @@ use glmflash_operator::run::{Settings, run};
 use tracing_subscriber::EnvFilter;
 
 #[derive(Parser, Debug)]
-#[command(version, about = "Reconciles GlmFlashDeployment objects into glmflash-node servers")]
+#[command(
+    version,
+    about = "Reconciles GlmFlashDeployment objects into glmflash-node servers"
+)]
 struct Cli {
     /// Address of /metrics, /healthz and /readyz.
     #[arg(long, env = "GLMFLASH_HTTP_ADDR", default_value = "0.0.0.0:8080")]

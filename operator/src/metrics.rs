@@ -1,8 +1,6 @@
 //! The operator's own metrics (not the server's contract, see [`crate::metric_names`]).
 
-use prometheus::{
-    Histogram, HistogramOpts, IntCounter, IntCounterVec, IntGauge, Opts, Registry,
-};
+use prometheus::{Histogram, HistogramOpts, IntCounter, IntCounterVec, IntGauge, Opts, Registry};
 
 /// Counters and timings of the reconcile loop.
 pub struct Metrics {
@@ -54,6 +52,10 @@ impl Default for Metrics {
             Box::new(leader.clone()),
         ] {
             registry.register(collector).expect("names are unique");
+        }
+        // Every error kind starts at 0, so rate() alerts see the series before the first error.
+        for label in crate::Error::METRIC_LABELS {
+            failures.with_label_values(&[label]);
         }
         Self {
             registry,

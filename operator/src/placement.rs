@@ -58,7 +58,10 @@ pub fn mismatch(spec: &GlmFlashDeploymentSpec, node: &Node) -> Option<String> {
         }
     }
     let product = &spec.placement.gpu_product;
-    if spec.placement.require_gpu && !product.is_empty() && labels.get(GPU_PRODUCT_LABEL) != Some(product) {
+    if spec.placement.require_gpu
+        && !product.is_empty()
+        && labels.get(GPU_PRODUCT_LABEL) != Some(product)
+    {
         return Some(format!("label {GPU_PRODUCT_LABEL}={product} missing"));
     }
     let node_spec = node.spec.clone().unwrap_or_default();
@@ -72,18 +75,29 @@ pub fn mismatch(spec: &GlmFlashDeploymentSpec, node: &Node) -> Option<String> {
         .filter(|t| t.effect == "NoSchedule" || t.effect == "NoExecute")
         .find(|t| !tolerated(t, &spec.placement.tolerations))
     {
-        return Some(format!("taint {}:{} not tolerated", taint.key, taint.effect));
+        return Some(format!(
+            "taint {}:{} not tolerated",
+            taint.key, taint.effect
+        ));
     }
     None
 }
 
 fn tolerated(taint: &Taint, tolerations: &[Toleration]) -> bool {
     tolerations.iter().any(|t| {
-        let effect_ok = t.effect.as_deref().is_none_or(|e| e.is_empty() || e == taint.effect);
-        let key_ok = t.key.as_deref().is_none_or(|k| k.is_empty() || k == taint.key);
+        let effect_ok = t
+            .effect
+            .as_deref()
+            .is_none_or(|e| e.is_empty() || e == taint.effect);
+        let key_ok = t
+            .key
+            .as_deref()
+            .is_none_or(|k| k.is_empty() || k == taint.key);
         let value_ok = match t.operator.as_deref() {
             Some("Exists") => true,
-            _ => t.value.as_deref().unwrap_or_default() == taint.value.as_deref().unwrap_or_default(),
+            _ => {
+                t.value.as_deref().unwrap_or_default() == taint.value.as_deref().unwrap_or_default()
+            }
         };
         // An empty key with Exists tolerates everything.
         effect_ok && key_ok && value_ok
@@ -142,7 +156,12 @@ fn requested(pods: &[Pod], node: &str, resource: &str, owner: Owner<'_>) -> f64 
 }
 
 /// Why a matching node has no room right now; `None` when it does.
-pub fn no_room(spec: &GlmFlashDeploymentSpec, node: &Node, pods: &[Pod], owner: Owner<'_>) -> Option<String> {
+pub fn no_room(
+    spec: &GlmFlashDeploymentSpec,
+    node: &Node,
+    pods: &[Pod],
+    owner: Owner<'_>,
+) -> Option<String> {
     let name = node.metadata.name.as_deref().unwrap_or_default();
     let gpus = allocatable(node, GPU_RESOURCE);
     let gpus_used = requested(pods, name, GPU_RESOURCE, owner);
@@ -190,7 +209,14 @@ mod tests {
         namespace: "ai",
     };
 
-    fn pod(ns: &str, node: &str, labels: serde_json::Value, gpu: &str, memory: &str, phase: &str) -> Pod {
+    fn pod(
+        ns: &str,
+        node: &str,
+        labels: serde_json::Value,
+        gpu: &str,
+        memory: &str,
+        phase: &str,
+    ) -> Pod {
         serde_json::from_value(json!({
             "metadata": {"name": "p", "namespace": ns, "labels": labels},
             "spec": {"nodeName": node, "containers": [{"name": "c", "resources": {
@@ -230,7 +256,9 @@ mod tests {
             Some("not placement.nodeName b".into())
         );
         spec.placement.node_name = None;
-        spec.placement.node_selector.insert("zone".into(), "lab".into());
+        spec.placement
+            .node_selector
+            .insert("zone".into(), "lab".into());
         assert_eq!(
             mismatch(&spec, &gpu_node("a", "251Gi", "1")),
             Some("label zone=lab missing".into())
@@ -266,7 +294,10 @@ mod tests {
         }];
         assert_eq!(mismatch(&spec, &node), None);
         node.spec.as_mut().unwrap().unschedulable = Some(true);
-        assert_eq!(mismatch(&spec, &node), Some("unschedulable (cordoned)".into()));
+        assert_eq!(
+            mismatch(&spec, &node),
+            Some("unschedulable (cordoned)".into())
+        );
     }
 
     #[test]

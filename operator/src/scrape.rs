@@ -204,7 +204,8 @@ glmflash_requests_total{endpoint="/v1/chat/completions",status="200",note="a \"q
         assert_eq!(samples.len(), 7);
         assert_eq!(samples[2].labels["tier"], "ram");
         assert_eq!(samples[3].value, 50.0);
-        assert_eq!(samples[5].value, f64::INFINITY);
+        assert_eq!(samples[5].labels["le"], "+Inf");
+        assert_eq!(samples[5].value, 3.0);
         assert_eq!(samples[6].labels["note"], r#"a "quoted", value"#);
         assert_eq!(samples[6].labels["status"], "200");
     }

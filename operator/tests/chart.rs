@@ -32,9 +32,17 @@ fn helm() -> Option<PathBuf> {
     let cached = std::env::var("HOME")
         .map(|h| PathBuf::from(h).join(".cache/glmflash/helm/bin/helm"))
         .ok();
-    let candidates = [std::env::var("HELM").ok().map(PathBuf::from), cached, Some("helm".into())];
+    let candidates = [
+        std::env::var("HELM").ok().map(PathBuf::from),
+        cached,
+        Some("helm".into()),
+    ];
     for candidate in candidates.into_iter().flatten() {
-        if Command::new(&candidate).arg("version").output().is_ok_and(|o| o.status.success()) {
+        if Command::new(&candidate)
+            .arg("version")
+            .output()
+            .is_ok_and(|o| o.status.success())
+        {
             return Some(candidate);
         }
     }
@@ -69,7 +77,9 @@ fn render_all() -> Option<Vec<Value>> {
         "metrics.serviceMonitor.enabled=true",
     ])?;
     let docs = serde_yaml::Deserializer::from_str(&text)
-        .map(|d| serde_yaml::from_value::<Value>(serde_yaml::Value::deserialize(d).unwrap()).unwrap())
+        .map(|d| {
+            serde_yaml::from_value::<Value>(serde_yaml::Value::deserialize(d).unwrap()).unwrap()
+        })
         .filter(|v| !v.is_null())
         .collect();
     Some(docs)
@@ -146,7 +156,8 @@ fn crd_in_chart_is_the_generated_one() {
 #[test]
 fn rbac_is_exact_and_nodes_are_read_only() {
     let Some(docs) = render_all() else { return };
-    let role: ClusterRole = serde_json::from_value(of_kind(&docs, "ClusterRole")[0].clone()).unwrap();
+    let role: ClusterRole =
+        serde_json::from_value(of_kind(&docs, "ClusterRole")[0].clone()).unwrap();
     let mut rules: Vec<(String, String, Vec<String>)> = role
         .rules
         .unwrap()
@@ -154,31 +165,76 @@ fn rbac_is_exact_and_nodes_are_read_only() {
         .flat_map(|r| {
             let groups = r.api_groups.unwrap_or_default();
             let verbs = r.verbs.clone();
-            r.resources.unwrap_or_default().into_iter().flat_map(move |res| {
-                let verbs = verbs.clone();
-                groups.clone().into_iter().map(move |g| (g, res.clone(), verbs.clone()))
-            })
+            r.resources
+                .unwrap_or_default()
+                .into_iter()
+                .flat_map(move |res| {
+                    let verbs = verbs.clone();
+                    groups
+                        .clone()
+                        .into_iter()
+                        .map(move |g| (g, res.clone(), verbs.clone()))
+                })
         })
         .collect();
     rules.sort();
     let v = |verbs: &[&str]| verbs.iter().map(|s| s.to_string()).collect::<Vec<_>>();
     let expected = vec![
-        ("".into(), "configmaps".into(), v(&["get", "create", "patch", "delete"])),
+        (
+            "".into(),
+            "configmaps".into(),
+            v(&["get", "create", "patch", "delete"]),
+        ),
         ("".into(), "nodes".into(), v(&["get", "list"])),
         ("".into(), "pods".into(), v(&["list"])),
-        ("".into(), "services".into(), v(&["get", "list", "watch", "create", "patch"])),
-        ("apps".into(), "deployments".into(), v(&["get", "list", "watch", "create", "patch"])),
-        ("batch".into(), "jobs".into(), v(&["get", "list", "watch", "create", "patch"])),
-        ("events.k8s.io".into(), "events".into(), v(&["create", "patch"])),
-        ("glmflash.io".into(), "glmflashdeployments".into(), v(&["get", "list", "watch", "patch"])),
-        ("glmflash.io".into(), "glmflashdeployments/finalizers".into(), v(&["update"])),
-        ("glmflash.io".into(), "glmflashdeployments/status".into(), v(&["get", "patch"])),
-        ("monitoring.coreos.com".into(), "servicemonitors".into(), v(&["get", "create", "patch", "delete"])),
+        (
+            "".into(),
+            "services".into(),
+            v(&["get", "list", "watch", "create", "patch"]),
+        ),
+        (
+            "apps".into(),
+            "deployments".into(),
+            v(&["get", "list", "watch", "create", "patch"]),
+        ),
+        (
+            "batch".into(),
+            "jobs".into(),
+            v(&["get", "list", "watch", "create", "patch"]),
+        ),
+        (
+            "events.k8s.io".into(),
+            "events".into(),
+            v(&["create", "patch"]),
+        ),
+        (
+            "glmflash.io".into(),
+            "glmflashdeployments".into(),
+            v(&["get", "list", "watch", "patch"]),
+        ),
+        (
+            "glmflash.io".into(),
+            "glmflashdeployments/finalizers".into(),
+            v(&["update"]),
+        ),
+        (
+            "glmflash.io".into(),
+            "glmflashdeployments/status".into(),
+            v(&["get", "patch"]),
+        ),
+        (
+            "monitoring.coreos.com".into(),
+            "servicemonitors".into(),
+            v(&["get", "create", "patch", "delete"]),
+        ),
     ];
     assert_eq!(rules, expected);
     let lease: Role = serde_json::from_value(of_kind(&docs, "Role")[0].clone()).unwrap();
     let lease_rule = &lease.rules.unwrap()[0];
-    assert_eq!(lease_rule.resources.as_deref(), Some(&["leases".to_string()][..]));
+    assert_eq!(
+        lease_rule.resources.as_deref(),
+        Some(&["leases".to_string()][..])
+    );
     assert_eq!(lease_rule.verbs, v(&["get", "create", "patch"]));
 }
 
@@ -189,14 +245,36 @@ fn operator_deployment_wires_probes_identity_and_hardening() {
     let spec = d.spec.unwrap();
     assert_eq!(spec.replicas, Some(2));
     let pod = spec.template.spec.unwrap();
-    assert_eq!(pod.service_account_name.as_deref(), Some("glmflash-operator"));
+    assert_eq!(
+        pod.service_account_name.as_deref(),
+        Some("glmflash-operator")
+    );
     let c = &pod.containers[0];
-    let env: Vec<&str> = c.env.as_ref().unwrap().iter().map(|e| e.name.as_str()).collect();
-    for name in ["POD_NAME", "POD_NAMESPACE", "GLMFLASH_LEASE_NAME", "GLMFLASH_HTTP_ADDR", "RUST_LOG"] {
+    let env: Vec<&str> = c
+        .env
+        .as_ref()
+        .unwrap()
+        .iter()
+        .map(|e| e.name.as_str())
+        .collect();
+    for name in [
+        "POD_NAME",
+        "POD_NAMESPACE",
+        "GLMFLASH_LEASE_NAME",
+        "GLMFLASH_HTTP_ADDR",
+        "RUST_LOG",
+    ] {
         assert!(env.contains(&name), "{name} missing from {env:?}");
     }
     let path = |p: &Option<k8s_openapi::api::core::v1::Probe>| {
-        p.as_ref().unwrap().http_get.as_ref().unwrap().path.clone().unwrap()
+        p.as_ref()
+            .unwrap()
+            .http_get
+            .as_ref()
+            .unwrap()
+            .path
+            .clone()
+            .unwrap()
     };
     assert_eq!(path(&c.liveness_probe), "/healthz");
     assert_eq!(path(&c.readiness_probe), "/readyz");
@@ -276,9 +354,10 @@ fn dashboard_and_alerts_name_only_existing_metrics() {
         .iter()
         .map(|f| f.name().to_string())
         .collect();
-    let dashboard: Value =
-        serde_json::from_str(&std::fs::read_to_string(chart().join("dashboards/glmflash.json")).unwrap())
-            .unwrap();
+    let dashboard: Value = serde_json::from_str(
+        &std::fs::read_to_string(chart().join("dashboards/glmflash.json")).unwrap(),
+    )
+    .unwrap();
     let mut exprs = dashboard_exprs(&dashboard);
     assert!(exprs.len() >= 20, "{}", exprs.len());
     for group in alert_rules_file()["groups"].as_array().unwrap() {
@@ -286,16 +365,15 @@ fn dashboard_and_alerts_name_only_existing_metrics() {
             exprs.push(rule["expr"].as_str().unwrap().to_string());
         }
     }
-    let mut used = std::collections::BTreeSet::new();
     for expr in &exprs {
         let names = metric_names_in(expr);
         assert!(!names.is_empty(), "{expr} names no glmflash metric");
         for name in names {
             assert!(
-                glmflash_operator::metric_names::is_known_series(&name) || operator_metrics.contains(&name),
+                glmflash_operator::metric_names::is_known_series(&name)
+                    || operator_metrics.contains(&name),
                 "{name} (in {expr}) is neither in metric_names.rs nor an operator metric"
             );
-            used.insert(name);
         }
     }
     // The panels the issue asks for are there.
@@ -325,5 +403,8 @@ fn dashboard_config_map_carries_the_dashboard_file() {
     let cm = of_kind(&docs, "ConfigMap")[0];
     assert_eq!(cm["metadata"]["labels"]["grafana_dashboard"], "1");
     let file = std::fs::read_to_string(chart().join("dashboards/glmflash.json")).unwrap();
-    assert_eq!(cm["data"]["glmflash.json"].as_str().unwrap().trim_end(), file.trim_end());
+    assert_eq!(
+        cm["data"]["glmflash.json"].as_str().unwrap().trim_end(),
+        file.trim_end()
+    );
 }

@@ -31,22 +31,42 @@ fn contract_exposition(tick: u64) -> String {
     };
     for (i, tier) in ["vram", "ram", "nvme"].iter().enumerate() {
         for phase in ["prefill", "decode"] {
-            line(m::EXPERT_LOOKUPS_TOTAL, &format!("tier=\"{tier}\",phase=\"{phase}\""), t * (100.0 / (i as f64 + 1.0)));
+            line(
+                m::EXPERT_LOOKUPS_TOTAL,
+                &format!("tier=\"{tier}\",phase=\"{phase}\""),
+                t * (100.0 / (i as f64 + 1.0)),
+            );
         }
-        line(m::TIER_RESIDENT_EXPERTS, &format!("tier=\"{tier}\""), 1000.0 / (i as f64 + 1.0));
-        line(m::TIER_CAPACITY_EXPERTS, &format!("tier=\"{tier}\""), 1376.0 / (i as f64 + 1.0));
+        line(
+            m::TIER_RESIDENT_EXPERTS,
+            &format!("tier=\"{tier}\""),
+            1000.0 / (i as f64 + 1.0),
+        );
+        line(
+            m::TIER_CAPACITY_EXPERTS,
+            &format!("tier=\"{tier}\""),
+            1376.0 / (i as f64 + 1.0),
+        );
     }
     for path in ["nvme_to_ram", "ram_to_vram", "vram_to_ram"] {
         line(m::BYTES_MOVED_TOTAL, &format!("path=\"{path}\""), t * 9.7e6);
     }
     for outcome in ["hit", "wasted"] {
-        line(m::PREFETCH_TOTAL, &format!("outcome=\"{outcome}\""), t * 40.0);
+        line(
+            m::PREFETCH_TOTAL,
+            &format!("outcome=\"{outcome}\""),
+            t * 40.0,
+        );
     }
     for kind in ["vram", "pinned_ram", "cgroup_limit", "memlock_limit"] {
         line(m::MEMORY_BYTES, &format!("kind=\"{kind}\""), 2.4e10);
     }
     for status in ["200", "400"] {
-        line(m::REQUESTS_TOTAL, &format!("endpoint=\"/v1/chat/completions\",status=\"{status}\""), t);
+        line(
+            m::REQUESTS_TOTAL,
+            &format!("endpoint=\"/v1/chat/completions\",status=\"{status}\""),
+            t,
+        );
     }
     for (name, value) in [
         (m::CPU_LANE_EXPERTS_TOTAL, t * 30.0),
@@ -67,7 +87,11 @@ fn contract_exposition(tick: u64) -> String {
         let mut cumulative = 0.0;
         for le in ["0.001", "0.01", "0.1", "1", "+Inf"] {
             cumulative += t;
-            line(&format!("{histogram}_bucket"), &format!("le=\"{le}\""), cumulative);
+            line(
+                &format!("{histogram}_bucket"),
+                &format!("le=\"{le}\""),
+                cumulative,
+            );
         }
         line(&format!("{histogram}_sum"), "", t * 0.5);
         line(&format!("{histogram}_count"), "", cumulative);
@@ -86,7 +110,9 @@ fn free_port() -> u16 {
 fn encode(s: &str) -> String {
     s.bytes()
         .map(|b| match b {
-            b'A'..=b'Z' | b'a'..=b'z' | b'0'..=b'9' | b'-' | b'_' | b'.' | b'~' => (b as char).to_string(),
+            b'A'..=b'Z' | b'a'..=b'z' | b'0'..=b'9' | b'-' | b'_' | b'.' | b'~' => {
+                (b as char).to_string()
+            }
             _ => format!("%{b:02X}"),
         })
         .collect()
@@ -102,8 +128,14 @@ impl Drop for Killed {
 }
 
 async fn query(scraper: &HttpScraper, port: u16, expr: &str) -> Value {
-    let url = format!("http://127.0.0.1:{port}/api/v1/query?query={}", encode(expr));
-    let text = scraper.fetch(url).await.unwrap_or_else(|e| panic!("{expr}: {e}"));
+    let url = format!(
+        "http://127.0.0.1:{port}/api/v1/query?query={}",
+        encode(expr)
+    );
+    let text = scraper
+        .fetch(url)
+        .await
+        .unwrap_or_else(|e| panic!("{expr}: {e}"));
     serde_json::from_str(&text).unwrap()
 }
 
@@ -115,7 +147,10 @@ async fn every_dashboard_query_returns_data_from_a_real_prometheus() {
     }
     let prometheus = std::env::var("PROMETHEUS").unwrap_or_else(|_| "prometheus".into());
     assert!(
-        Command::new(&prometheus).arg("--version").output().is_ok_and(|o| o.status.success()),
+        Command::new(&prometheus)
+            .arg("--version")
+            .output()
+            .is_ok_and(|o| o.status.success()),
         "prometheus not found: apt-get install prometheus (or GLMFLASH_SKIP_PROMETHEUS=1)"
     );
 
@@ -155,7 +190,10 @@ async fn every_dashboard_query_returns_data_from_a_real_prometheus() {
     let _prometheus = Killed(
         Command::new(&prometheus)
             .arg(format!("--config.file={}", config.display()))
-            .arg(format!("--storage.tsdb.path={}", dir.path().join("data").display()))
+            .arg(format!(
+                "--storage.tsdb.path={}",
+                dir.path().join("data").display()
+            ))
             .arg(format!("--web.listen-address=127.0.0.1:{port}"))
             .stdout(Stdio::null())
             .stderr(Stdio::null())
@@ -168,24 +206,34 @@ async fn every_dashboard_query_returns_data_from_a_real_prometheus() {
     // Enough scrapes that a rate over 30 s has several samples.
     loop {
         let ready = match scraper
-            .fetch(format!("http://127.0.0.1:{port}/api/v1/query?query={}", encode("count_over_time(up[1m])")))
+            .fetch(format!(
+                "http://127.0.0.1:{port}/api/v1/query?query={}",
+                encode("count_over_time(up[1m])")
+            ))
             .await
         {
             Ok(text) => serde_json::from_str::<Value>(&text).ok().and_then(|v| {
-                v["data"]["result"][0]["value"][1].as_str().and_then(|n| n.parse::<f64>().ok())
+                v["data"]["result"][0]["value"][1]
+                    .as_str()
+                    .and_then(|n| n.parse::<f64>().ok())
             }),
             Err(_) => None,
         };
         if ready.is_some_and(|n| n >= 6.0) {
             break;
         }
-        assert!(Instant::now() < deadline, "prometheus did not scrape {target} in time");
+        assert!(
+            Instant::now() < deadline,
+            "prometheus did not scrape {target} in time"
+        );
         tokio::time::sleep(Duration::from_millis(500)).await;
     }
 
     let chart = Path::new(env!("CARGO_MANIFEST_DIR")).join("../charts/glmflash");
-    let dashboard: Value =
-        serde_json::from_str(&std::fs::read_to_string(chart.join("dashboards/glmflash.json")).unwrap()).unwrap();
+    let dashboard: Value = serde_json::from_str(
+        &std::fs::read_to_string(chart.join("dashboards/glmflash.json")).unwrap(),
+    )
+    .unwrap();
     let mut checked = 0;
     for panel in dashboard["panels"].as_array().unwrap() {
         for target in panel["targets"].as_array().unwrap() {
@@ -196,7 +244,11 @@ async fn every_dashboard_query_returns_data_from_a_real_prometheus() {
                 .replace("$service", ".*")
                 .replace("$__rate_interval", "30s");
             let answer = query(&scraper, port, &expr).await;
-            assert_eq!(answer["status"], "success", "{}: {expr}: {answer}", panel["title"]);
+            assert_eq!(
+                answer["status"], "success",
+                "{}: {expr}: {answer}",
+                panel["title"]
+            );
             let result = answer["data"]["result"].as_array().unwrap();
             assert!(!result.is_empty(), "{}: no data for {expr}", panel["title"]);
             checked += 1;
@@ -204,8 +256,10 @@ async fn every_dashboard_query_returns_data_from_a_real_prometheus() {
     }
     assert!(checked >= 20, "{checked}");
 
-    let rules: serde_yaml::Value =
-        serde_yaml::from_str(&std::fs::read_to_string(chart.join("files/alerts.rules.yaml")).unwrap()).unwrap();
+    let rules: serde_yaml::Value = serde_yaml::from_str(
+        &std::fs::read_to_string(chart.join("files/alerts.rules.yaml")).unwrap(),
+    )
+    .unwrap();
     for group in rules["groups"].as_sequence().unwrap() {
         for rule in group["rules"].as_sequence().unwrap() {
             let expr = rule["expr"].as_str().unwrap();

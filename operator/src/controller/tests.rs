@@ -49,7 +49,10 @@ fn nodes_a() -> Value {
     )
 }
 
-fn with_status(mut gfd: GlmFlashDeployment, status: GlmFlashDeploymentStatus) -> GlmFlashDeployment {
+fn with_status(
+    mut gfd: GlmFlashDeployment,
+    status: GlmFlashDeploymentStatus,
+) -> GlmFlashDeployment {
     gfd.status = Some(status);
     gfd
 }
@@ -87,7 +90,11 @@ async fn fresh_object_first_gets_the_finalizer() {
     )
     .await;
     assert_eq!(result.unwrap(), Action::await_change());
-    assert!(seen[0].body.to_string().contains(FINALIZER), "{}", seen[0].body);
+    assert!(
+        seen[0].body.to_string().contains(FINALIZER),
+        "{}",
+        seen[0].body
+    );
 }
 
 /// Fresh object with its finalizer: placed on the only fitting node, pack-store Job applied.
@@ -113,7 +120,10 @@ async fn packing() -> GlmFlashDeployment {
     )
     .await;
     assert_eq!(result.unwrap(), Action::requeue(WAITING_REQUEUE));
-    assert_eq!(seen[3].body, to_json(&builders::pack_job(&g, "gpu-a", &hash(&g))));
+    assert_eq!(
+        seen[3].body,
+        to_json(&builders::pack_job(&g, "gpu-a", &hash(&g)))
+    );
     let status = status_written(&seen).unwrap();
     assert_eq!(status.phase, Some(Phase::PackingStore));
     assert_eq!(status.node.as_deref(), Some("gpu-a"));
@@ -174,7 +184,10 @@ async fn job_failed_reports_its_reason_and_waits_for_a_change() {
     let status = status_written(&seen).unwrap();
     assert_eq!(status.phase, Some(Phase::Failed));
     let (state, reason, message) = cond(&status, condition::STORE_READY);
-    assert_eq!((state.as_str(), reason.as_str()), ("False", "PackStoreFailed"));
+    assert_eq!(
+        (state.as_str(), reason.as_str()),
+        ("False", "PackStoreFailed")
+    );
     assert!(message.contains("BackoffLimitExceeded"), "{message}");
     assert!(message.contains("after 2 retries"), "{message}");
     assert_eq!(seen[4].body["type"], "Warning");
@@ -223,14 +236,20 @@ async fn starting() -> GlmFlashDeployment {
     )
     .await;
     assert_eq!(result.unwrap(), Action::requeue(WAITING_REQUEUE));
-    assert_eq!(seen[4].body, to_json(&builders::server_deployment(&g, "gpu-a", 1)));
+    assert_eq!(
+        seen[4].body,
+        to_json(&builders::server_deployment(&g, "gpu-a", 1))
+    );
     assert_eq!(seen[6].body, to_json(&builders::api_service(&g)));
     assert_eq!(seen[8].body, to_json(&builders::metrics_service(&g)));
     let status = status_written(&seen).unwrap();
     assert_eq!(status.phase, Some(Phase::Starting));
     assert_eq!(status.store_hash.as_deref(), Some(hash(&g).as_str()));
     assert_eq!(status.store_bytes, Some(117_300_000_000));
-    assert_eq!(status.endpoint.as_deref(), Some("http://glm.ai.svc:30000/v1"));
+    assert_eq!(
+        status.endpoint.as_deref(),
+        Some("http://glm.ai.svc:30000/v1")
+    );
     assert_eq!(cond(&status, condition::STORE_READY).0, "True");
     assert_eq!(cond(&status, condition::SERVER_READY).1, "Starting");
     assert_eq!(seen[11].body["reason"], "Starting");
@@ -245,7 +264,8 @@ async fn job_done_applies_the_server() {
 fn available(deployment: Value) -> Value {
     let mut d = deployment;
     d["metadata"]["generation"] = json!(1);
-    d["status"] = json!({"observedGeneration": 1, "replicas": 1, "availableReplicas": 1, "readyReplicas": 1});
+    d["status"] =
+        json!({"observedGeneration": 1, "replicas": 1, "availableReplicas": 1, "readyReplicas": 1});
     d
 }
 
@@ -253,7 +273,9 @@ fn available(deployment: Value) -> Value {
 fn settled_reads(g: &GlmFlashDeployment) -> Vec<Step> {
     vec![
         Step::get(NODE_A).json(to_json(&gpu_node("gpu-a", "251Gi", "1"))),
-        Step::get(DEPLOYMENT).json(available(to_json(&builders::server_deployment(g, "gpu-a", 1)))),
+        Step::get(DEPLOYMENT).json(available(to_json(&builders::server_deployment(
+            g, "gpu-a", 1,
+        )))),
         Step::get(API_SVC).json(to_json(&builders::api_service(g))),
         Step::get(METRICS_SVC).json(to_json(&builders::metrics_service(g))),
         Step::get(DASHBOARD_CM).not_found(),
@@ -330,7 +352,10 @@ async fn server_only_change_rolls_the_server_not_the_store() {
     )
     .await;
     assert_eq!(result.unwrap(), Action::requeue(WAITING_REQUEUE));
-    assert_eq!(seen[2].body, to_json(&builders::server_deployment(&g, "gpu-a", 1)));
+    assert_eq!(
+        seen[2].body,
+        to_json(&builders::server_deployment(&g, "gpu-a", 1))
+    );
     let args = seen[2].body["spec"]["template"]["spec"]["containers"][0]["args"].to_string();
     assert!(args.contains("\"--mode\",\"nvme-exact\""), "{args}");
     let status = status_written(&seen).unwrap();
@@ -345,7 +370,10 @@ async fn model_change_repacks_and_stops_the_old_server() {
     g.spec.model.hugging_face.as_mut().unwrap().revision = "main".into();
     g.metadata.generation = Some(2);
     let new_hash = hash(&g);
-    assert_ne!(Some(new_hash.as_str()), g.status.as_ref().unwrap().store_hash.as_deref());
+    assert_ne!(
+        Some(new_hash.as_str()),
+        g.status.as_ref().unwrap().store_hash.as_deref()
+    );
     let job = names::pack_job("glm", &new_hash);
     let running_deployment = available(to_json(&builders::server_deployment(&g, "gpu-a", 1)));
     let (ctx, _, handle) = context(Ok(SERVER_PAGE), false);
@@ -365,7 +393,10 @@ async fn model_change_repacks_and_stops_the_old_server() {
     )
     .await;
     assert_eq!(result.unwrap(), Action::requeue(WAITING_REQUEUE));
-    assert_eq!(seen[2].body, to_json(&builders::pack_job(&g, "gpu-a", &new_hash)));
+    assert_eq!(
+        seen[2].body,
+        to_json(&builders::pack_job(&g, "gpu-a", &new_hash))
+    );
     assert_eq!(seen[4].body["spec"]["replicas"], 0);
     let status = status_written(&seen).unwrap();
     assert_eq!(status.phase, Some(Phase::PackingStore));
@@ -386,6 +417,24 @@ async fn service_monitor_applied_when_asked_and_the_api_exists() {
 }
 
 #[tokio::test]
+async fn service_monitor_turned_off_is_deleted() {
+    let g = running().await;
+    let mut existing = to_json(&builders::service_monitor(&g));
+    existing["metadata"]["uid"] = json!("sm-uid");
+    let (ctx, _, handle) = context(Ok(SERVER_PAGE), true);
+    let mut steps = settled_reads(&g);
+    steps.insert(4, Step::get(MONITOR).json(existing));
+    steps.insert(
+        5,
+        Step::delete(MONITOR)
+            .json(json!({"kind": "Status", "apiVersion": "v1", "status": "Success"})),
+    );
+    let (result, seen) = run(ctx, handle, g, steps).await;
+    assert_eq!(result.unwrap(), Action::requeue(RUNNING_REQUEUE));
+    assert_eq!(seen.iter().filter(|s| s.is_write()).count(), 1);
+}
+
+#[tokio::test]
 async fn service_monitor_without_the_api_is_named_in_ready() {
     let mut g = running().await;
     g.spec.metrics.service_monitor = true;
@@ -394,7 +443,11 @@ async fn service_monitor_without_the_api_is_named_in_ready() {
     steps.push(Step::apply(GFD_STATUS));
     let (_, seen) = run(ctx, handle, g, steps).await;
     let status = status_written(&seen).unwrap();
-    assert!(cond(&status, condition::READY).2.contains("no monitoring.coreos.com/v1"));
+    assert!(
+        cond(&status, condition::READY)
+            .2
+            .contains("no monitoring.coreos.com/v1")
+    );
 }
 
 #[tokio::test]
@@ -440,7 +493,10 @@ async fn no_fitting_node_names_why_for_each() {
         vec![
             Step::get(NODES).json(list(
                 "NodeList",
-                vec![to_json(&cpu_node("cpu-b")), to_json(&gpu_node("gpu-full", "251Gi", "1"))],
+                vec![
+                    to_json(&cpu_node("cpu-b")),
+                    to_json(&gpu_node("gpu-full", "251Gi", "1")),
+                ],
             )),
             Step::get(ALL_PODS)
                 .query("fieldSelector=spec.nodeName=gpu-full")
@@ -454,7 +510,10 @@ async fn no_fitting_node_names_why_for_each() {
     let status = status_written(&seen).unwrap();
     assert_eq!(status.phase, Some(Phase::Pending));
     let (state, reason, message) = cond(&status, condition::NODE_SELECTED);
-    assert_eq!((state.as_str(), reason.as_str()), ("False", "NoFittingNode"));
+    assert_eq!(
+        (state.as_str(), reason.as_str()),
+        ("False", "NoFittingNode")
+    );
     assert_eq!(
         message,
         "no node fits: cpu-b: label nvidia.com/gpu.product=NVIDIA-GeForce-RTX-3090 missing; \
@@ -473,9 +532,19 @@ fn deleting(mut g: GlmFlashDeployment) -> GlmFlashDeployment {
 async fn deletion_with_retain_only_drops_the_finalizer() {
     let g = deleting(running().await);
     let (ctx, _, handle) = context(Ok(SERVER_PAGE), false);
-    let (result, seen) = run(ctx, handle, g.clone(), vec![Step::patch(GFD).json(to_json(&g))]).await;
+    let (result, seen) = run(
+        ctx,
+        handle,
+        g.clone(),
+        vec![Step::patch(GFD).json(to_json(&g))],
+    )
+    .await;
     assert_eq!(result.unwrap(), Action::await_change());
-    assert!(seen[0].body.to_string().contains("remove"), "{}", seen[0].body);
+    assert!(
+        seen[0].body.to_string().contains("remove"),
+        "{}",
+        seen[0].body
+    );
 }
 
 #[tokio::test]
@@ -500,13 +569,17 @@ async fn deletion_with_delete_runs_the_reclaim_job_and_waits_for_it() {
     assert!(reclaim.metadata.owner_references.is_none());
 
     let mut done = to_json(&builders::reclaim_job(&g, "gpu-a"));
-    done["status"] = json!({"succeeded": 1, "conditions": [{"type": "Complete", "status": "True"}]});
+    done["status"] =
+        json!({"succeeded": 1, "conditions": [{"type": "Complete", "status": "True"}]});
     let (ctx, _, handle) = context(Ok(SERVER_PAGE), false);
     let (result, _) = run(
         ctx,
         handle,
         g.clone(),
-        vec![Step::get(&job).json(done), Step::patch(GFD).json(to_json(&g))],
+        vec![
+            Step::get(&job).json(done),
+            Step::patch(GFD).json(to_json(&g)),
+        ],
     )
     .await;
     assert_eq!(result.unwrap(), Action::await_change());
@@ -526,12 +599,15 @@ async fn api_errors_back_off_exponentially() {
     let error = result.unwrap_err();
     assert_eq!(error.metric_label(), "kube");
     let g = std::sync::Arc::new(g);
-    assert_eq!(error_policy(g.clone(), &error, ctx.clone()), Action::requeue(Duration::from_secs(5)));
-    assert_eq!(error_policy(g.clone(), &error, ctx.clone()), Action::requeue(Duration::from_secs(10)));
     assert_eq!(
-        ctx.metrics.failures.with_label_values(&["kube"]).get(),
-        2
+        error_policy(g.clone(), &error, ctx.clone()),
+        Action::requeue(Duration::from_secs(5))
     );
+    assert_eq!(
+        error_policy(g.clone(), &error, ctx.clone()),
+        Action::requeue(Duration::from_secs(10))
+    );
+    assert_eq!(ctx.metrics.failures.with_label_values(&["kube"]).get(), 2);
 }
 
 #[test]
@@ -565,25 +641,37 @@ mod properties {
                 Just(json!({})),
                 Just(json!({"huggingFace": {"repo": "bad", "revision": "r"}, "nodePath": "/x"})),
             ],
-            prop_oneof![Just("fast"), Just("exact"), Just("nvme"), Just("nvme-exact")],
+            prop_oneof![
+                Just("fast"),
+                Just("exact"),
+                Just("nvme"),
+                Just("nvme-exact")
+            ],
             quantity(),
             quantity(),
             (0u32..20_000, 1u32..300_000, 1u32..300_000, 1i32..70_000),
-            prop_oneof![Just("/mnt/nvme/glmflash"), Just("/"), Just("x"), Just("/a/")],
+            prop_oneof![
+                Just("/mnt/nvme/glmflash"),
+                Just("/"),
+                Just("x"),
+                Just("/a/")
+            ],
             any::<bool>(),
             any::<bool>(),
         )
-            .prop_map(|(model, mode, limit, shm, (slots, ctx, chunk, port), host, sm, dash)| {
-                json!({
-                    "model": model,
-                    "mode": mode,
-                    "memory": {"limit": limit, "shmSize": shm},
-                    "vram": {"expertSlots": slots},
-                    "server": {"contextLength": ctx, "prefillChunk": chunk, "port": port},
-                    "store": {"hostPath": host},
-                    "metrics": {"serviceMonitor": sm, "dashboards": dash},
-                })
-            })
+            .prop_map(
+                |(model, mode, limit, shm, (slots, ctx, chunk, port), host, sm, dash)| {
+                    json!({
+                        "model": model,
+                        "mode": mode,
+                        "memory": {"limit": limit, "shmSize": shm},
+                        "vram": {"expertSlots": slots},
+                        "server": {"contextLength": ctx, "prefillChunk": chunk, "port": port},
+                        "store": {"hostPath": host},
+                        "metrics": {"serviceMonitor": sm, "dashboards": dash},
+                    })
+                },
+            )
     }
 
     proptest! {
