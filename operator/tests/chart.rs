@@ -408,3 +408,15 @@ fn dashboard_config_map_carries_the_dashboard_file() {
         file.trim_end()
     );
 }
+
+#[test]
+fn default_values_need_no_prometheus_operator() {
+    let chart = chart();
+    let Some(text) = helm_run(&["template", "glmflash", chart.to_str().unwrap()]) else {
+        return;
+    };
+    assert!(!text.contains("kind: PrometheusRule"), "{text}");
+    assert!(!text.contains("kind: ServiceMonitor"), "{text}");
+    assert!(text.contains("kind: Deployment"));
+    assert!(text.contains("grafana_dashboard: \"1\""));
+}

@@ -417,6 +417,18 @@ async fn service_monitor_applied_when_asked_and_the_api_exists() {
 }
 
 #[tokio::test]
+async fn dashboard_config_map_applied_when_asked() {
+    let mut g = running().await;
+    g.spec.metrics.dashboards = true;
+    let (ctx, _, handle) = context(Ok(SERVER_PAGE), false);
+    let mut steps = settled_reads(&g);
+    steps.push(Step::apply(DASHBOARD_CM));
+    let (result, seen) = run(ctx, handle, g.clone(), steps).await;
+    assert_eq!(result.unwrap(), Action::requeue(RUNNING_REQUEUE));
+    assert_eq!(seen[5].body, to_json(&builders::dashboard_config_map(&g)));
+}
+
+#[tokio::test]
 async fn service_monitor_turned_off_is_deleted() {
     let g = running().await;
     let mut existing = to_json(&builders::service_monitor(&g));
