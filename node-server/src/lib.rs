@@ -3,10 +3,13 @@
 //!
 //! Imports point down: `model` -> `backend`, `quant`; `backend` knows no model.
 
+pub mod api;
 pub mod backend;
 pub mod bench;
 pub mod demo;
 pub mod engine;
+pub mod gates;
+pub mod metrics;
 pub mod mmap;
 pub mod model;
 pub mod quant;

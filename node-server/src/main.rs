@@ -2,6 +2,7 @@
 
 use anyhow::{Context, bail};
 use clap::{Args, Parser, Subcommand};
+use glmflash_node::api::server::{self, ServeArgs};
 use glmflash_node::engine::sampling::Sampler;
 use glmflash_node::model::config::MlpKind;
 use glmflash_node::model::dump::Dump;
@@ -40,19 +41,20 @@ struct Cli {
 
 #[derive(Subcommand)]
 enum Command {
-    /// Make the demo model (if missing) in the cache dir and chat with it in the terminal.
+    /// Make the demo model (if missing) in the cache dir and serve it through the OpenAI API.
     Demo {
         /// Where the demo model lives (default: $GLMFLASH_CACHE_DIR/demo-model or ~/.cache/glmflash/demo-model).
         #[arg(long, env = "GLMFLASH_DEMO_DIR")]
         dir: Option<PathBuf>,
-        #[arg(
-            long,
-            env = "GLMFLASH_PROMPT",
-            default_value = "Explain in one paragraph why experts are cached in VRAM."
-        )]
-        prompt: String,
-        #[arg(long, env = "GLMFLASH_MAX_TOKENS", default_value_t = 64)]
-        max_tokens: usize,
+        #[command(flatten)]
+        serve: ServeArgs,
+    },
+    /// Serve a checkpoint through the OpenAI-compatible API (chat, completions, SSE, metrics).
+    Serve {
+        #[command(flatten)]
+        model: ModelArgs,
+        #[command(flatten)]
+        serve: ServeArgs,
     },
     /// Write the deterministic demo model (random weights, real tokenizer, chat template).
     MakeDemoModel {
@@ -97,6 +99,8 @@ enum Command {
         #[arg(long, env = "GLMFLASH_EXPERT_FORMAT", default_value = "q4_k")]
         format: String,
     },
+    /// Run the acceptance gates (load, chat, reasoning, tools, context, speed) against a server.
+    Gates(glmflash_node::gates::GatesArgs),
     /// Measure CPU prefill and decode speed on a random model of the given shape.
     Bench(bench::BenchArgs),
     /// Pack every routed expert into the O_DIRECT expert store (resumable, idempotent), then verify it.
@@ -284,25 +288,14 @@ fn init_logging(format: &str) {
 
 fn run(command: Command) -> anyhow::Result<()> {
     match command {
-        Command::Demo {
-            dir,
-            prompt,
-            max_tokens,
-        } => {
+        Command::Demo { dir, serve } => {
             let dir = dir.unwrap_or_else(demo::default_demo_dir);
             demo::ensure_demo_model(&dir)?;
-            generate(
-                &dir,
-                Model::load(&dir)?,
-                &GenerationArgs {
-                    prompt,
-                    raw: false,
-                    max_tokens,
-                    temperature: 0.8,
-                    top_p: 0.95,
-                    seed: 0,
-                },
-            )
+            server::serve(dir, serve, None)
+        }
+        Command::Serve { model, serve } => {
+            let dir = model.model.clone();
+            server::serve(dir, serve, Some(Box::new(move || Ok(model.load()?.0))))
         }
         Command::MakeDemoModel { out, seed } => {
             demo::make_demo_model(&out, seed)?;
@@ -384,6 +377,13 @@ fn run(command: Command) -> anyhow::Result<()> {
             Ok(())
         }
         Command::Bench(args) => bench::run(&args),
+        Command::Gates(args) => {
+            if glmflash_node::gates::run(&args)? {
+                Ok(())
+            } else {
+                bail!("some gates failed")
+            }
+        }
         Command::PackStore {
             model,
             store,

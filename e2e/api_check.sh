@@ -1,0 +1,56 @@
+#!/usr/bin/env bash
+# The OpenAI API end to end: builds glmflash-node (release), serves the demo model on a free
+# port with `glmflash-node demo`, waits for /ready, runs the official openai client against
+# it (e2e/openai_client_test.py), then stops the server with SIGTERM and checks it exits 0.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+
+python=${PYTHON:-}
+if [ -z "$python" ]; then
+  if [ ! -x .venv/bin/python ]; then
+    python3 -m venv .venv
+  fi
+  python=.venv/bin/python
+fi
+"$python" -m pip install -q --disable-pip-version-check -r e2e/requirements-api.txt
+
+cargo build -q --release -p glmflash-node
+bin=target/release/glmflash-node
+
+port=$("$python" -c 'import socket; s=socket.socket(); s.bind(("127.0.0.1", 0)); print(s.getsockname()[1])')
+work="$(mktemp -d)"
+log="$work/server.log"
+GLMFLASH_CACHE_DIR="$work/cache" "$bin" demo --host 127.0.0.1 --port "$port" \
+  --max-batch-size 8 --max-waiting 16 --shutdown-timeout 20 >"$log" 2>&1 &
+server=$!
+cleanup() {
+  if kill -0 "$server" 2>/dev/null; then kill -KILL "$server" 2>/dev/null || true; fi
+  rm -rf "$work"
+}
+trap cleanup EXIT
+
+ready=0
+for _ in $(seq 1 600); do
+  if curl -sf "http://127.0.0.1:$port/ready" >/dev/null; then ready=1; break; fi
+  if ! kill -0 "$server" 2>/dev/null; then break; fi
+  sleep 0.2
+done
+if [ "$ready" != 1 ]; then
+  echo "server did not become ready:"; cat "$log"; exit 1
+fi
+
+status=0
+GLMFLASH_E2E_URL="http://127.0.0.1:$port" "$python" e2e/openai_client_test.py || status=$?
+
+kill -TERM "$server"
+exit_code=0
+wait "$server" || exit_code=$?
+if [ "$exit_code" != 0 ]; then
+  echo "server exited $exit_code after SIGTERM (want 0):"; tail -20 "$log"; exit 1
+fi
+grep -q "stopped" "$log" || { echo "server log lacks the drain message:"; tail -20 "$log"; exit 1; }
+echo "server drained and exited 0 after SIGTERM"
+if [ "$status" != 0 ]; then
+  echo "server log tail:"; tail -30 "$log"
+fi
+exit "$status"

@@ -1,0 +1,284 @@
+//! Splits GLM chat output into reasoning (`<think>...</think>`), content and tool calls
+//! (`<tool_call>name<arg_key>k</arg_key><arg_value>v</arg_value></tool_call>`), as text
+//! arrives: a marker split across deltas is held back until it is whole.
+
+use serde_json::{Map, Value};
+
+const THINK_OPEN: &str = "<think>";
+const THINK_CLOSE: &str = "</think>";
+const TOOL_OPEN: &str = "<tool_call>";
+const TOOL_CLOSE: &str = "</tool_call>";
+
+#[derive(Clone, Debug, PartialEq)]
+pub enum Piece {
+    Reasoning(String),
+    Content(String),
+    ToolCall { name: String, arguments: String },
+}
+
+#[derive(Clone, Copy, Debug, PartialEq)]
+enum State {
+    /// Nothing but whitespace yet: a `<think>` may still come.
+    Start,
+    Reasoning,
+    /// Right after `</think>` or a tool call: leading whitespace is dropped.
+    ContentStart,
+    Content,
+    ToolCall,
+}
+
+#[derive(Debug)]
+pub struct ChatParser {
+    state: State,
+    buf: String,
+    parse_tools: bool,
+}
+
+impl ChatParser {
+    pub fn new(parse_tools: bool) -> ChatParser {
+        ChatParser {
+            state: State::Start,
+            buf: String::new(),
+            parse_tools,
+        }
+    }
+
+    /// Feeds a text delta; returns the pieces it completed.
+    pub fn push(&mut self, text: &str) -> Vec<Piece> {
+        self.buf.push_str(text);
+        let mut out = Vec::new();
+        loop {
+            match self.state {
+                State::Start => {
+                    let t = self.buf.trim_start();
+                    if t.is_empty() {
+                        break;
+                    }
+                    if let Some(rest) = t.strip_prefix(THINK_OPEN) {
+                        self.buf = rest.to_string();
+                        self.state = State::Reasoning;
+                    } else if THINK_OPEN.starts_with(t) {
+                        break;
+                    } else {
+                        self.buf = t.to_string();
+                        self.state = State::Content;
+                    }
+                }
+                State::Reasoning => {
+                    if let Some(at) = self.buf.find(THINK_CLOSE) {
+                        let r = self.buf[..at].to_string();
+                        self.buf.drain(..at + THINK_CLOSE.len());
+                        push_piece(&mut out, Piece::Reasoning(r));
+                        self.state = State::ContentStart;
+                    } else {
+                        let keep = partial_suffix(&self.buf, THINK_CLOSE);
+                        let r: String = self.buf.drain(..self.buf.len() - keep).collect();
+                        push_piece(&mut out, Piece::Reasoning(r));
+                        break;
+                    }
+                }
+                State::ContentStart => {
+                    let t = self.buf.trim_start();
+                    if t.is_empty() {
+                        self.buf.clear();
+                        break;
+                    }
+                    self.buf = t.to_string();
+                    self.state = State::Content;
+                }
+                State::Content => {
+                    let open = if self.parse_tools {
+                        self.buf.find(TOOL_OPEN)
+                    } else {
+                        None
+                    };
+                    if let Some(at) = open {
+                        let c = self.buf[..at].to_string();
+                        self.buf.drain(..at + TOOL_OPEN.len());
+                        push_piece(&mut out, Piece::Content(c));
+                        self.state = State::ToolCall;
+                    } else {
+                        let keep = if self.parse_tools {
+                            partial_suffix(&self.buf, TOOL_OPEN)
+                        } else {
+                            0
+                        };
+                        let c: String = self.buf.drain(..self.buf.len() - keep).collect();
+                        push_piece(&mut out, Piece::Content(c));
+                        break;
+                    }
+                }
+                State::ToolCall => {
+                    let Some(at) = self.buf.find(TOOL_CLOSE) else {
+                        break;
+                    };
+                    let body = self.buf[..at].to_string();
+                    self.buf.drain(..at + TOOL_CLOSE.len());
+                    out.push(parse_tool_call(&body));
+                    self.state = State::ContentStart;
+                }
+            }
+        }
+        out
+    }
+
+    /// Flushes what is held back at the end of generation (an unterminated tool call stays
+    /// content, verbatim).
+    pub fn finish(&mut self) -> Vec<Piece> {
+        let rest = std::mem::take(&mut self.buf);
+        let piece = match self.state {
+            State::Reasoning => Piece::Reasoning(rest),
+            State::ToolCall => Piece::Content(format!("{TOOL_OPEN}{rest}")),
+            State::Start | State::ContentStart => Piece::Content(rest.trim_start().to_string()),
+            State::Content => Piece::Content(rest),
+        };
+        let mut out = Vec::new();
+        push_piece(&mut out, piece);
+        out
+    }
+}
+
+fn push_piece(out: &mut Vec<Piece>, p: Piece) {
+    match &p {
+        Piece::Reasoning(s) | Piece::Content(s) if s.is_empty() => {}
+        _ => out.push(p),
+    }
+}
+
+/// Length of the longest proper prefix of `marker` that `text` ends with.
+fn partial_suffix(text: &str, marker: &str) -> usize {
+    (1..marker.len())
+        .rev()
+        .find(|&k| text.ends_with(&marker[..k]))
+        .unwrap_or(0)
+}
+
+/// `name<arg_key>k</arg_key><arg_value>v</arg_value>...` (or a JSON object with `name` and
+/// `arguments`) into a call whose arguments are a JSON object string. Argument values that
+/// are JSON (numbers, booleans, objects, arrays) keep their type; others are strings.
+pub fn parse_tool_call(body: &str) -> Piece {
+    let body = body.trim();
+    if let Ok(Value::Object(obj)) = serde_json::from_str::<Value>(body)
+        && let Some(Value::String(name)) = obj.get("name")
+    {
+        let args = obj
+            .get("arguments")
+            .cloned()
+            .unwrap_or(Value::Object(Map::new()));
+        let arguments = match args {
+            Value::String(s) => s,
+            other => other.to_string(),
+        };
+        return Piece::ToolCall {
+            name: name.clone(),
+            arguments,
+        };
+    }
+    let (name, mut rest) = match body.find("<arg_key>") {
+        Some(at) => (body[..at].trim(), &body[at..]),
+        None => (body, ""),
+    };
+    let mut args = Map::new();
+    while let Some(k0) = rest.find("<arg_key>") {
+        let after_key = &rest[k0 + "<arg_key>".len()..];
+        let Some(k1) = after_key.find("</arg_key>") else {
+            break;
+        };
+        let key = after_key[..k1].trim().to_string();
+        let after = &after_key[k1 + "</arg_key>".len()..];
+        let Some(v0) = after.find("<arg_value>") else {
+            break;
+        };
+        let after_v = &after[v0 + "<arg_value>".len()..];
+        let (value, next) = match after_v.find("</arg_value>") {
+            Some(v1) => (&after_v[..v1], &after_v[v1 + "</arg_value>".len()..]),
+            None => (after_v, ""),
+        };
+        let parsed = match serde_json::from_str::<Value>(value) {
+            Ok(v) if !v.is_string() => v,
+            _ => Value::String(value.to_string()),
+        };
+        args.insert(key, parsed);
+        rest = next;
+    }
+    Piece::ToolCall {
+        name: name.to_string(),
+        arguments: Value::Object(args).to_string(),
+    }
+}
+
+/// Parses a whole completion at once (non-streaming responses).
+pub fn parse_all(text: &str, parse_tools: bool) -> Vec<Piece> {
+    let mut p = ChatParser::new(parse_tools);
+    let mut out = p.push(text);
+    out.extend(p.finish());
+    out
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn merged(pieces: Vec<Piece>) -> (String, String, Vec<(String, String)>) {
+        let (mut r, mut c, mut t) = (String::new(), String::new(), Vec::new());
+        for p in pieces {
+            match p {
+                Piece::Reasoning(s) => r += &s,
+                Piece::Content(s) => c += &s,
+                Piece::ToolCall { name, arguments } => t.push((name, arguments)),
+            }
+        }
+        (r, c, t)
+    }
+
+    const TEXT: &str = "\n<think>Weigh it.</think>\nIt is sunny.\n<tool_call>get_weather<arg_key>city</arg_key><arg_value>Paris</arg_value><arg_key>days</arg_key><arg_value>3</arg_value></tool_call>";
+
+    #[test]
+    fn reasoning_content_and_tool_calls_whole() {
+        let (r, c, t) = merged(parse_all(TEXT, true));
+        assert_eq!(r, "Weigh it.");
+        assert_eq!(c, "It is sunny.\n");
+        assert_eq!(
+            t,
+            [(
+                "get_weather".to_string(),
+                r#"{"city":"Paris","days":3}"#.to_string()
+            )]
+        );
+        // Without tools the call stays text; thinking off means no reasoning at all.
+        let (_, c, t) = merged(parse_all(TEXT, false));
+        assert!(t.is_empty() && c.contains("<tool_call>get_weather"));
+        let (r, c, _) = merged(parse_all("\nplain answer", true));
+        assert_eq!((r.as_str(), c.as_str()), ("", "plain answer"));
+    }
+
+    #[test]
+    fn streaming_in_any_split_gives_the_same_pieces() {
+        let whole = merged(parse_all(TEXT, true));
+        let chars: Vec<char> = TEXT.chars().collect();
+        for step in 1..12 {
+            let mut p = ChatParser::new(true);
+            let mut out = Vec::new();
+            for chunk in chars.chunks(step) {
+                out.extend(p.push(&chunk.iter().collect::<String>()));
+            }
+            out.extend(p.finish());
+            assert_eq!(merged(out), whole, "chunks of {step}");
+        }
+    }
+
+    #[test]
+    fn unterminated_markers_fall_back_to_text() {
+        let (r, c, t) = merged(parse_all("<think>still thinking", true));
+        assert_eq!((r.as_str(), c.as_str(), t.len()), ("still thinking", "", 0));
+        let (_, c, t) = merged(parse_all("x <tool_call>f<arg_key>a", true));
+        assert_eq!((c.as_str(), t.len()), ("x <tool_call>f<arg_key>a", 0));
+        assert_eq!(
+            parse_tool_call(r#"{"name":"f","arguments":{"a":1}}"#),
+            Piece::ToolCall {
+                name: "f".into(),
+                arguments: r#"{"a":1}"#.into()
+            }
+        );
+    }
+}

@@ -1,0 +1,214 @@
+//! `glmflash-node serve`: binds the API (answering `/health` at once and 503 until the model
+//! is loaded), loads the model and starts the engine, and drains on SIGTERM / ctrl-c.
+
+use super::{ApiConfig, AppState, app, metrics_app, shutdown_signal};
+use crate::engine::scheduler::{Engine, EngineConfig};
+use crate::metrics::Metrics;
+use crate::model::Model;
+use crate::tokenizer::TextCodec;
+use anyhow::Context;
+use std::path::{Path, PathBuf};
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+#[derive(clap::Args, Clone, Debug)]
+pub struct ServeArgs {
+    /// Address to listen on.
+    #[arg(long, env = "GLMFLASH_HOST", default_value = "0.0.0.0")]
+    pub host: String,
+    /// Port of the API.
+    #[arg(long, env = "GLMFLASH_PORT", default_value_t = 30000)]
+    pub port: u16,
+    /// Also serve `/metrics` alone on this port.
+    #[arg(long, env = "GLMFLASH_METRICS_PORT")]
+    pub metrics_port: Option<u16>,
+    /// The model id clients send and `/v1/models` lists.
+    #[arg(
+        long,
+        env = "GLMFLASH_SERVED_MODEL_NAME",
+        default_value = "glm-5.3-flash"
+    )]
+    pub served_model_name: String,
+    /// Sequences decoded together.
+    #[arg(long, env = "GLMFLASH_MAX_BATCH_SIZE", default_value_t = 8)]
+    pub max_batch_size: usize,
+    /// Prompt tokens prefilled per scheduler tick (interleaved with decode).
+    #[arg(long, env = "GLMFLASH_CHUNK_SIZE", default_value_t = 8192)]
+    pub chunk_size: usize,
+    /// Most tokens (prompt + completion) of one sequence; capped at the model's.
+    #[arg(long, env = "GLMFLASH_CONTEXT_LENGTH", default_value_t = 131072)]
+    pub context_length: usize,
+    /// Cache tokens reserved over all running sequences (default: batch size x context).
+    #[arg(long, env = "GLMFLASH_KV_CACHE_TOKENS")]
+    pub kv_cache_tokens: Option<usize>,
+    /// Sequences that may wait for admission; beyond, requests get 429.
+    #[arg(long, env = "GLMFLASH_MAX_WAITING", default_value_t = 64)]
+    pub max_waiting: usize,
+    /// API keys (comma-separated); none means no auth.
+    #[arg(long, env = "GLMFLASH_API_KEY", value_delimiter = ',')]
+    pub api_key: Vec<String>,
+    /// A file of API keys, one a line.
+    #[arg(long, env = "GLMFLASH_API_KEY_FILE")]
+    pub api_key_file: Option<PathBuf>,
+    /// Require a key for `/metrics` too (when keys are set).
+    #[arg(long, env = "GLMFLASH_PROTECT_METRICS")]
+    pub protect_metrics: bool,
+    /// Largest request body in bytes (413 beyond).
+    #[arg(long, env = "GLMFLASH_MAX_BODY_BYTES", default_value_t = 32 << 20)]
+    pub max_body_bytes: usize,
+    /// Seconds to let in-flight requests finish after SIGTERM.
+    #[arg(long, env = "GLMFLASH_SHUTDOWN_TIMEOUT", default_value_t = 30)]
+    pub shutdown_timeout: u64,
+}
+
+impl ServeArgs {
+    fn api_config(&self) -> anyhow::Result<ApiConfig> {
+        let mut keys: Vec<String> = self
+            .api_key
+            .iter()
+            .map(|k| k.trim().to_string())
+            .filter(|k| !k.is_empty())
+            .collect();
+        if let Some(f) = &self.api_key_file {
+            let text = std::fs::read_to_string(f)
+                .with_context(|| format!("reading the API key file {}", f.display()))?;
+            keys.extend(
+                text.lines()
+                    .map(str::trim)
+                    .filter(|l| !l.is_empty() && !l.starts_with('#'))
+                    .map(String::from),
+            );
+        }
+        Ok(ApiConfig {
+            model_id: self.served_model_name.clone(),
+            api_keys: keys,
+            protect_metrics: self.protect_metrics,
+            max_body_bytes: self.max_body_bytes,
+        })
+    }
+
+    pub fn engine_config(&self) -> EngineConfig {
+        let batch = self.max_batch_size.max(1);
+        EngineConfig {
+            max_batch_size: batch,
+            chunk_size: self.chunk_size,
+            context_length: self.context_length,
+            kv_capacity_tokens: self
+                .kv_cache_tokens
+                .unwrap_or(self.context_length.saturating_mul(batch)),
+            max_waiting: self.max_waiting,
+        }
+    }
+}
+
+/// Loads the tokenizer and model of `dir` (experts in memory) and starts the engine.
+pub fn load_engine(
+    dir: &Path,
+    config: EngineConfig,
+    metrics: Arc<Metrics>,
+) -> anyhow::Result<Engine> {
+    load_engine_with(dir, config, metrics, || Model::load(dir))
+}
+
+/// As [`load_engine`], with the model from `load` (e.g. with tiered experts).
+pub fn load_engine_with(
+    dir: &Path,
+    config: EngineConfig,
+    metrics: Arc<Metrics>,
+    load: impl FnOnce() -> anyhow::Result<Model>,
+) -> anyhow::Result<Engine> {
+    let started = Instant::now();
+    let codec = TextCodec::from_dir(dir)
+        .with_context(|| format!("loading the tokenizer of {}", dir.display()))?;
+    let model = load()?;
+    tracing::info!(
+        seconds = started.elapsed().as_secs_f64(),
+        dir = %dir.display(),
+        "model loaded"
+    );
+    Ok(Engine::start(model, Arc::new(codec), config, metrics))
+}
+
+/// Type of the model loader [`serve`] runs once the socket is bound.
+pub type Loader = Box<dyn FnOnce() -> anyhow::Result<Model> + Send>;
+
+/// Runs the server until SIGTERM / ctrl-c, then drains. `load` gives the model (default:
+/// `Model::load(dir)`); the tokenizer comes from `dir`.
+pub fn serve(dir: PathBuf, args: ServeArgs, load: Option<Loader>) -> anyhow::Result<()> {
+    let runtime = tokio::runtime::Builder::new_multi_thread()
+        .enable_all()
+        .worker_threads(2)
+        .thread_name("glmflash-http")
+        .build()?;
+    runtime.block_on(serve_async(dir, args, load))
+}
+
+async fn serve_async(dir: PathBuf, args: ServeArgs, load: Option<Loader>) -> anyhow::Result<()> {
+    let metrics = Arc::new(Metrics::new());
+    let state = AppState::new(args.api_config()?, metrics.clone());
+    let addr = format!("{}:{}", args.host, args.port);
+    let listener = tokio::net::TcpListener::bind(&addr)
+        .await
+        .with_context(|| format!("binding {addr}"))?;
+    tracing::info!(addr = %listener.local_addr()?, model = %args.served_model_name, "listening");
+    if let Some(port) = args.metrics_port {
+        let maddr = format!("{}:{port}", args.host);
+        let ml = tokio::net::TcpListener::bind(&maddr)
+            .await
+            .with_context(|| format!("binding {maddr}"))?;
+        let mapp = metrics_app(state.clone());
+        tokio::spawn(async move {
+            let _ = axum::serve(ml, mapp).await;
+        });
+    }
+
+    let loader_state = state.clone();
+    let engine_config = args.engine_config();
+    let loader = tokio::task::spawn_blocking(move || {
+        let loaded = match load {
+            Some(load) => load_engine_with(&dir, engine_config, metrics, load),
+            None => load_engine(&dir, engine_config, metrics),
+        };
+        match loaded {
+            Ok(engine) => {
+                loader_state.set_engine(Arc::new(engine));
+                tracing::info!("ready");
+            }
+            Err(e) => {
+                tracing::error!(error = %format!("{e:#}"), "loading the model failed");
+                loader_state.set_load_error(format!("{e:#}"));
+            }
+        }
+    });
+
+    let (signalled_tx, mut signalled) = tokio::sync::watch::channel(false);
+    let server = axum::serve(listener, app(state.clone())).with_graceful_shutdown(async move {
+        shutdown_signal().await;
+        let _ = signalled_tx.send(true);
+    });
+    let timeout = Duration::from_secs(args.shutdown_timeout);
+    let drained = tokio::select! {
+        r = server => { r?; true }
+        _ = async {
+            let _ = signalled.wait_for(|s| *s).await;
+            tokio::time::sleep(timeout).await;
+        } => false,
+    };
+    if !drained {
+        tracing::warn!(
+            seconds = args.shutdown_timeout,
+            "drain timed out; stopping with requests in flight"
+        );
+    }
+    let _ = loader.await;
+    if let Some(engine) = state.engine().cloned() {
+        let _ = tokio::task::spawn_blocking(move || {
+            if drained {
+                engine.shutdown();
+            }
+        })
+        .await;
+    }
+    tracing::info!("stopped");
+    Ok(())
+}

@@ -1,0 +1,525 @@
+//! The scheduler: one engine thread owns the model and runs continuous batching.
+//!
+//! Each tick it drops cancelled sequences (their receiver is gone: the client left), admits
+//! waiting sequences while the batch has room and the cache reservation fits, then runs one
+//! forward over every running sequence: one token per decoding sequence plus prompt chunks
+//! of prefilling ones (at most `chunk_size` prompt tokens per tick, so running streams keep
+//! flowing while a long prompt is prefilled). Sampled tokens are decoded to text here, stop
+//! strings are held back across token boundaries and cut, and events go to the request's
+//! channel.
+
+use crate::engine::sampling::{Sampler, SamplingParams};
+use crate::metrics::Metrics;
+use crate::model::{Model, SeqCache, Step};
+use crate::tokenizer::{StreamDecoder, TextCodec};
+use std::collections::VecDeque;
+use std::panic::AssertUnwindSafe;
+use std::sync::{Arc, Condvar, Mutex};
+use std::thread::JoinHandle;
+use std::time::{Duration, Instant};
+use tokio::sync::mpsc::{UnboundedReceiver, UnboundedSender, unbounded_channel};
+
+#[derive(Clone, Debug)]
+pub struct EngineConfig {
+    pub max_batch_size: usize,
+    /// Prompt tokens prefilled per tick, over all prefilling sequences.
+    pub chunk_size: usize,
+    /// Most tokens (prompt + generated) one sequence may hold.
+    pub context_length: usize,
+    /// Cache tokens reserved over all running sequences (each reserves prompt + max_tokens).
+    pub kv_capacity_tokens: usize,
+    /// Sequences that may wait for admission; more are refused (429).
+    pub max_waiting: usize,
+}
+
+impl Default for EngineConfig {
+    fn default() -> Self {
+        EngineConfig {
+            max_batch_size: 8,
+            chunk_size: 8192,
+            context_length: 131072,
+            kv_capacity_tokens: 131072 * 8,
+            max_waiting: 64,
+        }
+    }
+}
+
+/// One sequence to generate.
+#[derive(Clone, Debug)]
+pub struct GenRequest {
+    pub prompt: Vec<u32>,
+    pub params: SamplingParams,
+    /// Tokens to generate at most (the API defaults it to the rest of the context).
+    pub max_tokens: usize,
+    /// Strings that end generation; not emitted.
+    pub stop: Vec<String>,
+    /// Token ids that end generation (EOS and the chat stop tokens); not emitted.
+    pub stop_token_ids: Vec<u32>,
+    /// Leave special tokens out of the text (completions); chat keeps them for parsing.
+    pub skip_special_tokens: bool,
+}
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum FinishReason {
+    Stop,
+    Length,
+}
+
+impl FinishReason {
+    pub fn as_str(self) -> &'static str {
+        match self {
+            FinishReason::Stop => "stop",
+            FinishReason::Length => "length",
+        }
+    }
+}
+
+#[derive(Clone, Debug, PartialEq)]
+pub struct TokenLogprob {
+    pub token: String,
+    pub logprob: f32,
+    pub top: Vec<(String, f32)>,
+}
+
+#[derive(Clone, Debug, PartialEq)]
+pub enum Event {
+    /// New text (possibly empty when only logprobs arrive) and, when asked, the log
+    /// probabilities of the tokens sampled since the last delta.
+    Delta {
+        text: String,
+        logprobs: Vec<TokenLogprob>,
+    },
+    Done {
+        finish_reason: FinishReason,
+        prompt_tokens: usize,
+        completion_tokens: usize,
+    },
+    Error(String),
+}
+
+#[derive(Debug, PartialEq, Eq, thiserror::Error)]
+pub enum SubmitError {
+    #[error("the waiting queue is full ({0} sequences)")]
+    QueueFull(usize),
+    #[error("the server is shutting down")]
+    ShuttingDown,
+}
+
+struct Pending {
+    req: GenRequest,
+    tx: UnboundedSender<Event>,
+    submitted: Instant,
+}
+
+#[derive(Default)]
+struct Queue {
+    waiting: VecDeque<Pending>,
+    shutdown: bool,
+}
+
+struct Shared {
+    queue: Mutex<Queue>,
+    cv: Condvar,
+}
+
+/// The handle the API holds; the engine thread runs until [`Engine::shutdown`].
+pub struct Engine {
+    shared: Arc<Shared>,
+    thread: Mutex<Option<JoinHandle<()>>>,
+    pub config: EngineConfig,
+    pub codec: Arc<TextCodec>,
+    pub vocab_size: usize,
+}
+
+impl Engine {
+    /// Starts the engine thread. `config.context_length` is capped at the model's
+    /// `max_position_embeddings`; the cache capacity is raised to hold one full sequence.
+    pub fn start(
+        model: Model,
+        codec: Arc<TextCodec>,
+        mut config: EngineConfig,
+        metrics: Arc<Metrics>,
+    ) -> Engine {
+        config.context_length = config
+            .context_length
+            .min(model.cfg.max_position_embeddings)
+            .max(2);
+        config.kv_capacity_tokens = config.kv_capacity_tokens.max(config.context_length);
+        config.max_batch_size = config.max_batch_size.max(1);
+        config.chunk_size = config.chunk_size.max(1);
+        metrics.kv_capacity.set(config.kv_capacity_tokens as i64);
+        let shared = Arc::new(Shared {
+            queue: Mutex::new(Queue::default()),
+            cv: Condvar::new(),
+        });
+        let vocab_size = model.cfg.vocab_size;
+        let worker = Worker {
+            model,
+            codec: codec.clone(),
+            config: config.clone(),
+            metrics,
+            shared: shared.clone(),
+            running: Vec::new(),
+            reserved: 0,
+            window_start: Instant::now(),
+            window_tokens: 0,
+        };
+        let thread = std::thread::Builder::new()
+            .name("glmflash-engine".into())
+            .spawn(move || worker.run())
+            .expect("spawning the engine thread");
+        Engine {
+            shared,
+            thread: Mutex::new(Some(thread)),
+            config,
+            codec,
+            vocab_size,
+        }
+    }
+
+    /// Queues sequences (all or none); each gets its own event channel.
+    pub fn submit(
+        &self,
+        reqs: Vec<GenRequest>,
+    ) -> Result<Vec<UnboundedReceiver<Event>>, SubmitError> {
+        let mut q = lock(&self.shared.queue);
+        if q.shutdown {
+            return Err(SubmitError::ShuttingDown);
+        }
+        if q.waiting.len() + reqs.len() > self.config.max_waiting {
+            return Err(SubmitError::QueueFull(self.config.max_waiting));
+        }
+        let now = Instant::now();
+        let mut rxs = Vec::with_capacity(reqs.len());
+        for req in reqs {
+            let (tx, rx) = unbounded_channel();
+            q.waiting.push_back(Pending {
+                req,
+                tx,
+                submitted: now,
+            });
+            rxs.push(rx);
+        }
+        drop(q);
+        self.shared.cv.notify_all();
+        Ok(rxs)
+    }
+
+    /// Refuses new work, lets running and waiting sequences finish, and joins the thread.
+    pub fn shutdown(&self) {
+        lock(&self.shared.queue).shutdown = true;
+        self.shared.cv.notify_all();
+        if let Some(t) = lock(&self.thread).take() {
+            let _ = t.join();
+        }
+    }
+}
+
+impl Drop for Engine {
+    fn drop(&mut self) {
+        self.shutdown();
+    }
+}
+
+fn lock<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
+    m.lock().unwrap_or_else(|e| e.into_inner())
+}
+
+struct Seq {
+    tx: UnboundedSender<Event>,
+    prompt: Vec<u32>,
+    cache: SeqCache,
+    /// Prompt tokens already in the cache.
+    prefilled: usize,
+    /// The last sampled token: the next decode step's input.
+    last: u32,
+    generated: usize,
+    max_tokens: usize,
+    sampler: Sampler,
+    want_logprobs: bool,
+    decoder: StreamDecoder,
+    stop: Vec<String>,
+    stop_token_ids: Vec<u32>,
+    /// Decoded text held back because it may begin a stop string.
+    held: String,
+    logprobs: Vec<TokenLogprob>,
+    submitted: Instant,
+    last_token_at: Option<Instant>,
+    reserved: usize,
+}
+
+struct Worker {
+    model: Model,
+    codec: Arc<TextCodec>,
+    config: EngineConfig,
+    metrics: Arc<Metrics>,
+    shared: Arc<Shared>,
+    running: Vec<Seq>,
+    reserved: usize,
+    window_start: Instant,
+    window_tokens: u64,
+}
+
+impl Worker {
+    fn run(mut self) {
+        loop {
+            if !self.admit() {
+                return;
+            }
+            self.tick();
+        }
+    }
+
+    /// Moves waiting sequences into the batch; false once shut down with nothing left.
+    fn admit(&mut self) -> bool {
+        let mut q = lock(&self.shared.queue);
+        loop {
+            q.waiting.retain(|p| !p.tx.is_closed());
+            self.running.retain(|s| !s.tx.is_closed());
+            if !self.running.is_empty() || !q.waiting.is_empty() {
+                break;
+            }
+            self.reserved = 0;
+            self.metrics.running.set(0);
+            self.metrics.waiting.set(0);
+            self.metrics.kv_used.set(0);
+            self.metrics.decode_tok_s.set(0.0);
+            if q.shutdown {
+                return false;
+            }
+            q = self
+                .shared
+                .cv
+                .wait_timeout(q, Duration::from_millis(200))
+                .unwrap_or_else(|e| e.into_inner())
+                .0;
+        }
+        self.reserved = self.running.iter().map(|s| s.reserved).sum();
+        while self.running.len() < self.config.max_batch_size {
+            let Some(front) = q.waiting.front() else {
+                break;
+            };
+            let need =
+                (front.req.prompt.len() + front.req.max_tokens).min(self.config.context_length);
+            if self.reserved + need > self.config.kv_capacity_tokens && !self.running.is_empty() {
+                break;
+            }
+            let p = q.waiting.pop_front().expect("front exists");
+            self.reserved += need;
+            let mut sampler = Sampler::with_params(p.req.params.clone());
+            sampler.observe_prompt(&p.req.prompt);
+            self.running.push(Seq {
+                tx: p.tx,
+                cache: self.model.new_cache(),
+                prefilled: 0,
+                last: 0,
+                generated: 0,
+                max_tokens: p.req.max_tokens,
+                want_logprobs: p.req.params.logprobs.is_some(),
+                sampler,
+                decoder: self.codec.stream_decoder(p.req.skip_special_tokens),
+                stop: p.req.stop.into_iter().filter(|s| !s.is_empty()).collect(),
+                stop_token_ids: p.req.stop_token_ids,
+                held: String::new(),
+                logprobs: Vec::new(),
+                submitted: p.submitted,
+                last_token_at: None,
+                reserved: need,
+                prompt: p.req.prompt,
+            });
+        }
+        self.metrics.waiting.set(q.waiting.len() as i64);
+        self.metrics.running.set(self.running.len() as i64);
+        true
+    }
+
+    fn tick(&mut self) {
+        if self.running.is_empty() {
+            return;
+        }
+        let mut budget = self.config.chunk_size;
+        let mut plan = Vec::with_capacity(self.running.len());
+        let mut steps = Vec::with_capacity(self.running.len());
+        for (i, s) in self.running.iter_mut().enumerate() {
+            let Seq {
+                prompt,
+                cache,
+                prefilled,
+                last,
+                ..
+            } = s;
+            let tokens: &[u32] = if *prefilled < prompt.len() {
+                if budget == 0 {
+                    continue;
+                }
+                let take = budget.min(prompt.len() - *prefilled);
+                budget -= take;
+                &prompt[*prefilled..*prefilled + take]
+            } else {
+                std::slice::from_ref(last)
+            };
+            plan.push((i, tokens.len()));
+            steps.push(Step {
+                tokens,
+                cache,
+                all_logits: false,
+            });
+        }
+        let model = &self.model;
+        let result = std::panic::catch_unwind(AssertUnwindSafe(|| model.forward(&mut steps, None)));
+        drop(steps);
+        let logits = match result {
+            Ok(Ok(l)) => l,
+            Ok(Err(e)) => return self.fail_batch(&plan, &format!("{e:#}")),
+            Err(_) => return self.fail_batch(&plan, "the engine panicked on this batch"),
+        };
+        let mut finished = Vec::new();
+        for ((i, n), logits) in plan.into_iter().zip(logits) {
+            let s = &mut self.running[i];
+            if s.prefilled < s.prompt.len() {
+                s.prefilled += n;
+                self.metrics.prefill_tokens.inc_by(n as u64);
+                if s.prefilled < s.prompt.len() {
+                    continue;
+                }
+            }
+            if let Some(reason) = sample_one(s, &logits, &self.codec, &self.metrics, &self.config) {
+                finished.push((i, reason));
+            }
+            self.window_tokens += 1;
+        }
+        for (i, reason) in finished.into_iter().rev() {
+            let s = self.running.swap_remove(i);
+            let _ = s.tx.send(Event::Done {
+                finish_reason: reason,
+                prompt_tokens: s.prompt.len(),
+                completion_tokens: s.generated,
+            });
+        }
+        let used: usize = self.running.iter().map(|s| s.cache.len).sum();
+        self.metrics.kv_used.set(used as i64);
+        self.metrics.running.set(self.running.len() as i64);
+        let elapsed = self.window_start.elapsed().as_secs_f64();
+        if elapsed >= 1.0 {
+            self.metrics
+                .decode_tok_s
+                .set(self.window_tokens as f64 / elapsed);
+            self.window_start = Instant::now();
+            self.window_tokens = 0;
+        }
+    }
+
+    fn fail_batch(&mut self, plan: &[(usize, usize)], message: &str) {
+        tracing::error!(error = message, "forward failed; failing its batch");
+        for &(i, _) in plan.iter().rev() {
+            let s = self.running.swap_remove(i);
+            let _ = s.tx.send(Event::Error(message.to_string()));
+        }
+    }
+}
+
+/// Samples the next token of `s`, sends its text; returns the finish reason when done.
+fn sample_one(
+    s: &mut Seq,
+    logits: &[f32],
+    codec: &TextCodec,
+    metrics: &Metrics,
+    config: &EngineConfig,
+) -> Option<FinishReason> {
+    let out = s.sampler.sample_full(logits);
+    let now = Instant::now();
+    match s.last_token_at {
+        None => metrics.ttft.observe((now - s.submitted).as_secs_f64()),
+        Some(t) => metrics.inter_token.observe((now - t).as_secs_f64()),
+    }
+    s.last_token_at = Some(now);
+    s.generated += 1;
+    s.last = out.token;
+    metrics.decode_tokens.inc();
+    if s.want_logprobs {
+        let text = |id: u32| codec.decode_with(&[id], false).unwrap_or_default();
+        s.logprobs.push(TokenLogprob {
+            token: text(out.token),
+            logprob: out.logprob.unwrap_or(0.0),
+            top: out.top.iter().map(|&(id, lp)| (text(id), lp)).collect(),
+        });
+    }
+    if s.stop_token_ids.contains(&out.token) {
+        let rest = s.decoder.finish().unwrap_or_default();
+        let text = std::mem::take(&mut s.held) + &rest;
+        emit(s, text);
+        return Some(FinishReason::Stop);
+    }
+    let delta = s.decoder.push(out.token).unwrap_or_default();
+    s.held.push_str(&delta);
+    let out_of_room =
+        s.generated >= s.max_tokens || s.prompt.len() + s.generated >= config.context_length;
+    if out_of_room {
+        let rest = s.decoder.finish().unwrap_or_default();
+        s.held.push_str(&rest);
+    }
+    if let Some(at) = find_stop(&s.held, &s.stop) {
+        let mut text = std::mem::take(&mut s.held);
+        text.truncate(at);
+        emit(s, text);
+        return Some(FinishReason::Stop);
+    }
+    if out_of_room {
+        let text = std::mem::take(&mut s.held);
+        emit(s, text);
+        return Some(FinishReason::Length);
+    }
+    let keep = held_back(&s.held, &s.stop);
+    let text: String = s.held.drain(..s.held.len() - keep).collect();
+    emit(s, text);
+    None
+}
+
+fn emit(s: &mut Seq, text: String) {
+    if text.is_empty() && s.logprobs.is_empty() {
+        return;
+    }
+    let logprobs = std::mem::take(&mut s.logprobs);
+    let _ = s.tx.send(Event::Delta { text, logprobs });
+}
+
+/// Byte offset of the earliest stop string in `text`.
+pub fn find_stop(text: &str, stops: &[String]) -> Option<usize> {
+    stops.iter().filter_map(|s| text.find(s.as_str())).min()
+}
+
+/// Bytes at the end of `text` that may be the start of a stop string (held back until the
+/// next token decides), on a character boundary.
+pub fn held_back(text: &str, stops: &[String]) -> usize {
+    let mut keep = 0;
+    for stop in stops {
+        for (k, _) in stop.char_indices().skip(1) {
+            // `stop[..k]` is a proper prefix; does `text` end with it?
+            if k > keep && text.ends_with(&stop[..k]) {
+                keep = k;
+            }
+        }
+    }
+    keep
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn stops(xs: &[&str]) -> Vec<String> {
+        xs.iter().map(|s| s.to_string()).collect()
+    }
+
+    #[test]
+    fn stop_prefixes_are_held_back_across_tokens() {
+        let st = stops(&["END", "é!"]);
+        assert_eq!(held_back("hello EN", &st), 2);
+        assert_eq!(held_back("hello E", &st), 1);
+        assert_eq!(held_back("hello", &st), 0);
+        assert_eq!(held_back("caf\u{e9}", &st), "é".len());
+        assert_eq!(find_stop("a END b", &st), Some(2));
+        assert_eq!(find_stop("aé! END", &st), Some(1));
+        assert_eq!(find_stop("abc", &st), None);
+    }
+}

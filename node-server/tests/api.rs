@@ -1,0 +1,509 @@
+//! The OpenAI API driven through `app(state)` with `oneshot` (no socket) on the demo model.
+
+use axum::Router;
+use axum::body::{Body, to_bytes};
+use axum::http::{Request, StatusCode};
+use glmflash_node::api::server::load_engine;
+use glmflash_node::api::{ApiConfig, AppState, app};
+use glmflash_node::engine::scheduler::EngineConfig;
+use glmflash_node::metrics::Metrics;
+use serde_json::{Value, json};
+use std::path::PathBuf;
+use std::sync::{Arc, OnceLock};
+use std::time::{Duration, Instant};
+use tower::ServiceExt;
+
+fn demo_dir() -> PathBuf {
+    static DIR: OnceLock<tempfile::TempDir> = OnceLock::new();
+    DIR.get_or_init(|| {
+        let d = tempfile::tempdir().unwrap();
+        glmflash_node::demo::make_demo_model(d.path(), glmflash_node::demo::DEFAULT_SEED).unwrap();
+        d
+    })
+    .path()
+    .to_path_buf()
+}
+
+fn server(engine: EngineConfig, api: ApiConfig) -> (Router, AppState) {
+    let metrics = Arc::new(Metrics::new());
+    let state = AppState::new(api, metrics.clone());
+    let e = load_engine(&demo_dir(), engine, metrics).unwrap();
+    state.set_engine(Arc::new(e));
+    (app(state.clone()), state)
+}
+
+fn default_server() -> (Router, AppState) {
+    server(EngineConfig::default(), ApiConfig::default())
+}
+
+fn post(path: &str, body: &str) -> Request<Body> {
+    Request::post(path)
+        .header("content-type", "application/json")
+        .body(Body::from(body.to_string()))
+        .unwrap()
+}
+
+fn get(path: &str) -> Request<Body> {
+    Request::get(path).body(Body::empty()).unwrap()
+}
+
+async fn send(app: &Router, req: Request<Body>) -> (StatusCode, String) {
+    let resp = app.clone().oneshot(req).await.unwrap();
+    let status = resp.status();
+    let body = to_bytes(resp.into_body(), usize::MAX).await.unwrap();
+    (status, String::from_utf8(body.to_vec()).unwrap())
+}
+
+async fn send_json(app: &Router, req: Request<Body>) -> (StatusCode, Value) {
+    let (s, b) = send(app, req).await;
+    (
+        s,
+        serde_json::from_str(&b).unwrap_or_else(|e| panic!("{e}: {b}")),
+    )
+}
+
+fn chat(extra: Value) -> String {
+    let mut body = json!({
+        "model": "glm-5.3-flash",
+        "messages": [{"role": "user", "content": "Say hello."}],
+        "max_tokens": 8,
+    });
+    body.as_object_mut()
+        .unwrap()
+        .extend(extra.as_object().unwrap().clone());
+    body.to_string()
+}
+
+/// `data:` payloads of an SSE body.
+fn sse_data(body: &str) -> Vec<String> {
+    body.lines()
+        .filter_map(|l| l.strip_prefix("data: "))
+        .map(String::from)
+        .collect()
+}
+
+fn assert_error(v: &Value, kind: &str, param: Option<&str>) {
+    let e = &v["error"];
+    assert_eq!(e["type"], kind, "{v}");
+    assert!(e["message"].as_str().is_some_and(|m| !m.is_empty()), "{v}");
+    assert!(e.get("code").is_some(), "{v}");
+    match param {
+        Some(p) => assert_eq!(e["param"], p, "{v}"),
+        None => assert!(e["param"].is_null(), "{v}"),
+    }
+}
+
+#[tokio::test]
+async fn models_health_ready_and_metrics() {
+    let (app, _) = default_server();
+    let (s, v) = send_json(&app, get("/v1/models")).await;
+    assert_eq!(s, StatusCode::OK);
+    assert_eq!(v["object"], "list");
+    assert_eq!(v["data"][0]["id"], "glm-5.3-flash");
+    assert_eq!(send(&app, get("/health")).await.0, StatusCode::OK);
+    assert_eq!(send(&app, get("/ready")).await.0, StatusCode::OK);
+    let (s, v) = send_json(&app, get("/v1/models/other")).await;
+    assert_eq!(s, StatusCode::NOT_FOUND);
+    assert_error(&v, "invalid_request_error", Some("model"));
+    let (s, _) = send_json(&app, post("/v1/chat/completions", &chat(json!({})))).await;
+    assert_eq!(s, StatusCode::OK);
+    let (s, text) = send(&app, get("/metrics")).await;
+    assert_eq!(s, StatusCode::OK);
+    for name in glmflash_node::metrics::ALL {
+        assert!(text.contains(name), "{name} missing from\n{text}");
+    }
+    assert!(text.contains(r#"glmflash_requests_total{endpoint="/v1/models",status="200"} 1"#));
+    assert!(
+        text.contains(r#"glmflash_requests_total{endpoint="/v1/chat/completions",status="200"} 1"#)
+    );
+    assert!(
+        text.contains("glmflash_kv_tokens_capacity 1048576"),
+        "{text}"
+    );
+    let prefill: f64 = text
+        .lines()
+        .find_map(|l| l.strip_prefix("glmflash_prefill_tokens_total "))
+        .unwrap()
+        .parse()
+        .unwrap();
+    assert!(prefill > 0.0);
+    assert!(text.contains("glmflash_time_to_first_token_seconds_count 1"));
+}
+
+#[tokio::test]
+async fn loading_gives_503_and_unknown_routes_404() {
+    let state = AppState::new(ApiConfig::default(), Arc::new(Metrics::new()));
+    let app = app(state);
+    let (s, v) = send_json(&app, post("/v1/chat/completions", &chat(json!({})))).await;
+    assert_eq!(s, StatusCode::SERVICE_UNAVAILABLE);
+    assert_error(&v, "server_error", None);
+    assert_eq!(
+        send(&app, get("/ready")).await.0,
+        StatusCode::SERVICE_UNAVAILABLE
+    );
+    assert_eq!(send(&app, get("/health")).await.0, StatusCode::OK);
+    let (s, v) = send_json(&app, get("/v1/nothing")).await;
+    assert_eq!(s, StatusCode::NOT_FOUND);
+    assert_error(&v, "invalid_request_error", None);
+}
+
+#[tokio::test]
+async fn bad_requests_get_openai_errors_naming_the_field() {
+    let (app, _) = server(
+        EngineConfig {
+            context_length: 64,
+            ..EngineConfig::default()
+        },
+        ApiConfig {
+            max_body_bytes: 4096,
+            ..ApiConfig::default()
+        },
+    );
+    let cases: Vec<(String, StatusCode, Option<&str>, &str)> = vec![
+        (
+            "{not json".into(),
+            StatusCode::BAD_REQUEST,
+            None,
+            "not valid JSON",
+        ),
+        (
+            chat(json!({"temperature": "hot"})),
+            StatusCode::BAD_REQUEST,
+            Some("temperature"),
+            "temperature",
+        ),
+        (
+            chat(json!({"temperature": 3})),
+            StatusCode::BAD_REQUEST,
+            Some("temperature"),
+            "between 0 and 2",
+        ),
+        (
+            chat(json!({"top_p": 0})),
+            StatusCode::BAD_REQUEST,
+            Some("top_p"),
+            "top_p",
+        ),
+        (
+            chat(json!({"n": 0})),
+            StatusCode::BAD_REQUEST,
+            Some("n"),
+            "between 1 and 16",
+        ),
+        (
+            chat(json!({"max_tokens": 0})),
+            StatusCode::BAD_REQUEST,
+            Some("max_tokens"),
+            "at least 1",
+        ),
+        (
+            chat(json!({"messages": [{"role": "wizard", "content": "x"}]})),
+            StatusCode::BAD_REQUEST,
+            Some("messages[0].role"),
+            "wizard",
+        ),
+        (
+            chat(json!({"messages": [{"role": 3}]})),
+            StatusCode::BAD_REQUEST,
+            Some("messages[0].role"),
+            "role",
+        ),
+        (
+            chat(json!({"stop": 5})),
+            StatusCode::BAD_REQUEST,
+            Some("stop"),
+            "stop",
+        ),
+        (
+            chat(json!({"model": "gpt-4o"})),
+            StatusCode::NOT_FOUND,
+            Some("model"),
+            "gpt-4o",
+        ),
+        (
+            chat(json!({"max_tokens": 1000})),
+            StatusCode::BAD_REQUEST,
+            Some("max_tokens"),
+            "maximum context length is 64 tokens",
+        ),
+        (
+            chat(json!({"response_format": {"type": "json_object"}})),
+            StatusCode::BAD_REQUEST,
+            Some("response_format"),
+            "json_object",
+        ),
+        (
+            chat(json!({"messages": [{"role": "user", "content": "x".repeat(5000)}]})),
+            StatusCode::PAYLOAD_TOO_LARGE,
+            None,
+            "4096 bytes",
+        ),
+    ];
+    for (body, status, param, needle) in cases {
+        let (s, v) = send_json(&app, post("/v1/chat/completions", &body)).await;
+        assert_eq!(s, status, "{body} -> {v}");
+        assert_error(&v, "invalid_request_error", param);
+        let msg = v["error"]["message"].as_str().unwrap();
+        assert!(msg.contains(needle), "{needle:?} not in {msg:?}");
+    }
+    // A prompt over the context names both numbers.
+    let long = "hello world ".repeat(60);
+    let (s, v) = send_json(
+        &app,
+        post(
+            "/v1/completions",
+            &json!({"prompt": long, "max_tokens": 4}).to_string(),
+        ),
+    )
+    .await;
+    assert_eq!(s, StatusCode::BAD_REQUEST);
+    let msg = v["error"]["message"].as_str().unwrap();
+    assert!(
+        msg.contains("64 tokens") && msg.contains("prompt has"),
+        "{msg}"
+    );
+    assert_eq!(v["error"]["code"], "context_length_exceeded");
+    let (s, v) = send_json(
+        &app,
+        post(
+            "/v1/completions",
+            &json!({"prompt": [1, 2, 99999]}).to_string(),
+        ),
+    )
+    .await;
+    assert_eq!(s, StatusCode::BAD_REQUEST);
+    assert_error(&v, "invalid_request_error", Some("prompt"));
+}
+
+#[tokio::test]
+async fn api_keys_guard_v1_but_not_health() {
+    let (app, _) = server(
+        EngineConfig::default(),
+        ApiConfig {
+            api_keys: vec!["sekret".into()],
+            ..ApiConfig::default()
+        },
+    );
+    let (s, v) = send_json(&app, get("/v1/models")).await;
+    assert_eq!(s, StatusCode::UNAUTHORIZED);
+    assert_eq!(v["error"]["code"], "invalid_api_key");
+    let authed = Request::get("/v1/models")
+        .header("authorization", "Bearer sekret")
+        .body(Body::empty())
+        .unwrap();
+    assert_eq!(send(&app, authed).await.0, StatusCode::OK);
+    assert_eq!(send(&app, get("/health")).await.0, StatusCode::OK);
+    assert_eq!(send(&app, get("/metrics")).await.0, StatusCode::OK);
+}
+
+#[tokio::test]
+async fn chat_is_reproducible_with_seed_n_and_logprobs() {
+    let (app, _) = default_server();
+    let body =
+        chat(json!({"seed": 42, "temperature": 0.9, "n": 2, "logprobs": true, "top_logprobs": 3}));
+    let (s, a) = send_json(&app, post("/v1/chat/completions", &body)).await;
+    assert_eq!(s, StatusCode::OK, "{a}");
+    let (_, b) = send_json(&app, post("/v1/chat/completions", &body)).await;
+    assert_eq!(a["object"], "chat.completion");
+    assert_eq!(a["choices"].as_array().unwrap().len(), 2);
+    for i in 0..2 {
+        assert_eq!(a["choices"][i]["message"], b["choices"][i]["message"]);
+        assert_eq!(a["choices"][i]["index"], i);
+        let fr = a["choices"][i]["finish_reason"].as_str().unwrap();
+        assert!(["stop", "length", "tool_calls"].contains(&fr), "{fr}");
+        let lp = a["choices"][i]["logprobs"]["content"].as_array().unwrap();
+        assert!(!lp.is_empty() && lp.len() <= 8);
+        assert_eq!(lp[0]["top_logprobs"].as_array().unwrap().len(), 3);
+        assert!(lp[0]["logprob"].as_f64().unwrap() <= 0.0);
+    }
+    let u = &a["usage"];
+    assert!(u["completion_tokens"].as_u64().unwrap() <= 16);
+    assert_eq!(
+        u["total_tokens"].as_u64().unwrap(),
+        u["prompt_tokens"].as_u64().unwrap() + u["completion_tokens"].as_u64().unwrap()
+    );
+}
+
+#[tokio::test]
+async fn streaming_matches_non_streaming_and_ends_with_done() {
+    let (app, _) = default_server();
+    let base = json!({"seed": 7, "temperature": 0.7, "max_tokens": 12, "ignore_eos": true});
+    let (_, whole) = send_json(&app, post("/v1/chat/completions", &chat(base.clone()))).await;
+    let mut streamed = base.clone();
+    streamed["stream"] = json!(true);
+    streamed["stream_options"] = json!({"include_usage": true});
+    let (s, body) = send(&app, post("/v1/chat/completions", &chat(streamed))).await;
+    assert_eq!(s, StatusCode::OK);
+    let data = sse_data(&body);
+    assert_eq!(data.last().unwrap(), "[DONE]");
+    let chunks: Vec<Value> = data[..data.len() - 1]
+        .iter()
+        .map(|d| serde_json::from_str(d).unwrap())
+        .collect();
+    assert_eq!(chunks[0]["choices"][0]["delta"]["role"], "assistant");
+    let (mut content, mut reasoning) = (String::new(), String::new());
+    for c in &chunks {
+        assert_eq!(c["object"], "chat.completion.chunk");
+        if let Some(ch) = c["choices"].get(0) {
+            content += ch["delta"]["content"].as_str().unwrap_or("");
+            reasoning += ch["delta"]["reasoning_content"].as_str().unwrap_or("");
+        }
+    }
+    let finish = &chunks[chunks.len() - 2]["choices"][0]["finish_reason"];
+    assert_eq!(finish, "length");
+    let usage = &chunks.last().unwrap()["usage"];
+    assert_eq!(usage["completion_tokens"], 12);
+    let msg = &whole["choices"][0]["message"];
+    assert_eq!(content.trim(), msg["content"].as_str().unwrap_or(""));
+    assert_eq!(
+        reasoning.trim(),
+        msg["reasoning_content"].as_str().unwrap_or("")
+    );
+}
+
+#[tokio::test]
+async fn completions_stop_strings_are_cut_and_chunked_prefill_agrees() {
+    let (app, _) = default_server();
+    let req = |extra: Value| {
+        let mut b = json!({"prompt": "The experts live in VRAM because", "max_tokens": 24,
+                           "temperature": 0, "ignore_eos": true});
+        b.as_object_mut()
+            .unwrap()
+            .extend(extra.as_object().unwrap().clone());
+        post("/v1/completions", &b.to_string())
+    };
+    let (s, v) = send_json(&app, req(json!({}))).await;
+    assert_eq!(s, StatusCode::OK, "{v}");
+    assert_eq!(v["object"], "text_completion");
+    let text = v["choices"][0]["text"].as_str().unwrap().to_string();
+    assert_eq!(v["choices"][0]["finish_reason"], "length");
+    // A stop string from the middle of the greedy text: cut before it, not emitted.
+    let chars: Vec<char> = text.chars().collect();
+    let start = (chars.len() / 2).min(chars.len().saturating_sub(3));
+    let stop: String = chars[start..(start + 3).min(chars.len())].iter().collect();
+    let expected = &text[..text.find(&stop).unwrap()];
+    let (_, v) = send_json(&app, req(json!({"stop": [stop.clone(), "\u{1}never"]}))).await;
+    assert_eq!(
+        v["choices"][0]["text"], expected,
+        "stop {stop:?} in {text:?}"
+    );
+    assert_eq!(v["choices"][0]["finish_reason"], "stop");
+    // Streaming with the stop string gives the same text.
+    let (_, body) = send(&app, req(json!({"stop": stop, "stream": true}))).await;
+    let streamed: String = sse_data(&body)
+        .iter()
+        .filter(|d| *d != "[DONE]")
+        .map(|d| {
+            serde_json::from_str::<Value>(d).unwrap()["choices"][0]["text"]
+                .as_str()
+                .unwrap()
+                .to_string()
+        })
+        .collect();
+    assert_eq!(streamed, expected);
+    // Prefilling the prompt 3 tokens a tick gives the same greedy text.
+    let (chunked, _) = server(
+        EngineConfig {
+            chunk_size: 3,
+            ..EngineConfig::default()
+        },
+        ApiConfig::default(),
+    );
+    let (_, v) = send_json(&chunked, req(json!({}))).await;
+    assert_eq!(v["choices"][0]["text"], text.as_str());
+}
+
+fn metric(text: &str, name: &str) -> f64 {
+    text.lines()
+        .find_map(|l| l.strip_prefix(&format!("{name} ")))
+        .unwrap()
+        .parse()
+        .unwrap()
+}
+
+#[tokio::test]
+async fn full_queue_gives_429_and_disconnects_free_the_cache() {
+    let (app, _) = server(
+        EngineConfig {
+            max_batch_size: 1,
+            max_waiting: 1,
+            ..EngineConfig::default()
+        },
+        ApiConfig::default(),
+    );
+    let long = chat(json!({"max_tokens": 5000, "ignore_eos": true, "stream": true}));
+    let mut held = Vec::new();
+    let mut limited = None;
+    let mut refused = 0;
+    for _ in 0..3 {
+        let resp = app
+            .clone()
+            .oneshot(post("/v1/chat/completions", &long))
+            .await
+            .unwrap();
+        if resp.status() == StatusCode::TOO_MANY_REQUESTS {
+            refused += 1;
+            limited = Some(resp);
+        } else {
+            assert_eq!(resp.status(), StatusCode::OK);
+            held.push(resp);
+        }
+    }
+    let resp = limited.expect("one of three requests is refused (1 running + 1 waiting)");
+    assert_eq!(resp.headers()["retry-after"], "1");
+    let v: Value =
+        serde_json::from_slice(&to_bytes(resp.into_body(), usize::MAX).await.unwrap()).unwrap();
+    assert_error(&v, "rate_limit_error", None);
+    // The running stream holds cache tokens; dropping the clients frees them.
+    let deadline = Instant::now() + Duration::from_secs(30);
+    loop {
+        let (_, m) = send(&app, get("/metrics")).await;
+        if metric(&m, "glmflash_kv_tokens_used") > 0.0 {
+            break;
+        }
+        assert!(Instant::now() < deadline, "no cache in use:\n{m}");
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    drop(held);
+    loop {
+        let (_, m) = send(&app, get("/metrics")).await;
+        if metric(&m, "glmflash_kv_tokens_used") == 0.0
+            && metric(&m, "glmflash_running_requests") == 0.0
+            && metric(&m, "glmflash_waiting_requests") == 0.0
+        {
+            break;
+        }
+        assert!(Instant::now() < deadline, "cache not freed:\n{m}");
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    let (_, m) = send(&app, get("/metrics")).await;
+    let line = format!(
+        r#"glmflash_requests_total{{endpoint="/v1/chat/completions",status="429"}} {refused}"#
+    );
+    assert!(m.contains(&line), "{line} not in\n{m}");
+}
+
+#[tokio::test]
+async fn tools_and_thinking_pass_through_the_template() {
+    let (app, _) = default_server();
+    let tools = json!([{"type": "function", "function": {"name": "get_weather",
+        "parameters": {"type": "object", "properties": {"city": {"type": "string"}}}}}]);
+    let body = chat(json!({
+        "tools": tools,
+        "chat_template_kwargs": {"enable_thinking": false},
+        "messages": [
+            {"role": "developer", "content": "Be brief."},
+            {"role": "user", "content": "Weather in Paris?"},
+            {"role": "assistant", "content": null, "tool_calls": [{"id": "c1", "type": "function",
+              "function": {"name": "get_weather", "arguments": "{\"city\":\"Paris\"}"}}]},
+            {"role": "tool", "tool_call_id": "c1", "content": "sunny"},
+        ],
+    }));
+    let (s, v) = send_json(&app, post("/v1/chat/completions", &body)).await;
+    assert_eq!(s, StatusCode::OK, "{v}");
+    // tool_choice forcing is refused rather than silently ignored.
+    let forced = chat(json!({"tools": tools, "tool_choice": "required"}));
+    let (s, v) = send_json(&app, post("/v1/chat/completions", &forced)).await;
+    assert_eq!(s, StatusCode::BAD_REQUEST);
+    assert_error(&v, "invalid_request_error", Some("tool_choice"));
+}
