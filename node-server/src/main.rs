@@ -7,6 +7,7 @@ use glmflash_node::engine::sampling::Sampler;
 use glmflash_node::model::config::MlpKind;
 use glmflash_node::model::dump::Dump;
 use glmflash_node::model::{Model, Step};
+use glmflash_node::tiers::history::RoutingHistory;
 use glmflash_node::tiers::provider::{
     CheckpointSource, ExpertSource, Mode, StoreSource, Tier, TierCaps, TieredExperts,
 };
@@ -157,7 +158,16 @@ struct ModelArgs {
     /// a tiered mode reads misses from the checkpoint.
     #[arg(long, env = "GLMFLASH_STORE")]
     store: Option<PathBuf>,
+    /// Routing history file: loaded at start to warm the tiers, written at exit.
+    #[arg(long, env = "GLMFLASH_HISTORY")]
+    history: Option<PathBuf>,
+    /// Turn off layer-ahead prefetch of predicted experts.
+    #[arg(long, env = "GLMFLASH_NO_PREFETCH")]
+    no_prefetch: bool,
 }
+
+/// Lookups per layer between halvings of the LFU counts.
+const AGING_PERIOD: u64 = 4096;
 
 impl ModelArgs {
     /// The model with its experts served as the flags ask (untiered when no --mode).
@@ -189,8 +199,21 @@ impl ModelArgs {
             &moe,
             mode,
             caps,
-            4096,
+            AGING_PERIOD,
+            !self.no_prefetch,
         )?);
+        if let Some(path) = &self.history {
+            let fingerprint = glmflash_node::store::quick_fingerprint(&self.model)?;
+            match RoutingHistory::load(path, &fingerprint, moe.len(), cfg.n_routed_experts) {
+                Some(h) => {
+                    let loaded = tiers.warm_start(&h, AGING_PERIOD)?;
+                    tracing::info!(path = %path.display(), loaded, "tiers warm-started from the routing history");
+                }
+                None => {
+                    tracing::info!(path = %path.display(), "no usable routing history; starting cold")
+                }
+            }
+        }
         Ok((
             Model::load_with(&self.model, Some(tiers.clone()))?,
             Some(tiers),
@@ -200,6 +223,13 @@ impl ModelArgs {
 
 /// One line per tier: lookups and residents.
 fn tier_summary(tiers: &TieredExperts) -> String {
+    let s = &tiers.stats;
+    let prefetch = format!(
+        "prefetch: {} issued, {} hits, {} wasted",
+        s.prefetch_issued.load(std::sync::atomic::Ordering::Relaxed),
+        s.prefetch_hits.load(std::sync::atomic::Ordering::Relaxed),
+        s.prefetch_wasted.load(std::sync::atomic::Ordering::Relaxed)
+    );
     [Tier::Device, Tier::Ram, Tier::Store]
         .iter()
         .map(|&t| {
@@ -210,6 +240,7 @@ fn tier_summary(tiers: &TieredExperts) -> String {
                 tiers.resident(t)
             )
         })
+        .chain(std::iter::once(prefetch))
         .collect::<Vec<_>>()
         .join("; ")
 }
@@ -310,6 +341,13 @@ fn run(command: Command) -> anyhow::Result<()> {
             generate(&model.model, loaded, &generation)?;
             if let Some(tiers) = tiers {
                 eprintln!("tiers ({:?}): {}", tiers.mode(), tier_summary(&tiers));
+                if let Some(path) = &model.history {
+                    let fingerprint = glmflash_node::store::quick_fingerprint(&model.model)?;
+                    tiers
+                        .history(&fingerprint)
+                        .save(path)
+                        .with_context(|| format!("writing {}", path.display()))?;
+                }
             }
             Ok(())
         }

@@ -35,8 +35,14 @@ fn quiet() -> PackOptions {
     }
 }
 
+/// Under cargo's target dir, which sits on the repository's disk filesystem (/tmp may be a
+/// tmpfs, which refuses O_DIRECT before Linux 6.6).
+fn disk_tempdir() -> tempfile::TempDir {
+    tempfile::tempdir_in(env!("CARGO_TARGET_TMPDIR")).expect("tempdir")
+}
+
 fn fixture_with(seed: u64, width: usize, dtype: DType) -> Fixture {
-    let tmp = tempfile::tempdir().expect("tempdir");
+    let tmp = disk_tempdir();
     let model = tmp.path().join("model");
     let store = tmp.path().join("store");
     let cfg = make_model(&model, seed, width, dtype);
@@ -140,6 +146,54 @@ fn every_record_rebuilds_the_expert_bit_for_bit_through_both_engines() {
 }
 
 #[test]
+fn a_quantized_checkpoint_packs_in_its_serving_format() {
+    let f = fixture_with(11, 256, DType::Bf16);
+    let q4k = f.model.with_file_name("model-q4k");
+    glmflash_node::model::convert::convert_experts(
+        &f.model,
+        &q4k,
+        glmflash_node::quant::Format::Q4K,
+        |_, _| {},
+    )
+    .unwrap();
+    store::pack_store(&q4k, &f.store, &quiet()).unwrap();
+    let m = Manifest::load(&f.store).unwrap();
+    assert_eq!(m.parts.gate.format, glmflash_node::quant::Format::Q4K);
+    let ckpt = Checkpoint::open(&q4k).unwrap();
+    let r = reader(&f.store, EngineChoice::Auto);
+    for (l, e) in [(1, 0), (2, 15), (3, 8)] {
+        let got = r.read(l, e).unwrap().to_expert(f.cfg.swiglu_limit).unwrap();
+        let want = load_expert(
+            &f.cfg,
+            Loader::new(&ckpt).pp(&format!("layers.{l}.mlp.experts")),
+            e,
+        )
+        .unwrap();
+        assert_eq!(got.gate.format(), want.gate.format());
+        assert_eq!(got.up.to_bytes(), want.up.to_bytes());
+        assert_eq!(got.down.to_bytes(), want.down.to_bytes());
+    }
+}
+
+#[test]
+fn a_refused_io_uring_falls_back_to_pread() {
+    let f = packed();
+    let opts = ReaderOptions {
+        refuse_uring: true,
+        ..ReaderOptions::default()
+    };
+    let r = StoreReader::open(&f.store, None, opts.clone()).unwrap();
+    assert_eq!(r.engine_name(), "pread");
+    assert!(r.read(1, 3).is_ok());
+    let strict = ReaderOptions {
+        engine: EngineChoice::Uring,
+        ..opts
+    };
+    let e = StoreReader::open(&f.store, None, strict).unwrap_err();
+    assert!(e.to_string().contains("io_uring setup refused"), "{e}");
+}
+
+#[test]
 fn records_are_padded_and_f32_round_trips() {
     // Width 98 in f32: 3 x 100352 bytes = 73.5 pages, padded to 74.
     let f = fixture_with(3, 98, DType::F32);
@@ -161,8 +215,12 @@ fn records_are_padded_and_f32_round_trips() {
     assert_eq!(rec.parts().unwrap()[2].to_bytes(), want.down.to_bytes());
 }
 
+fn assert_send_sync<T: Send + Sync>() {}
+
 #[test]
 fn concurrent_requests_for_one_record_share_one_read() {
+    assert_send_sync::<StoreReader>();
+    assert_send_sync::<store::RecordBuf>();
     let f = packed();
     let r = reader(&f.store, EngineChoice::Auto);
     let out = r.read_many(&[(2, 4), (2, 4), (3, 1), (2, 4)]);
@@ -181,6 +239,13 @@ fn concurrent_requests_for_one_record_share_one_read() {
             });
         }
     });
+    // From rayon threads too.
+    use rayon::prelude::*;
+    let n: usize = (0..64)
+        .into_par_iter()
+        .map(|i| r.read(1 + i % 3, i % 16).unwrap().bytes().len())
+        .sum();
+    assert_eq!(n, 64 * want.len());
     assert!(r.read(0, 0).is_err(), "layer 0 is dense: no record");
 }
 
@@ -245,6 +310,14 @@ fn kill_9_mid_pack_resumes_to_the_identical_store() {
         if corrupt_first {
             // A journaled record damaged on disk is noticed and rewritten.
             flip_byte(&f.store.join(store::DATA), 1000);
+        } else {
+            // A torn last journal line is ignored.
+            use std::io::Write;
+            let mut j = std::fs::OpenOptions::new()
+                .append(true)
+                .open(f.store.join(store::JOURNAL))
+                .unwrap();
+            j.write_all(b"{\"i\": 4").unwrap();
         }
         let report = store::pack_store(&f.model, &f.store, &quiet()).unwrap();
         let from_record = match report.outcome {
@@ -441,7 +514,7 @@ struct Mount(PathBuf);
 
 impl Mount {
     fn new(fstype: &str, options: &str) -> Option<Mount> {
-        let dir = tempfile::tempdir().unwrap().keep();
+        let dir = disk_tempdir().keep();
         let ok = Command::new("mount")
             .args(["-t", fstype, "-o", options, fstype])
             .arg(&dir)

@@ -88,6 +88,7 @@ fn every_mode_and_cap_is_bit_identical_to_untiered() {
                         ram_slots_per_layer: ram,
                     },
                     64,
+                    false,
                 )
                 .unwrap(),
             );
@@ -170,6 +171,7 @@ fn packed_store_source_is_bit_identical_too() {
                     mode,
                     caps,
                     64,
+                    true,
                 )
                 .unwrap(),
             );
@@ -177,6 +179,46 @@ fn packed_store_source_is_bit_identical_too() {
             assert!(
                 run(&model, &prompt) == expected,
                 "{name} {mode:?} from the store: logits differ"
+            );
+            if mode.tiered() {
+                let issued = tiers
+                    .stats
+                    .prefetch_issued
+                    .load(std::sync::atomic::Ordering::Relaxed);
+                assert!(
+                    issued > 0,
+                    "{name} {mode:?}: layer-ahead prefetch issued reads"
+                );
+            }
+            // Warm start from the history reproduces the same logits and preloads the favourites.
+            let history = tiers.history("fp");
+            let source = Arc::new(StoreSource::open(store.path(), &dir, &untiered.cfg).unwrap());
+            let warm = Arc::new(
+                TieredExperts::new(
+                    source,
+                    untiered.cfg.hidden_size,
+                    untiered.cfg.n_routed_experts,
+                    &moe,
+                    mode,
+                    caps,
+                    64,
+                    false,
+                )
+                .unwrap(),
+            );
+            let loaded = warm.warm_start(&history, 64).unwrap();
+            let first_moe = moe.iter().position(|&m| m).unwrap();
+            if mode.tiered() {
+                assert!(loaded > 0);
+                assert_eq!(
+                    warm.layer_residents(first_moe).0,
+                    vec![history.ranked(first_moe)[0]]
+                );
+            }
+            let model = Model::load_with(&dir, Some(warm)).unwrap();
+            assert!(
+                run(&model, &prompt) == expected,
+                "{name} {mode:?} warm-started: logits differ"
             );
         }
     }

@@ -311,6 +311,20 @@ impl Model {
             let y = match &layer.feed_forward {
                 FeedForward::Dense(mlp) => mlp.forward(&x, tokens),
                 FeedForward::Moe(moe) => {
+                    // Layer-ahead prediction: the next MoE layer's router on this layer's
+                    // input, so its expert reads overlap this layer's compute.
+                    if self.experts.wants_prefetch()
+                        && let Some((next, FeedForward::Moe(next_moe))) = self
+                            .layers
+                            .iter()
+                            .enumerate()
+                            .skip(li + 1)
+                            .map(|(i, l)| (i, &l.feed_forward))
+                            .find(|(_, f)| matches!(f, FeedForward::Moe(_)))
+                    {
+                        let predicted = next_moe.router.route(&x, tokens);
+                        self.experts.prefetch(next, &predicted.ids);
+                    }
                     let (y, routing) = moe
                         .forward(li, &x, tokens, self.experts.as_ref())
                         .with_context(|| format!("experts of layer {li}"))?;

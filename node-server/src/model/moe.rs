@@ -49,6 +49,15 @@ pub trait ExpertProvider: Send + Sync {
 
     /// Bytes of all routed expert weights this provider serves, wherever they reside.
     fn weight_bytes(&self) -> usize;
+
+    /// Whether [`ExpertProvider::prefetch`] does anything (the model skips predicting if not).
+    fn wants_prefetch(&self) -> bool {
+        false
+    }
+
+    /// A prediction of layer `layer`'s picks (`ids`, any order, duplicates allowed), made one
+    /// MoE layer ahead; a provider may start reading them.
+    fn prefetch(&self, _layer: usize, _ids: &[u32]) {}
 }
 
 /// `(token, pick slot)` pairs routed to one expert.

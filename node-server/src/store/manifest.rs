@@ -3,8 +3,9 @@
 //! Two fingerprints, both lowercase hex sha256:
 //! * `fingerprint` (full): over the tag `glmflash-model-fingerprint-v1`, the bytes of
 //!   `config.json`, then for every tensor in sorted key order its key, dtype, shape and the
-//!   sha256 of its bytes. `pack-store` computes it in its single pass over the source: expert
-//!   tensors are hashed as their records are packed, the other tensors in parallel with it.
+//!   sha256 of its bytes. `pack-store` computes it within its one pass over the source:
+//!   expert tensors are hashed as their records are packed (the bytes are hot then), the
+//!   other tensors up front, on all cores.
 //!   `verify-store --model` recomputes it (one read of the model, hashed on all cores).
 //! * `quick_fingerprint`: the same walk, but only non-expert tensors contribute content
 //!   hashes (expert tensors contribute key, dtype and shape). It costs a read of the

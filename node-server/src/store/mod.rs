@@ -68,11 +68,13 @@ pub enum StoreError {
         total: usize,
     },
     #[error(
-        "store {store} was made from another model: its fingerprint is {store_fingerprint}, the \
+        "store {store} was made from another model: its {which} is {store_fingerprint}, the \
          model's is {model_fingerprint}"
     )]
     FingerprintMismatch {
         store: String,
+        /// `"fingerprint"` (full) or `"quick fingerprint"`.
+        which: &'static str,
         store_fingerprint: String,
         model_fingerprint: String,
     },

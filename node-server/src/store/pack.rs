@@ -172,6 +172,7 @@ pub fn pack_store(
         let existing = Manifest::load(store)?;
         if existing.quick_fingerprint != quick {
             return Err(StoreError::FingerprintMismatch {
+                which: "quick fingerprint",
                 store: store.display().to_string(),
                 store_fingerprint: existing.quick_fingerprint,
                 model_fingerprint: quick,
@@ -327,7 +328,10 @@ pub fn pack_store(
         start = end;
     }
     bar.finish_and_clear();
-    file.sync_all().map_err(io_err(&data_path))?;
+    // A longer file left by an abandoned layout would break byte identity: cut it.
+    file.set_len(total_bytes)
+        .and_then(|()| file.sync_all())
+        .map_err(io_err(&data_path))?;
 
     for r in &records {
         hashes.extend(r.tensors.clone());
@@ -430,6 +434,7 @@ fn resume_point(
     };
     if found.quick_fingerprint != header.quick_fingerprint {
         return Err(StoreError::FingerprintMismatch {
+            which: "quick fingerprint",
             store: store.display().to_string(),
             store_fingerprint: found.quick_fingerprint,
             model_fingerprint: header.quick_fingerprint.clone(),
@@ -439,28 +444,38 @@ fn resume_point(
         tracing::warn!("the partial store has another layout; packing from scratch");
         return Ok(Vec::new());
     }
-    let mut done = Vec::new();
-    let mut buf = AlignedBuf::new(header.record_size);
+    let mut journaled: Vec<JournalRecord> = Vec::new();
     for line in lines {
         let Ok(line) = line else { break };
         let Ok(r) = serde_json::from_str::<JournalRecord>(&line) else {
             break;
         };
-        if r.i != done.len() {
+        if r.i != journaled.len() || r.i >= header.records {
             break;
         }
-        let offset = (r.i * header.record_size) as u64;
-        let intact = file.read_exact_at(buf.as_mut_slice(), offset).is_ok()
-            && sha256_hex(&buf.as_slice()[..header.parts.length()]) == r.sha256;
-        if !intact {
-            tracing::warn!(
-                record = r.i,
-                "a journaled record is not intact on disk; rewriting from it"
-            );
-            break;
-        }
-        done.push(r);
+        journaled.push(r);
     }
+    // Re-read every journaled record (O_DIRECT, on all cores); keep the intact prefix.
+    let intact: Vec<bool> = journaled
+        .par_iter()
+        .map_init(
+            || AlignedBuf::new(header.record_size),
+            |buf, r| {
+                let offset = (r.i * header.record_size) as u64;
+                file.read_exact_at(buf.as_mut_slice(), offset).is_ok()
+                    && sha256_hex(&buf.as_slice()[..header.parts.length()]) == r.sha256
+            },
+        )
+        .collect();
+    let keep = intact.iter().position(|ok| !ok).unwrap_or(journaled.len());
+    if keep < journaled.len() {
+        tracing::warn!(
+            record = keep,
+            "a journaled record is not intact on disk; rewriting from it"
+        );
+    }
+    journaled.truncate(keep);
+    let done = journaled;
     Ok(done)
 }
 

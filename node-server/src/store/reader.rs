@@ -56,6 +56,9 @@ pub struct ReaderOptions {
     /// Test hook: reads of this (layer, expert) fail with an injected EIO.
     #[doc(hidden)]
     pub fail_record: Option<(usize, usize)>,
+    /// Test hook: io_uring setup fails with EPERM, as under a seccomp profile that blocks it.
+    #[doc(hidden)]
+    pub refuse_uring: bool,
 }
 
 impl Default for ReaderOptions {
@@ -67,6 +70,7 @@ impl Default for ReaderOptions {
             pread_threads: 8,
             checksum: ChecksumPolicy::Always,
             fail_record: None,
+            refuse_uring: false,
         }
     }
 }
@@ -223,6 +227,7 @@ impl StoreReader {
             && expected != manifest.quick_fingerprint
         {
             return Err(StoreError::FingerprintMismatch {
+                which: "fingerprint",
                 store: dir.display().to_string(),
                 store_fingerprint: manifest.fingerprint.clone(),
                 model_fingerprint: expected.to_string(),
@@ -350,10 +355,15 @@ impl StoreReader {
                 _ => None,
             })
             .collect();
-        let finished: Vec<(usize, Outcome)> = leaders
-            .into_par_iter()
-            .map(|(i, index, shared)| (i, self.finish(index, shared)))
-            .collect();
+        let finish =
+            |(i, index, shared): (usize, usize, &Arc<Shared>)| (i, self.finish(index, shared));
+        // Hashing is the only work worth spreading; one record stays on this thread.
+        let finished: Vec<(usize, Outcome)> =
+            if leaders.len() > 1 && self.opts.checksum != ChecksumPolicy::Never {
+                leaders.into_par_iter().map(finish).collect()
+            } else {
+                leaders.into_iter().map(finish).collect()
+            };
         for (i, outcome) in finished {
             out[i] = Some(outcome);
         }
@@ -470,7 +480,12 @@ fn make_engine(
     }
     let pool = (opts.registered_buffers > 0)
         .then(|| BufPool::new(manifest.record_size, opts.registered_buffers));
-    match UringEngine::new(Arc::clone(file), opts.queue_depth, pool) {
+    let uring = if opts.refuse_uring {
+        Err(std::io::Error::from_raw_os_error(libc::EPERM))
+    } else {
+        UringEngine::new(Arc::clone(file), opts.queue_depth, pool)
+    };
+    match uring {
         Ok(engine) => Ok(Box::new(engine)),
         Err(e) if opts.engine == EngineChoice::Uring => Err(StoreError::Other(format!(
             "io_uring setup refused ({e}) and the uring engine was asked for"

@@ -58,6 +58,7 @@ pub fn verify_store(
     let found = manifest::model_fingerprint(model)?;
     if found != manifest.fingerprint {
         return Err(StoreError::FingerprintMismatch {
+            which: "fingerprint",
             store: store.display().to_string(),
             store_fingerprint: manifest.fingerprint,
             model_fingerprint: found,

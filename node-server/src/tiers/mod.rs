@@ -2,6 +2,7 @@
 //! from the container's limits and the eviction policy. The tiered `ExpertProvider` builds
 //! on these with the store reader.
 
+pub mod history;
 pub mod policy;
 pub mod provider;
 pub mod sizing;

@@ -70,6 +70,10 @@ pub struct TierStats {
     pub promotions: AtomicU64,
     pub demotions: AtomicU64,
     pub bypassed: AtomicU64,
+    /// Layer-ahead prefetch: reads issued, reads a lookup then used, reads never used.
+    pub prefetch_issued: AtomicU64,
+    pub prefetch_hits: AtomicU64,
+    pub prefetch_wasted: AtomicU64,
 }
 
 impl TierStats {
@@ -96,9 +100,17 @@ pub struct TieredExperts {
     ram_slots: usize,
     layers: Vec<Mutex<Layer>>,
     moe_layers: usize,
-    pub stats: TierStats,
+    /// Raw pick counts per layer and expert (the routing history).
+    picks: Vec<Vec<AtomicU64>>,
+    /// Experts read ahead by the prefetcher, not yet looked up.
+    staged: Arc<Staging>,
+    prefetcher: Option<Mutex<std::sync::mpsc::Sender<(usize, usize)>>>,
+    pub stats: Arc<TierStats>,
     mode: Mode,
 }
+
+/// Experts read ahead by the prefetcher, by (layer, expert), not yet looked up.
+type Staging = Mutex<HashMap<(usize, usize), Arc<SwiGlu>>>;
 
 /// Slot caps are per layer (each layer's experts compete only with each other).
 #[derive(Clone, Copy, Debug)]
@@ -118,6 +130,7 @@ impl TieredExperts {
         mode: Mode,
         caps: TierCaps,
         aging_period: u64,
+        prefetch: bool,
     ) -> anyhow::Result<TieredExperts> {
         let (device_slots, ram_slots) = if mode.tiered() {
             (caps.device_slots_per_layer, caps.ram_slots_per_layer)
@@ -139,6 +152,15 @@ impl TieredExperts {
             }
             layers.push(Mutex::new(layer));
         }
+        let stats = Arc::new(TierStats::default());
+        let staged = Arc::new(Mutex::new(HashMap::new()));
+        let prefetcher = (mode.tiered() && prefetch).then(|| {
+            Mutex::new(spawn_prefetcher(
+                source.clone(),
+                staged.clone(),
+                stats.clone(),
+            ))
+        });
         Ok(TieredExperts {
             source,
             hidden,
@@ -147,13 +169,67 @@ impl TieredExperts {
             ram_slots,
             layers,
             moe_layers: moe_layers.iter().filter(|&&m| m).count(),
-            stats: TierStats::default(),
+            picks: moe_layers
+                .iter()
+                .map(|_| (0..experts).map(|_| AtomicU64::new(0)).collect())
+                .collect(),
+            staged,
+            prefetcher,
+            stats,
             mode,
         })
     }
 
     pub fn mode(&self) -> Mode {
         self.mode
+    }
+
+    /// The routing history so far, bound to `fingerprint`.
+    pub fn history(&self, fingerprint: &str) -> super::history::RoutingHistory {
+        super::history::RoutingHistory {
+            version: super::history::HISTORY_VERSION,
+            fingerprint: fingerprint.to_string(),
+            experts: self.experts,
+            counts: self
+                .picks
+                .iter()
+                .map(|row| row.iter().map(|c| c.load(Ordering::Relaxed)).collect())
+                .collect(),
+        }
+    }
+
+    /// Warm start: seeds each layer's policy with the saved counts and loads the most picked
+    /// experts into the device tier, then the RAM tier, up to their caps.
+    pub fn warm_start(
+        &self,
+        history: &super::history::RoutingHistory,
+        aging_period: u64,
+    ) -> anyhow::Result<usize> {
+        let mut loaded = 0;
+        for (layer, row) in history.counts.iter().enumerate() {
+            if row.is_empty() || !self.mode.tiered() {
+                continue;
+            }
+            let counts: Vec<f64> = row.iter().map(|&c| c as f64).collect();
+            let ranked = history.ranked(layer);
+            let mut l = self.layers[layer].lock().expect("tier lock");
+            l.device_policy = Box::new(Lfu::with_counts(&counts, aging_period));
+            l.ram_policy = Box::new(Lfu::with_counts(&counts, aging_period));
+            for (i, &e) in ranked
+                .iter()
+                .take(self.device_slots + self.ram_slots)
+                .enumerate()
+            {
+                let w = Arc::new(self.source.load(layer, e)?);
+                if i < self.device_slots {
+                    l.device.insert(e, w);
+                } else {
+                    l.ram.insert(e, w);
+                }
+                loaded += 1;
+            }
+        }
+        Ok(loaded)
     }
 
     /// Device and RAM residents of `layer` (for invariant checks and the tier summary).
@@ -203,6 +279,7 @@ impl TieredExperts {
     ) -> anyhow::Result<Arc<SwiGlu>> {
         l.device_policy.touch(expert);
         l.ram_policy.touch(expert);
+        self.picks[layer][expert].fetch_add(1, Ordering::Relaxed);
         let count =
             |tier: Tier| self.stats.lookups[tier as usize][phase].fetch_add(1, Ordering::Relaxed);
         if let Some(w) = l.device.get(&expert) {
@@ -216,8 +293,21 @@ impl TieredExperts {
             }
             None => {
                 count(Tier::Store);
-                self.stats.loads.fetch_add(1, Ordering::Relaxed);
-                let w = Arc::new(self.source.load(layer, expert)?);
+                let staged = self
+                    .staged
+                    .lock()
+                    .expect("staging lock")
+                    .remove(&(layer, expert));
+                let w = match staged {
+                    Some(w) => {
+                        self.stats.prefetch_hits.fetch_add(1, Ordering::Relaxed);
+                        w
+                    }
+                    None => {
+                        self.stats.loads.fetch_add(1, Ordering::Relaxed);
+                        Arc::new(self.source.load(layer, expert)?)
+                    }
+                };
                 // Admit into RAM (a RAM victim falls back to the store only).
                 if self.admit(&mut l.ram, l.ram_policy.as_ref(), self.ram_slots, expert) {
                     l.ram.insert(expert, w.clone());
@@ -299,14 +389,78 @@ impl ExpertProvider for TieredExperts {
                 }
             }
         }
+        if self.prefetcher.is_some() {
+            // Reads staged for this layer that no pick used are wasted.
+            let mut staged = self.staged.lock().expect("staging lock");
+            let before = staged.len();
+            staged.retain(|&(l, _), _| l != layer);
+            self.stats
+                .prefetch_wasted
+                .fetch_add((before - staged.len()) as u64, Ordering::Relaxed);
+        }
         combine_experts(self.hidden, x, routing, self.experts, out, |e, rows, n| {
             Ok(picked[&e].forward(rows, n))
         })
     }
 
+    fn wants_prefetch(&self) -> bool {
+        self.prefetcher.is_some()
+    }
+
+    fn prefetch(&self, layer: usize, ids: &[u32]) {
+        let Some(tx) = &self.prefetcher else { return };
+        let mut wanted: Vec<usize> = ids.iter().map(|&e| e as usize).collect();
+        wanted.sort_unstable();
+        wanted.dedup();
+        let missing: Vec<usize> = {
+            let l = self.layers[layer].lock().expect("tier lock");
+            wanted
+                .into_iter()
+                .filter(|e| !l.device.contains_key(e) && !l.ram.contains_key(e))
+                .collect()
+        };
+        let tx = tx.lock().expect("prefetch queue");
+        for e in missing {
+            if tx.send((layer, e)).is_ok() {
+                self.stats.prefetch_issued.fetch_add(1, Ordering::Relaxed);
+            }
+        }
+    }
+
     fn weight_bytes(&self) -> usize {
         self.moe_layers * self.experts * self.source.record_bytes()
     }
+}
+
+/// The background reader behind layer-ahead prefetch: loads queued (layer, expert) records
+/// into the staging map, which lookups consume.
+fn spawn_prefetcher(
+    source: Arc<dyn ExpertSource>,
+    staged: Arc<Staging>,
+    stats: Arc<TierStats>,
+) -> std::sync::mpsc::Sender<(usize, usize)> {
+    let (tx, rx) = std::sync::mpsc::channel::<(usize, usize)>();
+    std::thread::Builder::new()
+        .name("expert-prefetch".into())
+        .spawn(move || {
+            for key in rx {
+                if staged.lock().expect("staging lock").contains_key(&key) {
+                    continue;
+                }
+                match source.load(key.0, key.1) {
+                    Ok(w) => {
+                        staged.lock().expect("staging lock").insert(key, Arc::new(w));
+                    }
+                    Err(e) => {
+                        // The lookup will read (and report) it itself.
+                        stats.prefetch_wasted.fetch_add(1, Ordering::Relaxed);
+                        tracing::debug!(layer = key.0, expert = key.1, error = %e, "prefetch read failed");
+                    }
+                }
+            }
+        })
+        .expect("spawning the prefetch thread");
+    tx
 }
 
 /// Experts read from the checkpoint itself (the untiered source, and the tiers' source until

@@ -1,0 +1,143 @@
+#!/usr/bin/env bash
+# End-to-end suite for the operator against a real cluster (kind, k3s, or a GPU cluster).
+#
+#   KUBECONFIG=...  e2e/operator/run.sh
+#
+# Skips (exit 0, with the reason printed) when KUBECONFIG is not set. See e2e/README.md.
+#
+#   GLMFLASH_E2E_GPU=1        keep the GPU request and RTX 3090 product label (default: off,
+#                             the CPU switch: spec.placement.requireGpu=false, any node)
+#   GLMFLASH_E2E_NODE_IMAGE   image for the pack-store Job and server (default busybox:1.36,
+#                             which cannot run pack-store: the suite then proves the failure
+#                             path; set the real glmflash-node image to go all the way)
+#   GLMFLASH_E2E_FULL=1       with the real image and model: wait for phase Running and call
+#                             the OpenAI API through the Service
+#   GLMFLASH_E2E_NAMESPACE    namespace to use (default glmflash-e2e, created and deleted)
+set -euo pipefail
+
+if [[ -z "${KUBECONFIG:-}" ]]; then
+  echo "SKIP e2e/operator: KUBECONFIG is not set (no cluster to test against)"
+  exit 0
+fi
+
+here="$(cd "$(dirname "$0")" && pwd)"
+repo="$(cd "$here/../.." && pwd)"
+ns="${GLMFLASH_E2E_NAMESPACE:-glmflash-e2e}"
+image="${GLMFLASH_E2E_NODE_IMAGE:-busybox:1.36}"
+gpu="${GLMFLASH_E2E_GPU:-0}"
+passed=0
+failed=0
+
+if ! command -v kubectl >/dev/null; then
+  export PATH="$("$repo/e2e/tools/get-helm.sh"):$PATH"
+fi
+
+log() { printf '%s %s\n' "$(date +%H:%M:%S)" "$*"; }
+pass() { passed=$((passed + 1)); log "PASS $*"; }
+fail() { failed=$((failed + 1)); log "FAIL $*"; }
+
+# wait_for DESCRIPTION SECONDS COMMAND...: retries COMMAND until it succeeds.
+wait_for() {
+  local what="$1" limit="$2"; shift 2
+  local deadline=$((SECONDS + limit))
+  until "$@" >/dev/null 2>&1; do
+    if ((SECONDS > deadline)); then fail "$what (after ${limit}s)"; return 1; fi
+    sleep 2
+  done
+  pass "$what"
+}
+
+jp() { kubectl -n "$ns" get gfd e2e -o "jsonpath=$1" 2>/dev/null; }
+cond() { jp "{.status.conditions[?(@.type==\"$1\")].$2}"; }
+phase_is() { [[ "$(jp '{.status.phase}')" == "$1" ]]; }
+cond_true() { [[ "$(cond "$1" status)" == True ]]; }
+has_finalizer() { [[ "$(jp '{.metadata.finalizers[0]}')" == glmflash.io/cleanup ]]; }
+object_gone() { ! kubectl -n "$ns" get gfd e2e; }
+jobs_gone() { [[ -z "$(kubectl -n "$ns" get jobs -l app.kubernetes.io/instance=e2e -o name)" ]]; }
+
+operator_pid=""
+cleanup() {
+  kubectl delete namespace "$ns" --wait=false >/dev/null 2>&1 || true
+  if [[ -n "$operator_pid" ]]; then kill "$operator_pid" 2>/dev/null || true; fi
+}
+trap cleanup EXIT
+
+log "cluster: $(kubectl config current-context)"
+kubectl version >/dev/null || { echo "cannot reach the cluster in KUBECONFIG"; exit 1; }
+
+# 1. The CRD installs and the API server enforces its CEL rules.
+kubectl apply --server-side -f "$repo/crds/glmflash.io_glmflashdeployments.yaml" >/dev/null
+wait_for "CRD established" 60 kubectl wait --for=condition=Established crd/glmflashdeployments.glmflash.io --timeout=5s
+kubectl create namespace "$ns" >/dev/null 2>&1 || true
+
+bad="$(sed -e 's/^  name: glm$/  name: bad/' -e "s/^  namespace: default$/  namespace: $ns/" -e 's/^  mode: nvme$/  mode: fast/' \
+  "$repo/charts/glmflash/examples/glmflash-deployment.yaml")"
+if out="$(kubectl apply -f - <<<"$bad" 2>&1)"; then
+  fail "API server accepted mode fast with a 55Gi cap: $out"
+else
+  if grep -q "at least 128Gi" <<<"$out"; then pass "CEL rule rejects fast mode under 128Gi"; else fail "unexpected rejection: $out"; fi
+fi
+
+# 2. The operator runs (locally, against this cluster) and owns the object.
+cargo build -q -p glmflash-operator --manifest-path "$repo/Cargo.toml"
+"$repo/target/debug/glmflash-operator" --no-leader-election --http-addr 127.0.0.1:18080 \
+  --watch-namespace "$ns" >"${TMPDIR:-/tmp}/glmflash-e2e-operator.log" 2>&1 &
+operator_pid=$!
+wait_for "operator ready" 60 curl -fsS http://127.0.0.1:18080/readyz
+
+placement="    gpuProduct: NVIDIA-GeForce-RTX-3090"
+if [[ "$gpu" != 1 ]]; then placement=$'    gpuProduct: ""\n    requireGpu: false'; fi
+kubectl apply -f - >/dev/null <<EOF2
+apiVersion: glmflash.io/v1alpha1
+kind: GlmFlashDeployment
+metadata:
+  name: e2e
+  namespace: $ns
+spec:
+  model:
+    nodePath: /tmp/glmflash-e2e-model
+  mode: nvme
+  placement:
+$placement
+  memory:
+    limit: 16Gi
+    shmSize: 64Mi
+  store:
+    hostPath: /tmp/glmflash-e2e
+    packRetries: 0
+  image:
+    repository: ${image%:*}
+    tag: "${image##*:}"
+EOF2
+
+wait_for "finalizer added" 60 has_finalizer
+wait_for "NodeSelected=True" 60 cond_true NodeSelected
+node="$(jp '{.status.node}')"
+job="$(kubectl -n "$ns" get jobs -l app.kubernetes.io/instance=e2e,app.kubernetes.io/component=pack-store -o jsonpath='{.items[0].metadata.name}')"
+if [[ -n "$job" ]]; then pass "pack-store Job $job created for node $node"; else fail "no pack-store Job"; fi
+owner="$(kubectl -n "$ns" get job "$job" -o jsonpath='{.metadata.ownerReferences[0].kind}')"
+[[ "$owner" == GlmFlashDeployment ]] && pass "Job owned by the GlmFlashDeployment" || fail "Job owner is '$owner'"
+pinned="$(kubectl -n "$ns" get job "$job" -o jsonpath='{.spec.template.spec.affinity.nodeAffinity.requiredDuringSchedulingIgnoredDuringExecution.nodeSelectorTerms[0].matchFields[0].values[0]}')"
+[[ "$pinned" == "$node" ]] && pass "Job pinned to $node" || fail "Job pinned to '$pinned', status says '$node'"
+
+if [[ "${GLMFLASH_E2E_FULL:-0}" == 1 ]]; then
+  wait_for "phase Running" 7200 phase_is Running
+  kubectl -n "$ns" run e2e-client --rm -i --restart=Never --image=curlimages/curl:8.10.1 -- \
+    curl -fsS "http://e2e.$ns.svc:30000/v1/models" | grep -q glm-5.3-flash \
+    && pass "OpenAI /v1/models answers through the Service" || fail "OpenAI API not reachable"
+else
+  # busybox cannot run pack-store: the Job fails and the condition must say so.
+  wait_for "phase Failed after the Job failed" 300 phase_is Failed
+  [[ "$(cond StoreReady reason)" == PackStoreFailed ]] && pass "StoreReady reason PackStoreFailed" || fail "StoreReady reason '$(cond StoreReady reason)'"
+  kubectl -n "$ns" get events --field-selector involvedObject.name=e2e -o jsonpath='{.items[*].reason}' | grep -q Failed \
+    && pass "Failed event published" || fail "no Failed event"
+  if kubectl -n "$ns" get deployment e2e >/dev/null 2>&1; then fail "server Deployment created without a store"; else pass "no server without a store"; fi
+fi
+
+# 3. Deletion: finalizer runs, owned objects are garbage collected.
+kubectl -n "$ns" delete gfd e2e --wait=false >/dev/null
+wait_for "object deleted (finalizer released)" 120 object_gone
+wait_for "owned Job garbage collected" 120 jobs_gone
+
+echo "e2e-operator: $passed passed, $failed failed"
+[[ "$failed" == 0 ]]

@@ -1,0 +1,716 @@
+//! Reconciler scenarios against kube's mocked API service: each scenario scripts the
+//! exact requests (method, path, query) in order, answers them, and checks the bodies.
+//! Later scenarios start from the status an earlier one wrote, so "settled" means what
+//! the reconciler itself produced.
+
+use std::time::Duration;
+
+use glmflash_crds::{GlmFlashDeployment, GlmFlashDeploymentStatus, Phase, condition};
+use k8s_openapi::api::batch::v1::Job;
+use kube::runtime::controller::Action;
+use serde_json::{Value, json};
+
+use super::{FINALIZER, RUNNING_REQUEUE, WAITING_REQUEUE, backoff, error_policy};
+use crate::builders::{self, names};
+use crate::fixtures::*;
+
+const GFD: &str = "/apis/glmflash.io/v1alpha1/namespaces/ai/glmflashdeployments/glm";
+const GFD_STATUS: &str = "/apis/glmflash.io/v1alpha1/namespaces/ai/glmflashdeployments/glm/status";
+const NODES: &str = "/api/v1/nodes";
+const NODE_A: &str = "/api/v1/nodes/gpu-a";
+const ALL_PODS: &str = "/api/v1/pods";
+const NS_PODS: &str = "/api/v1/namespaces/ai/pods";
+const DEPLOYMENT: &str = "/apis/apps/v1/namespaces/ai/deployments/glm";
+const API_SVC: &str = "/api/v1/namespaces/ai/services/glm";
+const METRICS_SVC: &str = "/api/v1/namespaces/ai/services/glm-metrics";
+const DASHBOARD_CM: &str = "/api/v1/namespaces/ai/configmaps/glm-dashboard";
+const MONITOR: &str = "/apis/monitoring.coreos.com/v1/namespaces/ai/servicemonitors/glm-metrics";
+const EVENTS: &str = "/apis/events.k8s.io/v1/namespaces/ai/events";
+
+fn job_path(name: &str) -> String {
+    format!("/apis/batch/v1/namespaces/ai/jobs/{name}")
+}
+
+fn hash(gfd: &GlmFlashDeployment) -> String {
+    builders::store_hash(&gfd.spec, "gpu-a")
+}
+
+fn to_json<T: serde::Serialize>(v: &T) -> Value {
+    serde_json::to_value(v).unwrap()
+}
+
+fn nodes_a() -> Value {
+    list(
+        "NodeList",
+        vec![
+            to_json(&cpu_node("cpu-b")),
+            to_json(&gpu_node("gpu-a", "251Gi", "1")),
+        ],
+    )
+}
+
+fn with_status(
+    mut gfd: GlmFlashDeployment,
+    status: GlmFlashDeploymentStatus,
+) -> GlmFlashDeployment {
+    gfd.status = Some(status);
+    gfd
+}
+
+/// (status, reason) of a condition type.
+fn cond(status: &GlmFlashDeploymentStatus, type_: &str) -> (String, String, String) {
+    let c = status
+        .conditions
+        .iter()
+        .find(|c| c.type_ == type_)
+        .unwrap_or_else(|| panic!("no {type_} condition in {status:?}"));
+    assert_eq!(c.observed_generation, status.observed_generation, "{type_}");
+    (c.status.clone(), c.reason.clone(), c.message.clone())
+}
+
+fn job_with(gfd: &GlmFlashDeployment, status: Value) -> Value {
+    let mut job = to_json(&builders::pack_job(gfd, "gpu-a", &hash(gfd)));
+    job["status"] = status;
+    job
+}
+
+fn assert_no_writes(seen: &[Seen]) {
+    let writes: Vec<_> = seen.iter().filter(|s| s.is_write()).collect();
+    assert!(writes.is_empty(), "settled object wrote: {writes:#?}");
+}
+
+#[tokio::test]
+async fn fresh_object_first_gets_the_finalizer() {
+    let (ctx, _, handle) = context(Ok(SERVER_PAGE), false);
+    let (result, seen) = run(
+        ctx,
+        handle,
+        gfd(),
+        vec![Step::patch(GFD).json(to_json(&gfd_with_finalizer()))],
+    )
+    .await;
+    assert_eq!(result.unwrap(), Action::await_change());
+    assert!(
+        seen[0].body.to_string().contains(FINALIZER),
+        "{}",
+        seen[0].body
+    );
+}
+
+/// Fresh object with its finalizer: placed on the only fitting node, pack-store Job applied.
+async fn packing() -> GlmFlashDeployment {
+    let g = gfd_with_finalizer();
+    let (ctx, _, handle) = context(Ok(SERVER_PAGE), false);
+    let job = names::pack_job("glm", &hash(&g));
+    let (result, seen) = run(
+        ctx,
+        handle,
+        g.clone(),
+        vec![
+            Step::get(NODES).json(nodes_a()),
+            Step::get(ALL_PODS)
+                .query("fieldSelector=spec.nodeName=gpu-a")
+                .json(list("PodList", vec![])),
+            Step::get(job_path(&job)).not_found(),
+            Step::apply(job_path(&job)),
+            Step::get(DEPLOYMENT).not_found(),
+            Step::apply(GFD_STATUS),
+            Step::post(EVENTS),
+        ],
+    )
+    .await;
+    assert_eq!(result.unwrap(), Action::requeue(WAITING_REQUEUE));
+    assert_eq!(
+        seen[3].body,
+        to_json(&builders::pack_job(&g, "gpu-a", &hash(&g)))
+    );
+    let status = status_written(&seen).unwrap();
+    assert_eq!(status.phase, Some(Phase::PackingStore));
+    assert_eq!(status.node.as_deref(), Some("gpu-a"));
+    assert_eq!(status.observed_generation, Some(1));
+    assert_eq!(cond(&status, condition::NODE_SELECTED).0, "True");
+    assert_eq!(cond(&status, condition::STORE_READY).1, "Packing");
+    assert_eq!(cond(&status, condition::SERVER_READY).1, "WaitingForStore");
+    assert_eq!(cond(&status, condition::READY).0, "False");
+    assert_eq!(seen[6].body["reason"], "PackingStore");
+    assert_eq!(seen[6].body["type"], "Normal");
+    assert_eq!(seen[6].body["regarding"]["name"], "glm");
+    with_status(g, status)
+}
+
+#[tokio::test]
+async fn fresh_create_places_and_starts_the_pack_job() {
+    packing().await;
+}
+
+#[tokio::test]
+async fn job_running_settles_without_writes() {
+    let g = packing().await;
+    let job = names::pack_job("glm", &hash(&g));
+    let (ctx, _, handle) = context(Ok(SERVER_PAGE), false);
+    let (result, seen) = run(
+        ctx,
+        handle,
+        g.clone(),
+        vec![
+            Step::get(NODE_A).json(to_json(&gpu_node("gpu-a", "251Gi", "1"))),
+            Step::get(job_path(&job)).json(job_with(&g, json!({"active": 1}))),
+            Step::get(DEPLOYMENT).not_found(),
+        ],
+    )
+    .await;
+    assert_eq!(result.unwrap(), Action::requeue(WAITING_REQUEUE));
+    assert_no_writes(&seen);
+}
+
+#[tokio::test]
+async fn job_failed_reports_its_reason_and_waits_for_a_change() {
+    let g = packing().await;
+    let job = names::pack_job("glm", &hash(&g));
+    let failed = json!({"failed": 3, "conditions": [{
+        "type": "Failed", "status": "True", "reason": "BackoffLimitExceeded",
+        "message": "Job has reached the specified backoff limit"
+    }]});
+    let (ctx, _, handle) = context(Ok(SERVER_PAGE), false);
+    let steps = vec![
+        Step::get(NODE_A).json(to_json(&gpu_node("gpu-a", "251Gi", "1"))),
+        Step::get(job_path(&job)).json(job_with(&g, failed.clone())),
+        Step::get(DEPLOYMENT).not_found(),
+    ];
+    let mut with_writes = steps.clone();
+    with_writes.extend([Step::apply(GFD_STATUS), Step::post(EVENTS)]);
+    let (result, seen) = run(ctx, handle, g.clone(), with_writes).await;
+    assert_eq!(result.unwrap(), Action::await_change());
+    let status = status_written(&seen).unwrap();
+    assert_eq!(status.phase, Some(Phase::Failed));
+    let (state, reason, message) = cond(&status, condition::STORE_READY);
+    assert_eq!(
+        (state.as_str(), reason.as_str()),
+        ("False", "PackStoreFailed")
+    );
+    assert!(message.contains("BackoffLimitExceeded"), "{message}");
+    assert!(message.contains("after 2 retries"), "{message}");
+    assert_eq!(seen[4].body["type"], "Warning");
+    assert_eq!(seen[4].body["reason"], "Failed");
+
+    // Reconciled again with that status: nothing more to say, no hot loop of writes.
+    let (ctx, _, handle) = context(Ok(SERVER_PAGE), false);
+    let (result, seen) = run(ctx, handle, with_status(g, status), steps).await;
+    assert_eq!(result.unwrap(), Action::await_change());
+    assert_no_writes(&seen);
+}
+
+/// Job complete: store size read from the pod's termination message, server objects applied.
+async fn starting() -> GlmFlashDeployment {
+    let g = packing().await;
+    let job = names::pack_job("glm", &hash(&g));
+    let complete = json!({"succeeded": 1, "conditions": [{"type": "Complete", "status": "True"}]});
+    let pod = json!({
+        "metadata": {"name": "glm-pack-x", "namespace": NS},
+        "status": {"containerStatuses": [{
+            "name": "pack-store", "image": "i", "imageID": "", "ready": false, "restartCount": 0,
+            "state": {"terminated": {"exitCode": 0, "message": "{\"storeBytes\": 117300000000}"}}
+        }]}
+    });
+    let (ctx, _, handle) = context(Ok(SERVER_PAGE), false);
+    let (result, seen) = run(
+        ctx,
+        handle,
+        g.clone(),
+        vec![
+            Step::get(NODE_A).json(to_json(&gpu_node("gpu-a", "251Gi", "1"))),
+            Step::get(job_path(&job)).json(job_with(&g, complete)),
+            Step::get(NS_PODS)
+                .query(&format!("labelSelector=batch.kubernetes.io/job-name={job}"))
+                .json(list("PodList", vec![pod])),
+            Step::get(DEPLOYMENT).not_found(),
+            Step::apply(DEPLOYMENT),
+            Step::get(API_SVC).not_found(),
+            Step::apply(API_SVC),
+            Step::get(METRICS_SVC).not_found(),
+            Step::apply(METRICS_SVC),
+            Step::get(DASHBOARD_CM).not_found(),
+            Step::apply(GFD_STATUS),
+            Step::post(EVENTS),
+        ],
+    )
+    .await;
+    assert_eq!(result.unwrap(), Action::requeue(WAITING_REQUEUE));
+    assert_eq!(
+        seen[4].body,
+        to_json(&builders::server_deployment(&g, "gpu-a", 1))
+    );
+    assert_eq!(seen[6].body, to_json(&builders::api_service(&g)));
+    assert_eq!(seen[8].body, to_json(&builders::metrics_service(&g)));
+    let status = status_written(&seen).unwrap();
+    assert_eq!(status.phase, Some(Phase::Starting));
+    assert_eq!(status.store_hash.as_deref(), Some(hash(&g).as_str()));
+    assert_eq!(status.store_bytes, Some(117_300_000_000));
+    assert_eq!(
+        status.endpoint.as_deref(),
+        Some("http://glm.ai.svc:30000/v1")
+    );
+    assert_eq!(cond(&status, condition::STORE_READY).0, "True");
+    assert_eq!(cond(&status, condition::SERVER_READY).1, "Starting");
+    assert_eq!(seen[11].body["reason"], "Starting");
+    with_status(g, status)
+}
+
+#[tokio::test]
+async fn job_done_applies_the_server() {
+    starting().await;
+}
+
+fn available(deployment: Value) -> Value {
+    let mut d = deployment;
+    d["metadata"]["generation"] = json!(1);
+    d["status"] =
+        json!({"observedGeneration": 1, "replicas": 1, "availableReplicas": 1, "readyReplicas": 1});
+    d
+}
+
+/// The steps of a reconcile of a running, unchanged deployment: reads only.
+fn settled_reads(g: &GlmFlashDeployment) -> Vec<Step> {
+    vec![
+        Step::get(NODE_A).json(to_json(&gpu_node("gpu-a", "251Gi", "1"))),
+        Step::get(DEPLOYMENT).json(available(to_json(&builders::server_deployment(
+            g, "gpu-a", 1,
+        )))),
+        Step::get(API_SVC).json(to_json(&builders::api_service(g))),
+        Step::get(METRICS_SVC).json(to_json(&builders::metrics_service(g))),
+        Step::get(DASHBOARD_CM).not_found(),
+    ]
+}
+
+async fn running() -> GlmFlashDeployment {
+    let g = starting().await;
+    let (ctx, scraper, handle) = context(Ok(SERVER_PAGE), false);
+    let mut steps = settled_reads(&g);
+    steps.extend([Step::apply(GFD_STATUS), Step::post(EVENTS)]);
+    let (result, seen) = run(ctx, handle, g.clone(), steps).await;
+    assert_eq!(result.unwrap(), Action::requeue(RUNNING_REQUEUE));
+    assert_eq!(
+        scraper.urls.lock().unwrap().as_slice(),
+        ["http://glm-metrics.ai.svc:30000/metrics"]
+    );
+    let status = status_written(&seen).unwrap();
+    assert_eq!(status.phase, Some(Phase::Running));
+    assert_eq!(cond(&status, condition::READY).0, "True");
+    assert_eq!(cond(&status, condition::SERVER_READY).0, "True");
+    let live = status.live.clone().unwrap();
+    assert_eq!(live.decode_tokens_per_second, Some(19.5));
+    assert_eq!(live.hit_rate["vram"], 0.7);
+    assert_eq!(live.hit_rate["ram"], 0.25);
+    assert_eq!(live.hit_rate["nvme"], 0.05);
+    assert_eq!(seen[6].body["reason"], "Running");
+    with_status(g, status)
+}
+
+#[tokio::test]
+async fn running_object_settles_with_no_writes() {
+    let g = running().await;
+    let (ctx, _, handle) = context(Ok(SERVER_PAGE), false);
+    let (result, seen) = run(ctx, handle, g.clone(), settled_reads(&g)).await;
+    assert_eq!(result.unwrap(), Action::requeue(RUNNING_REQUEUE));
+    assert_no_writes(&seen);
+}
+
+#[tokio::test]
+async fn unreadable_metrics_keep_the_last_figures() {
+    let g = running().await;
+    let (ctx, _, handle) = context(Err("connection refused"), false);
+    let (result, seen) = run(ctx, handle, g.clone(), settled_reads(&g)).await;
+    assert_eq!(result.unwrap(), Action::requeue(RUNNING_REQUEUE));
+    assert_no_writes(&seen);
+}
+
+#[tokio::test]
+async fn server_only_change_rolls_the_server_not_the_store() {
+    let mut g = running().await;
+    g.spec.mode = glmflash_crds::Mode::NvmeExact;
+    g.metadata.generation = Some(2);
+    let old = {
+        let mut old = g.clone();
+        old.spec.mode = glmflash_crds::Mode::Nvme;
+        available(to_json(&builders::server_deployment(&old, "gpu-a", 1)))
+    };
+    let (ctx, _, handle) = context(Ok(SERVER_PAGE), false);
+    let (result, seen) = run(
+        ctx,
+        handle,
+        g.clone(),
+        vec![
+            Step::get(NODE_A).json(to_json(&gpu_node("gpu-a", "251Gi", "1"))),
+            Step::get(DEPLOYMENT).json(old),
+            Step::apply(DEPLOYMENT),
+            Step::get(API_SVC).json(to_json(&builders::api_service(&g))),
+            Step::get(METRICS_SVC).json(to_json(&builders::metrics_service(&g))),
+            Step::get(DASHBOARD_CM).not_found(),
+            Step::apply(GFD_STATUS),
+            Step::post(EVENTS),
+        ],
+    )
+    .await;
+    assert_eq!(result.unwrap(), Action::requeue(WAITING_REQUEUE));
+    assert_eq!(
+        seen[2].body,
+        to_json(&builders::server_deployment(&g, "gpu-a", 1))
+    );
+    let args = seen[2].body["spec"]["template"]["spec"]["containers"][0]["args"].to_string();
+    assert!(args.contains("\"--mode\",\"nvme-exact\""), "{args}");
+    let status = status_written(&seen).unwrap();
+    assert_eq!(status.observed_generation, Some(2));
+    assert_eq!(status.phase, Some(Phase::Starting));
+    assert_eq!(status.store_hash.as_deref(), Some(hash(&g).as_str()));
+}
+
+#[tokio::test]
+async fn model_change_repacks_and_stops_the_old_server() {
+    let mut g = running().await;
+    g.spec.model.hugging_face.as_mut().unwrap().revision = "main".into();
+    g.metadata.generation = Some(2);
+    let new_hash = hash(&g);
+    assert_ne!(
+        Some(new_hash.as_str()),
+        g.status.as_ref().unwrap().store_hash.as_deref()
+    );
+    let job = names::pack_job("glm", &new_hash);
+    let running_deployment = available(to_json(&builders::server_deployment(&g, "gpu-a", 1)));
+    let (ctx, _, handle) = context(Ok(SERVER_PAGE), false);
+    let (result, seen) = run(
+        ctx,
+        handle,
+        g.clone(),
+        vec![
+            Step::get(NODE_A).json(to_json(&gpu_node("gpu-a", "251Gi", "1"))),
+            Step::get(job_path(&job)).not_found(),
+            Step::apply(job_path(&job)),
+            Step::get(DEPLOYMENT).json(running_deployment),
+            Step::apply(DEPLOYMENT),
+            Step::apply(GFD_STATUS),
+            Step::post(EVENTS),
+        ],
+    )
+    .await;
+    assert_eq!(result.unwrap(), Action::requeue(WAITING_REQUEUE));
+    assert_eq!(
+        seen[2].body,
+        to_json(&builders::pack_job(&g, "gpu-a", &new_hash))
+    );
+    assert_eq!(seen[4].body["spec"]["replicas"], 0);
+    let status = status_written(&seen).unwrap();
+    assert_eq!(status.phase, Some(Phase::PackingStore));
+    assert_eq!(status.store_hash, None);
+}
+
+#[tokio::test]
+async fn service_monitor_applied_when_asked_and_the_api_exists() {
+    let mut g = running().await;
+    g.spec.metrics.service_monitor = true;
+    let (ctx, _, handle) = context(Ok(SERVER_PAGE), true);
+    let mut steps = settled_reads(&g);
+    steps.insert(4, Step::get(MONITOR).not_found());
+    steps.insert(5, Step::apply(MONITOR));
+    let (result, seen) = run(ctx, handle, g.clone(), steps).await;
+    assert_eq!(result.unwrap(), Action::requeue(RUNNING_REQUEUE));
+    assert_eq!(seen[5].body, to_json(&builders::service_monitor(&g)));
+}
+
+#[tokio::test]
+async fn dashboard_config_map_applied_when_asked() {
+    let mut g = running().await;
+    g.spec.metrics.dashboards = true;
+    let (ctx, _, handle) = context(Ok(SERVER_PAGE), false);
+    let mut steps = settled_reads(&g);
+    steps.push(Step::apply(DASHBOARD_CM));
+    let (result, seen) = run(ctx, handle, g.clone(), steps).await;
+    assert_eq!(result.unwrap(), Action::requeue(RUNNING_REQUEUE));
+    assert_eq!(seen[5].body, to_json(&builders::dashboard_config_map(&g)));
+}
+
+#[tokio::test]
+async fn service_monitor_turned_off_is_deleted() {
+    let g = running().await;
+    let mut existing = to_json(&builders::service_monitor(&g));
+    existing["metadata"]["uid"] = json!("sm-uid");
+    let (ctx, _, handle) = context(Ok(SERVER_PAGE), true);
+    let mut steps = settled_reads(&g);
+    steps.insert(4, Step::get(MONITOR).json(existing));
+    steps.insert(
+        5,
+        Step::delete(MONITOR)
+            .json(json!({"kind": "Status", "apiVersion": "v1", "status": "Success"})),
+    );
+    let (result, seen) = run(ctx, handle, g, steps).await;
+    assert_eq!(result.unwrap(), Action::requeue(RUNNING_REQUEUE));
+    assert_eq!(seen.iter().filter(|s| s.is_write()).count(), 1);
+}
+
+#[tokio::test]
+async fn service_monitor_without_the_api_is_named_in_ready() {
+    let mut g = running().await;
+    g.spec.metrics.service_monitor = true;
+    let (ctx, _, handle) = context(Ok(SERVER_PAGE), false);
+    let mut steps = settled_reads(&g);
+    steps.push(Step::apply(GFD_STATUS));
+    let (_, seen) = run(ctx, handle, g, steps).await;
+    let status = status_written(&seen).unwrap();
+    assert!(
+        cond(&status, condition::READY)
+            .2
+            .contains("no monitoring.coreos.com/v1")
+    );
+}
+
+#[tokio::test]
+async fn invalid_spec_sets_ready_false_once_and_never_loops() {
+    let mut g = gfd_with_finalizer();
+    g.spec.memory.limit = "8Gi".into();
+    let (ctx, _, handle) = context(Ok(SERVER_PAGE), false);
+    let (result, seen) = run(
+        ctx,
+        handle,
+        g.clone(),
+        vec![Step::apply(GFD_STATUS), Step::post(EVENTS)],
+    )
+    .await;
+    assert_eq!(result.unwrap(), Action::await_change());
+    let status = status_written(&seen).unwrap();
+    assert_eq!(status.phase, Some(Phase::Invalid));
+    let (state, reason, message) = cond(&status, condition::READY);
+    assert_eq!((state.as_str(), reason.as_str()), ("False", "InvalidSpec"));
+    assert!(message.contains("at least 16Gi"), "{message}");
+    assert_eq!(seen[1].body["type"], "Warning");
+
+    let (ctx, _, handle) = context(Ok(SERVER_PAGE), false);
+    let (result, seen) = run(ctx, handle, with_status(g, status), vec![]).await;
+    assert_eq!(result.unwrap(), Action::await_change());
+    assert!(seen.is_empty());
+}
+
+#[tokio::test]
+async fn no_fitting_node_names_why_for_each() {
+    let g = gfd_with_finalizer();
+    let busy = json!({
+        "metadata": {"name": "other", "namespace": "team-b"},
+        "spec": {"nodeName": "gpu-full", "containers": [{"name": "c",
+            "resources": {"limits": {"nvidia.com/gpu": "1"}}}]},
+        "status": {"phase": "Running"}
+    });
+    let (ctx, _, handle) = context(Ok(SERVER_PAGE), false);
+    let (result, seen) = run(
+        ctx,
+        handle,
+        g,
+        vec![
+            Step::get(NODES).json(list(
+                "NodeList",
+                vec![
+                    to_json(&cpu_node("cpu-b")),
+                    to_json(&gpu_node("gpu-full", "251Gi", "1")),
+                ],
+            )),
+            Step::get(ALL_PODS)
+                .query("fieldSelector=spec.nodeName=gpu-full")
+                .json(list("PodList", vec![busy])),
+            Step::apply(GFD_STATUS),
+            Step::post(EVENTS),
+        ],
+    )
+    .await;
+    assert_eq!(result.unwrap(), Action::requeue(WAITING_REQUEUE));
+    let status = status_written(&seen).unwrap();
+    assert_eq!(status.phase, Some(Phase::Pending));
+    let (state, reason, message) = cond(&status, condition::NODE_SELECTED);
+    assert_eq!(
+        (state.as_str(), reason.as_str()),
+        ("False", "NoFittingNode")
+    );
+    assert_eq!(
+        message,
+        "no node fits: cpu-b: label nvidia.com/gpu.product=NVIDIA-GeForce-RTX-3090 missing; \
+         gpu-full: 1 of 1 nvidia.com/gpu in use"
+    );
+}
+
+fn deleting(mut g: GlmFlashDeployment) -> GlmFlashDeployment {
+    g.metadata.deletion_timestamp = Some(k8s_openapi::apimachinery::pkg::apis::meta::v1::Time(
+        "2026-11-30T00:00:00Z".parse().unwrap(),
+    ));
+    g
+}
+
+#[tokio::test]
+async fn deletion_with_retain_only_drops_the_finalizer() {
+    let g = deleting(running().await);
+    let (ctx, _, handle) = context(Ok(SERVER_PAGE), false);
+    let (result, seen) = run(
+        ctx,
+        handle,
+        g.clone(),
+        vec![Step::patch(GFD).json(to_json(&g))],
+    )
+    .await;
+    assert_eq!(result.unwrap(), Action::await_change());
+    assert!(
+        seen[0].body.to_string().contains("remove"),
+        "{}",
+        seen[0].body
+    );
+}
+
+#[tokio::test]
+async fn deletion_with_delete_runs_the_reclaim_job_and_waits_for_it() {
+    let mut g = running().await;
+    g.spec.store.reclaim_policy = glmflash_crds::ReclaimPolicy::Delete;
+    let g = deleting(g);
+    let job = job_path(&names::reclaim_job("glm"));
+
+    let (ctx, _, handle) = context(Ok(SERVER_PAGE), false);
+    let (result, seen) = run(
+        ctx,
+        handle,
+        g.clone(),
+        vec![Step::get(&job).not_found(), Step::apply(&job)],
+    )
+    .await;
+    let error = result.unwrap_err();
+    assert_eq!(error.metric_label(), "reclaim_pending");
+    let reclaim: Job = serde_json::from_value(seen[1].body.clone()).unwrap();
+    assert_eq!(reclaim, builders::reclaim_job(&g, "gpu-a"));
+    assert!(reclaim.metadata.owner_references.is_none());
+
+    let mut done = to_json(&builders::reclaim_job(&g, "gpu-a"));
+    done["status"] =
+        json!({"succeeded": 1, "conditions": [{"type": "Complete", "status": "True"}]});
+    let (ctx, _, handle) = context(Ok(SERVER_PAGE), false);
+    let (result, _) = run(
+        ctx,
+        handle,
+        g.clone(),
+        vec![
+            Step::get(&job).json(done),
+            Step::patch(GFD).json(to_json(&g)),
+        ],
+    )
+    .await;
+    assert_eq!(result.unwrap(), Action::await_change());
+}
+
+#[tokio::test]
+async fn api_errors_back_off_exponentially() {
+    let g = packing().await;
+    let (ctx, _, handle) = context(Ok(SERVER_PAGE), false);
+    let (result, _) = run(
+        ctx.clone(),
+        handle,
+        g.clone(),
+        vec![Step::get(NODE_A).reply(Reply::Error(500))],
+    )
+    .await;
+    let error = result.unwrap_err();
+    assert_eq!(error.metric_label(), "kube");
+    let g = std::sync::Arc::new(g);
+    assert_eq!(
+        error_policy(g.clone(), &error, ctx.clone()),
+        Action::requeue(Duration::from_secs(5))
+    );
+    assert_eq!(
+        error_policy(g.clone(), &error, ctx.clone()),
+        Action::requeue(Duration::from_secs(10))
+    );
+    assert_eq!(ctx.metrics.failures.with_label_values(&["kube"]).get(), 2);
+}
+
+#[test]
+fn backoff_doubles_and_caps() {
+    let delays: Vec<u64> = (1..=9).map(|n| backoff(n).as_secs()).collect();
+    assert_eq!(delays, [5, 10, 20, 40, 80, 160, 300, 300, 300]);
+}
+
+mod properties {
+    use super::*;
+    use proptest::prelude::*;
+
+    fn quantity() -> impl Strategy<Value = String> {
+        prop_oneof![
+            Just("55Gi".to_string()),
+            Just("16Gi".to_string()),
+            Just("200Gi".to_string()),
+            Just("1Gi".to_string()),
+            Just("lots".to_string()),
+            Just("".to_string()),
+            "[0-9]{1,4}(Mi|Gi|G|Ti)?",
+        ]
+    }
+
+    fn spec() -> impl Strategy<Value = Value> {
+        (
+            prop_oneof![
+                Just(json!({"huggingFace": {"repo": "a/b", "revision": "r"}})),
+                Just(json!({"nodePath": "/data/glm"})),
+                Just(json!({"nodePath": "relative"})),
+                Just(json!({})),
+                Just(json!({"huggingFace": {"repo": "bad", "revision": "r"}, "nodePath": "/x"})),
+            ],
+            prop_oneof![
+                Just("fast"),
+                Just("exact"),
+                Just("nvme"),
+                Just("nvme-exact")
+            ],
+            quantity(),
+            quantity(),
+            (0u32..20_000, 1u32..300_000, 1u32..300_000, 1i32..70_000),
+            prop_oneof![
+                Just("/mnt/nvme/glmflash"),
+                Just("/"),
+                Just("x"),
+                Just("/a/")
+            ],
+            any::<bool>(),
+            any::<bool>(),
+        )
+            .prop_map(
+                |(model, mode, limit, shm, (slots, ctx, chunk, port), host, sm, dash)| {
+                    json!({
+                        "model": model,
+                        "mode": mode,
+                        "memory": {"limit": limit, "shmSize": shm},
+                        "vram": {"expertSlots": slots},
+                        "server": {"contextLength": ctx, "prefillChunk": chunk, "port": port},
+                        "store": {"hostPath": host},
+                        "metrics": {"serviceMonitor": sm, "dashboards": dash},
+                    })
+                },
+            )
+    }
+
+    proptest! {
+        #![proptest_config(ProptestConfig { cases: 48, ..ProptestConfig::default() })]
+
+        /// Whatever the spec, a reconcile succeeds and leaves a Ready condition for this
+        /// generation: a bad spec is a condition, never a crash or an error loop.
+        #[test]
+        fn random_specs_end_in_a_condition(spec in spec(), generation in 1i64..5) {
+            let mut value = to_json(&gfd_with_finalizer());
+            value["spec"] = spec;
+            value["metadata"]["generation"] = json!(generation);
+            let g: GlmFlashDeployment = serde_json::from_value(value).unwrap();
+            let runtime = tokio::runtime::Builder::new_current_thread().enable_all().build().unwrap();
+            let (result, seen) = runtime.block_on(async {
+                let (ctx, _, handle) = context(Ok(SERVER_PAGE), false);
+                run_auto(ctx, handle, g.clone()).await
+            });
+            prop_assert!(result.is_ok(), "{:?}", result);
+            let status = status_written(&seen).expect("a status is written");
+            let ready = status.conditions.iter().find(|c| c.type_ == condition::READY);
+            prop_assert!(ready.is_some());
+            prop_assert_eq!(ready.unwrap().observed_generation, Some(generation));
+            prop_assert_eq!(
+                status.phase == Some(Phase::Invalid),
+                !g.validate().is_empty()
+            );
+        }
+    }
+}

@@ -1,0 +1,27 @@
+//! glmflash-operator: reconciles `GlmFlashDeployment` objects (crate `glmflash-crds`) into
+//! a pack-store Job and a glmflash-node server on one GPU node.
+//!
+//! - [`controller`]: `Context`, `reconcile` inside a finalizer, `error_policy` with backoff;
+//! - [`builders`]: pure builders of every owned object (Jobs, Deployment, Services,
+//!   ServiceMonitor, dashboard ConfigMap);
+//! - [`placement`]: which node fits (labels, GPU product, taints, free GPU and memory);
+//! - [`scrape`]: live figures for status from the server's `/metrics`;
+//! - [`metric_names`]: the server's metrics contract shared with the chart's dashboards
+//!   and alerts;
+//! - [`metrics`] and [`http`]: the operator's own `/metrics`, `/healthz`, `/readyz`;
+//! - [`run`]: watches, leader election and the controller loop used by `main`.
+
+pub mod builders;
+pub mod controller;
+mod error;
+pub mod http;
+pub mod metric_names;
+pub mod metrics;
+pub mod placement;
+pub mod run;
+pub mod scrape;
+
+#[cfg(test)]
+mod fixtures;
+
+pub use error::{Error, Result};

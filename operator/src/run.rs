@@ -1,0 +1,145 @@
+//! Startup: API checks, watches, leader election, and the controller loop.
+//!
+//! Two replicas are safe: both serve probes and metrics, but only the holder of the
+//! Lease (kube-lease-manager) runs the controller. A replica that loses the Lease exits,
+//! so Kubernetes restarts it as a follower instead of it ever reconciling next to a new
+//! leader.
+
+use std::sync::Arc;
+use std::sync::atomic::Ordering;
+use std::time::Duration;
+
+use futures::StreamExt;
+use glmflash_crds::GlmFlashDeployment;
+use k8s_openapi::api::apps::v1::Deployment;
+use k8s_openapi::api::batch::v1::Job;
+use k8s_openapi::api::core::v1::Service;
+use kube::api::{Api, ListParams};
+use kube::runtime::events::{Recorder, Reporter};
+use kube::runtime::{Controller, watcher};
+use kube::{Client, discovery};
+use kube_lease_manager::LeaseManagerBuilder;
+use tracing::{error, info, warn};
+
+use crate::builders::FIELD_MANAGER;
+use crate::controller::{self, Context};
+use crate::http::Health;
+use crate::scrape::HttpScraper;
+
+/// What `main` parsed.
+#[derive(Debug, Clone)]
+pub struct Settings {
+    /// Namespace to watch; `None` watches all.
+    pub watch_namespace: Option<String>,
+    /// Namespace of the leader Lease (the operator's own).
+    pub lease_namespace: String,
+    /// Lease name.
+    pub lease_name: String,
+    /// This replica's identity (its pod name).
+    pub identity: String,
+    /// Whether to elect a leader at all (off for a single local run).
+    pub leader_election: bool,
+}
+
+/// Runs the operator until shutdown or loss of leadership.
+pub async fn run(client: Client, settings: Settings, health: Arc<Health>) -> anyhow::Result<()> {
+    let gfds: Api<GlmFlashDeployment> = match &settings.watch_namespace {
+        Some(ns) => Api::namespaced(client.clone(), ns),
+        None => Api::all(client.clone()),
+    };
+    if let Err(e) = gfds.list(&ListParams::default().limit(1)).await {
+        anyhow::bail!(
+            "cannot list GlmFlashDeployments ({e}); is the CRD installed (crds/glmflash.io_glmflashdeployments.yaml)?"
+        );
+    }
+    let service_monitor_api = discovery::group(&client, "monitoring.coreos.com")
+        .await
+        .is_ok();
+    info!(service_monitor_api, "startup checks passed");
+    health.ready.store(true, Ordering::Relaxed);
+
+    let ctx = Arc::new(Context::new(
+        client.clone(),
+        Recorder::new(
+            client.clone(),
+            Reporter {
+                controller: FIELD_MANAGER.into(),
+                instance: Some(settings.identity.clone()),
+            },
+        ),
+        health.metrics.clone(),
+        Arc::new(HttpScraper::new(Duration::from_secs(5))),
+        service_monitor_api,
+    ));
+
+    let owned = watcher::Config::default().labels("app.kubernetes.io/managed-by=glmflash-operator");
+    let (jobs, deployments, services): (Api<Job>, Api<Deployment>, Api<Service>) =
+        match &settings.watch_namespace {
+            Some(ns) => (
+                Api::namespaced(client.clone(), ns),
+                Api::namespaced(client.clone(), ns),
+                Api::namespaced(client.clone(), ns),
+            ),
+            None => (
+                Api::all(client.clone()),
+                Api::all(client.clone()),
+                Api::all(client.clone()),
+            ),
+        };
+    let controller = Controller::new(gfds, watcher::Config::default().any_semantic())
+        .owns(jobs, owned.clone())
+        .owns(deployments, owned.clone())
+        .owns(services, owned)
+        .shutdown_on_signal()
+        .run(controller::reconcile, controller::error_policy, ctx)
+        .for_each(|result| async move {
+            match result {
+                Ok((object, _)) => info!(%object.name, ns = ?object.namespace, "reconciled"),
+                Err(e) => warn!(error = %e, "reconcile failed"),
+            }
+        });
+
+    if !settings.leader_election {
+        health.metrics.leader.set(1);
+        controller.await;
+        return Ok(());
+    }
+
+    let manager = LeaseManagerBuilder::new(client, &settings.lease_name)
+        .with_namespace(&settings.lease_namespace)
+        .with_identity(&settings.identity)
+        .with_duration(15)
+        .with_grace(5)
+        .build()
+        .await?;
+    let (mut leader, lease_task) = manager.watch().await;
+    info!(lease = %settings.lease_name, identity = %settings.identity, "waiting for the leader lease");
+    while !*leader.borrow_and_update() {
+        leader.changed().await?;
+    }
+    info!("acquired the leader lease; starting the controller");
+    health.metrics.leader.set(1);
+
+    let lost = async {
+        loop {
+            if leader.changed().await.is_err() || !*leader.borrow_and_update() {
+                break;
+            }
+        }
+    };
+    // On a normal stop the Lease is not released: it expires after its 15 s duration and
+    // the other replica takes over.
+    let result = tokio::select! {
+        () = controller => {
+            info!("controller stopped");
+            Ok(())
+        }
+        () = lost => {
+            health.metrics.leader.set(0);
+            error!("lost the leader lease; exiting so a restart rejoins as a follower");
+            Err(anyhow::anyhow!("lost the leader lease"))
+        }
+    };
+    lease_task.abort();
+    result
+}
