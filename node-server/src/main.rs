@@ -295,7 +295,29 @@ fn run(command: Command) -> anyhow::Result<()> {
         }
         Command::Serve { model, serve } => {
             let dir = model.model.clone();
-            server::serve(dir, serve, Some(Box::new(move || Ok(model.load()?.0))))
+            let history = model.history.clone();
+            // The tiers outlive the server so their routing history is saved at exit.
+            let slot: Arc<std::sync::Mutex<Option<Arc<TieredExperts>>>> = Arc::default();
+            let keep = slot.clone();
+            server::serve(
+                dir.clone(),
+                serve,
+                Some(Box::new(move || {
+                    let (loaded, tiers) = model.load()?;
+                    *keep.lock().unwrap_or_else(|e| e.into_inner()) = tiers;
+                    Ok(loaded)
+                })),
+            )?;
+            let tiers = slot.lock().unwrap_or_else(|e| e.into_inner()).take();
+            if let (Some(tiers), Some(path)) = (tiers, history) {
+                eprintln!("tiers ({:?}): {}", tiers.mode(), tier_summary(&tiers));
+                let fingerprint = glmflash_node::store::quick_fingerprint(&dir)?;
+                tiers
+                    .history(&fingerprint)
+                    .save(&path)
+                    .with_context(|| format!("writing {}", path.display()))?;
+            }
+            Ok(())
         }
         Command::MakeDemoModel { out, seed } => {
             demo::make_demo_model(&out, seed)?;
