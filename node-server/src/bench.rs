@@ -4,7 +4,7 @@
 use crate::model::checkpoint::DType;
 use crate::model::config::MlpKind;
 use crate::model::random::{scaled_config, write_random_checkpoint};
-use crate::model::{Model, Step};
+use crate::model::Model;
 use crate::quant::Format;
 use rayon::prelude::*;
 use std::time::Instant;
@@ -83,16 +83,7 @@ fn measure(dir: &std::path::Path, args: &BenchArgs) -> anyhow::Result<serde_json
     let started = Instant::now();
     for _ in 0..args.decode_tokens {
         let next = crate::backend::cpu::ops::argmax(&logits) as u32;
-        logits = model
-            .forward(
-                &mut [Step {
-                    tokens: &[next],
-                    cache: &mut cache,
-                    all_logits: false,
-                }],
-                None,
-            )?
-            .remove(0);
+        logits = model.decode_step(next, &mut cache)?;
     }
     let decode_s = started.elapsed().as_secs_f64();
 

@@ -514,16 +514,7 @@ fn generate(dir: &std::path::Path, model: Model, args: &GenerationArgs) -> anyho
         }
         write!(stdout, "{}", decoder.push(next)?)?;
         stdout.flush()?;
-        logits = model
-            .forward(
-                &mut [Step {
-                    tokens: &[next],
-                    cache: &mut cache,
-                    all_logits: false,
-                }],
-                None,
-            )?
-            .remove(0);
+        logits = model.decode_step(next, &mut cache)?;
     }
     writeln!(stdout, "{}", decoder.finish()?)?;
     let decode_s = decode_started.elapsed().as_secs_f64();

@@ -390,6 +390,16 @@ impl Model {
         Ok((logits, cache))
     }
 
+    /// One decode step: feeds `token` to `cache` and returns the next logits.
+    pub fn decode_step(&self, token: u32, cache: &mut SeqCache) -> anyhow::Result<Vec<f32>> {
+        let step = Step {
+            tokens: &[token],
+            cache,
+            all_logits: false,
+        };
+        Ok(self.forward(&mut [step], None)?.remove(0))
+    }
+
     /// Greedy continuation of `prompt` for `steps` tokens through the cache; returns the
     /// tokens and the logits that chose each.
     pub fn greedy(
@@ -405,16 +415,7 @@ impl Model {
             tokens.push(next);
             all.push(std::mem::take(&mut logits));
             if i + 1 < steps {
-                logits = self
-                    .forward(
-                        &mut [Step {
-                            tokens: &[next],
-                            cache: &mut cache,
-                            all_logits: false,
-                        }],
-                        None,
-                    )?
-                    .remove(0);
+                logits = self.decode_step(next, &mut cache)?;
             }
         }
         Ok((tokens, all))
