@@ -1,10 +1,10 @@
 //! `bench`: CPU prefill and decode speed of a random model of a given shape, with the
 //! memory-bandwidth roofline measured in the same run.
 
+use crate::model::Model;
 use crate::model::checkpoint::DType;
 use crate::model::config::MlpKind;
 use crate::model::random::{scaled_config, write_random_checkpoint};
-use crate::model::Model;
 use crate::quant::Format;
 use rayon::prelude::*;
 use std::time::Instant;
