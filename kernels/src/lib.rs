@@ -1,18 +1,76 @@
-//! CUDA C sources of glmflash, embedded so the node server can compile them with NVRTC
-//! at start for the device it finds.
+//! CUDA C sources of glmflash, embedded so the node server compiles them with NVRTC at start
+//! for the compute capability of the device it finds (and CI compiles them with nvcc to PTX
+//! for sm_86 and sm_90, see `e2e/kernels_ptx.sh`).
 //!
-//! No kernel exists yet: the CUDA backend (a later issue) adds each `.cu` file here with an
-//! entry in [`SOURCES`]. The node server runs on the CPU until then.
+//! Every `.cu` file starts with `#include "common.cuh"`; [`module_source`] inlines it, so
+//! NVRTC needs no include path and no CUDA headers.
 
-/// `(file name, CUDA C source)` for every kernel file this crate carries.
-pub const SOURCES: &[(&str, &str)] = &[];
+/// The shared header every kernel file includes.
+pub const COMMON: &str = include_str!("../cuda/common.cuh");
+
+/// `(file name, CUDA C source)` for every kernel file, and the `extern "C"` kernels in it.
+pub const SOURCES: &[(&str, &str, &[&str])] = &[
+    ("gemv.cu", include_str!("../cuda/gemv.cu"), &["matvec"]),
+    (
+        "moe.cu",
+        include_str!("../cuda/moe.cu"),
+        &["moe_gate_up", "moe_down", "moe_combine"],
+    ),
+    (
+        "norm.cu",
+        include_str!("../cuda/norm.cu"),
+        &["rms_norm", "gated_rms_norm"],
+    ),
+    ("act.cu", include_str!("../cuda/act.cu"), &["swiglu"]),
+    ("router.cu", include_str!("../cuda/router.cu"), &["route"]),
+];
+
+const INCLUDE: &str = "#include \"common.cuh\"";
+
+/// The self-contained source of one kernel file: its include of `common.cuh` replaced by
+/// the header's text. `None` for an unknown file.
+pub fn module_source(file: &str) -> Option<String> {
+    let (_, src, _) = SOURCES.iter().find(|(name, _, _)| *name == file)?;
+    Some(src.replacen(INCLUDE, COMMON.trim_start_matches("#pragma once"), 1))
+}
 
 #[cfg(test)]
 mod tests {
+    use super::*;
+
     #[test]
-    fn every_source_is_a_cu_file() {
-        for (name, _) in super::SOURCES {
+    fn every_source_is_a_cu_file_that_includes_the_header_once() {
+        for (name, src, kernels) in SOURCES {
             assert!(name.ends_with(".cu"), "{name}");
+            assert_eq!(src.matches(INCLUDE).count(), 1, "{name}");
+            let inlined = module_source(name).unwrap();
+            assert!(!inlined.contains(INCLUDE), "{name}");
+            assert!(inlined.contains("#define FMT_Q4_K"), "{name}");
+            for k in *kernels {
+                assert!(
+                    src.contains(&format!("extern \"C\" __global__ void {k}(")),
+                    "{name} lacks kernel {k}"
+                );
+            }
         }
+    }
+
+    #[test]
+    fn every_cu_file_on_disk_is_listed() {
+        let dir = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("cuda");
+        for entry in std::fs::read_dir(dir).unwrap() {
+            let name = entry.unwrap().file_name().into_string().unwrap();
+            if name.ends_with(".cu") {
+                assert!(
+                    SOURCES.iter().any(|(n, _, _)| *n == name),
+                    "{name} not in SOURCES"
+                );
+            }
+        }
+    }
+
+    #[test]
+    fn unknown_file_is_none() {
+        assert!(module_source("nope.cu").is_none());
     }
 }

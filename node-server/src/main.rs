@@ -3,6 +3,8 @@
 use anyhow::{Context, bail};
 use clap::{Args, Parser, Subcommand};
 use glmflash_node::api::server::{self, ServeArgs};
+use glmflash_node::backend::Device;
+use glmflash_node::backend::cuda::matrix::CudaPlacer;
 use glmflash_node::engine::sampling::Sampler;
 use glmflash_node::model::config::MlpKind;
 use glmflash_node::model::dump::Dump;
@@ -11,6 +13,7 @@ use glmflash_node::tiers::history::RoutingHistory;
 use glmflash_node::tiers::provider::{
     CheckpointSource, ExpertSource, Mode, StoreSource, Tier, TierCaps, TieredExperts,
 };
+use glmflash_node::tiers::vram::VramExperts;
 use glmflash_node::tokenizer::TextCodec;
 use glmflash_node::{bench, demo, store};
 use std::io::Write;
@@ -103,6 +106,8 @@ enum Command {
     Gates(glmflash_node::gates::GatesArgs),
     /// Measure CPU prefill and decode speed on a random model of the given shape.
     Bench(bench::BenchArgs),
+    /// Check every CUDA kernel against the CPU backend on fresh random inputs (needs a GPU).
+    CudaCheck(glmflash_node::cuda_check::CudaCheckArgs),
     /// Pack every routed expert into the O_DIRECT expert store (resumable, idempotent), then verify it.
     PackStore {
         /// Source checkpoint directory.
@@ -164,6 +169,8 @@ struct ModelArgs {
     /// Turn off layer-ahead prefetch of predicted experts.
     #[arg(long, env = "GLMFLASH_NO_PREFETCH")]
     no_prefetch: bool,
+    #[command(flatten)]
+    device: glmflash_node::backend::DeviceArgs,
 }
 
 /// Lookups per layer between halvings of the LFU counts.
@@ -172,10 +179,37 @@ const AGING_PERIOD: u64 = 4096;
 impl ModelArgs {
     /// The model with its experts served as the flags ask (untiered when no --mode).
     fn load(&self) -> anyhow::Result<(Model, Option<Arc<TieredExperts>>)> {
-        let Some(mode) = self.mode else {
-            return Ok((Model::load(&self.model)?, None));
-        };
+        let device = self.device.open()?;
         let cfg = glmflash_node::model::config::Config::from_file(&self.model.join("config.json"))?;
+        let moe: Vec<bool> = cfg.mlp_kinds.iter().map(|k| *k == MlpKind::Moe).collect();
+        let Some(mode) = self.mode else {
+            return match device {
+                Device::Cpu => Ok((Model::load(&self.model)?, None)),
+                Device::Cuda(cuda) => {
+                    let source = CheckpointSource::open(&self.model)?;
+                    let vram =
+                        VramExperts::load_all(cuda.clone(), &source, &moe, cfg.n_routed_experts)?;
+                    let placer = CudaPlacer::new(cuda, 1)?;
+                    let model =
+                        Model::load_placed(&self.model, Some(Arc::new(vram)), Some(&placer))?;
+                    if let Some(failure) = placer.failure() {
+                        tracing::warn!(%failure, "some dense weights stay on the CPU");
+                    }
+                    tracing::info!(
+                        dense_mib = placer.placed_bytes() >> 20,
+                        "dense weights on the GPU"
+                    );
+                    Ok((model, None))
+                }
+            };
+        };
+        if let Device::Cuda(cuda) = &device {
+            bail!(
+                "--mode {mode:?} with --device cuda ({}): the tiered modes run on the CPU for now; \
+                 without --mode every expert is served from VRAM",
+                cuda.describe()
+            );
+        }
         let source: Arc<dyn ExpertSource> = match &self.store {
             Some(store) => {
                 let s = StoreSource::open(store, &self.model, &cfg)?;
@@ -187,7 +221,6 @@ impl ModelArgs {
             }
             None => Arc::new(CheckpointSource::open(&self.model)?),
         };
-        let moe: Vec<bool> = cfg.mlp_kinds.iter().map(|k| *k == MlpKind::Moe).collect();
         let caps = TierCaps {
             device_slots_per_layer: self.vram_slots,
             ram_slots_per_layer: self.ram_slots,
@@ -399,6 +432,13 @@ fn run(command: Command) -> anyhow::Result<()> {
             Ok(())
         }
         Command::Bench(args) => bench::run(&args),
+        Command::CudaCheck(args) => {
+            if glmflash_node::cuda_check::run(&args)? {
+                Ok(())
+            } else {
+                bail!("some CUDA kernels disagree with the CPU backend (table above)")
+            }
+        }
         Command::Gates(args) => {
             if glmflash_node::gates::run(&args)? {
                 Ok(())

@@ -1,3 +1,75 @@
-//! Compute backends. `cpu` is the reference path every other backend is proved against.
+//! Compute backends. `cpu` is the reference path every other backend is proved against;
+//! `cuda` runs the same products on an NVIDIA GPU when one (and its driver) is present.
 
 pub mod cpu;
+pub mod cuda;
+
+use std::path::PathBuf;
+use std::sync::Arc;
+
+/// What `--device` asks for.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, clap::ValueEnum, serde::Serialize)]
+#[serde(rename_all = "kebab-case")]
+pub enum DeviceChoice {
+    /// CUDA when a device and its driver are found, else the CPU (and a log line saying why).
+    Auto,
+    Cpu,
+    /// CUDA or a clear error.
+    Cuda,
+}
+
+/// Where products run: the CPU, or a CUDA device with its compiled kernels.
+#[derive(Clone, Debug)]
+pub enum Device {
+    Cpu,
+    Cuda(Arc<cuda::Cuda>),
+}
+
+/// The device flags every model-loading command takes.
+#[derive(Clone, Debug, clap::Args)]
+pub struct DeviceArgs {
+    /// Where routed experts are computed: auto (CUDA when present), cpu or cuda.
+    #[arg(long, env = "GLMFLASH_DEVICE", value_enum, default_value = "cpu")]
+    pub device: DeviceChoice,
+    /// CUDA device ordinal.
+    #[arg(long, env = "GLMFLASH_CUDA_DEVICE", default_value_t = 0)]
+    pub cuda_device: usize,
+    /// Where compiled kernels are cached (default: $GLMFLASH_CACHE_DIR/kernels or
+    /// ~/.cache/glmflash/kernels).
+    #[arg(long, env = "GLMFLASH_KERNEL_CACHE")]
+    pub kernel_cache: Option<PathBuf>,
+}
+
+impl DeviceArgs {
+    /// Opens the device the flags ask for.
+    pub fn open(&self) -> anyhow::Result<Device> {
+        if self.device == DeviceChoice::Cpu {
+            return Ok(Device::Cpu);
+        }
+        let cache = self.kernel_cache.clone().or_else(default_kernel_cache);
+        match cuda::Cuda::open(self.cuda_device, cache.as_deref()) {
+            Ok(c) => {
+                let (free, total) = c.mem_info()?;
+                tracing::info!(
+                    device = %c.describe(),
+                    free_mib = free >> 20,
+                    total_mib = total >> 20,
+                    "CUDA device opened"
+                );
+                Ok(Device::Cuda(c))
+            }
+            Err(e) if self.device == DeviceChoice::Auto => {
+                tracing::warn!(reason = %e, "no usable CUDA device; running on the CPU");
+                Ok(Device::Cpu)
+            }
+            Err(e) => Err(anyhow::anyhow!(e).context("--device cuda")),
+        }
+    }
+}
+
+fn default_kernel_cache() -> Option<PathBuf> {
+    let base = std::env::var_os("GLMFLASH_CACHE_DIR")
+        .map(PathBuf::from)
+        .or_else(|| std::env::var_os("HOME").map(|h| PathBuf::from(h).join(".cache/glmflash")))?;
+    Some(base.join("kernels"))
+}

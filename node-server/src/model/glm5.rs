@@ -14,7 +14,7 @@ use super::mhc::HyperConnection;
 use super::mla::{Mla, MlaCache, MlaPath, Selections};
 use super::mlp::SwiGlu;
 use super::moe::{ExpertProvider, InMemoryExperts, Moe, Routing};
-use crate::backend::cpu::{Matrix, ops};
+use crate::backend::cpu::{Matrix, Placer, ops};
 use anyhow::{Context, bail};
 use std::path::Path;
 use std::sync::Arc;
@@ -121,6 +121,16 @@ impl Model {
         dir: &Path,
         experts: Option<Arc<dyn ExpertProvider>>,
     ) -> anyhow::Result<Model> {
+        Model::load_placed(dir, experts, None)
+    }
+
+    /// As [`Model::load_with`], giving the dense weights the `placer` wants a device copy
+    /// (the routed experts are the provider's business).
+    pub fn load_placed(
+        dir: &Path,
+        experts: Option<Arc<dyn ExpertProvider>>,
+        placer: Option<&dyn Placer>,
+    ) -> anyhow::Result<Model> {
         let cfg = Config::from_file(&dir.join("config.json"))?;
         let ckpt = Checkpoint::open(dir)?;
         if ckpt
@@ -137,7 +147,7 @@ impl Model {
             Some(e) => e,
             None => Arc::new(InMemoryExperts::load(&cfg, Loader::new(&ckpt))?),
         };
-        Ok(Model::from_checkpoint(cfg, &ckpt, experts)?)
+        Ok(Model::from_checkpoint_placed(cfg, &ckpt, experts, placer)?)
     }
 
     pub fn from_checkpoint(
@@ -145,13 +155,27 @@ impl Model {
         ckpt: &Checkpoint,
         experts: Arc<dyn ExpertProvider>,
     ) -> Result<Model, LoadError> {
-        let vb = Loader::new(ckpt);
+        Model::from_checkpoint_placed(cfg, ckpt, experts, None)
+    }
+
+    pub fn from_checkpoint_placed(
+        cfg: Config,
+        ckpt: &Checkpoint,
+        experts: Arc<dyn ExpertProvider>,
+        placer: Option<&dyn Placer>,
+    ) -> Result<Model, LoadError> {
+        let vb = Loader::placed(ckpt, placer);
         let (d, v) = (cfg.hidden_size, cfg.vocab_size);
-        let embed = vb.matrix("embed_tokens.weight", v, d)?;
+        // The embedding is only ever read by rows: no device copy.
+        let embed = Loader::new(ckpt).matrix("embed_tokens.weight", v, d)?;
         let lm_head = if vb.contains("lm_head.weight") {
             vb.matrix("lm_head.weight", v, d)?
         } else if cfg.tie_word_embeddings {
-            embed.clone()
+            let mut head = embed.clone();
+            if let Some(p) = placer {
+                head.set_device(p.place(&embed));
+            }
+            head
         } else {
             vb.matrix("lm_head.weight", v, d)?
         };

@@ -2,7 +2,7 @@
 //! (`layers.3.self_attn`), the way the module tree names them.
 
 use super::checkpoint::{Checkpoint, CheckpointError, DType, TensorView};
-use crate::backend::cpu::{Matrix, MatrixError};
+use crate::backend::cpu::{Matrix, MatrixError, Placer};
 use crate::quant::Format;
 
 #[derive(Debug, thiserror::Error)]
@@ -30,11 +30,26 @@ pub fn quant_metadata_key(tensor_key: &str) -> String {
 pub struct Loader<'a> {
     ckpt: &'a Checkpoint,
     prefix: &'a str,
+    /// Gives matrices from [`Loader::matrix`] a device copy.
+    placer: Option<&'a dyn Placer>,
 }
 
 impl<'a> Loader<'a> {
     pub fn new(ckpt: &'a Checkpoint) -> Loader<'a> {
-        Loader { ckpt, prefix: "" }
+        Loader {
+            ckpt,
+            prefix: "",
+            placer: None,
+        }
+    }
+
+    /// A loader whose [`Loader::matrix`] results are placed by `placer`.
+    pub fn placed(ckpt: &'a Checkpoint, placer: Option<&'a dyn Placer>) -> Loader<'a> {
+        Loader {
+            ckpt,
+            prefix: "",
+            placer,
+        }
     }
 
     pub fn checkpoint(&self) -> &'a Checkpoint {
@@ -55,6 +70,7 @@ impl<'a> Loader<'a> {
         Loader {
             ckpt: self.ckpt,
             prefix: Box::leak(self.name(name).into_boxed_str()),
+            placer: self.placer,
         }
     }
 
@@ -90,8 +106,18 @@ impl<'a> Loader<'a> {
         Ok(self.ckpt.tensor(&self.name(name), shape)?.to_f32()?)
     }
 
-    /// A `rows x cols` weight in its stored format (float, or quantized blocks).
+    /// A `rows x cols` weight in its stored format (float, or quantized blocks), with a
+    /// device copy when this loader has a placer that wants one.
     pub fn matrix(&self, name: &str, rows: usize, cols: usize) -> Result<Matrix, LoadError> {
+        let mut m = self.host_matrix(name, rows, cols)?;
+        if let Some(placer) = self.placer {
+            let device = placer.place(&m);
+            m.set_device(device);
+        }
+        Ok(m)
+    }
+
+    fn host_matrix(&self, name: &str, rows: usize, cols: usize) -> Result<Matrix, LoadError> {
         let full = self.name(name);
         let view = self.ckpt.view(&full)?;
         if view.dtype == DType::U8 {

@@ -214,9 +214,40 @@ impl Router {
         })
     }
 
+    /// A router from its parts (`weight` is `[experts, hidden]`).
+    pub fn new(
+        weight: Matrix,
+        bias: Vec<f32>,
+        top_k: usize,
+        groups: usize,
+        topk_groups: usize,
+        normalize: bool,
+        scale: f32,
+    ) -> Router {
+        Router {
+            experts: weight.rows(),
+            weight,
+            bias,
+            top_k,
+            groups,
+            topk_groups,
+            normalize,
+            scale,
+        }
+    }
+
+    pub fn bias(&self) -> &[f32] {
+        &self.bias
+    }
+
     /// Sigmoid scores; choice by score + bias within the best groups; weights from the scores.
     pub fn route(&self, x: &[f32], tokens: usize) -> Routing {
         let logits = self.weight.matmul(x, tokens);
+        self.choose(&logits, tokens)
+    }
+
+    /// [`Router::route`] from the logits (`[tokens, experts]`).
+    pub fn choose(&self, logits: &[f32], tokens: usize) -> Routing {
         let (e, k) = (self.experts, self.top_k);
         let per_group = e / self.groups;
         let mut ids = Vec::with_capacity(tokens * k);

@@ -6,3 +6,4 @@ pub mod history;
 pub mod policy;
 pub mod provider;
 pub mod sizing;
+pub mod vram;

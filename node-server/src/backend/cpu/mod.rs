@@ -6,6 +6,21 @@ pub mod ops;
 
 use crate::quant::{self, Format};
 use rayon::prelude::*;
+use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, Ordering};
+
+/// A copy of a matrix's weights on an accelerator, which computes its products there.
+pub trait DeviceWeights: Send + Sync {
+    /// `y[t] = W x[t]` for `n` token rows, as [`Matrix::matmul_into`].
+    fn matmul_into(&self, x: &[f32], n: usize, y: &mut [f32]) -> anyhow::Result<()>;
+    /// Device bytes the copy occupies.
+    fn bytes(&self) -> usize;
+}
+
+/// Decides which weight matrices get a device copy as a model loads.
+pub trait Placer: Send + Sync {
+    fn place(&self, m: &Matrix) -> Option<Arc<dyn DeviceWeights>>;
+}
 
 /// Row count of the f32 tile a block-format matrix is expanded into for a many-token product.
 const DEQUANT_TILE_ROWS: usize = 64;
@@ -25,6 +40,8 @@ pub struct Matrix {
     cols: usize,
     format: Format,
     data: Data,
+    /// When set, products run there (the host bytes stay for row reads and as the fallback).
+    device: Option<Arc<dyn DeviceWeights>>,
 }
 
 impl std::fmt::Debug for Matrix {
@@ -61,6 +78,7 @@ impl Matrix {
             cols,
             format: Format::F32,
             data: Data::F32(values),
+            device: None,
         }
     }
 
@@ -93,6 +111,7 @@ impl Matrix {
             cols,
             format,
             data: Data::Packed(bytes),
+            device: None,
         })
     }
 
@@ -106,6 +125,16 @@ impl Matrix {
 
     pub fn format(&self) -> Format {
         self.format
+    }
+
+    /// Products of this matrix run on `device` from now on.
+    pub fn set_device(&mut self, device: Option<Arc<dyn DeviceWeights>>) {
+        self.device = device;
+    }
+
+    /// Device bytes of this matrix's device copy (0 when it has none).
+    pub fn device_bytes(&self) -> usize {
+        self.device.as_ref().map_or(0, |d| d.bytes())
     }
 
     /// Bytes the weights occupy.
@@ -184,6 +213,17 @@ impl Matrix {
         );
         if n == 0 || rows == 0 {
             return;
+        }
+        if let Some(device) = &self.device {
+            match device.matmul_into(x, n, y) {
+                Ok(()) => return,
+                Err(e) => {
+                    static WARNED: AtomicBool = AtomicBool::new(false);
+                    if !WARNED.swap(true, Ordering::Relaxed) {
+                        tracing::error!(error = %e, "device product failed; this and later failures run on the CPU");
+                    }
+                }
+            }
         }
         match &self.data {
             Data::F32(w) => gemm::gemm_xwt(x, n, w, rows, cols, y, 0),

@@ -1,0 +1,73 @@
+#!/usr/bin/env bash
+# The CUDA proof, in one device call (see BENCHMARKS.md and the issue notes for results):
+#   1. every kernel against the CPU backend on fresh random inputs (cuda-check --wide),
+#   2. compute-sanitizer memcheck and racecheck over the kernel checks,
+#   3. the whole model with experts on the GPU against the CPU on every fixture, a
+#      q4_k-converted fixture and the demo model (logits + greedy), and against transformers,
+#   4. the kernels' register/spill report for sm_90 (nvcc -Xptxas -v).
+# Runs where a prebuilt binary is at $BIN (default .device/glmflash-node) and a GPU exists.
+#   e2e/cuda/device_check.sh [OUTDIR]
+set -uo pipefail
+cd "$(dirname "$0")/../.."
+BIN="${BIN:-.device/glmflash-node}"
+OUT="${1:-${OUT:-/tmp/device-out}}"
+mkdir -p "$OUT"
+fail=0
+step() { echo; echo "== $*"; }
+
+nvidia-smi --query-gpu=name,memory.total,driver_version,clocks.sm --format=csv,noheader
+# NVRTC for the kernels: the toolkit's, else the one a Python package ships.
+for d in /usr/local/cuda/lib64 /usr/local/cuda/targets/x86_64-linux/lib \
+         $(python3 -c 'import nvidia,os;print(" ".join(os.path.join(p,"cu13","lib") for p in nvidia.__path__))' 2>/dev/null); do
+  if ls "$d"/libnvrtc.so* >/dev/null 2>&1; then export LD_LIBRARY_PATH="$d:${LD_LIBRARY_PATH:-}"; echo "nvrtc from $d"; break; fi
+done
+export GLMFLASH_KERNEL_CACHE="$OUT/kernel-cache"
+
+step "kernels against the CPU backend (wide shapes)"
+"$BIN" cuda-check --wide 2>&1 | tee "$OUT/cuda_check.txt" | tail -n 200 || fail=1
+grep -q " 0 failed" "$OUT/cuda_check.txt" || fail=1
+
+step "compute-sanitizer"
+for tool in memcheck racecheck; do
+  if command -v compute-sanitizer >/dev/null; then
+    compute-sanitizer --tool $tool --error-exitcode 9 "$BIN" cuda-check > "$OUT/sanitizer_$tool.txt" 2>&1
+    rc=$?; echo "$tool: exit $rc; $(grep -E 'ERROR SUMMARY|RACECHECK SUMMARY' "$OUT/sanitizer_$tool.txt" | tail -1)"
+    [ $rc -eq 0 ] || fail=1
+  else echo "compute-sanitizer not found"; fi
+done
+
+step "whole model: experts on the GPU vs the CPU"
+work="$(mktemp -d)"
+tokens_of() { python3 -c "import json,sys;print(','.join(map(str,json.load(open(sys.argv[1]))['prompt'])))" "$1"; }
+for fx in e2e/fixtures/tiny_*; do
+  name=$(basename "$fx"); tok=$(tokens_of "$fx/reference.json")
+  "$BIN" logits --model "$fx" --tokens "$tok" --greedy 16 > "$work/$name.cpu.json" 2>/dev/null || fail=1
+  "$BIN" logits --model "$fx" --tokens "$tok" --greedy 16 --device cuda > "$work/$name.cuda.json" 2>"$work/$name.err" || { fail=1; tail -3 "$work/$name.err"; }
+  # A failing device product falls back to the CPU (and says so once): that must not pass.
+  if grep -q "device product failed" "$work/$name.err"; then echo "$name: a device product failed"; fail=1; fi
+  grep -E "dense weights on the GPU|every routed expert in VRAM" "$work/$name.err" | sed 's/\x1b\[[0-9;]*m//g' | cut -c1-160
+  python3 e2e/cuda/compare_logits.py "$work/$name.cuda.json" "$work/$name.cpu.json" --reference "$fx/reference.json" --name "$name" || fail=1
+done
+for fmt in q4_k q8_0; do
+  "$BIN" convert-experts --model e2e/fixtures/tiny_mixed --out "$work/mixed_$fmt" --format $fmt >/dev/null 2>&1 || fail=1
+  tok=$(tokens_of e2e/fixtures/tiny_mixed/reference.json)
+  "$BIN" logits --model "$work/mixed_$fmt" --tokens "$tok" --greedy 16 > "$work/$fmt.cpu.json" 2>/dev/null || fail=1
+  "$BIN" logits --model "$work/mixed_$fmt" --tokens "$tok" --greedy 16 --device cuda > "$work/$fmt.cuda.json" 2>"$work/$fmt.err" || fail=1
+  if grep -q "device product failed" "$work/$fmt.err"; then echo "$fmt: a device product failed"; fail=1; fi
+  python3 e2e/cuda/compare_logits.py "$work/$fmt.cuda.json" "$work/$fmt.cpu.json" --name "tiny_mixed $fmt experts" || fail=1
+done
+"$BIN" make-demo-model --out "$work/demo" >/dev/null 2>&1 || fail=1
+"$BIN" logits --model "$work/demo" --tokens 1,2,3,4,5,6,7,8,9,10 --greedy 24 > "$work/demo.cpu.json" 2>/dev/null || fail=1
+"$BIN" logits --model "$work/demo" --tokens 1,2,3,4,5,6,7,8,9,10 --greedy 24 --device cuda > "$work/demo.cuda.json" 2>"$work/demo.err" || fail=1
+if grep -q "device product failed" "$work/demo.err"; then echo "demo: a device product failed"; fail=1; fi
+python3 e2e/cuda/compare_logits.py "$work/demo.cuda.json" "$work/demo.cpu.json" --name "demo model" || fail=1
+
+step "kernel resources, sm_90"
+for f in kernels/cuda/*.cu; do
+  nvcc -cubin -arch=sm_90 -std=c++17 -Ikernels/cuda -Xptxas -v -o /dev/null "$f" 2>&1 \
+    | grep -E "Compiling entry|registers|spill" | sed 's/ptxas info    : //' | paste - - - 2>/dev/null | cut -c1-220
+done > "$OUT/ptxas.txt"
+grep -c "0 bytes spill stores" "$OUT/ptxas.txt" | xargs echo "entries without spills:"; grep -v " 0 bytes spill stores" "$OUT/ptxas.txt" | head -5
+
+echo; echo "device check: $([ $fail -eq 0 ] && echo PASSED || echo FAILED)"
+exit $fail

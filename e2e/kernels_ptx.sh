@@ -1,0 +1,23 @@
+#!/usr/bin/env bash
+# Compiles every CUDA kernel file to PTX for the RTX 3090 (sm_86) and the H200 (sm_90) with
+# nvcc from the PyPI package nvidia-cuda-nvcc: no GPU needed. Also checks that each file's
+# `extern "C"` kernels appear as PTX entries (the names the node server loads).
+#   e2e/kernels_ptx.sh        # needs: pip install -r e2e/requirements-cuda.txt
+set -euo pipefail
+cd "$(dirname "$0")/.."
+py="${PYTHON:-python3}"
+nvcc="$("$py" -c 'import nvidia, os, glob; print(next(p for d in nvidia.__path__ for p in glob.glob(os.path.join(d, "cu*", "bin", "nvcc"))))')"
+out="$(mktemp -d)"
+trap 'rm -rf "$out"' EXIT
+"$nvcc" --version | tail -2
+for f in kernels/cuda/*.cu; do
+  for arch in sm_86 sm_90; do
+    ptx="$out/$(basename "$f" .cu).$arch.ptx"
+    "$nvcc" -ptx -arch="$arch" -std=c++17 -Ikernels/cuda -Werror all-warnings -o "$ptx" "$f"
+    for k in $(grep -oE 'extern "C" __global__ void [a-z_0-9]+' "$f" | awk '{print $5}'); do
+      grep -q "\.entry $k(" "$ptx" || { echo "$f ($arch): no PTX entry for $k"; exit 1; }
+    done
+    printf '%-12s %-6s %7d lines of PTX\n' "$(basename "$f")" "$arch" "$(wc -l < "$ptx")"
+  done
+done
+echo "every kernel compiles for sm_86 and sm_90"

@@ -1,0 +1,146 @@
+// Shared device helpers for every glmflash kernel file. Self-contained (no CUDA headers),
+// so NVRTC compiles it with no include path and nvcc with -I kernels/cuda.
+#pragma once
+
+typedef unsigned char u8;
+typedef unsigned short u16;
+typedef unsigned int u32;
+typedef long long i64;
+
+// Weight formats; the numbers match the Rust side's `kernel_format_id`.
+#define FMT_F32 0
+#define FMT_F16 1
+#define FMT_BF16 2
+#define FMT_Q8_0 3
+#define FMT_Q4_K 4
+
+#define WARP 32
+// Tokens one warp carries through a row at once (accumulators in registers).
+#define TOK_TILE 8
+
+__device__ __forceinline__ float f16_to_f32(u16 h) {
+    float f;
+    asm("cvt.f32.f16 %0, %1;" : "=f"(f) : "h"(h));
+    return f;
+}
+
+__device__ __forceinline__ float bf16_to_f32(u16 h) {
+    return __uint_as_float(((u32)h) << 16);
+}
+
+__device__ __forceinline__ u16 load_u16(const u8* p) {
+    return (u16)p[0] | ((u16)p[1] << 8);
+}
+
+__device__ __forceinline__ float warp_sum(float v) {
+    for (int o = WARP / 2; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
+    return v;
+}
+
+__device__ __forceinline__ float silu(float x) { return x / (1.0f + expf(-x)); }
+
+__device__ __forceinline__ float sigmoid(float x) { return 1.0f / (1.0f + expf(-x)); }
+
+// Bytes of one row of `cols` values in format `fmt` (cols a multiple of the block size
+// for the block formats; the host checks).
+__device__ __forceinline__ i64 row_bytes(int fmt, int cols) {
+    switch (fmt) {
+        case FMT_F32: return (i64)cols * 4;
+        case FMT_F16:
+        case FMT_BF16: return (i64)cols * 2;
+        case FMT_Q8_0: return (i64)(cols / 32) * 34;
+        default: return (i64)(cols / 256) * 144;
+    }
+}
+
+// One warp's partial dots of row `w` (format FMT, `cols` values) with `nt` <= TOK_TILE
+// token rows of x (`x + t * ldx`), added into acc[t]. Lanes split the row in a fixed
+// pattern, so results repeat bit for bit; the caller reduces across the warp.
+template <int FMT>
+__device__ __forceinline__ void row_dots(const u8* __restrict__ w, int cols,
+                                         const float* __restrict__ x, i64 ldx, int nt,
+                                         float acc[TOK_TILE]) {
+    const int lane = threadIdx.x & (WARP - 1);
+    if (FMT == FMT_F32) {
+        const float* wf = (const float*)w;
+        for (int i = lane; i < cols; i += WARP) {
+            float v = wf[i];
+#pragma unroll
+            for (int t = 0; t < TOK_TILE; t++)
+                if (t < nt) acc[t] = fmaf(v, x[t * ldx + i], acc[t]);
+        }
+    } else if (FMT == FMT_F16 || FMT == FMT_BF16) {
+        const u16* wh = (const u16*)w;
+        for (int i = lane; i < cols; i += WARP) {
+            float v = FMT == FMT_F16 ? f16_to_f32(wh[i]) : bf16_to_f32(wh[i]);
+#pragma unroll
+            for (int t = 0; t < TOK_TILE; t++)
+                if (t < nt) acc[t] = fmaf(v, x[t * ldx + i], acc[t]);
+        }
+    } else if (FMT == FMT_Q8_0) {
+        // Block b: f16 scale then 32 int8; lane l takes value l of every block.
+        const int blocks = cols / 32;
+        for (int b = 0; b < blocks; b++) {
+            const u8* blk = w + (i64)b * 34;
+            float d = f16_to_f32(load_u16(blk));
+            float v = d * (float)(signed char)blk[2 + lane];
+            const int i = b * 32 + lane;
+#pragma unroll
+            for (int t = 0; t < TOK_TILE; t++)
+                if (t < nt) acc[t] = fmaf(v, x[t * ldx + i], acc[t]);
+        }
+    } else {
+        // Q4_K super-block of 256 values (144 bytes). Lane l reads 4 quant bytes of chunk
+        // c = l / 8: low nibbles are values 64c + 4(l%8) .. +4 (sub-block 2c), high
+        // nibbles the same 32 later (sub-block 2c + 1).
+        const int blocks = cols / 256;
+        const int c = lane >> 3;
+        const int q0 = (lane & 7) * 4;
+        for (int b = 0; b < blocks; b++) {
+            const u8* blk = w + (i64)b * 144;
+            const float d = f16_to_f32(load_u16(blk));
+            const float dmin = f16_to_f32(load_u16(blk + 2));
+            const u8* s = blk + 4;
+            float ds[2], dm[2];
+#pragma unroll
+            for (int h = 0; h < 2; h++) {
+                const int j = 2 * c + h;
+                int sc, m;
+                if (j < 4) {
+                    sc = s[j] & 63;
+                    m = s[j + 4] & 63;
+                } else {
+                    sc = (s[j + 4] & 0x0F) | ((s[j - 4] >> 6) << 4);
+                    m = (s[j + 4] >> 4) | ((s[j] >> 6) << 4);
+                }
+                ds[h] = d * (float)sc;
+                dm[h] = dmin * (float)m;
+            }
+            const u32 qs = *(const u32*)(blk + 16 + 32 * c + q0);
+            const int base = b * 256 + 64 * c + q0;
+#pragma unroll
+            for (int e = 0; e < 4; e++) {
+                const u32 byte = (qs >> (8 * e)) & 0xFF;
+                const float lo = ds[0] * (float)(byte & 0x0F) - dm[0];
+                const float hi = ds[1] * (float)(byte >> 4) - dm[1];
+#pragma unroll
+                for (int t = 0; t < TOK_TILE; t++) {
+                    if (t < nt) {
+                        acc[t] = fmaf(lo, x[t * ldx + base + e], acc[t]);
+                        acc[t] = fmaf(hi, x[t * ldx + base + 32 + e], acc[t]);
+                    }
+                }
+            }
+        }
+    }
+}
+
+// Calls CALL(FMT) with FMT a compile-time format constant chosen by the runtime `fmt`.
+#define DISPATCH_FORMAT(fmt, CALL)            \
+    switch (fmt) {                            \
+        case FMT_F32: CALL(FMT_F32); break;   \
+        case FMT_F16: CALL(FMT_F16); break;   \
+        case FMT_BF16: CALL(FMT_BF16); break; \
+        case FMT_Q8_0: CALL(FMT_Q8_0); break; \
+        default: CALL(FMT_Q4_K); break;       \
+    }

@@ -1,0 +1,40 @@
+// Row norms: RMSNorm with an optional weight (none: mHC's unweighted norm), and the
+// sigmoid-gated RMSNorm of the KDA output. One block per row.
+#include "common.cuh"
+
+// Block-wide sum; every thread gets the total. Fixed reduction order: results repeat.
+__device__ float block_sum(float v) {
+    __shared__ float part[32];
+    const int lane = threadIdx.x & (WARP - 1), wid = threadIdx.x / WARP;
+    v = warp_sum(v);
+    if (lane == 0) part[wid] = v;
+    __syncthreads();
+    const int warps = (blockDim.x + WARP - 1) / WARP;
+    float total = lane < warps ? part[lane] : 0.0f;
+    total = warp_sum(total);
+    __syncthreads();
+    return total;
+}
+
+// x: [rows, width] in place; weight: [width], read only when has_weight.
+extern "C" __global__ void rms_norm(float* __restrict__ x, const float* __restrict__ weight,
+                                    int has_weight, int width, float eps) {
+    float* row = x + (i64)blockIdx.x * width;
+    float ss = 0.0f;
+    for (int i = threadIdx.x; i < width; i += blockDim.x) ss = fmaf(row[i], row[i], ss);
+    const float inv = 1.0f / sqrtf(block_sum(ss) / (float)width + eps);
+    for (int i = threadIdx.x; i < width; i += blockDim.x)
+        row[i] = has_weight ? weight[i] * (row[i] * inv) : row[i] * inv;
+}
+
+// x, gate: [rows, width]; x = rms_norm(x) * weight * sigmoid(gate), in place.
+extern "C" __global__ void gated_rms_norm(float* __restrict__ x, const float* __restrict__ gate,
+                                          const float* __restrict__ weight, int width, float eps) {
+    float* row = x + (i64)blockIdx.x * width;
+    const float* g = gate + (i64)blockIdx.x * width;
+    float ss = 0.0f;
+    for (int i = threadIdx.x; i < width; i += blockDim.x) ss = fmaf(row[i], row[i], ss);
+    const float inv = 1.0f / sqrtf(block_sum(ss) / (float)width + eps);
+    for (int i = threadIdx.x; i < width; i += blockDim.x)
+        row[i] = weight[i] * (row[i] * inv) * sigmoid(g[i]);
+}

@@ -1,0 +1,722 @@
+//! CUDA backend: the driver and NVRTC through cudarc's dynamic loading, so the binary builds
+//! and runs on machines without CUDA ([`Cuda::open`] then says why and the CPU path runs).
+//!
+//! The kernels come from the `glmflash-kernels` crate as CUDA C, compiled at start for the
+//! device's compute capability and cached on disk as PTX (keyed by the source, the arch and
+//! the NVRTC version). Every entry point here takes and returns host slices or device
+//! buffers of plain numbers: this module knows no model types.
+#![allow(unsafe_code)] // library probing and kernel launches; each block says why it holds
+
+use crate::quant::Format;
+
+pub mod matrix;
+use cudarc::driver::{
+    CudaContext, CudaFunction, CudaSlice, CudaStream, DriverError, LaunchConfig, PushKernelArg,
+};
+use cudarc::nvrtc::{CompileOptions, Ptx};
+use std::collections::HashMap;
+use std::path::{Path, PathBuf};
+use std::sync::Arc;
+
+#[derive(Debug, thiserror::Error)]
+pub enum CudaError {
+    #[error("CUDA is not available: {0}")]
+    Unavailable(String),
+    #[error("CUDA driver call failed: {0}")]
+    Driver(#[from] DriverError),
+    #[error("NVRTC could not compile {file} for {arch}: {log}")]
+    Compile {
+        file: String,
+        arch: String,
+        log: String,
+    },
+    #[error("{0}")]
+    Invalid(String),
+}
+
+/// Threads per block of the warp-per-row kernels (4 warps: 4 rows per block).
+const ROW_BLOCK: u32 = 128;
+const ROWS_PER_BLOCK: u32 = ROW_BLOCK / 32;
+
+/// The format id the kernels dispatch on (`FMT_*` in kernels/cuda/common.cuh).
+pub fn kernel_format_id(format: Format) -> i32 {
+    match format {
+        Format::F32 => 0,
+        Format::F16 => 1,
+        Format::Bf16 => 2,
+        Format::Q8_0 => 3,
+        Format::Q4K => 4,
+    }
+}
+
+/// One CUDA device with its compiled kernels and a compute stream.
+pub struct Cuda {
+    ctx: Arc<CudaContext>,
+    stream: Arc<CudaStream>,
+    name: String,
+    arch: String,
+    kernels: HashMap<&'static str, CudaFunction>,
+    /// Fill scratch buffers with NaN before kernels write them (checks: an unwritten output
+    /// then shows as NaN instead of a plausible zero).
+    poison: std::sync::atomic::AtomicBool,
+}
+
+impl std::fmt::Debug for Cuda {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "Cuda({} {})", self.name, self.arch)
+    }
+}
+
+/// Whether the CUDA driver library can be loaded at all (no device needed).
+pub fn driver_present() -> bool {
+    // SAFETY: only dlopens the candidate library names and closes them again.
+    unsafe { cudarc::driver::sys::is_culib_present() }
+}
+
+fn nvrtc_present() -> bool {
+    // SAFETY: as in `driver_present`.
+    unsafe { cudarc::nvrtc::sys::is_culib_present() }
+}
+
+impl Cuda {
+    /// Opens device `ordinal` and compiles (or loads from `cache_dir`) every kernel.
+    pub fn open(ordinal: usize, cache_dir: Option<&Path>) -> Result<Arc<Cuda>, CudaError> {
+        if !driver_present() {
+            return Err(CudaError::Unavailable(
+                "the NVIDIA driver library (libcuda.so.1) was not found".into(),
+            ));
+        }
+        let count = CudaContext::device_count().map_err(|e| {
+            CudaError::Unavailable(format!(
+                "the driver is present but reports no devices ({e})"
+            ))
+        })?;
+        if ordinal >= count.max(0) as usize {
+            return Err(CudaError::Unavailable(format!(
+                "device {ordinal} asked for, the driver reports {count}"
+            )));
+        }
+        let ctx = CudaContext::new(ordinal)?;
+        let (major, minor) = ctx.compute_capability()?;
+        let arch = format!("sm_{major}{minor}");
+        let name = ctx.name()?;
+        let stream = ctx.default_stream();
+        let mut kernels = HashMap::new();
+        for (file, _, names) in glmflash_kernels::SOURCES {
+            let ptx = compile_cached(file, &arch, cache_dir)?;
+            let module = ctx.load_module(ptx)?;
+            for k in names.iter() {
+                kernels.insert(*k, module.load_function(k)?);
+            }
+        }
+        Ok(Arc::new(Cuda {
+            ctx,
+            stream,
+            name,
+            arch,
+            kernels,
+            poison: Default::default(),
+        }))
+    }
+
+    /// `"NVIDIA H200 (sm_90)"`.
+    pub fn describe(&self) -> String {
+        format!("{} ({})", self.name, self.arch)
+    }
+
+    /// (free, total) bytes of device memory.
+    pub fn mem_info(&self) -> Result<(usize, usize), CudaError> {
+        Ok(self.ctx.mem_get_info()?)
+    }
+
+    pub fn stream(&self) -> &Arc<CudaStream> {
+        &self.stream
+    }
+
+    fn kernel(&self, name: &str) -> &CudaFunction {
+        self.kernels
+            .get(name)
+            .unwrap_or_else(|| panic!("kernel {name} is listed in glmflash_kernels::SOURCES"))
+    }
+
+    pub fn upload<T: cudarc::driver::DeviceRepr>(
+        &self,
+        host: &[T],
+    ) -> Result<CudaSlice<T>, CudaError> {
+        Ok(self.stream.clone_htod(host)?)
+    }
+
+    pub fn download<T: cudarc::driver::DeviceRepr + Default + Clone>(
+        &self,
+        dev: &CudaSlice<T>,
+    ) -> Result<Vec<T>, CudaError> {
+        Ok(self.stream.clone_dtoh(dev)?)
+    }
+
+    /// A scratch buffer of `len` floats: zeros, or NaN when poisoning (see [`Cuda::set_poison`]).
+    pub fn alloc_f32(&self, len: usize) -> Result<CudaSlice<f32>, CudaError> {
+        if self.poison.load(std::sync::atomic::Ordering::Relaxed) {
+            return Ok(self.stream.clone_htod(&vec![f32::NAN; len.max(1)])?);
+        }
+        Ok(self.stream.alloc_zeros::<f32>(len.max(1))?)
+    }
+
+    /// Poison scratch and output buffers with NaN before kernels write them.
+    pub fn set_poison(&self, on: bool) {
+        self.poison.store(on, std::sync::atomic::Ordering::Relaxed);
+    }
+
+    pub fn synchronize(&self) -> Result<(), CudaError> {
+        Ok(self.stream.synchronize()?)
+    }
+
+    /// `y[t] = W x[t]` for `n` tokens: `w` holds `rows` rows of `cols` values in `format`,
+    /// `x` is `[n, cols]`, `y` is `[n, rows]` (device buffers).
+    pub fn matvec(
+        &self,
+        w: &CudaSlice<u8>,
+        format: Format,
+        rows: usize,
+        cols: usize,
+        x: &CudaSlice<f32>,
+        n: usize,
+        y: &mut CudaSlice<f32>,
+    ) -> Result<(), CudaError> {
+        let expected = rows
+            * format
+                .row_bytes(cols)
+                .map_err(|e| CudaError::Invalid(e.to_string()))?;
+        if w.len() < expected || x.len() < n * cols || y.len() < n * rows {
+            return Err(CudaError::Invalid(format!(
+                "matvec {rows}x{cols} {}: weights {} of {expected} bytes, x {} of {}, y {} of {}",
+                format.name(),
+                w.len(),
+                x.len(),
+                n * cols,
+                y.len(),
+                n * rows
+            )));
+        }
+        if n == 0 || rows == 0 {
+            return Ok(());
+        }
+        let (fmt, rows_i, cols_i, n_i) =
+            (kernel_format_id(format), rows as i32, cols as i32, n as i32);
+        let mut b = self.stream.launch_builder(self.kernel("matvec"));
+        b.arg(w)
+            .arg(&fmt)
+            .arg(&rows_i)
+            .arg(&cols_i)
+            .arg(x)
+            .arg(&n_i)
+            .arg(y);
+        // SAFETY: the argument list matches `matvec` in gemv.cu; the sizes were checked
+        // above, and the grid covers `rows` rows, one warp each.
+        unsafe { b.launch(rows_config(rows, 1)) }?;
+        Ok(())
+    }
+
+    /// Clamped SwiGLU over `n` values of device buffers.
+    pub fn swiglu(
+        &self,
+        gate: &CudaSlice<f32>,
+        up: &CudaSlice<f32>,
+        limit: f32,
+        out: &mut CudaSlice<f32>,
+    ) -> Result<(), CudaError> {
+        let n = gate.len().min(up.len()).min(out.len());
+        let n_i = n as i64;
+        let mut b = self.stream.launch_builder(self.kernel("swiglu"));
+        b.arg(gate).arg(up).arg(&limit).arg(&n_i).arg(out);
+        // SAFETY: `n` is within all three buffers; arguments match act.cu.
+        unsafe { b.launch(LaunchConfig::for_num_elems(n as u32)) }?;
+        Ok(())
+    }
+
+    /// RMSNorm of each `width`-wide row of `x` in place (`weight` of `width`, or none).
+    pub fn rms_norm(
+        &self,
+        x: &mut CudaSlice<f32>,
+        weight: Option<&CudaSlice<f32>>,
+        width: usize,
+        eps: f32,
+    ) -> Result<(), CudaError> {
+        let rows = x.len() / width.max(1);
+        if weight.is_some_and(|w| w.len() != width) || rows * width != x.len() {
+            return Err(CudaError::Invalid(format!(
+                "rms_norm of {} values in rows of {width}",
+                x.len()
+            )));
+        }
+        let dummy;
+        let w = match weight {
+            Some(w) => w,
+            None => {
+                dummy = self.stream.alloc_zeros::<f32>(1)?;
+                &dummy
+            }
+        };
+        let (has_weight, width_i) = (weight.is_some() as i32, width as i32);
+        let mut b = self.stream.launch_builder(self.kernel("rms_norm"));
+        b.arg(x).arg(w).arg(&has_weight).arg(&width_i).arg(&eps);
+        // SAFETY: one block per row of `width` values; the weight is `width` long or null.
+        unsafe { b.launch(norm_config(rows, width)) }?;
+        Ok(())
+    }
+
+    /// `x = rms_norm(x) * weight * sigmoid(gate)` per row of `width`, in place.
+    pub fn gated_rms_norm(
+        &self,
+        x: &mut CudaSlice<f32>,
+        gate: &CudaSlice<f32>,
+        weight: &CudaSlice<f32>,
+        width: usize,
+        eps: f32,
+    ) -> Result<(), CudaError> {
+        let rows = x.len() / width.max(1);
+        if weight.len() != width || rows * width != x.len() || gate.len() != x.len() {
+            return Err(CudaError::Invalid(format!(
+                "gated_rms_norm of {} values (gate {}) in rows of {width}",
+                x.len(),
+                gate.len()
+            )));
+        }
+        let width_i = width as i32;
+        let mut b = self.stream.launch_builder(self.kernel("gated_rms_norm"));
+        b.arg(x).arg(gate).arg(weight).arg(&width_i).arg(&eps);
+        // SAFETY: as in `rms_norm`; `gate` has the shape of `x`.
+        unsafe { b.launch(norm_config(rows, width)) }?;
+        Ok(())
+    }
+
+    /// The router's choice from its logits (`[tokens, experts]`): ids and weights `[tokens, k]`.
+    pub fn route(
+        &self,
+        logits: &CudaSlice<f32>,
+        bias: &CudaSlice<f32>,
+        spec: RouteSpec,
+        tokens: usize,
+    ) -> Result<(Vec<u32>, Vec<f32>), CudaError> {
+        let RouteSpec {
+            experts,
+            groups,
+            topk_groups,
+            k,
+            normalize,
+            scale,
+        } = spec;
+        if experts > 1024
+            || groups == 0
+            || experts % groups != 0
+            || k > experts
+            || logits.len() < tokens * experts
+            || bias.len() != experts
+        {
+            return Err(CudaError::Invalid(format!(
+                "route: {spec:?} for {tokens} tokens"
+            )));
+        }
+        if tokens == 0 {
+            return Ok((Vec::new(), Vec::new()));
+        }
+        let mut ids = self.stream.clone_htod(&vec![-1i32; tokens * k])?;
+        let mut weights = self.alloc_f32(tokens * k)?;
+        let (e, g, tg, k_i, norm) = (
+            experts as i32,
+            groups as i32,
+            topk_groups as i32,
+            k as i32,
+            normalize as i32,
+        );
+        let mut b = self.stream.launch_builder(self.kernel("route"));
+        b.arg(logits)
+            .arg(bias)
+            .arg(&e)
+            .arg(&g)
+            .arg(&tg)
+            .arg(&k_i)
+            .arg(&norm)
+            .arg(&scale)
+            .arg(&mut ids)
+            .arg(&mut weights);
+        let cfg = LaunchConfig {
+            grid_dim: (tokens as u32, 1, 1),
+            block_dim: (256, 1, 1),
+            shared_mem_bytes: 0,
+        };
+        // SAFETY: experts <= 1024 (the kernel's shared arrays), buffers sized above.
+        unsafe { b.launch(cfg) }?;
+        let ids = self.download(&ids)?.into_iter().map(|i| i as u32).collect();
+        Ok((ids, self.download(&weights)?))
+    }
+
+    /// The routed-expert step for expert records already in `arena`; see [`MoeStep`].
+    pub fn moe(
+        &self,
+        arena: &CudaSlice<u8>,
+        step: &MoeStep,
+        x: &[f32],
+    ) -> Result<Vec<f32>, CudaError> {
+        step.check(arena.len(), x.len())?;
+        let MoeStep {
+            layout,
+            tokens,
+            k,
+            limit,
+            ..
+        } = *step;
+        let picks = tokens * k;
+        if picks == 0 {
+            return Ok(Vec::new());
+        }
+        // Group the picks by slot, in order of first appearance.
+        let mut group_of: HashMap<u32, usize> = HashMap::new();
+        let mut members: Vec<Vec<i32>> = Vec::new();
+        for (p, &s) in step.slots.iter().enumerate() {
+            let g = *group_of.entry(s).or_insert_with(|| {
+                members.push(Vec::new());
+                members.len() - 1
+            });
+            members[g].push(p as i32);
+        }
+        let mut slot_of_group = vec![0u32; members.len()];
+        for (&s, &g) in &group_of {
+            slot_of_group[g] = s;
+        }
+        let base: Vec<i64> = slot_of_group
+            .iter()
+            .map(|&s| (s as usize * layout.slot_bytes) as i64)
+            .collect();
+        let mut start = Vec::with_capacity(members.len());
+        let mut len = Vec::with_capacity(members.len());
+        let mut list = Vec::with_capacity(picks);
+        for m in &members {
+            start.push(list.len() as i32);
+            len.push(m.len() as i32);
+            list.extend_from_slice(m);
+        }
+        let s = &self.stream;
+        let (d_base, d_start, d_len, d_list) = (
+            s.clone_htod(&base)?,
+            s.clone_htod(&start)?,
+            s.clone_htod(&len)?,
+            s.clone_htod(&list)?,
+        );
+        let d_x = s.clone_htod(x)?;
+        let d_w = s.clone_htod(step.weights)?;
+        let (hidden, inter) = (layout.hidden, layout.inter);
+        let mut act = self.alloc_f32(picks * inter)?;
+        let mut yp = self.alloc_f32(picks * hidden)?;
+        let mut out = self.alloc_f32(tokens * hidden)?;
+        let groups = members.len() as u32;
+        let (gate_fmt, down_fmt) = (
+            kernel_format_id(layout.gate_up),
+            kernel_format_id(layout.down),
+        );
+        let (up_off, down_off) = (layout.up_offset as i64, layout.down_offset as i64);
+        let (inter_i, hidden_i, k_i, tokens_i) =
+            (inter as i32, hidden as i32, k as i32, tokens as i32);
+
+        let mut b = s.launch_builder(self.kernel("moe_gate_up"));
+        b.arg(arena)
+            .arg(&gate_fmt)
+            .arg(&d_base)
+            .arg(&d_start)
+            .arg(&d_len)
+            .arg(&d_list)
+            .arg(&up_off)
+            .arg(&inter_i)
+            .arg(&hidden_i)
+            .arg(&k_i)
+            .arg(&limit)
+            .arg(&d_x)
+            .arg(&mut act);
+        // SAFETY: `step.check` proved every slot's record lies inside the arena and the
+        // buffers hold `picks` rows; the grid covers `inter` rows of every group.
+        unsafe { b.launch(rows_config(inter, groups)) }?;
+
+        let mut b = s.launch_builder(self.kernel("moe_down"));
+        b.arg(arena)
+            .arg(&down_fmt)
+            .arg(&d_base)
+            .arg(&d_start)
+            .arg(&d_len)
+            .arg(&d_list)
+            .arg(&down_off)
+            .arg(&hidden_i)
+            .arg(&inter_i)
+            .arg(&act)
+            .arg(&mut yp);
+        // SAFETY: as above, for `hidden` rows of the down projection.
+        unsafe { b.launch(rows_config(hidden, groups)) }?;
+
+        let mut b = s.launch_builder(self.kernel("moe_combine"));
+        b.arg(&yp)
+            .arg(&d_w)
+            .arg(&tokens_i)
+            .arg(&k_i)
+            .arg(&hidden_i)
+            .arg(&mut out);
+        // SAFETY: `tokens * hidden` outputs from `tokens * k` pick rows and weights.
+        unsafe { b.launch(LaunchConfig::for_num_elems((tokens * hidden) as u32)) }?;
+        Ok(s.clone_dtoh(&out)?)
+    }
+}
+
+/// Router settings for [`Cuda::route`].
+#[derive(Clone, Copy, Debug)]
+pub struct RouteSpec {
+    pub experts: usize,
+    pub groups: usize,
+    pub topk_groups: usize,
+    pub k: usize,
+    pub normalize: bool,
+    pub scale: f32,
+}
+
+/// Where gate, up and down sit inside one expert slot, and their formats.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct MoeLayout {
+    pub hidden: usize,
+    pub inter: usize,
+    /// Format of gate and up (`[inter, hidden]` each).
+    pub gate_up: Format,
+    /// Format of down (`[hidden, inter]`).
+    pub down: Format,
+    pub up_offset: usize,
+    pub down_offset: usize,
+    /// Bytes between slot starts (a multiple of 4 KiB).
+    pub slot_bytes: usize,
+}
+
+impl MoeLayout {
+    /// Gate, up and down back to back, each 256-byte aligned, the slot rounded to 4 KiB.
+    pub fn new(
+        hidden: usize,
+        inter: usize,
+        gate_up: Format,
+        down: Format,
+    ) -> Result<MoeLayout, CudaError> {
+        let bad = |e: crate::quant::QuantError| CudaError::Invalid(e.to_string());
+        let gate_bytes = inter * gate_up.row_bytes(hidden).map_err(bad)?;
+        let down_bytes = hidden * down.row_bytes(inter).map_err(bad)?;
+        let up_offset = gate_bytes.next_multiple_of(256);
+        let down_offset = (up_offset + gate_bytes).next_multiple_of(256);
+        Ok(MoeLayout {
+            hidden,
+            inter,
+            gate_up,
+            down,
+            up_offset,
+            down_offset,
+            slot_bytes: (down_offset + down_bytes).next_multiple_of(4096),
+        })
+    }
+
+    pub fn gate_bytes(&self) -> usize {
+        self.up_offset
+            .min(self.inter * self.gate_up.row_bytes(self.hidden).unwrap_or(0))
+    }
+
+    pub fn down_bytes(&self) -> usize {
+        self.hidden * self.down.row_bytes(self.inter).unwrap_or(0)
+    }
+}
+
+/// One routed-expert step: `out[t] = sum_j weights[t, j] * expert(slots[t * k + j])(x[t])`,
+/// the sum in pick order.
+#[derive(Clone, Copy, Debug)]
+pub struct MoeStep<'a> {
+    pub layout: MoeLayout,
+    pub tokens: usize,
+    pub k: usize,
+    pub limit: f32,
+    /// Arena slot of every pick, `[tokens * k]`.
+    pub slots: &'a [u32],
+    /// `[tokens * k]`
+    pub weights: &'a [f32],
+}
+
+impl MoeStep<'_> {
+    fn check(&self, arena_bytes: usize, x_len: usize) -> Result<(), CudaError> {
+        let picks = self.tokens * self.k;
+        let slots = arena_bytes / self.layout.slot_bytes.max(1);
+        if self.slots.len() != picks
+            || self.weights.len() != picks
+            || x_len != self.tokens * self.layout.hidden
+        {
+            return Err(CudaError::Invalid(format!(
+                "moe step of {} tokens x {} picks: {} slots, {} weights, {} inputs",
+                self.tokens,
+                self.k,
+                self.slots.len(),
+                self.weights.len(),
+                x_len
+            )));
+        }
+        if let Some(s) = self.slots.iter().find(|&&s| s as usize >= slots) {
+            return Err(CudaError::Invalid(format!(
+                "moe step names slot {s}; the arena holds {slots}"
+            )));
+        }
+        Ok(())
+    }
+}
+
+/// Expert slots in one device allocation.
+pub struct SlotArena {
+    pub buf: CudaSlice<u8>,
+    pub layout: MoeLayout,
+    pub slots: usize,
+}
+
+impl SlotArena {
+    pub fn new(cuda: &Cuda, layout: MoeLayout, slots: usize) -> Result<SlotArena, CudaError> {
+        let bytes = layout.slot_bytes * slots.max(1);
+        // SAFETY: the arena is written slot by slot before any kernel reads a slot.
+        let buf = unsafe { cuda.stream.alloc::<u8>(bytes) }?;
+        Ok(SlotArena { buf, layout, slots })
+    }
+
+    /// Copies one expert's gate, up and down bytes into slot `slot`.
+    pub fn write(
+        &mut self,
+        cuda: &Cuda,
+        slot: usize,
+        gate: &[u8],
+        up: &[u8],
+        down: &[u8],
+    ) -> Result<(), CudaError> {
+        let l = self.layout;
+        let gb = l.inter
+            * l.gate_up
+                .row_bytes(l.hidden)
+                .map_err(|e| CudaError::Invalid(e.to_string()))?;
+        if slot >= self.slots || gate.len() != gb || up.len() != gb || down.len() != l.down_bytes()
+        {
+            return Err(CudaError::Invalid(format!(
+                "slot {slot} of {}: gate {} up {} down {} bytes, the layout wants {gb}, {gb}, {}",
+                self.slots,
+                gate.len(),
+                up.len(),
+                down.len(),
+                l.down_bytes()
+            )));
+        }
+        let base = slot * l.slot_bytes;
+        for (off, bytes) in [(0, gate), (l.up_offset, up), (l.down_offset, down)] {
+            let mut dst = self.buf.slice_mut(base + off..base + off + bytes.len());
+            cuda.stream.memcpy_htod(bytes, &mut dst)?;
+        }
+        Ok(())
+    }
+}
+
+fn rows_config(rows: usize, groups: u32) -> LaunchConfig {
+    LaunchConfig {
+        grid_dim: ((rows as u32).div_ceil(ROWS_PER_BLOCK), groups.max(1), 1),
+        block_dim: (ROW_BLOCK, 1, 1),
+        shared_mem_bytes: 0,
+    }
+}
+
+fn norm_config(rows: usize, width: usize) -> LaunchConfig {
+    let threads = (width.next_power_of_two() as u32).clamp(32, 1024);
+    LaunchConfig {
+        grid_dim: (rows as u32, 1, 1),
+        block_dim: (threads, 1, 1),
+        shared_mem_bytes: 0,
+    }
+}
+
+/// PTX for `file` on `arch`, from `cache_dir` when a matching entry exists, else compiled
+/// with NVRTC (and written there).
+fn compile_cached(file: &str, arch: &str, cache_dir: Option<&Path>) -> Result<Ptx, CudaError> {
+    use sha2::{Digest, Sha256};
+    let src = glmflash_kernels::module_source(file).expect("file comes from SOURCES");
+    let nvrtc = nvrtc_version();
+    let key = {
+        let mut h = Sha256::new();
+        h.update(src.as_bytes());
+        h.update(arch.as_bytes());
+        h.update(nvrtc.as_bytes());
+        let d = h.finalize();
+        d.iter()
+            .take(12)
+            .map(|b| format!("{b:02x}"))
+            .collect::<String>()
+    };
+    let path: Option<PathBuf> =
+        cache_dir.map(|d| d.join(format!("{}-{arch}-{key}.ptx", file.trim_end_matches(".cu"))));
+    if let Some(p) = &path
+        && let Ok(text) = std::fs::read_to_string(p)
+    {
+        tracing::debug!(file, arch, path = %p.display(), "kernel PTX from the cache");
+        return Ok(Ptx::from_src(text));
+    }
+    if !nvrtc_present() {
+        return Err(CudaError::Unavailable(
+            "the CUDA runtime compiler (libnvrtc) was not found: install the CUDA toolkit (or the \
+             nvidia-cuda-nvrtc package) and put its lib directory on LD_LIBRARY_PATH"
+                .into(),
+        ));
+    }
+    let started = std::time::Instant::now();
+    let opts = CompileOptions {
+        arch: Some(static_arch(arch)),
+        options: vec!["--std=c++17".into()],
+        name: Some(file.to_string()),
+        ..Default::default()
+    };
+    let ptx = cudarc::nvrtc::compile_ptx_with_opts(&src, opts).map_err(|e| match e {
+        cudarc::nvrtc::CompileError::CompileError { log, .. } => CudaError::Compile {
+            file: file.into(),
+            arch: arch.into(),
+            log: log.to_string_lossy().into_owned(),
+        },
+        other => CudaError::Compile {
+            file: file.into(),
+            arch: arch.into(),
+            log: format!("{other:?}"),
+        },
+    })?;
+    tracing::info!(file, arch, nvrtc = %nvrtc, ms = started.elapsed().as_millis() as u64, "compiled kernels with NVRTC");
+    if let Some(p) = &path {
+        let write = || -> std::io::Result<()> {
+            std::fs::create_dir_all(p.parent().unwrap_or(Path::new(".")))?;
+            let tmp = p.with_extension("tmp");
+            std::fs::write(&tmp, ptx.to_src())?;
+            std::fs::rename(&tmp, p)
+        };
+        if let Err(e) = write() {
+            tracing::warn!(path = %p.display(), error = %e, "could not cache compiled kernels");
+        }
+    }
+    Ok(ptx)
+}
+
+fn nvrtc_version() -> String {
+    if !nvrtc_present() {
+        return "absent".into();
+    }
+    let (mut major, mut minor) = (0i32, 0i32);
+    // SAFETY: nvrtcVersion writes two ints through valid pointers; the library is present.
+    let status = unsafe { cudarc::nvrtc::sys::nvrtcVersion(&mut major, &mut minor) };
+    if status == cudarc::nvrtc::sys::nvrtcResult::NVRTC_SUCCESS {
+        format!("{major}.{minor}")
+    } else {
+        format!("unknown ({status:?})")
+    }
+}
+
+/// cudarc wants the arch as a `&'static str`; the common ones are literals, others leak once.
+fn static_arch(arch: &str) -> &'static str {
+    const KNOWN: [&str; 9] = [
+        "sm_75", "sm_80", "sm_86", "sm_87", "sm_89", "sm_90", "sm_100", "sm_120", "sm_121",
+    ];
+    KNOWN
+        .iter()
+        .find(|a| **a == arch)
+        .copied()
+        .unwrap_or_else(|| Box::leak(arch.to_string().into_boxed_str()))
+}
