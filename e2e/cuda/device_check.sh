@@ -3,7 +3,7 @@
 #   1. every kernel against the CPU backend on fresh random inputs (cuda-check --wide),
 #   2. compute-sanitizer memcheck and racecheck over the kernel checks,
 #   3. the whole model with experts on the GPU against the CPU on every fixture, a
-#      q4_k-converted fixture and the demo model (logits + greedy), and against transformers,
+#      the demo model with bf16, q4_k and q8_0 experts (logits + greedy), and against transformers,
 #   4. the kernels' register/spill report for sm_90 (nvcc -Xptxas -v).
 # Runs where a prebuilt binary is at $BIN (default .device/glmflash-node) and a GPU exists.
 #   e2e/cuda/device_check.sh [OUTDIR]
@@ -48,19 +48,19 @@ for fx in e2e/fixtures/tiny_*; do
   grep -E "dense weights on the GPU|every routed expert in VRAM" "$work/$name.err" | sed 's/\x1b\[[0-9;]*m//g' | cut -c1-160
   python3 e2e/cuda/compare_logits.py "$work/$name.cuda.json" "$work/$name.cpu.json" --reference "$fx/reference.json" --name "$name" || fail=1
 done
-for fmt in q4_k q8_0; do
-  "$BIN" convert-experts --model e2e/fixtures/tiny_mixed --out "$work/mixed_$fmt" --format $fmt >/dev/null 2>&1 || fail=1
-  tok=$(tokens_of e2e/fixtures/tiny_mixed/reference.json)
-  "$BIN" logits --model "$work/mixed_$fmt" --tokens "$tok" --greedy 16 > "$work/$fmt.cpu.json" 2>/dev/null || fail=1
-  "$BIN" logits --model "$work/mixed_$fmt" --tokens "$tok" --greedy 16 --device cuda > "$work/$fmt.cuda.json" 2>"$work/$fmt.err" || fail=1
-  if grep -q "device product failed" "$work/$fmt.err"; then echo "$fmt: a device product failed"; fail=1; fi
-  python3 e2e/cuda/compare_logits.py "$work/$fmt.cuda.json" "$work/$fmt.cpu.json" --name "tiny_mixed $fmt experts" || fail=1
-done
 "$BIN" make-demo-model --out "$work/demo" >/dev/null 2>&1 || fail=1
-"$BIN" logits --model "$work/demo" --tokens 1,2,3,4,5,6,7,8,9,10 --greedy 24 > "$work/demo.cpu.json" 2>/dev/null || fail=1
-"$BIN" logits --model "$work/demo" --tokens 1,2,3,4,5,6,7,8,9,10 --greedy 24 --device cuda > "$work/demo.cuda.json" 2>"$work/demo.err" || fail=1
-if grep -q "device product failed" "$work/demo.err"; then echo "demo: a device product failed"; fail=1; fi
-python3 e2e/cuda/compare_logits.py "$work/demo.cuda.json" "$work/demo.cpu.json" --name "demo model" || fail=1
+demo_tokens=1,2,3,4,5,6,7,8,9,10,11,12,13,14,15,16,17,18,19,20
+for fmt in bf16 q4_k q8_0; do
+  model="$work/demo"
+  if [ $fmt != bf16 ]; then
+    model="$work/demo_$fmt"
+    "$BIN" convert-experts --model "$work/demo" --out "$model" --format $fmt >/dev/null 2>&1 || { echo "convert-experts $fmt failed"; fail=1; }
+  fi
+  "$BIN" logits --model "$model" --tokens $demo_tokens --greedy 24 > "$work/$fmt.cpu.json" 2>/dev/null || fail=1
+  "$BIN" logits --model "$model" --tokens $demo_tokens --greedy 24 --device cuda > "$work/$fmt.cuda.json" 2>"$work/$fmt.err" || fail=1
+  if grep -q "device product failed" "$work/$fmt.err"; then echo "demo $fmt: a device product failed"; fail=1; fi
+  python3 e2e/cuda/compare_logits.py "$work/$fmt.cuda.json" "$work/$fmt.cpu.json" --name "demo model, $fmt experts" || fail=1
+done
 
 step "kernel resources, sm_90"
 for f in kernels/cuda/*.cu; do

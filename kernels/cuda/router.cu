@@ -17,6 +17,7 @@ extern "C" __global__ void route(const float* __restrict__ logits, const float* 
     __shared__ float score[MAX_EXPERTS];
     __shared__ float choice[MAX_EXPERTS];
     __shared__ float gscore[MAX_EXPERTS];
+    __shared__ int keep[MAX_EXPERTS];
     const int t = blockIdx.x;
     for (int e = threadIdx.x; e < experts; e += blockDim.x) {
         const float s = sigmoid(logits[(i64)t * experts + e]);
@@ -40,15 +41,16 @@ extern "C" __global__ void route(const float* __restrict__ logits, const float* 
             gscore[g] = choice[b0] + choice[b1];
         }
         __syncthreads();
-        // A group is kept when fewer than topk_groups groups rank before it.
+        // A group is kept when fewer than topk_groups groups rank before it (written to
+        // `keep`, not `gscore`, which other threads are still reading).
         for (int g = threadIdx.x; g < groups; g += blockDim.x) {
             int rank = 0;
             for (int h = 0; h < groups; h++) rank += before(gscore[h], h, gscore[g], g);
-            gscore[g] = rank < topk_groups ? 1.0f : 0.0f;
+            keep[g] = rank < topk_groups;
         }
         __syncthreads();
         for (int e = threadIdx.x; e < experts; e += blockDim.x)
-            if (gscore[e / per] == 0.0f) choice[e] = __int_as_float(0xff800000);
+            if (!keep[e / per]) choice[e] = __int_as_float(0xff800000);
         __syncthreads();
     }
     // Rank of every expert by choice; the ones ranked < k are the picks, in rank order.

@@ -664,7 +664,7 @@ fn compile_cached(file: &str, arch: &str, cache_dir: Option<&Path>) -> Result<Pt
     let started = std::time::Instant::now();
     let opts = CompileOptions {
         arch: Some(static_arch(arch)),
-        options: vec!["--std=c++17".into()],
+        options: vec!["--std=c++17".into(), "--generate-line-info".into()],
         name: Some(file.to_string()),
         ..Default::default()
     };
