@@ -1,0 +1,276 @@
+//! The `glmflash-node` command line: clap definitions (the operator parses its rendered
+//! container args with these in its tests) and model loading from the flags.
+
+use crate::api::server::ServeArgs;
+use crate::backend::Device;
+use crate::model::Model;
+use crate::model::config::MlpKind;
+use crate::tiers::history::RoutingHistory;
+use crate::tiers::provider::{
+    CheckpointSource, ExpertSource, Mode, StoreSource, TierCaps, TieredExperts,
+};
+use crate::tiers::vram::VramExperts;
+use crate::{bench, demo};
+use clap::{Args, Parser, Subcommand};
+use std::path::PathBuf;
+use std::sync::Arc;
+
+#[derive(Parser)]
+#[command(
+    name = "glmflash-node",
+    version,
+    about = "GLM-5.3-Flash inference pod: engine, expert tiers and tools",
+    long_about = "GLM-5.3-Flash inference pod.\n\nRuns glm5_next checkpoints on the CPU (CUDA and the expert tiers come in later releases). \
+                  Every flag can also be set through the environment variable shown in its help."
+)]
+pub struct Cli {
+    /// Log format: `text` for terminals, `json` for containers.
+    #[arg(
+        long,
+        env = "GLMFLASH_LOG_FORMAT",
+        default_value = "text",
+        global = true
+    )]
+    pub log_format: String,
+    #[command(subcommand)]
+    pub command: Command,
+}
+
+#[derive(Subcommand)]
+pub enum Command {
+    /// Make the demo model (if missing) in the cache dir and serve it through the OpenAI API.
+    Demo {
+        /// Where the demo model lives (default: $GLMFLASH_CACHE_DIR/demo-model or ~/.cache/glmflash/demo-model).
+        #[arg(long, env = "GLMFLASH_DEMO_DIR")]
+        dir: Option<PathBuf>,
+        #[command(flatten)]
+        serve: ServeArgs,
+    },
+    /// Serve a checkpoint through the OpenAI-compatible API (chat, completions, SSE, metrics).
+    Serve {
+        #[command(flatten)]
+        model: ModelArgs,
+        #[command(flatten)]
+        serve: ServeArgs,
+    },
+    /// Write the deterministic demo model (random weights, real tokenizer, chat template).
+    MakeDemoModel {
+        /// Output directory.
+        #[arg(long, env = "GLMFLASH_OUT")]
+        out: PathBuf,
+        /// Seed of the random weights.
+        #[arg(long, env = "GLMFLASH_SEED", default_value_t = demo::DEFAULT_SEED)]
+        seed: u64,
+    },
+    /// Print the last prompt position's logits and a cached greedy continuation as JSON.
+    Logits {
+        #[command(flatten)]
+        model: ModelArgs,
+        /// Prompt token ids, comma-separated.
+        #[arg(long, env = "GLMFLASH_TOKENS", value_delimiter = ',', required = true)]
+        tokens: Vec<u32>,
+        /// Greedy tokens to generate after the prompt.
+        #[arg(long, env = "GLMFLASH_GREEDY", default_value_t = 0)]
+        greedy: usize,
+        /// Also save every named intermediate of the prompt pass to this safetensors file
+        /// (compare with e2e/dump_reference.py + e2e/compare_dumps.py).
+        #[arg(long, env = "GLMFLASH_DUMP")]
+        dump: Option<PathBuf>,
+    },
+    /// Generate text for a prompt, streaming tokens to the terminal, then print tok/s.
+    Generate {
+        #[command(flatten)]
+        model: ModelArgs,
+        #[command(flatten)]
+        generation: GenerationArgs,
+    },
+    /// Rewrite a checkpoint with its routed experts in a block format (e.g. q4_k).
+    ConvertExperts {
+        /// Source checkpoint directory.
+        #[arg(long, env = "GLMFLASH_MODEL")]
+        model: PathBuf,
+        /// Output directory (a complete checkpoint).
+        #[arg(long, env = "GLMFLASH_OUT")]
+        out: PathBuf,
+        /// Target format: q4_k, q8_0, bf16, f16 or f32.
+        #[arg(long, env = "GLMFLASH_EXPERT_FORMAT", default_value = "q4_k")]
+        format: String,
+    },
+    /// Run the acceptance gates (load, chat, reasoning, tools, context, speed) against a server.
+    Gates(crate::gates::GatesArgs),
+    /// Measure CPU prefill and decode speed on a random model of the given shape.
+    Bench(bench::BenchArgs),
+    /// Check every CUDA kernel against the CPU backend on fresh random inputs (needs a GPU).
+    CudaCheck(crate::cuda_check::CudaCheckArgs),
+    /// Pack every routed expert into the O_DIRECT expert store (resumable, idempotent), then verify it.
+    PackStore {
+        /// Source checkpoint directory.
+        #[arg(long, env = "GLMFLASH_MODEL")]
+        model: PathBuf,
+        /// Store directory (experts.bin + experts.json), on a disk filesystem with O_DIRECT.
+        #[arg(long, env = "GLMFLASH_STORE")]
+        store: PathBuf,
+        /// Records compared byte for byte with the source after packing.
+        #[arg(long, env = "GLMFLASH_VERIFY_SAMPLE", default_value_t = 300)]
+        verify_sample: usize,
+        /// Skip the verification pass after packing.
+        #[arg(long, env = "GLMFLASH_NO_VERIFY")]
+        no_verify: bool,
+        /// Test hook: sleep this many milliseconds after each record.
+        #[arg(long, env = "GLMFLASH_PACK_THROTTLE_MS", hide = true)]
+        pack_throttle_ms: Option<u64>,
+        /// Bytes written per batch (whole records, at least one).
+        #[arg(long, env = "GLMFLASH_PACK_BATCH_BYTES", default_value_t = 64 << 20, hide = true)]
+        pack_batch_bytes: usize,
+        /// Test hook: skip the free-space check.
+        #[arg(long, env = "GLMFLASH_PACK_SKIP_SPACE_CHECK", hide = true)]
+        pack_skip_space_check: bool,
+    },
+    /// Check every record of an expert store (sha256 with O_DIRECT reads); with --model also the
+    /// model fingerprint and a byte compare of a sample against the source.
+    VerifyStore {
+        /// Source checkpoint directory (optional: without it only checksums are checked).
+        #[arg(long, env = "GLMFLASH_MODEL")]
+        model: Option<PathBuf>,
+        #[arg(long, env = "GLMFLASH_STORE")]
+        store: PathBuf,
+        #[arg(long, env = "GLMFLASH_VERIFY_SAMPLE", default_value_t = 300)]
+        verify_sample: usize,
+    },
+}
+
+#[derive(Args)]
+pub struct ModelArgs {
+    /// Checkpoint directory: config.json, safetensors, tokenizer files.
+    #[arg(long, env = "GLMFLASH_MODEL")]
+    pub model: PathBuf,
+    /// Expert residency: fast/exact (all experts in RAM) or nvme/nvme-exact (tiered).
+    #[arg(long, env = "GLMFLASH_MODE", value_enum)]
+    pub mode: Option<Mode>,
+    /// Device-tier expert slots per MoE layer (tiered modes; a CPU-memory tier without a GPU).
+    #[arg(long, env = "GLMFLASH_VRAM_SLOTS", default_value_t = 4)]
+    pub vram_slots: usize,
+    /// RAM-tier expert slots per MoE layer (tiered modes).
+    #[arg(long, env = "GLMFLASH_RAM_SLOTS", default_value_t = 8)]
+    pub ram_slots: usize,
+    /// Packed expert store (from `pack-store`) that expert misses are read from; without it
+    /// a tiered mode reads misses from the checkpoint.
+    #[arg(long, env = "GLMFLASH_STORE")]
+    pub store: Option<PathBuf>,
+    /// Routing history file: loaded at start to warm the tiers, written at exit.
+    #[arg(long, env = "GLMFLASH_HISTORY")]
+    pub history: Option<PathBuf>,
+    /// Turn off layer-ahead prefetch of predicted experts.
+    #[arg(long, env = "GLMFLASH_NO_PREFETCH")]
+    pub no_prefetch: bool,
+    #[command(flatten)]
+    pub device: crate::backend::DeviceArgs,
+}
+
+/// Lookups per layer between halvings of the LFU counts.
+pub const AGING_PERIOD: u64 = 4096;
+
+impl ModelArgs {
+    /// The model with its experts served as the flags ask (untiered when no --mode).
+    pub fn load(&self) -> anyhow::Result<(Model, Option<Arc<TieredExperts>>)> {
+        let device = self.device.open()?;
+        let cfg = crate::model::config::Config::from_file(&self.model.join("config.json"))?;
+        let moe: Vec<bool> = cfg.mlp_kinds.iter().map(|k| *k == MlpKind::Moe).collect();
+        let Some(mode) = self.mode else {
+            return match device {
+                Device::Cpu => Ok((Model::load(&self.model)?, None)),
+                Device::Cuda(cuda) => {
+                    let source = CheckpointSource::open(&self.model)?;
+                    let vram =
+                        VramExperts::load_all(cuda.clone(), &source, &moe, cfg.n_routed_experts)?;
+                    Ok((load_dense_on_gpu(&self.model, Arc::new(vram), cuda)?, None))
+                }
+            };
+        };
+        if let Device::Cuda(cuda) = &device {
+            anyhow::bail!(
+                "--mode {mode:?} with --device cuda ({}): the tiered modes run on the CPU for now; \
+                 without --mode every expert is served from VRAM",
+                cuda.describe()
+            );
+        }
+        let source: Arc<dyn ExpertSource> = match &self.store {
+            Some(store) => {
+                let s = StoreSource::open(store, &self.model, &cfg)?;
+                tracing::info!(
+                    engine = s.engine_name(),
+                    "experts served from the packed store"
+                );
+                Arc::new(s)
+            }
+            None => Arc::new(CheckpointSource::open(&self.model)?),
+        };
+        let caps = TierCaps {
+            device_slots_per_layer: self.vram_slots,
+            ram_slots_per_layer: self.ram_slots,
+        };
+        let tiers = Arc::new(TieredExperts::new(
+            source,
+            cfg.hidden_size,
+            cfg.n_routed_experts,
+            &moe,
+            mode,
+            caps,
+            AGING_PERIOD,
+            !self.no_prefetch,
+        )?);
+        if let Some(path) = &self.history {
+            let fingerprint = crate::store::quick_fingerprint(&self.model)?;
+            match RoutingHistory::load(path, &fingerprint, moe.len(), cfg.n_routed_experts) {
+                Some(h) => {
+                    let loaded = tiers.warm_start(&h, AGING_PERIOD)?;
+                    tracing::info!(path = %path.display(), loaded, "tiers warm-started from the routing history");
+                }
+                None => {
+                    tracing::info!(path = %path.display(), "no usable routing history; starting cold")
+                }
+            }
+        }
+        Ok((
+            Model::load_with(&self.model, Some(tiers.clone()))?,
+            Some(tiers),
+        ))
+    }
+}
+
+/// The model with every dense weight on the GPU and routed experts from `experts`.
+fn load_dense_on_gpu(
+    dir: &std::path::Path,
+    experts: Arc<dyn crate::model::moe::ExpertProvider>,
+    cuda: Arc<crate::backend::cuda::Cuda>,
+) -> anyhow::Result<Model> {
+    let placer = crate::backend::cuda::matrix::CudaPlacer::new(cuda, 1)?;
+    let model = Model::load_placed(dir, Some(experts), Some(&placer))?;
+    if let Some(failure) = placer.failure() {
+        tracing::warn!(%failure, "some dense weights stay on the CPU");
+    }
+    tracing::info!(
+        dense_mib = placer.placed_bytes() >> 20,
+        "dense weights on the GPU"
+    );
+    Ok(model)
+}
+
+#[derive(Args)]
+pub struct GenerationArgs {
+    /// The user message (rendered with the model's chat template unless --raw).
+    #[arg(long, env = "GLMFLASH_PROMPT")]
+    pub prompt: String,
+    /// Feed the prompt as plain text, without the chat template.
+    #[arg(long, env = "GLMFLASH_RAW")]
+    pub raw: bool,
+    #[arg(long, env = "GLMFLASH_MAX_TOKENS", default_value_t = 128)]
+    pub max_tokens: usize,
+    /// 0 is greedy.
+    #[arg(long, env = "GLMFLASH_TEMPERATURE", default_value_t = 0.0)]
+    pub temperature: f32,
+    #[arg(long, env = "GLMFLASH_TOP_P", default_value_t = 1.0)]
+    pub top_p: f32,
+    #[arg(long, env = "GLMFLASH_SEED", default_value_t = 0)]
+    pub seed: u64,
+}
