@@ -33,6 +33,8 @@ pub struct BenchArgs {
     pub prompt_tokens: usize,
     #[arg(long, default_value_t = 32)]
     pub decode_tokens: usize,
+    #[command(flatten)]
+    pub device: crate::backend::DeviceArgs,
 }
 
 pub fn run(args: &BenchArgs) -> anyhow::Result<()> {
@@ -69,7 +71,13 @@ pub fn run(args: &BenchArgs) -> anyhow::Result<()> {
 }
 
 fn measure(dir: &std::path::Path, args: &BenchArgs) -> anyhow::Result<serde_json::Value> {
-    let model = Model::load(dir)?;
+    let device = args.device.open()?;
+    let model = match &device {
+        crate::backend::Device::Cpu => Model::load(dir)?,
+        crate::backend::Device::Cuda(cuda) => {
+            crate::tiers::vram::load_model_on_gpu(dir, cuda.clone())?
+        }
+    };
     let cfg = &model.cfg;
     let vocab = cfg.vocab_size as u32;
     let prompt: Vec<u32> = (0..args.prompt_tokens as u32)
@@ -93,7 +101,11 @@ fn measure(dir: &std::path::Path, args: &BenchArgs) -> anyhow::Result<serde_json
     // Decode reads every non-expert weight once and k experts per MoE layer (the head once).
     let bytes_per_token = weights.total - weights.routed - weights.embed
         + moe_layers * cfg.num_experts_per_tok * expert_bytes;
-    let bandwidth = measure_read_bandwidth();
+    // The memory the weights stream from: host RAM, or the GPU's (every weight is there).
+    let (bandwidth, device_name) = match &device {
+        crate::backend::Device::Cpu => (measure_read_bandwidth(), "cpu".to_string()),
+        crate::backend::Device::Cuda(cuda) => (cuda.copy_bandwidth(1 << 30)?, cuda.describe()),
+    };
     let decode_tok_s = args.decode_tokens as f64 / decode_s;
     let roofline_tok_s = bandwidth / bytes_per_token as f64;
     Ok(serde_json::json!({
@@ -105,6 +117,7 @@ fn measure(dir: &std::path::Path, args: &BenchArgs) -> anyhow::Result<serde_json
         "top_k": cfg.num_experts_per_tok,
         "expert_format": args.expert_format,
         "threads": rayon::current_num_threads(),
+        "device": device_name,
         "weight_bytes": weights.total,
         "prefill_tokens": args.prompt_tokens,
         "prefill_tok_s": args.prompt_tokens as f64 / prefill_s,

@@ -9,7 +9,6 @@ use crate::tiers::history::RoutingHistory;
 use crate::tiers::provider::{
     CheckpointSource, ExpertSource, Mode, StoreSource, TierCaps, TieredExperts,
 };
-use crate::tiers::vram::VramExperts;
 use crate::{bench, demo};
 use clap::{Args, Parser, Subcommand};
 use std::path::PathBuf;
@@ -179,12 +178,10 @@ impl ModelArgs {
         let Some(mode) = self.mode else {
             return match device {
                 Device::Cpu => Ok((Model::load(&self.model)?, None)),
-                Device::Cuda(cuda) => {
-                    let source = CheckpointSource::open(&self.model)?;
-                    let vram =
-                        VramExperts::load_all(cuda.clone(), &source, &moe, cfg.n_routed_experts)?;
-                    Ok((load_dense_on_gpu(&self.model, Arc::new(vram), cuda)?, None))
-                }
+                Device::Cuda(cuda) => Ok((
+                    crate::tiers::vram::load_model_on_gpu(&self.model, cuda)?,
+                    None,
+                )),
             };
         };
         if let Device::Cuda(cuda) = &device {
@@ -236,24 +233,6 @@ impl ModelArgs {
             Some(tiers),
         ))
     }
-}
-
-/// The model with every dense weight on the GPU and routed experts from `experts`.
-fn load_dense_on_gpu(
-    dir: &std::path::Path,
-    experts: Arc<dyn crate::model::moe::ExpertProvider>,
-    cuda: Arc<crate::backend::cuda::Cuda>,
-) -> anyhow::Result<Model> {
-    let placer = crate::backend::cuda::matrix::CudaPlacer::new(cuda, 1)?;
-    let model = Model::load_placed(dir, Some(experts), Some(&placer))?;
-    if let Some(failure) = placer.failure() {
-        tracing::warn!(%failure, "some dense weights stay on the CPU");
-    }
-    tracing::info!(
-        dense_mib = placer.placed_bytes() >> 20,
-        "dense weights on the GPU"
-    );
-    Ok(model)
 }
 
 #[derive(Args)]

@@ -28,7 +28,9 @@ pub enum Device {
 /// The device flags every model-loading command takes.
 #[derive(Clone, Debug, clap::Args)]
 pub struct DeviceArgs {
-    /// Where routed experts are computed: auto (CUDA when present), cpu or cuda.
+    /// Where products run: auto (CUDA when present), cpu or cuda. On CUDA the dense weights
+    /// and routed experts live and multiply on the GPU; attention cores and norms stay on
+    /// the CPU for now.
     #[arg(long, env = "GLMFLASH_DEVICE", value_enum, default_value = "cpu")]
     pub device: DeviceChoice,
     /// CUDA device ordinal.

@@ -166,3 +166,37 @@ impl ExpertProvider for VramExperts {
         arena.slots * arena.layout.slot_bytes
     }
 }
+
+/// The model in `dir` with every routed expert in VRAM and every dense weight on the GPU.
+pub fn load_model_on_gpu(
+    dir: &std::path::Path,
+    cuda: Arc<Cuda>,
+) -> anyhow::Result<crate::model::Model> {
+    let cfg = crate::model::config::Config::from_file(&dir.join("config.json"))?;
+    let moe: Vec<bool> = cfg
+        .mlp_kinds
+        .iter()
+        .map(|k| *k == crate::model::config::MlpKind::Moe)
+        .collect();
+    let source = super::provider::CheckpointSource::open(dir)?;
+    let vram = VramExperts::load_all(cuda.clone(), &source, &moe, cfg.n_routed_experts)?;
+    load_dense_on_gpu(dir, Arc::new(vram), cuda)
+}
+
+/// The model in `dir` with every dense weight on the GPU and routed experts from `experts`.
+pub fn load_dense_on_gpu(
+    dir: &std::path::Path,
+    experts: Arc<dyn ExpertProvider>,
+    cuda: Arc<Cuda>,
+) -> anyhow::Result<crate::model::Model> {
+    let placer = crate::backend::cuda::matrix::CudaPlacer::new(cuda, 1)?;
+    let model = crate::model::Model::load_placed(dir, Some(experts), Some(&placer))?;
+    if let Some(failure) = placer.failure() {
+        tracing::warn!(%failure, "some dense weights stay on the CPU");
+    }
+    tracing::info!(
+        dense_mib = placer.placed_bytes() >> 20,
+        "dense weights on the GPU"
+    );
+    Ok(model)
+}

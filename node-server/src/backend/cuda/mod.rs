@@ -129,6 +129,22 @@ impl Cuda {
         Ok(self.ctx.mem_get_info()?)
     }
 
+    /// Device memory bandwidth, bytes read plus bytes written per second, of the best of a
+    /// few device-to-device copies of `bytes` (the HBM/GDDR ceiling measured in-run).
+    pub fn copy_bandwidth(&self, bytes: usize) -> Result<f64, CudaError> {
+        let src = self.stream.alloc_zeros::<u8>(bytes)?;
+        let mut dst = self.stream.alloc_zeros::<u8>(bytes)?;
+        let mut best = f64::MAX;
+        for _ in 0..5 {
+            self.stream.synchronize()?;
+            let started = std::time::Instant::now();
+            self.stream.memcpy_dtod(&src, &mut dst)?;
+            self.stream.synchronize()?;
+            best = best.min(started.elapsed().as_secs_f64());
+        }
+        Ok(2.0 * bytes as f64 / best)
+    }
+
     pub fn stream(&self) -> &Arc<CudaStream> {
         &self.stream
     }
