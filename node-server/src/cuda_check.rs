@@ -246,6 +246,50 @@ fn check_moe(
                     &want,
                     F32_BOUND,
                 ));
+                // The same step in two launches with the odd picks computed on the CPU (as
+                // the CPU lane does) must agree, and the GPU picks split across launches must
+                // give the single launch's bits for an all-GPU split.
+                let mut run = cuda.moe_begin(layout, tokens, k, &x)?;
+                let (even, odd): (Vec<(usize, u32)>, Vec<(usize, u32)>) = slots
+                    .iter()
+                    .copied()
+                    .enumerate()
+                    .partition(|(p, _)| p % 2 == 0);
+                cuda.moe_picks(&mut run, &arena.buf, limit, &even)?;
+                for &(p, _) in &odd {
+                    let (t, e) = (p / k, routing.ids[p] as usize);
+                    let y = ex[e].forward(&x[t * hidden..(t + 1) * hidden], 1);
+                    cuda.moe_set_rows(&mut run, p, &y)?;
+                }
+                let mixed = cuda.moe_finish(run, &routing.weights)?;
+                cases.push(case(
+                    format!(
+                        "moe {}/{} T={tokens} half on the CPU lane",
+                        gu.name(),
+                        down.name()
+                    ),
+                    &mixed,
+                    &want,
+                    F32_BOUND,
+                ));
+                let mut run = cuda.moe_begin(layout, tokens, k, &x)?;
+                cuda.moe_picks(&mut run, &arena.buf, limit, &odd)?;
+                cuda.moe_picks(&mut run, &arena.buf, limit, &even)?;
+                let split = cuda.moe_finish(run, &routing.weights)?;
+                let same_bits = split
+                    .iter()
+                    .zip(&got)
+                    .all(|(a, b)| a.to_bits() == b.to_bits());
+                cases.push(Case {
+                    name: format!(
+                        "moe {}/{} T={tokens} two launches: same bits",
+                        gu.name(),
+                        down.name()
+                    ),
+                    rel: if same_bits { 0.0 } else { f64::INFINITY },
+                    bound: 0.0,
+                    finite: split.iter().all(|v| v.is_finite()),
+                });
             }
         }
     }

@@ -374,30 +374,74 @@ impl Cuda {
         x: &[f32],
     ) -> Result<Vec<f32>, CudaError> {
         step.check(arena.len(), x.len())?;
-        let MoeStep {
+        let mut run = self.moe_begin(step.layout, step.tokens, step.k, x)?;
+        let picks: Vec<(usize, u32)> = step.slots.iter().copied().enumerate().collect();
+        self.moe_picks(&mut run, arena, step.limit, &picks)?;
+        self.moe_finish(run, step.weights)
+    }
+
+    /// Starts a routed-expert step over `tokens` rows of `x` with `k` picks each: per-pick
+    /// outputs are filled by [`Cuda::moe_picks`] (GPU) or [`Cuda::moe_set_rows`] (computed
+    /// elsewhere), then [`Cuda::moe_finish`] combines them in pick order.
+    pub fn moe_begin(
+        &self,
+        layout: MoeLayout,
+        tokens: usize,
+        k: usize,
+        x: &[f32],
+    ) -> Result<MoeRun, CudaError> {
+        if x.len() != tokens * layout.hidden {
+            return Err(CudaError::Invalid(format!(
+                "moe step of {tokens} tokens of {}: {} inputs",
+                layout.hidden,
+                x.len()
+            )));
+        }
+        Ok(MoeRun {
             layout,
             tokens,
             k,
-            limit,
-            ..
-        } = *step;
-        let picks = tokens * k;
-        if picks == 0 {
-            return Ok(Vec::new());
+            x: self.stream.clone_htod(x)?,
+            yp: self.alloc_f32(tokens * k * layout.hidden)?,
+            act: self.alloc_f32(tokens * k * layout.inter)?,
+        })
+    }
+
+    /// Computes the outputs of `picks` (`(pick index t * k + j, arena slot)`) on the GPU.
+    /// Each pick's output depends only on its token row and its slot's bytes, never on
+    /// which other picks share the launch.
+    pub fn moe_picks(
+        &self,
+        run: &mut MoeRun,
+        arena: &CudaSlice<u8>,
+        limit: f32,
+        picks: &[(usize, u32)],
+    ) -> Result<(), CudaError> {
+        let layout = run.layout;
+        let slots = arena.len() / layout.slot_bytes.max(1);
+        let total = run.tokens * run.k;
+        if let Some(bad) = picks
+            .iter()
+            .find(|(p, s)| *p >= total || *s as usize >= slots)
+        {
+            return Err(CudaError::Invalid(format!(
+                "moe pick {bad:?}: {total} picks, the arena holds {slots} slots"
+            )));
+        }
+        if picks.is_empty() {
+            return Ok(());
         }
         // Group the picks by slot, in order of first appearance.
         let mut group_of: HashMap<u32, usize> = HashMap::new();
         let mut members: Vec<Vec<i32>> = Vec::new();
-        for (p, &s) in step.slots.iter().enumerate() {
+        let mut slot_of_group: Vec<u32> = Vec::new();
+        for &(p, s) in picks {
             let g = *group_of.entry(s).or_insert_with(|| {
                 members.push(Vec::new());
+                slot_of_group.push(s);
                 members.len() - 1
             });
             members[g].push(p as i32);
-        }
-        let mut slot_of_group = vec![0u32; members.len()];
-        for (&s, &g) in &group_of {
-            slot_of_group[g] = s;
         }
         let base: Vec<i64> = slot_of_group
             .iter()
@@ -405,7 +449,7 @@ impl Cuda {
             .collect();
         let mut start = Vec::with_capacity(members.len());
         let mut len = Vec::with_capacity(members.len());
-        let mut list = Vec::with_capacity(picks);
+        let mut list = Vec::with_capacity(picks.len());
         for m in &members {
             start.push(list.len() as i32);
             len.push(m.len() as i32);
@@ -418,20 +462,14 @@ impl Cuda {
             s.clone_htod(&len)?,
             s.clone_htod(&list)?,
         );
-        let d_x = s.clone_htod(x)?;
-        let d_w = s.clone_htod(step.weights)?;
         let (hidden, inter) = (layout.hidden, layout.inter);
-        let mut act = self.alloc_f32(picks * inter)?;
-        let mut yp = self.alloc_f32(picks * hidden)?;
-        let mut out = self.alloc_f32(tokens * hidden)?;
         let groups = members.len() as u32;
         let (gate_fmt, down_fmt) = (
             kernel_format_id(layout.gate_up),
             kernel_format_id(layout.down),
         );
         let (up_off, down_off) = (layout.up_offset as i64, layout.down_offset as i64);
-        let (inter_i, hidden_i, k_i, tokens_i) =
-            (inter as i32, hidden as i32, k as i32, tokens as i32);
+        let (inter_i, hidden_i, k_i) = (inter as i32, hidden as i32, run.k as i32);
 
         let mut b = s.launch_builder(self.kernel("moe_gate_up"));
         b.arg(arena)
@@ -445,10 +483,10 @@ impl Cuda {
             .arg(&hidden_i)
             .arg(&k_i)
             .arg(&limit)
-            .arg(&d_x)
-            .arg(&mut act);
-        // SAFETY: `step.check` proved every slot's record lies inside the arena and the
-        // buffers hold `picks` rows; the grid covers `inter` rows of every group.
+            .arg(&run.x)
+            .arg(&mut run.act);
+        // SAFETY: every slot was checked to lie inside the arena and every pick index below
+        // `tokens * k` (the rows of act and yp); the grid covers `inter` rows of each group.
         unsafe { b.launch(rows_config(inter, groups)) }?;
 
         let mut b = s.launch_builder(self.kernel("moe_down"));
@@ -461,13 +499,51 @@ impl Cuda {
             .arg(&down_off)
             .arg(&hidden_i)
             .arg(&inter_i)
-            .arg(&act)
-            .arg(&mut yp);
+            .arg(&run.act)
+            .arg(&mut run.yp);
         // SAFETY: as above, for `hidden` rows of the down projection.
         unsafe { b.launch(rows_config(hidden, groups)) }?;
+        Ok(())
+    }
 
+    /// Sets the output of pick `pick` to `values` (computed off the GPU, e.g. the CPU lane).
+    pub fn moe_set_rows(
+        &self,
+        run: &mut MoeRun,
+        pick: usize,
+        values: &[f32],
+    ) -> Result<(), CudaError> {
+        let h = run.layout.hidden;
+        if pick >= run.tokens * run.k || values.len() != h {
+            return Err(CudaError::Invalid(format!(
+                "moe row {pick} of {} values; {} picks of {h}",
+                values.len(),
+                run.tokens * run.k
+            )));
+        }
+        let mut dst = run.yp.slice_mut(pick * h..(pick + 1) * h);
+        self.stream.memcpy_htod(values, &mut dst)?;
+        Ok(())
+    }
+
+    /// `out[t] = sum_j weights[t, j] * pick(t * k + j)` in pick order, on the GPU.
+    pub fn moe_finish(&self, run: MoeRun, weights: &[f32]) -> Result<Vec<f32>, CudaError> {
+        let (tokens, k, hidden) = (run.tokens, run.k, run.layout.hidden);
+        if weights.len() != tokens * k {
+            return Err(CudaError::Invalid(format!(
+                "moe combine of {tokens} x {k} picks with {} weights",
+                weights.len()
+            )));
+        }
+        if tokens == 0 {
+            return Ok(Vec::new());
+        }
+        let s = &self.stream;
+        let d_w = s.clone_htod(weights)?;
+        let mut out = self.alloc_f32(tokens * hidden)?;
+        let (tokens_i, k_i, hidden_i) = (tokens as i32, k as i32, hidden as i32);
         let mut b = s.launch_builder(self.kernel("moe_combine"));
-        b.arg(&yp)
+        b.arg(&run.yp)
             .arg(&d_w)
             .arg(&tokens_i)
             .arg(&k_i)
@@ -475,8 +551,20 @@ impl Cuda {
             .arg(&mut out);
         // SAFETY: `tokens * hidden` outputs from `tokens * k` pick rows and weights.
         unsafe { b.launch(LaunchConfig::for_num_elems((tokens * hidden) as u32)) }?;
-        Ok(s.clone_dtoh(&out)?)
+        let mut y = s.clone_dtoh(&out)?;
+        y.truncate(tokens * hidden);
+        Ok(y)
     }
+}
+
+/// A routed-expert step in progress (see [`Cuda::moe_begin`]).
+pub struct MoeRun {
+    layout: MoeLayout,
+    tokens: usize,
+    k: usize,
+    x: CudaSlice<f32>,
+    yp: CudaSlice<f32>,
+    act: CudaSlice<f32>,
 }
 
 /// Router settings for [`Cuda::route`].
