@@ -250,7 +250,7 @@ fn check_moe(
                 // the CPU lane does) must agree, and the GPU picks split across launches must
                 // give the single launch's bits for an all-GPU split.
                 let mut run = cuda.moe_begin(layout, tokens, k, &x)?;
-                let (even, odd): (Vec<(usize, u32)>, Vec<(usize, u32)>) = slots
+                let (even, odd): (Vec<Pick>, Vec<Pick>) = slots
                     .iter()
                     .copied()
                     .enumerate()
@@ -295,6 +295,9 @@ fn check_moe(
     }
     Ok(())
 }
+
+/// `(pick index, arena slot)`.
+type Pick = (usize, u32);
 
 /// `k` distinct experts per token with positive weights.
 fn random_routing(rng: &mut ChaCha8Rng, tokens: usize, experts: usize, k: usize) -> Routing {
