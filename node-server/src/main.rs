@@ -7,9 +7,10 @@ use glmflash_node::engine::sampling::Sampler;
 use glmflash_node::model::config::MlpKind;
 use glmflash_node::model::dump::Dump;
 use glmflash_node::model::{Model, Step};
+use glmflash_node::tiers::args::{TierArgs, tier_summary};
 use glmflash_node::tiers::history::RoutingHistory;
 use glmflash_node::tiers::provider::{
-    CheckpointSource, ExpertSource, Mode, StoreSource, Tier, TierCaps, TieredExperts,
+    CheckpointSource, ExpertSource, Mode, StoreSource, TierCaps, TieredExperts,
 };
 use glmflash_node::tokenizer::TextCodec;
 use glmflash_node::{bench, demo, store};
@@ -151,9 +152,10 @@ struct ModelArgs {
     /// Device-tier expert slots per MoE layer (tiered modes; a CPU-memory tier without a GPU).
     #[arg(long, env = "GLMFLASH_VRAM_SLOTS", default_value_t = 4)]
     vram_slots: usize,
-    /// RAM-tier expert slots per MoE layer (tiered modes).
-    #[arg(long, env = "GLMFLASH_RAM_SLOTS", default_value_t = 8)]
-    ram_slots: usize,
+    /// RAM-tier expert slots per MoE layer (tiered modes); default: sized from the memory
+    /// limit (see --ram-budget-mib).
+    #[arg(long, env = "GLMFLASH_RAM_SLOTS")]
+    ram_slots: Option<usize>,
     /// Packed expert store (from `pack-store`) that expert misses are read from; without it
     /// a tiered mode reads misses from the checkpoint.
     #[arg(long, env = "GLMFLASH_STORE")]
@@ -164,6 +166,8 @@ struct ModelArgs {
     /// Turn off layer-ahead prefetch of predicted experts.
     #[arg(long, env = "GLMFLASH_NO_PREFETCH")]
     no_prefetch: bool,
+    #[command(flatten)]
+    tier: TierArgs,
 }
 
 /// Lookups per layer between halvings of the LFU counts.
@@ -188,11 +192,23 @@ impl ModelArgs {
             None => Arc::new(CheckpointSource::open(&self.model)?),
         };
         let moe: Vec<bool> = cfg.mlp_kinds.iter().map(|k| *k == MlpKind::Moe).collect();
+        let moe_layers = moe.iter().filter(|&&m| m).count();
+        let record = source.record_bytes() as u64;
+        // The non-expert weights load after sizing: count them as held already.
+        let dense = checkpoint_bytes(&self.model)
+            .saturating_sub(moe_layers as u64 * cfg.n_routed_experts as u64 * record);
         let caps = TierCaps {
             device_slots_per_layer: self.vram_slots,
-            ram_slots_per_layer: self.ram_slots,
+            ram_slots_per_layer: self.tier.prepare(
+                mode,
+                self.ram_slots,
+                dense,
+                record,
+                moe_layers,
+                cfg.n_routed_experts,
+            ),
         };
-        let tiers = Arc::new(TieredExperts::new(
+        let tiers = Arc::new(TieredExperts::with_tuning(
             source,
             cfg.hidden_size,
             cfg.n_routed_experts,
@@ -201,6 +217,7 @@ impl ModelArgs {
             caps,
             AGING_PERIOD,
             !self.no_prefetch,
+            self.tier.tuning(),
         )?);
         if let Some(path) = &self.history {
             let fingerprint = glmflash_node::store::quick_fingerprint(&self.model)?;
@@ -221,28 +238,16 @@ impl ModelArgs {
     }
 }
 
-/// One line per tier: lookups and residents.
-fn tier_summary(tiers: &TieredExperts) -> String {
-    let s = &tiers.stats;
-    let prefetch = format!(
-        "prefetch: {} issued, {} hits, {} wasted",
-        s.prefetch_issued.load(std::sync::atomic::Ordering::Relaxed),
-        s.prefetch_hits.load(std::sync::atomic::Ordering::Relaxed),
-        s.prefetch_wasted.load(std::sync::atomic::Ordering::Relaxed)
-    );
-    [Tier::Device, Tier::Ram, Tier::Store]
-        .iter()
-        .map(|&t| {
-            format!(
-                "{}: {} lookups, {} resident",
-                t.name(),
-                tiers.stats.lookups(t),
-                tiers.resident(t)
-            )
-        })
-        .chain(std::iter::once(prefetch))
-        .collect::<Vec<_>>()
-        .join("; ")
+/// Bytes of the checkpoint's safetensors files.
+fn checkpoint_bytes(dir: &std::path::Path) -> u64 {
+    std::fs::read_dir(dir)
+        .into_iter()
+        .flatten()
+        .flatten()
+        .filter(|e| e.path().extension().is_some_and(|x| x == "safetensors"))
+        .filter_map(|e| e.metadata().ok())
+        .map(|m| m.len())
+        .sum()
 }
 
 #[derive(Args)]
@@ -302,15 +307,24 @@ fn run(command: Command) -> anyhow::Result<()> {
             server::serve(
                 dir.clone(),
                 serve,
-                Some(Box::new(move || {
+                Some(Box::new(move |metrics| {
                     let (loaded, tiers) = model.load()?;
+                    if let Some(t) = &tiers {
+                        let t = t.clone();
+                        metrics.attach_tiers(move || {
+                            glmflash_node::tiers::args::metrics_snapshot(&t)
+                        })?;
+                    }
                     *keep.lock().unwrap_or_else(|e| e.into_inner()) = tiers;
                     Ok(loaded)
                 })),
             )?;
             let tiers = slot.lock().unwrap_or_else(|e| e.into_inner()).take();
+            if let Some(tiers) = &tiers {
+                tiers.flush();
+                eprintln!("tiers ({:?}): {}", tiers.mode(), tier_summary(tiers));
+            }
             if let (Some(tiers), Some(path)) = (tiers, history) {
-                eprintln!("tiers ({:?}): {}", tiers.mode(), tier_summary(&tiers));
                 let fingerprint = glmflash_node::store::quick_fingerprint(&dir)?;
                 tiers
                     .history(&fingerprint)
@@ -362,6 +376,7 @@ fn run(command: Command) -> anyhow::Result<()> {
             let (loaded, tiers) = model.load()?;
             generate(&model.model, loaded, &generation)?;
             if let Some(tiers) = tiers {
+                tiers.flush();
                 eprintln!("tiers ({:?}): {}", tiers.mode(), tier_summary(&tiers));
                 if let Some(path) = &model.history {
                     let fingerprint = glmflash_node::store::quick_fingerprint(&model.model)?;

@@ -10,6 +10,17 @@ use super::mlp::SwiGlu;
 use crate::backend::cpu::{Matrix, ops};
 use rayon::prelude::*;
 
+/// What a forward call is doing, from the kind of its steps (not its token count: a batched
+/// decode tick of several sequences is still decode).
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub enum Phase {
+    /// Some step feeds a prompt (or a prompt chunk).
+    #[default]
+    Prefill,
+    /// Every step adds one generated token to a sequence that already has a cache.
+    Decode,
+}
+
 /// Per token: the `k` chosen experts and their weights, in the router's order.
 #[derive(Clone, Debug, PartialEq)]
 pub struct Routing {
@@ -18,6 +29,8 @@ pub struct Routing {
     pub ids: Vec<u32>,
     /// `[T * k]`, already normalised and scaled.
     pub weights: Vec<f32>,
+    /// The phase of the forward call these picks belong to.
+    pub phase: Phase,
 }
 
 impl Routing {
@@ -249,7 +262,12 @@ impl Router {
             ids.extend(picked.iter().map(|&i| i as u32));
             weights.extend(w);
         }
-        Routing { k, ids, weights }
+        Routing {
+            k,
+            ids,
+            weights,
+            phase: Phase::Prefill,
+        }
     }
 }
 
@@ -284,9 +302,13 @@ impl Moe {
         layer: usize,
         x: &[f32],
         tokens: usize,
+        phase: Phase,
         experts: &dyn ExpertProvider,
     ) -> anyhow::Result<(Vec<f32>, Routing)> {
-        let routing = self.router.route(x, tokens);
+        let routing = Routing {
+            phase,
+            ..self.router.route(x, tokens)
+        };
         let mut out = vec![0f32; tokens * self.hidden];
         experts.forward(layer, x, &routing, &mut out)?;
         if let Some(shared) = &self.shared {
