@@ -444,6 +444,8 @@ mod tests {
                 seen.load(std::sync::atomic::Ordering::Relaxed),
             )],
             residency: vec![("ram", 3, 8)],
+            bytes_moved: vec![("nvme_to_ram", 1 << 20)],
+            prefetch: vec![("hit", 2)],
             read_bounds: vec![0.001, 0.01],
             read_cumulative: vec![2, 3],
             read_count: 4,
@@ -467,6 +469,8 @@ mod tests {
             r#"glmflash_nvme_read_seconds_bucket{le="+Inf"} 4"#,
             "glmflash_nvme_read_seconds_sum 1.5",
             r#"glmflash_memory_bytes{kind="pinned_ram"} 4096"#,
+            r#"glmflash_bytes_moved_total{path="nvme_to_ram"} 1048576"#,
+            r#"glmflash_prefetch_total{outcome="hit"} 2"#,
         ] {
             assert!(text.contains(line), "{line} in\n{text}");
         }
