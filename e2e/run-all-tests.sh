@@ -64,9 +64,9 @@ for mode in fast exact nvme nvme-exact; do
 done
 
 step "RAM tier sized from the memory limit; pinning refused (no CAP_IPC_LOCK, memlock 64 KiB) still serves"
-log="$($node logits --model "$store_tmp/model" --store "$store_tmp/store" --mode nvme --vram-slots 1 \
-  --ram-budget-mib 64 --tokens 0,1,4,100,200,300 --greedy 8 2>&1 >/dev/null)"
-grep -q "RAM tier sized.*budget_mib=64" <<<"$log" || { echo "$log"; echo "no sizing line"; exit 1; }
+log="$($node --log-format json logits --model "$store_tmp/model" --store "$store_tmp/store" --mode nvme \
+  --vram-slots 1 --ram-budget-mib 64 --tokens 0,1,4,100,200,300 --greedy 8 2>&1 >/dev/null)"
+grep "RAM tier sized" <<<"$log" | grep -q '"budget_mib":64' || { echo "$log"; echo "no sizing line"; exit 1; }
 got="$(ulimit -l 64; setpriv --inh-caps=-ipc_lock --bounding-set=-ipc_lock -- \
   $node logits --model "$store_tmp/model" --store "$store_tmp/store" --mode nvme --vram-slots 1 \
   --ram-budget-mib 64 --tokens 0,1,4,100,200,300 --greedy 8 2>"$store_tmp/unpinned.log")"

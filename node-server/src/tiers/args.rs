@@ -84,6 +84,7 @@ impl TierArgs {
         );
         let pinned = slots as u64 * moe_layers as u64 * record_bytes;
         if !self.no_pin
+            && !sizing::has_ipc_lock()
             && let Some(problem) = sizing::memlock_problem(pinned, soft)
         {
             tracing::warn!("{problem}");

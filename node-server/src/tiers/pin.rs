@@ -156,7 +156,7 @@ mod tests {
         let soft = rustix::process::getrlimit(rustix::process::Resource::Memlock).current;
         let pinned = Pinned::new(w, &stats);
         // CAP_IPC_LOCK (e.g. root) lifts the limit.
-        if soft.is_some_and(|l| l < 64 << 20) && !has_ipc_lock() {
+        if soft.is_some_and(|l| l < 64 << 20) && !crate::tiers::sizing::has_ipc_lock() {
             assert!(!pinned.is_pinned());
             assert!(stats.failures.load(Ordering::Relaxed) >= 1);
         } else {
@@ -165,16 +165,6 @@ mod tests {
         }
         drop(pinned);
         assert_eq!(stats.pinned(), 0);
-    }
-
-    fn has_ipc_lock() -> bool {
-        const CAP_IPC_LOCK: u32 = 14;
-        std::fs::read_to_string("/proc/self/status")
-            .unwrap()
-            .lines()
-            .find_map(|l| l.strip_prefix("CapEff:"))
-            .and_then(|v| u64::from_str_radix(v.trim(), 16).ok())
-            .is_some_and(|caps| caps >> CAP_IPC_LOCK & 1 == 1)
     }
 
     fn vm_locked_kib() -> u64 {

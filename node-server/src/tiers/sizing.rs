@@ -172,6 +172,17 @@ pub fn plan_ram_tier(
     }
 }
 
+/// Whether this process holds CAP_IPC_LOCK, which lifts RLIMIT_MEMLOCK for mlock.
+pub fn has_ipc_lock() -> bool {
+    const CAP_IPC_LOCK: u32 = 14;
+    std::fs::read_to_string("/proc/self/status")
+        .unwrap_or_default()
+        .lines()
+        .find_map(|l| l.strip_prefix("CapEff:"))
+        .and_then(|v| u64::from_str_radix(v.trim(), 16).ok())
+        .is_some_and(|caps| caps >> CAP_IPC_LOCK & 1 == 1)
+}
+
 /// A plain message saying what to change when `bytes` cannot be pinned under the memlock limit.
 pub fn memlock_problem(bytes: u64, soft: Option<u64>) -> Option<String> {
     match soft {
