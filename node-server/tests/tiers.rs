@@ -389,7 +389,28 @@ fn batched_decode_tick_is_counted_as_decode() {
             .unwrap();
     }
     assert_eq!(phase_total(0), prefill, "decode ticks counted as prefill");
-    assert!(phase_total(1) > 0);
+    let decode = phase_total(1);
+    assert!(decode > 0);
+    // A tick mixing a prompt chunk with a decode step counts each token in its own phase.
+    let mut c = model.new_cache();
+    model
+        .forward(
+            &mut [
+                Step {
+                    tokens: &[7],
+                    cache: &mut a,
+                    all_logits: false,
+                },
+                Step {
+                    tokens: &[8, 9, 10, 11],
+                    cache: &mut c,
+                    all_logits: false,
+                },
+            ],
+            None,
+        )
+        .unwrap();
+    assert!(phase_total(0) > prefill && phase_total(1) > decode);
 }
 
 /// `/metrics` of a tiered server shows the tier metrics under the contract's names, with the

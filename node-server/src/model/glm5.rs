@@ -264,11 +264,17 @@ impl Model {
             }
         }
 
-        let phase = if steps.iter().all(Step::is_decode) {
-            Phase::Decode
-        } else {
-            Phase::Prefill
-        };
+        let phases: Vec<Phase> = steps
+            .iter()
+            .flat_map(|s| {
+                let phase = if s.is_decode() {
+                    Phase::Decode
+                } else {
+                    Phase::Prefill
+                };
+                std::iter::repeat_n(phase, s.tokens.len())
+            })
+            .collect();
         let mut carried: Option<Vec<Selections>> = None;
         for (li, layer) in self.layers.iter().enumerate() {
             let name = |part: &str| format!("layers.{li}.{part}");
@@ -338,7 +344,7 @@ impl Model {
                         self.experts.prefetch(next, &predicted.ids);
                     }
                     let (y, routing) = moe
-                        .forward(li, &x, tokens, phase, self.experts.as_ref())
+                        .forward(li, &x, tokens, &phases, self.experts.as_ref())
                         .with_context(|| format!("experts of layer {li}"))?;
                     if let Some(h) = hooks {
                         h.routing(li, &routing);

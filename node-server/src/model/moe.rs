@@ -10,14 +10,15 @@ use super::mlp::SwiGlu;
 use crate::backend::cpu::{Matrix, ops};
 use rayon::prelude::*;
 
-/// What a forward call is doing, from the kind of its steps (not its token count: a batched
-/// decode tick of several sequences is still decode).
+/// What a token of a forward call is doing, from the kind of its step (not the call's token
+/// count: a batched decode tick of several sequences is still decode, and a tick mixing
+/// prompt chunks with decode steps has both).
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
 pub enum Phase {
-    /// Some step feeds a prompt (or a prompt chunk).
+    /// A prompt token (or one of a prompt chunk).
     #[default]
     Prefill,
-    /// Every step adds one generated token to a sequence that already has a cache.
+    /// The one new generated token of a sequence that already has a cache.
     Decode,
 }
 
@@ -29,13 +30,18 @@ pub struct Routing {
     pub ids: Vec<u32>,
     /// `[T * k]`, already normalised and scaled.
     pub weights: Vec<f32>,
-    /// The phase of the forward call these picks belong to.
-    pub phase: Phase,
+    /// `[T]`: each token's phase (empty for a prediction: all prefill).
+    pub phases: Vec<Phase>,
 }
 
 impl Routing {
     pub fn tokens(&self) -> usize {
         self.ids.len() / self.k.max(1)
+    }
+
+    /// The phase of token `t`.
+    pub fn phase(&self, t: usize) -> Phase {
+        self.phases.get(t).copied().unwrap_or_default()
     }
 
     /// Token indices routed to each expert (`experts` long), in token order.
@@ -266,7 +272,7 @@ impl Router {
             k,
             ids,
             weights,
-            phase: Phase::Prefill,
+            phases: Vec::new(),
         }
     }
 }
@@ -302,11 +308,11 @@ impl Moe {
         layer: usize,
         x: &[f32],
         tokens: usize,
-        phase: Phase,
+        phases: &[Phase],
         experts: &dyn ExpertProvider,
     ) -> anyhow::Result<(Vec<f32>, Routing)> {
         let routing = Routing {
-            phase,
+            phases: phases.to_vec(),
             ..self.router.route(x, tokens)
         };
         let mut out = vec![0f32; tokens * self.hidden];

@@ -647,10 +647,12 @@ impl ExpertProvider for TieredExperts {
         let mut jobs = Vec::new();
         let resolved = {
             let mut l = self.layer(layer);
-            routing.ids.iter().try_for_each(|&e| {
+            // One lookup per distinct expert, in the phase of the first token that picked it.
+            routing.ids.iter().enumerate().try_for_each(|(i, &e)| {
                 let e = e as usize;
                 if let std::collections::hash_map::Entry::Vacant(slot) = picked.entry(e) {
-                    slot.insert(self.resolve(layer, &mut l, e, routing.phase, &mut jobs)?);
+                    let phase = routing.phase(i / routing.k.max(1));
+                    slot.insert(self.resolve(layer, &mut l, e, phase, &mut jobs)?);
                 }
                 anyhow::Ok(())
             })
