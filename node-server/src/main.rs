@@ -176,6 +176,7 @@ const AGING_PERIOD: u64 = 4096;
 impl ModelArgs {
     /// The model with its experts served as the flags ask (untiered when no --mode).
     fn load(&self) -> anyhow::Result<(Model, Option<Arc<TieredExperts>>)> {
+        glmflash_node::tiers::args::log_cpu_lane();
         let Some(mode) = self.mode else {
             return Ok((Model::load(&self.model)?, None));
         };

@@ -48,7 +48,6 @@ impl TierArgs {
         moe_layers: usize,
         experts: usize,
     ) -> usize {
-        log_cpu_lane();
         let soft = sizing::raise_memlock();
         let facts = MemoryFacts::read();
         let plan = sizing::plan_ram_tier(
@@ -96,26 +95,31 @@ impl TierArgs {
 /// Says which CPU-lane kernels run: the SIMD ones need AVX2, FMA and F16C.
 pub fn log_cpu_lane() {
     let f = crate::quant::cpu_features();
-    if f.simd_supported() {
-        tracing::info!(
+    match cpu_lane_problem(f) {
+        None => tracing::info!(
             avx2 = f.avx2,
             fma = f.fma,
             f16c = f.f16c,
             "CPU lane: SIMD kernels"
-        );
-    } else {
-        let missing: Vec<&str> = [("AVX2", f.avx2), ("FMA", f.fma), ("F16C", f.f16c)]
-            .iter()
-            .filter(|(_, has)| !has)
-            .map(|(name, _)| *name)
-            .collect();
-        tracing::warn!(
-            missing = %missing.join(", "),
-            "this CPU lacks {} needed by the CPU lane's SIMD kernels; the portable fallback \
-             runs instead (same results, slower)",
-            missing.join(", ")
-        );
+        ),
+        Some(problem) => tracing::warn!("{problem}"),
     }
+}
+
+/// A plain sentence naming what the CPU lacks, or `None` when the SIMD kernels can run.
+pub fn cpu_lane_problem(f: crate::quant::CpuFeatures) -> Option<String> {
+    let missing: Vec<&str> = [("AVX2", f.avx2), ("FMA", f.fma), ("F16C", f.f16c)]
+        .iter()
+        .filter(|(_, has)| !has)
+        .map(|(name, _)| *name)
+        .collect();
+    (!missing.is_empty()).then(|| {
+        format!(
+            "this CPU lacks {} needed by the CPU lane's SIMD kernels; the portable fallback runs \
+             instead (same results, slower)",
+            missing.join(", ")
+        )
+    })
 }
 
 /// One line: lookups and residents per tier, bytes moved, pinned bytes, prefetch, ring.
@@ -206,5 +210,31 @@ pub fn metrics_snapshot(tiers: &TieredExperts) -> crate::metrics::TierSnapshot {
         cpu_lane_experts: get(&s.cpu_lane),
         memory,
         pin_failures: get(&tiers.pins.failures),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::quant::CpuFeatures;
+
+    #[test]
+    fn cpu_lane_names_what_is_missing() {
+        let all = CpuFeatures {
+            avx2: true,
+            fma: true,
+            f16c: true,
+        };
+        assert_eq!(cpu_lane_problem(all), None);
+        let msg = cpu_lane_problem(CpuFeatures {
+            fma: false,
+            f16c: false,
+            ..all
+        })
+        .unwrap();
+        assert!(
+            msg.contains("lacks FMA, F16C") && msg.contains("portable fallback"),
+            "{msg}"
+        );
     }
 }
