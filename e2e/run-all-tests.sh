@@ -65,6 +65,17 @@ for mode in fast exact nvme nvme-exact; do
   [ "$got" = "$base" ] || { echo "mode $mode differs from the untiered engine"; exit 1; }
   echo "mode $mode: identical"
 done
+
+step "RAM tier sized from the memory limit; pinning refused (no CAP_IPC_LOCK, memlock 64 KiB) still serves"
+log="$($node --log-format json logits --model "$store_tmp/model" --store "$store_tmp/store" --mode nvme \
+  --vram-slots 1 --ram-budget-mib 64 --tokens 0,1,4,100,200,300 --greedy 8 2>&1 >/dev/null)"
+grep "RAM tier sized" <<<"$log" | grep -q '"budget_mib":64' || { echo "$log"; echo "no sizing line"; exit 1; }
+got="$(ulimit -l 64; setpriv --inh-caps=-ipc_lock --bounding-set=-ipc_lock -- \
+  $node logits --model "$store_tmp/model" --store "$store_tmp/store" --mode nvme --vram-slots 1 \
+  --ram-budget-mib 64 --tokens 0,1,4,100,200,300 --greedy 8 2>"$store_tmp/unpinned.log")"
+[ "$got" = "$base" ] || { echo "unpinned nvme mode differs from the untiered engine"; exit 1; }
+grep -q "ulimit" "$store_tmp/unpinned.log" || { cat "$store_tmp/unpinned.log"; echo "no memlock advice"; exit 1; }
+echo "sized, and unpinned when refused, with the same logits"
 rm -rf "$store_tmp"
 
 echo

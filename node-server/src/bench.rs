@@ -35,9 +35,14 @@ pub struct BenchArgs {
     pub decode_tokens: usize,
     #[command(flatten)]
     pub device: crate::backend::DeviceArgs,
+    #[command(flatten)]
+    pub tiers: crate::bench_tiers::TierBenchArgs,
 }
 
 pub fn run(args: &BenchArgs) -> anyhow::Result<()> {
+    if args.tiers.tiered {
+        return crate::bench_tiers::run(args);
+    }
     let scratch = std::env::temp_dir().join(format!("glmflash-bench-{}", std::process::id()));
     let dir = match &args.model {
         Some(dir) => dir.clone(),
@@ -147,7 +152,7 @@ fn model_bytes(model: &Model) -> WeightBytes {
 
 /// Sustained read bandwidth of this machine's memory: all threads summing a 512 MiB buffer
 /// of integers (an integer sum vectorises, so the loop is bound by memory, not adds).
-fn measure_read_bandwidth() -> f64 {
+pub fn measure_read_bandwidth() -> f64 {
     let len = 128 << 20;
     let buf: Vec<u32> = (0..len as u32).collect();
     let mut best = f64::MAX;

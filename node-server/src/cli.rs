@@ -5,6 +5,7 @@ use crate::api::server::ServeArgs;
 use crate::backend::Device;
 use crate::model::Model;
 use crate::model::config::MlpKind;
+use crate::tiers::args::TierArgs;
 use crate::tiers::history::RoutingHistory;
 use crate::tiers::provider::{
     CheckpointSource, ExpertSource, Mode, StoreSource, TierCaps, TieredExperts,
@@ -149,9 +150,10 @@ pub struct ModelArgs {
     /// Device-tier expert slots per MoE layer (tiered modes; a CPU-memory tier without a GPU).
     #[arg(long, env = "GLMFLASH_VRAM_SLOTS", default_value_t = 4)]
     pub vram_slots: usize,
-    /// RAM-tier expert slots per MoE layer (tiered modes).
-    #[arg(long, env = "GLMFLASH_RAM_SLOTS", default_value_t = 8)]
-    pub ram_slots: usize,
+    /// RAM-tier expert slots per MoE layer (tiered modes); default: sized from the memory
+    /// limit (see --ram-budget-mib).
+    #[arg(long, env = "GLMFLASH_RAM_SLOTS")]
+    pub ram_slots: Option<usize>,
     /// Packed expert store (from `pack-store`) that expert misses are read from; without it
     /// a tiered mode reads misses from the checkpoint.
     #[arg(long, env = "GLMFLASH_STORE")]
@@ -163,6 +165,8 @@ pub struct ModelArgs {
     #[arg(long, env = "GLMFLASH_NO_PREFETCH")]
     pub no_prefetch: bool,
     #[command(flatten)]
+    pub tier: TierArgs,
+    #[command(flatten)]
     pub device: crate::backend::DeviceArgs,
 }
 
@@ -172,6 +176,7 @@ pub const AGING_PERIOD: u64 = 4096;
 impl ModelArgs {
     /// The model with its experts served as the flags ask (untiered when no --mode).
     pub fn load(&self) -> anyhow::Result<(Model, Option<Arc<TieredExperts>>)> {
+        crate::tiers::args::log_cpu_lane();
         let device = self.device.open()?;
         let cfg = crate::model::config::Config::from_file(&self.model.join("config.json"))?;
         let moe: Vec<bool> = cfg.mlp_kinds.iter().map(|k| *k == MlpKind::Moe).collect();
@@ -202,11 +207,23 @@ impl ModelArgs {
             }
             None => Arc::new(CheckpointSource::open(&self.model)?),
         };
+        let moe_layers = moe.iter().filter(|&&m| m).count();
+        let record = source.record_bytes() as u64;
+        // The non-expert weights load after sizing: count them as held already.
+        let dense = checkpoint_bytes(&self.model)
+            .saturating_sub(moe_layers as u64 * cfg.n_routed_experts as u64 * record);
         let caps = TierCaps {
             device_slots_per_layer: self.vram_slots,
-            ram_slots_per_layer: self.ram_slots,
+            ram_slots_per_layer: self.tier.prepare(
+                mode,
+                self.ram_slots,
+                dense,
+                record,
+                moe_layers,
+                cfg.n_routed_experts,
+            ),
         };
-        let tiers = Arc::new(TieredExperts::new(
+        let tiers = Arc::new(TieredExperts::with_tuning(
             source,
             cfg.hidden_size,
             cfg.n_routed_experts,
@@ -215,6 +232,7 @@ impl ModelArgs {
             caps,
             AGING_PERIOD,
             !self.no_prefetch,
+            self.tier.tuning(),
         )?);
         if let Some(path) = &self.history {
             let fingerprint = crate::store::quick_fingerprint(&self.model)?;
@@ -233,6 +251,18 @@ impl ModelArgs {
             Some(tiers),
         ))
     }
+}
+
+/// Bytes of the checkpoint's safetensors files.
+fn checkpoint_bytes(dir: &std::path::Path) -> u64 {
+    std::fs::read_dir(dir)
+        .into_iter()
+        .flatten()
+        .flatten()
+        .filter(|e| e.path().extension().is_some_and(|x| x == "safetensors"))
+        .filter_map(|e| e.metadata().ok())
+        .map(|m| m.len())
+        .sum()
 }
 
 #[derive(Args)]

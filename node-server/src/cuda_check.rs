@@ -314,7 +314,12 @@ fn random_routing(rng: &mut ChaCha8Rng, tokens: usize, experts: usize, k: usize)
         ids.extend(picked);
         weights.extend((0..k).map(|_| rng.random::<f32>() + 0.1));
     }
-    Routing { k, ids, weights }
+    Routing {
+        k,
+        ids,
+        weights,
+        phases: Vec::new(),
+    }
 }
 
 fn check_small_ops(cuda: &Cuda, rng: &mut ChaCha8Rng, cases: &mut Vec<Case>) -> anyhow::Result<()> {

@@ -7,36 +7,13 @@ use glmflash_node::cli::{Cli, Command, GenerationArgs};
 use glmflash_node::engine::sampling::Sampler;
 use glmflash_node::model::dump::Dump;
 use glmflash_node::model::{Model, Step};
-use glmflash_node::tiers::provider::{Tier, TieredExperts};
+use glmflash_node::tiers::args::tier_summary;
+use glmflash_node::tiers::provider::TieredExperts;
 use glmflash_node::tokenizer::TextCodec;
 use glmflash_node::{bench, demo, store};
 use std::io::Write;
 use std::sync::Arc;
 use std::time::Instant;
-
-/// One line per tier: lookups and residents.
-fn tier_summary(tiers: &TieredExperts) -> String {
-    let s = &tiers.stats;
-    let prefetch = format!(
-        "prefetch: {} issued, {} hits, {} wasted",
-        s.prefetch_issued.load(std::sync::atomic::Ordering::Relaxed),
-        s.prefetch_hits.load(std::sync::atomic::Ordering::Relaxed),
-        s.prefetch_wasted.load(std::sync::atomic::Ordering::Relaxed)
-    );
-    [Tier::Device, Tier::Ram, Tier::Store]
-        .iter()
-        .map(|&t| {
-            format!(
-                "{}: {} lookups, {} resident",
-                t.name(),
-                tiers.stats.lookups(t),
-                tiers.resident(t)
-            )
-        })
-        .chain(std::iter::once(prefetch))
-        .collect::<Vec<_>>()
-        .join("; ")
-}
 
 fn main() {
     let cli = Cli::parse();
@@ -76,15 +53,24 @@ fn run(command: Command) -> anyhow::Result<()> {
             server::serve(
                 dir.clone(),
                 serve,
-                Some(Box::new(move || {
+                Some(Box::new(move |metrics| {
                     let (loaded, tiers) = model.load()?;
+                    if let Some(t) = &tiers {
+                        let t = t.clone();
+                        metrics.attach_tiers(move || {
+                            glmflash_node::tiers::args::metrics_snapshot(&t)
+                        })?;
+                    }
                     *keep.lock().unwrap_or_else(|e| e.into_inner()) = tiers;
                     Ok(loaded)
                 })),
             )?;
             let tiers = slot.lock().unwrap_or_else(|e| e.into_inner()).take();
+            if let Some(tiers) = &tiers {
+                tiers.flush();
+                eprintln!("tiers ({:?}): {}", tiers.mode(), tier_summary(tiers));
+            }
             if let (Some(tiers), Some(path)) = (tiers, history) {
-                eprintln!("tiers ({:?}): {}", tiers.mode(), tier_summary(&tiers));
                 let fingerprint = glmflash_node::store::quick_fingerprint(&dir)?;
                 tiers
                     .history(&fingerprint)
@@ -136,6 +122,7 @@ fn run(command: Command) -> anyhow::Result<()> {
             let (loaded, tiers) = model.load()?;
             generate(&model.model, loaded, &generation)?;
             if let Some(tiers) = tiers {
+                tiers.flush();
                 eprintln!("tiers ({:?}): {}", tiers.mode(), tier_summary(&tiers));
                 if let Some(path) = &model.history {
                     let fingerprint = glmflash_node::store::quick_fingerprint(&model.model)?;

@@ -223,3 +223,291 @@ fn packed_store_source_is_bit_identical_too() {
         }
     }
 }
+
+fn moe_flags(model: &Model) -> Vec<bool> {
+    model
+        .cfg
+        .mlp_kinds
+        .iter()
+        .map(|k| *k == MlpKind::Moe)
+        .collect()
+}
+
+/// Moves down a tier go through the bounded write-back ring: at every instant (sampled by
+/// another thread under each layer's lock) an expert is in at most one of device / RAM /
+/// in flight, the caps hold, the ring never holds more than its capacity, everything in
+/// flight lands once flushed, and the logits stay bit-identical.
+#[test]
+fn write_back_ring_keeps_residency_unique_and_bounded() {
+    use glmflash_node::tiers::provider::TierTuning;
+    use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+    let dir = fixture("tiny_mixed");
+    let untiered = Model::load(&dir).unwrap();
+    let prompt: Vec<u32> = (0..30)
+        .map(|i| (i * 31 + 3) % untiered.cfg.vocab_size as u32)
+        .collect();
+    let expected = run(&untiered, &prompt);
+    let moe = moe_flags(&untiered);
+    let (device, ram) = (2, 3);
+    for ring in [1, 4] {
+        let tiers = Arc::new(
+            TieredExperts::with_tuning(
+                Arc::new(CheckpointSource::open(&dir).unwrap()),
+                untiered.cfg.hidden_size,
+                untiered.cfg.n_routed_experts,
+                &moe,
+                Mode::NvmeExact,
+                TierCaps {
+                    device_slots_per_layer: device,
+                    ram_slots_per_layer: ram,
+                },
+                64,
+                true,
+                TierTuning {
+                    writeback_ring: ring,
+                    ..TierTuning::default()
+                },
+            )
+            .unwrap(),
+        );
+        let stop = Arc::new(AtomicBool::new(false));
+        let samples = Arc::new(AtomicU64::new(0));
+        let checker = {
+            let (tiers, stop, samples, moe) =
+                (tiers.clone(), stop.clone(), samples.clone(), moe.clone());
+            std::thread::spawn(move || {
+                while !stop.load(Ordering::Relaxed) {
+                    for layer in (0..moe.len()).filter(|&l| moe[l]) {
+                        let (d, r, f) = tiers.layer_snapshot(layer);
+                        let mut all: Vec<usize> = d.iter().chain(&r).chain(&f).copied().collect();
+                        let n = all.len();
+                        all.sort_unstable();
+                        all.dedup();
+                        assert_eq!(all.len(), n, "layer {layer}: {d:?} {r:?} {f:?}");
+                        assert!(d.len() <= device && r.len() <= ram, "{d:?} {r:?}");
+                        samples.fetch_add(1, Ordering::Relaxed);
+                    }
+                }
+            })
+        };
+        let model = Model::load_with(&dir, Some(tiers.clone())).unwrap();
+        let got = run(&model, &prompt);
+        stop.store(true, Ordering::Relaxed);
+        checker.join().unwrap();
+        assert!(got == expected, "ring {ring}: logits differ");
+        assert!(samples.load(Ordering::Relaxed) > 0);
+        tiers.flush();
+        let (capacity, high_water, _) = tiers.writeback_ring();
+        assert_eq!(capacity, ring);
+        assert!(
+            high_water >= 1 && high_water <= ring,
+            "peak {high_water} of {ring}"
+        );
+        let demoted = tiers.stats.demotions.load(Ordering::Relaxed);
+        assert!(demoted > 0, "the caps force device victims down");
+        assert_eq!(tiers.stats.written_back.load(Ordering::Relaxed), demoted);
+        for layer in (0..moe.len()).filter(|&l| moe[l]) {
+            assert!(
+                tiers.layer_snapshot(layer).2.is_empty(),
+                "nothing left in flight"
+            );
+        }
+    }
+}
+
+/// A batched decode tick (several sequences, one new token each) counts as decode: the
+/// phase comes from the kind of step, not from how many tokens the call carries.
+#[test]
+fn batched_decode_tick_is_counted_as_decode() {
+    let dir = fixture("tiny_mixed");
+    let cfg = Model::load(&dir).unwrap().cfg;
+    let moe: Vec<bool> = cfg.mlp_kinds.iter().map(|k| *k == MlpKind::Moe).collect();
+    let tiers = Arc::new(
+        TieredExperts::new(
+            Arc::new(CheckpointSource::open(&dir).unwrap()),
+            cfg.hidden_size,
+            cfg.n_routed_experts,
+            &moe,
+            Mode::Nvme,
+            TierCaps {
+                device_slots_per_layer: 2,
+                ram_slots_per_layer: 4,
+            },
+            64,
+            false,
+        )
+        .unwrap(),
+    );
+    let model = Model::load_with(&dir, Some(tiers.clone())).unwrap();
+    let phase_total = |phase: usize| -> u64 {
+        tiers
+            .stats
+            .lookups
+            .iter()
+            .map(|t| t[phase].load(std::sync::atomic::Ordering::Relaxed))
+            .sum()
+    };
+    let (mut a, mut b) = (model.new_cache(), model.new_cache());
+    model
+        .forward(
+            &mut [
+                Step {
+                    tokens: &[1, 2, 3],
+                    cache: &mut a,
+                    all_logits: false,
+                },
+                Step {
+                    tokens: &[4],
+                    cache: &mut b,
+                    all_logits: false,
+                },
+            ],
+            None,
+        )
+        .unwrap();
+    // A one-token prompt is still prefill.
+    let prefill = phase_total(0);
+    assert!(prefill > 0);
+    assert_eq!(phase_total(1), 0);
+    for _ in 0..3 {
+        model
+            .forward(
+                &mut [
+                    Step {
+                        tokens: &[5],
+                        cache: &mut a,
+                        all_logits: false,
+                    },
+                    Step {
+                        tokens: &[6],
+                        cache: &mut b,
+                        all_logits: false,
+                    },
+                ],
+                None,
+            )
+            .unwrap();
+    }
+    assert_eq!(phase_total(0), prefill, "decode ticks counted as prefill");
+    let decode = phase_total(1);
+    assert!(decode > 0);
+    // A tick mixing a prompt chunk with a decode step counts each token in its own phase.
+    let mut c = model.new_cache();
+    model
+        .forward(
+            &mut [
+                Step {
+                    tokens: &[7],
+                    cache: &mut a,
+                    all_logits: false,
+                },
+                Step {
+                    tokens: &[8, 9, 10, 11],
+                    cache: &mut c,
+                    all_logits: false,
+                },
+            ],
+            None,
+        )
+        .unwrap();
+    assert!(phase_total(0) > prefill && phase_total(1) > decode);
+}
+
+/// `/metrics` of a tiered server shows the tier metrics under the contract's names, with the
+/// lookups of a real request behind them.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn tiered_server_exports_the_tier_metrics() {
+    use axum::body::{Body, to_bytes};
+    use axum::http::Request;
+    use glmflash_node::api::server::load_engine_with;
+    use glmflash_node::api::{ApiConfig, AppState, app};
+    use glmflash_node::engine::scheduler::EngineConfig;
+    use glmflash_node::metrics::{self, Metrics};
+    use tower::ServiceExt;
+
+    let dir = tempfile::tempdir().unwrap();
+    glmflash_node::demo::make_demo_model(dir.path(), glmflash_node::demo::DEFAULT_SEED).unwrap();
+    let model_dir = dir.path().to_path_buf();
+    let metrics_registry = Arc::new(Metrics::new());
+    let state = AppState::new(ApiConfig::default(), metrics_registry.clone());
+    let registry = metrics_registry.clone();
+    let engine = tokio::task::spawn_blocking(move || {
+        load_engine_with(
+            &model_dir,
+            EngineConfig::default(),
+            registry.clone(),
+            || {
+                let cfg = glmflash_node::model::config::Config::from_file(
+                    &model_dir.join("config.json"),
+                )?;
+                let moe: Vec<bool> = cfg.mlp_kinds.iter().map(|k| *k == MlpKind::Moe).collect();
+                let tiers = Arc::new(TieredExperts::new(
+                    Arc::new(CheckpointSource::open(&model_dir)?),
+                    cfg.hidden_size,
+                    cfg.n_routed_experts,
+                    &moe,
+                    Mode::Nvme,
+                    TierCaps {
+                        device_slots_per_layer: 2,
+                        ram_slots_per_layer: 3,
+                    },
+                    64,
+                    true,
+                )?);
+                let t = tiers.clone();
+                registry.attach_tiers(move || glmflash_node::tiers::args::metrics_snapshot(&t))?;
+                Model::load_with(&model_dir, Some(tiers))
+            },
+        )
+    })
+    .await
+    .unwrap()
+    .unwrap();
+    state.set_engine(Arc::new(engine));
+    let router = app(state);
+    let send = |req: Request<Body>| {
+        let router = router.clone();
+        async move {
+            let resp = router.oneshot(req).await.unwrap();
+            assert!(resp.status().is_success(), "{}", resp.status());
+            let body = to_bytes(resp.into_body(), usize::MAX).await.unwrap();
+            String::from_utf8(body.to_vec()).unwrap()
+        }
+    };
+    send(
+        Request::post("/v1/completions")
+            .header("content-type", "application/json")
+            .body(Body::from(
+                r#"{"model":"glm-5.3-flash","prompt":"Hello there","max_tokens":6,"ignore_eos":true}"#,
+            ))
+            .unwrap(),
+    )
+    .await;
+    let text = send(Request::get("/metrics").body(Body::empty()).unwrap()).await;
+    for name in metrics::TIER_METRICS {
+        assert!(
+            text.contains(&format!("# TYPE {name} ")),
+            "{name} missing in\n{text}"
+        );
+    }
+    let value = |series: &str| -> f64 {
+        text.lines()
+            .find_map(|l| l.strip_prefix(series))
+            .and_then(|v| v.trim().parse().ok())
+            .unwrap_or_else(|| panic!("{series} missing in\n{text}"))
+    };
+    let decode: f64 = ["vram", "ram", "nvme"]
+        .iter()
+        .map(|t| {
+            value(&format!(
+                r#"glmflash_expert_lookups_total{{phase="decode",tier="{t}"}}"#
+            ))
+        })
+        .sum();
+    assert!(decode > 0.0, "decode lookups counted");
+    assert!(value(r#"glmflash_expert_lookups_total{phase="prefill",tier="nvme"}"#) > 0.0);
+    assert!(value(r#"glmflash_tier_capacity_experts{tier="vram"}"#) > 0.0);
+    assert!(value(r#"glmflash_bytes_moved_total{path="nvme_to_ram"}"#) > 0.0);
+    assert!(value("glmflash_nvme_read_seconds_count") > 0.0);
+    assert!(text.contains(r#"glmflash_memory_bytes{kind="pinned_ram"}"#));
+}

@@ -129,8 +129,9 @@ pub fn load_engine_with(
     Ok(Engine::start(model, Arc::new(codec), config, metrics))
 }
 
-/// Type of the model loader [`serve`] runs once the socket is bound.
-pub type Loader = Box<dyn FnOnce() -> anyhow::Result<Model> + Send>;
+/// Type of the model loader [`serve`] runs once the socket is bound; it gets the server's
+/// metrics registry (e.g. to attach the expert tiers' metrics).
+pub type Loader = Box<dyn FnOnce(&Arc<Metrics>) -> anyhow::Result<Model> + Send>;
 
 /// Runs the server until SIGTERM / ctrl-c, then drains. `load` gives the model (default:
 /// `Model::load(dir)`); the tokenizer comes from `dir`.
@@ -168,7 +169,10 @@ async fn serve_async(dir: PathBuf, args: ServeArgs, load: Option<Loader>) -> any
     let engine_config = args.engine_config();
     let loader = tokio::task::spawn_blocking(move || {
         let loaded = match load {
-            Some(load) => load_engine_with(&dir, engine_config, metrics, load),
+            Some(load) => {
+                let registry = metrics.clone();
+                load_engine_with(&dir, engine_config, metrics, move || load(&registry))
+            }
             None => load_engine(&dir, engine_config, metrics),
         };
         match loaded {

@@ -5,9 +5,10 @@
 //! [`Metrics`], and `/metrics` renders [`Metrics::render`].
 
 use prometheus::{
-    Encoder, Gauge, Histogram, HistogramOpts, IntCounter, IntCounterVec, IntGauge, Opts, Registry,
-    TextEncoder,
+    Encoder, Gauge, Histogram, HistogramOpts, IntCounter, IntCounterVec, IntGauge, IntGaugeVec,
+    Opts, Registry, TextEncoder,
 };
+use std::sync::{Arc, Mutex};
 
 /// Requests, labels `endpoint` and `status`.
 pub const REQUESTS_TOTAL: &str = "glmflash_requests_total";
@@ -32,7 +33,42 @@ pub const KV_TOKENS_CAPACITY: &str = "glmflash_kv_tokens_capacity";
 /// 1 once the model is loaded and the server accepts requests.
 pub const SERVER_READY: &str = "glmflash_server_ready";
 
-/// Every name this module defines.
+/// Expert lookups, labels `tier` (`vram` | `ram` | `nvme`) and `phase` (`prefill` | `decode`).
+pub const EXPERT_LOOKUPS_TOTAL: &str = "glmflash_expert_lookups_total";
+/// Experts resident in a tier, label `tier`.
+pub const TIER_RESIDENT_EXPERTS: &str = "glmflash_tier_resident_experts";
+/// Expert slots of a tier, label `tier`.
+pub const TIER_CAPACITY_EXPERTS: &str = "glmflash_tier_capacity_experts";
+/// Bytes moved between tiers, label `path` (`nvme_to_ram` | `ram_to_vram` | `vram_to_ram`).
+pub const BYTES_MOVED_TOTAL: &str = "glmflash_bytes_moved_total";
+/// Store record read latency histogram (seconds).
+pub const NVME_READ_SECONDS: &str = "glmflash_nvme_read_seconds";
+/// Failed store reads (I/O error or checksum mismatch).
+pub const NVME_READ_ERRORS_TOTAL: &str = "glmflash_nvme_read_errors_total";
+/// Layer-ahead prefetch, label `outcome` (`issued` | `hit` | `wasted`).
+pub const PREFETCH_TOTAL: &str = "glmflash_prefetch_total";
+/// Experts computed on the CPU lane (decode picks served in place from RAM).
+pub const CPU_LANE_EXPERTS_TOTAL: &str = "glmflash_cpu_lane_experts_total";
+/// Memory by `kind` (`vram` | `pinned_ram` | `cgroup_limit` | `memlock_limit`).
+pub const MEMORY_BYTES: &str = "glmflash_memory_bytes";
+/// Failures to pin (mlock) RAM-tier memory.
+pub const PIN_FAILURES_TOTAL: &str = "glmflash_pin_failures_total";
+
+/// The tier metrics, exposed once a tiered model is attached ([`Metrics::attach_tiers`]).
+pub const TIER_METRICS: [&str; 10] = [
+    EXPERT_LOOKUPS_TOTAL,
+    TIER_RESIDENT_EXPERTS,
+    TIER_CAPACITY_EXPERTS,
+    BYTES_MOVED_TOTAL,
+    NVME_READ_SECONDS,
+    NVME_READ_ERRORS_TOTAL,
+    PREFETCH_TOTAL,
+    CPU_LANE_EXPERTS_TOTAL,
+    MEMORY_BYTES,
+    PIN_FAILURES_TOTAL,
+];
+
+/// Every name this module defines for every server.
 pub const ALL: [&str; 11] = [
     REQUESTS_TOTAL,
     RUNNING_REQUESTS,
@@ -52,7 +88,121 @@ const LATENCY_BUCKETS: [f64; 16] = [
     0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0,
 ];
 
+/// The tiers' counters at one instant, read at each scrape. Label values are the contract's.
+#[derive(Clone, Debug, Default)]
+pub struct TierSnapshot {
+    /// `(tier, phase, lookups)`.
+    pub lookups: Vec<(&'static str, &'static str, u64)>,
+    /// `(tier, resident experts, slots)`.
+    pub residency: Vec<(&'static str, u64, u64)>,
+    /// `(path, bytes)`.
+    pub bytes_moved: Vec<(&'static str, u64)>,
+    /// Read latency: bucket upper bounds (seconds), cumulative counts, total count, sum.
+    pub read_bounds: Vec<f64>,
+    pub read_cumulative: Vec<u64>,
+    pub read_count: u64,
+    pub read_sum: f64,
+    pub read_errors: u64,
+    /// `(outcome, count)`.
+    pub prefetch: Vec<(&'static str, u64)>,
+    pub cpu_lane_experts: u64,
+    /// `(kind, bytes)`; a kind without a limit is left out.
+    pub memory: Vec<(&'static str, u64)>,
+    pub pin_failures: u64,
+}
+
+type TierSource = Box<dyn Fn() -> TierSnapshot + Send + Sync>;
+
+/// The tier metrics, filled from a [`TierSnapshot`] at each scrape.
+struct TierMetrics {
+    source: TierSource,
+    lookups: IntCounterVec,
+    resident: IntGaugeVec,
+    capacity: IntGaugeVec,
+    bytes_moved: IntCounterVec,
+    read_seconds: Arc<Mutex<TierSnapshot>>,
+    read_errors: IntCounter,
+    prefetch: IntCounterVec,
+    cpu_lane: IntCounter,
+    memory: IntGaugeVec,
+    pin_failures: IntCounter,
+}
+
+/// Advances a counter to `total` (the tiers count; the registry mirrors).
+fn mirror(counter: &IntCounter, total: u64) {
+    counter.inc_by(total.saturating_sub(counter.get()));
+}
+
+impl TierMetrics {
+    fn refresh(&self) {
+        let snap = (self.source)();
+        for &(tier, phase, n) in &snap.lookups {
+            mirror(&self.lookups.with_label_values(&[tier, phase]), n);
+        }
+        for &(tier, resident, slots) in &snap.residency {
+            self.resident
+                .with_label_values(&[tier])
+                .set(resident as i64);
+            self.capacity.with_label_values(&[tier]).set(slots as i64);
+        }
+        for &(path, bytes) in &snap.bytes_moved {
+            mirror(&self.bytes_moved.with_label_values(&[path]), bytes);
+        }
+        mirror(&self.read_errors, snap.read_errors);
+        for &(outcome, n) in &snap.prefetch {
+            mirror(&self.prefetch.with_label_values(&[outcome]), n);
+        }
+        mirror(&self.cpu_lane, snap.cpu_lane_experts);
+        for &(kind, bytes) in &snap.memory {
+            self.memory.with_label_values(&[kind]).set(bytes as i64);
+        }
+        mirror(&self.pin_failures, snap.pin_failures);
+        *self.read_seconds.lock().unwrap_or_else(|e| e.into_inner()) = snap;
+    }
+}
+
+/// The store read latency histogram, rendered from the tiers' own buckets.
+struct ReadSecondsCollector {
+    desc: prometheus::core::Desc,
+    snapshot: Arc<Mutex<TierSnapshot>>,
+}
+
+impl prometheus::core::Collector for ReadSecondsCollector {
+    fn desc(&self) -> Vec<&prometheus::core::Desc> {
+        vec![&self.desc]
+    }
+
+    fn collect(&self) -> Vec<prometheus::proto::MetricFamily> {
+        use prometheus::proto;
+        let snap = self.snapshot.lock().unwrap_or_else(|e| e.into_inner());
+        let mut h = proto::Histogram::default();
+        h.set_sample_count(snap.read_count);
+        h.set_sample_sum(snap.read_sum);
+        h.set_bucket(
+            snap.read_bounds
+                .iter()
+                .zip(&snap.read_cumulative)
+                .map(|(&le, &n)| {
+                    let mut b = proto::Bucket::default();
+                    b.set_upper_bound(le);
+                    b.set_cumulative_count(n);
+                    b
+                })
+                .collect(),
+        );
+        let mut m = proto::Metric::default();
+        m.set_histogram(h);
+        let mut family = proto::MetricFamily::default();
+        family.set_name(NVME_READ_SECONDS.to_string());
+        family.set_help(self.desc.help.clone());
+        family.set_field_type(proto::MetricType::HISTOGRAM);
+        family.set_metric(vec![m]);
+        vec![family]
+    }
+}
+
 pub struct Metrics {
+    tiers: Mutex<Option<TierMetrics>>,
     registry: Registry,
     pub requests: IntCounterVec,
     pub running: IntGauge,
@@ -131,6 +281,7 @@ impl Metrics {
             registry.register(c).expect("each metric registered once");
         }
         Metrics {
+            tiers: Mutex::new(None),
             registry,
             requests,
             running,
@@ -153,8 +304,105 @@ impl Metrics {
             .inc();
     }
 
+    /// Registers the tier metrics, read from `source` at each scrape (once per registry;
+    /// a second call is refused).
+    pub fn attach_tiers(
+        &self,
+        source: impl Fn() -> TierSnapshot + Send + Sync + 'static,
+    ) -> prometheus::Result<()> {
+        let counter_vec = |name: &str, help: &str, labels: &[&str]| {
+            IntCounterVec::new(Opts::new(name, help), labels).expect("valid metric")
+        };
+        let gauge_vec = |name: &str, help: &str, labels: &[&str]| {
+            IntGaugeVec::new(Opts::new(name, help), labels).expect("valid metric")
+        };
+        let counter = |name: &str, help: &str| IntCounter::new(name, help).expect("valid metric");
+        let read_seconds = Arc::new(Mutex::new(TierSnapshot::default()));
+        let t = TierMetrics {
+            source: Box::new(source),
+            lookups: counter_vec(
+                EXPERT_LOOKUPS_TOTAL,
+                "Routed expert lookups by the tier that served them and the phase.",
+                &["tier", "phase"],
+            ),
+            resident: gauge_vec(
+                TIER_RESIDENT_EXPERTS,
+                "Experts resident in each tier (all MoE layers).",
+                &["tier"],
+            ),
+            capacity: gauge_vec(
+                TIER_CAPACITY_EXPERTS,
+                "Expert slots of each tier (all MoE layers).",
+                &["tier"],
+            ),
+            bytes_moved: counter_vec(
+                BYTES_MOVED_TOTAL,
+                "Expert bytes moved between tiers, by path.",
+                &["path"],
+            ),
+            read_seconds: read_seconds.clone(),
+            read_errors: counter(
+                NVME_READ_ERRORS_TOTAL,
+                "Store reads that failed (I/O error or checksum mismatch).",
+            ),
+            prefetch: counter_vec(
+                PREFETCH_TOTAL,
+                "Layer-ahead prefetch reads: issued, used by a lookup (hit), never used (wasted).",
+                &["outcome"],
+            ),
+            cpu_lane: counter(
+                CPU_LANE_EXPERTS_TOTAL,
+                "Decode expert picks computed in place from the RAM tier (the CPU lane).",
+            ),
+            memory: gauge_vec(
+                MEMORY_BYTES,
+                "Memory by kind: pinned RAM tier, cgroup limit, RLIMIT_MEMLOCK.",
+                &["kind"],
+            ),
+            pin_failures: counter(
+                PIN_FAILURES_TOTAL,
+                "Refusals to pin (mlock) RAM-tier experts.",
+            ),
+        };
+        let histogram = ReadSecondsCollector {
+            desc: prometheus::core::Desc::new(
+                NVME_READ_SECONDS.to_string(),
+                "Seconds per expert record read from the packed store (O_DIRECT read, sha256 \
+                 check and decode)."
+                    .to_string(),
+                vec![],
+                Default::default(),
+            )?,
+            snapshot: read_seconds,
+        };
+        let mut slot = self.tiers.lock().unwrap_or_else(|e| e.into_inner());
+        if slot.is_some() {
+            return Err(prometheus::Error::AlreadyReg);
+        }
+        for c in [
+            Box::new(t.lookups.clone()) as Box<dyn prometheus::core::Collector>,
+            Box::new(t.resident.clone()),
+            Box::new(t.capacity.clone()),
+            Box::new(t.bytes_moved.clone()),
+            Box::new(histogram),
+            Box::new(t.read_errors.clone()),
+            Box::new(t.prefetch.clone()),
+            Box::new(t.cpu_lane.clone()),
+            Box::new(t.memory.clone()),
+            Box::new(t.pin_failures.clone()),
+        ] {
+            self.registry.register(c)?;
+        }
+        t.refresh();
+        *slot = Some(t);
+        Ok(())
+    }
+
     /// The Prometheus text exposition of every metric.
     pub fn render(&self) -> String {
+        if let Some(t) = &*self.tiers.lock().unwrap_or_else(|e| e.into_inner()) {
+            t.refresh();
+        }
         let mut buf = Vec::new();
         TextEncoder::new()
             .encode(&self.registry.gather(), &mut buf)
@@ -179,5 +427,52 @@ mod tests {
             assert_eq!(text.matches(&type_line).count(), 1, "{name} in\n{text}");
         }
         assert!(text.contains(r#"glmflash_requests_total{endpoint="/v1/models",status="200"} 1"#));
+        for name in TIER_METRICS {
+            assert!(!text.contains(name), "{name} before any tiers are attached");
+        }
+    }
+
+    #[test]
+    fn tier_metrics_follow_the_snapshot_at_each_scrape() {
+        let m = Metrics::new();
+        let lookups = Arc::new(std::sync::atomic::AtomicU64::new(5));
+        let seen = lookups.clone();
+        m.attach_tiers(move || TierSnapshot {
+            lookups: vec![(
+                "vram",
+                "decode",
+                seen.load(std::sync::atomic::Ordering::Relaxed),
+            )],
+            residency: vec![("ram", 3, 8)],
+            bytes_moved: vec![("nvme_to_ram", 1 << 20)],
+            prefetch: vec![("hit", 2)],
+            read_bounds: vec![0.001, 0.01],
+            read_cumulative: vec![2, 3],
+            read_count: 4,
+            read_sum: 1.5,
+            memory: vec![("pinned_ram", 4096)],
+            ..Default::default()
+        })
+        .unwrap();
+        assert!(m.attach_tiers(TierSnapshot::default).is_err());
+        lookups.store(9, std::sync::atomic::Ordering::Relaxed);
+        let text = m.render();
+        for name in TIER_METRICS {
+            let type_line = format!("# TYPE {name} ");
+            assert_eq!(text.matches(&type_line).count(), 1, "{name} in\n{text}");
+        }
+        for line in [
+            r#"glmflash_expert_lookups_total{phase="decode",tier="vram"} 9"#,
+            r#"glmflash_tier_resident_experts{tier="ram"} 3"#,
+            r#"glmflash_tier_capacity_experts{tier="ram"} 8"#,
+            r#"glmflash_nvme_read_seconds_bucket{le="0.01"} 3"#,
+            r#"glmflash_nvme_read_seconds_bucket{le="+Inf"} 4"#,
+            "glmflash_nvme_read_seconds_sum 1.5",
+            r#"glmflash_memory_bytes{kind="pinned_ram"} 4096"#,
+            r#"glmflash_bytes_moved_total{path="nvme_to_ram"} 1048576"#,
+            r#"glmflash_prefetch_total{outcome="hit"} 2"#,
+        ] {
+            assert!(text.contains(line), "{line} in\n{text}");
+        }
     }
 }

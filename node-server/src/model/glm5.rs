@@ -13,7 +13,7 @@ use super::loader::{LoadError, Loader};
 use super::mhc::HyperConnection;
 use super::mla::{Mla, MlaCache, MlaPath, Selections};
 use super::mlp::SwiGlu;
-use super::moe::{ExpertProvider, InMemoryExperts, Moe, Routing};
+use super::moe::{ExpertProvider, InMemoryExperts, Moe, Phase, Routing};
 use crate::backend::cpu::{Matrix, Placer, ops};
 use anyhow::{Context, bail};
 use std::path::Path;
@@ -71,6 +71,13 @@ pub struct Step<'a> {
     pub cache: &'a mut SeqCache,
     /// Logits for every new token (else only the last).
     pub all_logits: bool,
+}
+
+impl Step<'_> {
+    /// One new token onto a sequence that already has a cache: a decode step.
+    pub fn is_decode(&self) -> bool {
+        self.tokens.len() == 1 && self.cache.len > 0
+    }
 }
 
 /// Observes named intermediates and routing decisions during a forward call (debug dumps,
@@ -281,6 +288,17 @@ impl Model {
             }
         }
 
+        let phases: Vec<Phase> = steps
+            .iter()
+            .flat_map(|s| {
+                let phase = if s.is_decode() {
+                    Phase::Decode
+                } else {
+                    Phase::Prefill
+                };
+                std::iter::repeat_n(phase, s.tokens.len())
+            })
+            .collect();
         let mut carried: Option<Vec<Selections>> = None;
         for (li, layer) in self.layers.iter().enumerate() {
             let name = |part: &str| format!("layers.{li}.{part}");
@@ -350,7 +368,7 @@ impl Model {
                         self.experts.prefetch(next, &predicted.ids);
                     }
                     let (y, routing) = moe
-                        .forward(li, &x, tokens, self.experts.as_ref())
+                        .forward(li, &x, tokens, &phases, self.experts.as_ref())
                         .with_context(|| format!("experts of layer {li}"))?;
                     if let Some(h) = hooks {
                         h.routing(li, &routing);

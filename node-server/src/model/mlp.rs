@@ -28,6 +28,15 @@ impl SwiGlu {
         self.down.matmul(&act, tokens)
     }
 
+    /// Where the three weights' bytes are (for pinning them in RAM).
+    pub fn storage_spans(&self) -> [(*const u8, usize); 3] {
+        [
+            self.gate.storage_span(),
+            self.up.storage_span(),
+            self.down.storage_span(),
+        ]
+    }
+
     /// Bytes of the three weights.
     pub fn storage_bytes(&self) -> usize {
         self.gate.storage_bytes() + self.up.storage_bytes() + self.down.storage_bytes()

@@ -10,6 +10,18 @@ use super::mlp::SwiGlu;
 use crate::backend::cpu::{Matrix, ops};
 use rayon::prelude::*;
 
+/// What a token of a forward call is doing, from the kind of its step (not the call's token
+/// count: a batched decode tick of several sequences is still decode, and a tick mixing
+/// prompt chunks with decode steps has both).
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub enum Phase {
+    /// A prompt token (or one of a prompt chunk).
+    #[default]
+    Prefill,
+    /// The one new generated token of a sequence that already has a cache.
+    Decode,
+}
+
 /// Per token: the `k` chosen experts and their weights, in the router's order.
 #[derive(Clone, Debug, PartialEq)]
 pub struct Routing {
@@ -18,11 +30,18 @@ pub struct Routing {
     pub ids: Vec<u32>,
     /// `[T * k]`, already normalised and scaled.
     pub weights: Vec<f32>,
+    /// `[T]`: each token's phase (empty for a prediction: all prefill).
+    pub phases: Vec<Phase>,
 }
 
 impl Routing {
     pub fn tokens(&self) -> usize {
         self.ids.len() / self.k.max(1)
+    }
+
+    /// The phase of token `t`.
+    pub fn phase(&self, t: usize) -> Phase {
+        self.phases.get(t).copied().unwrap_or_default()
     }
 
     /// Token indices routed to each expert (`experts` long), in token order.
@@ -280,7 +299,12 @@ impl Router {
             ids.extend(picked.iter().map(|&i| i as u32));
             weights.extend(w);
         }
-        Routing { k, ids, weights }
+        Routing {
+            k,
+            ids,
+            weights,
+            phases: Vec::new(),
+        }
     }
 }
 
@@ -315,9 +339,13 @@ impl Moe {
         layer: usize,
         x: &[f32],
         tokens: usize,
+        phases: &[Phase],
         experts: &dyn ExpertProvider,
     ) -> anyhow::Result<(Vec<f32>, Routing)> {
-        let routing = self.router.route(x, tokens);
+        let routing = Routing {
+            phases: phases.to_vec(),
+            ..self.router.route(x, tokens)
+        };
         let mut out = vec![0f32; tokens * self.hidden];
         experts.forward(layer, x, &routing, &mut out)?;
         if let Some(shared) = &self.shared {

@@ -27,6 +27,28 @@ pub trait Policy: Send {
     }
 }
 
+/// Which [`Policy`] a tier uses.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, clap::ValueEnum, serde::Serialize)]
+#[serde(rename_all = "kebab-case")]
+pub enum PolicyKind {
+    /// Frequency with aging (the default).
+    #[default]
+    Lfu,
+    /// Recency, the baseline.
+    Lru,
+}
+
+impl PolicyKind {
+    /// A fresh policy over `experts`; `counts` warm-starts LFU (LRU has no use for them).
+    pub fn build(self, experts: usize, period: u64, counts: Option<&[f64]>) -> Box<dyn Policy> {
+        match (self, counts) {
+            (PolicyKind::Lfu, Some(c)) => Box::new(Lfu::with_counts(c, period)),
+            (PolicyKind::Lfu, None) => Box::new(Lfu::new(experts, period)),
+            (PolicyKind::Lru, _) => Box::new(Lru::new(experts)),
+        }
+    }
+}
+
 pub struct Lfu {
     counts: Vec<f64>,
     lookups: u64,

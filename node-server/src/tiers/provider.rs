@@ -6,13 +6,22 @@
 //! same code, so every mode gives logits bit-identical to the untiered engine. On a machine
 //! without a GPU the device tier is a CPU-memory tier with its own slot cap, so the full
 //! three-tier logic runs (and is tested) anywhere.
+//!
+//! Lookups only decide; the slow parts of moving down a tier go through the bounded
+//! write-back ring ([`super::ring`]) to one background thread: a device victim waits there
+//! "in flight" (still served to lookups, in no tier's map) until the writer pins it into a
+//! RAM slot, and RAM victims are unpinned and freed there. RAM residents are `mlock`ed
+//! ([`super::pin`]).
 
-use super::policy::{Lfu, Policy};
+use super::pin::{PinStats, Pinned};
+use super::policy::{Policy, PolicyKind};
+use super::ring::Ring;
+use super::stats::ReadLatency;
 use crate::model::checkpoint::Checkpoint;
 use crate::model::config::Config;
 use crate::model::loader::Loader;
 use crate::model::mlp::SwiGlu;
-use crate::model::moe::{ExpertProvider, Routing, combine_experts};
+use crate::model::moe::{ExpertProvider, Phase, Routing, combine_experts};
 use std::collections::HashMap;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
@@ -74,6 +83,15 @@ pub struct TierStats {
     pub prefetch_issued: AtomicU64,
     pub prefetch_hits: AtomicU64,
     pub prefetch_wasted: AtomicU64,
+    /// Records read from the source (lookups, prefetch and warm start), failed reads, and
+    /// the time each read took.
+    pub store_reads: AtomicU64,
+    pub store_read_errors: AtomicU64,
+    pub store_read_latency: ReadLatency,
+    /// Device victims the write-back ring has moved into RAM.
+    pub written_back: AtomicU64,
+    /// Decode picks computed in place from RAM (the CPU lane).
+    pub cpu_lane: AtomicU64,
 }
 
 impl TierStats {
@@ -87,9 +105,45 @@ impl TierStats {
 
 struct Layer {
     device: HashMap<usize, Arc<SwiGlu>>,
-    ram: HashMap<usize, Arc<SwiGlu>>,
+    ram: HashMap<usize, Pinned>,
+    /// Device victims queued on the write-back ring, on their way into RAM.
+    in_flight: HashMap<usize, Arc<SwiGlu>>,
     device_policy: Box<dyn Policy>,
     ram_policy: Box<dyn Policy>,
+}
+
+/// Work for the write-back thread.
+enum WriteBack {
+    /// Move the in-flight device victim `(layer, expert)` into a RAM slot (pinning it).
+    Demote { layer: usize, expert: usize },
+    /// Unpin and free an expert that left the RAM tier.
+    Release(Pinned),
+}
+
+/// Everything the write-back thread shares with lookups.
+struct Shared {
+    layers: Vec<Mutex<Layer>>,
+    ram_slots: usize,
+    pins: Arc<PinStats>,
+    stats: Arc<TierStats>,
+}
+
+/// Policy, write-back and pinning choices (defaults: LFU, a 64-entry ring, pinning on).
+#[derive(Clone, Copy, Debug)]
+pub struct TierTuning {
+    pub policy: PolicyKind,
+    pub writeback_ring: usize,
+    pub pin: bool,
+}
+
+impl Default for TierTuning {
+    fn default() -> Self {
+        TierTuning {
+            policy: PolicyKind::Lfu,
+            writeback_ring: 64,
+            pin: true,
+        }
+    }
 }
 
 pub struct TieredExperts {
@@ -98,7 +152,9 @@ pub struct TieredExperts {
     experts: usize,
     device_slots: usize,
     ram_slots: usize,
-    layers: Vec<Mutex<Layer>>,
+    shared: Arc<Shared>,
+    ring: Arc<Ring<WriteBack>>,
+    policy: PolicyKind,
     moe_layers: usize,
     /// Raw pick counts per layer and expert (the routing history).
     picks: Vec<Vec<AtomicU64>>,
@@ -106,6 +162,7 @@ pub struct TieredExperts {
     staged: Arc<Staging>,
     prefetcher: Option<Mutex<std::sync::mpsc::Sender<(usize, usize)>>>,
     pub stats: Arc<TierStats>,
+    pub pins: Arc<PinStats>,
     mode: Mode,
 }
 
@@ -132,27 +189,64 @@ impl TieredExperts {
         aging_period: u64,
         prefetch: bool,
     ) -> anyhow::Result<TieredExperts> {
+        Self::with_tuning(
+            source,
+            hidden,
+            experts,
+            moe_layers,
+            mode,
+            caps,
+            aging_period,
+            prefetch,
+            TierTuning::default(),
+        )
+    }
+
+    /// As [`TieredExperts::new`], with the policy, ring size and pinning chosen.
+    pub fn with_tuning(
+        source: Arc<dyn ExpertSource>,
+        hidden: usize,
+        experts: usize,
+        moe_layers: &[bool],
+        mode: Mode,
+        caps: TierCaps,
+        aging_period: u64,
+        prefetch: bool,
+        tuning: TierTuning,
+    ) -> anyhow::Result<TieredExperts> {
         let (device_slots, ram_slots) = if mode.tiered() {
             (caps.device_slots_per_layer, caps.ram_slots_per_layer)
         } else {
             (0, experts)
         };
+        let stats = Arc::new(TierStats::default());
+        let pins = Arc::new(PinStats::default());
+        pins.disabled.store(!tuning.pin, Ordering::Relaxed);
         let mut layers = Vec::with_capacity(moe_layers.len());
         for (l, &moe) in moe_layers.iter().enumerate() {
             let mut layer = Layer {
                 device: HashMap::new(),
                 ram: HashMap::new(),
-                device_policy: Box::new(Lfu::new(experts, aging_period)),
-                ram_policy: Box::new(Lfu::new(experts, aging_period)),
+                in_flight: HashMap::new(),
+                device_policy: tuning.policy.build(experts, aging_period, None),
+                ram_policy: tuning.policy.build(experts, aging_period, None),
             };
             if moe && !mode.tiered() {
                 for e in 0..experts {
-                    layer.ram.insert(e, Arc::new(source.load(l, e)?));
+                    let w = Arc::new(timed_load(source.as_ref(), &stats, l, e)?);
+                    layer.ram.insert(e, Pinned::new(w, &pins));
                 }
             }
             layers.push(Mutex::new(layer));
         }
-        let stats = Arc::new(TierStats::default());
+        let shared = Arc::new(Shared {
+            layers,
+            ram_slots,
+            pins: pins.clone(),
+            stats: stats.clone(),
+        });
+        let ring = Arc::new(Ring::new(tuning.writeback_ring));
+        spawn_writer(shared.clone(), ring.clone());
         let staged = Arc::new(Mutex::new(HashMap::new()));
         let prefetcher = (mode.tiered() && prefetch).then(|| {
             Mutex::new(spawn_prefetcher(
@@ -167,7 +261,9 @@ impl TieredExperts {
             experts,
             device_slots,
             ram_slots,
-            layers,
+            shared,
+            ring,
+            policy: tuning.policy,
             moe_layers: moe_layers.iter().filter(|&&m| m).count(),
             picks: moe_layers
                 .iter()
@@ -176,8 +272,58 @@ impl TieredExperts {
             staged,
             prefetcher,
             stats,
+            pins,
             mode,
         })
+    }
+
+    fn layer(&self, layer: usize) -> std::sync::MutexGuard<'_, Layer> {
+        self.shared.layers[layer].lock().expect("tier lock")
+    }
+
+    /// Slots per MoE layer: (device, RAM).
+    pub fn caps(&self) -> (usize, usize) {
+        (self.device_slots, self.ram_slots)
+    }
+
+    pub fn moe_layers(&self) -> usize {
+        self.moe_layers
+    }
+
+    /// Routed experts per MoE layer.
+    pub fn experts(&self) -> usize {
+        self.experts
+    }
+
+    pub fn record_bytes(&self) -> usize {
+        self.source.record_bytes()
+    }
+
+    pub fn policy(&self) -> PolicyKind {
+        self.policy
+    }
+
+    /// The write-back ring (its capacity, high-water mark and stalls).
+    pub fn writeback_ring(&self) -> (usize, usize, u64) {
+        (
+            self.ring.capacity(),
+            self.ring.high_water(),
+            self.ring.stalls(),
+        )
+    }
+
+    /// Waits until the write-back ring has handled everything queued so far.
+    pub fn flush(&self) {
+        self.ring.wait_idle();
+    }
+
+    /// Queues moves decided under a layer lock (call without holding it: a full ring blocks).
+    fn write_back(&self, jobs: Vec<WriteBack>) {
+        for job in jobs {
+            if let Err(job) = self.ring.push(job) {
+                handle_write_back(&self.shared, job);
+            }
+        }
     }
 
     pub fn mode(&self) -> Mode {
@@ -212,19 +358,19 @@ impl TieredExperts {
             }
             let counts: Vec<f64> = row.iter().map(|&c| c as f64).collect();
             let ranked = history.ranked(layer);
-            let mut l = self.layers[layer].lock().expect("tier lock");
-            l.device_policy = Box::new(Lfu::with_counts(&counts, aging_period));
-            l.ram_policy = Box::new(Lfu::with_counts(&counts, aging_period));
+            let mut l = self.layer(layer);
+            l.device_policy = self.policy.build(self.experts, aging_period, Some(&counts));
+            l.ram_policy = self.policy.build(self.experts, aging_period, Some(&counts));
             for (i, &e) in ranked
                 .iter()
                 .take(self.device_slots + self.ram_slots)
                 .enumerate()
             {
-                let w = Arc::new(self.source.load(layer, e)?);
+                let w = Arc::new(timed_load(self.source.as_ref(), &self.stats, layer, e)?);
                 if i < self.device_slots {
                     l.device.insert(e, w);
                 } else {
-                    l.ram.insert(e, w);
+                    l.ram.insert(e, Pinned::new(w, &self.pins));
                 }
                 loaded += 1;
             }
@@ -234,62 +380,94 @@ impl TieredExperts {
 
     /// Device and RAM residents of `layer` (for invariant checks and the tier summary).
     pub fn layer_residents(&self, layer: usize) -> (Vec<usize>, Vec<usize>) {
-        let l = self.layers[layer].lock().expect("tier lock");
-        let mut device: Vec<usize> = l.device.keys().copied().collect();
-        let mut ram: Vec<usize> = l.ram.keys().copied().collect();
-        device.sort_unstable();
-        ram.sort_unstable();
+        let (device, ram, _) = self.layer_snapshot(layer);
         (device, ram)
     }
 
+    /// Device residents, RAM residents and write-backs in flight of `layer`, taken at one
+    /// instant (under the layer's lock), each sorted.
+    pub fn layer_snapshot(&self, layer: usize) -> (Vec<usize>, Vec<usize>, Vec<usize>) {
+        let l = self.layer(layer);
+        let sorted = |keys: Vec<usize>| {
+            let mut k = keys;
+            k.sort_unstable();
+            k
+        };
+        (
+            sorted(l.device.keys().copied().collect()),
+            sorted(l.ram.keys().copied().collect()),
+            sorted(l.in_flight.keys().copied().collect()),
+        )
+    }
+
     /// Where `(layer, expert)` resides now.
+    /// (A write-back in flight counts as RAM, where it is going.)
     pub fn residency(&self, layer: usize, expert: usize) -> Tier {
-        let l = self.layers[layer].lock().expect("tier lock");
+        let l = self.layer(layer);
         if l.device.contains_key(&expert) {
             Tier::Device
-        } else if l.ram.contains_key(&expert) {
+        } else if l.ram.contains_key(&expert) || l.in_flight.contains_key(&expert) {
             Tier::Ram
         } else {
             Tier::Store
         }
     }
 
-    /// Resident experts per tier, all layers.
+    /// Resident experts per tier, all MoE layers (write-backs in flight count as RAM).
     pub fn resident(&self, tier: Tier) -> usize {
-        self.layers
+        self.shared
+            .layers
             .iter()
             .map(|l| {
                 let l = l.lock().expect("tier lock");
+                let ram = l.ram.len() + l.in_flight.len();
                 match tier {
                     Tier::Device => l.device.len(),
-                    Tier::Ram => l.ram.len(),
-                    Tier::Store => self.experts - l.device.len() - l.ram.len(),
+                    Tier::Ram => ram,
+                    Tier::Store => self.experts.saturating_sub(l.device.len() + ram),
                 }
             })
-            .sum()
+            .sum::<usize>()
+            - match tier {
+                // Dense layers have no experts to hold.
+                Tier::Store => (self.shared.layers.len() - self.moe_layers) * self.experts,
+                _ => 0,
+            }
     }
 
-    /// Finds (and moves, by policy) one picked expert; returns its weights.
+    /// Finds (and moves, by policy) one picked expert; returns its weights. Moves down a
+    /// tier are decided here and queued in `jobs` for the write-back ring.
     fn resolve(
         &self,
         layer: usize,
         l: &mut Layer,
         expert: usize,
-        phase: usize,
+        phase: Phase,
+        jobs: &mut Vec<WriteBack>,
     ) -> anyhow::Result<Arc<SwiGlu>> {
         l.device_policy.touch(expert);
         l.ram_policy.touch(expert);
         self.picks[layer][expert].fetch_add(1, Ordering::Relaxed);
-        let count =
-            |tier: Tier| self.stats.lookups[tier as usize][phase].fetch_add(1, Ordering::Relaxed);
+        let decode = phase == Phase::Decode;
+        let count = |tier: Tier| {
+            self.stats.lookups[tier as usize][usize::from(decode)].fetch_add(1, Ordering::Relaxed);
+            if tier == Tier::Ram && decode && matches!(self.mode, Mode::Fast | Mode::Nvme) {
+                self.stats.cpu_lane.fetch_add(1, Ordering::Relaxed);
+            }
+        };
         if let Some(w) = l.device.get(&expert) {
             count(Tier::Device);
             return Ok(w.clone());
         }
+        if let Some(w) = l.in_flight.get(&expert) {
+            // On its way down to RAM: served from where it is, left to the writer.
+            count(Tier::Ram);
+            return Ok(w.clone());
+        }
         let weights = match l.ram.get(&expert) {
-            Some(w) => {
+            Some(p) => {
                 count(Tier::Ram);
-                w.clone()
+                p.weights().clone()
             }
             None => {
                 count(Tier::Store);
@@ -305,20 +483,31 @@ impl TieredExperts {
                     }
                     None => {
                         self.stats.loads.fetch_add(1, Ordering::Relaxed);
-                        Arc::new(self.source.load(layer, expert)?)
+                        Arc::new(timed_load(
+                            self.source.as_ref(),
+                            &self.stats,
+                            layer,
+                            expert,
+                        )?)
                     }
                 };
                 // Admit into RAM (a RAM victim falls back to the store only).
-                if self.admit(&mut l.ram, l.ram_policy.as_ref(), self.ram_slots, expert) {
-                    l.ram.insert(expert, w.clone());
-                } else {
-                    self.stats.bypassed.fetch_add(1, Ordering::Relaxed);
+                match make_room(&mut l.ram, l.ram_policy.as_ref(), self.ram_slots, expert) {
+                    Room::Refused => {
+                        self.stats.bypassed.fetch_add(1, Ordering::Relaxed);
+                    }
+                    room => {
+                        if let Room::Evicted(v) = room {
+                            jobs.push(WriteBack::Release(v));
+                        }
+                        l.ram.insert(expert, Pinned::new(w.clone(), &self.pins));
+                    }
                 }
                 w
             }
         };
         // Promote into the device tier when it has room or the policy prefers this expert;
-        // the device victim moves down into RAM (no duplicates: it leaves the device map).
+        // the device victim goes in flight to RAM (no duplicates: it leaves the device map).
         if l.ram.contains_key(&expert) && self.device_slots > 0 {
             let victim = if l.device.len() < self.device_slots {
                 None
@@ -333,40 +522,115 @@ impl TieredExperts {
             if let Some(v) = victim {
                 let down = l.device.remove(&v).expect("victim is resident");
                 self.stats.demotions.fetch_add(1, Ordering::Relaxed);
-                if self.admit(&mut l.ram, l.ram_policy.as_ref(), self.ram_slots, v) {
-                    l.ram.insert(v, down);
-                }
+                l.in_flight.insert(v, down);
+                jobs.push(WriteBack::Demote { layer, expert: v });
             }
-            l.device.insert(expert, moved);
+            l.device.insert(expert, moved.weights().clone());
+            jobs.push(WriteBack::Release(moved));
             self.stats.promotions.fetch_add(1, Ordering::Relaxed);
         }
         Ok(weights)
     }
+}
 
-    /// Makes room in `tier` for `candidate` (evicting the policy's victim when full and the
-    /// candidate is worth it); false if it should not be admitted.
-    fn admit(
-        &self,
-        tier: &mut HashMap<usize, Arc<SwiGlu>>,
-        policy: &dyn Policy,
-        slots: usize,
-        candidate: usize,
-    ) -> bool {
-        if slots == 0 {
-            return false;
+impl Drop for TieredExperts {
+    fn drop(&mut self) {
+        // The writer drains what is queued, then exits.
+        self.ring.close();
+    }
+}
+
+/// Whether a tier admits a candidate, and what it evicted to make room.
+enum Room {
+    Free,
+    Evicted(Pinned),
+    Refused,
+}
+
+/// Makes room in the RAM tier for `candidate` (evicting the policy's victim when full and
+/// the candidate is worth it).
+fn make_room(
+    ram: &mut HashMap<usize, Pinned>,
+    policy: &dyn Policy,
+    slots: usize,
+    candidate: usize,
+) -> Room {
+    if slots == 0 {
+        return Room::Refused;
+    }
+    if ram.len() < slots {
+        return Room::Free;
+    }
+    let resident: Vec<usize> = ram.keys().copied().collect();
+    match policy.victim(&resident) {
+        Some(v) if policy.admit(candidate, v) => {
+            Room::Evicted(ram.remove(&v).expect("victim is resident"))
         }
-        if tier.len() < slots {
-            return true;
+        _ => Room::Refused,
+    }
+}
+
+/// Reads one record from the source, counting it and timing it.
+fn timed_load(
+    source: &dyn ExpertSource,
+    stats: &TierStats,
+    layer: usize,
+    expert: usize,
+) -> anyhow::Result<SwiGlu> {
+    let started = std::time::Instant::now();
+    match source.load(layer, expert) {
+        Ok(w) => {
+            stats.store_read_latency.observe(started.elapsed());
+            stats.store_reads.fetch_add(1, Ordering::Relaxed);
+            Ok(w)
         }
-        let resident: Vec<usize> = tier.keys().copied().collect();
-        match policy.victim(&resident) {
-            Some(v) if policy.admit(candidate, v) => {
-                tier.remove(&v);
-                true
-            }
-            _ => false,
+        Err(e) => {
+            stats.store_read_errors.fetch_add(1, Ordering::Relaxed);
+            Err(e)
         }
     }
+}
+
+/// One write-back job, on the writer thread (or inline once the ring is closed).
+fn handle_write_back(shared: &Shared, job: WriteBack) {
+    match job {
+        WriteBack::Demote { layer, expert } => {
+            let evicted = {
+                let mut l = shared.layers[layer].lock().expect("tier lock");
+                let Some(w) = l.in_flight.remove(&expert) else {
+                    return;
+                };
+                shared.stats.written_back.fetch_add(1, Ordering::Relaxed);
+                let l = &mut *l;
+                match make_room(&mut l.ram, l.ram_policy.as_ref(), shared.ram_slots, expert) {
+                    Room::Refused => None,
+                    room => {
+                        l.ram.insert(expert, Pinned::new(w, &shared.pins));
+                        match room {
+                            Room::Evicted(v) => Some(v),
+                            _ => None,
+                        }
+                    }
+                }
+            };
+            // Unpinned and freed outside the lock.
+            drop(evicted);
+        }
+        WriteBack::Release(pinned) => drop(pinned),
+    }
+}
+
+/// The write-back thread: handles the ring until it is closed and drained.
+fn spawn_writer(shared: Arc<Shared>, ring: Arc<Ring<WriteBack>>) {
+    std::thread::Builder::new()
+        .name("expert-writeback".into())
+        .spawn(move || {
+            while let Some(job) = ring.pop() {
+                handle_write_back(&shared, job);
+                ring.done();
+            }
+        })
+        .expect("spawning the write-back thread");
 }
 
 impl ExpertProvider for TieredExperts {
@@ -377,18 +641,24 @@ impl ExpertProvider for TieredExperts {
         routing: &Routing,
         out: &mut [f32],
     ) -> anyhow::Result<()> {
-        let phase = usize::from(routing.tokens() == 1);
-        // Resolve residency first (under the layer's lock), then compute without it.
+        // Resolve residency first (under the layer's lock), then queue the moves down and
+        // compute without it.
         let mut picked: HashMap<usize, Arc<SwiGlu>> = HashMap::new();
-        {
-            let mut l = self.layers[layer].lock().expect("tier lock");
-            for &e in &routing.ids {
+        let mut jobs = Vec::new();
+        let resolved = {
+            let mut l = self.layer(layer);
+            // One lookup per distinct expert, in the phase of the first token that picked it.
+            routing.ids.iter().enumerate().try_for_each(|(i, &e)| {
                 let e = e as usize;
                 if let std::collections::hash_map::Entry::Vacant(slot) = picked.entry(e) {
-                    slot.insert(self.resolve(layer, &mut l, e, phase)?);
+                    let phase = routing.phase(i / routing.k.max(1));
+                    slot.insert(self.resolve(layer, &mut l, e, phase, &mut jobs)?);
                 }
-            }
-        }
+                anyhow::Ok(())
+            })
+        };
+        self.write_back(jobs);
+        resolved?;
         if self.prefetcher.is_some() {
             // Reads staged for this layer that no pick used are wasted.
             let mut staged = self.staged.lock().expect("staging lock");
@@ -413,10 +683,14 @@ impl ExpertProvider for TieredExperts {
         wanted.sort_unstable();
         wanted.dedup();
         let missing: Vec<usize> = {
-            let l = self.layers[layer].lock().expect("tier lock");
+            let l = self.layer(layer);
             wanted
                 .into_iter()
-                .filter(|e| !l.device.contains_key(e) && !l.ram.contains_key(e))
+                .filter(|e| {
+                    !l.device.contains_key(e)
+                        && !l.ram.contains_key(e)
+                        && !l.in_flight.contains_key(e)
+                })
                 .collect()
         };
         let tx = tx.lock().expect("prefetch queue");
@@ -447,7 +721,7 @@ fn spawn_prefetcher(
                 if staged.lock().expect("staging lock").contains_key(&key) {
                     continue;
                 }
-                match source.load(key.0, key.1) {
+                match timed_load(source.as_ref(), &stats, key.0, key.1) {
                     Ok(w) => {
                         staged.lock().expect("staging lock").insert(key, Arc::new(w));
                     }

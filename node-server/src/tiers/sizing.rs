@@ -15,6 +15,8 @@ pub struct MemoryFacts {
     /// RLIMIT_MEMLOCK soft and hard limits (`None`: unlimited).
     pub memlock_soft: Option<u64>,
     pub memlock_hard: Option<u64>,
+    /// `MemAvailable` of the machine, the budget's base when no cgroup limit is set.
+    pub mem_available: Option<u64>,
 }
 
 /// cgroup v1 reports "no limit" as a huge page-rounded number.
@@ -24,15 +26,23 @@ const V1_UNLIMITED_ABOVE: u64 = 1 << 62;
 /// the process's own cgroup path), then v1 `memory.limit_in_bytes`.
 pub fn cgroup_limit(root: &Path) -> Option<(u64, String)> {
     let own = std::fs::read_to_string("/proc/self/cgroup").unwrap_or_default();
-    let v2_path = own
-        .lines()
-        .find_map(|l| l.strip_prefix("0::"))
-        .map(|p| p.trim_start_matches('/').to_string());
+    let own_path = |prefix: &str| {
+        own.lines()
+            .find_map(|l| {
+                l.split_once(':')
+                    .and_then(|(_, rest)| rest.strip_prefix(prefix))
+            })
+            .map(|p| p.trim_start_matches('/').to_string())
+            .filter(|p| !p.is_empty())
+    };
     let mut candidates = vec![root.join("memory.max")];
-    if let Some(p) = v2_path.filter(|p| !p.is_empty()) {
+    if let Some(p) = own_path(":") {
         candidates.push(root.join(p).join("memory.max"));
     }
     candidates.push(root.join("memory/memory.limit_in_bytes"));
+    if let Some(p) = own_path("memory:") {
+        candidates.push(root.join("memory").join(p).join("memory.limit_in_bytes"));
+    }
     for path in candidates {
         if let Ok(text) = std::fs::read_to_string(&path)
             && let Some(limit) = parse_limit(&text)
@@ -66,9 +76,23 @@ fn memlock_limits() -> (Option<u64>, Option<u64>) {
     (rlim.current, rlim.maximum)
 }
 
+fn mem_available() -> Option<u64> {
+    std::fs::read_to_string("/proc/meminfo")
+        .ok()?
+        .lines()
+        .find_map(|l| l.strip_prefix("MemAvailable:"))
+        .and_then(|v| v.trim().trim_end_matches("kB").trim().parse::<u64>().ok())
+        .map(|kb| kb * 1024)
+}
+
 impl MemoryFacts {
     pub fn read() -> MemoryFacts {
-        let cg = cgroup_limit(Path::new("/sys/fs/cgroup"));
+        MemoryFacts::read_at(Path::new("/sys/fs/cgroup"))
+    }
+
+    /// As [`MemoryFacts::read`] with the cgroup tree mounted at `cgroup_root`.
+    pub fn read_at(cgroup_root: &Path) -> MemoryFacts {
+        let cg = cgroup_limit(cgroup_root);
         let (memlock_soft, memlock_hard) = memlock_limits();
         MemoryFacts {
             cgroup_limit: cg.as_ref().map(|c| c.0),
@@ -76,6 +100,7 @@ impl MemoryFacts {
             rss: rss_bytes(),
             memlock_soft,
             memlock_hard,
+            mem_available: mem_available(),
         }
     }
 }
@@ -96,62 +121,66 @@ pub fn raise_memlock() -> Option<u64> {
     rustix::process::getrlimit(rustix::process::Resource::Memlock).current
 }
 
-/// The RAM tier's budget in slots of `record_bytes`.
+/// How big the RAM tier is, and from what.
 #[derive(Clone, Debug, PartialEq, Eq)]
-pub struct RamBudget {
-    pub slots: usize,
-    pub bytes: u64,
-    /// Why this many, for the start-up log.
-    pub reason: String,
+pub struct RamPlan {
+    /// The cgroup limit (`None`: unlimited) and where it was read.
+    pub limit: Option<u64>,
+    pub source: Option<String>,
+    /// What the process holds or will hold outside the tier: resident now plus the
+    /// non-expert weights still to load.
+    pub held: u64,
+    pub reserve: u64,
+    /// Bytes for the RAM tier, all MoE layers together.
+    pub budget: u64,
+    pub slots_per_layer: usize,
+    /// Where the budget came from, for the log.
+    pub basis: &'static str,
 }
 
-/// Slots the RAM tier may take: `explicit` wins; else the cgroup limit minus the process's
-/// resident memory minus `reserve` (KV cache, workspace, headroom); unlimited cgroups fall
-/// back to `fallback_bytes`. Never more than `wanted` (the experts that exist).
-pub fn ram_budget(
+/// Sizes the RAM tier: `budget_override` bytes when given; else the cgroup limit minus what
+/// the process holds (`facts.rss + held_extra`) minus `reserve` (KV cache, workspace,
+/// headroom); with no cgroup limit, `MemAvailable` minus `reserve`. The budget is divided
+/// by the record size and shared evenly by the MoE layers, never more than `experts` each.
+pub fn plan_ram_tier(
     facts: &MemoryFacts,
-    record_bytes: u64,
-    explicit: Option<usize>,
+    held_extra: u64,
     reserve: u64,
-    fallback_bytes: u64,
-    wanted: usize,
-) -> RamBudget {
-    if let Some(slots) = explicit {
-        let slots = slots.min(wanted);
-        return RamBudget {
-            slots,
-            bytes: slots as u64 * record_bytes,
-            reason: format!("--ram-slots {slots}"),
-        };
-    }
-    let (available, why) = match facts.cgroup_limit {
-        Some(limit) => {
-            let free = limit.saturating_sub(facts.rss).saturating_sub(reserve);
-            (
-                free,
-                format!(
-                    "cgroup limit {} MiB ({}) - resident {} MiB - reserve {} MiB",
-                    limit >> 20,
-                    facts.cgroup_source.as_deref().unwrap_or("?"),
-                    facts.rss >> 20,
-                    reserve >> 20
-                ),
-            )
-        }
-        None => (
-            fallback_bytes,
-            format!(
-                "no cgroup limit; default budget {} MiB",
-                fallback_bytes >> 20
-            ),
+    budget_override: Option<u64>,
+    record_bytes: u64,
+    moe_layers: usize,
+    experts: usize,
+) -> RamPlan {
+    let held = facts.rss + held_extra;
+    let (budget, basis) = match (budget_override, facts.cgroup_limit) {
+        (Some(bytes), _) => (bytes, "flag"),
+        (None, Some(limit)) => (limit.saturating_sub(held).saturating_sub(reserve), "cgroup"),
+        (None, None) => (
+            facts.mem_available.unwrap_or(0).saturating_sub(reserve),
+            "mem_available",
         ),
     };
-    let slots = ((available / record_bytes.max(1)) as usize).min(wanted);
-    RamBudget {
-        slots,
-        bytes: slots as u64 * record_bytes,
-        reason: why,
+    let slots = budget / record_bytes.max(1) / moe_layers.max(1) as u64;
+    RamPlan {
+        limit: facts.cgroup_limit,
+        source: facts.cgroup_source.clone(),
+        held,
+        reserve,
+        budget,
+        slots_per_layer: (slots as usize).min(experts),
+        basis,
     }
+}
+
+/// Whether this process holds CAP_IPC_LOCK, which lifts RLIMIT_MEMLOCK for mlock.
+pub fn has_ipc_lock() -> bool {
+    const CAP_IPC_LOCK: u32 = 14;
+    std::fs::read_to_string("/proc/self/status")
+        .unwrap_or_default()
+        .lines()
+        .find_map(|l| l.strip_prefix("CapEff:"))
+        .and_then(|v| u64::from_str_radix(v.trim(), 16).ok())
+        .is_some_and(|caps| caps >> CAP_IPC_LOCK & 1 == 1)
 }
 
 /// A plain message saying what to change when `bytes` cannot be pinned under the memlock limit.
@@ -159,7 +188,8 @@ pub fn memlock_problem(bytes: u64, soft: Option<u64>) -> Option<String> {
     match soft {
         Some(limit) if limit < bytes => Some(format!(
             "RLIMIT_MEMLOCK is {} KiB but the RAM tier needs {} MiB pinned: run the container with \
-             `--ulimit memlock=-1` (Kubernetes: add the IPC_LOCK capability), or lower --ram-slots",
+             `--ulimit memlock=-1` or `ulimit -l unlimited` (Kubernetes: add the IPC_LOCK \
+             capability), or lower --ram-slots / --ram-budget-mib; serving continues unpinned",
             limit >> 10,
             bytes >> 20
         )),
@@ -197,26 +227,40 @@ mod tests {
     }
 
     #[test]
-    fn budget_from_cgroup_minus_resident_and_reserve() {
-        let facts = MemoryFacts {
-            cgroup_limit: Some(55 << 30),
-            cgroup_source: Some("/sys/fs/cgroup/memory.max".into()),
-            rss: 5 << 30,
-            memlock_soft: None,
-            memlock_hard: None,
-        };
-        let b = ram_budget(&facts, 10 << 20, None, 2 << 30, 0, 100_000);
-        assert_eq!(b.slots, (48usize << 30) / (10 << 20));
-        assert!(b.reason.contains("cgroup limit 56320 MiB"), "{}", b.reason);
-        assert_eq!(ram_budget(&facts, 10 << 20, Some(7), 0, 0, 5).slots, 5);
-        let unlimited = MemoryFacts {
-            cgroup_limit: None,
-            ..facts
-        };
+    fn budget_from_a_fake_cgroup_minus_held_and_reserve() {
+        let dir = tempfile::tempdir().unwrap();
+        std::fs::write(dir.path().join("memory.max"), "8589934592\n").unwrap();
+        let facts = MemoryFacts::read_at(dir.path());
+        assert_eq!(facts.cgroup_limit, Some(8 << 30));
+        assert!(facts.rss > 0);
+        let (record, layers, dense, reserve) = (3u64 << 20, 4, 256u64 << 20, 1u64 << 30);
+        let plan = plan_ram_tier(&facts, dense, reserve, None, record, layers, 10_000);
+        assert_eq!(plan.basis, "cgroup");
+        assert_eq!(plan.held, facts.rss + dense);
+        assert_eq!(plan.budget, (8u64 << 30) - facts.rss - dense - reserve);
         assert_eq!(
-            ram_budget(&unlimited, 1 << 20, None, 0, 64 << 20, 1000).slots,
-            64
+            plan.slots_per_layer as u64,
+            plan.budget / record / layers as u64
         );
+        // Capped by the experts that exist; the flag wins over the cgroup.
+        assert_eq!(
+            plan_ram_tier(&facts, dense, reserve, None, record, layers, 5).slots_per_layer,
+            5
+        );
+        let flag = plan_ram_tier(&facts, dense, reserve, Some(120 << 20), record, 4, 10_000);
+        assert_eq!((flag.basis, flag.slots_per_layer), ("flag", 10));
+        // Held memory over the limit leaves no RAM tier rather than underflowing.
+        let tight = plan_ram_tier(&facts, 9 << 30, reserve, None, record, layers, 10_000);
+        assert_eq!((tight.budget, tight.slots_per_layer), (0, 0));
+        // A v2 "max" falls back to MemAvailable.
+        std::fs::write(dir.path().join("memory.max"), "max\n").unwrap();
+        let unlimited = MemoryFacts {
+            mem_available: Some(4 << 30),
+            ..MemoryFacts::read_at(dir.path())
+        };
+        assert_eq!(unlimited.cgroup_limit, None);
+        let plan = plan_ram_tier(&unlimited, 0, 1 << 30, None, 1 << 20, 3, 10_000);
+        assert_eq!((plan.basis, plan.slots_per_layer), ("mem_available", 1024));
     }
 
     #[test]

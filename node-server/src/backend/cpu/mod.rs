@@ -137,6 +137,14 @@ impl Matrix {
         self.device.as_ref().map_or(0, |d| d.bytes())
     }
 
+    /// Start and length of the bytes the weights occupy (for pinning them in RAM).
+    pub fn storage_span(&self) -> (*const u8, usize) {
+        match &self.data {
+            Data::F32(v) => (v.as_ptr().cast(), v.len() * 4),
+            Data::Packed(b) => (b.as_ptr(), b.len()),
+        }
+    }
+
     /// Bytes the weights occupy.
     pub fn storage_bytes(&self) -> usize {
         match &self.data {

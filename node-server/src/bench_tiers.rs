@@ -1,0 +1,265 @@
+//! `bench --tiered`: decode through the three expert tiers on a wide random model whose
+//! experts are read from a packed store, with uniform and with skewed (Zipf-like, set through
+//! the routers' `e_score_correction_bias`) routing, under LFU and LRU. Reports decode tok/s,
+//! hit rate and bytes per token per tier, the store's read rate, and the roofline ratio:
+//! the time the bytes moved need at the measured bandwidths over the measured time per token.
+
+use crate::bench::BenchArgs;
+use crate::model::Model;
+use crate::model::checkpoint::DType;
+use crate::model::config::{Config, MlpKind};
+use crate::model::random::{scaled_config, write_random_checkpoint};
+use crate::tiers::policy::PolicyKind;
+use crate::tiers::provider::{Mode, StoreSource, Tier, TierCaps, TierTuning, TieredExperts};
+use std::path::{Path, PathBuf};
+use std::sync::Arc;
+use std::sync::atomic::Ordering;
+use std::time::Instant;
+
+#[derive(clap::Args, Debug, Clone)]
+pub struct TierBenchArgs {
+    /// Measure decode through the expert tiers (experts read from a packed store) instead of
+    /// with every expert in memory.
+    #[arg(long, env = "GLMFLASH_BENCH_TIERED")]
+    pub tiered: bool,
+    /// Where the model and its packed stores are written (a disk filesystem with O_DIRECT);
+    /// removed afterwards.
+    #[arg(long, env = "GLMFLASH_BENCH_SCRATCH", default_value = "/tmp")]
+    pub scratch: PathBuf,
+    /// Device-tier slots per MoE layer.
+    #[arg(long, env = "GLMFLASH_BENCH_VRAM_SLOTS", default_value_t = 8)]
+    pub vram_slots: usize,
+    /// RAM-tier slots per MoE layer.
+    #[arg(long, env = "GLMFLASH_BENCH_RAM_SLOTS", default_value_t = 16)]
+    pub ram_slots: usize,
+    /// Skew of the Zipf-like routing: the expert of popularity rank r gets bias -s * ln(1 + r).
+    #[arg(long, env = "GLMFLASH_BENCH_ZIPF_BIAS", default_value_t = 0.1)]
+    pub zipf_bias: f32,
+    /// Decode steps run before measuring (to fill the tiers).
+    #[arg(long, env = "GLMFLASH_BENCH_WARMUP", default_value_t = 16)]
+    pub warmup_tokens: usize,
+    /// The store disk's O_DIRECT read bandwidth in GB/s (fio, same run), for the roofline.
+    #[arg(long, env = "GLMFLASH_BENCH_DISK_GBPS")]
+    pub disk_gbps: Option<f64>,
+}
+
+pub fn run(args: &BenchArgs) -> anyhow::Result<()> {
+    let root = args
+        .tiers
+        .scratch
+        .join(format!("glmflash-bench-tiers-{}", std::process::id()));
+    let result = measure_all(&root, args);
+    let _ = std::fs::remove_dir_all(&root);
+    println!("{}", serde_json::to_string_pretty(&result?)?);
+    Ok(())
+}
+
+fn measure_all(root: &Path, args: &BenchArgs) -> anyhow::Result<serde_json::Value> {
+    let config = scaled_config(
+        args.vocab,
+        args.hidden,
+        args.layers,
+        1,
+        args.experts,
+        args.expert_width,
+        args.top_k,
+    );
+    let mem_bw = crate::bench::measure_read_bandwidth();
+    let mut runs = Vec::new();
+    for routing in ["uniform", "zipf"] {
+        let dir = root.join(routing);
+        write_random_checkpoint(&dir, &config, 1, DType::Bf16)?;
+        let skew = if routing == "zipf" {
+            args.tiers.zipf_bias
+        } else {
+            0.0
+        };
+        set_router_bias(&dir.join("model.safetensors"), args.experts, skew)?;
+        let store = root.join(format!("{routing}-store"));
+        let packed = Instant::now();
+        crate::store::pack_store(
+            &dir,
+            &store,
+            &crate::store::PackOptions {
+                progress: false,
+                verify: false,
+                ..Default::default()
+            },
+        )?;
+        eprintln!(
+            "{routing}: packed in {:.1}s",
+            packed.elapsed().as_secs_f64()
+        );
+        for policy in [PolicyKind::Lfu, PolicyKind::Lru] {
+            let r = measure(&dir, &store, routing, policy, args, mem_bw)?;
+            eprintln!("{r}");
+            runs.push(r);
+        }
+        std::fs::remove_dir_all(&store)?;
+        std::fs::remove_dir_all(&dir)?;
+    }
+    Ok(serde_json::json!({
+        "memory_read_gb_s": mem_bw / 1e9,
+        "disk_gb_s": args.tiers.disk_gbps,
+        "runs": runs,
+    }))
+}
+
+/// Rewrites every router's `e_score_correction_bias` in place: the expert of popularity rank
+/// `r` (a fixed shuffle of the ids) gets `-skew * ln(1 + r)`; `skew` 0 zeroes the biases.
+fn set_router_bias(file: &Path, experts: usize, skew: f32) -> anyhow::Result<()> {
+    use rand::SeedableRng;
+    use rand::seq::SliceRandom;
+    use std::io::{Read, Seek, SeekFrom, Write};
+    let mut f = std::fs::OpenOptions::new()
+        .read(true)
+        .write(true)
+        .open(file)?;
+    let mut len = [0u8; 8];
+    f.read_exact(&mut len)?;
+    let mut header = vec![0u8; u64::from_le_bytes(len) as usize];
+    f.read_exact(&mut header)?;
+    let header: serde_json::Map<String, serde_json::Value> = serde_json::from_slice(&header)?;
+    let data_start = 8 + u64::from_le_bytes(len);
+    let mut rank: Vec<usize> = (0..experts).collect();
+    rank.shuffle(&mut rand_chacha::ChaCha8Rng::seed_from_u64(7));
+    let bias: Vec<u8> = (0..experts)
+        .flat_map(|e| (-skew * (1.0 + rank[e] as f32).ln()).to_le_bytes())
+        .collect();
+    let mut patched = 0;
+    for (name, t) in &header {
+        if !name.ends_with("mlp.gate.e_score_correction_bias") {
+            continue;
+        }
+        anyhow::ensure!(t["dtype"] == "F32", "{name} is not F32");
+        let start = t["data_offsets"][0].as_u64().unwrap_or(0);
+        f.seek(SeekFrom::Start(data_start + start))?;
+        f.write_all(&bias)?;
+        patched += 1;
+    }
+    anyhow::ensure!(patched > 0, "no router bias in {}", file.display());
+    Ok(())
+}
+
+fn measure(
+    dir: &Path,
+    store: &Path,
+    routing: &str,
+    policy: PolicyKind,
+    args: &BenchArgs,
+    mem_bw: f64,
+) -> anyhow::Result<serde_json::Value> {
+    let cfg = Config::from_file(&dir.join("config.json"))?;
+    let moe: Vec<bool> = cfg.mlp_kinds.iter().map(|k| *k == MlpKind::Moe).collect();
+    let source = Arc::new(StoreSource::open(store, dir, &cfg)?);
+    let tiers = Arc::new(TieredExperts::with_tuning(
+        source,
+        cfg.hidden_size,
+        cfg.n_routed_experts,
+        &moe,
+        Mode::Nvme,
+        TierCaps {
+            device_slots_per_layer: args.tiers.vram_slots,
+            ram_slots_per_layer: args.tiers.ram_slots,
+        },
+        4096,
+        true,
+        TierTuning {
+            policy,
+            ..TierTuning::default()
+        },
+    )?);
+    let model = Model::load_with(dir, Some(tiers.clone()))?;
+    let vocab = cfg.vocab_size as u32;
+    let prompt: Vec<u32> = (0..args.prompt_tokens as u32)
+        .map(|i| (i * 7919 + 13) % vocab)
+        .collect();
+    let (mut logits, mut cache) = model.prefill(&prompt)?;
+    let mut step = |logits: &mut Vec<f32>| -> anyhow::Result<()> {
+        let next = crate::backend::cpu::ops::argmax(logits) as u32;
+        *logits = model.decode_step(next, &mut cache)?;
+        Ok(())
+    };
+    for _ in 0..args.tiers.warmup_tokens {
+        step(&mut logits)?;
+    }
+    tiers.flush();
+    let s = &tiers.stats;
+    let get = |c: &std::sync::atomic::AtomicU64| c.load(Ordering::Relaxed);
+    let counters = || {
+        (
+            [Tier::Device, Tier::Ram, Tier::Store].map(|t| get(&s.lookups[t as usize][1])),
+            get(&s.store_reads),
+            s.store_read_latency.total_seconds(),
+        )
+    };
+    let (lookups0, reads0, read_s0) = counters();
+    let started = Instant::now();
+    for _ in 0..args.decode_tokens {
+        step(&mut logits)?;
+    }
+    let decode_s = started.elapsed().as_secs_f64();
+    tiers.flush();
+    let (lookups1, reads1, read_s1) = counters();
+
+    let n = args.decode_tokens as f64;
+    let record = tiers.record_bytes() as f64;
+    let lookups: Vec<f64> = (0..3).map(|i| (lookups1[i] - lookups0[i]) as f64).collect();
+    let total: f64 = lookups.iter().sum();
+    let store_bytes = (reads1 - reads0) as f64 * record;
+    let store_read_s = read_s1 - read_s0;
+    // Bytes a token needs: the non-expert weights once, each picked expert once from memory
+    // (wherever it resides, it is computed from CPU memory here), plus what the store supplied.
+    let moe_layers = moe.iter().filter(|&&m| m).count() as f64;
+    let dense =
+        (model.weight_bytes() - model.routed_expert_bytes() - model.embedding_bytes()) as f64;
+    let expert_bytes = moe_layers * cfg.num_experts_per_tok as f64 * record;
+    let need_s = (dense + expert_bytes) / mem_bw
+        + args
+            .tiers
+            .disk_gbps
+            .map_or(0.0, |g| store_bytes / n / (g * 1e9));
+    let per_token_s = decode_s / n;
+    let history = tiers.history("bench");
+    let top_decile: f64 = history
+        .counts
+        .iter()
+        .filter(|row| row.iter().any(|&c| c > 0))
+        .map(|row| {
+            let mut sorted = row.clone();
+            sorted.sort_unstable_by(|a, b| b.cmp(a));
+            let top: u64 = sorted.iter().take(row.len().div_ceil(10)).sum();
+            top as f64 / sorted.iter().sum::<u64>().max(1) as f64
+        })
+        .sum::<f64>()
+        / moe_layers;
+    Ok(serde_json::json!({
+        "routing": routing,
+        "policy": format!("{policy:?}").to_lowercase(),
+        "hidden": cfg.hidden_size,
+        "experts": cfg.n_routed_experts,
+        "moe_layers": moe_layers,
+        "top_k": cfg.num_experts_per_tok,
+        "record_bytes": record,
+        "vram_slots": args.tiers.vram_slots,
+        "ram_slots": args.tiers.ram_slots,
+        "top_decile_pick_share": top_decile,
+        "decode_tokens": args.decode_tokens,
+        "decode_tok_s": n / decode_s,
+        "hit_rate": {
+            "vram": lookups[0] / total,
+            "ram": lookups[1] / total,
+            "nvme": lookups[2] / total,
+        },
+        "bytes_per_token": {
+            "vram": lookups[0] * record / n,
+            "ram": lookups[1] * record / n,
+            "nvme": store_bytes / n,
+        },
+        "store_read_gb_s": store_bytes / store_read_s.max(1e-9) / 1e9,
+        "store_read_ms_per_record": store_read_s * 1e3 / (reads1 - reads0).max(1) as f64,
+        "time_needed_ms_per_token": need_s * 1e3,
+        "time_measured_ms_per_token": per_token_s * 1e3,
+        "roofline_ratio": need_s / per_token_s,
+    }))
+}

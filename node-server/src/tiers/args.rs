@@ -1,0 +1,240 @@
+//! Start-up of the tiers: the flags that size and tune them, the RAM-tier sizing and
+//! memlock check, the CPU-lane feature check, and the one-line summary printed at exit.
+
+use super::policy::PolicyKind;
+use super::provider::{Mode, Tier, TierTuning, TieredExperts};
+use super::sizing::{self, MemoryFacts};
+use std::sync::atomic::Ordering;
+
+#[derive(clap::Args, Debug, Clone)]
+pub struct TierArgs {
+    /// RAM-tier budget in MiB, all MoE layers together (tiered modes without --ram-slots);
+    /// default: the cgroup memory limit minus what the process holds minus --ram-reserve-mib.
+    #[arg(long, env = "GLMFLASH_RAM_BUDGET_MIB")]
+    pub ram_budget_mib: Option<u64>,
+    /// Memory left outside the RAM tier for the KV cache, workspace and headroom (MiB).
+    #[arg(long, env = "GLMFLASH_RAM_RESERVE_MIB", default_value_t = 2048)]
+    pub ram_reserve_mib: u64,
+    /// Eviction policy of the device and RAM tiers.
+    #[arg(long, env = "GLMFLASH_EVICTION", value_enum, default_value_t = PolicyKind::Lfu)]
+    pub eviction: PolicyKind,
+    /// Entries of the write-back ring (moves down a tier waiting for the background writer).
+    #[arg(long, env = "GLMFLASH_WRITEBACK_RING", default_value_t = 64)]
+    pub writeback_ring: usize,
+    /// Do not mlock the RAM tier.
+    #[arg(long, env = "GLMFLASH_NO_PIN")]
+    pub no_pin: bool,
+}
+
+impl TierArgs {
+    pub fn tuning(&self) -> TierTuning {
+        TierTuning {
+            policy: self.eviction,
+            writeback_ring: self.writeback_ring,
+            pin: !self.no_pin,
+        }
+    }
+
+    /// Checks what the tiers need from the machine and sizes the RAM tier: `explicit` slots
+    /// win; else the budget from the cgroup limit (or --ram-budget-mib). `held_extra`: bytes
+    /// the process will still load outside the tier (the non-expert weights). Logs the numbers
+    /// in one line and says plainly what to change when the tier cannot be pinned.
+    pub fn prepare(
+        &self,
+        mode: Mode,
+        explicit: Option<usize>,
+        held_extra: u64,
+        record_bytes: u64,
+        moe_layers: usize,
+        experts: usize,
+    ) -> usize {
+        let soft = sizing::raise_memlock();
+        let facts = MemoryFacts::read();
+        let plan = sizing::plan_ram_tier(
+            &facts,
+            held_extra,
+            self.ram_reserve_mib << 20,
+            self.ram_budget_mib.map(|m| m << 20),
+            record_bytes,
+            moe_layers,
+            experts,
+        );
+        let slots = match (mode.tiered(), explicit) {
+            (false, _) => experts,
+            (true, Some(n)) => n,
+            (true, None) => plan.slots_per_layer,
+        };
+        tracing::info!(
+            cgroup_limit_mib = plan.limit.map(|b| b >> 20),
+            cgroup_source = plan.source.as_deref().unwrap_or("none"),
+            held_mib = plan.held >> 20,
+            reserve_mib = plan.reserve >> 20,
+            budget_mib = plan.budget >> 20,
+            budget_from = if explicit.is_some() {
+                "--ram-slots"
+            } else {
+                plan.basis
+            },
+            record_bytes,
+            moe_layers,
+            ram_slots_per_layer = slots,
+            memlock_limit_kib = soft.map(|b| b >> 10),
+            "RAM tier sized"
+        );
+        let pinned = slots as u64 * moe_layers as u64 * record_bytes;
+        if !self.no_pin
+            && !sizing::has_ipc_lock()
+            && let Some(problem) = sizing::memlock_problem(pinned, soft)
+        {
+            tracing::warn!("{problem}");
+        }
+        slots
+    }
+}
+
+/// Says which CPU-lane kernels run: the SIMD ones need AVX2, FMA and F16C.
+pub fn log_cpu_lane() {
+    let f = crate::quant::cpu_features();
+    match cpu_lane_problem(f) {
+        None => tracing::info!(
+            avx2 = f.avx2,
+            fma = f.fma,
+            f16c = f.f16c,
+            "CPU lane: SIMD kernels"
+        ),
+        Some(problem) => tracing::warn!("{problem}"),
+    }
+}
+
+/// A plain sentence naming what the CPU lacks, or `None` when the SIMD kernels can run.
+pub fn cpu_lane_problem(f: crate::quant::CpuFeatures) -> Option<String> {
+    let missing: Vec<&str> = [("AVX2", f.avx2), ("FMA", f.fma), ("F16C", f.f16c)]
+        .iter()
+        .filter(|(_, has)| !has)
+        .map(|(name, _)| *name)
+        .collect();
+    (!missing.is_empty()).then(|| {
+        format!(
+            "this CPU lacks {} needed by the CPU lane's SIMD kernels; the portable fallback runs \
+             instead (same results, slower)",
+            missing.join(", ")
+        )
+    })
+}
+
+/// One line: lookups and residents per tier, bytes moved, pinned bytes, prefetch, ring.
+pub fn tier_summary(tiers: &TieredExperts) -> String {
+    let s = &tiers.stats;
+    let get = |c: &std::sync::atomic::AtomicU64| c.load(Ordering::Relaxed);
+    let record = tiers.record_bytes() as f64 / 1048576.0;
+    let (ring, high, stalls) = tiers.writeback_ring();
+    let tiers_part = [Tier::Device, Tier::Ram, Tier::Store]
+        .iter()
+        .map(|&t| {
+            format!(
+                "{}: {} lookups, {} resident",
+                t.name(),
+                s.lookups(t),
+                tiers.resident(t)
+            )
+        })
+        .collect::<Vec<_>>()
+        .join("; ");
+    format!(
+        "{tiers_part}; moved MiB nvme->ram {:.1}, ram->vram {:.1}, vram->ram {:.1}; \
+         pinned {:.1} MiB ({} refusals); prefetch: {} issued, {} hits, {} wasted; \
+         cpu lane {}; write-back ring {high}/{ring} peak, {stalls} stalls; {} policy",
+        get(&s.store_reads) as f64 * record,
+        get(&s.promotions) as f64 * record,
+        get(&s.written_back) as f64 * record,
+        tiers.pins.pinned() as f64 / 1048576.0,
+        get(&tiers.pins.failures),
+        get(&s.prefetch_issued),
+        get(&s.prefetch_hits),
+        get(&s.prefetch_wasted),
+        get(&s.cpu_lane),
+        match tiers.policy() {
+            PolicyKind::Lfu => "lfu",
+            PolicyKind::Lru => "lru",
+        }
+    )
+}
+
+/// The tiers' counters in the metrics registry's terms (read at each scrape).
+pub fn metrics_snapshot(tiers: &TieredExperts) -> crate::metrics::TierSnapshot {
+    let s = &tiers.stats;
+    let get = |c: &std::sync::atomic::AtomicU64| c.load(Ordering::Relaxed);
+    let record = tiers.record_bytes() as u64;
+    let (device_slots, ram_slots) = tiers.caps();
+    let layers = tiers.moe_layers() as u64;
+    let all = [Tier::Device, Tier::Ram, Tier::Store];
+    let (read_cumulative, read_count) = s.store_read_latency.cumulative();
+    let facts = MemoryFacts::read();
+    let mut memory = vec![("pinned_ram", tiers.pins.pinned())];
+    memory.extend(facts.cgroup_limit.map(|b| ("cgroup_limit", b)));
+    memory.extend(facts.memlock_soft.map(|b| ("memlock_limit", b)));
+    crate::metrics::TierSnapshot {
+        lookups: all
+            .iter()
+            .flat_map(|&t| {
+                [("prefill", 0), ("decode", 1)]
+                    .map(|(phase, i)| (t.name(), phase, get(&s.lookups[t as usize][i])))
+            })
+            .collect(),
+        residency: all
+            .iter()
+            .map(|&t| {
+                let slots = match t {
+                    Tier::Device => device_slots as u64 * layers,
+                    Tier::Ram => ram_slots as u64 * layers,
+                    Tier::Store => tiers.experts() as u64 * layers,
+                };
+                (t.name(), tiers.resident(t) as u64, slots)
+            })
+            .collect(),
+        bytes_moved: vec![
+            ("nvme_to_ram", get(&s.store_reads) * record),
+            ("ram_to_vram", get(&s.promotions) * record),
+            ("vram_to_ram", get(&s.written_back) * record),
+        ],
+        read_bounds: super::stats::READ_BUCKETS.to_vec(),
+        read_cumulative,
+        read_count,
+        read_sum: s.store_read_latency.total_seconds(),
+        read_errors: get(&s.store_read_errors),
+        prefetch: vec![
+            ("issued", get(&s.prefetch_issued)),
+            ("hit", get(&s.prefetch_hits)),
+            ("wasted", get(&s.prefetch_wasted)),
+        ],
+        cpu_lane_experts: get(&s.cpu_lane),
+        memory,
+        pin_failures: get(&tiers.pins.failures),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::quant::CpuFeatures;
+
+    #[test]
+    fn cpu_lane_names_what_is_missing() {
+        let all = CpuFeatures {
+            avx2: true,
+            fma: true,
+            f16c: true,
+        };
+        assert_eq!(cpu_lane_problem(all), None);
+        let msg = cpu_lane_problem(CpuFeatures {
+            fma: false,
+            f16c: false,
+            ..all
+        })
+        .unwrap();
+        assert!(
+            msg.contains("lacks FMA, F16C") && msg.contains("portable fallback"),
+            "{msg}"
+        );
+    }
+}
