@@ -26,9 +26,30 @@ def main():
     p.add_argument("--reference", help="fixture reference.json (transformers)")
     p.add_argument("--bound", type=float, default=1e-4)
     p.add_argument("--name", default="")
+    p.add_argument("--identical", action="store_true",
+                   help="require the same bits (the files' logits and greedy equal exactly)")
+    p.add_argument("--kl", action="store_true",
+                   help="report KL(want || got) of the softmax (near-exact modes); no bound")
     a = p.parse_args()
     got, want = json.load(open(a.got)), json.load(open(a.want))
     ok = True
+    if a.identical:
+        same = got["logits"] == want["logits"] and got["greedy"] == want["greedy"]
+        print(f"{a.name:<28} {'bit-identical' if same else 'DIFFERS'} ({len(got['logits'])} logits, "
+              f"{len(got['greedy'])} greedy tokens)")
+        sys.exit(0 if same else 1)
+    if a.kl:
+        def softmax(v):
+            m = max(v)
+            e = [math.exp(x - m) for x in v]
+            s = sum(e)
+            return [x / s for x in e]
+        p_, q_ = softmax(want["logits"]), softmax(got["logits"])
+        kl = sum(p * (math.log(p) - math.log(q)) for p, q in zip(p_, q_) if p > 0)
+        agree = sum(x == y for x, y in zip(got["greedy"], want["greedy"]))
+        print(f"{a.name:<28} KL {kl:.3e} nats; greedy agrees on {agree}/{len(want['greedy'])} tokens; "
+              f"logits rel err {rel(got['logits'], want['logits']):.3e}")
+        sys.exit(0 if math.isfinite(kl) else 1)
     e = rel(got["logits"], want["logits"])
     same = got["greedy"] == want["greedy"]
     ok &= e <= a.bound and same

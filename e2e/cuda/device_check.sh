@@ -62,6 +62,31 @@ for fmt in bf16 q4_k q8_0; do
   python3 e2e/cuda/compare_logits.py "$work/$fmt.cuda.json" "$work/$fmt.cpu.json" --name "demo model, $fmt experts" || fail=1
 done
 
+step "tiers on the GPU: nvme-exact and exact give the untiered GPU bits; nvme (CPU lane) KL"
+for fmt in bf16 q4_k; do
+  model="$work/demo"; [ $fmt = bf16 ] || model="$work/demo_$fmt"
+  store="$(mktemp -d -p "$PWD" .store.XXXX)"
+  "$BIN" pack-store --model "$model" --store "$store/s" >/dev/null 2>&1 || { echo "pack-store failed"; fail=1; }
+  for args in "--mode nvme-exact --store $store/s --vram-slots 2 --ram-slots 3" \
+              "--mode nvme-exact --store $store/s --vram-slots 1 --ram-slots 1" \
+              "--mode exact"; do
+    "$BIN" logits --model "$model" --tokens $demo_tokens --greedy 24 --device cuda $args > "$work/t.json" 2>"$work/t.err" || { fail=1; tail -3 "$work/t.err"; }
+    python3 e2e/cuda/compare_logits.py "$work/t.json" "$work/$fmt.cuda.json" --identical --name "$fmt ${args%% --store*}" || fail=1
+  done
+  for args in "--mode nvme --store $store/s --vram-slots 2 --ram-slots 3" "--mode fast"; do
+    "$BIN" logits --model "$model" --tokens $demo_tokens --greedy 24 --device cuda $args > "$work/t.json" 2>"$work/t.err" || { fail=1; tail -3 "$work/t.err"; }
+    python3 e2e/cuda/compare_logits.py "$work/t.json" "$work/$fmt.cuda.json" --kl --name "$fmt ${args%% --store*} vs exact" || fail=1
+  done
+  rm -rf "$store"
+done
+
+step "speed: the same random model on the CPU (16 cores) and on the GPU"
+for dev in cpu cuda; do
+  "$BIN" bench --device $dev --hidden 2048 --layers 4 --experts 64 --expert-width 1024 --top-k 8 \
+    --expert-format q4_k --prompt-tokens 512 --decode-tokens 64 > "$OUT/bench_$dev.json" 2>"$work/bench_$dev.err" || { fail=1; tail -3 "$work/bench_$dev.err"; }
+  python3 -c "import json,sys;d=json.load(open(sys.argv[1]));print(sys.argv[2], {k:d[k] for k in ('device','prefill_tok_s','decode_tok_s','decode_bytes_per_token','read_bandwidth_gb_s','decode_roofline_ratio')})" "$OUT/bench_$dev.json" $dev || fail=1
+done
+
 step "kernel resources, sm_90"
 for f in kernels/cuda/*.cu; do
   nvcc -cubin -arch=sm_90 -std=c++17 -Ikernels/cuda -Xptxas -v -o /dev/null "$f" 2>&1 \

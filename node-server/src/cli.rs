@@ -189,13 +189,6 @@ impl ModelArgs {
                 )),
             };
         };
-        if let Device::Cuda(cuda) = &device {
-            anyhow::bail!(
-                "--mode {mode:?} with --device cuda ({}): the tiered modes run on the CPU for now; \
-                 without --mode every expert is served from VRAM",
-                cuda.describe()
-            );
-        }
         let source: Arc<dyn ExpertSource> = match &self.store {
             Some(store) => {
                 let s = StoreSource::open(store, &self.model, &cfg)?;
@@ -223,7 +216,7 @@ impl ModelArgs {
                 cfg.n_routed_experts,
             ),
         };
-        let tiers = Arc::new(TieredExperts::with_tuning(
+        let tiers = TieredExperts::with_tuning(
             source,
             cfg.hidden_size,
             cfg.n_routed_experts,
@@ -233,7 +226,11 @@ impl ModelArgs {
             AGING_PERIOD,
             !self.no_prefetch,
             self.tier.tuning(),
-        )?);
+        )?;
+        let tiers = Arc::new(match &device {
+            Device::Cpu => tiers,
+            Device::Cuda(cuda) => tiers.with_gpu(cuda.clone(), &moe)?,
+        });
         if let Some(path) = &self.history {
             let fingerprint = crate::store::quick_fingerprint(&self.model)?;
             match RoutingHistory::load(path, &fingerprint, moe.len(), cfg.n_routed_experts) {
@@ -246,10 +243,13 @@ impl ModelArgs {
                 }
             }
         }
-        Ok((
-            Model::load_with(&self.model, Some(tiers.clone()))?,
-            Some(tiers),
-        ))
+        let model = match device {
+            Device::Cpu => Model::load_with(&self.model, Some(tiers.clone()))?,
+            Device::Cuda(cuda) => {
+                crate::tiers::vram::load_dense_on_gpu(&self.model, tiers.clone(), cuda)?
+            }
+        };
+        Ok((model, Some(tiers)))
     }
 }
 

@@ -157,7 +157,10 @@ pub fn tier_summary(tiers: &TieredExperts) -> String {
             PolicyKind::Lfu => "lfu",
             PolicyKind::Lru => "lru",
         }
-    )
+    ) + &tiers
+        .gpu_summary()
+        .map(|g| format!("; {g}"))
+        .unwrap_or_default()
 }
 
 /// The tiers' counters in the metrics registry's terms (read at each scrape).

@@ -164,6 +164,9 @@ pub struct TieredExperts {
     pub stats: Arc<TierStats>,
     pub pins: Arc<PinStats>,
     mode: Mode,
+    /// The device tier's slots on a GPU (see [`TieredExperts::with_gpu`]); without it the
+    /// device tier is CPU memory.
+    gpu: Option<Mutex<super::vram::GpuTier>>,
 }
 
 /// Experts read ahead by the prefetcher, by (layer, expert), not yet looked up.
@@ -274,7 +277,45 @@ impl TieredExperts {
             stats,
             pins,
             mode,
+            gpu: None,
         })
+    }
+
+    /// Puts the device tier on `cuda`: device residents live in VRAM slots and are computed
+    /// there; in `nvme`/`fast` RAM-resident decode picks run on the CPU lane, in the exact
+    /// modes every product runs on the GPU kernel (non-residents through staging slots).
+    pub fn with_gpu(
+        mut self,
+        cuda: Arc<crate::backend::cuda::Cuda>,
+        moe_layers: &[bool],
+    ) -> anyhow::Result<TieredExperts> {
+        let first = moe_layers
+            .iter()
+            .position(|&m| m)
+            .ok_or_else(|| anyhow::anyhow!("no MoE layer"))?;
+        let sample = self.source.load(first, 0)?;
+        // Staging carries one layer's non-resident picks per round: a decode step's worth.
+        let staging = 16;
+        self.gpu = Some(Mutex::new(super::vram::GpuTier::new(
+            cuda,
+            &sample,
+            moe_layers,
+            self.device_slots,
+            staging,
+        )?));
+        Ok(self)
+    }
+
+    /// `"gpu: N picks, M on the CPU lane, X MiB host->device"` when the device tier is a GPU.
+    pub fn gpu_summary(&self) -> Option<String> {
+        let g = self.gpu.as_ref()?.lock().unwrap_or_else(|e| e.into_inner());
+        Some(format!(
+            "gpu ({}): {} picks on the GPU, {} on the CPU lane, {} MiB host->device",
+            g.cuda().describe(),
+            g.gpu_picks,
+            g.cpu_picks,
+            g.h2d_bytes >> 20
+        ))
     }
 
     fn layer(&self, layer: usize) -> std::sync::MutexGuard<'_, Layer> {
@@ -667,6 +708,19 @@ impl ExpertProvider for TieredExperts {
             self.stats
                 .prefetch_wasted
                 .fetch_add((before - staged.len()) as u64, Ordering::Relaxed);
+        }
+        if let Some(gpu) = &self.gpu {
+            let residents: Vec<(usize, Arc<SwiGlu>)> = {
+                let l = self.layer(layer);
+                l.device.iter().map(|(e, w)| (*e, w.clone())).collect()
+            };
+            let lane = match self.mode {
+                Mode::Fast | Mode::Nvme => super::vram::Lane::CpuForDecode,
+                Mode::Exact | Mode::NvmeExact => super::vram::Lane::GpuOnly,
+            };
+            let mut g = gpu.lock().unwrap_or_else(|e| e.into_inner());
+            g.reconcile(layer, &residents)?;
+            return g.compute(layer, x, routing, lane, &|e| picked[&e].clone(), out);
         }
         combine_experts(self.hidden, x, routing, self.experts, out, |e, rows, n| {
             Ok(picked[&e].forward(rows, n))

@@ -200,3 +200,198 @@ pub fn load_dense_on_gpu(
     );
     Ok(model)
 }
+
+/// How [`GpuTier::compute`] may run a pick that is not in a device slot.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Lane {
+    /// Decode picks resident in RAM run on the CPU in place (`fast`, `nvme`).
+    CpuForDecode,
+    /// Every product on the GPU kernel (`exact`, `nvme-exact`): others are staged through
+    /// staging slots first.
+    GpuOnly,
+}
+
+/// The device tier of [`super::provider::TieredExperts`] on a GPU: the device residents of
+/// every MoE layer in slots of one arena (`per_layer` slots each), plus `staging` slots that
+/// carry non-resident experts to the kernel in `exact` modes and in prefill.
+///
+/// Residency itself stays with the tiers' maps; [`GpuTier::reconcile`] makes a layer's
+/// slots match them (freeing the slots of experts that left, writing the ones that came).
+pub struct GpuTier {
+    cuda: Arc<Cuda>,
+    arena: SlotArena,
+    per_layer: usize,
+    /// First slot of each layer's block (by layer index; dense layers have none).
+    base: Vec<Option<u32>>,
+    /// Expert -> slot, per layer.
+    slot_of: Vec<std::collections::HashMap<usize, u32>>,
+    staging: std::ops::Range<u32>,
+    limit: f32,
+    /// Bytes copied host -> device (slot writes and staging).
+    pub h2d_bytes: u64,
+    /// Picks computed on the GPU and on the CPU lane.
+    pub gpu_picks: u64,
+    pub cpu_picks: u64,
+}
+
+impl GpuTier {
+    /// Slots for `per_layer` residents of each MoE layer plus `staging` slots, laid out for
+    /// `sample` (any expert of the model).
+    pub fn new(
+        cuda: Arc<Cuda>,
+        sample: &SwiGlu,
+        moe_layers: &[bool],
+        per_layer: usize,
+        staging: usize,
+    ) -> anyhow::Result<GpuTier> {
+        let layout = layout_of(sample)?;
+        let mut base = Vec::with_capacity(moe_layers.len());
+        let mut next = 0u32;
+        for &moe in moe_layers {
+            if moe {
+                base.push(Some(next));
+                next += per_layer as u32;
+            } else {
+                base.push(None);
+            }
+        }
+        let staging = staging.max(1) as u32;
+        let slots = (next + staging) as usize;
+        let need = slots * layout.slot_bytes;
+        let (free, total) = cuda.mem_info()?;
+        if need > free {
+            bail!(
+                "the VRAM tier needs {} MiB ({per_layer} slots x {} MoE layers + {staging} staging, {} KiB each); {} of {} MiB are free: lower --vram-slots",
+                need >> 20,
+                moe_layers.iter().filter(|&&m| m).count(),
+                layout.slot_bytes >> 10,
+                free >> 20,
+                total >> 20
+            );
+        }
+        let arena = SlotArena::new(&cuda, layout, slots)?;
+        tracing::info!(
+            slots,
+            per_layer,
+            staging,
+            mib = need >> 20,
+            "VRAM tier allocated"
+        );
+        Ok(GpuTier {
+            cuda,
+            arena,
+            per_layer,
+            base,
+            slot_of: moe_layers.iter().map(|_| Default::default()).collect(),
+            staging: next..next + staging,
+            limit: sample.limit,
+            h2d_bytes: 0,
+            gpu_picks: 0,
+            cpu_picks: 0,
+        })
+    }
+
+    /// Makes `layer`'s slots hold exactly `residents` (the device tier's experts).
+    pub fn reconcile(
+        &mut self,
+        layer: usize,
+        residents: &[(usize, Arc<SwiGlu>)],
+    ) -> anyhow::Result<()> {
+        let Some(base) = self.base[layer] else {
+            return Ok(());
+        };
+        let map = &mut self.slot_of[layer];
+        map.retain(|e, _| residents.iter().any(|(r, _)| r == e));
+        for (e, w) in residents {
+            if map.contains_key(e) {
+                continue;
+            }
+            let used: std::collections::HashSet<u32> = map.values().copied().collect();
+            let Some(slot) = (base..base + self.per_layer as u32).find(|s| !used.contains(s))
+            else {
+                bail!(
+                    "layer {layer} has more device residents than its {} VRAM slots",
+                    self.per_layer
+                );
+            };
+            write_slot(&self.cuda, &mut self.arena, slot as usize, w)?;
+            self.h2d_bytes += w.storage_bytes() as u64;
+            map.insert(*e, slot);
+        }
+        Ok(())
+    }
+
+    /// `out += sum_j w[t, j] * expert(ids[t, j])(x[t])`: residents from their slots, the rest
+    /// by `lane` — on the CPU in place (decode picks, [`Lane::CpuForDecode`]) or through the
+    /// staging slots. `weights_of` gives a non-resident expert's host weights.
+    pub fn compute(
+        &mut self,
+        layer: usize,
+        x: &[f32],
+        routing: &Routing,
+        lane: Lane,
+        weights_of: &(dyn Fn(usize) -> Arc<SwiGlu> + Sync),
+        out: &mut [f32],
+    ) -> anyhow::Result<()> {
+        use rayon::prelude::*;
+        let layout = self.arena.layout;
+        let (k, tokens, hidden) = (routing.k, routing.tokens(), layout.hidden);
+        let mut run = self.cuda.moe_begin(layout, tokens, k, x)?;
+        let mut on_gpu = Vec::new();
+        let mut on_cpu = Vec::new();
+        let mut staged: Vec<(usize, Vec<usize>)> = Vec::new();
+        for (p, &e) in routing.ids.iter().enumerate() {
+            let e = e as usize;
+            if let Some(&slot) = self.slot_of[layer].get(&e) {
+                on_gpu.push((p, slot));
+            } else if lane == Lane::CpuForDecode
+                && routing.phase(p / k) == crate::model::moe::Phase::Decode
+            {
+                on_cpu.push(p);
+            } else {
+                match staged.iter_mut().find(|(s, _)| *s == e) {
+                    Some((_, picks)) => picks.push(p),
+                    None => staged.push((e, vec![p])),
+                }
+            }
+        }
+        // Launches are asynchronous: the CPU lane below overlaps the resident picks.
+        self.cuda
+            .moe_picks(&mut run, &self.arena.buf, self.limit, &on_gpu)?;
+        let cpu_rows: Vec<(usize, Vec<f32>)> = on_cpu
+            .par_iter()
+            .map(|&p| {
+                let t = p / k;
+                (
+                    p,
+                    weights_of(routing.ids[p] as usize)
+                        .forward(&x[t * hidden..(t + 1) * hidden], 1),
+                )
+            })
+            .collect();
+        let stage_slots: Vec<u32> = self.staging.clone().collect();
+        for round in staged.chunks(stage_slots.len()) {
+            let mut picks = Vec::new();
+            for ((e, ps), &slot) in round.iter().zip(&stage_slots) {
+                let w = weights_of(*e);
+                write_slot(&self.cuda, &mut self.arena, slot as usize, &w)?;
+                self.h2d_bytes += w.storage_bytes() as u64;
+                picks.extend(ps.iter().map(|&p| (p, slot)));
+            }
+            self.cuda
+                .moe_picks(&mut run, &self.arena.buf, self.limit, &picks)?;
+        }
+        for (p, y) in &cpu_rows {
+            self.cuda.moe_set_rows(&mut run, *p, y)?;
+        }
+        self.cpu_picks += cpu_rows.len() as u64;
+        self.gpu_picks += (tokens * k - cpu_rows.len()) as u64;
+        let y = self.cuda.moe_finish(run, &routing.weights)?;
+        out.iter_mut().zip(&y).for_each(|(o, v)| *o += v);
+        Ok(())
+    }
+
+    pub fn cuda(&self) -> &Arc<Cuda> {
+        &self.cuda
+    }
+}
