@@ -107,14 +107,21 @@ fn run(command: Command) -> anyhow::Result<()> {
                     .with_context(|| format!("writing {}", path.display()))?;
             }
             let (logits, _) = model.prefill(&tokens)?;
-            let (greedy_tokens, _) = if greedy > 0 {
+            let (greedy_tokens, steps) = if greedy > 0 {
                 model.greedy(&tokens, greedy)?
             } else {
                 (Vec::new(), Vec::new())
             };
+            // The last greedy step's logits come from cached decode steps (the CPU lane's
+            // phase), the prompt's from prefill.
+            let decode_logits = if steps.len() > 1 {
+                steps.last().cloned()
+            } else {
+                None
+            };
             println!(
                 "{}",
-                serde_json::json!({"logits": logits, "greedy": greedy_tokens})
+                serde_json::json!({"logits": logits, "greedy": greedy_tokens, "decode_logits": decode_logits})
             );
             Ok(())
         }
