@@ -70,11 +70,14 @@ impl Grammars {
         Ok(Grammars { factory })
     }
 
-    /// Compiles a Lark grammar; the error says what is wrong with it.
+    /// Compiles a Lark grammar; the error says what is wrong with it. Grammars come from
+    /// requests, so a panic inside the compiler is an error too.
     pub fn compile(&self, lark: &str) -> Result<Constraint> {
-        let parser = self
-            .factory
-            .create_parser(TopLevelGrammar::from_lark(lark.to_string()))?;
+        let grammar = TopLevelGrammar::from_lark(lark.to_string());
+        let parser = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
+            self.factory.create_parser(grammar)
+        }))
+        .map_err(|_| anyhow!("the grammar compiler failed on this grammar"))??;
         let matcher = Matcher::new(Ok(parser));
         if let Some(e) = matcher.get_error() {
             return Err(anyhow!(e));
