@@ -189,6 +189,15 @@ def error_shapes_and_status_codes():
         raise AssertionError("max_tokens over the context accepted")
     except openai.BadRequestError as e:
         assert "maximum context length" in e.message, e.message
+    # A schema the grammar compiler refuses names response_format.
+    try:
+        client.chat.completions.create(model=MODEL, messages=MESSAGES, response_format={
+            "type": "json_schema", "json_schema": {"name": "bad", "schema": {"type": 12}}})
+        raise AssertionError("an invalid schema accepted")
+    except openai.BadRequestError as e:
+        assert e.status_code == 400
+        err = e.body if "message" in (e.body or {}) else e.body["error"]
+        assert err["param"] == "response_format", err
     # Malformed JSON straight over HTTP.
     req = urllib.request.Request(URL + "/v1/chat/completions", data=b"{nope",
                                  headers={"content-type": "application/json"})
@@ -198,6 +207,99 @@ def error_shapes_and_status_codes():
     except urllib.error.HTTPError as e:
         assert e.code == 400
         assert json.loads(e.read())["error"]["type"] == "invalid_request_error"
+
+
+def matches(value, schema):
+    """A small JSON Schema check: types, required keys, enums, closed objects, maxLength."""
+    if "enum" in schema:
+        return value in schema["enum"]
+    t = schema.get("type")
+    if t == "object":
+        props = schema.get("properties", {})
+        if not isinstance(value, dict) or not all(k in value for k in schema.get("required", [])):
+            return False
+        return all(matches(v, props[k]) if k in props else schema.get("additionalProperties") is not False
+                   for k, v in value.items())
+    if t == "array":
+        return isinstance(value, list) and all(matches(v, schema.get("items", {})) for v in value)
+    if t == "string":
+        return isinstance(value, str) and len(value) <= schema.get("maxLength", len(value))
+    if t == "integer":
+        return isinstance(value, int) and not isinstance(value, bool)
+    if t == "number":
+        return isinstance(value, (int, float)) and not isinstance(value, bool)
+    if t == "boolean":
+        return isinstance(value, bool)
+    return True
+
+
+WEATHER = {"type": "object", "properties": {
+    "city": {"type": "string", "maxLength": 40},
+    "days": {"type": "integer"},
+    "unit": {"type": "string", "enum": ["c", "f"]},
+    "alerts": {"type": "array", "items": {"type": "boolean"}}},
+    "required": ["city", "days", "unit", "alerts"], "additionalProperties": False}
+
+
+@test
+def structured_output_json_schema_strict():
+    # The random demo model writes valid JSON matching the schema: the grammar masks tokens.
+    for stream in (False, True):
+        kw = dict(model=MODEL, messages=MESSAGES, max_tokens=300, n=2, seed=5,
+                  response_format={"type": "json_schema", "json_schema": {
+                      "name": "weather", "schema": WEATHER, "strict": True}})
+        if stream:
+            texts = ["", ""]
+            for c in client.chat.completions.create(stream=True, **kw):
+                for ch in c.choices:
+                    texts[ch.index] += ch.delta.content or ""
+        else:
+            r = client.chat.completions.create(**kw)
+            assert [c.finish_reason for c in r.choices] == ["stop", "stop"], r
+            texts = [c.message.content for c in r.choices]
+        for t in texts:
+            value = json.loads(t)
+            assert matches(value, WEATHER), t
+
+
+@test
+def structured_output_parse_with_pydantic():
+    # The client's own helper: a pydantic model becomes a strict json_schema and the reply
+    # is parsed back into the model.
+    from typing import Annotated, Literal
+
+    from pydantic import BaseModel, Field
+
+    class Forecast(BaseModel):
+        city: Annotated[str, Field(max_length=30)]
+        days: int
+        unit: Literal["c", "f"]
+        windy: bool
+
+    r = client.chat.completions.parse(model=MODEL, messages=MESSAGES, response_format=Forecast,
+                                      max_tokens=300, seed=9)
+    f = r.choices[0].message.parsed
+    assert isinstance(f, Forecast) and f.unit in ("c", "f") and len(f.city) <= 30, r
+
+
+@test
+def structured_output_json_object():
+    r = client.chat.completions.create(model=MODEL, messages=MESSAGES, max_tokens=2000, seed=2,
+                                       response_format={"type": "json_object"})
+    assert r.choices[0].finish_reason == "stop", r
+    assert isinstance(json.loads(r.choices[0].message.content), dict)
+
+
+@test
+def reasoning_when_thinking_is_on():
+    # As GLM-5's template, the generation prompt opens <think>: until </think> the output
+    # is reasoning_content (the random model never closes it).
+    r = client.chat.completions.create(model=MODEL, messages=MESSAGES, max_tokens=12, seed=4)
+    assert r.choices[0].message.model_dump().get("reasoning_content"), r
+    off = client.chat.completions.create(model=MODEL, messages=MESSAGES, max_tokens=12, seed=4,
+                                         extra_body={"chat_template_kwargs": {"enable_thinking": False}})
+    assert off.choices[0].message.model_dump().get("reasoning_content") is None, off
+    assert off.choices[0].message.content, off
 
 
 def run_streams(count, max_tokens, results, barrier):
@@ -251,12 +353,14 @@ def cancel_mid_stream_frees_the_cache():
         seen += 1
         if seen == 4:
             break
-    assert metrics()["glmflash_kv_tokens_used"] > 0
+    m = metrics()
+    assert m["glmflash_kv_tokens_used"] > 0 and m["glmflash_kv_bytes_used"] > 0, m
+    assert m["glmflash_kv_bytes_used"] <= m["glmflash_kv_bytes_capacity"], m
     stream.close()
     deadline = time.time() + 30
     while True:
         m = metrics()
-        if m["glmflash_running_requests"] == 0 and m["glmflash_kv_tokens_used"] == 0:
+        if m["glmflash_running_requests"] == 0 and m["glmflash_kv_bytes_used"] == 0:
             break
         assert time.time() < deadline, m
         time.sleep(0.05)

@@ -95,7 +95,7 @@ fn assert_error(v: &Value, kind: &str, param: Option<&str>) {
 
 #[tokio::test]
 async fn models_health_ready_and_metrics() {
-    let (app, _) = default_server();
+    let (app, state) = default_server();
     let (s, v) = send_json(&app, get("/v1/models")).await;
     assert_eq!(s, StatusCode::OK);
     assert_eq!(v["object"], "list");
@@ -116,10 +116,14 @@ async fn models_health_ready_and_metrics() {
     assert!(
         text.contains(r#"glmflash_requests_total{endpoint="/v1/chat/completions",status="200"} 1"#)
     );
-    assert!(
-        text.contains("glmflash_kv_tokens_capacity 1048576"),
-        "{text}"
+    // The default budget holds the batch (8) of full-context sequences, in bytes.
+    let engine = state.engine().unwrap();
+    let ctx = engine.config.context_length;
+    assert_eq!(
+        metric(&text, "glmflash_kv_bytes_capacity") as usize,
+        engine.layout.bytes_for(ctx) * 8
     );
+    assert!(metric(&text, "glmflash_kv_tokens_capacity") as usize >= 8 * ctx);
     let prefill: f64 = text
         .lines()
         .find_map(|l| l.strip_prefix("glmflash_prefill_tokens_total "))
@@ -227,10 +231,26 @@ async fn bad_requests_get_openai_errors_naming_the_field() {
             "maximum context length is 64 tokens",
         ),
         (
-            chat(json!({"response_format": {"type": "json_object"}})),
+            chat(json!({"response_format": {"type": "xml"}})),
             StatusCode::BAD_REQUEST,
             Some("response_format"),
-            "json_object",
+            "\"json_schema\"",
+        ),
+        (
+            chat(
+                json!({"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": 12}}}}),
+            ),
+            StatusCode::BAD_REQUEST,
+            Some("response_format"),
+            "cannot be compiled",
+        ),
+        (
+            chat(
+                json!({"response_format": {"type": "json_schema", "json_schema": {"schema": {"type": "object"}}}}),
+            ),
+            StatusCode::BAD_REQUEST,
+            Some("response_format"),
+            "json_schema.name",
         ),
         (
             chat(json!({"messages": [{"role": "user", "content": "x".repeat(5000)}]})),
@@ -612,4 +632,207 @@ async fn chunked_prefill_keeps_running_streams_flowing() {
         during >= 20,
         "only {during} tokens of the running stream while a 480-token prompt was prefilled"
     );
+}
+
+/// A tiny JSON Schema check: types, required keys, enums, no extra keys when closed.
+fn matches_schema(v: &Value, schema: &Value) -> bool {
+    if let Some(e) = schema.get("enum").and_then(Value::as_array) {
+        return e.contains(v);
+    }
+    match schema["type"].as_str() {
+        Some("object") => {
+            let Some(o) = v.as_object() else { return false };
+            let props = schema["properties"]
+                .as_object()
+                .cloned()
+                .unwrap_or_default();
+            let required = schema["required"].as_array().cloned().unwrap_or_default();
+            required.iter().all(|k| o.contains_key(k.as_str().unwrap()))
+                && o.iter().all(|(k, x)| match props.get(k) {
+                    Some(p) => matches_schema(x, p),
+                    None => schema["additionalProperties"] != json!(false),
+                })
+        }
+        Some("array") => v
+            .as_array()
+            .is_some_and(|a| a.iter().all(|x| matches_schema(x, &schema["items"]))),
+        Some("string") => v.is_string(),
+        // JSON Schema integers are unbounded: beyond 64 bits serde_json reads an f64.
+        Some("integer") => v.is_i64() || v.is_u64() || v.as_f64().is_some_and(|f| f.fract() == 0.0),
+        Some("number") => v.is_number(),
+        Some("boolean") => v.is_boolean(),
+        _ => true,
+    }
+}
+
+#[tokio::test]
+async fn response_format_gives_json_matching_the_schema_from_random_weights() {
+    let (app, _) = default_server();
+    let schema = json!({"type": "object", "properties": {
+        "city": {"type": "string", "maxLength": 40},
+        "days": {"type": "integer"},
+        "unit": {"enum": ["c", "f"]},
+        "tags": {"type": "array", "items": {"type": "boolean"}}},
+        "required": ["city", "days", "unit", "tags"], "additionalProperties": false});
+    // json_object bounds its strings at 512 characters: a random model needs room.
+    let formats = [
+        (
+            json!({"type": "json_schema", "json_schema": {"name": "weather", "schema": schema, "strict": true}}),
+            300,
+            &[false, true][..],
+        ),
+        (json!({"type": "json_object"}), 2000, &[false][..]),
+    ];
+    for (k, (format, max_tokens, streams)) in formats.iter().enumerate() {
+        for &stream in *streams {
+            for thinking in [true, false] {
+                let body = chat(
+                    json!({"response_format": format, "max_tokens": max_tokens, "n": 2,
+                    "seed": 11, "stream": stream, "temperature": 1.0,
+                    "chat_template_kwargs": {"enable_thinking": thinking}}),
+                );
+                let (s, text) = send(&app, post("/v1/chat/completions", &body)).await;
+                assert_eq!(s, StatusCode::OK, "{text}");
+                let mut contents = vec![String::new(); 2];
+                let mut finishes = vec![String::new(); 2];
+                if stream {
+                    for d in sse_data(&text).iter().filter(|d| *d != "[DONE]") {
+                        let c: Value = serde_json::from_str(d).unwrap();
+                        let ch = &c["choices"][0];
+                        let i = ch["index"].as_u64().unwrap() as usize;
+                        contents[i] += ch["delta"]["content"].as_str().unwrap_or("");
+                        if let Some(f) = ch["finish_reason"].as_str() {
+                            finishes[i] = f.to_string();
+                        }
+                    }
+                } else {
+                    let v: Value = serde_json::from_str(&text).unwrap();
+                    for i in 0..2 {
+                        let ch = &v["choices"][i];
+                        contents[i] = ch["message"]["content"].as_str().unwrap().to_string();
+                        finishes[i] = ch["finish_reason"].as_str().unwrap().to_string();
+                        assert!(ch["message"]["reasoning_content"].is_null(), "{v}");
+                    }
+                }
+                for (c, f) in contents.iter().zip(&finishes) {
+                    let v: Value =
+                        serde_json::from_str(c).unwrap_or_else(|e| panic!("not JSON ({e}): {c:?}"));
+                    assert!(v.is_object(), "{c}");
+                    if k == 0 {
+                        assert!(matches_schema(&v, &schema), "{c}");
+                    }
+                    assert_eq!(f, "stop", "{c}");
+                }
+            }
+        }
+    }
+    // A forced tool call and a JSON format together are refused.
+    let tools =
+        json!([{"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}]);
+    let body = chat(json!({"tools": tools, "tool_choice": "required",
+        "response_format": {"type": "json_object"}}));
+    let (s, v) = send_json(&app, post("/v1/chat/completions", &body)).await;
+    assert_eq!(s, StatusCode::BAD_REQUEST);
+    assert_error(&v, "invalid_request_error", Some("response_format"));
+}
+
+#[tokio::test]
+async fn thinking_on_makes_the_output_reasoning_as_the_glm5_template_opens_think() {
+    let (app, _) = default_server();
+    // The random model never writes </think>: with thinking on (the default) all of its
+    // output is reasoning; with thinking off, all of it is content.
+    let (s, v) = send_json(
+        &app,
+        post("/v1/chat/completions", &chat(json!({"seed": 1}))),
+    )
+    .await;
+    assert_eq!(s, StatusCode::OK, "{v}");
+    let m = &v["choices"][0]["message"];
+    assert!(
+        m["reasoning_content"]
+            .as_str()
+            .is_some_and(|r| !r.is_empty()),
+        "{v}"
+    );
+    let off = chat(json!({"seed": 1, "chat_template_kwargs": {"enable_thinking": false}}));
+    let (_, v) = send_json(&app, post("/v1/chat/completions", &off)).await;
+    let m = &v["choices"][0]["message"];
+    assert!(m["reasoning_content"].is_null(), "{v}");
+    assert!(m["content"].as_str().is_some_and(|c| !c.is_empty()), "{v}");
+}
+
+#[tokio::test]
+async fn the_cache_budget_in_bytes_limits_sequences_and_admission() {
+    use futures::StreamExt;
+    let probe = default_server().1.engine().unwrap().layout;
+    // Room for one sequence of 300 tokens and a bit: a 400-token request can never fit,
+    // two 200-token ones cannot run together.
+    let budget = probe.bytes_for(300);
+    let (app, state) = server(
+        EngineConfig {
+            kv_cache_bytes: Some(budget),
+            ..EngineConfig::default()
+        },
+        ApiConfig::default(),
+    );
+    let engine = state.engine().unwrap();
+    assert_eq!(engine.config.context_length, 300);
+    assert!(engine.context_limited_by_cache);
+    let (s, v) = send_json(
+        &app,
+        post("/v1/chat/completions", &chat(json!({"max_tokens": 400}))),
+    )
+    .await;
+    assert_eq!(s, StatusCode::BAD_REQUEST, "{v}");
+    assert_error(&v, "invalid_request_error", Some("max_tokens"));
+    let msg = v["error"]["message"].as_str().unwrap();
+    assert!(
+        msg.contains("KV cache budget") && msg.contains("300 tokens"),
+        "{msg}"
+    );
+    let (_, text) = send(&app, get("/metrics")).await;
+    assert_eq!(metric(&text, "glmflash_kv_bytes_capacity") as usize, budget);
+    // Two 200-token streams: the second waits for the first's bytes.
+    let long = || {
+        post(
+            "/v1/completions",
+            &json!({"prompt": "Stream", "max_tokens": 200, "ignore_eos": true, "stream": true})
+                .to_string(),
+        )
+    };
+    let a = app.clone().oneshot(long()).await.unwrap();
+    let b = app.clone().oneshot(long()).await.unwrap();
+    let mut a = a.into_body().into_data_stream();
+    a.next().await.unwrap().unwrap();
+    let deadline = Instant::now() + Duration::from_secs(5);
+    let text = loop {
+        let (_, text) = send(&app, get("/metrics")).await;
+        if metric(&text, "glmflash_waiting_requests") == 1.0 {
+            break text;
+        }
+        assert!(
+            Instant::now() < deadline,
+            "the second stream never waited:\n{text}"
+        );
+        tokio::time::sleep(Duration::from_millis(5)).await;
+    };
+    assert_eq!(metric(&text, "glmflash_running_requests"), 1.0, "{text}");
+    let used = metric(&text, "glmflash_kv_bytes_used") as usize;
+    let tokens = metric(&text, "glmflash_kv_tokens_used") as usize;
+    assert!(
+        tokens > 0 && used == probe.bytes_for(tokens),
+        "{used} bytes for {tokens} tokens"
+    );
+    while a.next().await.is_some() {}
+    let body = to_bytes(b.into_body(), usize::MAX).await.unwrap();
+    assert!(String::from_utf8_lossy(&body).ends_with("data: [DONE]\n\n"));
+    let deadline = Instant::now() + Duration::from_secs(5);
+    loop {
+        let (_, text) = send(&app, get("/metrics")).await;
+        if metric(&text, "glmflash_kv_bytes_used") == 0.0 {
+            break;
+        }
+        assert!(Instant::now() < deadline, "cache bytes not freed:\n{text}");
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
 }

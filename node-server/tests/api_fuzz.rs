@@ -112,7 +112,7 @@ fn any_json() -> impl Strategy<Value = Value> {
     })
 }
 
-const FIELDS: [&str; 22] = [
+const FIELDS: [&str; 23] = [
     "model",
     "messages",
     "tools",
@@ -135,6 +135,7 @@ const FIELDS: [&str; 22] = [
     "top_logprobs",
     "chat_template_kwargs",
     "prompt",
+    "response_format",
 ];
 
 fn mutated_request() -> impl Strategy<Value = Value> {
@@ -160,6 +161,29 @@ proptest! {
         let path = if chat { "/v1/chat/completions" } else { "/v1/completions" };
         let text = body.to_string();
         let (status, out) = send(path, text.clone().into_bytes());
+        check(status, &out, &text);
+    }
+
+    /// Any schema, valid or not, compiles to a grammar or gets a 400; tool parameter
+    /// schemas likewise under a forced tool call.
+    #[test]
+    fn any_schema_gets_a_well_formed_answer(schema in any_json(), props in any_json(), strict in any::<bool>()) {
+        let body = json!({
+            "messages": [{"role": "user", "content": "Hi"}],
+            "max_tokens": 6,
+            "response_format": {"type": "json_schema", "json_schema": {"name": "s", "schema": schema, "strict": strict}},
+        });
+        let text = body.to_string();
+        let (status, out) = send("/v1/chat/completions", text.clone().into_bytes());
+        check(status, &out, &text);
+        let body = json!({
+            "messages": [{"role": "user", "content": "Hi"}],
+            "max_tokens": 6,
+            "tools": [{"type": "function", "function": {"name": "f", "parameters": {"type": "object", "properties": props}}}],
+            "tool_choice": "required",
+        });
+        let text = body.to_string();
+        let (status, out) = send("/v1/chat/completions", text.clone().into_bytes());
         check(status, &out, &text);
     }
 

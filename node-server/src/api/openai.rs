@@ -1,8 +1,8 @@
 //! OpenAI request and response shapes, request validation, and the completion handlers.
 
-use super::parse::{ChatParser, Piece, parse_all};
+use super::parse::{ChatParser, Piece, opens_reasoning, parse_all};
 use super::{ApiError, ApiJson, AppState};
-use crate::engine::constraint::{Part, Program};
+use crate::engine::constraint::lark_literal;
 use crate::engine::sampling::SamplingParams;
 use crate::engine::scheduler::{
     Engine, Event, FinishReason, GenRequest, SubmitError, TokenLogprob,
@@ -213,6 +213,14 @@ fn budget(
     field: &str,
 ) -> Result<usize, ApiError> {
     let ctx = engine.config.context_length;
+    let limit = if engine.context_limited_by_cache {
+        format!(
+            "This server's KV cache budget ({} bytes) holds at most {ctx} tokens of one sequence",
+            engine.config.kv_cache_bytes.unwrap_or(0)
+        )
+    } else {
+        format!("This model's maximum context length is {ctx} tokens")
+    };
     if prompt_tokens == 0 {
         return Err(ApiError::invalid(
             prompt_param,
@@ -225,7 +233,7 @@ fn budget(
             ..ApiError::invalid(
                 prompt_param,
                 format!(
-                    "This model's maximum context length is {ctx} tokens. However, your prompt has {prompt_tokens} tokens, which leaves no room for a completion."
+                    "{limit}. However, your prompt has {prompt_tokens} tokens, which leaves no room for a completion."
                 ),
             )
         });
@@ -240,7 +248,7 @@ fn budget(
             ..ApiError::invalid(
                 field,
                 format!(
-                    "This model's maximum context length is {ctx} tokens. However, you requested {} tokens ({prompt_tokens} in the prompt, {max} for the completion). Reduce the prompt or `{field}`.",
+                    "{limit}. However, you requested {} tokens ({prompt_tokens} in the prompt, {max} for the completion). Reduce the prompt or `{field}`.",
                     prompt_tokens + max
                 ),
             )
@@ -277,7 +285,7 @@ fn requests(
             stop: v.stop.clone(),
             stop_token_ids: stop_ids.to_vec(),
             skip_special_tokens,
-            program: None,
+            constraint: None,
         })
         .collect()
 }
@@ -289,36 +297,42 @@ fn tool_name(tool: &Value) -> Option<&str> {
         .and_then(Value::as_str)
 }
 
-/// Most tokens of one forced argument value.
-const MAX_ARG_TOKENS: usize = 64;
+/// Most characters of one forced free-text argument value.
+const MAX_ARG_CHARS: usize = 256;
 
-/// The token program of a forced GLM tool call: `<tool_call>NAME` (one of `tools`), then
-/// `<arg_key>K</arg_key><arg_value>V</arg_value>` for each required parameter (all of them
-/// when none is marked required), values free text without special tokens, `</tool_call>`.
-fn tool_call_program(
-    codec: &crate::tokenizer::TextCodec,
-    tools: &[Value],
-    thinking: bool,
-) -> Result<Program, ApiError> {
-    let id = |t: &str| {
-        codec.token_to_id(t).ok_or_else(|| {
+/// `<[id]>`: a special token in a Lark grammar, by id.
+fn special(codec: &crate::tokenizer::TextCodec, param: &str, t: &str) -> Result<String, ApiError> {
+    codec
+        .token_to_id(t)
+        .map(|id| format!("<[{id}]>"))
+        .ok_or_else(|| {
             ApiError::invalid(
-                "tool_choice",
+                param,
                 format!(
-                    "Forced tool calls need the GLM tool-call tokens; this tokenizer has no {t}."
+                    "Constrained output needs the GLM special token {t}; this tokenizer has none."
                 ),
             )
         })
-    };
-    let end = id("</arg_value>")?;
-    id("<tool_call>")?;
-    let mut banned: Vec<u32> = crate::tokenizer::SPECIAL_TOKENS
-        .iter()
-        .filter_map(|t| codec.token_to_id(t))
-        .filter(|&t| t != end)
-        .collect();
-    banned.extend(codec.eos_ids().iter().copied().filter(|&t| t != end));
-    let encode = |s: &str| codec.encode(s).map_err(ApiError::internal);
+}
+
+/// The grammar of a forced GLM tool call: `<tool_call>NAME` (one of `tools`), then
+/// `<arg_key>K</arg_key><arg_value>V</arg_value>` for each required parameter (all of them
+/// when none is marked required), `</tool_call>`. A value whose schema is a string (or
+/// says nothing) is free text; any other is JSON matching the parameter's schema.
+/// `close_think`: the prompt left `<think>` open, so the call starts by closing it.
+fn tool_call_grammar(
+    codec: &crate::tokenizer::TextCodec,
+    tools: &[Value],
+    close_think: bool,
+) -> Result<String, ApiError> {
+    let sp = |t| special(codec, "tool_choice", t);
+    let (ak, akc, av, avc) = (
+        sp("<arg_key>")?,
+        sp("</arg_key>")?,
+        sp("<arg_value>")?,
+        sp("</arg_value>")?,
+    );
+    let mut rules = Vec::new();
     let mut alternatives = Vec::new();
     for (i, tool) in tools.iter().enumerate() {
         let name = tool_name(tool).ok_or_else(|| {
@@ -328,6 +342,9 @@ fn tool_call_program(
             )
         })?;
         let params = tool.get("function").unwrap_or(tool).get("parameters");
+        let props = params
+            .and_then(|p| p.get("properties"))
+            .and_then(Value::as_object);
         let mut keys: Vec<String> = params
             .and_then(|p| p.get("required"))
             .and_then(Value::as_array)
@@ -338,35 +355,169 @@ fn tool_call_program(
             })
             .unwrap_or_default();
         if keys.is_empty() {
-            keys = params
-                .and_then(|p| p.get("properties"))
-                .and_then(Value::as_object)
+            keys = props
                 .map(|o| o.keys().cloned().collect())
                 .unwrap_or_default();
         }
-        let mut then = Vec::new();
-        for k in keys {
-            then.push(Part::Fixed(encode(&format!(
-                "<arg_key>{k}</arg_key><arg_value>"
-            ))?));
-            then.push(Part::Free {
-                end,
-                banned: banned.clone(),
-                max: MAX_ARG_TOKENS,
-            });
+        let mut body = vec![lark_literal(name)];
+        for (j, k) in keys.iter().enumerate() {
+            let schema = props.and_then(|p| p.get(k));
+            let free_text = schema
+                .and_then(|s| s.get("type"))
+                .is_none_or(|t| t == "string");
+            let value = if free_text {
+                "ARG_TEXT".to_string()
+            } else {
+                let rule = format!("value_{i}_{j}");
+                let schema = compact(schema.cloned().unwrap_or(json!({})));
+                rules.push(format!("{rule}: %json {schema}"));
+                rule
+            };
+            body.push(format!("{ak} {} {akc} {av} {value} {avc}", lark_literal(k)));
         }
-        then.push(Part::Fixed(encode("</tool_call>")?));
-        alternatives.push((encode(name)?, then));
+        rules.push(format!("call_{i}: {}", body.join(" ")));
+        alternatives.push(format!("call_{i}"));
     }
-    let opening = if thinking {
-        "\n<think></think>\n<tool_call>"
+    let opening = if close_think {
+        format!("{} \"\\n\" {}", sp("</think>")?, sp("<tool_call>")?)
     } else {
-        "\n<tool_call>"
+        format!("\"\\n\" {}", sp("<tool_call>")?)
     };
-    Ok(Program::new(vec![
-        Part::Fixed(encode(opening)?),
-        Part::OneOf(alternatives),
-    ]))
+    Ok(format!(
+        "start: {opening} ({}) {}\n{}\nARG_TEXT: /(?s:.{{1,{MAX_ARG_CHARS}}})/\n",
+        alternatives.join(" | "),
+        sp("</tool_call>")?,
+        rules.join("\n"),
+    ))
+}
+
+/// Longest key, string, array and object of `json_object` output.
+const JSON_OBJECT_KEY_CHARS: usize = 64;
+const JSON_OBJECT_STRING_CHARS: usize = 512;
+const JSON_OBJECT_ITEMS: usize = 64;
+
+/// `json_object`: any JSON object, with keys, strings, arrays and objects bounded so that
+/// even a model that never closes a string on its own ends within a known length.
+fn json_object_schema() -> Value {
+    let object = json!({
+        "type": "object",
+        "patternProperties": {format!("^.{{1,{JSON_OBJECT_KEY_CHARS}}}$"): {"$ref": "#/$defs/value"}},
+        "additionalProperties": false,
+        "maxProperties": JSON_OBJECT_ITEMS,
+    });
+    let mut schema = object.clone();
+    schema["$defs"] = json!({"value": {"anyOf": [
+        {"type": "string", "maxLength": JSON_OBJECT_STRING_CHARS},
+        {"type": "number"},
+        {"type": "boolean"},
+        {"type": "null"},
+        {"type": "array", "items": {"$ref": "#/$defs/value"}, "maxItems": JSON_OBJECT_ITEMS},
+        object,
+    ]}});
+    schema
+}
+
+/// `schema` asking llguidance for compact JSON: a weak model could otherwise pad with
+/// whitespace forever.
+fn compact(mut schema: Value) -> Value {
+    if let Some(o) = schema.as_object_mut() {
+        o.entry("x-guidance")
+            .or_insert_with(|| json!({"whitespace_flexible": false}));
+    }
+    schema
+}
+
+/// The grammar of `response_format` (`None` for plain text): JSON matching the schema,
+/// after closing an open `<think>` (structured output skips the reasoning).
+fn response_format_grammar(
+    codec: &crate::tokenizer::TextCodec,
+    rf: &Value,
+    close_think: bool,
+) -> Result<Option<String>, ApiError> {
+    let bad = |field: &str, msg: &str| {
+        ApiError::invalid("response_format", format!("`response_format{field}` {msg}"))
+    };
+    let Some(obj) = rf.as_object() else {
+        return Err(bad("", "must be an object with a `type`."));
+    };
+    let schema = match obj.get("type").and_then(Value::as_str) {
+        Some("text") => return Ok(None),
+        Some("json_object") => json_object_schema(),
+        Some("json_schema") => {
+            let Some(js) = obj.get("json_schema").and_then(Value::as_object) else {
+                return Err(bad(
+                    ".json_schema",
+                    "must be an object with `name` and `schema`.",
+                ));
+            };
+            match js.get("name").and_then(Value::as_str) {
+                Some(n)
+                    if !n.is_empty()
+                        && n.len() <= 64
+                        && n.chars()
+                            .all(|c| c.is_ascii_alphanumeric() || c == '_' || c == '-') => {}
+                _ => {
+                    return Err(bad(
+                        ".json_schema.name",
+                        "must be 1 to 64 characters of a-z, A-Z, 0-9, _ and -.",
+                    ));
+                }
+            }
+            if js
+                .get("strict")
+                .is_some_and(|s| !s.is_boolean() && !s.is_null())
+            {
+                return Err(bad(".json_schema.strict", "must be a boolean."));
+            }
+            match js.get("schema") {
+                None => json!({"type": "object"}),
+                Some(s @ Value::Object(_)) => s.clone(),
+                Some(_) => return Err(bad(".json_schema.schema", "must be a JSON Schema object.")),
+            }
+        }
+        Some(other) => {
+            return Err(bad(
+                ".type",
+                &format!("must be \"text\", \"json_object\" or \"json_schema\", got {other:?}."),
+            ));
+        }
+        None => return Err(bad(".type", "must be a string.")),
+    };
+    let schema = compact(schema);
+    let opening = if close_think {
+        special(codec, "response_format", "</think>")?
+    } else {
+        String::new()
+    };
+    Ok(Some(format!(
+        "start: {opening} body\nbody: %json {schema}\n"
+    )))
+}
+
+/// Compiles a grammar for every choice; a grammar the compiler refuses is the client's
+/// fault and names `param`.
+fn constrain(
+    engine: &Engine,
+    reqs: &mut [GenRequest],
+    grammar: &str,
+    param: &str,
+) -> Result<(), ApiError> {
+    let grammars = engine.grammars().map_err(|e| {
+        ApiError::invalid(
+            param,
+            format!("This model's tokenizer cannot be constrained: {e}"),
+        )
+    })?;
+    let constraint = grammars.compile(grammar).map_err(|e| {
+        ApiError::invalid(
+            param,
+            format!("`{param}` cannot be compiled to a grammar: {e:#}"),
+        )
+    })?;
+    for r in reqs {
+        r.constraint = Some(constraint.clone());
+    }
+    Ok(())
 }
 
 fn new_id(prefix: &str) -> String {
@@ -542,17 +693,6 @@ pub async fn chat_completions(
     let engine = state.ready_engine()?.clone();
     check_model(&state, req.model.as_deref())?;
     let messages = check_messages(&req.messages)?;
-    if let Some(rf) = &req.response_format {
-        let kind = rf.get("type").and_then(Value::as_str).unwrap_or("");
-        if kind != "text" {
-            return Err(ApiError::invalid(
-                "response_format",
-                format!(
-                    "`response_format` of type {kind:?} is not supported by this server yet (only \"text\")."
-                ),
-            ));
-        }
-    }
     let mut parse_tools = req.tools.as_ref().is_some_and(|t| !t.is_empty());
     // Tools a forced tool call may pick (tool_choice required or named).
     let mut forced: Option<Vec<Value>> = None;
@@ -633,16 +773,25 @@ pub async fn chat_completions(
     } else {
         codec.eos_ids().to_vec()
     };
+    let in_reasoning = opens_reasoning(&text);
     let mut reqs = requests(&prompt, &v, max_tokens, &stop_ids, false);
-    if let Some(tools) = &forced {
-        let thinking = kwargs
-            .as_ref()
-            .and_then(|k| k.get("enable_thinking"))
-            .is_none_or(|t| t.as_bool() != Some(false));
-        let program = tool_call_program(&codec, tools, thinking)?;
-        for r in &mut reqs {
-            r.program = Some(program.clone());
+    let format = match &req.response_format {
+        Some(rf) => response_format_grammar(&codec, rf, in_reasoning)?,
+        None => None,
+    };
+    match (&forced, format) {
+        (Some(_), Some(_)) => {
+            return Err(ApiError::invalid(
+                "response_format",
+                "`response_format` cannot be combined with a forced `tool_choice`.",
+            ));
         }
+        (Some(tools), None) => {
+            let grammar = tool_call_grammar(&codec, tools, in_reasoning)?;
+            constrain(&engine, &mut reqs, &grammar, "tool_choice")?;
+        }
+        (None, Some(grammar)) => constrain(&engine, &mut reqs, &grammar, "response_format")?,
+        (None, None) => {}
     }
     let rxs = submit(&engine, reqs)?;
     let meta = Meta {
@@ -651,19 +800,20 @@ pub async fn chat_completions(
         model: state.0.config.model_id.clone(),
     };
     if req.stream == Some(true) {
-        let include_usage = req
-            .stream_options
-            .and_then(|o| o.include_usage)
-            .unwrap_or(false);
-        let conv = ChatStream {
-            meta,
-            parsers: (0..v.n).map(|_| ChatParser::new(parse_tools)).collect(),
+        let choices = Choices::Chat {
+            parsers: (0..v.n)
+                .map(|_| ChatParser::new(parse_tools, in_reasoning))
+                .collect(),
             tool_calls: vec![0; v.n],
-            include_usage,
-            prompt_tokens: prompt.len(),
-            completion_tokens: 0,
         };
-        return Ok(sse(rxs, conv));
+        let stream = EventStream::new(
+            meta,
+            "chat.completion.chunk",
+            choices,
+            req.stream_options,
+            prompt.len(),
+        );
+        return Ok(stream.respond(rxs));
     }
     let results = futures::future::join_all(rxs.into_iter().map(collect)).await;
     let mut choices = Vec::new();
@@ -672,7 +822,7 @@ pub async fn chat_completions(
         let c = r?;
         completion_tokens += c.completion_tokens;
         let (mut reasoning, mut content, mut calls) = (String::new(), String::new(), Vec::new());
-        for p in parse_all(&c.text, parse_tools) {
+        for p in parse_all(&c.text, parse_tools, in_reasoning) {
             match p {
                 Piece::Reasoning(s) => reasoning.push_str(&s),
                 Piece::Content(s) => content.push_str(&s),
@@ -823,19 +973,18 @@ pub async fn completions(
         model: state.0.config.model_id.clone(),
     };
     if req.stream == Some(true) {
-        let include_usage = req
-            .stream_options
-            .and_then(|o| o.include_usage)
-            .unwrap_or(false);
-        let conv = CompletionStream {
-            meta,
+        let choices = Choices::Text {
             offsets: vec![0; rxs.len()],
             logprobs: logprobs.is_some(),
-            include_usage,
-            prompt_tokens,
-            completion_tokens: 0,
         };
-        return Ok(sse(rxs, conv));
+        let stream = EventStream::new(
+            meta,
+            "text_completion",
+            choices,
+            req.stream_options,
+            prompt_tokens,
+        );
+        return Ok(stream.respond(rxs));
     }
     let results = futures::future::join_all(rxs.into_iter().map(collect)).await;
     let mut choices = Vec::new();
@@ -873,81 +1022,99 @@ struct Meta {
     model: String,
 }
 
-/// Turns engine events of choice `i` into SSE `data:` payloads.
-trait StreamConv: Send + 'static {
-    fn start(&mut self, choices: usize) -> Vec<String>;
-    fn event(&mut self, i: usize, ev: Event) -> Vec<String>;
-    /// After every choice ended: the usage chunk (if asked).
-    fn end(&mut self) -> Vec<String>;
+/// What differs between the chat and completions streams: how one choice's text becomes
+/// a `choices[]` entry.
+enum Choices {
+    /// Chat: text parsed into reasoning, content and tool calls (counted per choice).
+    Chat {
+        parsers: Vec<ChatParser>,
+        tool_calls: Vec<usize>,
+    },
+    /// Completions: raw text, log-probabilities with running text offsets.
+    Text { offsets: Vec<usize>, logprobs: bool },
 }
 
-fn sse<C: StreamConv>(rxs: Vec<UnboundedReceiver<Event>>, mut conv: C) -> Response {
-    let first = conv.start(rxs.len());
-    let merged: BoxStream<'static, (usize, Event)> =
-        stream::select_all(rxs.into_iter().enumerate().map(|(i, rx)| {
-            stream::unfold(rx, move |mut rx| async move {
-                rx.recv().await.map(|e| ((i, e), rx))
-            })
-            .boxed()
-        }))
-        .boxed();
-    let body = stream::unfold(Some((merged, conv)), |st| async move {
-        let (mut merged, mut conv) = st?;
-        match merged.next().await {
-            Some((i, ev)) => {
-                let out = conv.event(i, ev);
-                Some((out, Some((merged, conv))))
-            }
-            None => {
-                let mut out = conv.end();
-                out.push("[DONE]".to_string());
-                Some((out, None))
-            }
-        }
-    });
-    let events = stream::iter([first])
-        .chain(body)
-        .flat_map(stream::iter)
-        .map(|data| Ok::<_, Infallible>(SseEvent::default().data(data)));
-    Sse::new(events)
-        .keep_alive(KeepAlive::default())
-        .into_response()
-}
-
-fn error_chunk(message: &str) -> String {
-    ApiError::internal(message).body().to_string()
-}
-
-struct ChatStream {
+/// One SSE response for either endpoint: turns engine events of choice `i` into `data:`
+/// payloads with the endpoint's envelope, then the usage chunk (if asked) and `[DONE]`.
+struct EventStream {
     meta: Meta,
-    parsers: Vec<ChatParser>,
-    /// Tool calls streamed so far per choice.
-    tool_calls: Vec<usize>,
+    object: &'static str,
+    choices: Choices,
     include_usage: bool,
     prompt_tokens: usize,
     completion_tokens: usize,
 }
 
-impl ChatStream {
-    fn chunk(&self, i: usize, delta: Value, logprobs: Value, finish: Value) -> String {
-        json!({
-            "id": self.meta.id,
-            "object": "chat.completion.chunk",
-            "created": self.meta.created,
-            "model": self.meta.model,
-            "choices": [{"index": i, "delta": delta, "logprobs": logprobs, "finish_reason": finish}],
-        })
-        .to_string()
+impl EventStream {
+    fn new(
+        meta: Meta,
+        object: &'static str,
+        choices: Choices,
+        options: Option<StreamOptions>,
+        prompt_tokens: usize,
+    ) -> EventStream {
+        EventStream {
+            meta,
+            object,
+            choices,
+            include_usage: options.and_then(|o| o.include_usage).unwrap_or(false),
+            prompt_tokens,
+            completion_tokens: 0,
+        }
     }
 
+    fn envelope(&self, choices: Value, usage: Option<Value>) -> String {
+        let mut v = json!({
+            "id": self.meta.id,
+            "object": self.object,
+            "created": self.meta.created,
+            "model": self.meta.model,
+            "choices": choices,
+        });
+        if let Some(u) = usage {
+            v["usage"] = u;
+        }
+        v.to_string()
+    }
+
+    /// A chunk of choice `i`: `body` holds the endpoint's fields (`delta` or `text`).
+    fn chunk(&self, i: usize, mut body: Value, logprobs: Value, finish: Value) -> String {
+        body["index"] = json!(i);
+        body["logprobs"] = logprobs;
+        body["finish_reason"] = finish;
+        self.envelope(json!([body]), None)
+    }
+
+    fn start(&self, n: usize) -> Vec<String> {
+        match self.choices {
+            Choices::Chat { .. } => (0..n)
+                .map(|i| {
+                    self.chunk(
+                        i,
+                        json!({"delta": {"role": "assistant", "content": ""}}),
+                        Value::Null,
+                        Value::Null,
+                    )
+                })
+                .collect(),
+            Choices::Text { .. } => Vec::new(),
+        }
+    }
+
+    /// Chat deltas for parsed pieces.
     fn pieces(&mut self, i: usize, pieces: Vec<Piece>, out: &mut Vec<String>) {
         for p in pieces {
             let delta = match p {
                 Piece::Reasoning(s) => json!({"reasoning_content": s}),
                 Piece::Content(s) => json!({"content": s}),
                 Piece::ToolCall { name, arguments } => {
-                    let k = self.tool_calls[i];
-                    self.tool_calls[i] += 1;
+                    let k = match &mut self.choices {
+                        Choices::Chat { tool_calls, .. } => {
+                            tool_calls[i] += 1;
+                            tool_calls[i] - 1
+                        }
+                        Choices::Text { .. } => 0,
+                    };
                     json!({"tool_calls": [{
                         "index": k,
                         "id": new_id("call"),
@@ -956,136 +1123,107 @@ impl ChatStream {
                     }]})
                 }
             };
-            out.push(self.chunk(i, delta, Value::Null, Value::Null));
+            out.push(self.chunk(i, json!({ "delta": delta }), Value::Null, Value::Null));
         }
-    }
-}
-
-impl StreamConv for ChatStream {
-    fn start(&mut self, choices: usize) -> Vec<String> {
-        (0..choices)
-            .map(|i| {
-                self.chunk(
-                    i,
-                    json!({"role": "assistant", "content": ""}),
-                    Value::Null,
-                    Value::Null,
-                )
-            })
-            .collect()
     }
 
     fn event(&mut self, i: usize, ev: Event) -> Vec<String> {
         let mut out = Vec::new();
         match ev {
-            Event::Delta { text, logprobs } => {
-                let pieces = self.parsers[i].push(&text);
-                self.pieces(i, pieces, &mut out);
-                if !logprobs.is_empty() {
-                    out.push(self.chunk(i, json!({}), chat_logprobs(&logprobs), Value::Null));
+            Event::Delta { text, logprobs } => match &mut self.choices {
+                Choices::Chat { parsers, .. } => {
+                    let pieces = parsers[i].push(&text);
+                    self.pieces(i, pieces, &mut out);
+                    if !logprobs.is_empty() {
+                        out.push(self.chunk(
+                            i,
+                            json!({"delta": {}}),
+                            chat_logprobs(&logprobs),
+                            Value::Null,
+                        ));
+                    }
                 }
-            }
+                Choices::Text {
+                    offsets,
+                    logprobs: want,
+                } => {
+                    let lp = if *want {
+                        completion_logprobs(&logprobs, &mut offsets[i])
+                    } else {
+                        Value::Null
+                    };
+                    out.push(self.chunk(i, json!({ "text": text }), lp, Value::Null));
+                }
+            },
             Event::Done {
                 finish_reason,
                 completion_tokens,
                 ..
             } => {
-                let pieces = self.parsers[i].finish();
-                self.pieces(i, pieces, &mut out);
                 self.completion_tokens += completion_tokens;
-                let finish = if self.tool_calls[i] > 0 && finish_reason == FinishReason::Stop {
-                    "tool_calls"
-                } else {
-                    finish_reason.as_str()
+                let (body, finish) = match &mut self.choices {
+                    Choices::Chat { parsers, .. } => {
+                        let pieces = parsers[i].finish();
+                        self.pieces(i, pieces, &mut out);
+                        let called = matches!(&self.choices, Choices::Chat { tool_calls, .. } if tool_calls[i] > 0);
+                        let finish = if called && finish_reason == FinishReason::Stop {
+                            "tool_calls"
+                        } else {
+                            finish_reason.as_str()
+                        };
+                        (json!({"delta": {}}), finish)
+                    }
+                    Choices::Text { .. } => (json!({"text": ""}), finish_reason.as_str()),
                 };
-                out.push(self.chunk(i, json!({}), Value::Null, json!(finish)));
+                out.push(self.chunk(i, body, Value::Null, json!(finish)));
             }
-            Event::Error(e) => out.push(error_chunk(&e)),
+            Event::Error(e) => out.push(ApiError::internal(e).body().to_string()),
         }
         out
     }
 
-    fn end(&mut self) -> Vec<String> {
+    /// After every choice ended: the usage chunk (if asked).
+    fn end(&self) -> Vec<String> {
         if !self.include_usage {
             return Vec::new();
         }
-        vec![
-            json!({
-                "id": self.meta.id,
-                "object": "chat.completion.chunk",
-                "created": self.meta.created,
-                "model": self.meta.model,
-                "choices": [],
-                "usage": usage(self.prompt_tokens, self.completion_tokens),
-            })
-            .to_string(),
-        ]
-    }
-}
-
-struct CompletionStream {
-    meta: Meta,
-    offsets: Vec<usize>,
-    logprobs: bool,
-    include_usage: bool,
-    prompt_tokens: usize,
-    completion_tokens: usize,
-}
-
-impl CompletionStream {
-    fn chunk(&self, i: usize, text: &str, logprobs: Value, finish: Value) -> String {
-        json!({
-            "id": self.meta.id,
-            "object": "text_completion",
-            "created": self.meta.created,
-            "model": self.meta.model,
-            "choices": [{"index": i, "text": text, "logprobs": logprobs, "finish_reason": finish}],
-        })
-        .to_string()
-    }
-}
-
-impl StreamConv for CompletionStream {
-    fn start(&mut self, _choices: usize) -> Vec<String> {
-        Vec::new()
+        vec![self.envelope(
+            json!([]),
+            Some(usage(self.prompt_tokens, self.completion_tokens)),
+        )]
     }
 
-    fn event(&mut self, i: usize, ev: Event) -> Vec<String> {
-        match ev {
-            Event::Delta { text, logprobs } => {
-                let lp = if self.logprobs {
-                    completion_logprobs(&logprobs, &mut self.offsets[i])
-                } else {
-                    Value::Null
-                };
-                vec![self.chunk(i, &text, lp, Value::Null)]
+    /// The SSE response over every choice's event channel.
+    fn respond(self, rxs: Vec<UnboundedReceiver<Event>>) -> Response {
+        let first = self.start(rxs.len());
+        let merged: BoxStream<'static, (usize, Event)> =
+            stream::select_all(rxs.into_iter().enumerate().map(|(i, rx)| {
+                stream::unfold(rx, move |mut rx| async move {
+                    rx.recv().await.map(|e| ((i, e), rx))
+                })
+                .boxed()
+            }))
+            .boxed();
+        let body = stream::unfold(Some((merged, self)), |st| async move {
+            let (mut merged, mut conv) = st?;
+            match merged.next().await {
+                Some((i, ev)) => {
+                    let out = conv.event(i, ev);
+                    Some((out, Some((merged, conv))))
+                }
+                None => {
+                    let mut out = conv.end();
+                    out.push("[DONE]".to_string());
+                    Some((out, None))
+                }
             }
-            Event::Done {
-                finish_reason,
-                completion_tokens,
-                ..
-            } => {
-                self.completion_tokens += completion_tokens;
-                vec![self.chunk(i, "", Value::Null, json!(finish_reason.as_str()))]
-            }
-            Event::Error(e) => vec![error_chunk(&e)],
-        }
-    }
-
-    fn end(&mut self) -> Vec<String> {
-        if !self.include_usage {
-            return Vec::new();
-        }
-        vec![
-            json!({
-                "id": self.meta.id,
-                "object": "text_completion",
-                "created": self.meta.created,
-                "model": self.meta.model,
-                "choices": [],
-                "usage": usage(self.prompt_tokens, self.completion_tokens),
-            })
-            .to_string(),
-        ]
+        });
+        let events = stream::iter([first])
+            .chain(body)
+            .flat_map(stream::iter)
+            .map(|data| Ok::<_, Infallible>(SseEvent::default().data(data)));
+        Sse::new(events)
+            .keep_alive(KeepAlive::default())
+            .into_response()
     }
 }

@@ -35,9 +35,16 @@ pub struct ChatParser {
 }
 
 impl ChatParser {
-    pub fn new(parse_tools: bool) -> ChatParser {
+    /// `in_reasoning`: the prompt ends inside an open `<think>` (GLM-4.7+/GLM-5 templates
+    /// open it in the generation prompt when thinking is on), so the output is reasoning
+    /// until `</think>`.
+    pub fn new(parse_tools: bool, in_reasoning: bool) -> ChatParser {
         ChatParser {
-            state: State::Start,
+            state: if in_reasoning {
+                State::Reasoning
+            } else {
+                State::Start
+            },
             buf: String::new(),
             parse_tools,
         }
@@ -207,9 +214,14 @@ pub fn parse_tool_call(body: &str) -> Piece {
     }
 }
 
+/// True when the rendered prompt leaves a `<think>` open for the model to continue.
+pub fn opens_reasoning(prompt: &str) -> bool {
+    prompt.trim_end().ends_with(THINK_OPEN)
+}
+
 /// Parses a whole completion at once (non-streaming responses).
-pub fn parse_all(text: &str, parse_tools: bool) -> Vec<Piece> {
-    let mut p = ChatParser::new(parse_tools);
+pub fn parse_all(text: &str, parse_tools: bool, in_reasoning: bool) -> Vec<Piece> {
+    let mut p = ChatParser::new(parse_tools, in_reasoning);
     let mut out = p.push(text);
     out.extend(p.finish());
     out
@@ -235,7 +247,7 @@ mod tests {
 
     #[test]
     fn reasoning_content_and_tool_calls_whole() {
-        let (r, c, t) = merged(parse_all(TEXT, true));
+        let (r, c, t) = merged(parse_all(TEXT, true, false));
         assert_eq!(r, "Weigh it.");
         assert_eq!(c, "It is sunny.\n");
         assert_eq!(
@@ -246,18 +258,18 @@ mod tests {
             )]
         );
         // Without tools the call stays text; thinking off means no reasoning at all.
-        let (_, c, t) = merged(parse_all(TEXT, false));
+        let (_, c, t) = merged(parse_all(TEXT, false, false));
         assert!(t.is_empty() && c.contains("<tool_call>get_weather"));
-        let (r, c, _) = merged(parse_all("\nplain answer", true));
+        let (r, c, _) = merged(parse_all("\nplain answer", true, false));
         assert_eq!((r.as_str(), c.as_str()), ("", "plain answer"));
     }
 
     #[test]
     fn streaming_in_any_split_gives_the_same_pieces() {
-        let whole = merged(parse_all(TEXT, true));
+        let whole = merged(parse_all(TEXT, true, false));
         let chars: Vec<char> = TEXT.chars().collect();
         for step in 1..12 {
-            let mut p = ChatParser::new(true);
+            let mut p = ChatParser::new(true, false);
             let mut out = Vec::new();
             for chunk in chars.chunks(step) {
                 out.extend(p.push(&chunk.iter().collect::<String>()));
@@ -268,10 +280,30 @@ mod tests {
     }
 
     #[test]
+    fn a_prompt_that_opens_think_makes_the_output_reasoning_until_it_closes() {
+        assert!(opens_reasoning("<|user|>\nhi<|assistant|><think>"));
+        assert!(!opens_reasoning("<|user|>\nhi<|assistant|></think>"));
+        let (r, c, t) = merged(parse_all("Weigh it.</think>\nSunny.", true, true));
+        assert_eq!(
+            (r.as_str(), c.as_str(), t.len()),
+            ("Weigh it.", "Sunny.", 0)
+        );
+        // A model that never closes it (the random demo model) reasons to the end.
+        let (r, c, _) = merged(parse_all("random words", true, true));
+        assert_eq!((r.as_str(), c.as_str()), ("random words", ""));
+        // Streamed in pieces, the split marker is held back.
+        let mut p = ChatParser::new(true, true);
+        let mut out = p.push("a</th");
+        out.extend(p.push("ink>b"));
+        out.extend(p.finish());
+        assert_eq!(merged(out), ("a".into(), "b".into(), vec![]));
+    }
+
+    #[test]
     fn unterminated_markers_fall_back_to_text() {
-        let (r, c, t) = merged(parse_all("<think>still thinking", true));
+        let (r, c, t) = merged(parse_all("<think>still thinking", true, false));
         assert_eq!((r.as_str(), c.as_str(), t.len()), ("still thinking", "", 0));
-        let (_, c, t) = merged(parse_all("x <tool_call>f<arg_key>a", true));
+        let (_, c, t) = merged(parse_all("x <tool_call>f<arg_key>a", true, false));
         assert_eq!((c.as_str(), t.len()), ("x <tool_call>f<arg_key>a", 0));
         assert_eq!(
             parse_tool_call(r#"{"name":"f","arguments":{"a":1}}"#),

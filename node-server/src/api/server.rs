@@ -38,9 +38,11 @@ pub struct ServeArgs {
     /// Most tokens (prompt + completion) of one sequence; capped at the model's.
     #[arg(long, env = "GLMFLASH_CONTEXT_LENGTH", default_value_t = 131072)]
     pub context_length: usize,
-    /// Cache tokens reserved over all running sequences (default: batch size x context).
-    #[arg(long, env = "GLMFLASH_KV_CACHE_TOKENS")]
-    pub kv_cache_tokens: Option<usize>,
+    /// Cache budget in MiB over all running sequences, reserved per sequence before
+    /// admission at what its cache will hold (MLA latents, DSA indexer keys, KDA state).
+    /// Default: room for the batch size of full-context sequences.
+    #[arg(long, env = "GLMFLASH_KV_CACHE_MIB")]
+    pub kv_cache_mib: Option<usize>,
     /// Sequences that may wait for admission; beyond, requests get 429.
     #[arg(long, env = "GLMFLASH_MAX_WAITING", default_value_t = 64)]
     pub max_waiting: usize,
@@ -93,9 +95,7 @@ impl ServeArgs {
             max_batch_size: batch,
             chunk_size: self.chunk_size,
             context_length: self.context_length,
-            kv_capacity_tokens: self
-                .kv_cache_tokens
-                .unwrap_or(self.context_length.saturating_mul(batch)),
+            kv_cache_bytes: self.kv_cache_mib.map(|m| m.saturating_mul(1 << 20)),
             max_waiting: self.max_waiting,
         }
     }

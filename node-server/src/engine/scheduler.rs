@@ -8,7 +8,8 @@
 //! strings are held back across token boundaries and cut, and events go to the request's
 //! channel.
 
-use crate::engine::constraint::Program;
+use crate::engine::cache::CacheLayout;
+use crate::engine::constraint::{Constraint, Grammars};
 use crate::engine::sampling::{Sampler, SamplingParams};
 use crate::metrics::Metrics;
 use crate::model::{Model, SeqCache, Step};
@@ -27,8 +28,10 @@ pub struct EngineConfig {
     pub chunk_size: usize,
     /// Most tokens (prompt + generated) one sequence may hold.
     pub context_length: usize,
-    /// Cache tokens reserved over all running sequences (each reserves prompt + max_tokens).
-    pub kv_capacity_tokens: usize,
+    /// Cache budget in bytes over all running sequences: each reserves what its cache will
+    /// hold at prompt + max_tokens ([`CacheLayout::bytes_for`]). `None`: room for
+    /// `max_batch_size` sequences of `context_length` tokens. Set by [`Engine::start`].
+    pub kv_cache_bytes: Option<usize>,
     /// Sequences that may wait for admission; more are refused (429).
     pub max_waiting: usize,
 }
@@ -39,7 +42,7 @@ impl Default for EngineConfig {
             max_batch_size: 8,
             chunk_size: 8192,
             context_length: 131072,
-            kv_capacity_tokens: 131072 * 8,
+            kv_cache_bytes: None,
             max_waiting: 64,
         }
     }
@@ -58,8 +61,9 @@ pub struct GenRequest {
     pub stop_token_ids: Vec<u32>,
     /// Leave special tokens out of the text (completions); chat keeps them for parsing.
     pub skip_special_tokens: bool,
-    /// Forces the output's shape (forced tool calls); the sequence ends when it is done.
-    pub program: Option<Program>,
+    /// Forces the output's shape (structured output, forced tool calls); the sequence
+    /// ends when the grammar is complete.
+    pub constraint: Option<Constraint>,
 }
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -132,25 +136,50 @@ pub struct Engine {
     pub config: EngineConfig,
     pub codec: Arc<TextCodec>,
     pub vocab_size: usize,
+    /// Bytes a sequence's cache holds per layer type.
+    pub layout: CacheLayout,
+    /// The budget (not the model) limits `config.context_length`.
+    pub context_limited_by_cache: bool,
+    grammars: std::sync::OnceLock<Result<Arc<Grammars>, String>>,
 }
 
 impl Engine {
     /// Starts the engine thread. `config.context_length` is capped at the model's
-    /// `max_position_embeddings`; the cache capacity is raised to hold one full sequence.
+    /// `max_position_embeddings` and at the tokens one sequence's cache can hold within
+    /// the cache budget, which is resolved into `config.kv_cache_bytes`.
     pub fn start(
         model: Model,
         codec: Arc<TextCodec>,
         mut config: EngineConfig,
         metrics: Arc<Metrics>,
     ) -> Engine {
-        config.context_length = config
+        config.max_batch_size = config.max_batch_size.max(1);
+        config.chunk_size = config.chunk_size.max(1);
+        let layout = CacheLayout::of(&model.cfg);
+        let context = config
             .context_length
             .min(model.cfg.max_position_embeddings)
             .max(2);
-        config.kv_capacity_tokens = config.kv_capacity_tokens.max(config.context_length);
-        config.max_batch_size = config.max_batch_size.max(1);
-        config.chunk_size = config.chunk_size.max(1);
-        metrics.kv_capacity.set(config.kv_capacity_tokens as i64);
+        let capacity = config.kv_cache_bytes.unwrap_or_else(|| {
+            layout
+                .bytes_for(context)
+                .saturating_mul(config.max_batch_size)
+        });
+        let fits = layout.tokens_within(capacity);
+        config.context_length = context.min(fits);
+        config.kv_cache_bytes = Some(capacity);
+        let context_limited_by_cache = fits < context;
+        if context_limited_by_cache {
+            tracing::warn!(
+                kv_cache_bytes = capacity,
+                context_length = config.context_length,
+                "the cache budget limits one sequence to fewer tokens than the context length"
+            );
+        }
+        metrics.kv_capacity.set(fits.min(i64::MAX as usize) as i64);
+        metrics
+            .kv_bytes_capacity
+            .set(capacity.min(i64::MAX as usize) as i64);
         let shared = Arc::new(Shared {
             queue: Mutex::new(Queue::default()),
             cv: Condvar::new(),
@@ -162,6 +191,8 @@ impl Engine {
             config: config.clone(),
             metrics,
             shared: shared.clone(),
+            layout,
+            capacity,
             running: Vec::new(),
             reserved: 0,
             window_start: Instant::now(),
@@ -177,7 +208,23 @@ impl Engine {
             config,
             codec,
             vocab_size,
+            layout,
+            context_limited_by_cache,
+            grammars: std::sync::OnceLock::new(),
         }
+    }
+
+    /// The grammar compiler for this tokenizer, built on first use; the error says why the
+    /// tokenizer cannot be constrained.
+    pub fn grammars(&self) -> Result<&Arc<Grammars>, &str> {
+        self.grammars
+            .get_or_init(|| {
+                Grammars::new(self.codec.clone(), self.vocab_size)
+                    .map(Arc::new)
+                    .map_err(|e| format!("{e:#}"))
+            })
+            .as_ref()
+            .map_err(String::as_str)
     }
 
     /// Queues sequences (all or none); each gets its own event channel.
@@ -248,8 +295,9 @@ struct Seq {
     logprobs: Vec<TokenLogprob>,
     submitted: Instant,
     last_token_at: Option<Instant>,
+    /// Cache bytes reserved for this sequence at its most tokens.
     reserved: usize,
-    program: Option<Program>,
+    constraint: Option<Constraint>,
 }
 
 struct Worker {
@@ -258,7 +306,11 @@ struct Worker {
     config: EngineConfig,
     metrics: Arc<Metrics>,
     shared: Arc<Shared>,
+    layout: CacheLayout,
+    /// Cache bytes all running sequences may reserve together.
+    capacity: usize,
     running: Vec<Seq>,
+    /// Cache bytes reserved by the running sequences.
     reserved: usize,
     window_start: Instant,
     window_tokens: u64,
@@ -295,6 +347,7 @@ impl Worker {
             self.metrics.running.set(0);
             self.metrics.waiting.set(0);
             self.metrics.kv_used.set(0);
+            self.metrics.kv_bytes_used.set(0);
             self.metrics.decode_tok_s.set(0.0);
             if q.shutdown {
                 return false;
@@ -311,9 +364,11 @@ impl Worker {
             let Some(front) = q.waiting.front() else {
                 break;
             };
-            let need =
+            let most =
                 (front.req.prompt.len() + front.req.max_tokens).min(self.config.context_length);
-            if self.reserved + need > self.config.kv_capacity_tokens && !self.running.is_empty() {
+            let need = self.layout.bytes_for(most);
+            // Alone it always fits: the context length is capped at what the budget holds.
+            if self.reserved + need > self.capacity && !self.running.is_empty() {
                 break;
             }
             let p = q.waiting.pop_front().expect("front exists");
@@ -337,7 +392,7 @@ impl Worker {
                 submitted: p.submitted,
                 last_token_at: None,
                 reserved: need,
-                program: p.req.program,
+                constraint: p.req.constraint,
                 prompt: p.req.prompt,
             });
         }
@@ -410,7 +465,9 @@ impl Worker {
             });
         }
         let used: usize = self.running.iter().map(|s| s.cache.len).sum();
+        let used_bytes: usize = self.running.iter().map(|s| s.cache.bytes()).sum();
         self.metrics.kv_used.set(used as i64);
+        self.metrics.kv_bytes_used.set(used_bytes as i64);
         self.metrics.running.set(self.running.len() as i64);
         let elapsed = self.window_start.elapsed().as_secs_f64();
         if elapsed >= 1.0 {
@@ -439,20 +496,24 @@ fn sample_one(
     metrics: &Metrics,
     config: &EngineConfig,
 ) -> Option<FinishReason> {
-    let masked;
-    let logits = match &s.program {
-        Some(p) => {
-            let mut l = logits.to_vec();
-            p.mask(&mut l);
-            masked = l;
-            &masked[..]
+    let out = match &mut s.constraint {
+        Some(c) => {
+            let mut masked = logits.to_vec();
+            let out = c.mask(&mut masked).and_then(|()| {
+                let out = s.sampler.sample_full(&masked);
+                c.advance(out.token).map(|()| out)
+            });
+            match out {
+                Ok(out) => out,
+                Err(e) => {
+                    let _ =
+                        s.tx.send(Event::Error(format!("constrained decoding failed: {e:#}")));
+                    return Some(FinishReason::Stop);
+                }
+            }
         }
-        None => logits,
+        None => s.sampler.sample_full(logits),
     };
-    let out = s.sampler.sample_full(logits);
-    if let Some(p) = &mut s.program {
-        p.advance(out.token);
-    }
     let now = Instant::now();
     match s.last_token_at {
         None => metrics.ttft.observe((now - s.submitted).as_secs_f64()),
@@ -478,10 +539,10 @@ fn sample_one(
     }
     let delta = s.decoder.push(out.token).unwrap_or_default();
     s.held.push_str(&delta);
-    let program_done = s.program.as_ref().is_some_and(Program::done);
+    let grammar_done = s.constraint.as_ref().is_some_and(Constraint::done);
     let out_of_room =
         s.generated >= s.max_tokens || s.prompt.len() + s.generated >= config.context_length;
-    if out_of_room || program_done {
+    if out_of_room || grammar_done {
         let rest = s.decoder.finish().unwrap_or_default();
         s.held.push_str(&rest);
     }
@@ -491,7 +552,7 @@ fn sample_one(
         emit(s, text);
         return Some(FinishReason::Stop);
     }
-    if program_done {
+    if grammar_done {
         let text = std::mem::take(&mut s.held);
         emit(s, text);
         return Some(FinishReason::Stop);

@@ -28,8 +28,13 @@ pub const DECODE_TOKENS_TOTAL: &str = "glmflash_decode_tokens_total";
 pub const DECODE_TOKENS_PER_SECOND: &str = "glmflash_decode_tokens_per_second";
 /// KV cache tokens in use (tokens held by running sequences' caches).
 pub const KV_TOKENS_USED: &str = "glmflash_kv_tokens_used";
-/// KV cache tokens available for admission.
+/// Tokens one sequence's cache can hold within the cache budget.
 pub const KV_TOKENS_CAPACITY: &str = "glmflash_kv_tokens_capacity";
+/// Bytes held by running sequences' caches (every layer type: MLA latents, DSA indexer
+/// keys, KDA state).
+pub const KV_BYTES_USED: &str = "glmflash_kv_bytes_used";
+/// The cache budget in bytes that admission reserves against.
+pub const KV_BYTES_CAPACITY: &str = "glmflash_kv_bytes_capacity";
 /// 1 once the model is loaded and the server accepts requests.
 pub const SERVER_READY: &str = "glmflash_server_ready";
 
@@ -69,7 +74,7 @@ pub const TIER_METRICS: [&str; 10] = [
 ];
 
 /// Every name this module defines for every server.
-pub const ALL: [&str; 11] = [
+pub const ALL: [&str; 13] = [
     REQUESTS_TOTAL,
     RUNNING_REQUESTS,
     WAITING_REQUESTS,
@@ -80,6 +85,8 @@ pub const ALL: [&str; 11] = [
     DECODE_TOKENS_PER_SECOND,
     KV_TOKENS_USED,
     KV_TOKENS_CAPACITY,
+    KV_BYTES_USED,
+    KV_BYTES_CAPACITY,
     SERVER_READY,
 ];
 
@@ -214,6 +221,8 @@ pub struct Metrics {
     pub decode_tok_s: Gauge,
     pub kv_used: IntGauge,
     pub kv_capacity: IntGauge,
+    pub kv_bytes_used: IntGauge,
+    pub kv_bytes_capacity: IntGauge,
     pub ready: IntGauge,
 }
 
@@ -261,7 +270,17 @@ impl Metrics {
             .expect("valid");
         let kv_capacity = IntGauge::new(
             KV_TOKENS_CAPACITY,
-            "Cache tokens the scheduler may reserve for admitted sequences.",
+            "Tokens one sequence's cache can hold within the cache budget.",
+        )
+        .expect("valid");
+        let kv_bytes_used = IntGauge::new(
+            KV_BYTES_USED,
+            "Bytes held in running sequences' caches (MLA latents, DSA indexer keys, KDA state).",
+        )
+        .expect("valid");
+        let kv_bytes_capacity = IntGauge::new(
+            KV_BYTES_CAPACITY,
+            "Cache budget in bytes that admission reserves against.",
         )
         .expect("valid");
         let ready = IntGauge::new(SERVER_READY, "1 once the model is loaded.").expect("valid");
@@ -276,6 +295,8 @@ impl Metrics {
             Box::new(decode_tok_s.clone()),
             Box::new(kv_used.clone()),
             Box::new(kv_capacity.clone()),
+            Box::new(kv_bytes_used.clone()),
+            Box::new(kv_bytes_capacity.clone()),
             Box::new(ready.clone()),
         ] {
             registry.register(c).expect("each metric registered once");
@@ -293,6 +314,8 @@ impl Metrics {
             decode_tok_s,
             kv_used,
             kv_capacity,
+            kv_bytes_used,
+            kv_bytes_capacity,
             ready,
         }
     }

@@ -219,7 +219,7 @@ pub(crate) const EXPECTED_TOOL_CHAT: &str = concat!(
     "<tool_call>get_weather<arg_key>city</arg_key><arg_value>Paris</arg_value>",
     "<arg_key>days</arg_key><arg_value>2</arg_value></tool_call>",
     "<|observation|>\n<tool_response>{\"temp_c\": 18}</tool_response>",
-    "<|assistant|>",
+    "<|assistant|><think>",
 );
 
 #[test]
@@ -233,7 +233,7 @@ fn chat_render_with_tools_matches_exactly() {
     // The rendered prompt tokenizes with the special tokens as single ids.
     let ids = codec.encode(&out).unwrap();
     assert_eq!(&ids[..3], &[0, 1, 3]);
-    assert_eq!(*ids.last().unwrap(), 5);
+    assert_eq!(ids[ids.len() - 2..], [5, 7]);
     assert_eq!(codec.decode(&ids).unwrap(), out);
 }
 
@@ -248,10 +248,10 @@ fn chat_render_without_thinking_and_inline_think() {
     let out = codec.render_chat(&msgs, None, true, false).unwrap();
     assert_eq!(
         out,
-        "[gMASK]<sop><|user|>\nHi<|assistant|>\n<think></think>\nHello!<|user|>\nTwo parts<|assistant|>\n<think></think>"
+        "[gMASK]<sop><|user|>\nHi<|assistant|>\n<think></think>\nHello!<|user|>\nTwo parts<|assistant|></think>"
     );
     let out = codec.render_chat(&msgs, None, true, true).unwrap();
-    assert!(out.ends_with("<|user|>\nTwo parts<|assistant|>"));
+    assert!(out.ends_with("<|user|>\nTwo parts<|assistant|><think>"));
     let out = codec.render_chat(&msgs, None, false, false).unwrap();
     assert!(out.ends_with("<|user|>\nTwo parts"));
 
@@ -290,7 +290,7 @@ fn chat_render_consecutive_tool_results_and_object_arguments() {
             "<arg_key>y</arg_key><arg_value>é<b></arg_value></tool_call>",
             "\n<tool_call>b</tool_call>",
             "<|observation|>\n<tool_response>one</tool_response>\n<tool_response>two</tool_response>",
-            "<|assistant|>"
+            "<|assistant|><think>"
         )
     );
 }
@@ -424,12 +424,12 @@ fn chat_render_with_extra_variables() {
         codec
             .render_chat_with(&msgs, None, true, Some(&off))
             .unwrap(),
-        "[gMASK]<sop><|user|>\nHi<|assistant|>\n<think></think>"
+        "[gMASK]<sop><|user|>\nHi<|assistant|></think>"
     );
-    // Thinking defaults to on when the variable is absent.
+    // Thinking defaults to on when the variable is absent: the prompt opens the block.
     assert_eq!(
         codec.render_chat_with(&msgs, None, true, None).unwrap(),
-        "[gMASK]<sop><|user|>\nHi<|assistant|>"
+        "[gMASK]<sop><|user|>\nHi<|assistant|><think>"
     );
     assert!(
         codec
