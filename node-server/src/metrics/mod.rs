@@ -59,8 +59,15 @@ pub const MEMORY_BYTES: &str = "glmflash_memory_bytes";
 /// Failures to pin (mlock) RAM-tier memory.
 pub const PIN_FAILURES_TOTAL: &str = "glmflash_pin_failures_total";
 
+/// Bytes copied host -> GPU for experts (slot writes and staging).
+pub const GPU_H2D_BYTES_TOTAL: &str = "glmflash_gpu_h2d_bytes_total";
+/// Routed-expert products by `lane` (`gpu` | `cpu`): the CPU lane's share of the work.
+pub const EXPERT_PRODUCTS_TOTAL: &str = "glmflash_expert_products_total";
+/// Seconds of one MoE layer's expert step on the GPU, sampled every 64th step (synchronised).
+pub const GPU_MOE_STEP_SECONDS: &str = "glmflash_gpu_moe_step_seconds";
+
 /// The tier metrics, exposed once a tiered model is attached ([`Metrics::attach_tiers`]).
-pub const TIER_METRICS: [&str; 10] = [
+pub const TIER_METRICS: [&str; 13] = [
     EXPERT_LOOKUPS_TOTAL,
     TIER_RESIDENT_EXPERTS,
     TIER_CAPACITY_EXPERTS,
@@ -71,6 +78,9 @@ pub const TIER_METRICS: [&str; 10] = [
     CPU_LANE_EXPERTS_TOTAL,
     MEMORY_BYTES,
     PIN_FAILURES_TOTAL,
+    GPU_H2D_BYTES_TOTAL,
+    EXPERT_PRODUCTS_TOTAL,
+    GPU_MOE_STEP_SECONDS,
 ];
 
 /// Every name this module defines for every server.
@@ -116,6 +126,11 @@ pub struct TierSnapshot {
     /// `(kind, bytes)`; a kind without a limit is left out.
     pub memory: Vec<(&'static str, u64)>,
     pub pin_failures: u64,
+    /// GPU device tier (zeros without one): host -> device bytes, `(lane, products)`, and
+    /// the last sampled MoE step time.
+    pub gpu_h2d_bytes: u64,
+    pub expert_products: Vec<(&'static str, u64)>,
+    pub gpu_moe_step_seconds: f64,
 }
 
 type TierSource = Box<dyn Fn() -> TierSnapshot + Send + Sync>;
@@ -133,6 +148,9 @@ struct TierMetrics {
     cpu_lane: IntCounter,
     memory: IntGaugeVec,
     pin_failures: IntCounter,
+    gpu_h2d: IntCounter,
+    products: IntCounterVec,
+    gpu_step: prometheus::Gauge,
 }
 
 /// Advances a counter to `total` (the tiers count; the registry mirrors).
@@ -164,6 +182,11 @@ impl TierMetrics {
             self.memory.with_label_values(&[kind]).set(bytes as i64);
         }
         mirror(&self.pin_failures, snap.pin_failures);
+        mirror(&self.gpu_h2d, snap.gpu_h2d_bytes);
+        for &(lane, n) in &snap.expert_products {
+            mirror(&self.products.with_label_values(&[lane]), n);
+        }
+        self.gpu_step.set(snap.gpu_moe_step_seconds);
         *self.read_seconds.lock().unwrap_or_else(|e| e.into_inner()) = snap;
     }
 }
@@ -386,6 +409,19 @@ impl Metrics {
                 PIN_FAILURES_TOTAL,
                 "Refusals to pin (mlock) RAM-tier experts.",
             ),
+            gpu_h2d: counter(
+                GPU_H2D_BYTES_TOTAL,
+                "Expert bytes copied host to GPU (VRAM slot writes and staging).",
+            ),
+            products: counter_vec(
+                EXPERT_PRODUCTS_TOTAL,
+                "Routed-expert products by lane: on the GPU, or in place on the CPU lane.",
+                &["lane"],
+            ),
+            gpu_step: prometheus::Gauge::new(
+                GPU_MOE_STEP_SECONDS,
+                "Seconds of one MoE layer's expert step on the GPU (sampled every 64th step).",
+            )?,
         };
         let histogram = ReadSecondsCollector {
             desc: prometheus::core::Desc::new(
@@ -413,6 +449,9 @@ impl Metrics {
             Box::new(t.cpu_lane.clone()),
             Box::new(t.memory.clone()),
             Box::new(t.pin_failures.clone()),
+            Box::new(t.gpu_h2d.clone()),
+            Box::new(t.products.clone()),
+            Box::new(t.gpu_step.clone()),
         ] {
             self.registry.register(c)?;
         }

@@ -174,6 +174,11 @@ pub fn metrics_snapshot(tiers: &TieredExperts) -> crate::metrics::TierSnapshot {
     let (read_cumulative, read_count) = s.store_read_latency.cumulative();
     let facts = MemoryFacts::read();
     let mut memory = vec![("pinned_ram", tiers.pins.pinned())];
+    let gpu = tiers.gpu_stats();
+    if let Some(g) = &gpu {
+        memory.push(("vram_used", g.vram_used));
+        memory.push(("vram_total", g.vram_total));
+    }
     memory.extend(facts.cgroup_limit.map(|b| ("cgroup_limit", b)));
     memory.extend(facts.memlock_soft.map(|b| ("memlock_limit", b)));
     crate::metrics::TierSnapshot {
@@ -213,6 +218,15 @@ pub fn metrics_snapshot(tiers: &TieredExperts) -> crate::metrics::TierSnapshot {
         cpu_lane_experts: get(&s.cpu_lane),
         memory,
         pin_failures: get(&tiers.pins.failures),
+        gpu_h2d_bytes: gpu.as_ref().map_or(0, |g| g.h2d_bytes),
+        expert_products: vec![
+            ("gpu", gpu.as_ref().map_or(0, |g| g.gpu_picks)),
+            (
+                "cpu",
+                gpu.as_ref().map_or(get(&s.cpu_lane), |g| g.cpu_picks),
+            ),
+        ],
+        gpu_moe_step_seconds: gpu.as_ref().map_or(0.0, |g| g.step_seconds),
     }
 }
 

@@ -306,6 +306,12 @@ impl TieredExperts {
         Ok(self)
     }
 
+    /// The GPU device tier's counters, when there is one.
+    pub fn gpu_stats(&self) -> Option<super::vram::GpuStats> {
+        let g = self.gpu.as_ref()?.lock().unwrap_or_else(|e| e.into_inner());
+        Some(g.stats())
+    }
+
     /// `"gpu: N picks, M on the CPU lane, X MiB host->device"` when the device tier is a GPU.
     pub fn gpu_summary(&self) -> Option<String> {
         let g = self.gpu.as_ref()?.lock().unwrap_or_else(|e| e.into_inner());

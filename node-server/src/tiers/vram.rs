@@ -232,7 +232,24 @@ pub struct GpuTier {
     /// Picks computed on the GPU and on the CPU lane.
     pub gpu_picks: u64,
     pub cpu_picks: u64,
+    /// MoE steps computed, and the last sampled one's wall time (synchronised).
+    steps: u64,
+    step_seconds: f64,
 }
+
+/// What [`GpuTier`] reports to the metrics.
+#[derive(Clone, Copy, Debug, Default)]
+pub struct GpuStats {
+    pub h2d_bytes: u64,
+    pub gpu_picks: u64,
+    pub cpu_picks: u64,
+    pub step_seconds: f64,
+    pub vram_used: u64,
+    pub vram_total: u64,
+}
+
+/// Every this many MoE steps one is timed (synchronising the stream around it).
+const STEP_SAMPLE: u64 = 64;
 
 impl GpuTier {
     /// Slots for `per_layer` residents of each MoE layer plus `staging` slots, laid out for
@@ -288,6 +305,8 @@ impl GpuTier {
             h2d_bytes: 0,
             gpu_picks: 0,
             cpu_picks: 0,
+            steps: 0,
+            step_seconds: 0.0,
         })
     }
 
@@ -334,6 +353,12 @@ impl GpuTier {
         out: &mut [f32],
     ) -> anyhow::Result<()> {
         use rayon::prelude::*;
+        self.steps += 1;
+        let sampled = self.steps % STEP_SAMPLE == 1;
+        if sampled {
+            self.cuda.synchronize()?;
+        }
+        let started = std::time::Instant::now();
         let layout = self.arena.layout;
         let (k, tokens, hidden) = (routing.k, routing.tokens(), layout.hidden);
         let mut run = self.cuda.moe_begin(layout, tokens, k, x)?;
@@ -387,8 +412,24 @@ impl GpuTier {
         self.cpu_picks += cpu_rows.len() as u64;
         self.gpu_picks += (tokens * k - cpu_rows.len()) as u64;
         let y = self.cuda.moe_finish(run, &routing.weights)?;
+        if sampled {
+            // moe_finish downloads the result, so the step has finished on the device.
+            self.step_seconds = started.elapsed().as_secs_f64();
+        }
         out.iter_mut().zip(&y).for_each(|(o, v)| *o += v);
         Ok(())
+    }
+
+    pub fn stats(&self) -> GpuStats {
+        let (free, total) = self.cuda.mem_info().unwrap_or((0, 0));
+        GpuStats {
+            h2d_bytes: self.h2d_bytes,
+            gpu_picks: self.gpu_picks,
+            cpu_picks: self.cpu_picks,
+            step_seconds: self.step_seconds,
+            vram_used: (total - free) as u64,
+            vram_total: total as u64,
+        }
     }
 
     pub fn cuda(&self) -> &Arc<Cuda> {
