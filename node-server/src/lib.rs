@@ -8,6 +8,7 @@ pub mod backend;
 pub mod bench;
 pub mod cli;
 pub mod demo;
+pub mod download;
 pub mod engine;
 pub mod gates;
 pub mod metrics;
