@@ -220,7 +220,7 @@ fn a_killed_download_resumes_to_identical_bytes() {
     child.kill().unwrap(); // SIGKILL: no cleanup runs
     child.wait().unwrap();
     let kept = std::fs::metadata(&part).unwrap().len();
-    assert!(kept >= 1 << 20 && kept < 3 << 20, "{kept}");
+    assert!((1 << 20..3 << 20).contains(&kept), "{kept}");
     assert!(!out_dir.join("model-00001-of-00002.safetensors").exists());
 
     let out = run(download(&server, &out_dir, Some(&token), "main"));

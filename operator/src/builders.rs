@@ -22,7 +22,7 @@ use k8s_openapi::api::batch::v1::{Job, JobSpec};
 use k8s_openapi::api::core::v1::{
     Affinity, Capabilities, ConfigMap, Container, ContainerPort, EmptyDirVolumeSource, EnvVar,
     EnvVarSource, HTTPGetAction, HostPathVolumeSource, KeyToPath, NodeAffinity, NodeSelector,
-    NodeSelectorRequirement, NodeSelectorTerm, PodSpec, PodTemplateSpec, Probe,
+    NodeSelectorRequirement, NodeSelectorTerm, PodSecurityContext, PodSpec, PodTemplateSpec, Probe,
     ResourceRequirements, SecretKeySelector, SecretVolumeSource, SecurityContext, Service,
     ServicePort, ServiceSpec, Volume, VolumeMount,
 };
@@ -312,6 +312,21 @@ fn secret_volume(name: &str, secret: &SecretKeyRef, file: &str) -> Volume {
     }
 }
 
+/// Pod security of the Jobs that write the host path. The kubelet creates a
+/// `DirectoryOrCreate` host path as root:root 0755 and `fsGroup` does not apply to host
+/// paths, so the image's non-root user (10001) could not write there: these pods run as
+/// uid 0 with every capability dropped (no DAC override: they can write only what root
+/// owns, which is what they create). The server only reads the files (0644) and keeps the
+/// image's user.
+fn host_path_writer() -> PodSecurityContext {
+    PodSecurityContext {
+        run_as_user: Some(0),
+        run_as_group: Some(0),
+        run_as_non_root: Some(false),
+        ..PodSecurityContext::default()
+    }
+}
+
 /// Capabilities of every pod we run: nothing but `IPC_LOCK` where pinning is needed.
 fn security_context(ipc_lock: bool) -> SecurityContext {
     SecurityContext {
@@ -421,6 +436,7 @@ pub fn pack_job(gfd: &GlmFlashDeployment, node: &str, store_hash: &str) -> Job {
                     affinity: Some(node_affinity(node)),
                     tolerations: non_empty(spec.placement.tolerations.clone()),
                     init_containers,
+                    security_context: Some(host_path_writer()),
                     containers: vec![pack],
                     volumes: Some(volumes),
                     ..PodSpec::default()
@@ -457,6 +473,7 @@ pub fn reclaim_job(gfd: &GlmFlashDeployment, node: &str) -> Job {
                     restart_policy: Some("Never".into()),
                     affinity: Some(node_affinity(node)),
                     tolerations: non_empty(spec.placement.tolerations.clone()),
+                    security_context: Some(host_path_writer()),
                     containers: vec![Container {
                         name: "reclaim".into(),
                         image: Some(spec.image.reference()),
@@ -1066,6 +1083,9 @@ mod tests {
         assert_eq!(spec.backoff_limit, Some(2));
         let pod = spec.template.spec.as_ref().unwrap();
         assert_eq!(pod.restart_policy.as_deref(), Some("Never"));
+        // Writes the root-owned host path as root, with no capabilities (below).
+        let psc = pod.security_context.as_ref().unwrap();
+        assert_eq!((psc.run_as_user, psc.run_as_group), (Some(0), Some(0)));
         let init = &pod.init_containers.as_ref().unwrap()[0];
         assert_eq!(
             init.args.as_ref().unwrap().join(" "),
@@ -1151,6 +1171,7 @@ mod tests {
         assert_eq!(spec.ttl_seconds_after_finished, Some(600));
         let pod = spec.template.spec.as_ref().unwrap();
         assert!(pod.affinity.is_some());
+        assert_eq!(pod.security_context.as_ref().unwrap().run_as_user, Some(0));
         assert_eq!(
             pod.containers[0].args.as_ref().unwrap()[0],
             "rm -rf /reclaim/store /reclaim/hf"
