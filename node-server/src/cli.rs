@@ -102,6 +102,9 @@ pub enum Command {
     Bench(bench::BenchArgs),
     /// Check every CUDA kernel against the CPU backend on fresh random inputs (needs a GPU).
     CudaCheck(crate::cuda_check::CudaCheckArgs),
+    /// Download a checkpoint (safetensors, config, tokenizer) from the Hugging Face Hub:
+    /// resumable, hash-checked, `HF_ENDPOINT` honoured.
+    Download(crate::download::DownloadArgs),
     /// Pack every routed expert into the O_DIRECT expert store (resumable, idempotent), then verify it.
     PackStore {
         /// Source checkpoint directory.
@@ -125,6 +128,10 @@ pub enum Command {
         /// Test hook: skip the free-space check.
         #[arg(long, env = "GLMFLASH_PACK_SKIP_SPACE_CHECK", hide = true)]
         pack_skip_space_check: bool,
+        /// Also write `{"storeBytes": N, "records": N, "fingerprint": "..."}` to this file
+        /// (the operator passes the pod's termination-message path and copies it to status).
+        #[arg(long, env = "GLMFLASH_PACK_REPORT")]
+        report: Option<PathBuf>,
     },
     /// Check every record of an expert store (sha256 with O_DIRECT reads); with --model also the
     /// model fingerprint and a byte compare of a sample against the source.

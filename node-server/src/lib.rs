@@ -10,6 +10,7 @@ pub mod bench_tiers;
 pub mod cli;
 pub mod cuda_check;
 pub mod demo;
+pub mod download;
 pub mod engine;
 pub mod gates;
 pub mod metrics;

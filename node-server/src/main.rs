@@ -166,6 +166,19 @@ fn run(command: Command) -> anyhow::Result<()> {
             );
             Ok(())
         }
+        Command::Download(args) => {
+            let r = glmflash_node::download::download(&args)?;
+            eprintln!(
+                "{}: {} files at commit {}; fetched {} ({:.1} MiB, {} resumed)",
+                args.dir.display(),
+                r.files,
+                r.commit,
+                r.fetched_files,
+                r.fetched_bytes as f64 / 1048576.0,
+                r.resumed_files
+            );
+            Ok(())
+        }
         Command::Bench(args) => bench::run(&args),
         Command::CudaCheck(args) => {
             if glmflash_node::cuda_check::run(&args)? {
@@ -189,6 +202,7 @@ fn run(command: Command) -> anyhow::Result<()> {
             pack_throttle_ms,
             pack_batch_bytes,
             pack_skip_space_check,
+            report: report_path,
         } => {
             let opts = store::PackOptions {
                 verify: !no_verify,
@@ -217,8 +231,17 @@ fn run(command: Command) -> anyhow::Result<()> {
                 report.seconds,
                 report.fingerprint
             );
-            if let Some(v) = report.verify {
-                print_verify(&v);
+            if let Some(v) = &report.verify {
+                print_verify(v);
+            }
+            if let Some(path) = report_path {
+                let json = serde_json::json!({
+                    "storeBytes": dir_bytes(&store)?,
+                    "records": report.records,
+                    "fingerprint": report.fingerprint,
+                });
+                std::fs::write(&path, json.to_string())
+                    .with_context(|| format!("writing the report to {}", path.display()))?;
             }
             Ok(())
         }
@@ -236,6 +259,18 @@ fn run(command: Command) -> anyhow::Result<()> {
             Ok(())
         }
     }
+}
+
+/// Bytes of the regular files directly in `dir` (the store's size on disk).
+fn dir_bytes(dir: &std::path::Path) -> anyhow::Result<u64> {
+    let mut total = 0;
+    for entry in std::fs::read_dir(dir).with_context(|| format!("listing {}", dir.display()))? {
+        let meta = entry?.metadata()?;
+        if meta.is_file() {
+            total += meta.len();
+        }
+    }
+    Ok(total)
 }
 
 fn print_verify(v: &store::VerifyReport) {

@@ -22,7 +22,7 @@ use k8s_openapi::api::batch::v1::{Job, JobSpec};
 use k8s_openapi::api::core::v1::{
     Affinity, Capabilities, ConfigMap, Container, ContainerPort, EmptyDirVolumeSource, EnvVar,
     EnvVarSource, HTTPGetAction, HostPathVolumeSource, KeyToPath, NodeAffinity, NodeSelector,
-    NodeSelectorRequirement, NodeSelectorTerm, PodSpec, PodTemplateSpec, Probe,
+    NodeSelectorRequirement, NodeSelectorTerm, PodSecurityContext, PodSpec, PodTemplateSpec, Probe,
     ResourceRequirements, SecretKeySelector, SecretVolumeSource, SecurityContext, Service,
     ServicePort, ServiceSpec, Volume, VolumeMount,
 };
@@ -296,13 +296,6 @@ fn quantity(s: &str) -> Quantity {
     Quantity(s.to_string())
 }
 
-fn model_format_arg(format: ModelFormat) -> &'static str {
-    match format {
-        ModelFormat::Exl3 => "exl3",
-        ModelFormat::Safetensors => "safetensors",
-    }
-}
-
 fn secret_volume(name: &str, secret: &SecretKeyRef, file: &str) -> Volume {
     Volume {
         name: name.into(),
@@ -316,6 +309,21 @@ fn secret_volume(name: &str, secret: &SecretKeyRef, file: &str) -> Volume {
             ..SecretVolumeSource::default()
         }),
         ..Volume::default()
+    }
+}
+
+/// Pod security of the Jobs that write the host path. The kubelet creates a
+/// `DirectoryOrCreate` host path as root:root 0755 and `fsGroup` does not apply to host
+/// paths, so the image's non-root user (10001) could not write there: these pods run as
+/// uid 0 with every capability dropped (no DAC override: they can write only what root
+/// owns, which is what they create). The server only reads the files (0644) and keeps the
+/// image's user.
+fn host_path_writer() -> PodSecurityContext {
+    PodSecurityContext {
+        run_as_user: Some(0),
+        run_as_group: Some(0),
+        run_as_non_root: Some(false),
+        ..PodSecurityContext::default()
     }
 }
 
@@ -362,7 +370,7 @@ pub fn pack_job(gfd: &GlmFlashDeployment, node: &str, store_hash: &str) -> Job {
             hf.repo.clone(),
             "--revision".into(),
             hf.revision.clone(),
-            "--out".into(),
+            "--dir".into(),
             MODEL_MOUNT.into(),
         ];
         let mut mounts = vec![mount("model", MODEL_MOUNT, false)];
@@ -388,11 +396,9 @@ pub fn pack_job(gfd: &GlmFlashDeployment, node: &str, store_hash: &str) -> Job {
         image_pull_policy: Some(pull),
         args: Some(vec![
             "pack-store".into(),
-            "--model-dir".into(),
+            "--model".into(),
             MODEL_MOUNT.into(),
-            "--model-format".into(),
-            model_format_arg(spec.model.format).into(),
-            "--store-dir".into(),
+            "--store".into(),
             STORE_MOUNT.into(),
             "--report".into(),
             TERMINATION_LOG.into(),
@@ -430,6 +436,7 @@ pub fn pack_job(gfd: &GlmFlashDeployment, node: &str, store_hash: &str) -> Job {
                     affinity: Some(node_affinity(node)),
                     tolerations: non_empty(spec.placement.tolerations.clone()),
                     init_containers,
+                    security_context: Some(host_path_writer()),
                     containers: vec![pack],
                     volumes: Some(volumes),
                     ..PodSpec::default()
@@ -466,6 +473,7 @@ pub fn reclaim_job(gfd: &GlmFlashDeployment, node: &str) -> Job {
                     restart_policy: Some("Never".into()),
                     affinity: Some(node_affinity(node)),
                     tolerations: non_empty(spec.placement.tolerations.clone()),
+                    security_context: Some(host_path_writer()),
                     containers: vec![Container {
                         name: "reclaim".into(),
                         image: Some(spec.image.reference()),
@@ -499,11 +507,9 @@ fn non_empty<T>(v: Vec<T>) -> Option<Vec<T>> {
 pub fn server_args(spec: &GlmFlashDeploymentSpec) -> Vec<String> {
     let mut args: Vec<String> = vec![
         "serve".into(),
-        "--model-dir".into(),
+        "--model".into(),
         MODEL_MOUNT.into(),
-        "--model-format".into(),
-        model_format_arg(spec.model.format).into(),
-        "--store-dir".into(),
+        "--store".into(),
         STORE_MOUNT.into(),
         "--mode".into(),
         spec.mode.as_arg().into(),
@@ -517,13 +523,11 @@ pub fn server_args(spec: &GlmFlashDeploymentSpec) -> Vec<String> {
         spec.server.context_length.to_string(),
         "--max-batch-size".into(),
         spec.server.max_batch_size.to_string(),
-        "--prefill-chunk".into(),
+        "--chunk-size".into(),
         spec.server.prefill_chunk.to_string(),
-        "--min-free-vram-mib".into(),
-        spec.vram.min_free_mib.to_string(),
     ];
     if let Some(slots) = spec.vram.expert_slots {
-        args.extend(["--vram-expert-slots".into(), slots.to_string()]);
+        args.extend(["--vram-slots".into(), slots.to_string()]);
     }
     if let Some(port) = spec.metrics.port {
         args.extend(["--metrics-port".into(), port.to_string()]);
@@ -866,10 +870,10 @@ mod tests {
         assert_eq!(c.image_pull_policy.as_deref(), Some("IfNotPresent"));
         assert_eq!(
             c.args.as_ref().unwrap().join(" "),
-            "serve --model-dir /models --model-format exl3 --store-dir /store --mode nvme \
+            "serve --model /models --store /store --mode nvme \
              --host 0.0.0.0 --port 30000 --served-model-name glm-5.3-flash \
-             --context-length 131072 --max-batch-size 8 --prefill-chunk 8192 \
-             --min-free-vram-mib 23000 --vram-expert-slots 1376"
+             --context-length 131072 --max-batch-size 8 --chunk-size 8192 \
+             --vram-slots 1376"
         );
         let limits = c.resources.as_ref().unwrap().limits.as_ref().unwrap();
         assert_eq!(limits["memory"], Quantity("55Gi".into()));
@@ -992,7 +996,7 @@ mod tests {
         let args = c.args.as_ref().unwrap().join(" ");
         assert!(args.contains("--mode nvme-exact"), "{args}");
         assert!(args.ends_with("--metrics-port 9400"), "{args}");
-        assert!(!args.contains("--vram-expert-slots"), "{args}");
+        assert!(!args.contains("--vram-slots"), "{args}");
         assert_eq!(c.ports.as_ref().unwrap()[1].container_port, 9400);
         assert_eq!(
             pod_spec(&d).volumes.as_ref().unwrap()[0]
@@ -1079,16 +1083,19 @@ mod tests {
         assert_eq!(spec.backoff_limit, Some(2));
         let pod = spec.template.spec.as_ref().unwrap();
         assert_eq!(pod.restart_policy.as_deref(), Some("Never"));
+        // Writes the root-owned host path as root, with no capabilities (below).
+        let psc = pod.security_context.as_ref().unwrap();
+        assert_eq!((psc.run_as_user, psc.run_as_group), (Some(0), Some(0)));
         let init = &pod.init_containers.as_ref().unwrap()[0];
         assert_eq!(
             init.args.as_ref().unwrap().join(" "),
             "download --repo turboderp/GLM-5.3-Flash-exl3 --revision \
-             332ab457b709b7ba30dd9a448be5de03b80a7ac9 --out /models --token-file /secrets/hf/token"
+             332ab457b709b7ba30dd9a448be5de03b80a7ac9 --dir /models --token-file /secrets/hf/token"
         );
         let pack = &pod.containers[0];
         assert_eq!(
             pack.args.as_ref().unwrap().join(" "),
-            "pack-store --model-dir /models --model-format exl3 --store-dir /store --report /dev/termination-log"
+            "pack-store --model /models --store /store --report /dev/termination-log"
         );
         assert_eq!(pack.termination_message_policy.as_deref(), Some("File"));
         // pack-store needs no GPU and no pinning.
@@ -1164,6 +1171,7 @@ mod tests {
         assert_eq!(spec.ttl_seconds_after_finished, Some(600));
         let pod = spec.template.spec.as_ref().unwrap();
         assert!(pod.affinity.is_some());
+        assert_eq!(pod.security_context.as_ref().unwrap().run_as_user, Some(0));
         assert_eq!(
             pod.containers[0].args.as_ref().unwrap()[0],
             "rm -rf /reclaim/store /reclaim/hf"

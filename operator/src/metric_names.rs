@@ -42,15 +42,25 @@ pub const WAITING_REQUESTS: &str = "glmflash_waiting_requests";
 pub const KV_TOKENS_USED: &str = "glmflash_kv_tokens_used";
 /// KV cache tokens available.
 pub const KV_TOKENS_CAPACITY: &str = "glmflash_kv_tokens_capacity";
-/// Memory by `kind` (`vram` | `pinned_ram` | `cgroup_limit` | `memlock_limit`).
+/// Memory by `kind` (`vram_used` | `vram_total` | `pinned_ram` | `cgroup_limit` | `memlock_limit`).
 pub const MEMORY_BYTES: &str = "glmflash_memory_bytes";
 /// Failures to pin (mlock / cudaHostRegister) RAM tier memory.
 pub const PIN_FAILURES_TOTAL: &str = "glmflash_pin_failures_total";
 /// 1 once the model is loaded and the server accepts requests.
 pub const SERVER_READY: &str = "glmflash_server_ready";
+/// KV cache bytes reserved by running sequences.
+pub const KV_BYTES_USED: &str = "glmflash_kv_bytes_used";
+/// KV cache budget in bytes.
+pub const KV_BYTES_CAPACITY: &str = "glmflash_kv_bytes_capacity";
+/// Expert bytes copied host to GPU (VRAM slot writes and staging).
+pub const GPU_H2D_BYTES_TOTAL: &str = "glmflash_gpu_h2d_bytes_total";
+/// Routed-expert products, label `lane` (`gpu` | `cpu`).
+pub const EXPERT_PRODUCTS_TOTAL: &str = "glmflash_expert_products_total";
+/// Seconds of one MoE layer's expert step on the GPU, sampled (gauge).
+pub const GPU_MOE_STEP_SECONDS: &str = "glmflash_gpu_moe_step_seconds";
 
 /// Every name above.
-pub const ALL: [&str; 21] = [
+pub const ALL: [&str; 26] = [
     EXPERT_LOOKUPS_TOTAL,
     TIER_RESIDENT_EXPERTS,
     TIER_CAPACITY_EXPERTS,
@@ -72,6 +82,11 @@ pub const ALL: [&str; 21] = [
     MEMORY_BYTES,
     PIN_FAILURES_TOTAL,
     SERVER_READY,
+    KV_BYTES_USED,
+    KV_BYTES_CAPACITY,
+    GPU_H2D_BYTES_TOTAL,
+    EXPERT_PRODUCTS_TOTAL,
+    GPU_MOE_STEP_SECONDS,
 ];
 
 /// Histograms: Prometheus exposes them as `<name>_bucket`, `_sum` and `_count`.
