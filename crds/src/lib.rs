@@ -634,5 +634,9 @@ impl GlmFlashDeployment {
 
 /// The CRD as YAML, exactly as checked in to [`CRD_FILE`] and the Helm chart.
 pub fn crd_yaml() -> String {
-    serde_yaml::to_string(&GlmFlashDeployment::crd()).expect("a CRD serializes to YAML")
+    // Keys sorted at every level: the same YAML whether or not another crate in the build
+    // turns on serde_json's `preserve_order` (which `cargo test --workspace` unifies in).
+    let mut crd = serde_json::to_value(GlmFlashDeployment::crd()).expect("a CRD is JSON");
+    crd.sort_all_objects();
+    serde_yaml::to_string(&crd).expect("a CRD serializes to YAML")
 }
