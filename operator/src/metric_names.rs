@@ -53,7 +53,7 @@ pub const KV_BYTES_USED: &str = "glmflash_kv_bytes_used";
 /// KV cache budget in bytes.
 pub const KV_BYTES_CAPACITY: &str = "glmflash_kv_bytes_capacity";
 /// Expert bytes copied host to GPU (VRAM slot writes and staging).
-pub const GPU_H2D_BYTES_TOTAL: &str = "glmflash_gpu_h2d_bytes_total";
+pub const GPU_H2D_BYTES_TOTAL: &str = "glmflash_gpu_host_to_device_bytes_total";
 /// Routed-expert products, label `lane` (`gpu` | `cpu`).
 pub const EXPERT_PRODUCTS_TOTAL: &str = "glmflash_expert_products_total";
 /// Seconds of one MoE layer's expert step on the GPU, sampled (gauge).

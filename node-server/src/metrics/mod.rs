@@ -60,7 +60,7 @@ pub const MEMORY_BYTES: &str = "glmflash_memory_bytes";
 pub const PIN_FAILURES_TOTAL: &str = "glmflash_pin_failures_total";
 
 /// Bytes copied host -> GPU for experts (slot writes and staging).
-pub const GPU_H2D_BYTES_TOTAL: &str = "glmflash_gpu_h2d_bytes_total";
+pub const GPU_H2D_BYTES_TOTAL: &str = "glmflash_gpu_host_to_device_bytes_total";
 /// Routed-expert products by `lane` (`gpu` | `cpu`): the CPU lane's share of the work.
 pub const EXPERT_PRODUCTS_TOTAL: &str = "glmflash_expert_products_total";
 /// Seconds of one MoE layer's expert step on the GPU, sampled every 64th step (synchronised).
