@@ -7,7 +7,7 @@
 use crate::bench::BenchArgs;
 use crate::model::Model;
 use crate::model::checkpoint::DType;
-use crate::model::config::{Config, MlpKind};
+use crate::model::config::Config;
 use crate::model::random::{scaled_config, write_random_checkpoint};
 use crate::tiers::policy::PolicyKind;
 use crate::tiers::provider::{Mode, StoreSource, Tier, TierCaps, TierTuning, TieredExperts};
@@ -150,7 +150,7 @@ fn measure(
     mem_bw: f64,
 ) -> anyhow::Result<serde_json::Value> {
     let cfg = Config::from_file(&dir.join("config.json"))?;
-    let moe: Vec<bool> = cfg.mlp_kinds.iter().map(|k| *k == MlpKind::Moe).collect();
+    let moe = cfg.moe_layers();
     let source = Arc::new(StoreSource::open(store, dir, &cfg)?);
     let tiers = Arc::new(TieredExperts::with_tuning(
         source,

@@ -4,7 +4,6 @@
 use crate::api::server::ServeArgs;
 use crate::backend::Device;
 use crate::model::Model;
-use crate::model::config::MlpKind;
 use crate::tiers::args::TierArgs;
 use crate::tiers::history::RoutingHistory;
 use crate::tiers::provider::{
@@ -186,7 +185,7 @@ impl ModelArgs {
         crate::tiers::args::log_cpu_lane();
         let device = self.device.open()?;
         let cfg = crate::model::config::Config::from_file(&self.model.join("config.json"))?;
-        let moe: Vec<bool> = cfg.mlp_kinds.iter().map(|k| *k == MlpKind::Moe).collect();
+        let moe = cfg.moe_layers();
         let Some(mode) = self.mode else {
             return match device {
                 Device::Cpu => Ok((Model::load(&self.model)?, None)),

@@ -190,6 +190,11 @@ impl Fields<'_> {
 }
 
 impl Config {
+    /// Per layer: whether it has routed experts.
+    pub fn moe_layers(&self) -> Vec<bool> {
+        self.mlp_kinds.iter().map(|k| *k == MlpKind::Moe).collect()
+    }
+
     pub fn from_file(path: &Path) -> Result<Config, ConfigError> {
         let text = std::fs::read_to_string(path).map_err(|source| ConfigError::Io {
             path: path.display().to_string(),

@@ -173,11 +173,7 @@ pub fn load_model_on_gpu(
     cuda: Arc<Cuda>,
 ) -> anyhow::Result<crate::model::Model> {
     let cfg = crate::model::config::Config::from_file(&dir.join("config.json"))?;
-    let moe: Vec<bool> = cfg
-        .mlp_kinds
-        .iter()
-        .map(|k| *k == crate::model::config::MlpKind::Moe)
-        .collect();
+    let moe = cfg.moe_layers();
     let source = super::provider::CheckpointSource::open(dir)?;
     let vram = VramExperts::load_all(cuda.clone(), &source, &moe, cfg.n_routed_experts)?;
     load_dense_on_gpu(dir, Arc::new(vram), cuda)

@@ -617,9 +617,9 @@ impl MoeLayout {
         })
     }
 
+    /// Bytes of gate (and of up).
     pub fn gate_bytes(&self) -> usize {
-        self.up_offset
-            .min(self.inter * self.gate_up.row_bytes(self.hidden).unwrap_or(0))
+        self.inter * self.gate_up.row_bytes(self.hidden).unwrap_or(0)
     }
 
     pub fn down_bytes(&self) -> usize {
@@ -692,10 +692,7 @@ impl SlotArena {
         down: &[u8],
     ) -> Result<(), CudaError> {
         let l = self.layout;
-        let gb = l.inter
-            * l.gate_up
-                .row_bytes(l.hidden)
-                .map_err(|e| CudaError::Invalid(e.to_string()))?;
+        let gb = l.gate_bytes();
         if slot >= self.slots || gate.len() != gb || up.len() != gb || down.len() != l.down_bytes()
         {
             return Err(CudaError::Invalid(format!(
