@@ -37,9 +37,14 @@ pub struct BenchArgs {
     pub device: crate::backend::DeviceArgs,
     #[command(flatten)]
     pub tiers: crate::bench_tiers::TierBenchArgs,
+    #[command(flatten)]
+    pub flash: crate::bench_flash::FlashBenchArgs,
 }
 
 pub fn run(args: &BenchArgs) -> anyhow::Result<()> {
+    if args.flash.flash {
+        return crate::bench_flash::run(args);
+    }
     if args.tiers.tiered {
         return crate::bench_tiers::run(args);
     }

@@ -107,7 +107,7 @@ fn measure_all(root: &Path, args: &BenchArgs) -> anyhow::Result<serde_json::Valu
 
 /// Rewrites every router's `e_score_correction_bias` in place: the expert of popularity rank
 /// `r` (a fixed shuffle of the ids) gets `-skew * ln(1 + r)`; `skew` 0 zeroes the biases.
-fn set_router_bias(file: &Path, experts: usize, skew: f32) -> anyhow::Result<()> {
+pub(crate) fn set_router_bias(file: &Path, experts: usize, skew: f32) -> anyhow::Result<()> {
     use rand::SeedableRng;
     use rand::seq::SliceRandom;
     use std::io::{Read, Seek, SeekFrom, Write};

@@ -6,6 +6,7 @@
 pub mod api;
 pub mod backend;
 pub mod bench;
+pub mod bench_flash;
 pub mod bench_tiers;
 pub mod cli;
 pub mod cuda_check;

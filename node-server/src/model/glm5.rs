@@ -223,6 +223,12 @@ impl Model {
         }
     }
 
+    /// Swaps where the routed experts are computed (benchmarks comparing tier set-ups on one
+    /// loaded model).
+    pub fn set_experts(&mut self, experts: Arc<dyn ExpertProvider>) {
+        self.experts = experts;
+    }
+
     pub fn experts(&self) -> &Arc<dyn ExpertProvider> {
         &self.experts
     }

@@ -18,13 +18,35 @@ pub fn write_random_checkpoint(
     seed: u64,
     dtype: DType,
 ) -> anyhow::Result<Config> {
+    write_checkpoint(dir, config, seed, dtype, true)
+}
+
+/// As [`write_random_checkpoint`] without the routed experts (every other weight is
+/// identical): the model of a benchmark whose experts live only in a packed store
+/// (`store::write_random_store`).
+pub fn write_random_dense_checkpoint(
+    dir: &Path,
+    config: &Value,
+    seed: u64,
+    dtype: DType,
+) -> anyhow::Result<Config> {
+    write_checkpoint(dir, config, seed, dtype, false)
+}
+
+fn write_checkpoint(
+    dir: &Path,
+    config: &Value,
+    seed: u64,
+    dtype: DType,
+    routed: bool,
+) -> anyhow::Result<Config> {
     let cfg = Config::from_json(config)?;
     std::fs::create_dir_all(dir)?;
     std::fs::write(
         dir.join("config.json"),
         serde_json::to_string_pretty(config)? + "\n",
     )?;
-    let tensors = random_tensors(&cfg, seed, dtype);
+    let tensors = random_tensors(&cfg, seed, dtype, routed);
     write_safetensors(&dir.join("model.safetensors"), &tensors, &BTreeMap::new())?;
     Ok(cfg)
 }
@@ -74,7 +96,7 @@ impl Gen {
     }
 }
 
-fn random_tensors(cfg: &Config, seed: u64, dtype: DType) -> Vec<Tensor> {
+fn random_tensors(cfg: &Config, seed: u64, dtype: DType, routed: bool) -> Vec<Tensor> {
     let mut g = Gen {
         rng: ChaCha8Rng::seed_from_u64(seed),
         dtype,
@@ -174,7 +196,7 @@ fn random_tensors(cfg: &Config, seed: u64, dtype: DType) -> Vec<Tensor> {
                         cfg.moe_intermediate_size * cfg.n_shared_experts,
                     );
                 }
-                for e in 0..cfg.n_routed_experts {
+                for e in (0..cfg.n_routed_experts).filter(|_| routed) {
                     swiglu(
                         &mut g,
                         &format!("{m}.experts.{e}"),
@@ -192,6 +214,41 @@ fn swiglu(g: &mut Gen, prefix: &str, d: usize, inter: usize) {
     g.linear(format!("{prefix}.gate_proj.weight"), inter, d, 1.0);
     g.linear(format!("{prefix}.up_proj.weight"), inter, d, 1.0);
     g.linear(format!("{prefix}.down_proj.weight"), d, inter, 1.0);
+}
+
+/// GLM-5.3-Flash's real widths (hidden 4096, vocabulary 154,880, 288 experts of 2048 with 8
+/// picked, MLA 64 heads of 256 over a 512-wide latent, DSA 32 x 128 keeping 2,048 positions
+/// in pools of 16, KDA 64 x 128, mHC 4 streams), with `dense_layers` dense then `moe_layers`
+/// MoE layers instead of the real 3 + 42.
+pub fn flash_config(dense_layers: usize, moe_layers: usize) -> Value {
+    let mut c = scaled_config(
+        154_880,
+        4096,
+        dense_layers + moe_layers,
+        dense_layers,
+        288,
+        2048,
+        8,
+    );
+    for (key, value) in [
+        ("intermediate_size", json!(12288)),
+        ("num_attention_heads", json!(64)),
+        ("num_key_value_heads", json!(64)),
+        ("q_lora_rank", json!(1536)),
+        ("kv_lora_rank", json!(512)),
+        ("qk_nope_head_dim", json!(256)),
+        ("v_head_dim", json!(256)),
+        ("n_group", json!(1)),
+        ("topk_group", json!(1)),
+        ("index_topk", json!(2048)),
+        ("index_head_dim", json!(128)),
+        ("index_n_heads", json!(32)),
+        ("linear_head_dim", json!(128)),
+        ("linear_num_heads", json!(64)),
+    ] {
+        c[key] = value;
+    }
+    c
 }
 
 /// A flat config in the real model's shape family, scaled by the arguments: layer `i` is MLA

@@ -18,6 +18,7 @@ mod aligned;
 mod io;
 pub mod manifest;
 mod pack;
+mod random;
 mod reader;
 mod verify;
 
@@ -27,6 +28,7 @@ pub use manifest::{
     quick_fingerprint,
 };
 pub use pack::{PackOptions, PackOutcome, PackReport, pack_store};
+pub use random::{rebind_random_store, write_random_store};
 pub use reader::{
     ChecksumPolicy, EngineChoice, ReadError, ReadErrorKind, ReaderOptions, RecordBuf, StoreReader,
 };

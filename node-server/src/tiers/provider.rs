@@ -235,9 +235,13 @@ impl TieredExperts {
                 ram_policy: tuning.policy.build(experts, aging_period, None),
             };
             if moe && !mode.tiered() {
-                for e in 0..experts {
-                    let w = Arc::new(timed_load(source.as_ref(), &stats, l, e)?);
-                    layer.ram.insert(e, Pinned::new(w, &pins));
+                use rayon::prelude::*;
+                let loaded: Vec<SwiGlu> = (0..experts)
+                    .into_par_iter()
+                    .map(|e| timed_load(source.as_ref(), &stats, l, e))
+                    .collect::<anyhow::Result<_>>()?;
+                for (e, w) in loaded.into_iter().enumerate() {
+                    layer.ram.insert(e, Pinned::new(Arc::new(w), &pins));
                 }
             }
             layers.push(Mutex::new(layer));

@@ -100,14 +100,24 @@ impl VramExperts {
                 continue;
             }
             let mut row = Vec::with_capacity(experts);
-            for e in 0..experts {
-                let expert = source
-                    .load(l, e)
-                    .with_context(|| format!("loading layer {l} expert {e}"))?;
-                write_slot(&cuda, &mut arena, next, &expert)
-                    .with_context(|| format!("layer {l} expert {e}"))?;
-                row.push(next as u32);
-                next += 1;
+            // Read a batch on all cores (store reads are checked and decoded on the CPU),
+            // then copy it in.
+            for batch in (0..experts).collect::<Vec<_>>().chunks(32) {
+                use rayon::prelude::*;
+                let loaded: Vec<_> = batch
+                    .par_iter()
+                    .map(|&e| {
+                        source
+                            .load(l, e)
+                            .with_context(|| format!("loading layer {l} expert {e}"))
+                    })
+                    .collect::<anyhow::Result<_>>()?;
+                for (&e, expert) in batch.iter().zip(&loaded) {
+                    write_slot(&cuda, &mut arena, next, expert)
+                        .with_context(|| format!("layer {l} expert {e}"))?;
+                    row.push(next as u32);
+                    next += 1;
+                }
             }
             slots.push(row);
         }

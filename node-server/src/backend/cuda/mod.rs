@@ -145,6 +145,34 @@ impl Cuda {
         Ok(2.0 * bytes as f64 / best)
     }
 
+    /// Host-to-device bandwidth, bytes per second, of the best of a few copies of `bytes`
+    /// from page-locked memory (`pinned`, the path of registered RAM slots) or from
+    /// ordinary pageable memory.
+    pub fn h2d_bandwidth(&self, bytes: usize, pinned: bool) -> Result<f64, CudaError> {
+        let mut dst = self.stream.alloc_zeros::<u8>(bytes)?;
+        let mut best = f64::MAX;
+        let mut time = |copy: &mut dyn FnMut(&mut CudaSlice<u8>) -> Result<(), CudaError>| {
+            for _ in 0..5 {
+                self.stream.synchronize()?;
+                let started = std::time::Instant::now();
+                copy(&mut dst)?;
+                self.stream.synchronize()?;
+                best = best.min(started.elapsed().as_secs_f64());
+            }
+            Ok::<(), CudaError>(())
+        };
+        if pinned {
+            // SAFETY: the page-locked buffer is filled before any copy reads it.
+            let mut host = unsafe { self.ctx.alloc_pinned_with_flags::<u8>(bytes, 0) }?;
+            host.as_mut_slice()?.fill(1);
+            time(&mut |dst| Ok(self.stream.memcpy_htod(&host, dst)?))?;
+        } else {
+            let host = vec![1u8; bytes];
+            time(&mut |dst| Ok(self.stream.memcpy_htod(&host[..], dst)?))?;
+        }
+        Ok(bytes as f64 / best)
+    }
+
     pub fn stream(&self) -> &Arc<CudaStream> {
         &self.stream
     }

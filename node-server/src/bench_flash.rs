@@ -1,0 +1,575 @@
+//! `bench --flash --device cuda`: a random model at GLM-5.3-Flash width (the real MLA, KDA,
+//! DSA and expert shapes; 1 dense layer and `--flash-moe-layers` MoE layers instead of 3 +
+//! 42) with its experts in a q4_k packed store, measured under the RTX 3090 box's budget:
+//! VRAM expert slots worth `--vram-expert-gb` and a RAM tier of `--ram-cap-gib` minus the
+//! real model's non-expert memory, both spread over the real model's 42 MoE layers, so each
+//! layer here gets the slots a layer of the real model gets there.
+//!
+//! Runs (`--flash-runs`): `budget` (nvme mode, CPU lane on, uniform routing), `prefill`
+//! (`--flash-prefill` tokens under the budget), `exact` (nvme-exact under the budget),
+//! `vram` (every expert in VRAM: the ceiling), `fast` (every expert in RAM, decode picks on
+//! the CPU lane), `zipf` (the budget with skewed routing). Decode runs with 1 and 4 streams.
+//!
+//! Each result has hit rate and bytes per token per tier and a roofline ratio: the time the
+//! bytes of one step need at the bandwidths measured in the same run (HBM copy, pinned H2D,
+//! RAM read, store O_DIRECT at depth) over the measured step time, where the GPU's and the
+//! CPU lane's reads overlap and H2D and store reads add:
+//! `need = max(gpu bytes / HBM, cpu-lane bytes / RAM) + h2d bytes / H2D + store bytes / store`.
+//! Results print as JSON lines on stderr as they finish and as one JSON document at the end.
+
+use crate::backend::cuda::Cuda;
+use crate::bench::BenchArgs;
+use crate::model::checkpoint::DType;
+use crate::model::config::Config;
+use crate::model::glm5::Step;
+use crate::model::moe::ExpertProvider;
+use crate::model::{Model, random};
+use crate::quant::Format;
+use crate::store::{ChecksumPolicy, ReaderOptions, StoreReader};
+use crate::tiers::provider::{Mode, StoreSource, Tier, TierCaps, TierTuning, TieredExperts};
+use anyhow::{Context, bail};
+use serde_json::{Value, json};
+use std::path::Path;
+use std::sync::Arc;
+use std::sync::atomic::Ordering;
+use std::time::Instant;
+
+#[derive(clap::Args, Debug, Clone)]
+pub struct FlashBenchArgs {
+    /// Benchmark a random model at GLM-5.3-Flash width under the RTX 3090 box's budget
+    /// (needs --device cuda; writes about 4.1 GB of store per MoE layer into --scratch).
+    #[arg(long, env = "GLMFLASH_BENCH_FLASH")]
+    pub flash: bool,
+    /// MoE layers of the random model (the real one has 42).
+    #[arg(long, env = "GLMFLASH_BENCH_FLASH_LAYERS", default_value_t = 8)]
+    pub flash_moe_layers: usize,
+    /// VRAM the 3090 box gives expert slots, in GB (the seed: about 1,300 experts).
+    #[arg(long, default_value_t = 12.4)]
+    pub vram_expert_gb: f64,
+    /// The 3090 box's memory cap for the server, in GiB (the seed's 55 GiB).
+    #[arg(long, default_value_t = 55.0)]
+    pub ram_cap_gib: f64,
+    /// MoE layers of the real model the budgets are spread over.
+    #[arg(long, default_value_t = 42)]
+    pub budget_layers: usize,
+    /// Prompt length of the `prefill` run.
+    #[arg(long, default_value_t = 8192)]
+    pub flash_prefill: usize,
+    /// Runs, comma-separated: budget, prefill, exact, vram, fast, zipf.
+    #[arg(long, default_value = "budget,prefill,exact,vram,fast,zipf")]
+    pub flash_runs: String,
+    /// Keep the generated model and store in --scratch, and reuse them when present.
+    #[arg(long)]
+    pub keep: bool,
+}
+
+/// Hidden size and layer count of the real model, for the non-expert memory estimate.
+const REAL_LAYERS: usize = 45;
+
+pub fn run(args: &BenchArgs) -> anyhow::Result<()> {
+    let cuda = match args.device.open()? {
+        crate::backend::Device::Cuda(cuda) => cuda,
+        crate::backend::Device::Cpu => {
+            bail!("bench --flash measures the GPU path: add --device cuda")
+        }
+    };
+    let root = args.tiers.scratch.join("glmflash-bench-flash");
+    let result = prepare_and_measure(&root, &cuda, args);
+    if !args.flash.keep {
+        let _ = std::fs::remove_dir_all(&root);
+    }
+    println!("{}", serde_json::to_string_pretty(&result?)?);
+    Ok(())
+}
+
+fn prepare_and_measure(root: &Path, cuda: &Arc<Cuda>, args: &BenchArgs) -> anyhow::Result<Value> {
+    let flash = &args.flash;
+    let (model_dir, store) = (root.join("model"), root.join("store"));
+    let config = random::flash_config(1, flash.flash_moe_layers);
+    let reusable = std::fs::read(model_dir.join("config.json"))
+        .ok()
+        .and_then(|b| serde_json::from_slice::<Value>(&b).ok())
+        .is_some_and(|c| c == config)
+        && store.join(crate::store::MANIFEST).exists();
+    if reusable {
+        eprintln!("reusing {}", root.display());
+    } else {
+        let _ = std::fs::remove_dir_all(root);
+        let started = Instant::now();
+        random::write_random_dense_checkpoint(&model_dir, &config, 1, DType::Bf16)?;
+        eprintln!(
+            "dense checkpoint written in {:.1}s",
+            started.elapsed().as_secs_f64()
+        );
+        let started = Instant::now();
+        let step = std::sync::atomic::AtomicUsize::new(0);
+        let m =
+            crate::store::write_random_store(&model_dir, &store, Format::Q4K, 7, &|n, total| {
+                let pct = n * 20 / total;
+                if step.fetch_max(pct, Ordering::Relaxed) < pct {
+                    eprintln!("store: {n}/{total} records");
+                }
+            })?;
+        let secs = started.elapsed().as_secs_f64();
+        eprintln!(
+            "store: {} records, {:.1} GB in {secs:.1}s ({:.2} GB/s)",
+            m.records.len(),
+            m.data_bytes() as f64 / 1e9,
+            m.data_bytes() as f64 / 1e9 / secs
+        );
+    }
+    // Uniform routing unless a run says otherwise (a kept store may come from a zipf run).
+    set_skew(&model_dir, &store, 0.0)?;
+    measure_all(&model_dir, &store, cuda, args)
+}
+
+fn set_skew(model_dir: &Path, store: &Path, skew: f32) -> anyhow::Result<()> {
+    let cfg = Config::from_file(&model_dir.join("config.json"))?;
+    crate::bench_tiers::set_router_bias(
+        &model_dir.join("model.safetensors"),
+        cfg.n_routed_experts,
+        skew,
+    )?;
+    crate::store::rebind_random_store(model_dir, store)?;
+    Ok(())
+}
+
+struct Bandwidths {
+    hbm: f64,
+    h2d_pinned: f64,
+    h2d_pageable: f64,
+    ram: f64,
+    store_raw: f64,
+    store_checked: f64,
+}
+
+impl Bandwidths {
+    fn json(&self) -> Value {
+        json!({
+            "hbm_gb_s": self.hbm / 1e9,
+            "h2d_pinned_gb_s": self.h2d_pinned / 1e9,
+            "h2d_pageable_gb_s": self.h2d_pageable / 1e9,
+            "ram_read_gb_s": self.ram / 1e9,
+            "store_o_direct_gb_s": self.store_raw / 1e9,
+            "store_o_direct_sha256_gb_s": self.store_checked / 1e9,
+        })
+    }
+}
+
+fn measure_bandwidths(cuda: &Cuda, store: &Path, cfg: &Config) -> anyhow::Result<Bandwidths> {
+    // Store: 64 records per layer spread over the file, read in one batch (io_uring at depth)
+    // without and with the sha256 check every product read makes.
+    let layers = crate::store::manifest::moe_layers(cfg);
+    let keys: Vec<(usize, usize)> = layers
+        .iter()
+        .flat_map(|&l| (0..64).map(move |i| (l, (i * 37 + l) % cfg.n_routed_experts)))
+        .collect();
+    let store_rate = |checksum| -> anyhow::Result<f64> {
+        let reader = StoreReader::open(
+            store,
+            None,
+            ReaderOptions {
+                checksum,
+                ..ReaderOptions::default()
+            },
+        )?;
+        let record = reader.manifest().record_size as f64;
+        let started = Instant::now();
+        for chunk in keys.chunks(32) {
+            for r in reader.read_many(chunk) {
+                r?;
+            }
+        }
+        Ok(keys.len() as f64 * record / started.elapsed().as_secs_f64())
+    };
+    Ok(Bandwidths {
+        hbm: cuda.copy_bandwidth(1 << 30)?,
+        h2d_pinned: cuda.h2d_bandwidth(256 << 20, true)?,
+        h2d_pageable: cuda.h2d_bandwidth(256 << 20, false)?,
+        ram: crate::bench::measure_read_bandwidth(),
+        store_raw: store_rate(ChecksumPolicy::Never)?,
+        store_checked: store_rate(ChecksumPolicy::Always)?,
+    })
+}
+
+/// The slots per layer the 3090 box's budget gives, and how they were derived.
+struct Budget {
+    vram_slots: usize,
+    ram_slots: usize,
+    json: Value,
+}
+
+fn budget(args: &BenchArgs, model: &Model, record: usize) -> Budget {
+    let f = &args.flash;
+    let cfg = &model.cfg;
+    // The real model's non-expert weights: the embedding and head, plus this model's
+    // non-expert bytes per layer times the real layer count (all held in host memory).
+    let embed = model.embedding_bytes();
+    let dense = model.weight_bytes() - model.routed_expert_bytes();
+    let per_layer = dense.saturating_sub(2 * embed) / cfg.num_hidden_layers;
+    let non_expert = 2 * embed + per_layer * REAL_LAYERS;
+    let ram_bytes = (f.ram_cap_gib * (1u64 << 30) as f64 - non_expert as f64).max(0.0);
+    let vram_slots = (f.vram_expert_gb * 1e9 / f.budget_layers as f64 / record as f64) as usize;
+    let ram_slots = (ram_bytes / f.budget_layers as f64 / record as f64) as usize;
+    let json = json!({
+        "record_bytes": record,
+        "vram_expert_gb": f.vram_expert_gb,
+        "ram_cap_gib": f.ram_cap_gib,
+        "real_non_expert_gib_estimate": non_expert as f64 / (1u64 << 30) as f64,
+        "budget_layers": f.budget_layers,
+        "vram_slots_per_layer": vram_slots,
+        "ram_slots_per_layer": ram_slots,
+        "store_share": 1.0 - (vram_slots + ram_slots) as f64 / cfg.n_routed_experts as f64,
+    });
+    Budget {
+        vram_slots,
+        ram_slots,
+        json,
+    }
+}
+
+fn measure_all(
+    model_dir: &Path,
+    store: &Path,
+    cuda: &Arc<Cuda>,
+    args: &BenchArgs,
+) -> anyhow::Result<Value> {
+    let runs: Vec<&str> = args.flash.flash_runs.split(',').map(str::trim).collect();
+    for r in &runs {
+        if !["budget", "prefill", "exact", "vram", "fast", "zipf"].contains(r) {
+            bail!("--flash-runs: unknown run {r:?} (budget, prefill, exact, vram, fast, zipf)");
+        }
+    }
+    let cfg = Config::from_file(&model_dir.join("config.json"))?;
+    let bw = measure_bandwidths(cuda, store, &cfg)?;
+    eprintln!("{}", bw.json());
+    let source = Arc::new(StoreSource::open(store, model_dir, &cfg)?);
+    let record = source_record(&source);
+    let started = Instant::now();
+    let placeholder: Arc<dyn ExpertProvider> = Arc::new(tiered(&cfg, &source, Mode::Nvme, 1, 1)?);
+    let mut model = crate::tiers::vram::load_dense_on_gpu(model_dir, placeholder, cuda.clone())?;
+    eprintln!(
+        "dense model on the GPU in {:.1}s",
+        started.elapsed().as_secs_f64()
+    );
+    let budget = budget(args, &model, record);
+    eprintln!("{}", budget.json);
+    let mut results = Vec::new();
+    let mut report = |r: Value| {
+        eprintln!("{r}");
+        results.push(r);
+    };
+
+    for run in ["budget", "prefill", "exact"] {
+        if !runs.contains(&run) {
+            continue;
+        }
+        let mode = if run == "exact" {
+            Mode::NvmeExact
+        } else {
+            Mode::Nvme
+        };
+        let tiers = Arc::new(
+            tiered(&cfg, &source, mode, budget.vram_slots, budget.ram_slots)?
+                .with_gpu(cuda.clone(), &cfg.moe_layers())?,
+        );
+        model.set_experts(tiers.clone());
+        if run == "prefill" {
+            report(prefill(&model, Some(&tiers), args, &bw, record)?.tag(run));
+        } else {
+            for streams in [1, 4] {
+                report(decode(&model, Some(&tiers), streams, args, &bw, record)?.tag(run));
+            }
+        }
+    }
+    if runs.contains(&"vram") {
+        let started = Instant::now();
+        let vram = Arc::new(crate::tiers::vram::VramExperts::load_all(
+            cuda.clone(),
+            source.as_ref(),
+            &cfg.moe_layers(),
+            cfg.n_routed_experts,
+        )?);
+        eprintln!(
+            "every expert in VRAM in {:.1}s",
+            started.elapsed().as_secs_f64()
+        );
+        model.set_experts(vram);
+        for streams in [1, 4] {
+            report(decode(&model, None, streams, args, &bw, record)?.tag("vram"));
+        }
+    }
+    if runs.contains(&"fast") {
+        let started = Instant::now();
+        let tiers = Arc::new(
+            tiered(&cfg, &source, Mode::Fast, 0, 0)?.with_gpu(cuda.clone(), &cfg.moe_layers())?,
+        );
+        eprintln!(
+            "every expert in RAM in {:.1}s",
+            started.elapsed().as_secs_f64()
+        );
+        model.set_experts(tiers.clone());
+        for streams in [1, 4] {
+            report(decode(&model, Some(&tiers), streams, args, &bw, record)?.tag("fast"));
+        }
+    }
+    if runs.contains(&"zipf") {
+        drop(model);
+        set_skew(model_dir, store, args.tiers.zipf_bias)?;
+        let source = Arc::new(StoreSource::open(store, model_dir, &cfg)?);
+        let tiers = Arc::new(
+            tiered(
+                &cfg,
+                &source,
+                Mode::Nvme,
+                budget.vram_slots,
+                budget.ram_slots,
+            )?
+            .with_gpu(cuda.clone(), &cfg.moe_layers())?,
+        );
+        let model = crate::tiers::vram::load_dense_on_gpu(model_dir, tiers.clone(), cuda.clone())?;
+        for streams in [1, 4] {
+            report(decode(&model, Some(&tiers), streams, args, &bw, record)?.tag("zipf"));
+        }
+    }
+    Ok(json!({
+        "device": cuda.describe(),
+        "threads": rayon::current_num_threads(),
+        "hidden": cfg.hidden_size,
+        "layers": cfg.num_hidden_layers,
+        "moe_layers": cfg.moe_layers().iter().filter(|&&m| m).count(),
+        "experts": cfg.n_routed_experts,
+        "top_k": cfg.num_experts_per_tok,
+        "expert_format": "q4_k",
+        "bandwidths": bw.json(),
+        "budget": budget.json,
+        "runs": results,
+    }))
+}
+
+fn source_record(source: &StoreSource) -> usize {
+    use crate::tiers::provider::ExpertSource;
+    source.record_bytes()
+}
+
+fn tiered(
+    cfg: &Config,
+    source: &Arc<StoreSource>,
+    mode: Mode,
+    vram_slots: usize,
+    ram_slots: usize,
+) -> anyhow::Result<TieredExperts> {
+    TieredExperts::with_tuning(
+        source.clone(),
+        cfg.hidden_size,
+        cfg.n_routed_experts,
+        &cfg.moe_layers(),
+        mode,
+        TierCaps {
+            device_slots_per_layer: vram_slots,
+            ram_slots_per_layer: ram_slots,
+        },
+        4096,
+        true,
+        TierTuning::default(),
+    )
+}
+
+trait Tagged {
+    fn tag(self, run: &str) -> Value;
+}
+
+impl Tagged for Value {
+    fn tag(mut self, run: &str) -> Value {
+        self["run"] = json!(run);
+        self
+    }
+}
+
+/// Counters of the tiers (and their GPU) at one moment.
+#[derive(Clone, Copy, Default)]
+struct Snapshot {
+    /// Lookups per tier (device, RAM, store) in the phase measured.
+    lookups: [u64; 3],
+    store_reads: u64,
+    h2d: u64,
+    gpu_picks: u64,
+    cpu_picks: u64,
+}
+
+fn snapshot(tiers: Option<&Arc<TieredExperts>>, phase: usize) -> Snapshot {
+    let Some(t) = tiers else {
+        return Snapshot::default();
+    };
+    t.flush();
+    let s = &t.stats;
+    let gpu = t.gpu_stats();
+    Snapshot {
+        lookups: [Tier::Device, Tier::Ram, Tier::Store]
+            .map(|tier| s.lookups[tier as usize][phase].load(Ordering::Relaxed)),
+        store_reads: s.store_reads.load(Ordering::Relaxed),
+        h2d: gpu.as_ref().map_or(0, |g| g.h2d_bytes),
+        gpu_picks: gpu.as_ref().map_or(0, |g| g.gpu_picks),
+        cpu_picks: gpu.as_ref().map_or(0, |g| g.cpu_picks),
+    }
+}
+
+/// Tier figures and the roofline over `steps` steps that made `tokens` tokens in `secs`.
+#[allow(clippy::too_many_arguments)]
+fn figures(
+    model: &Model,
+    before: Snapshot,
+    after: Snapshot,
+    all_vram: bool,
+    steps: usize,
+    tokens: usize,
+    secs: f64,
+    bw: &Bandwidths,
+    record: usize,
+) -> Value {
+    let cfg = &model.cfg;
+    let picks =
+        (cfg.moe_layers().iter().filter(|&&m| m).count() * cfg.num_experts_per_tok * tokens) as f64;
+    let mut lookups: Vec<f64> = (0..3)
+        .map(|i| (after.lookups[i] - before.lookups[i]) as f64)
+        .collect();
+    if all_vram {
+        lookups = vec![picks, 0.0, 0.0];
+    }
+    let total = lookups.iter().sum::<f64>().max(1.0);
+    let record = record as f64;
+    let store_bytes = (after.store_reads - before.store_reads) as f64 * record;
+    let h2d = (after.h2d - before.h2d) as f64;
+    let cpu_picks = (after.cpu_picks - before.cpu_picks) as f64;
+    let gpu_picks = if all_vram {
+        picks
+    } else {
+        (after.gpu_picks - before.gpu_picks) as f64
+    };
+    let dense =
+        (model.weight_bytes() - model.routed_expert_bytes() - model.embedding_bytes()) as f64;
+    let n = steps as f64;
+    let gpu_bytes = dense * n + gpu_picks * record;
+    let cpu_bytes = cpu_picks * record;
+    let need = (gpu_bytes / bw.hbm).max(cpu_bytes / bw.ram)
+        + h2d / bw.h2d_pinned
+        + store_bytes / bw.store_raw;
+    let t = tokens as f64;
+    json!({
+        "tokens": tokens,
+        "steps": steps,
+        "tok_s": t / secs,
+        "ms_per_step": secs * 1e3 / n,
+        "hit_rate": {
+            "vram": lookups[0] / total,
+            "ram": lookups[1] / total,
+            "nvme": lookups[2] / total,
+        },
+        "bytes_per_token": {
+            "vram_experts": lookups[0] * record / t,
+            "ram_experts": lookups[1] * record / t,
+            "nvme": store_bytes / t,
+            "h2d": h2d / t,
+            "dense_hbm": dense * n / t,
+        },
+        "cpu_lane_share": cpu_picks / (cpu_picks + gpu_picks).max(1.0),
+        "time_needed_ms_per_step": need * 1e3 / n,
+        "roofline_ratio": need / secs,
+    })
+}
+
+fn prompt(len: usize, salt: u32, vocab: usize) -> Vec<u32> {
+    (0..len as u32)
+        .map(|i| (i.wrapping_mul(7919).wrapping_add(13 + salt * 104_729)) % vocab as u32)
+        .collect()
+}
+
+fn decode(
+    model: &Model,
+    tiers: Option<&Arc<TieredExperts>>,
+    streams: usize,
+    args: &BenchArgs,
+    bw: &Bandwidths,
+    record: usize,
+) -> anyhow::Result<Value> {
+    let vocab = model.cfg.vocab_size;
+    let mut seqs = Vec::with_capacity(streams);
+    for s in 0..streams {
+        let (logits, cache) = model.prefill(&prompt(args.prompt_tokens, s as u32, vocab))?;
+        seqs.push((crate::backend::cpu::ops::argmax(&logits) as u32, cache));
+    }
+    let mut step = || -> anyhow::Result<()> {
+        let tokens: Vec<[u32; 1]> = seqs.iter().map(|(t, _)| [*t]).collect();
+        let mut steps: Vec<Step> = seqs
+            .iter_mut()
+            .zip(&tokens)
+            .map(|((_, cache), t)| Step {
+                tokens: t,
+                cache,
+                all_logits: false,
+            })
+            .collect();
+        let out = model.forward(&mut steps, None)?;
+        for ((next, _), logits) in seqs.iter_mut().zip(&out) {
+            *next = crate::backend::cpu::ops::argmax(logits) as u32;
+        }
+        Ok(())
+    };
+    for _ in 0..args.tiers.warmup_tokens {
+        step()?;
+    }
+    let before = snapshot(tiers, 1);
+    let started = Instant::now();
+    for _ in 0..args.decode_tokens {
+        step().context("decode step")?;
+    }
+    let secs = started.elapsed().as_secs_f64();
+    let after = snapshot(tiers, 1);
+    let mut r = figures(
+        model,
+        before,
+        after,
+        tiers.is_none(),
+        args.decode_tokens,
+        args.decode_tokens * streams,
+        secs,
+        bw,
+        record,
+    );
+    r["streams"] = json!(streams);
+    r["phase"] = json!("decode");
+    Ok(r)
+}
+
+fn prefill(
+    model: &Model,
+    tiers: Option<&Arc<TieredExperts>>,
+    args: &BenchArgs,
+    bw: &Bandwidths,
+    record: usize,
+) -> anyhow::Result<Value> {
+    let len = args.flash.flash_prefill;
+    let p = prompt(len, 99, model.cfg.vocab_size);
+    let before = snapshot(tiers, 0);
+    let started = Instant::now();
+    let (logits, _cache) = model.prefill(&p)?;
+    let secs = started.elapsed().as_secs_f64();
+    anyhow::ensure!(
+        logits.iter().all(|v| v.is_finite()),
+        "prefill logits are not finite"
+    );
+    let after = snapshot(tiers, 0);
+    let mut r = figures(
+        model,
+        before,
+        after,
+        tiers.is_none(),
+        1,
+        len,
+        secs,
+        bw,
+        record,
+    );
+    r["phase"] = json!("prefill");
+    Ok(r)
+}
