@@ -153,9 +153,27 @@ pub struct ModelArgs {
     /// Expert residency: fast/exact (all experts in RAM) or nvme/nvme-exact (tiered).
     #[arg(long, env = "GLMFLASH_MODE", value_enum)]
     pub mode: Option<Mode>,
-    /// Device-tier expert slots per MoE layer (tiered modes; a CPU-memory tier without a GPU).
-    #[arg(long, env = "GLMFLASH_VRAM_SLOTS", default_value_t = 4)]
-    pub vram_slots: usize,
+    /// Device-tier expert slots per MoE layer (tiered modes). Default: on a GPU, sized from
+    /// the free VRAM left after the dense weights and --vram-reserve-mib; without a GPU
+    /// (the device tier is then CPU memory) 4.
+    #[arg(
+        long,
+        env = "GLMFLASH_VRAM_SLOTS",
+        conflicts_with = "vram_expert_slots"
+    )]
+    pub vram_slots: Option<usize>,
+    /// Device-tier expert slots in all, spread evenly over the MoE layers (the seed's "about
+    /// 1,300 experts in VRAM"); instead of --vram-slots.
+    #[arg(long, env = "GLMFLASH_VRAM_EXPERT_SLOTS")]
+    pub vram_expert_slots: Option<usize>,
+    /// VRAM left free when the tier is sized from free VRAM: activations, cuBLAS workspace,
+    /// staging of non-resident experts (MiB).
+    #[arg(long, env = "GLMFLASH_VRAM_RESERVE_MIB", default_value_t = 1024)]
+    pub vram_reserve_mib: u64,
+    /// Refuse to start on a GPU with less free VRAM than this (MiB; the seed refuses under
+    /// 23,000 for the real model). 0: no floor.
+    #[arg(long, env = "GLMFLASH_MIN_FREE_VRAM_MIB", default_value_t = 0)]
+    pub min_free_vram_mib: u64,
     /// RAM-tier expert slots per MoE layer (tiered modes); default: sized from the memory
     /// limit (see --ram-budget-mib).
     #[arg(long, env = "GLMFLASH_RAM_SLOTS")]
@@ -184,6 +202,9 @@ impl ModelArgs {
     pub fn load(&self) -> anyhow::Result<(Model, Option<Arc<TieredExperts>>)> {
         crate::tiers::args::log_cpu_lane();
         let device = self.device.open()?;
+        if let Device::Cuda(cuda) = &device {
+            check_vram_floor(cuda, self.min_free_vram_mib)?;
+        }
         let cfg = crate::model::config::Config::from_file(&self.model.join("config.json"))?;
         let moe = cfg.moe_layers();
         let Some(mode) = self.mode else {
@@ -211,8 +232,24 @@ impl ModelArgs {
         // The non-expert weights load after sizing: count them as held already.
         let dense = checkpoint_bytes(&self.model)
             .saturating_sub(moe_layers as u64 * cfg.n_routed_experts as u64 * record);
+        let device_slots = match (self.vram_slots, self.vram_expert_slots, &device) {
+            (Some(n), _, _) => n,
+            (None, Some(total), _) => total / moe_layers.max(1),
+            (None, None, Device::Cpu) => 4,
+            (None, None, Device::Cuda(cuda)) => {
+                let (free, _) = cuda.mem_info()?;
+                vram_slots_from_free(
+                    free as u64,
+                    dense,
+                    self.vram_reserve_mib << 20,
+                    record,
+                    moe_layers,
+                    cfg.n_routed_experts,
+                )
+            }
+        };
         let caps = TierCaps {
-            device_slots_per_layer: self.vram_slots,
+            device_slots_per_layer: device_slots.min(cfg.n_routed_experts),
             ram_slots_per_layer: self.tier.prepare(
                 mode,
                 self.ram_slots,
@@ -259,6 +296,46 @@ impl ModelArgs {
     }
 }
 
+/// Refuses a GPU with less free VRAM than `floor_mib`, printing the numbers.
+fn check_vram_floor(cuda: &crate::backend::cuda::Cuda, floor_mib: u64) -> anyhow::Result<()> {
+    let (free, total) = cuda.mem_info()?;
+    let free_mib = free as u64 >> 20;
+    if free_mib < floor_mib {
+        anyhow::bail!(
+            "{}: {free_mib} MiB of VRAM free (of {} MiB), below the floor of {floor_mib} MiB              (--min-free-vram-mib); free the GPU of other processes or lower the floor",
+            cuda.describe(),
+            total >> 20
+        );
+    }
+    Ok(())
+}
+
+/// Device-tier slots per MoE layer that fit in `free` bytes of VRAM after the dense weights
+/// (`dense`, as the checkpoint stores them), `reserve` and the staging slots.
+fn vram_slots_from_free(
+    free: u64,
+    dense: u64,
+    reserve: u64,
+    record: u64,
+    moe_layers: usize,
+    experts: usize,
+) -> usize {
+    let staging = 16 * record;
+    let left = free.saturating_sub(dense + reserve + staging);
+    let slots = (left / (record * moe_layers.max(1) as u64).max(1)) as usize;
+    let slots = slots.min(experts);
+    tracing::info!(
+        free_mib = free >> 20,
+        dense_mib = dense >> 20,
+        reserve_mib = reserve >> 20,
+        record_kib = record >> 10,
+        moe_layers,
+        slots_per_layer = slots,
+        "VRAM tier sized from free VRAM"
+    );
+    slots
+}
+
 /// Bytes of the checkpoint's safetensors files.
 fn checkpoint_bytes(dir: &std::path::Path) -> u64 {
     std::fs::read_dir(dir)
@@ -288,4 +365,26 @@ pub struct GenerationArgs {
     pub top_p: f32,
     #[arg(long, env = "GLMFLASH_SEED", default_value_t = 0)]
     pub seed: u64,
+}
+
+#[cfg(test)]
+mod tests {
+    use super::vram_slots_from_free;
+
+    #[test]
+    fn vram_slots_fill_what_the_dense_weights_reserve_and_staging_leave() {
+        let mib = 1u64 << 20;
+        // 24,000 MiB free, 9,000 dense, 1,024 reserve, 16 staging records of 14 MiB:
+        // 13,752 MiB left for 42 layers of 14 MiB records -> 23 per layer.
+        assert_eq!(
+            vram_slots_from_free(24_000 * mib, 9_000 * mib, 1024 * mib, 14 * mib, 42, 288),
+            23
+        );
+        // Never more than the layer's experts, never negative.
+        assert_eq!(vram_slots_from_free(1 << 40, 0, 0, 14 * mib, 1, 288), 288);
+        assert_eq!(
+            vram_slots_from_free(mib, 9_000 * mib, 0, 14 * mib, 42, 288),
+            0
+        );
+    }
 }

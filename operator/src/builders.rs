@@ -527,8 +527,12 @@ pub fn server_args(spec: &GlmFlashDeploymentSpec) -> Vec<String> {
         spec.server.prefill_chunk.to_string(),
     ];
     if let Some(slots) = spec.vram.expert_slots {
-        args.extend(["--vram-slots".into(), slots.to_string()]);
+        args.extend(["--vram-expert-slots".into(), slots.to_string()]);
     }
+    args.extend([
+        "--min-free-vram-mib".into(),
+        spec.vram.min_free_mib.to_string(),
+    ]);
     if let Some(port) = spec.metrics.port {
         args.extend(["--metrics-port".into(), port.to_string()]);
     }
@@ -873,7 +877,7 @@ mod tests {
             "serve --model /models --store /store --mode nvme \
              --host 0.0.0.0 --port 30000 --served-model-name glm-5.3-flash \
              --context-length 131072 --max-batch-size 8 --chunk-size 8192 \
-             --vram-slots 1376"
+             --vram-expert-slots 1376 --min-free-vram-mib 23000"
         );
         let limits = c.resources.as_ref().unwrap().limits.as_ref().unwrap();
         assert_eq!(limits["memory"], Quantity("55Gi".into()));
@@ -996,7 +1000,7 @@ mod tests {
         let args = c.args.as_ref().unwrap().join(" ");
         assert!(args.contains("--mode nvme-exact"), "{args}");
         assert!(args.ends_with("--metrics-port 9400"), "{args}");
-        assert!(!args.contains("--vram-slots"), "{args}");
+        assert!(!args.contains("--vram-expert-slots"), "{args}");
         assert_eq!(c.ports.as_ref().unwrap()[1].container_port, 9400);
         assert_eq!(
             pod_spec(&d).volumes.as_ref().unwrap()[0]

@@ -187,9 +187,13 @@ fn server_container_parses_with_the_node_cli_in_every_mode() {
             mode,
             "{what}"
         );
-        if let Some(slots) = slots {
-            assert_eq!(model.vram_slots, slots as usize, "{what}");
-        }
+        assert_eq!(model.vram_expert_slots, slots.map(|s| s as usize), "{what}");
+        assert_eq!(model.vram_slots, None, "{what}");
+        assert_eq!(
+            model.min_free_vram_mib,
+            u64::from(g.spec.vram.min_free_mib),
+            "{what}"
+        );
         let s = &g.spec.server;
         assert_eq!(i32::from(serve.port), s.port, "{what}");
         assert_eq!(serve.served_model_name, s.served_model_name, "{what}");
