@@ -32,7 +32,7 @@ __device__ void mhc_weights(const float* __restrict__ l, const float* __restrict
         for (int j = 0; j < n; j++) row[j] = row[j] / sum + eps;
     }
     // Sinkhorn: columns once, then (iters - 1) times rows then columns; each sum adds eps.
-    for (int it = 0; it < iters; it++) {
+    for (int it = 0; it < (iters > 1 ? iters : 1); it++) {
         if (it > 0) {
             for (int i = 0; i < n; i++) {
                 float sum = 0.0f;

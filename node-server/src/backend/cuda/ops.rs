@@ -16,6 +16,8 @@ const KDA_MAX_CONV: usize = 8;
 const KDA_CONV_SEG: usize = 64;
 /// `KDA_COLS` in kda.cu: state columns (and threads) per `kda_recurrent` block.
 const KDA_COLS: usize = 32;
+/// Largest grid y dimension.
+const MAX_GRID_Y: usize = 65535;
 /// Static shared-memory limit every device grants without an opt-in.
 const SHARED_BYTES: usize = 48 * 1024;
 
@@ -38,10 +40,16 @@ impl MhcSpec {
         (2 + self.streams) * self.streams
     }
 
-    fn check(&self) -> Result<(), CudaError> {
-        if self.streams == 0 || self.streams > MHC_MAX_STREAMS || self.hidden == 0 {
+    /// The kernels take up to `MHC_MAX_N` streams and one grid row per token.
+    fn check(&self, tokens: usize) -> Result<(), CudaError> {
+        if self.streams == 0
+            || self.streams > MHC_MAX_STREAMS
+            || self.hidden == 0
+            || tokens > MAX_GRID_Y
+        {
             return Err(CudaError::Invalid(format!(
-                "mhc: {} streams of {} (the kernels take 1..={MHC_MAX_STREAMS})",
+                "mhc: {tokens} tokens of {} streams of {} (the kernels take 1..={MHC_MAX_STREAMS} \
+                 streams and at most {MAX_GRID_Y} tokens)",
                 self.streams, self.hidden
             )));
         }
@@ -148,7 +156,7 @@ impl Cuda {
         tokens: usize,
         out: &mut MhcCollapse<CudaSlice<f32>>,
     ) -> Result<(), CudaError> {
-        spec.check()?;
+        spec.check(tokens)?;
         let (n, d) = (spec.streams, spec.hidden);
         too_short("mhc_collapse logits", logits.len(), tokens * spec.logits())?;
         too_short("mhc_collapse base", base.len(), spec.logits())?;
@@ -220,7 +228,7 @@ impl Cuda {
         tokens: usize,
         out: &mut CudaSlice<f32>,
     ) -> Result<(), CudaError> {
-        spec.check()?;
+        spec.check(tokens)?;
         let (n, d) = (spec.streams, spec.hidden);
         too_short("mhc_expand post", post.len(), tokens * n)?;
         too_short("mhc_expand comb", comb.len(), tokens * n * n)?;
@@ -256,7 +264,12 @@ impl Cuda {
         conv_state: &mut [f32],
     ) -> Result<Vec<f32>, CudaError> {
         let w = 3 * spec.channels();
-        let mut d_state = self.upload(conv_state)?;
+        // A kernel of 1 keeps no inputs; uploading nothing is not allowed.
+        let mut d_state = if conv_state.is_empty() {
+            self.alloc_f32(0)?
+        } else {
+            self.upload(conv_state)?
+        };
         let mut out = self.alloc_f32(len * w)?;
         self.kda_conv_dev(
             spec,
