@@ -23,6 +23,16 @@ pub const SOURCES: &[(&str, &str, &[&str])] = &[
     ),
     ("act.cu", include_str!("../cuda/act.cu"), &["swiglu"]),
     ("router.cu", include_str!("../cuda/router.cu"), &["route"]),
+    (
+        "mhc.cu",
+        include_str!("../cuda/mhc.cu"),
+        &["mhc_collapse", "mhc_expand"],
+    ),
+    (
+        "kda.cu",
+        include_str!("../cuda/kda.cu"),
+        &["kda_conv", "kda_conv_state", "kda_recurrent"],
+    ),
 ];
 
 const INCLUDE: &str = "#include \"common.cuh\"";

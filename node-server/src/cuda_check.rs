@@ -6,7 +6,12 @@
 use crate::backend::cpu::Placer;
 use crate::backend::cpu::{Matrix, ops};
 use crate::backend::cuda::matrix::CudaPlacer;
-use crate::backend::cuda::{Cuda, MoeLayout, MoeStep, RouteSpec, SlotArena};
+use crate::backend::cuda::{
+    Cuda, KdaSpec, MhcCollapse, MhcSpec, MoeLayout, MoeStep, RouteSpec, SlotArena,
+};
+use crate::model::config::Config;
+use crate::model::kda::{self, KdaMode};
+use crate::model::mhc::HyperConnection;
 use crate::model::mlp::{SwiGlu, swiglu};
 use crate::model::moe::{Router, Routing, combine_experts};
 use crate::quant::Format;
@@ -94,6 +99,8 @@ pub fn run(args: &CudaCheckArgs) -> anyhow::Result<bool> {
     check_moe(&cuda, &mut rng, args.wide, &mut cases)?;
     check_small_ops(&cuda, &mut rng, &mut cases)?;
     check_router(&cuda, &mut rng, &mut cases)?;
+    check_mhc(&cuda, &mut rng, &mut cases)?;
+    check_kda(&cuda, &mut rng, &mut cases)?;
     println!("{:<52} {:>12} {:>10}  result", "case", "rel err", "bound");
     let mut failed = 0;
     for c in &cases {
@@ -423,4 +430,193 @@ fn check_router(cuda: &Cuda, rng: &mut ChaCha8Rng, cases: &mut Vec<Case>) -> any
         ));
     }
     Ok(())
+}
+
+/// A default config with the mHC shape set (the other fields do not matter to mHC).
+fn mhc_config(streams: usize, hidden: usize) -> anyhow::Result<Config> {
+    let mut cfg = Config::from_json(&serde_json::json!({}))?;
+    cfg.hc_mult = streams;
+    cfg.hidden_size = hidden;
+    Ok(cfg)
+}
+
+/// mHC collapse (RMSNorm, projection, weights, collapse: all on the GPU) and expand against
+/// `HyperConnection`, then three layers chained on each side (identity sublayers).
+fn check_mhc(cuda: &Cuda, rng: &mut ChaCha8Rng, cases: &mut Vec<Case>) -> anyhow::Result<()> {
+    for (n, d) in [(4usize, 4096usize), (4, 100), (3, 257)] {
+        let cfg = mhc_config(n, d)?;
+        let width = (2 + n) * n;
+        let proj = random_matrix(rng, width, n * d, Format::F32)?;
+        let w = cuda.upload(&proj.to_bytes())?;
+        let base = randn(rng, width, 1.0);
+        let scale = [0.5 + rng.random::<f32>(), 0.5 + rng.random::<f32>(), 2.0];
+        let hc = HyperConnection::new(&cfg, proj, base.clone(), scale);
+        let db = cuda.upload(&base)?;
+        let spec = MhcSpec {
+            streams: n,
+            hidden: d,
+            scale,
+            hc_eps: cfg.hc_eps,
+            sinkhorn_iters: cfg.hc_sinkhorn_iters,
+        };
+        let gpu_collapse = |streams: &[f32], tokens: usize| -> anyhow::Result<MhcCollapse> {
+            let ds = cuda.upload(streams)?;
+            let mut normed = cuda.upload(streams)?;
+            cuda.rms_norm(&mut normed, None, n * d, cfg.rms_norm_eps)?;
+            let mut logits = cuda.alloc_f32(tokens * width)?;
+            cuda.matvec(&w, Format::F32, width, n * d, &normed, tokens, &mut logits)?;
+            let mut out = MhcCollapse {
+                collapsed: cuda.alloc_f32(tokens * d)?,
+                post: cuda.alloc_f32(tokens * n)?,
+                comb: cuda.alloc_f32(tokens * n * n)?,
+            };
+            cuda.mhc_collapse_dev(spec, &logits, &db, &ds, tokens, &mut out)?;
+            Ok(MhcCollapse {
+                collapsed: cuda.download(&out.collapsed)?,
+                post: cuda.download(&out.post)?,
+                comb: cuda.download(&out.comb)?,
+            })
+        };
+        for tokens in [1usize, 5] {
+            let name = format!("mhc n{n} d{d} T={tokens}");
+            let streams = randn(rng, tokens * n * d, 2.0);
+            let (want_x, want_mix) = hc.collapse(&streams, tokens);
+            let got = gpu_collapse(&streams, tokens)?;
+            cases.push(case(
+                format!("{name} collapse"),
+                &got.collapsed,
+                &want_x,
+                F32_BOUND,
+            ));
+            cases.push(case(
+                format!("{name} post"),
+                &got.post,
+                &want_mix.post,
+                F32_BOUND,
+            ));
+            cases.push(case(
+                format!("{name} comb"),
+                &got.comb,
+                &want_mix.comb,
+                F32_BOUND,
+            ));
+            let y = randn(rng, tokens * d, 2.0);
+            let want = hc.expand(&want_mix, &streams, &y, tokens);
+            let got =
+                cuda.mhc_expand(spec, &want_mix.post, &want_mix.comb, &streams, &y, tokens)?;
+            cases.push(case(format!("{name} expand"), &got, &want, F32_BOUND));
+
+            let (mut cpu, mut gpu) = (streams.clone(), streams);
+            for _ in 0..3 {
+                let (x, mix) = hc.collapse(&cpu, tokens);
+                cpu = hc.expand(&mix, &cpu, &x, tokens);
+                let c = gpu_collapse(&gpu, tokens)?;
+                gpu = cuda.mhc_expand(spec, &c.post, &c.comb, &gpu, &c.collapsed, tokens)?;
+            }
+            cases.push(case(
+                format!("{name} 3 layers chained"),
+                &gpu,
+                &cpu,
+                F32_BOUND,
+            ));
+        }
+    }
+    Ok(())
+}
+
+/// KDA's conv over spans continuing one conv state, then the delta rule over decode steps
+/// and prefill spans continuing one recurrent state kept on the device; outputs and both
+/// states after every span against the CPU (`kda::conv_step`, `kda::attend`).
+fn check_kda(cuda: &Cuda, rng: &mut ChaCha8Rng, cases: &mut Vec<Case>) -> anyhow::Result<()> {
+    for (heads, dh, kernel) in [(32usize, 128usize, 4usize), (3, 40, 4), (2, 16, 3)] {
+        let spec = KdaSpec {
+            heads,
+            head_dim: dh,
+            kernel,
+            l2_eps: kda::L2_EPS,
+        };
+        let (c, w) = (heads * dh, 3 * heads * dh);
+        let shape = format!("H{heads} d{dh}");
+        let taps = randn(rng, w * kernel, 0.6);
+        let mut cpu_conv = randn(rng, (kernel - 1) * w, 2.0);
+        let mut gpu_conv = cpu_conv.clone();
+        // Spans shorter than K - 1 shift the state partly; 70 spans two conv segments.
+        for (step, len) in [1usize, 2, 70, 1].into_iter().enumerate() {
+            let qkv = randn(rng, len * w, 2.0);
+            let want = kda::conv_step(&taps, kernel, &qkv, len, &mut cpu_conv);
+            let got = cuda.kda_conv(spec, &taps, &qkv, len, &mut gpu_conv)?;
+            let name = format!("kda_conv {shape} K{kernel} span {step} T={len}");
+            cases.push(case(name.clone(), &got, &want, F32_BOUND));
+            cases.push(case(
+                format!("{name} state"),
+                &gpu_conv,
+                &cpu_conv,
+                F32_BOUND,
+            ));
+        }
+
+        let inputs = |rng: &mut ChaCha8Rng, len: usize| {
+            let mixed = randn(rng, len * w, 1.0);
+            let g: Vec<f32> = (0..len * c).map(|_| -rng.random::<f32>() * 0.5).collect();
+            let beta: Vec<f32> = (0..len * heads).map(|_| rng.random::<f32>()).collect();
+            (mixed, g, beta)
+        };
+        let s0 = randn(rng, heads * dh * dh, 0.5);
+        let mut cpu_s = s0.clone();
+        let mut d_state = cuda.upload(&s0)?;
+        for (step, len) in [1usize, 1, 1, 7, 1, 130].into_iter().enumerate() {
+            let (mixed, g, beta) = inputs(rng, len);
+            let want = kda::attend(
+                &mixed,
+                &g,
+                &beta,
+                len,
+                heads,
+                dh,
+                &mut cpu_s,
+                KdaMode::Recurrent,
+            );
+            let mut out = cuda.alloc_f32(len * c)?;
+            cuda.kda_recurrent_dev(
+                spec,
+                &cuda.upload(&mixed)?,
+                &cuda.upload(&g)?,
+                &cuda.upload(&beta)?,
+                len,
+                &mut d_state,
+                &mut out,
+            )?;
+            let name = format!("kda_recurrent {shape} step {step} T={len}");
+            cases.push(case(name.clone(), &cuda.download(&out)?, &want, F32_BOUND));
+            cases.push(case(
+                format!("{name} state"),
+                &cuda.download(&d_state)?,
+                &cpu_s,
+                F32_BOUND,
+            ));
+        }
+
+        // Prefill as the CPU engine runs it (chunked for more than one token): another
+        // algorithm, yet on the CPU the two forms agree to ~4e-7 at these shapes.
+        let len = 150;
+        let (mixed, g, beta) = inputs(rng, len);
+        let (mut cpu_s, mut gpu_s) = (s0.clone(), s0);
+        let want = kda::attend(&mixed, &g, &beta, len, heads, dh, &mut cpu_s, KdaMode::Auto);
+        let got = cuda.kda_recurrent(spec, &mixed, &g, &beta, len, &mut gpu_s)?;
+        let name = format!("kda_recurrent {shape} T={len} vs chunked");
+        cases.push(case(name.clone(), &got, &want, F32_BOUND));
+        cases.push(case(format!("{name} state"), &gpu_s, &cpu_s, F32_BOUND));
+    }
+    Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn mhc_config_takes_the_shape() {
+        let cfg = mhc_config(3, 257).unwrap();
+        assert_eq!((cfg.hc_mult, cfg.hidden_size), (3, 257));
+    }
 }

@@ -12,7 +12,8 @@ use rayon::prelude::*;
 
 /// Chunk length of the chunked prefill form (as the reference's).
 pub const CHUNK: usize = 64;
-const L2_EPS: f32 = 1e-6;
+/// The eps of the q and k l2-norms (under the square root).
+pub(crate) const L2_EPS: f32 = 1e-6;
 
 pub struct Kda {
     q_proj: Matrix,
@@ -144,16 +145,20 @@ impl Kda {
 
         let mut core = vec![0f32; tokens * c];
         for (&(start, len), state) in spans.iter().zip(states.iter_mut()) {
-            let mixed = self.conv_step(
+            let mixed = conv_step(
+                &self.conv,
+                self.kernel,
                 &qkv[start * 3 * c..(start + len) * 3 * c],
                 len,
                 &mut state.conv,
             );
-            let out = self.attend(
+            let out = attend(
                 &mixed,
                 &gate_log[start * c..(start + len) * c],
                 &beta[start * self.heads..(start + len) * self.heads],
                 len,
+                self.heads,
+                self.head_dim,
                 &mut state.recurrent,
                 mode,
             );
@@ -194,83 +199,90 @@ impl Kda {
         }
         g
     }
+}
 
-    /// Depthwise causal conv (kernel K, no bias) + SiLU over `[T, 3C]`, continuing `conv_state`.
-    fn conv_step(&self, qkv: &[f32], len: usize, conv_state: &mut [f32]) -> Vec<f32> {
-        let width = qkv.len() / len.max(1);
-        let k = self.kernel;
-        let hist = k - 1;
-        // Inputs of the window: the K-1 remembered rows, then this span's rows.
-        let mut window = conv_state.to_vec();
-        window.extend_from_slice(qkv);
-        let mut out = vec![0f32; len * width];
+/// Depthwise causal conv (kernel `k`, no bias) + SiLU over `[T, 3C]`, continuing
+/// `conv_state`; `taps` is `[3C, k]`.
+pub(crate) fn conv_step(
+    taps: &[f32],
+    k: usize,
+    qkv: &[f32],
+    len: usize,
+    conv_state: &mut [f32],
+) -> Vec<f32> {
+    let width = qkv.len() / len.max(1);
+    let hist = k - 1;
+    // Inputs of the window: the K-1 remembered rows, then this span's rows.
+    let mut window = conv_state.to_vec();
+    window.extend_from_slice(qkv);
+    let mut out = vec![0f32; len * width];
+    for t in 0..len {
+        for ch in 0..width {
+            let taps = &taps[ch * k..(ch + 1) * k];
+            let mut acc = 0f32;
+            for (j, w) in taps.iter().enumerate() {
+                acc += w * window[(t + j) * width + ch];
+            }
+            out[t * width + ch] = ops::silu(acc);
+        }
+    }
+    conv_state.copy_from_slice(&window[len * width..(len + hist) * width]);
+    out
+}
+
+/// Normalises q and k of the conv output `mixed` (`[T, 3C]`), then runs the delta rule per
+/// head (in parallel across heads) on `state` (`[H, d, d]`); returns `[T, C]`.
+pub(crate) fn attend(
+    mixed: &[f32],
+    g: &[f32],
+    beta: &[f32],
+    len: usize,
+    h: usize,
+    dh: usize,
+    state: &mut [f32],
+    mode: KdaMode,
+) -> Vec<f32> {
+    let c = h * dh;
+    let scale = 1.0 / (dh as f32).sqrt();
+    let mut out = vec![0f32; len * c];
+    let per_head: Vec<Vec<f32>> = state
+        .par_chunks_mut(dh * dh)
+        .enumerate()
+        .map(|(head, s)| {
+            let gather = |offset: usize| -> Vec<f32> {
+                let mut v = Vec::with_capacity(len * dh);
+                for t in 0..len {
+                    v.extend_from_slice(
+                        &mixed
+                            [t * 3 * c + offset + head * dh..t * 3 * c + offset + (head + 1) * dh],
+                    );
+                }
+                v
+            };
+            let mut q = gather(0);
+            let mut k = gather(c);
+            let v = gather(2 * c);
+            ops::l2_norm(&mut q, dh, L2_EPS);
+            ops::l2_norm(&mut k, dh, L2_EPS);
+            q.iter_mut().for_each(|x| *x *= scale);
+            let gh: Vec<f32> = (0..len)
+                .flat_map(|t| g[t * c + head * dh..t * c + (head + 1) * dh].to_vec())
+                .collect();
+            let bh: Vec<f32> = (0..len).map(|t| beta[t * h + head]).collect();
+            if len == 1 || mode == KdaMode::Recurrent {
+                recurrent(&q, &k, &v, &gh, &bh, dh, s)
+            } else {
+                chunked(&q, &k, &v, &gh, &bh, dh, s)
+            }
+        })
+        .collect();
+    for (head, o) in per_head.iter().enumerate() {
         for t in 0..len {
-            for ch in 0..width {
-                let taps = &self.conv[ch * k..(ch + 1) * k];
-                let mut acc = 0f32;
-                for (j, w) in taps.iter().enumerate() {
-                    acc += w * window[(t + j) * width + ch];
-                }
-                out[t * width + ch] = ops::silu(acc);
-            }
+            out[t * c + head * dh..t * c + (head + 1) * dh]
+                .copy_from_slice(&o[t * dh..(t + 1) * dh]);
         }
-        conv_state.copy_from_slice(&window[len * width..(len + hist) * width]);
-        out
     }
-
-    /// Normalises q and k, then runs the delta rule per head (in parallel across heads).
-    fn attend(
-        &self,
-        mixed: &[f32],
-        g: &[f32],
-        beta: &[f32],
-        len: usize,
-        state: &mut [f32],
-        mode: KdaMode,
-    ) -> Vec<f32> {
-        let (h, dh) = (self.heads, self.head_dim);
-        let c = h * dh;
-        let scale = 1.0 / (dh as f32).sqrt();
-        let mut out = vec![0f32; len * c];
-        let per_head: Vec<Vec<f32>> = state
-            .par_chunks_mut(dh * dh)
-            .enumerate()
-            .map(|(head, s)| {
-                let gather = |offset: usize| -> Vec<f32> {
-                    let mut v = Vec::with_capacity(len * dh);
-                    for t in 0..len {
-                        v.extend_from_slice(
-                            &mixed[t * 3 * c + offset + head * dh
-                                ..t * 3 * c + offset + (head + 1) * dh],
-                        );
-                    }
-                    v
-                };
-                let mut q = gather(0);
-                let mut k = gather(c);
-                let v = gather(2 * c);
-                ops::l2_norm(&mut q, dh, L2_EPS);
-                ops::l2_norm(&mut k, dh, L2_EPS);
-                q.iter_mut().for_each(|x| *x *= scale);
-                let gh: Vec<f32> = (0..len)
-                    .flat_map(|t| g[t * c + head * dh..t * c + (head + 1) * dh].to_vec())
-                    .collect();
-                let bh: Vec<f32> = (0..len).map(|t| beta[t * h + head]).collect();
-                if len == 1 || mode == KdaMode::Recurrent {
-                    recurrent(&q, &k, &v, &gh, &bh, dh, s)
-                } else {
-                    chunked(&q, &k, &v, &gh, &bh, dh, s)
-                }
-            })
-            .collect();
-        for (head, o) in per_head.iter().enumerate() {
-            for t in 0..len {
-                out[t * c + head * dh..t * c + (head + 1) * dh]
-                    .copy_from_slice(&o[t * dh..(t + 1) * dh]);
-            }
-        }
-        out
-    }
+    out
 }
 
 /// The delta rule token by token. `s` is `[Dk, Dv]` with `Dk = Dv = d`.

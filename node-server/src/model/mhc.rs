@@ -37,16 +37,31 @@ impl HyperConnection {
             Ok(vb.pick(&[&original, &fused])?.to_string())
         };
         let scale = vb.vector(&name("scale")?, 3)?;
-        Ok(HyperConnection {
-            proj: vb.matrix(&name("fn")?, width, n * cfg.hidden_size)?,
-            base: vb.vector(&name("base")?, width)?,
-            scale: [scale[0], scale[1], scale[2]],
-            streams: n,
+        Ok(HyperConnection::new(
+            cfg,
+            vb.matrix(&name("fn")?, width, n * cfg.hidden_size)?,
+            vb.vector(&name("base")?, width)?,
+            [scale[0], scale[1], scale[2]],
+        ))
+    }
+
+    /// From weights already in hand: `proj` `[(2 + N) N, N D]`, `base` `[(2 + N) N]`.
+    pub(crate) fn new(
+        cfg: &Config,
+        proj: Matrix,
+        base: Vec<f32>,
+        scale: [f32; 3],
+    ) -> HyperConnection {
+        HyperConnection {
+            proj,
+            base,
+            scale,
+            streams: cfg.hc_mult,
             hidden: cfg.hidden_size,
             hc_eps: cfg.hc_eps,
             norm_eps: cfg.rms_norm_eps,
             sinkhorn_iters: cfg.hc_sinkhorn_iters,
-        })
+        }
     }
 
     /// Collapses `streams` (`[T, N, D]`) into the sublayer input `[T, D]` and returns the

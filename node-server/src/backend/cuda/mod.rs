@@ -10,10 +10,12 @@
 use crate::quant::Format;
 
 pub mod matrix;
+mod ops;
 use cudarc::driver::{
     CudaContext, CudaFunction, CudaSlice, CudaStream, DriverError, LaunchConfig, PushKernelArg,
 };
 use cudarc::nvrtc::{CompileOptions, Ptx};
+pub use ops::{KdaSpec, MhcCollapse, MhcSpec};
 use std::collections::HashMap;
 use std::path::{Path, PathBuf};
 use std::sync::Arc;

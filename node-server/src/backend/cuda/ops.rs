@@ -1,0 +1,418 @@
+//! Host entry points of the mHC and KDA kernels (kernels/cuda/mhc.cu, kda.cu).
+//!
+//! Each op comes twice: `*_dev` launches on device buffers and leaves the results there (what
+//! a device-resident forward chains), and the plain name uploads host slices, calls it and
+//! downloads the results (what cuda-check and the host-side callers use).
+
+use super::{Cuda, CudaError};
+use cudarc::driver::{CudaSlice, LaunchConfig, PushKernelArg};
+
+/// Threads per block of the column-per-thread mHC and conv kernels.
+const COL_BLOCK: u32 = 256;
+/// `MHC_MAX_N` in mhc.cu.
+const MHC_MAX_STREAMS: usize = 8;
+/// `KDA_MAX_CONV` and `KDA_CONV_SEG` in kda.cu.
+const KDA_MAX_CONV: usize = 8;
+const KDA_CONV_SEG: usize = 64;
+/// `KDA_COLS` in kda.cu: state columns (and threads) per `kda_recurrent` block.
+const KDA_COLS: usize = 32;
+/// Largest grid y dimension.
+const MAX_GRID_Y: usize = 65535;
+/// Static shared-memory limit every device grants without an opt-in.
+const SHARED_BYTES: usize = 48 * 1024;
+
+/// Settings of one hyper-connection for the mHC kernels.
+#[derive(Clone, Copy, Debug)]
+pub struct MhcSpec {
+    /// Streams `N` (at most 8).
+    pub streams: usize,
+    /// Width `D` of each stream.
+    pub hidden: usize,
+    /// Scales of the pre, post and comb logits.
+    pub scale: [f32; 3],
+    pub hc_eps: f32,
+    pub sinkhorn_iters: usize,
+}
+
+impl MhcSpec {
+    /// Logits per token: pre `N`, post `N`, comb `N x N`.
+    pub fn logits(&self) -> usize {
+        (2 + self.streams) * self.streams
+    }
+
+    /// The kernels take up to `MHC_MAX_N` streams and one grid row per token.
+    fn check(&self, tokens: usize) -> Result<(), CudaError> {
+        if self.streams == 0
+            || self.streams > MHC_MAX_STREAMS
+            || self.hidden == 0
+            || tokens > MAX_GRID_Y
+        {
+            return Err(CudaError::Invalid(format!(
+                "mhc: {tokens} tokens of {} streams of {} (the kernels take 1..={MHC_MAX_STREAMS} \
+                 streams and at most {MAX_GRID_Y} tokens)",
+                self.streams, self.hidden
+            )));
+        }
+        Ok(())
+    }
+}
+
+/// What [`Cuda::mhc_collapse`] produces, on the host (`Vec<f32>`) or the device.
+#[derive(Debug)]
+pub struct MhcCollapse<B = Vec<f32>> {
+    /// `[T, D]`: the sublayer input.
+    pub collapsed: B,
+    /// `[T, N]`
+    pub post: B,
+    /// `[T, N, N]`, `comb[t][i][m]`: weight of input stream `i` in output stream `m`.
+    pub comb: B,
+}
+
+/// Shape of one KDA layer for the KDA kernels.
+#[derive(Clone, Copy, Debug)]
+pub struct KdaSpec {
+    pub heads: usize,
+    /// `d`: key and value width of a head.
+    pub head_dim: usize,
+    /// Conv kernel `K` (at most 8).
+    pub kernel: usize,
+    /// Eps under the square root of the q and k l2-norms.
+    pub l2_eps: f32,
+}
+
+impl KdaSpec {
+    /// Channels `C` of each of q, k and v.
+    pub fn channels(&self) -> usize {
+        self.heads * self.head_dim
+    }
+
+    fn shared_bytes(&self) -> usize {
+        (KDA_COLS + 3) * self.head_dim * 4
+    }
+}
+
+fn too_short(what: &str, got: usize, want: usize) -> Result<(), CudaError> {
+    if got < want {
+        return Err(CudaError::Invalid(format!(
+            "{what}: {got} values, needs {want}"
+        )));
+    }
+    Ok(())
+}
+
+fn columns_config(width: usize, rows: usize) -> LaunchConfig {
+    LaunchConfig {
+        grid_dim: ((width as u32).div_ceil(COL_BLOCK), rows as u32, 1),
+        block_dim: (COL_BLOCK, 1, 1),
+        shared_mem_bytes: 0,
+    }
+}
+
+impl Cuda {
+    /// The part of mHC's collapse after the projection: from `logits` (`[T, (2 + N) N]`, the
+    /// projection of the RMS-normed streams) and `base`, the pre/post/comb weights (comb
+    /// Sinkhorn-balanced), and the pre-weighted sum of `streams` (`[T, N, D]`).
+    pub fn mhc_collapse(
+        &self,
+        spec: MhcSpec,
+        logits: &[f32],
+        base: &[f32],
+        streams: &[f32],
+        tokens: usize,
+    ) -> Result<MhcCollapse, CudaError> {
+        let (n, d) = (spec.streams, spec.hidden);
+        let mut out = MhcCollapse {
+            collapsed: self.alloc_f32(tokens * d)?,
+            post: self.alloc_f32(tokens * n)?,
+            comb: self.alloc_f32(tokens * n * n)?,
+        };
+        self.mhc_collapse_dev(
+            spec,
+            &self.upload(logits)?,
+            &self.upload(base)?,
+            &self.upload(streams)?,
+            tokens,
+            &mut out,
+        )?;
+        let down = |b: &CudaSlice<f32>, len: usize| -> Result<Vec<f32>, CudaError> {
+            let mut v = self.download(b)?;
+            v.truncate(len);
+            Ok(v)
+        };
+        Ok(MhcCollapse {
+            collapsed: down(&out.collapsed, tokens * d)?,
+            post: down(&out.post, tokens * n)?,
+            comb: down(&out.comb, tokens * n * n)?,
+        })
+    }
+
+    /// [`Cuda::mhc_collapse`] on device buffers.
+    pub fn mhc_collapse_dev(
+        &self,
+        spec: MhcSpec,
+        logits: &CudaSlice<f32>,
+        base: &CudaSlice<f32>,
+        streams: &CudaSlice<f32>,
+        tokens: usize,
+        out: &mut MhcCollapse<CudaSlice<f32>>,
+    ) -> Result<(), CudaError> {
+        spec.check(tokens)?;
+        let (n, d) = (spec.streams, spec.hidden);
+        too_short("mhc_collapse logits", logits.len(), tokens * spec.logits())?;
+        too_short("mhc_collapse base", base.len(), spec.logits())?;
+        too_short("mhc_collapse streams", streams.len(), tokens * n * d)?;
+        too_short("mhc_collapse collapsed", out.collapsed.len(), tokens * d)?;
+        too_short("mhc_collapse post", out.post.len(), tokens * n)?;
+        too_short("mhc_collapse comb", out.comb.len(), tokens * n * n)?;
+        if tokens == 0 {
+            return Ok(());
+        }
+        let [s0, s1, s2] = spec.scale;
+        let (n_i, d_i, iters) = (n as i32, d as i32, spec.sinkhorn_iters as i32);
+        let mut b = self.stream.launch_builder(self.kernel("mhc_collapse"));
+        b.arg(logits)
+            .arg(base)
+            .arg(&s0)
+            .arg(&s1)
+            .arg(&s2)
+            .arg(&n_i)
+            .arg(&d_i)
+            .arg(&spec.hc_eps)
+            .arg(&iters)
+            .arg(streams)
+            .arg(&mut out.collapsed)
+            .arg(&mut out.post)
+            .arg(&mut out.comb);
+        // SAFETY: arguments match `mhc_collapse` in mhc.cu; n <= MHC_MAX_N and every buffer
+        // holds its `tokens` rows (checked above); the grid covers d columns of each token.
+        unsafe { b.launch(columns_config(d, tokens)) }?;
+        Ok(())
+    }
+
+    /// mHC's expand: new stream `m` of token `t` is
+    /// `post[t][m] * y[t] + sum_i comb[t][i][m] * streams[t][i]` (`streams` `[T, N, D]`,
+    /// `y` `[T, D]`); returns `[T, N, D]`.
+    pub fn mhc_expand(
+        &self,
+        spec: MhcSpec,
+        post: &[f32],
+        comb: &[f32],
+        streams: &[f32],
+        y: &[f32],
+        tokens: usize,
+    ) -> Result<Vec<f32>, CudaError> {
+        let len = tokens * spec.streams * spec.hidden;
+        let mut out = self.alloc_f32(len)?;
+        self.mhc_expand_dev(
+            spec,
+            &self.upload(post)?,
+            &self.upload(comb)?,
+            &self.upload(streams)?,
+            &self.upload(y)?,
+            tokens,
+            &mut out,
+        )?;
+        let mut v = self.download(&out)?;
+        v.truncate(len);
+        Ok(v)
+    }
+
+    /// [`Cuda::mhc_expand`] on device buffers (`out` must not be `streams`).
+    pub fn mhc_expand_dev(
+        &self,
+        spec: MhcSpec,
+        post: &CudaSlice<f32>,
+        comb: &CudaSlice<f32>,
+        streams: &CudaSlice<f32>,
+        y: &CudaSlice<f32>,
+        tokens: usize,
+        out: &mut CudaSlice<f32>,
+    ) -> Result<(), CudaError> {
+        spec.check(tokens)?;
+        let (n, d) = (spec.streams, spec.hidden);
+        too_short("mhc_expand post", post.len(), tokens * n)?;
+        too_short("mhc_expand comb", comb.len(), tokens * n * n)?;
+        too_short("mhc_expand streams", streams.len(), tokens * n * d)?;
+        too_short("mhc_expand y", y.len(), tokens * d)?;
+        too_short("mhc_expand out", out.len(), tokens * n * d)?;
+        if tokens == 0 {
+            return Ok(());
+        }
+        let (n_i, d_i) = (n as i32, d as i32);
+        let mut b = self.stream.launch_builder(self.kernel("mhc_expand"));
+        b.arg(post)
+            .arg(comb)
+            .arg(streams)
+            .arg(y)
+            .arg(&n_i)
+            .arg(&d_i)
+            .arg(out);
+        // SAFETY: arguments match `mhc_expand` in mhc.cu; sizes checked above, n <= MHC_MAX_N.
+        unsafe { b.launch(columns_config(d, tokens)) }?;
+        Ok(())
+    }
+
+    /// KDA's depthwise causal conv + SiLU over `qkv` (`[len, 3C]`) continuing `conv_state`
+    /// (`[K - 1, 3C]`, oldest first; advanced past these `len` inputs); `taps` is `[3C, K]`.
+    /// Returns `[len, 3C]`.
+    pub fn kda_conv(
+        &self,
+        spec: KdaSpec,
+        taps: &[f32],
+        qkv: &[f32],
+        len: usize,
+        conv_state: &mut [f32],
+    ) -> Result<Vec<f32>, CudaError> {
+        let w = 3 * spec.channels();
+        // A kernel of 1 keeps no inputs; uploading nothing is not allowed.
+        let mut d_state = if conv_state.is_empty() {
+            self.alloc_f32(0)?
+        } else {
+            self.upload(conv_state)?
+        };
+        let mut out = self.alloc_f32(len * w)?;
+        self.kda_conv_dev(
+            spec,
+            &self.upload(taps)?,
+            &self.upload(qkv)?,
+            len,
+            &mut d_state,
+            &mut out,
+        )?;
+        let state = self.download(&d_state)?;
+        conv_state.copy_from_slice(&state[..conv_state.len()]);
+        let mut v = self.download(&out)?;
+        v.truncate(len * w);
+        Ok(v)
+    }
+
+    /// [`Cuda::kda_conv`] on device buffers: `out` gets `[len, 3C]`, `conv_state` advances.
+    pub fn kda_conv_dev(
+        &self,
+        spec: KdaSpec,
+        taps: &CudaSlice<f32>,
+        qkv: &CudaSlice<f32>,
+        len: usize,
+        conv_state: &mut CudaSlice<f32>,
+        out: &mut CudaSlice<f32>,
+    ) -> Result<(), CudaError> {
+        let (w, k) = (3 * spec.channels(), spec.kernel);
+        if k == 0 || k > KDA_MAX_CONV || w == 0 {
+            return Err(CudaError::Invalid(format!(
+                "kda_conv: kernel {k} over {w} channels (the kernel takes 1..={KDA_MAX_CONV})"
+            )));
+        }
+        too_short("kda_conv taps", taps.len(), w * k)?;
+        too_short("kda_conv qkv", qkv.len(), len * w)?;
+        too_short("kda_conv state", conv_state.len(), (k - 1) * w)?;
+        too_short("kda_conv out", out.len(), len * w)?;
+        if len == 0 {
+            return Ok(());
+        }
+        let (len_i, w_i, k_i) = (len as i32, w as i32, k as i32);
+        let mut b = self.stream.launch_builder(self.kernel("kda_conv"));
+        b.arg(qkv)
+            .arg(&*conv_state)
+            .arg(taps)
+            .arg(&len_i)
+            .arg(&w_i)
+            .arg(&k_i)
+            .arg(&mut *out);
+        // SAFETY: arguments match `kda_conv` in kda.cu; sizes checked above; the grid covers
+        // w channels times ceil(len / KDA_CONV_SEG) token segments.
+        unsafe { b.launch(columns_config(w, len.div_ceil(KDA_CONV_SEG))) }?;
+        let mut b = self.stream.launch_builder(self.kernel("kda_conv_state"));
+        b.arg(&mut *conv_state)
+            .arg(qkv)
+            .arg(&len_i)
+            .arg(&w_i)
+            .arg(&k_i);
+        // SAFETY: as above; stream order puts it after the conv that reads the old state.
+        unsafe { b.launch(columns_config(w, 1)) }?;
+        Ok(())
+    }
+
+    /// KDA's delta rule over `len` tokens, token after token, from the conv output `mixed`
+    /// (`[len, 3C]`: q | k | v), the log decay `g` (`[len, C]`) and `beta` (`[len, H]`):
+    /// q and k l2-normalised, q scaled by `1 / sqrt(d)`; `state` (`[H, d, d]`) is updated.
+    /// Returns `[len, C]`. One token is the decode step; for many tokens this is the
+    /// sequential form (a first cut for prefill, not the chunked one).
+    pub fn kda_recurrent(
+        &self,
+        spec: KdaSpec,
+        mixed: &[f32],
+        g: &[f32],
+        beta: &[f32],
+        len: usize,
+        state: &mut [f32],
+    ) -> Result<Vec<f32>, CudaError> {
+        let c = spec.channels();
+        let mut d_state = self.upload(state)?;
+        let mut out = self.alloc_f32(len * c)?;
+        self.kda_recurrent_dev(
+            spec,
+            &self.upload(mixed)?,
+            &self.upload(g)?,
+            &self.upload(beta)?,
+            len,
+            &mut d_state,
+            &mut out,
+        )?;
+        let s = self.download(&d_state)?;
+        state.copy_from_slice(&s[..state.len()]);
+        let mut v = self.download(&out)?;
+        v.truncate(len * c);
+        Ok(v)
+    }
+
+    /// [`Cuda::kda_recurrent`] on device buffers.
+    pub fn kda_recurrent_dev(
+        &self,
+        spec: KdaSpec,
+        mixed: &CudaSlice<f32>,
+        g: &CudaSlice<f32>,
+        beta: &CudaSlice<f32>,
+        len: usize,
+        state: &mut CudaSlice<f32>,
+        out: &mut CudaSlice<f32>,
+    ) -> Result<(), CudaError> {
+        let (h, d) = (spec.heads, spec.head_dim);
+        let c = h * d;
+        if h == 0 || d == 0 || spec.shared_bytes() > SHARED_BYTES {
+            return Err(CudaError::Invalid(format!(
+                "kda_recurrent: {h} heads of {d} (a head's {KDA_COLS} columns must fit in \
+                 {SHARED_BYTES} bytes of shared memory)"
+            )));
+        }
+        too_short("kda_recurrent mixed", mixed.len(), len * 3 * c)?;
+        too_short("kda_recurrent g", g.len(), len * c)?;
+        too_short("kda_recurrent beta", beta.len(), len * h)?;
+        too_short("kda_recurrent state", state.len(), h * d * d)?;
+        too_short("kda_recurrent out", out.len(), len * c)?;
+        if len == 0 {
+            return Ok(());
+        }
+        let (len_i, h_i, d_i) = (len as i32, h as i32, d as i32);
+        let scale = 1.0 / (d as f32).sqrt();
+        let mut b = self.stream.launch_builder(self.kernel("kda_recurrent"));
+        b.arg(mixed)
+            .arg(g)
+            .arg(beta)
+            .arg(&len_i)
+            .arg(&h_i)
+            .arg(&d_i)
+            .arg(&scale)
+            .arg(&spec.l2_eps)
+            .arg(state)
+            .arg(out);
+        let cfg = LaunchConfig {
+            grid_dim: (d.div_ceil(KDA_COLS) as u32, h as u32, 1),
+            block_dim: (KDA_COLS as u32, 1, 1),
+            shared_mem_bytes: spec.shared_bytes() as u32,
+        };
+        // SAFETY: arguments match `kda_recurrent` in kda.cu; sizes checked above; one warp
+        // per block (the kernel's reductions assume it) with the shared memory it indexes.
+        unsafe { b.launch(cfg) }?;
+        Ok(())
+    }
+}
