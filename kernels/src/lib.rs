@@ -23,6 +23,16 @@ pub const SOURCES: &[(&str, &str, &[&str])] = &[
     ),
     ("act.cu", include_str!("../cuda/act.cu"), &["swiglu"]),
     ("router.cu", include_str!("../cuda/router.cu"), &["route"]),
+    (
+        "mla.cu",
+        include_str!("../cuda/mla.cu"),
+        &["mla_sparse_attend"],
+    ),
+    (
+        "dsa.cu",
+        include_str!("../cuda/dsa.cu"),
+        &["dsa_pool_keys", "dsa_scores", "dsa_topk_tokens"],
+    ),
 ];
 
 const INCLUDE: &str = "#include \"common.cuh\"";

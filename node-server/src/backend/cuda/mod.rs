@@ -9,6 +9,7 @@
 
 use crate::quant::Format;
 
+pub mod attn;
 pub mod matrix;
 use cudarc::driver::{
     CudaContext, CudaFunction, CudaSlice, CudaStream, DriverError, LaunchConfig, PushKernelArg,
