@@ -33,6 +33,16 @@ pub const SOURCES: &[(&str, &str, &[&str])] = &[
         include_str!("../cuda/kda.cu"),
         &["kda_conv", "kda_conv_state", "kda_recurrent"],
     ),
+    (
+        "mla.cu",
+        include_str!("../cuda/mla.cu"),
+        &["mla_sparse_attend"],
+    ),
+    (
+        "dsa.cu",
+        include_str!("../cuda/dsa.cu"),
+        &["dsa_pool_keys", "dsa_scores", "dsa_topk_tokens"],
+    ),
 ];
 
 const INCLUDE: &str = "#include \"common.cuh\"";

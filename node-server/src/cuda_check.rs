@@ -3,15 +3,19 @@
 //! (NaN) before each launch so an unwritten element fails. Prints one row per case and
 //! exits non-zero on any failure. Needs a CUDA device.
 
+use crate::backend::AttnLayout;
 use crate::backend::cpu::Placer;
 use crate::backend::cpu::{Matrix, ops};
+use crate::backend::cuda::attn::DsaSpec;
 use crate::backend::cuda::matrix::CudaPlacer;
 use crate::backend::cuda::{
     Cuda, KdaSpec, MhcCollapse, MhcSpec, MoeLayout, MoeStep, RouteSpec, SlotArena,
 };
 use crate::model::config::Config;
+use crate::model::dsa::{pool_key, pool_scores, select_tokens};
 use crate::model::kda::{self, KdaMode};
 use crate::model::mhc::HyperConnection;
+use crate::model::mla::sparse_attention;
 use crate::model::mlp::{SwiGlu, swiglu};
 use crate::model::moe::{Router, Routing, combine_experts};
 use crate::quant::Format;
@@ -101,6 +105,8 @@ pub fn run(args: &CudaCheckArgs) -> anyhow::Result<bool> {
     check_router(&cuda, &mut rng, &mut cases)?;
     check_mhc(&cuda, &mut rng, &mut cases)?;
     check_kda(&cuda, &mut rng, &mut cases)?;
+    check_mla(&cuda, &mut rng, &mut cases)?;
+    check_dsa(&cuda, &mut rng, &mut cases)?;
     println!("{:<52} {:>12} {:>10}  result", "case", "rel err", "bound");
     let mut failed = 0;
     for c in &cases {
@@ -606,6 +612,233 @@ fn check_kda(cuda: &Cuda, rng: &mut ChaCha8Rng, cases: &mut Vec<Case>) -> anyhow
         let name = format!("kda_recurrent {shape} T={len} vs chunked");
         cases.push(case(name.clone(), &got, &want, F32_BOUND));
         cases.push(case(format!("{name} state"), &gpu_s, &cpu_s, F32_BOUND));
+    }
+    Ok(())
+}
+
+/// A case that passes only on exact equality.
+fn exact_case(name: String, same: bool) -> Case {
+    Case {
+        name,
+        rel: if same { 0.0 } else { f64::INFINITY },
+        bound: 0.0,
+        finite: true,
+    }
+}
+
+/// A selection as the indexer makes one: `topk` tokens of whole pools of `kpool` among the
+/// first `visible` tokens, plus the incomplete tail.
+fn random_selection(rng: &mut ChaCha8Rng, visible: usize, kpool: usize, topk: usize) -> Vec<u32> {
+    let scores = randn(rng, visible / kpool, 1.0);
+    select_tokens(&scores, topk, kpool, visible, true)
+}
+
+/// MLA attention over selected tokens: absorbed decode over the latent cache (GLM-5.3-Flash:
+/// 64 heads, rank 512, 8K cache, 2048 selected of pools of 16) and expanded prefill.
+fn check_mla(cuda: &Cuda, rng: &mut ChaCha8Rng, cases: &mut Vec<Case>) -> anyhow::Result<()> {
+    // (heads, rank, cached tokens, query positions, kpool, topk); topk >= cache: dense.
+    let absorbed = [
+        (3usize, 40usize, 37usize, vec![36usize], 4usize, 64usize),
+        (5, 72, 300, vec![10, 150, 299], 4, 64),
+        (64, 512, 8192, vec![8191], 16, 2048),
+        (64, 512, 8192, vec![8189, 8190, 8191], 16, 2048),
+        (64, 512, 1500, vec![1499], 16, 2048),
+    ];
+    let scale = 256f32.powf(-0.5);
+    for (heads, rank, cached, positions, kpool, topk) in absorbed {
+        let latents = randn(rng, cached * rank, 1.7);
+        let sel: Vec<Vec<u32>> = positions
+            .iter()
+            .map(|&p| random_selection(rng, p + 1, kpool, topk))
+            .collect();
+        let q = randn(rng, positions.len() * heads * rank, 4.0);
+        let layout = AttnLayout::absorbed(heads, rank, scale);
+        let want = sparse_attention(&q, &latents, &layout, &sel);
+        let got = cuda.mla_sparse_attend(&q, &latents, &layout, &sel)?;
+        cases.push(case(
+            format!(
+                "mla absorbed h{heads} r{rank} T={cached} q={} picks={}",
+                positions.len(),
+                sel[0].len()
+            ),
+            &got,
+            &want,
+            F32_BOUND,
+        ));
+    }
+    // (heads, nope, v_dim, tokens, new tokens at the end, kpool, topk)
+    let expanded = [
+        (3usize, 24usize, 20usize, 50usize, 7usize, 4usize, 16usize),
+        (64, 256, 256, 600, 5, 16, 256),
+        (64, 256, 256, 600, 3, 16, 2048),
+    ];
+    for (heads, nope, vd, tokens, new, kpool, topk) in expanded {
+        let layout = AttnLayout::expanded(heads, nope, vd, (nope as f32).powf(-0.5));
+        let kv = randn(rng, tokens * layout.stride, 1.7);
+        let sel: Vec<Vec<u32>> = (tokens - new..tokens)
+            .map(|p| random_selection(rng, p + 1, kpool, topk))
+            .collect();
+        let q = randn(rng, new * heads * nope, 2.0);
+        let want = sparse_attention(&q, &kv, &layout, &sel);
+        let got = cuda.mla_sparse_attend(&q, &kv, &layout, &sel)?;
+        cases.push(case(
+            format!("mla expanded h{heads} nope{nope} v{vd} T={tokens} new={new} topk={topk}"),
+            &got,
+            &want,
+            F32_BOUND,
+        ));
+    }
+    Ok(())
+}
+
+/// The DSA indexer: pool keys, and selections that must equal the CPU's exactly, ties
+/// included (duplicated pool keys, all-zero scores).
+fn check_dsa(cuda: &Cuda, rng: &mut ChaCha8Rng, cases: &mut Vec<Case>) -> anyhow::Result<()> {
+    struct Shape {
+        heads: usize,
+        dim: usize,
+        kpool: usize,
+        topk: usize,
+        tokens: usize,
+        select_tail: bool,
+    }
+    let shapes = [
+        Shape {
+            heads: 2,
+            dim: 20,
+            kpool: 4,
+            topk: 16,
+            tokens: 37,
+            select_tail: true,
+        },
+        Shape {
+            heads: 1,
+            dim: 20,
+            kpool: 3,
+            topk: 9,
+            tokens: 50,
+            select_tail: false,
+        },
+        Shape {
+            heads: 40,
+            dim: 36,
+            kpool: 4,
+            topk: 64,
+            tokens: 1000,
+            select_tail: true,
+        },
+        Shape {
+            heads: 32,
+            dim: 128,
+            kpool: 16,
+            topk: 2048,
+            tokens: 8192,
+            select_tail: true,
+        },
+        Shape {
+            heads: 32,
+            dim: 128,
+            kpool: 16,
+            topk: 2048,
+            tokens: 8199,
+            select_tail: true,
+        },
+    ];
+    for sh in shapes {
+        let (di, kpool) = (sh.dim, sh.kpool);
+        let pools = sh.tokens / kpool;
+        let keys = randn(rng, sh.tokens * di, 1.7);
+        let gates = randn(rng, sh.tokens * di, 3.0);
+        let ape = randn(rng, kpool * di, 1.0);
+        let mut want_keys = Vec::with_capacity(pools * di);
+        for p in 0..pools {
+            let rows = p * kpool * di..(p + 1) * kpool * di;
+            want_keys.extend(pool_key(&keys[rows.clone()], &gates[rows], &ape, di, kpool));
+        }
+        // In two launches, as pools complete over time.
+        let half = pools / 2;
+        let mut got_keys = cuda.dsa_pool_keys(&keys, &gates, &ape, kpool, 0, half)?;
+        got_keys.extend(cuda.dsa_pool_keys(&keys, &gates, &ape, kpool, half, pools - half)?);
+        let name = format!(
+            "dsa h{} d{di} kpool{kpool} topk{} T={}",
+            sh.heads, sh.topk, sh.tokens
+        );
+        cases.push(case(
+            format!("{name} pool keys"),
+            &got_keys,
+            &want_keys,
+            F32_BOUND,
+        ));
+
+        // Selections from the CPU's pool keys, so both sides score the same numbers. Ties:
+        // every other pool of the last two thirds carries pool 3's key (more of them than
+        // the budget on the wide shapes), query 4 scores those best, and query 3 scores
+        // every pool -0.0.
+        let mut pool_keys = want_keys;
+        let dup = pool_keys[3 * di..4 * di].to_vec();
+        for p in (pools / 3..pools).step_by(2) {
+            pool_keys[p * di..(p + 1) * di].copy_from_slice(&dup);
+        }
+        let t = sh.tokens;
+        let positions = vec![
+            0usize,
+            kpool - 1,
+            kpool,
+            t / 2 + 1,
+            t - 2,
+            sh.topk.min(t - 1),
+            t - 1,
+        ];
+        let queries = positions.len();
+        let (hd, h) = (sh.heads * di, sh.heads);
+        let mut q = randn(rng, queries * hd, 1.0);
+        let mut w = randn(rng, queries * h, 1.0);
+        // All-zero dots and negative weights: every term, so every score, is -0.0.
+        q[3 * hd..4 * hd].fill(0.0);
+        w[3 * h..4 * h].iter_mut().for_each(|v| *v = -v.abs() - 0.1);
+        for head in 0..h {
+            q[4 * hd + head * di..4 * hd + (head + 1) * di].copy_from_slice(&dup);
+        }
+        w[4 * h..5 * h].iter_mut().for_each(|v| *v = v.abs() + 0.1);
+        let want: Vec<Vec<u32>> = positions
+            .iter()
+            .enumerate()
+            .map(|(i, &pos)| {
+                let cand = ((pos + 1) / kpool).min(pools);
+                let scores = pool_scores(
+                    &q[i * sh.heads * di..(i + 1) * sh.heads * di],
+                    &w[i * sh.heads..(i + 1) * sh.heads],
+                    &pool_keys[..cand * di],
+                    di,
+                );
+                select_tokens(&scores, sh.topk, kpool, pos + 1, sh.select_tail)
+            })
+            .collect();
+        let spec = DsaSpec {
+            heads: sh.heads,
+            dim: di,
+            kpool,
+            topk: sh.topk,
+            select_tail: sh.select_tail,
+        };
+        let got = cuda.dsa_select(&q, &w, &pool_keys, spec, &positions)?;
+        cases.push(exact_case(
+            format!("{name} select {queries} queries"),
+            got == want,
+        ));
+        // Decode: the last position alone, as one step asks.
+        let last = queries - 1;
+        let got = cuda.dsa_select(
+            &q[last * sh.heads * di..],
+            &w[last * sh.heads..],
+            &pool_keys,
+            spec,
+            &positions[last..],
+        )?;
+        cases.push(exact_case(
+            format!("{name} select decode"),
+            got[..] == want[last..],
+        ));
     }
     Ok(())
 }

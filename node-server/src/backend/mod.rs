@@ -75,3 +75,49 @@ fn default_kernel_cache() -> Option<PathBuf> {
         .or_else(|| std::env::var_os("HOME").map(|h| PathBuf::from(h).join(".cache/glmflash")))?;
     Some(base.join("kernels"))
 }
+
+/// Where attention finds each token's key and value inside one `[tokens, stride]` buffer:
+/// head `h`'s key of token `j` is `dk` values at `j * stride + h * head_step + k_off`, its
+/// value `dv` values at `j * stride + h * head_step + v_off`.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct AttnLayout {
+    pub heads: usize,
+    pub dk: usize,
+    pub dv: usize,
+    pub stride: usize,
+    pub head_step: usize,
+    pub k_off: usize,
+    pub v_off: usize,
+    pub scale: f32,
+}
+
+impl AttnLayout {
+    /// MLA decode with weight absorption: every head attends over the shared `rank`-wide
+    /// latent, which is both key and value.
+    pub fn absorbed(heads: usize, rank: usize, scale: f32) -> AttnLayout {
+        AttnLayout {
+            heads,
+            dk: rank,
+            dv: rank,
+            stride: rank,
+            head_step: 0,
+            k_off: 0,
+            v_off: 0,
+            scale,
+        }
+    }
+
+    /// MLA with keys and values expanded per head: `[tokens, heads, nope + v_dim]`.
+    pub fn expanded(heads: usize, nope: usize, v_dim: usize, scale: f32) -> AttnLayout {
+        AttnLayout {
+            heads,
+            dk: nope,
+            dv: v_dim,
+            stride: heads * (nope + v_dim),
+            head_step: nope + v_dim,
+            k_off: 0,
+            v_off: nope,
+            scale,
+        }
+    }
+}

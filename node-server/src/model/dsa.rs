@@ -113,18 +113,14 @@ impl Indexer {
         let tokens = cache.keys.len() / di;
         let mut pool = cache.pool_keys.len() / di;
         while (pool + 1) * self.kpool <= tokens {
-            let first = pool * self.kpool;
-            let mut key = vec![0f32; di];
-            let mut logits = vec![0f32; self.kpool];
-            for c in 0..di {
-                for j in 0..self.kpool {
-                    logits[j] = cache.gates[(first + j) * di + c] + self.ape[j * di + c];
-                }
-                ops::softmax(&mut logits);
-                key[c] = (0..self.kpool)
-                    .map(|j| logits[j] * cache.keys[(first + j) * di + c])
-                    .sum();
-            }
+            let rows = pool * self.kpool * di..(pool + 1) * self.kpool * di;
+            let key = pool_key(
+                &cache.keys[rows.clone()],
+                &cache.gates[rows],
+                &self.ape,
+                di,
+                self.kpool,
+            );
             cache.pool_keys.extend_from_slice(&key);
             pool += 1;
         }
@@ -142,28 +138,72 @@ impl Indexer {
         let (di, hi) = (self.dim, self.heads);
         let visible = pos + 1;
         let candidates = (visible / self.kpool).min(cache.pool_keys.len() / di);
-        let q = &inputs.q[row * hi * di..(row + 1) * hi * di];
-        let w = &inputs.weights[row * hi..(row + 1) * hi];
-        let scale = (di as f32).powf(-0.5);
-        let scores: Vec<f32> = (0..candidates)
-            .map(|p| {
-                let key = &cache.pool_keys[p * di..(p + 1) * di];
-                (0..hi)
-                    .map(|h| w[h] * (ops::dot(&q[h * di..(h + 1) * di], key) * scale).max(0.0))
-                    .sum()
-            })
-            .collect();
-        let budget = (self.topk / self.kpool).min(candidates);
-        let mut pools = ops::top_k(&scores, budget);
-        pools.sort_unstable();
-        let mut tokens: Vec<u32> = pools
-            .iter()
-            .flat_map(|&p| (p * self.kpool..(p + 1) * self.kpool).map(|t| t as u32))
-            .collect();
-        if self.select_tail {
-            let tail = visible % self.kpool;
-            tokens.extend((visible - tail..visible).map(|t| t as u32));
-        }
-        tokens
+        let scores = pool_scores(
+            &inputs.q[row * hi * di..(row + 1) * hi * di],
+            &inputs.weights[row * hi..(row + 1) * hi],
+            &cache.pool_keys[..candidates * di],
+            di,
+        );
+        select_tokens(&scores, self.topk, self.kpool, visible, self.select_tail)
     }
+}
+
+/// The key of one pool from its tokens' keys and gates (`[kpool, di]` each): per channel, a
+/// softmax over the pool's tokens of gate + position bias (`ape`) weights their keys.
+pub(crate) fn pool_key(
+    keys: &[f32],
+    gates: &[f32],
+    ape: &[f32],
+    di: usize,
+    kpool: usize,
+) -> Vec<f32> {
+    let mut key = vec![0f32; di];
+    let mut logits = vec![0f32; kpool];
+    for c in 0..di {
+        for j in 0..kpool {
+            logits[j] = gates[j * di + c] + ape[j * di + c];
+        }
+        ops::softmax(&mut logits);
+        key[c] = (0..kpool).map(|j| logits[j] * keys[j * di + c]).sum();
+    }
+    key
+}
+
+/// One query's score of every pool in `pool_keys` (`[pools, di]`): `q` is `[heads, di]`,
+/// `w` the per-head weights; `sum_h w_h relu(q_h . key * di^-0.5)`.
+pub(crate) fn pool_scores(q: &[f32], w: &[f32], pool_keys: &[f32], di: usize) -> Vec<f32> {
+    let scale = (di as f32).powf(-0.5);
+    pool_keys
+        .chunks_exact(di)
+        .map(|key| {
+            w.iter()
+                .enumerate()
+                .map(|(h, wh)| wh * (ops::dot(&q[h * di..(h + 1) * di], key) * scale).max(0.0))
+                .sum()
+        })
+        .collect()
+}
+
+/// The tokens a query with `visible` tokens attends to, ascending: the best
+/// `topk / kpool` pools of `scores` (ties to the earlier pool) expanded to their tokens, then
+/// the incomplete tail pool when `select_tail`.
+pub(crate) fn select_tokens(
+    scores: &[f32],
+    topk: usize,
+    kpool: usize,
+    visible: usize,
+    select_tail: bool,
+) -> Vec<u32> {
+    let budget = (topk / kpool).min(scores.len());
+    let mut pools = ops::top_k(scores, budget);
+    pools.sort_unstable();
+    let mut tokens: Vec<u32> = pools
+        .iter()
+        .flat_map(|&p| (p * kpool..(p + 1) * kpool).map(|t| t as u32))
+        .collect();
+    if select_tail {
+        let tail = visible % kpool;
+        tokens.extend((visible - tail..visible).map(|t| t as u32));
+    }
+    tokens
 }

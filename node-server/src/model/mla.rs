@@ -8,6 +8,7 @@
 use super::config::Config;
 use super::dsa::{Indexer, IndexerCache};
 use super::loader::{LoadError, Loader};
+use crate::backend::AttnLayout;
 use crate::backend::cpu::{Matrix, ops};
 use rayon::prelude::*;
 
@@ -165,34 +166,13 @@ impl Mla {
         sel: &Selections,
     ) -> Vec<f32> {
         let (h, nope, vd) = (self.heads, self.nope, self.v_dim);
-        let total = past + len;
-        let kv = self.kv_b.matmul(latents, total);
-        let stride = h * (nope + vd);
-        let scale = self.scale();
-        let mut out = vec![0f32; len * h * vd];
-        out.par_chunks_mut(h * vd).enumerate().for_each(|(i, o)| {
-            let picks = &sel[i];
-            for head in 0..h {
-                let qh = &q[(i * h + head) * nope..(i * h + head + 1) * nope];
-                let mut scores: Vec<f32> = picks
-                    .iter()
-                    .map(|&j| {
-                        let k = &kv[j as usize * stride + head * (nope + vd)..][..nope];
-                        ops::dot(qh, k) * scale
-                    })
-                    .collect();
-                ops::softmax(&mut scores);
-                let oh = &mut o[head * vd..(head + 1) * vd];
-                for (&j, p) in picks.iter().zip(&scores) {
-                    let v = &kv[j as usize * stride + head * (nope + vd) + nope..][..vd];
-                    ops::axpy(oh, *p, v);
-                }
-            }
-        });
-        out
+        let kv = self.kv_b.matmul(latents, past + len);
+        let layout = AttnLayout::expanded(h, nope, vd, self.scale());
+        sparse_attention(q, &kv, &layout, sel)
     }
 
-    /// Weight-absorbed attention over the latents.
+    /// Weight-absorbed attention over the latents: `q_lat = W_uk^T q` per head, attention
+    /// over the latents, then `W_uv` on the weighted latent sum.
     fn attend_absorbed(
         &self,
         q: &[f32],
@@ -201,46 +181,53 @@ impl Mla {
         sel: &Selections,
     ) -> Vec<f32> {
         let (h, nope, vd, r) = (self.heads, self.nope, self.v_dim, self.rank);
-        let scale = self.scale();
-        let mut out = vec![0f32; len * h * vd];
+        let kv_rows = |head: usize, range: std::ops::Range<usize>| -> Vec<Vec<f32>> {
+            range
+                .map(|i| self.kv_b.row_f32(head * (nope + vd) + i))
+                .collect()
+        };
+        let q_lat_per_head: Vec<Vec<f32>> = (0..h)
+            .into_par_iter()
+            .map(|head| {
+                let uk = kv_rows(head, 0..nope);
+                let mut q_lat = vec![0f32; len * r];
+                for (i, ql) in q_lat.chunks_exact_mut(r).enumerate() {
+                    let qh = &q[(i * h + head) * nope..(i * h + head + 1) * nope];
+                    for (qv, row) in qh.iter().zip(&uk) {
+                        ops::axpy(ql, *qv, row);
+                    }
+                }
+                q_lat
+            })
+            .collect();
+        let mut q_lat = vec![0f32; len * h * r];
+        for (head, ql) in q_lat_per_head.iter().enumerate() {
+            for i in 0..len {
+                q_lat[(i * h + head) * r..(i * h + head + 1) * r]
+                    .copy_from_slice(&ql[i * r..(i + 1) * r]);
+            }
+        }
+        let o_lat = sparse_attention(
+            &q_lat,
+            latents,
+            &AttnLayout::absorbed(h, r, self.scale()),
+            sel,
+        );
         let per_head: Vec<Vec<f32>> = (0..h)
             .into_par_iter()
             .map(|head| {
-                let base = head * (nope + vd);
-                let uk: Vec<Vec<f32>> = (0..nope).map(|i| self.kv_b.row_f32(base + i)).collect();
-                let uv: Vec<Vec<f32>> = (0..vd)
-                    .map(|i| self.kv_b.row_f32(base + nope + i))
-                    .collect();
+                let uv = kv_rows(head, nope..nope + vd);
                 let mut head_out = vec![0f32; len * vd];
                 for i in 0..len {
-                    let qh = &q[(i * h + head) * nope..(i * h + head + 1) * nope];
-                    let mut q_lat = vec![0f32; r];
-                    for (qv, row) in qh.iter().zip(&uk) {
-                        ops::axpy(&mut q_lat, *qv, row);
-                    }
-                    let picks = &sel[i];
-                    let mut scores: Vec<f32> = picks
-                        .iter()
-                        .map(|&j| {
-                            ops::dot(&q_lat, &latents[j as usize * r..(j as usize + 1) * r]) * scale
-                        })
-                        .collect();
-                    ops::softmax(&mut scores);
-                    let mut o_lat = vec![0f32; r];
-                    for (&j, p) in picks.iter().zip(&scores) {
-                        ops::axpy(
-                            &mut o_lat,
-                            *p,
-                            &latents[j as usize * r..(j as usize + 1) * r],
-                        );
-                    }
+                    let ol = &o_lat[(i * h + head) * r..(i * h + head + 1) * r];
                     for (v, row) in uv.iter().enumerate() {
-                        head_out[i * vd + v] = ops::dot(row, &o_lat);
+                        head_out[i * vd + v] = ops::dot(row, ol);
                     }
                 }
                 head_out
             })
             .collect();
+        let mut out = vec![0f32; len * h * vd];
         for (head, ho) in per_head.iter().enumerate() {
             for i in 0..len {
                 out[(i * h + head) * vd..(i * h + head + 1) * vd]
@@ -249,4 +236,37 @@ impl Mla {
         }
         out
     }
+}
+
+/// Softmax attention of every query row over its selected tokens only. `q` is
+/// `[queries, heads, dk]`, `kv` holds the tokens as `layout` says, `sel[i]` lists query i's
+/// tokens; returns `[queries, heads, dv]`: `sum_j softmax_j(q . k_j * scale) v_j` in
+/// selection order.
+pub(crate) fn sparse_attention(
+    q: &[f32],
+    kv: &[f32],
+    layout: &AttnLayout,
+    sel: &[Vec<u32>],
+) -> Vec<f32> {
+    let (h, dk, dv) = (layout.heads, layout.dk, layout.dv);
+    let at = |j: u32, head: usize, off: usize, n: usize| -> &[f32] {
+        &kv[j as usize * layout.stride + head * layout.head_step + off..][..n]
+    };
+    let mut out = vec![0f32; sel.len() * h * dv];
+    out.par_chunks_mut(h * dv).enumerate().for_each(|(i, o)| {
+        let picks = &sel[i];
+        for head in 0..h {
+            let qh = &q[(i * h + head) * dk..(i * h + head + 1) * dk];
+            let mut scores: Vec<f32> = picks
+                .iter()
+                .map(|&j| ops::dot(qh, at(j, head, layout.k_off, dk)) * layout.scale)
+                .collect();
+            ops::softmax(&mut scores);
+            let oh = &mut o[head * dv..(head + 1) * dv];
+            for (&j, p) in picks.iter().zip(&scores) {
+                ops::axpy(oh, *p, at(j, head, layout.v_off, dv));
+            }
+        }
+    });
+    out
 }

@@ -9,6 +9,7 @@
 
 use crate::quant::Format;
 
+pub mod attn;
 pub mod matrix;
 mod ops;
 use cudarc::driver::{

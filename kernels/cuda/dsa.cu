@@ -1,0 +1,189 @@
+// The DSA indexer with k-pools: pool keys from their tokens' keys and gates, a query's score
+// of every visible pool, and the top pools expanded to tokens (plus the incomplete tail
+// pool). The scores repeat the CPU's arithmetic operation for operation (no fused
+// multiply-adds, the same summation order), so the selection is the CPU's exactly; ties go
+// to the earlier pool, as `ops::top_k` does under `f32::total_cmp`.
+#include "common.cuh"
+
+#define TOPK_THREADS 256
+
+// keys, gates: [tokens, di]; ape: [kpool, di]. out: [pools, di], the keys of pools
+// first_pool .. first_pool + pools. One thread per (pool, channel).
+extern "C" __global__ void dsa_pool_keys(const float* __restrict__ keys,
+                                         const float* __restrict__ gates,
+                                         const float* __restrict__ ape, int di, int kpool,
+                                         int first_pool, int pools, float* __restrict__ out) {
+    const i64 t = (i64)blockIdx.x * blockDim.x + threadIdx.x;
+    if (t >= (i64)pools * di) return;
+    const int p = (int)(t / di), c = (int)(t % di);
+    const i64 tok0 = (i64)(first_pool + p) * kpool;
+    float m = __int_as_float(0xff800000);
+    for (int j = 0; j < kpool; j++)
+        m = fmaxf(m, __fadd_rn(gates[(tok0 + j) * di + c], ape[(i64)j * di + c]));
+    float sum = 0.0f;
+    for (int j = 0; j < kpool; j++) {
+        const float l = __fadd_rn(gates[(tok0 + j) * di + c], ape[(i64)j * di + c]);
+        sum = __fadd_rn(sum, expf(__fsub_rn(l, m)));
+    }
+    float key = -0.0f;
+    for (int j = 0; j < kpool; j++) {
+        const float l = __fadd_rn(gates[(tok0 + j) * di + c], ape[(i64)j * di + c]);
+        const float w = __fdiv_rn(expf(__fsub_rn(l, m)), sum);
+        key = __fadd_rn(key, __fmul_rn(w, keys[(tok0 + j) * di + c]));
+    }
+    out[t] = key;
+}
+
+// `ops::dot` exactly: eight strided partial sums, summed in order, plus the tail.
+__device__ float cpu_dot(const float* __restrict__ a, const float* __restrict__ b, int n) {
+    float acc[8] = {0.0f, 0.0f, 0.0f, 0.0f, 0.0f, 0.0f, 0.0f, 0.0f};
+    const int chunks = n / 8;
+    for (int ch = 0; ch < chunks; ch++) {
+#pragma unroll
+        for (int l = 0; l < 8; l++)
+            acc[l] = __fadd_rn(acc[l], __fmul_rn(a[ch * 8 + l], b[ch * 8 + l]));
+    }
+    float s = -0.0f;
+#pragma unroll
+    for (int l = 0; l < 8; l++) s = __fadd_rn(s, acc[l]);
+    float tail = -0.0f;
+    for (int i = chunks * 8; i < n; i++) tail = __fadd_rn(tail, __fmul_rn(a[i], b[i]));
+    return __fadd_rn(s, tail);
+}
+
+// q: [queries, heads, di]; w: [queries, heads]; pool_keys: [pools, di]; candidates:
+// [queries], how many leading pools query b scores. scores: [queries, max_cand].
+// One warp per (pool, query): lane h computes head h's term, the terms are summed in head
+// order.
+extern "C" __global__ void dsa_scores(const float* __restrict__ q, const float* __restrict__ w,
+                                      const float* __restrict__ pool_keys,
+                                      const int* __restrict__ candidates, int heads, int di,
+                                      float scale, int max_cand, float* __restrict__ scores) {
+    const int warps = blockDim.x / WARP;
+    const int p = blockIdx.x * warps + threadIdx.x / WARP;
+    const int b = blockIdx.y;
+    const int lane = threadIdx.x & (WARP - 1);
+    if (p >= candidates[b]) return;  // uniform across the warp
+    const float* key = pool_keys + (i64)p * di;
+    const float* qb = q + (i64)b * heads * di;
+    const float* wb = w + (i64)b * heads;
+    float total = -0.0f;
+    for (int h0 = 0; h0 < heads; h0 += WARP) {
+        const int h = h0 + lane;
+        float term = 0.0f;
+        if (h < heads) {
+            const float x = __fmul_rn(cpu_dot(qb + (i64)h * di, key, di), scale);
+            term = __fmul_rn(wb[h], x > 0.0f ? x : 0.0f);
+        }
+        const int n = min(WARP, heads - h0);
+        for (int l = 0; l < n; l++) total = __fadd_rn(total, __shfl_sync(0xffffffffu, term, l));
+    }
+    if (lane == 0) scores[(i64)b * max_cand + p] = total;
+}
+
+// f32 bits mapped so unsigned order is `f32::total_cmp` order.
+__device__ __forceinline__ u32 total_order_key(float f) {
+    const u32 u = __float_as_uint(f);
+    return (u >> 31) ? ~u : (u | 0x80000000u);
+}
+
+// Exclusive prefix sum of `v` over the block in thread order; `*total` gets the block's sum.
+// Every thread must call it.
+__device__ u32 block_exclusive_scan(u32 v, u32* total) {
+    __shared__ u32 warp_sums[32];
+    const int lane = threadIdx.x & (WARP - 1), wid = threadIdx.x / WARP;
+    const int warps = blockDim.x / WARP;
+    u32 inc = v;
+    for (int o = 1; o < WARP; o <<= 1) {
+        const u32 up = __shfl_up_sync(0xffffffffu, inc, o);
+        if (lane >= o) inc += up;
+    }
+    if (lane == WARP - 1) warp_sums[wid] = inc;
+    __syncthreads();
+    u32 before = 0, all = 0;
+    for (int k = 0; k < warps; k++) {
+        if (k < wid) before += warp_sums[k];
+        all += warp_sums[k];
+    }
+    __syncthreads();
+    *total = all;
+    return before + inc - v;
+}
+
+// One block per query (TOPK_THREADS threads). Keeps the best min(budget_pools, candidates[b])
+// of scores[b, 0 .. candidates[b]] (larger first, ties to the lower pool), and writes their
+// tokens ascending at tokens[out_off[b] ..], then, when select_tail, the incomplete tail
+// pool's tokens (visible[b] % kpool of them, up to visible[b]).
+extern "C" __global__ void dsa_topk_tokens(const float* __restrict__ scores,
+                                           const int* __restrict__ candidates,
+                                           const int* __restrict__ visible,
+                                           const i64* __restrict__ out_off, int max_cand,
+                                           int budget_pools, int kpool, int select_tail,
+                                           u32* __restrict__ tokens) {
+    __shared__ u32 hist[256];
+    __shared__ u32 s_prefix, s_remaining;
+    const int b = blockIdx.x, tid = threadIdx.x;
+    const int cand = candidates[b];
+    const int budget = min(budget_pools, cand);
+    const float* sc = scores + (i64)b * max_cand;
+    u32* out = tokens + out_off[b];
+
+    if (budget > 0) {
+        // Radix select of the budget-th largest key, 8 bits at a time from the top:
+        // afterwards every key above `s_prefix` is kept, and the first `s_remaining` keys
+        // equal to it (in pool order).
+        if (tid == 0) {
+            s_prefix = 0;
+            s_remaining = (u32)budget;
+        }
+        u32 mask = 0;
+        for (int shift = 24; shift >= 0; shift -= 8) {
+            for (int i = tid; i < 256; i += blockDim.x) hist[i] = 0;
+            __syncthreads();
+            const u32 prefix = s_prefix;
+            for (int p = tid; p < cand; p += blockDim.x) {
+                const u32 k = total_order_key(sc[p]);
+                if ((k & mask) == prefix) atomicAdd(&hist[(k >> shift) & 255u], 1u);
+            }
+            __syncthreads();
+            if (tid == 0) {
+                const u32 rem = s_remaining;
+                u32 above = 0;
+                for (int d = 255; d >= 0; d--) {
+                    if (above + hist[d] >= rem) {
+                        s_prefix = prefix | ((u32)d << shift);
+                        s_remaining = rem - above;
+                        break;
+                    }
+                    above += hist[d];
+                }
+            }
+            __syncthreads();
+            mask |= 255u << shift;
+        }
+        const u32 threshold = s_prefix, take_equal = s_remaining;
+
+        // Compaction in pool order: the kept pools' ranks give their output places.
+        u32 equal_seen = 0, kept_seen = 0;
+        for (int base = 0; base < cand; base += blockDim.x) {
+            const int p = base + tid;
+            const u32 k = p < cand ? total_order_key(sc[p]) : 0u;
+            const u32 above = p < cand && k > threshold;
+            const u32 equal = p < cand && k == threshold;
+            u32 equal_total, kept_total;
+            const u32 equal_rank = block_exclusive_scan(equal, &equal_total);
+            const u32 kept = above || (equal && equal_seen + equal_rank < take_equal);
+            const u32 place = kept_seen + block_exclusive_scan(kept, &kept_total);
+            if (kept)
+                for (int j = 0; j < kpool; j++)
+                    out[(i64)place * kpool + j] = (u32)((i64)p * kpool + j);
+            equal_seen += equal_total;
+            kept_seen += kept_total;
+        }
+    }
+    if (select_tail) {
+        const int vis = visible[b], tail = vis % kpool;
+        for (int t = tid; t < tail; t += blockDim.x)
+            out[(i64)budget * kpool + t] = (u32)(vis - tail + t);
+    }
+}

@@ -1,0 +1,87 @@
+// MLA attention over selected tokens only (the DSA selection): one block per (query, head).
+// The same kernel serves absorbed decode (every head attends over the shared latent, which is
+// both key and value) and expanded prefill (per-head keys and values from kv_b): the caller
+// says where a token's key and value sit. Scores go to a per-row scratch row, the softmax and
+// the weighted sum follow in selection order, so results repeat bit for bit.
+#include "common.cuh"
+
+#define ATTN_MAX_DK 1024
+
+// Block-wide max and sum; every thread gets the result. Fixed reduction order.
+__device__ float attn_block_reduce(float v, bool is_max) {
+    __shared__ float part[32];
+    const int lane = threadIdx.x & (WARP - 1), wid = threadIdx.x / WARP;
+    for (int o = WARP / 2; o > 0; o >>= 1) {
+        const float other = __shfl_xor_sync(0xffffffffu, v, o);
+        v = is_max ? fmaxf(v, other) : v + other;
+    }
+    if (lane == 0) part[wid] = v;
+    __syncthreads();
+    const int warps = (blockDim.x + WARP - 1) / WARP;
+    const float none = is_max ? __int_as_float(0xff800000) : 0.0f;
+    float total = lane < warps ? part[lane] : none;
+    for (int o = WARP / 2; o > 0; o >>= 1) {
+        const float other = __shfl_xor_sync(0xffffffffu, total, o);
+        total = is_max ? fmaxf(total, other) : total + other;
+    }
+    __syncthreads();
+    return total;
+}
+
+// q: [queries * heads, dk] (row = query * heads + head). Token j's key for head h is dk
+// values at kv + j * stride + h * head_step + k_off, its value dv values at ... + v_off.
+// picks: query i's tokens are picks[sel_off[i] .. sel_off[i + 1]]. scratch:
+// [queries * heads, max_picks]. out: [queries * heads, dv]. blockDim a multiple of 32.
+extern "C" __global__ void mla_sparse_attend(const float* __restrict__ q,
+                                             const float* __restrict__ kv,
+                                             const u32* __restrict__ picks,
+                                             const int* __restrict__ sel_off, int heads, int dk,
+                                             int dv, i64 stride, i64 head_step, i64 k_off,
+                                             i64 v_off, float scale, int max_picks,
+                                             float* __restrict__ scratch,
+                                             float* __restrict__ out) {
+    __shared__ float qs[ATTN_MAX_DK];
+    const int row = blockIdx.x;
+    const int query = row / heads, head = row % heads;
+    const int first = sel_off[query], n = sel_off[query + 1] - first;
+    const int tid = threadIdx.x, lane = tid & (WARP - 1), wid = tid / WARP;
+    const int warps = blockDim.x / WARP;
+    for (int c = tid; c < dk; c += blockDim.x) qs[c] = q[(i64)row * dk + c];
+    __syncthreads();
+
+    float* sc = scratch + (i64)row * max_picks;
+    const i64 head_base = (i64)head * head_step;
+    // One warp per selected token: its score.
+    for (int j = wid; j < n; j += warps) {
+        const float* k = kv + (i64)picks[first + j] * stride + head_base + k_off;
+        float acc = 0.0f;
+        for (int c = lane; c < dk; c += WARP) acc = fmaf(qs[c], k[c], acc);
+        acc = warp_sum(acc);
+        if (lane == 0) sc[j] = acc * scale;
+    }
+    __syncthreads();
+
+    // Softmax in place; each thread touches the same entries in all three passes.
+    float m = __int_as_float(0xff800000);
+    for (int j = tid; j < n; j += blockDim.x) m = fmaxf(m, sc[j]);
+    m = attn_block_reduce(m, true);
+    float s = 0.0f;
+    for (int j = tid; j < n; j += blockDim.x) {
+        const float e = expf(sc[j] - m);
+        sc[j] = e;
+        s += e;
+    }
+    s = attn_block_reduce(s, false);
+    for (int j = tid; j < n; j += blockDim.x) sc[j] = __fdiv_rn(sc[j], s);
+    __syncthreads();
+
+    // Weighted sum of the values in selection order, one thread per output channel.
+    for (int c = tid; c < dv; c += blockDim.x) {
+        float acc = 0.0f;
+        for (int j = 0; j < n; j++) {
+            const float* v = kv + (i64)picks[first + j] * stride + head_base + v_off;
+            acc = __fadd_rn(acc, __fmul_rn(sc[j], v[c]));
+        }
+        out[(i64)row * dv + c] = acc;
+    }
+}

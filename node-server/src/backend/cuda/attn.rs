@@ -1,0 +1,355 @@
+//! Attention kernels: MLA over the tokens the DSA indexer selects (absorbed decode and
+//! expanded prefill share one kernel, told by an [`AttnLayout`] where keys and values sit),
+//! and the indexer itself (pool keys, pool scores, top pools to tokens).
+//!
+//! Each op has a host-slice entry (upload, launch, download) for checks and the CPU-side
+//! callers, and a `_dev` entry on device buffers for callers that keep the cache on the GPU.
+
+use super::{Cuda, CudaError};
+use crate::backend::AttnLayout;
+use cudarc::driver::{CudaSlice, LaunchConfig, PushKernelArg};
+
+/// Threads per block of the attention and top-k kernels.
+const ATTN_BLOCK: u32 = 256;
+/// `ATTN_MAX_DK` in mla.cu: the widest query row the kernel keeps in shared memory.
+const ATTN_MAX_DK: usize = 1024;
+
+/// Indexer settings for [`Cuda::dsa_select`].
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct DsaSpec {
+    pub heads: usize,
+    pub dim: usize,
+    pub kpool: usize,
+    pub topk: usize,
+    pub select_tail: bool,
+}
+
+/// Token selections on the device: query `i`'s tokens are `tokens[offsets[i]..offsets[i + 1]]`.
+pub struct DeviceSelections {
+    pub tokens: CudaSlice<u32>,
+    pub offsets: Vec<usize>,
+}
+
+impl Cuda {
+    /// Attention of each query over its selected tokens: `q` is `[queries, heads, dk]`,
+    /// `kv` the token buffer `layout` describes, `sel[i]` query i's tokens. Returns
+    /// `[queries, heads, dv]`.
+    pub fn mla_sparse_attend(
+        &self,
+        q: &[f32],
+        kv: &[f32],
+        layout: &AttnLayout,
+        sel: &[Vec<u32>],
+    ) -> Result<Vec<f32>, CudaError> {
+        let queries = sel.len();
+        let mut offsets = Vec::with_capacity(queries + 1);
+        offsets.push(0usize);
+        for s in sel {
+            offsets.push(offsets.last().copied().unwrap_or(0) + s.len());
+        }
+        let flat: Vec<u32> = sel.iter().flatten().copied().collect();
+        let tokens = kv.len().checked_div(layout.stride).unwrap_or(0);
+        if let Some(bad) = flat.iter().find(|&&t| t as usize >= tokens) {
+            return Err(CudaError::Invalid(format!(
+                "mla_sparse_attend selects token {bad}; the cache holds {tokens}"
+            )));
+        }
+        let d_q = self.upload(q)?;
+        let d_kv = self.upload(kv)?;
+        let d_sel = DeviceSelections {
+            tokens: self.stream.clone_htod(&flat_or_one(flat))?,
+            offsets,
+        };
+        let mut out = self.alloc_f32(queries * layout.heads * layout.dv)?;
+        self.mla_sparse_attend_dev(&d_q, &d_kv, layout, &d_sel, &mut out)?;
+        let mut y = self.download(&out)?;
+        y.truncate(queries * layout.heads * layout.dv);
+        Ok(y)
+    }
+
+    /// [`Cuda::mla_sparse_attend`] on device buffers; `out` holds `[queries, heads, dv]`.
+    /// The selected tokens must lie inside `kv` (the caller's selections guarantee it).
+    pub fn mla_sparse_attend_dev(
+        &self,
+        q: &CudaSlice<f32>,
+        kv: &CudaSlice<f32>,
+        layout: &AttnLayout,
+        sel: &DeviceSelections,
+        out: &mut CudaSlice<f32>,
+    ) -> Result<(), CudaError> {
+        let AttnLayout {
+            heads,
+            dk,
+            dv,
+            stride,
+            head_step,
+            k_off,
+            v_off,
+            scale,
+        } = *layout;
+        let queries = sel.offsets.len().saturating_sub(1);
+        let rows = queries * heads;
+        let reach = (heads.saturating_sub(1) * head_step + (k_off + dk).max(v_off + dv)).max(1);
+        if dk > ATTN_MAX_DK
+            || reach > stride
+            || q.len() < rows * dk
+            || out.len() < rows * dv
+            || sel.tokens.len() < sel.offsets.last().copied().unwrap_or(0)
+        {
+            return Err(CudaError::Invalid(format!(
+                "mla_sparse_attend {layout:?} for {queries} queries: q {}, out {}, {} tokens",
+                q.len(),
+                out.len(),
+                sel.tokens.len()
+            )));
+        }
+        if rows == 0 {
+            return Ok(());
+        }
+        let max_picks = sel
+            .offsets
+            .windows(2)
+            .map(|w| w[1] - w[0])
+            .max()
+            .unwrap_or(0);
+        let offsets: Vec<i32> = sel.offsets.iter().map(|&o| o as i32).collect();
+        let d_off = self.stream.clone_htod(&offsets)?;
+        let mut scratch = self.alloc_f32(rows * max_picks)?;
+        let (heads_i, dk_i, dv_i, max_i) = (heads as i32, dk as i32, dv as i32, max_picks as i32);
+        let (stride_l, step_l, k_off_l, v_off_l) =
+            (stride as i64, head_step as i64, k_off as i64, v_off as i64);
+        let mut b = self.stream.launch_builder(self.kernel("mla_sparse_attend"));
+        b.arg(q)
+            .arg(kv)
+            .arg(&sel.tokens)
+            .arg(&d_off)
+            .arg(&heads_i)
+            .arg(&dk_i)
+            .arg(&dv_i)
+            .arg(&stride_l)
+            .arg(&step_l)
+            .arg(&k_off_l)
+            .arg(&v_off_l)
+            .arg(&scale)
+            .arg(&max_i)
+            .arg(&mut scratch)
+            .arg(out);
+        let cfg = LaunchConfig {
+            grid_dim: (rows as u32, 1, 1),
+            block_dim: (ATTN_BLOCK, 1, 1),
+            shared_mem_bytes: 0,
+        };
+        // SAFETY: one block per (query, head) row of q and out (sizes checked above); the
+        // scratch has `max_picks` floats per row; dk fits the kernel's shared query row; the
+        // head offsets stay inside a token's `stride` values.
+        unsafe { b.launch(cfg) }?;
+        Ok(())
+    }
+
+    /// Keys of pools `first_pool .. first_pool + pools` from the per-token indexer `keys` and
+    /// `gates` (`[tokens, di]`) and the position bias `ape` (`[kpool, di]`): `[pools, di]`.
+    pub fn dsa_pool_keys(
+        &self,
+        keys: &[f32],
+        gates: &[f32],
+        ape: &[f32],
+        kpool: usize,
+        first_pool: usize,
+        pools: usize,
+    ) -> Result<Vec<f32>, CudaError> {
+        let di = ape.len() / kpool.max(1);
+        let (dk, dg, da) = (self.upload(keys)?, self.upload(gates)?, self.upload(ape)?);
+        let mut out = self.alloc_f32(pools * di)?;
+        self.dsa_pool_keys_dev(&dk, &dg, &da, kpool, first_pool, pools, &mut out)?;
+        let mut y = self.download(&out)?;
+        y.truncate(pools * di);
+        Ok(y)
+    }
+
+    /// [`Cuda::dsa_pool_keys`] on device buffers.
+    #[allow(clippy::too_many_arguments)]
+    pub fn dsa_pool_keys_dev(
+        &self,
+        keys: &CudaSlice<f32>,
+        gates: &CudaSlice<f32>,
+        ape: &CudaSlice<f32>,
+        kpool: usize,
+        first_pool: usize,
+        pools: usize,
+        out: &mut CudaSlice<f32>,
+    ) -> Result<(), CudaError> {
+        let di = ape.len() / kpool.max(1);
+        let need = (first_pool + pools) * kpool * di;
+        if kpool == 0
+            || di * kpool != ape.len()
+            || keys.len() < need
+            || gates.len() < need
+            || out.len() < pools * di
+        {
+            return Err(CudaError::Invalid(format!(
+                "dsa_pool_keys of pools {first_pool}..+{pools} (kpool {kpool}, ape {}): keys {}, \
+                 gates {}, out {}",
+                ape.len(),
+                keys.len(),
+                gates.len(),
+                out.len()
+            )));
+        }
+        if pools == 0 || di == 0 {
+            return Ok(());
+        }
+        let (di_i, kpool_i, first_i, pools_i) =
+            (di as i32, kpool as i32, first_pool as i32, pools as i32);
+        let mut b = self.stream.launch_builder(self.kernel("dsa_pool_keys"));
+        b.arg(keys)
+            .arg(gates)
+            .arg(ape)
+            .arg(&di_i)
+            .arg(&kpool_i)
+            .arg(&first_i)
+            .arg(&pools_i)
+            .arg(out);
+        // SAFETY: one thread per (pool, channel) of `out`; the pools' tokens lie inside keys
+        // and gates (checked above).
+        unsafe { b.launch(LaunchConfig::for_num_elems((pools * di) as u32)) }?;
+        Ok(())
+    }
+
+    /// The tokens each query attends to, as `Indexer::select` picks them: `q` is
+    /// `[queries, heads, dim]`, `weights` `[queries, heads]` (already scaled),
+    /// `pool_keys` `[pools, dim]`, `positions[i]` query i's absolute position.
+    pub fn dsa_select(
+        &self,
+        q: &[f32],
+        weights: &[f32],
+        pool_keys: &[f32],
+        spec: DsaSpec,
+        positions: &[usize],
+    ) -> Result<Vec<Vec<u32>>, CudaError> {
+        let (dq, dw, dk) = (
+            self.upload(q)?,
+            self.upload(weights)?,
+            self.upload(&flat_or_one(pool_keys.to_vec()))?,
+        );
+        let pools = pool_keys.len() / spec.dim.max(1);
+        let sel = self.dsa_select_dev(&dq, &dw, &dk, pools, spec, positions)?;
+        let flat = self.download(&sel.tokens)?;
+        Ok(sel
+            .offsets
+            .windows(2)
+            .map(|w| flat[w[0]..w[1]].to_vec())
+            .collect())
+    }
+
+    /// [`Cuda::dsa_select`] on device buffers; `pools` of `pool_keys` are complete.
+    pub fn dsa_select_dev(
+        &self,
+        q: &CudaSlice<f32>,
+        weights: &CudaSlice<f32>,
+        pool_keys: &CudaSlice<f32>,
+        pools: usize,
+        spec: DsaSpec,
+        positions: &[usize],
+    ) -> Result<DeviceSelections, CudaError> {
+        let DsaSpec {
+            heads,
+            dim,
+            kpool,
+            topk,
+            select_tail,
+        } = spec;
+        let queries = positions.len();
+        if kpool == 0
+            || q.len() < queries * heads * dim
+            || weights.len() < queries * heads
+            || pool_keys.len() < pools * dim
+        {
+            return Err(CudaError::Invalid(format!(
+                "dsa_select {spec:?} for {queries} queries over {pools} pools: q {}, weights {}, \
+                 pool keys {}",
+                q.len(),
+                weights.len(),
+                pool_keys.len()
+            )));
+        }
+        // Per query: the pools it scores and where its tokens go (known here from the
+        // positions alone).
+        let mut candidates = Vec::with_capacity(queries);
+        let mut visible = Vec::with_capacity(queries);
+        let mut offsets = Vec::with_capacity(queries + 1);
+        offsets.push(0usize);
+        for &pos in positions {
+            let vis = pos + 1;
+            let cand = (vis / kpool).min(pools);
+            let tail = if select_tail { vis % kpool } else { 0 };
+            let count = (topk / kpool).min(cand) * kpool + tail;
+            candidates.push(cand as i32);
+            visible.push(vis as i32);
+            offsets.push(offsets.last().copied().unwrap_or(0) + count);
+        }
+        let total = offsets.last().copied().unwrap_or(0);
+        // Unwritten entries stay u32::MAX, which no selection can hold.
+        let mut tokens = self.stream.clone_htod(&vec![u32::MAX; total.max(1)])?;
+        let max_cand = candidates.iter().copied().max().unwrap_or(0).max(0) as usize;
+        if queries == 0 {
+            return Ok(DeviceSelections { tokens, offsets });
+        }
+        let s = &self.stream;
+        let d_cand = s.clone_htod(&candidates)?;
+        let d_vis = s.clone_htod(&visible)?;
+        let out_off: Vec<i64> = offsets[..queries].iter().map(|&o| o as i64).collect();
+        let d_off = s.clone_htod(&out_off)?;
+        let mut scores = self.alloc_f32(queries * max_cand)?;
+        let (heads_i, dim_i, max_i) = (heads as i32, dim as i32, max_cand as i32);
+        let scale = (dim as f32).powf(-0.5);
+        if max_cand > 0 {
+            let mut b = s.launch_builder(self.kernel("dsa_scores"));
+            b.arg(q)
+                .arg(weights)
+                .arg(pool_keys)
+                .arg(&d_cand)
+                .arg(&heads_i)
+                .arg(&dim_i)
+                .arg(&scale)
+                .arg(&max_i)
+                .arg(&mut scores);
+            let warps = ATTN_BLOCK / 32;
+            let cfg = LaunchConfig {
+                grid_dim: ((max_cand as u32).div_ceil(warps), queries as u32, 1),
+                block_dim: (ATTN_BLOCK, 1, 1),
+                shared_mem_bytes: 0,
+            };
+            // SAFETY: one warp per (pool < candidates[b] <= pools, query b); q, weights and
+            // pool_keys were checked to hold those rows, scores has max_cand per query.
+            unsafe { b.launch(cfg) }?;
+        }
+        let (budget_i, kpool_i, tail_i) = ((topk / kpool) as i32, kpool as i32, select_tail as i32);
+        let mut b = s.launch_builder(self.kernel("dsa_topk_tokens"));
+        b.arg(&scores)
+            .arg(&d_cand)
+            .arg(&d_vis)
+            .arg(&d_off)
+            .arg(&max_i)
+            .arg(&budget_i)
+            .arg(&kpool_i)
+            .arg(&tail_i)
+            .arg(&mut tokens);
+        let cfg = LaunchConfig {
+            grid_dim: (queries as u32, 1, 1),
+            block_dim: (ATTN_BLOCK, 1, 1),
+            shared_mem_bytes: 0,
+        };
+        // SAFETY: one block per query; it writes exactly the `count` tokens of its range
+        // [offsets[b], offsets[b + 1]) computed above with the kernel's own formula.
+        unsafe { b.launch(cfg) }?;
+        Ok(DeviceSelections { tokens, offsets })
+    }
+}
+
+/// cudarc cannot allocate zero elements; an empty host list uploads as one unused value.
+fn flat_or_one<T: Default>(mut v: Vec<T>) -> Vec<T> {
+    if v.is_empty() {
+        v.push(T::default());
+    }
+    v
+}
