@@ -42,7 +42,8 @@ pub const WAITING_REQUESTS: &str = "glmflash_waiting_requests";
 pub const KV_TOKENS_USED: &str = "glmflash_kv_tokens_used";
 /// KV cache tokens available.
 pub const KV_TOKENS_CAPACITY: &str = "glmflash_kv_tokens_capacity";
-/// Memory by `kind` (`vram_used` | `vram_total` | `pinned_ram` | `cgroup_limit` | `memlock_limit`).
+/// Memory by `kind` (`vram_used` | `vram_total` | `pinned_ram` | `registered_ram` (of the pinned,
+/// registered with CUDA) | `cgroup_limit` | `memlock_limit`).
 pub const MEMORY_BYTES: &str = "glmflash_memory_bytes";
 /// Failures to pin (mlock / cudaHostRegister) RAM tier memory.
 pub const PIN_FAILURES_TOTAL: &str = "glmflash_pin_failures_total";

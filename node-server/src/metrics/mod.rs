@@ -54,7 +54,8 @@ pub const NVME_READ_ERRORS_TOTAL: &str = "glmflash_nvme_read_errors_total";
 pub const PREFETCH_TOTAL: &str = "glmflash_prefetch_total";
 /// Experts computed on the CPU lane (decode picks served in place from RAM).
 pub const CPU_LANE_EXPERTS_TOTAL: &str = "glmflash_cpu_lane_experts_total";
-/// Memory by `kind` (`vram_used` | `vram_total` | `pinned_ram` | `cgroup_limit` | `memlock_limit`).
+/// Memory by `kind` (`vram_used` | `vram_total` | `pinned_ram` | `registered_ram` (of the pinned,
+/// registered with CUDA) | `cgroup_limit` | `memlock_limit`).
 pub const MEMORY_BYTES: &str = "glmflash_memory_bytes";
 /// Failures to pin (mlock) RAM-tier memory.
 pub const PIN_FAILURES_TOTAL: &str = "glmflash_pin_failures_total";

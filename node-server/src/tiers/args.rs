@@ -176,6 +176,10 @@ pub fn metrics_snapshot(tiers: &TieredExperts) -> crate::metrics::TierSnapshot {
     let mut memory = vec![("pinned_ram", tiers.pins.pinned())];
     let gpu = tiers.gpu_stats();
     if let Some(g) = &gpu {
+        memory.push((
+            "registered_ram",
+            tiers.pins.registered_bytes.load(Ordering::Relaxed),
+        ));
         memory.push(("vram_used", g.vram_used));
         memory.push(("vram_total", g.vram_total));
     }

@@ -2,6 +2,10 @@
 //! resident and unlocked when it leaves the tier, so the kernel never pages the tier out (and,
 //! with CUDA, so host-to-device copies can come straight from it).
 //!
+//! With a GPU the tier registers the buffers with CUDA instead ([`HostRegistrar`]): the
+//! driver page-locks them and maps them for DMA, so host-to-device copies of RAM residents
+//! need no bounce buffer and run asynchronously. Where registration is refused, mlock is used.
+//!
 //! Pinning is best effort: when RLIMIT_MEMLOCK (or a missing CAP_IPC_LOCK) refuses it, the
 //! expert stays resident unpinned, the failure is counted and one warning says what to change.
 
@@ -11,19 +15,46 @@ use crate::model::mlp::SwiGlu;
 use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 
+/// Page-locks host buffers for a device's DMA (CUDA host registration).
+pub trait HostRegistrar: Send + Sync {
+    /// Registers every span, or none (returns false).
+    fn register(&self, spans: &[(usize, usize)]) -> bool;
+    /// The spans' owner is leaving the RAM tier: unregister them once no copy from them can
+    /// be in flight, keeping `owner` (and so the memory) alive until then.
+    fn release(&self, spans: Vec<(usize, usize)>, owner: Arc<SwiGlu>);
+}
+
 /// Pinned bytes now, and refusals so far.
-#[derive(Debug, Default)]
+#[derive(Default)]
 pub struct PinStats {
     pub pinned_bytes: AtomicU64,
+    /// Of `pinned_bytes`, those registered with the GPU.
+    pub registered_bytes: AtomicU64,
     pub failures: AtomicU64,
     warned: AtomicBool,
     /// Pinning turned off (`--no-pin`): nothing is locked, nothing is counted as failed.
     pub disabled: AtomicBool,
+    registrar: std::sync::OnceLock<Arc<dyn HostRegistrar>>,
+}
+
+impl std::fmt::Debug for PinStats {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("PinStats")
+            .field("pinned_bytes", &self.pinned_bytes)
+            .field("registered_bytes", &self.registered_bytes)
+            .field("failures", &self.failures)
+            .finish()
+    }
 }
 
 impl PinStats {
     pub fn pinned(&self) -> u64 {
         self.pinned_bytes.load(Ordering::Relaxed)
+    }
+
+    /// From now on residents are registered with `registrar` (once; later calls are ignored).
+    pub fn set_registrar(&self, registrar: Arc<dyn HostRegistrar>) {
+        let _ = self.registrar.set(registrar);
     }
 }
 
@@ -31,13 +62,40 @@ impl PinStats {
 pub struct Pinned {
     weights: Arc<SwiGlu>,
     locked: Vec<(usize, usize)>,
+    /// Whether `locked` was registered with the GPU rather than mlocked.
+    registered: bool,
     stats: Arc<PinStats>,
 }
 
 impl Pinned {
-    /// Locks the expert's weight bytes (each of its three buffers); on refusal keeps it unpinned.
+    /// Locks the expert's weight bytes (each of its three buffers): registered with the GPU
+    /// when there is a registrar, else mlocked; on refusal keeps it unpinned.
     pub fn new(weights: Arc<SwiGlu>, stats: &Arc<PinStats>) -> Pinned {
         let mut locked = Vec::with_capacity(3);
+        let spans: Vec<(usize, usize)> = weights
+            .storage_spans()
+            .iter()
+            .filter(|s| s.1 > 0)
+            .map(|&(p, l)| (p as usize, l))
+            .collect();
+        if !stats.disabled.load(Ordering::Relaxed)
+            && let Some(r) = stats.registrar.get()
+            && r.register(&spans)
+        {
+            let bytes: usize = spans.iter().map(|s| s.1).sum();
+            stats
+                .pinned_bytes
+                .fetch_add(bytes as u64, Ordering::Relaxed);
+            stats
+                .registered_bytes
+                .fetch_add(bytes as u64, Ordering::Relaxed);
+            return Pinned {
+                weights,
+                locked: spans,
+                registered: true,
+                stats: stats.clone(),
+            };
+        }
         if !stats.disabled.load(Ordering::Relaxed) {
             for (ptr, len) in weights.storage_spans() {
                 if len == 0 {
@@ -76,6 +134,7 @@ impl Pinned {
         Pinned {
             weights,
             locked,
+            registered: false,
             stats: stats.clone(),
         }
     }
@@ -97,17 +156,25 @@ impl Pinned {
 
 impl Drop for Pinned {
     fn drop(&mut self) {
-        let mut bytes = 0;
+        let bytes: usize = self.locked.iter().map(|l| l.1).sum();
+        self.stats
+            .pinned_bytes
+            .fetch_sub(bytes as u64, Ordering::Relaxed);
+        if self.registered {
+            self.stats
+                .registered_bytes
+                .fetch_sub(bytes as u64, Ordering::Relaxed);
+            if let Some(r) = self.stats.registrar.get() {
+                r.release(std::mem::take(&mut self.locked), self.weights.clone());
+            }
+            return;
+        }
         for &(ptr, len) in &self.locked {
             // SAFETY: the range was locked by `new` and `self.weights` still owns it. A page
             // shared with another pinned buffer is unlocked too (mlock does not nest); the
             // experts' buffers are megabytes, so at most their edge pages are affected.
             unsafe { libc::munlock(ptr as *const libc::c_void, len) };
-            bytes += len;
         }
-        self.stats
-            .pinned_bytes
-            .fetch_sub(bytes as u64, Ordering::Relaxed);
     }
 }
 

@@ -300,13 +300,19 @@ impl TieredExperts {
         let sample = self.source.load(first, 0)?;
         // Staging carries one layer's non-resident picks per round: a decode step's worth.
         let staging = 16;
-        self.gpu = Some(Mutex::new(super::vram::GpuTier::new(
-            cuda,
-            &sample,
-            moe_layers,
-            self.device_slots,
-            staging,
-        )?));
+        let gpu = super::vram::GpuTier::new(cuda, &sample, moe_layers, self.device_slots, staging)?;
+        // RAM residents from now on are registered with CUDA; re-pin those loaded already.
+        self.pins.set_registrar(gpu.registrar.clone());
+        if !self.pins.disabled.load(Ordering::Relaxed) {
+            for layer in &self.shared.layers {
+                let mut l = layer.lock().unwrap_or_else(|e| e.into_inner());
+                for pinned in l.ram.values_mut() {
+                    let w = pinned.weights().clone();
+                    *pinned = Pinned::new(w, &self.pins);
+                }
+            }
+        }
+        self.gpu = Some(Mutex::new(gpu));
         Ok(self)
     }
 
@@ -320,11 +326,12 @@ impl TieredExperts {
     pub fn gpu_summary(&self) -> Option<String> {
         let g = self.gpu.as_ref()?.lock().unwrap_or_else(|e| e.into_inner());
         Some(format!(
-            "gpu ({}): {} picks on the GPU, {} on the CPU lane, {} MiB host->device",
+            "gpu ({}): {} picks on the GPU, {} on the CPU lane, {} MiB host->device, {} MiB of RAM residents registered with CUDA",
             g.cuda().describe(),
             g.gpu_picks,
             g.cpu_picks,
-            g.h2d_bytes >> 20
+            g.h2d_bytes >> 20,
+            self.pins.registered_bytes.load(Ordering::Relaxed) >> 20
         ))
     }
 

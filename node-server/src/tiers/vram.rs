@@ -3,6 +3,7 @@
 //!
 //! [`VramExperts`] holds every routed expert in VRAM (the "all in VRAM" ceiling, and the
 //! untiered GPU run that `nvme-exact` must match bit for bit).
+#![allow(unsafe_code)] // CUDA host registration of RAM residents; each block says why it holds
 
 use super::provider::ExpertSource;
 use crate::backend::cuda::{Cuda, MoeLayout, MoeStep, SlotArena};
@@ -49,12 +50,14 @@ pub fn write_slot(
             arena.layout
         );
     }
+    // From the expert's own storage: a RAM resident registered with CUDA is copied by DMA
+    // without a bounce buffer (asynchronously; see `CudaRegistrar` for the lifetime rule).
     arena.write(
         cuda,
         slot,
-        &expert.gate.to_bytes(),
-        &expert.up.to_bytes(),
-        &expert.down.to_bytes(),
+        &expert.gate.as_bytes(),
+        &expert.up.as_bytes(),
+        &expert.down.as_bytes(),
     )?;
     Ok(())
 }
@@ -217,6 +220,89 @@ pub enum Lane {
     GpuOnly,
 }
 
+/// Registers RAM residents with CUDA ([`super::pin::HostRegistrar`]). A copy from registered
+/// memory is asynchronous, so unregistering waits: a released resident (and its memory) is
+/// kept until [`CudaRegistrar::drain`], which the GPU tier runs before its next copies, with
+/// the stream synchronised first so no copy from it can still be in flight.
+/// A released resident's registered spans (pointer, length), and the expert owning them.
+type Released = (Vec<(usize, usize)>, Arc<SwiGlu>);
+
+pub struct CudaRegistrar {
+    cuda: Arc<Cuda>,
+    pending: Mutex<Vec<Released>>,
+    refused: std::sync::atomic::AtomicBool,
+}
+
+impl CudaRegistrar {
+    pub fn new(cuda: Arc<Cuda>) -> CudaRegistrar {
+        CudaRegistrar {
+            cuda,
+            pending: Mutex::new(Vec::new()),
+            refused: Default::default(),
+        }
+    }
+
+    /// Unregisters the released residents (after synchronising the stream).
+    pub fn drain(&self) -> anyhow::Result<()> {
+        let pending = std::mem::take(&mut *self.pending.lock().unwrap_or_else(|e| e.into_inner()));
+        if pending.is_empty() {
+            return Ok(());
+        }
+        self.cuda.synchronize()?;
+        for (spans, _owner) in pending {
+            for (ptr, _) in spans {
+                // SAFETY: registered by `register`; the stream is idle, so no copy reads it.
+                if let Err(e) = unsafe { self.cuda.unregister_host(ptr as *const u8) } {
+                    tracing::warn!(error = %e, "cuMemHostUnregister failed");
+                }
+            }
+        }
+        Ok(())
+    }
+}
+
+impl super::pin::HostRegistrar for CudaRegistrar {
+    fn register(&self, spans: &[(usize, usize)]) -> bool {
+        let mut done = Vec::with_capacity(spans.len());
+        for &(ptr, len) in spans {
+            // SAFETY: the spans are the buffers of an expert that the `Pinned` holding it keeps
+            // alive; `release` hands it to `pending` until `drain` unregisters it.
+            match unsafe { self.cuda.register_host(ptr as *const u8, len) } {
+                Ok(()) => done.push(ptr),
+                Err(e) => {
+                    for p in done {
+                        // SAFETY: registered just above, never copied from yet.
+                        let _ = unsafe { self.cuda.unregister_host(p as *const u8) };
+                    }
+                    if !self
+                        .refused
+                        .swap(true, std::sync::atomic::Ordering::Relaxed)
+                    {
+                        tracing::info!(error = %e, "CUDA host registration refused for a RAM resident (buffers sharing a page, or a driver limit); such residents are mlocked instead");
+                    }
+                    return false;
+                }
+            }
+        }
+        true
+    }
+
+    fn release(&self, spans: Vec<(usize, usize)>, owner: Arc<SwiGlu>) {
+        self.pending
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .push((spans, owner));
+    }
+}
+
+impl Drop for CudaRegistrar {
+    fn drop(&mut self) {
+        if let Err(e) = self.drain() {
+            tracing::warn!(error = %e, "unregistering the RAM tier from CUDA failed");
+        }
+    }
+}
+
 /// The device tier of [`super::provider::TieredExperts`] on a GPU: the device residents of
 /// every MoE layer in slots of one arena (`per_layer` slots each), plus `staging` slots that
 /// carry non-resident experts to the kernel in `exact` modes and in prefill.
@@ -225,6 +311,8 @@ pub enum Lane {
 /// slots match them (freeing the slots of experts that left, writing the ones that came).
 pub struct GpuTier {
     cuda: Arc<Cuda>,
+    /// RAM residents registered with CUDA; drained before each round of copies.
+    pub registrar: Arc<CudaRegistrar>,
     arena: SlotArena,
     per_layer: usize,
     /// First slot of each layer's block (by layer index; dense layers have none).
@@ -301,6 +389,7 @@ impl GpuTier {
             "VRAM tier allocated"
         );
         Ok(GpuTier {
+            registrar: Arc::new(CudaRegistrar::new(cuda.clone())),
             cuda,
             arena,
             per_layer,
@@ -325,6 +414,7 @@ impl GpuTier {
         let Some(base) = self.base[layer] else {
             return Ok(());
         };
+        self.registrar.drain()?;
         let map = &mut self.slot_of[layer];
         map.retain(|e, _| residents.iter().any(|(r, _)| r == e));
         for (e, w) in residents {
@@ -359,6 +449,7 @@ impl GpuTier {
         out: &mut [f32],
     ) -> anyhow::Result<()> {
         use rayon::prelude::*;
+        self.registrar.drain()?;
         self.steps += 1;
         let sampled = self.steps % STEP_SAMPLE == 1;
         if sampled {

@@ -153,6 +153,15 @@ impl Matrix {
         }
     }
 
+    /// As [`Matrix::to_bytes`], borrowing the storage where it already is those bytes (every
+    /// format but f32), so a copy to the GPU reads the resident (possibly registered) pages.
+    pub fn as_bytes(&self) -> std::borrow::Cow<'_, [u8]> {
+        match &self.data {
+            Data::F32(_) => std::borrow::Cow::Owned(self.to_bytes()),
+            Data::Packed(b) => std::borrow::Cow::Borrowed(b),
+        }
+    }
+
     /// The rows encoded in this matrix's format, concatenated.
     pub fn to_bytes(&self) -> Vec<u8> {
         match &self.data {

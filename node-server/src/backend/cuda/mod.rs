@@ -176,6 +176,38 @@ impl Cuda {
         Ok(bytes as f64 / best)
     }
 
+    /// Page-locks `len` bytes at `ptr` and maps them for the device (cuMemHostRegister), so
+    /// copies from them are DMA without a bounce buffer and asynchronous to the host.
+    ///
+    /// # Safety
+    /// `ptr..ptr+len` must be one live allocation that stays allocated until
+    /// [`Cuda::unregister_host`] is called for `ptr`, and after any copy from it has finished.
+    pub unsafe fn register_host(&self, ptr: *const u8, len: usize) -> Result<(), CudaError> {
+        self.ctx.bind_to_thread()?;
+        // SAFETY: the caller keeps the range allocated while registered.
+        unsafe {
+            cudarc::driver::sys::cuMemHostRegister_v2(
+                ptr as *mut std::ffi::c_void,
+                len,
+                cudarc::driver::sys::CU_MEMHOSTREGISTER_PORTABLE,
+            )
+        }
+        .result()?;
+        Ok(())
+    }
+
+    /// Undoes [`Cuda::register_host`] for `ptr`.
+    ///
+    /// # Safety
+    /// No copy from the range may still be in flight.
+    pub unsafe fn unregister_host(&self, ptr: *const u8) -> Result<(), CudaError> {
+        self.ctx.bind_to_thread()?;
+        // SAFETY: registered by `register_host`; the caller has drained copies from it.
+        unsafe { cudarc::driver::sys::cuMemHostUnregister(ptr as *mut std::ffi::c_void) }
+            .result()?;
+        Ok(())
+    }
+
     pub fn stream(&self) -> &Arc<CudaStream> {
         &self.stream
     }
