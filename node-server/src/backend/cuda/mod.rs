@@ -203,8 +203,13 @@ impl Cuda {
     pub unsafe fn unregister_host(&self, ptr: *const u8) -> Result<(), CudaError> {
         self.ctx.bind_to_thread()?;
         // SAFETY: registered by `register_host`; the caller has drained copies from it.
-        unsafe { cudarc::driver::sys::cuMemHostUnregister(ptr as *mut std::ffi::c_void) }
-            .result()?;
+        let r = unsafe { cudarc::driver::sys::cuMemHostUnregister(ptr as *mut std::ffi::c_void) };
+        // At process exit the driver may be torn down before the last residents drop; it has
+        // released every registration then.
+        if r == cudarc::driver::sys::CUresult::CUDA_ERROR_DEINITIALIZED {
+            return Ok(());
+        }
+        r.result()?;
         Ok(())
     }
 
