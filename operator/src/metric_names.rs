@@ -1,10 +1,38 @@
-//! The glmflash server's metrics contract: every metric name the Grafana dashboard, the
-//! alert rules and the operator's status read, in one place.
+//! The glmflash server's metrics contract: every metric name the server exports and the
+//! Grafana dashboard, the alert rules and the operator's status read, in one place.
 //!
-//! This file has no dependencies on purpose, so glmflash-node's `metrics/` module can
-//! share it (`#[path]` include or a move into a shared crate) and define each metric
-//! under exactly these names. The chart's tests fail when a dashboard query or alert names
-//! a metric that is not listed here.
+//! This file has no dependencies on purpose: glmflash-node's `metrics` module includes it
+//! (`#[path]`) and registers each metric under exactly these names, and the operator reads
+//! them here. The chart's tests fail when a dashboard query or alert names a metric that is
+//! not listed here, and the Prometheus test when the server exports one that is not.
+
+/// Requests, labels `endpoint` and `status`.
+pub const REQUESTS_TOTAL: &str = "glmflash_requests_total";
+/// Requests being decoded (admitted into the running batch).
+pub const RUNNING_REQUESTS: &str = "glmflash_running_requests";
+/// Requests queued for admission.
+pub const WAITING_REQUESTS: &str = "glmflash_waiting_requests";
+/// Time to first token histogram (seconds, from submission).
+pub const TIME_TO_FIRST_TOKEN_SECONDS: &str = "glmflash_time_to_first_token_seconds";
+/// Inter-token latency histogram (seconds).
+pub const INTER_TOKEN_LATENCY_SECONDS: &str = "glmflash_inter_token_latency_seconds";
+/// Prompt tokens processed.
+pub const PREFILL_TOKENS_TOTAL: &str = "glmflash_prefill_tokens_total";
+/// Tokens generated.
+pub const DECODE_TOKENS_TOTAL: &str = "glmflash_decode_tokens_total";
+/// Decode speed over the last window (gauge, tokens/s summed over the batch).
+pub const DECODE_TOKENS_PER_SECOND: &str = "glmflash_decode_tokens_per_second";
+/// KV cache tokens in use (tokens held by running sequences' caches).
+pub const KV_TOKENS_USED: &str = "glmflash_kv_tokens_used";
+/// Tokens one sequence's cache can hold within the cache budget.
+pub const KV_TOKENS_CAPACITY: &str = "glmflash_kv_tokens_capacity";
+/// Bytes held by running sequences' caches (every layer type: MLA latents, DSA indexer
+/// keys, KDA state).
+pub const KV_BYTES_USED: &str = "glmflash_kv_bytes_used";
+/// The cache budget in bytes that admission reserves against.
+pub const KV_BYTES_CAPACITY: &str = "glmflash_kv_bytes_capacity";
+/// 1 once the model is loaded and the server accepts requests.
+pub const SERVER_READY: &str = "glmflash_server_ready";
 
 /// Expert lookups, labels `tier` (`vram` | `ram` | `nvme`) and `phase` (`prefill` | `decode`).
 pub const EXPERT_LOOKUPS_TOTAL: &str = "glmflash_expert_lookups_total";
@@ -14,50 +42,25 @@ pub const TIER_RESIDENT_EXPERTS: &str = "glmflash_tier_resident_experts";
 pub const TIER_CAPACITY_EXPERTS: &str = "glmflash_tier_capacity_experts";
 /// Bytes moved between tiers, label `path` (`nvme_to_ram` | `ram_to_vram` | `vram_to_ram`).
 pub const BYTES_MOVED_TOTAL: &str = "glmflash_bytes_moved_total";
-/// NVMe record read latency histogram (seconds).
+/// Store record read latency histogram (seconds).
 pub const NVME_READ_SECONDS: &str = "glmflash_nvme_read_seconds";
-/// Failed NVMe store reads (I/O error or checksum mismatch).
+/// Failed store reads (I/O error or checksum mismatch).
 pub const NVME_READ_ERRORS_TOTAL: &str = "glmflash_nvme_read_errors_total";
-/// Prefetch outcomes, label `outcome` (`hit` | `wasted`).
+/// Layer-ahead prefetch, label `outcome` (`issued` | `hit` | `wasted`).
 pub const PREFETCH_TOTAL: &str = "glmflash_prefetch_total";
-/// Experts computed on the CPU lane.
+/// Experts computed on the CPU lane (decode picks served in place from RAM).
 pub const CPU_LANE_EXPERTS_TOTAL: &str = "glmflash_cpu_lane_experts_total";
-/// Prompt tokens processed.
-pub const PREFILL_TOKENS_TOTAL: &str = "glmflash_prefill_tokens_total";
-/// Tokens generated.
-pub const DECODE_TOKENS_TOTAL: &str = "glmflash_decode_tokens_total";
-/// Decode speed over the last window (gauge).
-pub const DECODE_TOKENS_PER_SECOND: &str = "glmflash_decode_tokens_per_second";
-/// Time to first token histogram (seconds).
-pub const TIME_TO_FIRST_TOKEN_SECONDS: &str = "glmflash_time_to_first_token_seconds";
-/// Inter-token latency histogram (seconds).
-pub const INTER_TOKEN_LATENCY_SECONDS: &str = "glmflash_inter_token_latency_seconds";
-/// Requests, labels `endpoint` and `status`.
-pub const REQUESTS_TOTAL: &str = "glmflash_requests_total";
-/// Requests being decoded.
-pub const RUNNING_REQUESTS: &str = "glmflash_running_requests";
-/// Requests queued.
-pub const WAITING_REQUESTS: &str = "glmflash_waiting_requests";
-/// KV cache tokens in use.
-pub const KV_TOKENS_USED: &str = "glmflash_kv_tokens_used";
-/// KV cache tokens available.
-pub const KV_TOKENS_CAPACITY: &str = "glmflash_kv_tokens_capacity";
 /// Memory by `kind` (`vram_used` | `vram_total` | `pinned_ram` | `registered_ram` (of the pinned,
 /// registered with CUDA) | `cgroup_limit` | `memlock_limit`).
 pub const MEMORY_BYTES: &str = "glmflash_memory_bytes";
-/// Failures to pin (mlock / cudaHostRegister) RAM tier memory.
+/// Failures to pin (mlock) RAM-tier memory.
 pub const PIN_FAILURES_TOTAL: &str = "glmflash_pin_failures_total";
-/// 1 once the model is loaded and the server accepts requests.
-pub const SERVER_READY: &str = "glmflash_server_ready";
-/// KV cache bytes reserved by running sequences.
-pub const KV_BYTES_USED: &str = "glmflash_kv_bytes_used";
-/// KV cache budget in bytes.
-pub const KV_BYTES_CAPACITY: &str = "glmflash_kv_bytes_capacity";
-/// Expert bytes copied host to GPU (VRAM slot writes and staging).
+
+/// Bytes copied host -> GPU for experts (slot writes and staging).
 pub const GPU_H2D_BYTES_TOTAL: &str = "glmflash_gpu_host_to_device_bytes_total";
-/// Routed-expert products, label `lane` (`gpu` | `cpu`).
+/// Routed-expert products by `lane` (`gpu` | `cpu`): the CPU lane's share of the work.
 pub const EXPERT_PRODUCTS_TOTAL: &str = "glmflash_expert_products_total";
-/// Seconds of one MoE layer's expert step on the GPU, sampled (gauge).
+/// Seconds of one MoE layer's expert step on the GPU, sampled every 64th step (synchronised).
 pub const GPU_MOE_STEP_SECONDS: &str = "glmflash_gpu_moe_step_seconds";
 
 /// Every name above.

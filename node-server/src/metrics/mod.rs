@@ -1,7 +1,8 @@
 //! The one metrics registry and every metric name (a contract: DESIGN.md "Metrics: one
 //! contract"; the operator's dashboard and alert rules read the same names).
 //!
-//! Each metric is defined once, here; the API and the engine update them through
+//! Each metric is registered once, here, under a name from the shared contract file
+//! (`operator/src/metric_names.rs`, included below); the API and the engine update them through
 //! [`Metrics`], and `/metrics` renders [`Metrics::render`].
 
 use prometheus::{
@@ -10,62 +11,10 @@ use prometheus::{
 };
 use std::sync::{Arc, Mutex};
 
-/// Requests, labels `endpoint` and `status`.
-pub const REQUESTS_TOTAL: &str = "glmflash_requests_total";
-/// Requests being decoded (admitted into the running batch).
-pub const RUNNING_REQUESTS: &str = "glmflash_running_requests";
-/// Requests queued for admission.
-pub const WAITING_REQUESTS: &str = "glmflash_waiting_requests";
-/// Time to first token histogram (seconds, from submission).
-pub const TIME_TO_FIRST_TOKEN_SECONDS: &str = "glmflash_time_to_first_token_seconds";
-/// Inter-token latency histogram (seconds).
-pub const INTER_TOKEN_LATENCY_SECONDS: &str = "glmflash_inter_token_latency_seconds";
-/// Prompt tokens processed.
-pub const PREFILL_TOKENS_TOTAL: &str = "glmflash_prefill_tokens_total";
-/// Tokens generated.
-pub const DECODE_TOKENS_TOTAL: &str = "glmflash_decode_tokens_total";
-/// Decode speed over the last window (gauge, tokens/s summed over the batch).
-pub const DECODE_TOKENS_PER_SECOND: &str = "glmflash_decode_tokens_per_second";
-/// KV cache tokens in use (tokens held by running sequences' caches).
-pub const KV_TOKENS_USED: &str = "glmflash_kv_tokens_used";
-/// Tokens one sequence's cache can hold within the cache budget.
-pub const KV_TOKENS_CAPACITY: &str = "glmflash_kv_tokens_capacity";
-/// Bytes held by running sequences' caches (every layer type: MLA latents, DSA indexer
-/// keys, KDA state).
-pub const KV_BYTES_USED: &str = "glmflash_kv_bytes_used";
-/// The cache budget in bytes that admission reserves against.
-pub const KV_BYTES_CAPACITY: &str = "glmflash_kv_bytes_capacity";
-/// 1 once the model is loaded and the server accepts requests.
-pub const SERVER_READY: &str = "glmflash_server_ready";
-
-/// Expert lookups, labels `tier` (`vram` | `ram` | `nvme`) and `phase` (`prefill` | `decode`).
-pub const EXPERT_LOOKUPS_TOTAL: &str = "glmflash_expert_lookups_total";
-/// Experts resident in a tier, label `tier`.
-pub const TIER_RESIDENT_EXPERTS: &str = "glmflash_tier_resident_experts";
-/// Expert slots of a tier, label `tier`.
-pub const TIER_CAPACITY_EXPERTS: &str = "glmflash_tier_capacity_experts";
-/// Bytes moved between tiers, label `path` (`nvme_to_ram` | `ram_to_vram` | `vram_to_ram`).
-pub const BYTES_MOVED_TOTAL: &str = "glmflash_bytes_moved_total";
-/// Store record read latency histogram (seconds).
-pub const NVME_READ_SECONDS: &str = "glmflash_nvme_read_seconds";
-/// Failed store reads (I/O error or checksum mismatch).
-pub const NVME_READ_ERRORS_TOTAL: &str = "glmflash_nvme_read_errors_total";
-/// Layer-ahead prefetch, label `outcome` (`issued` | `hit` | `wasted`).
-pub const PREFETCH_TOTAL: &str = "glmflash_prefetch_total";
-/// Experts computed on the CPU lane (decode picks served in place from RAM).
-pub const CPU_LANE_EXPERTS_TOTAL: &str = "glmflash_cpu_lane_experts_total";
-/// Memory by `kind` (`vram_used` | `vram_total` | `pinned_ram` | `registered_ram` (of the pinned,
-/// registered with CUDA) | `cgroup_limit` | `memlock_limit`).
-pub const MEMORY_BYTES: &str = "glmflash_memory_bytes";
-/// Failures to pin (mlock) RAM-tier memory.
-pub const PIN_FAILURES_TOTAL: &str = "glmflash_pin_failures_total";
-
-/// Bytes copied host -> GPU for experts (slot writes and staging).
-pub const GPU_H2D_BYTES_TOTAL: &str = "glmflash_gpu_host_to_device_bytes_total";
-/// Routed-expert products by `lane` (`gpu` | `cpu`): the CPU lane's share of the work.
-pub const EXPERT_PRODUCTS_TOTAL: &str = "glmflash_expert_products_total";
-/// Seconds of one MoE layer's expert step on the GPU, sampled every 64th step (synchronised).
-pub const GPU_MOE_STEP_SECONDS: &str = "glmflash_gpu_moe_step_seconds";
+// The metric names: one contract file, shared with the operator and its dashboards.
+#[path = "../../../operator/src/metric_names.rs"]
+mod names;
+pub use names::*;
 
 /// The tier metrics, exposed once a tiered model is attached ([`Metrics::attach_tiers`]).
 pub const TIER_METRICS: [&str; 13] = [
