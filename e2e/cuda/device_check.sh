@@ -4,7 +4,8 @@
 #   2. compute-sanitizer memcheck and racecheck over the kernel checks,
 #   3. the whole model with experts on the GPU against the CPU on every fixture, a
 #      the demo model with bf16, q4_k and q8_0 experts (logits + greedy), and against transformers,
-#   4. the kernels' register/spill report for sm_90 (nvcc -Xptxas -v).
+#   4. the GPU metrics a serving process exports (all in VRAM, and tiered),
+#   5. the kernels' register/spill report for sm_90 (nvcc -Xptxas -v).
 # Runs where a prebuilt binary is at $BIN (default .device/glmflash-node) and a GPU exists.
 #   e2e/cuda/device_check.sh [OUTDIR]
 set -uo pipefail
@@ -79,6 +80,17 @@ for fmt in bf16 q4_k; do
   done
   rm -rf "$store"
 done
+
+step "GPU metrics scraped from a serving process: all in VRAM, and tiered (nvme-exact, RAM registered with CUDA)"
+store="$(mktemp -d -p "$PWD" .store.XXXX)"
+"$BIN" pack-store --model "$work/demo" --store "$store/s" >/dev/null 2>&1 || { echo "pack-store failed"; fail=1; }
+for args in "" "--mode nvme-exact --store $store/s --vram-slots 2 --ram-slots 8"; do
+  "$BIN" serve --model "$work/demo" --device cuda --host 127.0.0.1 --port 30111 $args > "$work/serve.log" 2>&1 &
+  pid=$!
+  python3 e2e/cuda/scrape_gpu_metrics.py --url http://127.0.0.1:30111 --name "serve ${args:-(all in VRAM)}" ${args:+--registered} || { fail=1; tail -5 "$work/serve.log"; }
+  kill -TERM $pid; wait $pid 2>/dev/null
+done
+rm -rf "$store"
 
 step "speed: the same random model on the CPU (16 cores) and on the GPU"
 for dev in cpu cuda; do

@@ -85,7 +85,7 @@ fn measure(dir: &std::path::Path, args: &BenchArgs) -> anyhow::Result<serde_json
     let model = match &device {
         crate::backend::Device::Cpu => Model::load(dir)?,
         crate::backend::Device::Cuda(cuda) => {
-            crate::tiers::vram::load_model_on_gpu(dir, cuda.clone())?
+            crate::tiers::vram::load_model_on_gpu(dir, cuda.clone())?.0
         }
     };
     let cfg = &model.cfg;

@@ -200,6 +200,13 @@ pub const AGING_PERIOD: u64 = 4096;
 impl ModelArgs {
     /// The model with its experts served as the flags ask (untiered when no --mode).
     pub fn load(&self) -> anyhow::Result<(Model, Option<Arc<TieredExperts>>)> {
+        let (model, tiers, _) = self.load_serving()?;
+        Ok((model, tiers))
+    }
+
+    /// As [`ModelArgs::load`], also giving the all-in-VRAM experts (`--device cuda` without
+    /// `--mode`) whose counters the metrics registry reads.
+    pub fn load_serving(&self) -> anyhow::Result<LoadedModel> {
         crate::tiers::args::log_cpu_lane();
         let device = self.device.open()?;
         if let Device::Cuda(cuda) = &device {
@@ -209,11 +216,11 @@ impl ModelArgs {
         let moe = cfg.moe_layers();
         let Some(mode) = self.mode else {
             return match device {
-                Device::Cpu => Ok((Model::load(&self.model)?, None)),
-                Device::Cuda(cuda) => Ok((
-                    crate::tiers::vram::load_model_on_gpu(&self.model, cuda)?,
-                    None,
-                )),
+                Device::Cpu => Ok((Model::load(&self.model)?, None, None)),
+                Device::Cuda(cuda) => {
+                    let (model, vram) = crate::tiers::vram::load_model_on_gpu(&self.model, cuda)?;
+                    Ok((model, None, Some(vram)))
+                }
             };
         };
         let source: Arc<dyn ExpertSource> = match &self.store {
@@ -292,9 +299,17 @@ impl ModelArgs {
                 crate::tiers::vram::load_dense_on_gpu(&self.model, tiers.clone(), cuda)?
             }
         };
-        Ok((model, Some(tiers)))
+        Ok((model, Some(tiers), None))
     }
 }
+
+/// A model, its expert tiers (with `--mode`) and its all-in-VRAM experts (`--device cuda`
+/// without `--mode`).
+pub type LoadedModel = (
+    Model,
+    Option<Arc<TieredExperts>>,
+    Option<Arc<crate::tiers::vram::VramExperts>>,
+);
 
 /// Refuses a GPU with less free VRAM than `floor_mib`, printing the numbers.
 fn check_vram_floor(cuda: &crate::backend::cuda::Cuda, floor_mib: u64) -> anyhow::Result<()> {

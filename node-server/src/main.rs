@@ -54,12 +54,15 @@ fn run(command: Command) -> anyhow::Result<()> {
                 dir.clone(),
                 serve,
                 Some(Box::new(move |metrics| {
-                    let (loaded, tiers) = model.load()?;
+                    let (loaded, tiers, vram) = model.load_serving()?;
                     if let Some(t) = &tiers {
                         let t = t.clone();
                         metrics.attach_tiers(move || {
                             glmflash_node::tiers::args::metrics_snapshot(&t)
                         })?;
+                    }
+                    if let Some(v) = vram {
+                        metrics.attach_tiers(move || v.metrics_snapshot())?;
                     }
                     *keep.lock().unwrap_or_else(|e| e.into_inner()) = tiers;
                     Ok(loaded)

@@ -69,6 +69,13 @@ pub struct VramExperts {
     limit: f32,
     /// Slot of each (layer, expert); empty for dense layers.
     slots: Vec<Vec<u32>>,
+    /// Picks served, by phase (prefill, decode).
+    picks: [std::sync::atomic::AtomicU64; 2],
+    /// Seconds of the last MoE step (f64 bits; each step ends with the result's download,
+    /// so its wall time is the device time plus the copies).
+    step_seconds: std::sync::atomic::AtomicU64,
+    /// Bytes copied in at load.
+    loaded_bytes: u64,
 }
 
 impl VramExperts {
@@ -136,7 +143,31 @@ impl VramExperts {
             arena: Mutex::new(arena),
             limit: first.limit,
             slots,
+            picks: Default::default(),
+            step_seconds: Default::default(),
+            loaded_bytes: need as u64,
         })
+    }
+
+    /// The metrics registry's view (read at each scrape): every lookup a VRAM hit, every
+    /// product on the GPU, the VRAM in use, the last step's time.
+    pub fn metrics_snapshot(&self) -> crate::metrics::TierSnapshot {
+        use std::sync::atomic::Ordering::Relaxed;
+        let (free, total) = self.cuda.mem_info().unwrap_or((0, 0));
+        let slots = self.slots.iter().map(Vec::len).sum::<usize>() as u64;
+        let [prefill, decode] = [&self.picks[0], &self.picks[1]].map(|c| c.load(Relaxed));
+        crate::metrics::TierSnapshot {
+            lookups: vec![("vram", "prefill", prefill), ("vram", "decode", decode)],
+            residency: vec![("vram", slots, slots)],
+            memory: vec![
+                ("vram_used", (total - free) as u64),
+                ("vram_total", total as u64),
+            ],
+            gpu_h2d_bytes: self.loaded_bytes,
+            expert_products: vec![("gpu", prefill + decode), ("cpu", 0)],
+            gpu_moe_step_seconds: f64::from_bits(self.step_seconds.load(Relaxed)),
+            ..Default::default()
+        }
     }
 }
 
@@ -169,7 +200,15 @@ impl ExpertProvider for VramExperts {
             slots: &slots,
             weights: &routing.weights,
         };
+        let started = std::time::Instant::now();
         let y = self.cuda.moe(&arena.buf, &step, x)?;
+        let secs = started.elapsed().as_secs_f64();
+        use std::sync::atomic::Ordering::Relaxed;
+        self.step_seconds.store(secs.to_bits(), Relaxed);
+        for t in 0..routing.tokens() {
+            let phase = routing.phase(t) == crate::model::moe::Phase::Decode;
+            self.picks[phase as usize].fetch_add(routing.k as u64, Relaxed);
+        }
         out.iter_mut().zip(&y).for_each(|(o, v)| *o += v);
         Ok(())
     }
@@ -180,16 +219,22 @@ impl ExpertProvider for VramExperts {
     }
 }
 
-/// The model in `dir` with every routed expert in VRAM and every dense weight on the GPU.
+/// The model in `dir` with every routed expert in VRAM and every dense weight on the GPU,
+/// and the experts' provider (for its metrics).
 pub fn load_model_on_gpu(
     dir: &std::path::Path,
     cuda: Arc<Cuda>,
-) -> anyhow::Result<crate::model::Model> {
+) -> anyhow::Result<(crate::model::Model, Arc<VramExperts>)> {
     let cfg = crate::model::config::Config::from_file(&dir.join("config.json"))?;
     let moe = cfg.moe_layers();
     let source = super::provider::CheckpointSource::open(dir)?;
-    let vram = VramExperts::load_all(cuda.clone(), &source, &moe, cfg.n_routed_experts)?;
-    load_dense_on_gpu(dir, Arc::new(vram), cuda)
+    let vram = Arc::new(VramExperts::load_all(
+        cuda.clone(),
+        &source,
+        &moe,
+        cfg.n_routed_experts,
+    )?);
+    Ok((load_dense_on_gpu(dir, vram.clone(), cuda)?, vram))
 }
 
 /// The model in `dir` with every dense weight on the GPU and routed experts from `experts`.
