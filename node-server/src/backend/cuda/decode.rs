@@ -18,8 +18,9 @@
 //!   [`ExpertProvider`] on host rows (one row down, one row up per MoE layer), the shared
 //!   expert on the device. Dense layers on the device.
 //!
-//! Scratch buffers are allocated per op (the stream-ordered allocator recycles them); a
-//! preallocated arena and graph capture come after this path is proved.
+//! Scratch buffers are allocated per op and small uploads (selection offsets, routing) go
+//! per launch; a preallocated arena, fused launches and graph capture come after this path
+//! is proved against the CPU (cuda-check's decode cases). Not wired into serving yet.
 //!
 //! This module reads model types (it is the bridge from a loaded model to the kernels), which
 //! the rest of `backend::cuda` does not.
@@ -308,10 +309,6 @@ impl<'m> GpuDecoder<'m> {
         })
     }
 
-    pub fn cuda(&self) -> &Arc<Cuda> {
-        &self.cuda
-    }
-
     /// A sequence's caches on the device, from its CPU cache (after a CPU prefill).
     pub fn sequence(&self, cache: &SeqCache) -> anyhow::Result<GpuSeq> {
         let cuda = &*self.cuda;
@@ -413,7 +410,8 @@ impl<'m> GpuDecoder<'m> {
         })
     }
 
-    /// Feeds `token` to `seq` and returns the next token's logits (`[vocab]`).
+    /// Feeds `token` to `seq` and returns the next token's logits (`[vocab]`). After an
+    /// error `seq` may hold some layers' caches advanced and others not: drop it.
     pub fn step(&self, seq: &mut GpuSeq, token: u32) -> anyhow::Result<Vec<f32>> {
         let cuda = &*self.cuda;
         let cfg = &self.model.cfg;
