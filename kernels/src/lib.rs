@@ -43,6 +43,19 @@ pub const SOURCES: &[(&str, &str, &[&str])] = &[
         include_str!("../cuda/dsa.cu"),
         &["dsa_pool_keys", "dsa_scores", "dsa_topk_tokens"],
     ),
+    (
+        "decode.cu",
+        include_str!("../cuda/decode.cu"),
+        &[
+            "kda_gates",
+            "layer_norm",
+            "scale_values",
+            "add_values",
+            "mla_absorb_q",
+            "mla_absorb_out",
+            "stream_mean",
+        ],
+    ),
 ];
 
 const INCLUDE: &str = "#include \"common.cuh\"";

@@ -7,17 +7,21 @@ use crate::backend::AttnLayout;
 use crate::backend::cpu::Placer;
 use crate::backend::cpu::{Matrix, ops};
 use crate::backend::cuda::attn::DsaSpec;
+use crate::backend::cuda::decode::GpuDecoder;
 use crate::backend::cuda::matrix::CudaPlacer;
 use crate::backend::cuda::{
     Cuda, KdaSpec, MhcCollapse, MhcSpec, MoeLayout, MoeStep, RouteSpec, SlotArena,
 };
+use crate::model::checkpoint::DType;
 use crate::model::config::Config;
 use crate::model::dsa::{pool_key, pool_scores, select_tokens};
+use crate::model::glm5::{LayerCache, Model};
 use crate::model::kda::{self, KdaMode};
 use crate::model::mhc::HyperConnection;
 use crate::model::mla::sparse_attention;
 use crate::model::mlp::{SwiGlu, swiglu};
 use crate::model::moe::{Router, Routing, combine_experts};
+use crate::model::random::{scaled_config, write_random_checkpoint};
 use crate::quant::Format;
 use crate::tiers::vram::write_slot;
 use anyhow::Context;
@@ -107,6 +111,7 @@ pub fn run(args: &CudaCheckArgs) -> anyhow::Result<bool> {
     check_kda(&cuda, &mut rng, &mut cases)?;
     check_mla(&cuda, &mut rng, &mut cases)?;
     check_dsa(&cuda, &mut rng, &mut cases)?;
+    check_decode(&cuda, &mut rng, &mut cases)?;
     println!("{:<52} {:>12} {:>10}  result", "case", "rel err", "bound");
     let mut failed = 0;
     for c in &cases {
@@ -839,6 +844,114 @@ fn check_dsa(cuda: &Cuda, rng: &mut ChaCha8Rng, cases: &mut Vec<Case>) -> anyhow
             format!("{name} select decode"),
             got[..] == want[last..],
         ));
+    }
+    Ok(())
+}
+
+/// Whole-model decode steps on the GPU: bound of the logits against the CPU's after every
+/// step (f32 sums in other orders through every layer).
+const DECODE_BOUND: f64 = 1e-4;
+/// Prompt tokens prefilled on the CPU before the decode steps, and the steps.
+const DECODE_PROMPT: usize = 40;
+const DECODE_STEPS: usize = 8;
+
+/// `GpuDecoder` against `Model::decode_step` from one CPU prefill: a random f32 model with
+/// every layer kind (KDA, MLA with full and shared indexers, dense and MoE; index_topk 16 so
+/// the indexer keeps one of two or three pools) whose weights the decoder uploads itself, then
+/// the demo model (bf16) with its dense weights placed on the GPU, whose copies the decoder
+/// reuses.
+fn check_decode(
+    cuda: &Arc<Cuda>,
+    rng: &mut ChaCha8Rng,
+    cases: &mut Vec<Case>,
+) -> anyhow::Result<()> {
+    let dir = std::env::temp_dir().join(format!("glmflash-decode-check-{}", std::process::id()));
+    let result = (|| -> anyhow::Result<()> {
+        let random = dir.join("random");
+        let mut config = scaled_config(512, 256, 8, 1, 16, 256, 4);
+        config["index_topk"] = serde_json::json!(16);
+        write_random_checkpoint(&random, &config, rng.random(), DType::F32)?;
+        let model = Model::load(&random)?;
+        decode_cases(cuda, &model, "random f32", rng, cases)?;
+
+        let demo = dir.join("demo");
+        crate::demo::make_demo_model(&demo, crate::demo::DEFAULT_SEED)?;
+        let placer = CudaPlacer::new(cuda.clone(), 0)?;
+        let model = Model::load_placed(&demo, None, Some(&placer))?;
+        decode_cases(cuda, &model, "demo bf16 placed", rng, cases)
+    })();
+    let _ = std::fs::remove_dir_all(&dir);
+    result
+}
+
+fn decode_cases(
+    cuda: &Arc<Cuda>,
+    model: &Model,
+    name: &str,
+    rng: &mut ChaCha8Rng,
+    cases: &mut Vec<Case>,
+) -> anyhow::Result<()> {
+    let vocab = model.cfg.vocab_size as u32;
+    let prompt: Vec<u32> = (0..DECODE_PROMPT)
+        .map(|_| rng.random_range(0..vocab))
+        .collect();
+    let (logits, mut cpu_cache) = model.prefill(&prompt)?;
+    let decoder = GpuDecoder::new(cuda, model)?;
+    let mut seq = decoder.sequence(&cpu_cache)?;
+    let mut next = ops::argmax(&logits) as u32;
+    for step in 0..DECODE_STEPS {
+        let want = model.decode_step(next, &mut cpu_cache)?;
+        let got = decoder.step(&mut seq, next)?;
+        let label = format!("decode {name} step {step}");
+        cases.push(case(format!("{label} logits"), &got, &want, DECODE_BOUND));
+        let (g, w) = (ops::argmax(&got), ops::argmax(&want));
+        cases.push(exact_case(format!("{label} greedy token"), g == w));
+        next = w as u32;
+    }
+    let gpu_cache = decoder.to_host(&seq)?;
+    cases.push(exact_case(
+        format!("decode {name} cache length"),
+        gpu_cache.len == cpu_cache.len,
+    ));
+    for (li, (g, w)) in gpu_cache.layers.iter().zip(&cpu_cache.layers).enumerate() {
+        let label = format!("decode {name} layer {li}");
+        match (g, w) {
+            (LayerCache::Kda(g), LayerCache::Kda(w)) => {
+                cases.push(case(
+                    format!("{label} kda conv"),
+                    &g.conv,
+                    &w.conv,
+                    DECODE_BOUND,
+                ));
+                cases.push(case(
+                    format!("{label} kda state"),
+                    &g.recurrent,
+                    &w.recurrent,
+                    DECODE_BOUND,
+                ));
+            }
+            (LayerCache::Mla(g), LayerCache::Mla(w)) => {
+                cases.push(case(
+                    format!("{label} mla latents"),
+                    &g.latents,
+                    &w.latents,
+                    DECODE_BOUND,
+                ));
+                match (&g.indexer, &w.indexer) {
+                    (Some(g), Some(w)) => cases.push(case(
+                        format!("{label} indexer pool keys"),
+                        &g.pool_keys,
+                        &w.pool_keys,
+                        DECODE_BOUND,
+                    )),
+                    (g, w) => cases.push(exact_case(
+                        format!("{label} indexer presence"),
+                        g.is_some() == w.is_some(),
+                    )),
+                }
+            }
+            _ => cases.push(exact_case(format!("{label} cache kind"), false)),
+        }
     }
     Ok(())
 }

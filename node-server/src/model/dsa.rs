@@ -11,22 +11,22 @@ use super::config::Config;
 use super::loader::{LoadError, Loader};
 use crate::backend::cpu::{Matrix, ops};
 
-const K_NORM_EPS: f32 = 1e-6;
+pub(crate) const K_NORM_EPS: f32 = 1e-6;
 
 pub struct Indexer {
-    wq_b: Matrix,
-    wk: Matrix,
-    k_norm_weight: Vec<f32>,
-    k_norm_bias: Vec<f32>,
-    weights_proj: Matrix,
+    pub(crate) wq_b: Matrix,
+    pub(crate) wk: Matrix,
+    pub(crate) k_norm_weight: Vec<f32>,
+    pub(crate) k_norm_bias: Vec<f32>,
+    pub(crate) weights_proj: Matrix,
     /// `[kpool, Di]`
-    ape: Vec<f32>,
-    gate: Matrix,
-    heads: usize,
-    dim: usize,
-    kpool: usize,
-    topk: usize,
-    select_tail: bool,
+    pub(crate) ape: Vec<f32>,
+    pub(crate) gate: Matrix,
+    pub(crate) heads: usize,
+    pub(crate) dim: usize,
+    pub(crate) kpool: usize,
+    pub(crate) topk: usize,
+    pub(crate) select_tail: bool,
 }
 
 /// What the indexer keeps per sequence: per-token keys and gate scores, and the keys of the

@@ -30,10 +30,10 @@ pub enum FeedForward {
 }
 
 pub struct Layer {
-    attn_hc: HyperConnection,
-    ffn_hc: HyperConnection,
-    input_norm: Vec<f32>,
-    post_attention_norm: Vec<f32>,
+    pub(crate) attn_hc: HyperConnection,
+    pub(crate) ffn_hc: HyperConnection,
+    pub(crate) input_norm: Vec<f32>,
+    pub(crate) post_attention_norm: Vec<f32>,
     pub attention: Attention,
     pub feed_forward: FeedForward,
 }
@@ -106,10 +106,10 @@ impl Default for ForwardOptions {
 
 pub struct Model {
     pub cfg: Config,
-    embed: Matrix,
+    pub(crate) embed: Matrix,
     pub layers: Vec<Layer>,
-    norm: Vec<f32>,
-    lm_head: Matrix,
+    pub(crate) norm: Vec<f32>,
+    pub(crate) lm_head: Matrix,
     experts: Arc<dyn ExpertProvider>,
     pub options: ForwardOptions,
     /// Bytes of every weight but the routed experts, as stored in the checkpoint.

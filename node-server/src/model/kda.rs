@@ -16,25 +16,25 @@ pub const CHUNK: usize = 64;
 pub(crate) const L2_EPS: f32 = 1e-6;
 
 pub struct Kda {
-    q_proj: Matrix,
-    k_proj: Matrix,
-    v_proj: Matrix,
+    pub(crate) q_proj: Matrix,
+    pub(crate) k_proj: Matrix,
+    pub(crate) v_proj: Matrix,
     /// `[3C, K]`: depthwise conv taps over the concatenated q|k|v channels.
-    conv: Vec<f32>,
-    f_a: Matrix,
-    f_b: Matrix,
-    dt_bias: Vec<f32>,
-    a_log: Vec<f32>,
-    b_proj: Matrix,
-    g_a: Matrix,
-    g_b: Matrix,
-    o_norm: Vec<f32>,
-    o_proj: Matrix,
-    heads: usize,
-    head_dim: usize,
-    kernel: usize,
-    lower_bound: Option<f32>,
-    eps: f32,
+    pub(crate) conv: Vec<f32>,
+    pub(crate) f_a: Matrix,
+    pub(crate) f_b: Matrix,
+    pub(crate) dt_bias: Vec<f32>,
+    pub(crate) a_log: Vec<f32>,
+    pub(crate) b_proj: Matrix,
+    pub(crate) g_a: Matrix,
+    pub(crate) g_b: Matrix,
+    pub(crate) o_norm: Vec<f32>,
+    pub(crate) o_proj: Matrix,
+    pub(crate) heads: usize,
+    pub(crate) head_dim: usize,
+    pub(crate) kernel: usize,
+    pub(crate) lower_bound: Option<f32>,
+    pub(crate) eps: f32,
 }
 
 /// Per-sequence KDA state: the last `K - 1` conv inputs and the recurrent state.

@@ -8,14 +8,14 @@ use crate::backend::cpu::{Matrix, ops};
 
 pub struct HyperConnection {
     /// `[(2 + N) N, N D]`: the projection to pre, post and comb logits.
-    proj: Matrix,
-    base: Vec<f32>,
-    scale: [f32; 3],
-    streams: usize,
-    hidden: usize,
-    hc_eps: f32,
-    norm_eps: f32,
-    sinkhorn_iters: usize,
+    pub(crate) proj: Matrix,
+    pub(crate) base: Vec<f32>,
+    pub(crate) scale: [f32; 3],
+    pub(crate) streams: usize,
+    pub(crate) hidden: usize,
+    pub(crate) hc_eps: f32,
+    pub(crate) norm_eps: f32,
+    pub(crate) sinkhorn_iters: usize,
 }
 
 /// Per-token stream weights a sublayer's output is written back with.

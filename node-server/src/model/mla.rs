@@ -13,19 +13,19 @@ use crate::backend::cpu::{Matrix, ops};
 use rayon::prelude::*;
 
 pub struct Mla {
-    q_a: Matrix,
-    q_a_norm: Vec<f32>,
-    q_b: Matrix,
-    kv_a: Matrix,
-    kv_a_norm: Vec<f32>,
-    kv_b: Matrix,
-    o_proj: Matrix,
+    pub(crate) q_a: Matrix,
+    pub(crate) q_a_norm: Vec<f32>,
+    pub(crate) q_b: Matrix,
+    pub(crate) kv_a: Matrix,
+    pub(crate) kv_a_norm: Vec<f32>,
+    pub(crate) kv_b: Matrix,
+    pub(crate) o_proj: Matrix,
     pub indexer: Option<Indexer>,
-    heads: usize,
-    nope: usize,
-    v_dim: usize,
-    rank: usize,
-    eps: f32,
+    pub(crate) heads: usize,
+    pub(crate) nope: usize,
+    pub(crate) v_dim: usize,
+    pub(crate) rank: usize,
+    pub(crate) eps: f32,
 }
 
 /// Per-sequence MLA cache.

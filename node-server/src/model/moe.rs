@@ -208,14 +208,14 @@ impl ExpertProvider for InMemoryExperts {
 }
 
 pub struct Router {
-    weight: Matrix,
-    bias: Vec<f32>,
-    experts: usize,
-    top_k: usize,
-    groups: usize,
-    topk_groups: usize,
-    normalize: bool,
-    scale: f32,
+    pub(crate) weight: Matrix,
+    pub(crate) bias: Vec<f32>,
+    pub(crate) experts: usize,
+    pub(crate) top_k: usize,
+    pub(crate) groups: usize,
+    pub(crate) topk_groups: usize,
+    pub(crate) normalize: bool,
+    pub(crate) scale: f32,
 }
 
 impl Router {

@@ -15,6 +15,8 @@ pub trait DeviceWeights: Send + Sync {
     fn matmul_into(&self, x: &[f32], n: usize, y: &mut [f32]) -> anyhow::Result<()>;
     /// Device bytes the copy occupies.
     fn bytes(&self) -> usize;
+    /// The concrete copy, for a backend that chains its own kernels on it.
+    fn as_any(&self) -> &dyn std::any::Any;
 }
 
 /// Decides which weight matrices get a device copy as a model loads.
@@ -130,6 +132,11 @@ impl Matrix {
     /// Products of this matrix run on `device` from now on.
     pub fn set_device(&mut self, device: Option<Arc<dyn DeviceWeights>>) {
         self.device = device;
+    }
+
+    /// The device copy products run on, if any.
+    pub fn device(&self) -> Option<&Arc<dyn DeviceWeights>> {
+        self.device.as_ref()
     }
 
     /// Device bytes of this matrix's device copy (0 when it has none).

@@ -51,6 +51,17 @@ impl CudaMatrix {
         })
     }
 
+    /// Whether the copy lives on `cuda` (the same context, so its buffers can be passed to
+    /// that device's kernels).
+    pub(crate) fn is_on(&self, cuda: &Arc<Cuda>) -> bool {
+        Arc::ptr_eq(&self.cuda, cuda)
+    }
+
+    /// The weight bytes in the matrix's own format (what `Cuda::matvec` takes).
+    pub(crate) fn weights(&self) -> &CudaSlice<u8> {
+        &self.w
+    }
+
     fn product(&self, x: &[f32], n: usize) -> Result<Vec<f32>, CudaError> {
         let dx = self.cuda.upload(x)?;
         let mut dy = self.cuda.alloc_f32(n * self.rows)?;
@@ -94,6 +105,10 @@ impl DeviceWeights for CudaMatrix {
 
     fn bytes(&self) -> usize {
         self.w.len() + self.w32.as_ref().map_or(0, |w| w.len() * 4)
+    }
+
+    fn as_any(&self) -> &dyn std::any::Any {
+        self
     }
 }
 

@@ -10,6 +10,7 @@
 use crate::quant::Format;
 
 pub mod attn;
+pub mod decode;
 pub mod matrix;
 mod ops;
 use cudarc::driver::{

@@ -1,0 +1,877 @@
+//! A decode step that keeps one sequence's activations on the GPU: the `hc_mult` residual
+//! streams, every sublayer's intermediates and the sequence's caches (KDA conv and recurrent
+//! states, MLA latents, indexer keys, gates and pool keys) stay in device memory from one
+//! token to the next; only the token's embedding row goes up and the logits come down.
+//!
+//! [`GpuDecoder`] holds device copies of the weights of a loaded [`Model`] (the copy a
+//! weight matrix already carries on this device when it has one, else an upload of its
+//! bytes), and [`GpuSeq`] one sequence's caches, made from a CPU [`SeqCache`] after a CPU
+//! prefill. Every op follows the CPU forward (`model::glm5`) in order of operations:
+//!
+//! - KDA layers: projections, conv, forget gate and beta, the delta rule, the gated norm and
+//!   the output projection all on the device.
+//! - MLA + DSA layers: the absorbed decode path (`Mla::attend_absorbed`) on the device with
+//!   `kv_b` dequantized once to f32 (the values `Matrix::row_f32` gives the CPU path); the
+//!   indexer (keys, pool keys, scores, top pools) on the device; shared-indexer layers reuse
+//!   the last full layer's device selection.
+//! - MoE layers: the router on the device, the routed experts through the model's
+//!   [`ExpertProvider`] on host rows (one row down, one row up per MoE layer), the shared
+//!   expert on the device. Dense layers on the device.
+//!
+//! Scratch buffers are allocated per op and small uploads (selection offsets, routing) go
+//! per launch; a preallocated arena, fused launches and graph capture come after this path
+//! is proved against the CPU (cuda-check's decode cases). Not wired into serving yet.
+//!
+//! This module reads model types (it is the bridge from a loaded model to the kernels), which
+//! the rest of `backend::cuda` does not.
+#![allow(unsafe_code)] // kernel launches; each block says why it holds
+
+use super::attn::{DeviceSelections, DsaSpec};
+use super::matrix::CudaMatrix;
+use super::{Cuda, KdaSpec, MhcCollapse, MhcSpec, RouteSpec, norm_config, rows_config};
+use crate::backend::AttnLayout;
+use crate::backend::cpu::{DeviceWeights, Matrix};
+use crate::model::dsa::{Indexer, IndexerCache, K_NORM_EPS};
+use crate::model::glm5::{Attention, FeedForward, Layer, LayerCache, Model, SeqCache};
+use crate::model::kda::{Kda, KdaState, L2_EPS};
+use crate::model::mhc::HyperConnection;
+use crate::model::mla::{Mla, MlaCache};
+use crate::model::mlp::SwiGlu;
+use crate::model::moe::{Moe, Phase, Routing};
+use crate::quant::Format;
+use anyhow::{Context, bail};
+use cudarc::driver::{CudaSlice, LaunchConfig, PushKernelArg};
+use std::sync::Arc;
+
+type Buf = CudaSlice<f32>;
+
+/// Threads per block of the elementwise and column kernels of decode.cu.
+const ELEM_BLOCK: u32 = 256;
+
+/// A weight matrix the decode step multiplies by with `Cuda::matvec`.
+struct DevMatrix {
+    weights: Weights,
+    format: Format,
+    rows: usize,
+    cols: usize,
+}
+
+enum Weights {
+    /// The model's own device copy (a `CudaMatrix` on this device).
+    Placed(Arc<dyn DeviceWeights>),
+    /// Uploaded for the decoder.
+    Owned(CudaSlice<u8>),
+}
+
+impl DevMatrix {
+    fn new(cuda: &Arc<Cuda>, m: &Matrix) -> anyhow::Result<DevMatrix> {
+        let placed = m.device().filter(|d| {
+            d.as_any()
+                .downcast_ref::<CudaMatrix>()
+                .is_some_and(|c| c.is_on(cuda))
+        });
+        let weights = match placed {
+            Some(d) => Weights::Placed(d.clone()),
+            None => Weights::Owned(cuda.upload(&m.as_bytes())?),
+        };
+        Ok(DevMatrix {
+            weights,
+            format: m.format(),
+            rows: m.rows(),
+            cols: m.cols(),
+        })
+    }
+
+    fn bytes(&self) -> &CudaSlice<u8> {
+        match &self.weights {
+            Weights::Placed(d) => d
+                .as_any()
+                .downcast_ref::<CudaMatrix>()
+                .expect("only a CudaMatrix is kept as placed")
+                .weights(),
+            Weights::Owned(b) => b,
+        }
+    }
+
+    /// `W x` for one token row.
+    fn apply(&self, cuda: &Cuda, x: &Buf) -> anyhow::Result<Buf> {
+        let mut y = cuda.alloc_f32(self.rows)?;
+        cuda.matvec(
+            self.bytes(),
+            self.format,
+            self.rows,
+            self.cols,
+            x,
+            1,
+            &mut y,
+        )?;
+        Ok(y)
+    }
+}
+
+/// A device buffer that grows by appended rows (the caches of MLA layers).
+struct DevVec {
+    buf: Buf,
+    /// Values in use.
+    len: usize,
+}
+
+impl DevVec {
+    /// `values` with room for `spare` more values.
+    fn from_host(cuda: &Cuda, values: &[f32], spare: usize) -> anyhow::Result<DevVec> {
+        let mut padded = Vec::with_capacity(values.len() + spare.max(1));
+        padded.extend_from_slice(values);
+        padded.resize(values.len() + spare.max(1), 0.0);
+        Ok(DevVec {
+            buf: cuda.upload(&padded)?,
+            len: values.len(),
+        })
+    }
+
+    /// Appends the first `n` values of `src`, doubling the buffer when full.
+    fn push(&mut self, cuda: &Cuda, src: &Buf, n: usize) -> anyhow::Result<()> {
+        let s = cuda.stream();
+        if self.len + n > self.buf.len() {
+            let mut grown = cuda.alloc_f32((2 * self.buf.len()).max(self.len + n))?;
+            if self.len > 0 {
+                let mut dst = grown.slice_mut(..self.len);
+                s.memcpy_dtod(&self.buf.slice(..self.len), &mut dst)?;
+            }
+            self.buf = grown;
+        }
+        let mut dst = self.buf.slice_mut(self.len..self.len + n);
+        s.memcpy_dtod(&src.slice(..n), &mut dst)?;
+        self.len += n;
+        Ok(())
+    }
+
+    fn download(&self, cuda: &Cuda) -> anyhow::Result<Vec<f32>> {
+        let mut v = cuda.download(&self.buf)?;
+        v.truncate(self.len);
+        Ok(v)
+    }
+}
+
+struct DevHc {
+    proj: DevMatrix,
+    base: Buf,
+    spec: MhcSpec,
+    norm_eps: f32,
+}
+
+struct DevKda {
+    q: DevMatrix,
+    k: DevMatrix,
+    v: DevMatrix,
+    conv: Buf,
+    f_a: DevMatrix,
+    f_b: DevMatrix,
+    dt_bias: Buf,
+    a_log: Buf,
+    b_proj: DevMatrix,
+    g_a: DevMatrix,
+    g_b: DevMatrix,
+    o_norm: Buf,
+    o_proj: DevMatrix,
+    spec: KdaSpec,
+    lower_bound: Option<f32>,
+    eps: f32,
+}
+
+struct DevIndexer {
+    wq_b: DevMatrix,
+    wk: DevMatrix,
+    k_norm_weight: Buf,
+    k_norm_bias: Buf,
+    weights_proj: DevMatrix,
+    ape: Buf,
+    gate: DevMatrix,
+    spec: DsaSpec,
+}
+
+struct DevMla {
+    q_a: DevMatrix,
+    q_a_norm: Buf,
+    q_b: DevMatrix,
+    kv_a: DevMatrix,
+    kv_a_norm: Buf,
+    /// `kv_b` dequantized to f32, `[heads * (nope + v_dim), rank]`.
+    kv_b: Buf,
+    o_proj: DevMatrix,
+    indexer: Option<DevIndexer>,
+    heads: usize,
+    nope: usize,
+    v_dim: usize,
+    rank: usize,
+    eps: f32,
+}
+
+struct DevMlp {
+    gate: DevMatrix,
+    up: DevMatrix,
+    down: DevMatrix,
+    limit: f32,
+}
+
+struct DevMoe {
+    router: DevMatrix,
+    bias: Buf,
+    spec: RouteSpec,
+    shared: Option<DevMlp>,
+}
+
+enum DevAttention {
+    Kda(DevKda),
+    Mla(DevMla),
+}
+
+enum DevFeedForward {
+    Dense(DevMlp),
+    Moe(DevMoe),
+}
+
+struct DevLayer {
+    attn_hc: DevHc,
+    ffn_hc: DevHc,
+    input_norm: Buf,
+    post_attention_norm: Buf,
+    attention: DevAttention,
+    feed_forward: DevFeedForward,
+}
+
+/// Runs decode steps of a loaded [`Model`] with the activations on one CUDA device.
+pub struct GpuDecoder<'m> {
+    cuda: Arc<Cuda>,
+    model: &'m Model,
+    layers: Vec<DevLayer>,
+    norm: Buf,
+    lm_head: DevMatrix,
+}
+
+/// One sequence's caches on the device, advanced by [`GpuDecoder::step`].
+pub struct GpuSeq {
+    layers: Vec<SeqLayer>,
+    /// Tokens processed so far.
+    len: usize,
+}
+
+enum SeqLayer {
+    Kda {
+        /// `[(K - 1), 3C]`
+        conv: Buf,
+        /// `[H, Dk, Dv]`
+        recurrent: Buf,
+    },
+    Mla {
+        /// `[T, rank]`
+        latents: DevVec,
+        /// Present on layers with a full indexer.
+        indexer: Option<DevIndexerCache>,
+    },
+}
+
+struct DevIndexerCache {
+    keys: DevVec,
+    gates: DevVec,
+    pool_keys: DevVec,
+}
+
+/// Tokens of room the MLA caches are made with beyond what the CPU cache holds.
+const CACHE_SPARE_TOKENS: usize = 256;
+
+impl GpuSeq {
+    /// Tokens processed so far.
+    pub fn len(&self) -> usize {
+        self.len
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.len == 0
+    }
+}
+
+impl<'m> GpuDecoder<'m> {
+    /// Device copies of every weight of `model` but the routed experts and the embedding
+    /// (read one row per token on the host).
+    pub fn new(cuda: &Arc<Cuda>, model: &'m Model) -> anyhow::Result<GpuDecoder<'m>> {
+        let layers = model
+            .layers
+            .iter()
+            .enumerate()
+            .map(|(i, l)| DevLayer::new(cuda, l).with_context(|| format!("layer {i}")))
+            .collect::<anyhow::Result<_>>()?;
+        Ok(GpuDecoder {
+            cuda: cuda.clone(),
+            model,
+            layers,
+            norm: cuda.upload(&model.norm)?,
+            lm_head: DevMatrix::new(cuda, &model.lm_head)?,
+        })
+    }
+
+    /// A sequence's caches on the device, from its CPU cache (after a CPU prefill).
+    pub fn sequence(&self, cache: &SeqCache) -> anyhow::Result<GpuSeq> {
+        let cuda = &*self.cuda;
+        if cache.layers.len() != self.layers.len() {
+            bail!("the cache does not belong to this model");
+        }
+        let cfg = &self.model.cfg;
+        let layers = cache
+            .layers
+            .iter()
+            .zip(&self.layers)
+            .map(|(c, l)| -> anyhow::Result<SeqLayer> {
+                Ok(match (c, &l.attention) {
+                    (LayerCache::Kda(s), DevAttention::Kda(_)) => SeqLayer::Kda {
+                        // A kernel of 1 keeps no inputs; cudarc cannot upload nothing.
+                        conv: if s.conv.is_empty() {
+                            cuda.alloc_f32(0)?
+                        } else {
+                            cuda.upload(&s.conv)?
+                        },
+                        recurrent: cuda.upload(&s.recurrent)?,
+                    },
+                    (LayerCache::Mla(m), DevAttention::Mla(mla)) => {
+                        let di = cfg.index_head_dim;
+                        let spare_pools = CACHE_SPARE_TOKENS / cfg.index_kpool.max(1) + 1;
+                        let indexer = match (&mla.indexer, &m.indexer) {
+                            (None, _) => None,
+                            (Some(_), Some(ic)) => Some(DevIndexerCache {
+                                keys: DevVec::from_host(cuda, &ic.keys, CACHE_SPARE_TOKENS * di)?,
+                                gates: DevVec::from_host(cuda, &ic.gates, CACHE_SPARE_TOKENS * di)?,
+                                pool_keys: DevVec::from_host(
+                                    cuda,
+                                    &ic.pool_keys,
+                                    spare_pools * di,
+                                )?,
+                            }),
+                            (Some(_), None) => Some(DevIndexerCache {
+                                keys: DevVec::from_host(cuda, &[], CACHE_SPARE_TOKENS * di)?,
+                                gates: DevVec::from_host(cuda, &[], CACHE_SPARE_TOKENS * di)?,
+                                pool_keys: DevVec::from_host(cuda, &[], spare_pools * di)?,
+                            }),
+                        };
+                        SeqLayer::Mla {
+                            latents: DevVec::from_host(
+                                cuda,
+                                &m.latents,
+                                CACHE_SPARE_TOKENS * mla.rank,
+                            )?,
+                            indexer,
+                        }
+                    }
+                    _ => bail!("the cache's layer kinds differ from the model's"),
+                })
+            })
+            .collect::<anyhow::Result<_>>()?;
+        Ok(GpuSeq {
+            layers,
+            len: cache.len,
+        })
+    }
+
+    /// `seq`'s caches back on the host in the CPU's layout (to compare with a CPU run or to
+    /// continue there).
+    pub fn to_host(&self, seq: &GpuSeq) -> anyhow::Result<SeqCache> {
+        let cuda = &*self.cuda;
+        let cfg = &self.model.cfg;
+        let conv_len = (cfg.linear_conv_kernel_dim - 1) * 3 * cfg.kda_dim();
+        let layers = seq
+            .layers
+            .iter()
+            .map(|l| -> anyhow::Result<LayerCache> {
+                Ok(match l {
+                    SeqLayer::Kda { conv, recurrent } => {
+                        let mut conv_host = cuda.download(conv)?;
+                        // A kernel of 1 keeps no inputs (the buffer holds one unused value).
+                        conv_host.truncate(conv_len);
+                        LayerCache::Kda(KdaState {
+                            conv: conv_host,
+                            recurrent: cuda.download(recurrent)?,
+                        })
+                    }
+                    SeqLayer::Mla { latents, indexer } => LayerCache::Mla(MlaCache {
+                        latents: latents.download(cuda)?,
+                        indexer: match indexer {
+                            Some(ix) => Some(IndexerCache {
+                                keys: ix.keys.download(cuda)?,
+                                gates: ix.gates.download(cuda)?,
+                                pool_keys: ix.pool_keys.download(cuda)?,
+                            }),
+                            None => None,
+                        },
+                    }),
+                })
+            })
+            .collect::<anyhow::Result<_>>()?;
+        Ok(SeqCache {
+            layers,
+            len: seq.len,
+        })
+    }
+
+    /// Feeds `token` to `seq` and returns the next token's logits (`[vocab]`). After an
+    /// error `seq` may hold some layers' caches advanced and others not: drop it.
+    pub fn step(&self, seq: &mut GpuSeq, token: u32) -> anyhow::Result<Vec<f32>> {
+        let cuda = &*self.cuda;
+        let cfg = &self.model.cfg;
+        let (d, n, v) = (cfg.hidden_size, cfg.hc_mult, cfg.vocab_size);
+        if token as usize >= v {
+            bail!("token id {token} is outside the vocabulary (size {v})");
+        }
+        if seq.layers.len() != self.layers.len() {
+            bail!("the sequence does not belong to this model");
+        }
+        let row = self.model.embed.row_f32(token as usize);
+        let mut host = Vec::with_capacity(n * d);
+        for _ in 0..n {
+            host.extend_from_slice(&row);
+        }
+        let mut streams = cuda.upload(&host)?;
+        let pos = seq.len;
+        let phase = if pos > 0 {
+            Phase::Decode
+        } else {
+            Phase::Prefill
+        };
+        // The last full indexer layer's selection, used by the shared layers after it.
+        let mut carried: Option<DeviceSelections> = None;
+        for (li, (layer, state)) in self.layers.iter().zip(seq.layers.iter_mut()).enumerate() {
+            let mix = self.collapse(&layer.attn_hc, &streams)?;
+            let mut x = mix.collapsed;
+            cuda.rms_norm(&mut x, Some(&layer.input_norm), d, cfg.rms_norm_eps)?;
+            let y = match (&layer.attention, state) {
+                (DevAttention::Kda(w), SeqLayer::Kda { conv, recurrent }) => {
+                    self.kda(w, &x, conv, recurrent)?
+                }
+                (DevAttention::Mla(w), SeqLayer::Mla { latents, indexer }) => {
+                    self.mla(w, &x, latents, indexer.as_mut(), pos, &mut carried)?
+                }
+                _ => bail!("layer {li}: the sequence's cache kind differs from the layer's"),
+            };
+            streams = self.expand(&layer.attn_hc, &mix.post, &mix.comb, &streams, &y)?;
+
+            let mix = self.collapse(&layer.ffn_hc, &streams)?;
+            let mut x = mix.collapsed;
+            cuda.rms_norm(
+                &mut x,
+                Some(&layer.post_attention_norm),
+                d,
+                cfg.rms_norm_eps,
+            )?;
+            let y = match &layer.feed_forward {
+                DevFeedForward::Dense(mlp) => self.mlp(mlp, &x)?,
+                DevFeedForward::Moe(moe) => self
+                    .moe(li, moe, &x, phase)
+                    .with_context(|| format!("experts of layer {li}"))?,
+            };
+            streams = self.expand(&layer.ffn_hc, &mix.post, &mix.comb, &streams, &y)?;
+        }
+
+        let mut h = cuda.alloc_f32(d)?;
+        let (n_i, d_i) = (n as i32, d as i32);
+        let mut b = cuda.stream.launch_builder(cuda.kernel("stream_mean"));
+        b.arg(&streams).arg(&n_i).arg(&d_i).arg(&mut h);
+        // SAFETY: streams holds n * d values, h d; one thread per column.
+        unsafe { b.launch(elem_config(d)) }?;
+        cuda.rms_norm(&mut h, Some(&self.norm), d, cfg.rms_norm_eps)?;
+        let logits = self.lm_head.apply(cuda, &h)?;
+        let mut out = cuda.download(&logits)?;
+        out.truncate(v);
+        seq.len += 1;
+        Ok(out)
+    }
+
+    /// mHC's collapse: unweighted RMSNorm of the streams, the projection, then the weights
+    /// and the pre-weighted sum (`mhc_collapse`).
+    fn collapse(&self, hc: &DevHc, streams: &Buf) -> anyhow::Result<MhcCollapse<Buf>> {
+        let cuda = &*self.cuda;
+        let (n, d) = (hc.spec.streams, hc.spec.hidden);
+        let mut normed = cuda.alloc_f32(n * d)?;
+        cuda.stream.memcpy_dtod(streams, &mut normed)?;
+        cuda.rms_norm(&mut normed, None, n * d, hc.norm_eps)?;
+        let logits = hc.proj.apply(cuda, &normed)?;
+        let mut out = MhcCollapse {
+            collapsed: cuda.alloc_f32(d)?,
+            post: cuda.alloc_f32(n)?,
+            comb: cuda.alloc_f32(n * n)?,
+        };
+        cuda.mhc_collapse_dev(hc.spec, &logits, &hc.base, streams, 1, &mut out)?;
+        Ok(out)
+    }
+
+    fn expand(
+        &self,
+        hc: &DevHc,
+        post: &Buf,
+        comb: &Buf,
+        streams: &Buf,
+        y: &Buf,
+    ) -> anyhow::Result<Buf> {
+        let mut out = self.cuda.alloc_f32(hc.spec.streams * hc.spec.hidden)?;
+        self.cuda
+            .mhc_expand_dev(hc.spec, post, comb, streams, y, 1, &mut out)?;
+        Ok(out)
+    }
+
+    /// `Kda::forward` for one decode token.
+    fn kda(&self, w: &DevKda, x: &Buf, conv: &mut Buf, recurrent: &mut Buf) -> anyhow::Result<Buf> {
+        let cuda = &*self.cuda;
+        let (c, h, dh) = (w.spec.channels(), w.spec.heads, w.spec.head_dim);
+        let mut qkv = cuda.alloc_f32(3 * c)?;
+        for (i, m) in [&w.q, &w.k, &w.v].into_iter().enumerate() {
+            let part = m.apply(cuda, x)?;
+            let mut dst = qkv.slice_mut(i * c..(i + 1) * c);
+            cuda.stream.memcpy_dtod(&part, &mut dst)?;
+        }
+        let mut mixed = cuda.alloc_f32(3 * c)?;
+        cuda.kda_conv_dev(w.spec, &w.conv, &qkv, 1, conv, &mut mixed)?;
+
+        let mut g = w.f_b.apply(cuda, &w.f_a.apply(cuda, x)?)?;
+        let mut beta = w.b_proj.apply(cuda, x)?;
+        let (dh_i, c_i, h_i) = (dh as i32, c as i32, h as i32);
+        let (has_bound, bound) = match w.lower_bound {
+            Some(b) => (1i32, b),
+            None => (0i32, 0.0f32),
+        };
+        let mut b = cuda.stream.launch_builder(cuda.kernel("kda_gates"));
+        b.arg(&mut g)
+            .arg(&w.dt_bias)
+            .arg(&w.a_log)
+            .arg(&dh_i)
+            .arg(&c_i)
+            .arg(&has_bound)
+            .arg(&bound)
+            .arg(&mut beta)
+            .arg(&h_i);
+        // SAFETY: g, dt_bias hold c values, a_log and beta h (h <= c); one thread per
+        // channel, and the first h threads also do beta.
+        unsafe { b.launch(elem_config(c.max(h))) }?;
+
+        let mut core = cuda.alloc_f32(c)?;
+        cuda.kda_recurrent_dev(w.spec, &mixed, &g, &beta, 1, recurrent, &mut core)?;
+        let out_gate = w.g_b.apply(cuda, &w.g_a.apply(cuda, x)?)?;
+        cuda.gated_rms_norm(&mut core, &out_gate, &w.o_norm, dh, w.eps)?;
+        w.o_proj.apply(cuda, &core)
+    }
+
+    /// `Mla::forward` for one decode token on the absorbed path; a full indexer layer
+    /// replaces `carried` with its fresh selection.
+    fn mla(
+        &self,
+        w: &DevMla,
+        x: &Buf,
+        latents: &mut DevVec,
+        indexer_cache: Option<&mut DevIndexerCache>,
+        pos: usize,
+        carried: &mut Option<DeviceSelections>,
+    ) -> anyhow::Result<Buf> {
+        let cuda = &*self.cuda;
+        let (h, nope, vd, r) = (w.heads, w.nope, w.v_dim, w.rank);
+        let mut qr = w.q_a.apply(cuda, x)?;
+        cuda.rms_norm(&mut qr, Some(&w.q_a_norm), w.q_a.rows, w.eps)?;
+        let q = w.q_b.apply(cuda, &qr)?;
+        let mut latent = w.kv_a.apply(cuda, x)?;
+        cuda.rms_norm(&mut latent, Some(&w.kv_a_norm), r, w.eps)?;
+
+        if let Some(ix) = &w.indexer {
+            let Some(ic) = indexer_cache else {
+                bail!("a full indexer layer's cache has no indexer state");
+            };
+            *carried = Some(self.select(ix, ic, x, &qr, pos)?);
+        }
+        let Some(sel) = carried.as_ref() else {
+            bail!("a shared indexer layer with no full indexer layer before it");
+        };
+
+        latents.push(cuda, &latent, r)?;
+        let mut q_lat = cuda.alloc_f32(h * r)?;
+        let (nope_i, vd_i, r_i, h_i) = (nope as i32, vd as i32, r as i32, h as i32);
+        let mut b = cuda.stream.launch_builder(cuda.kernel("mla_absorb_q"));
+        b.arg(&q)
+            .arg(&w.kv_b)
+            .arg(&nope_i)
+            .arg(&vd_i)
+            .arg(&r_i)
+            .arg(&mut q_lat);
+        let cfg = LaunchConfig {
+            grid_dim: ((r as u32).div_ceil(ELEM_BLOCK), h as u32, 1),
+            block_dim: (ELEM_BLOCK, 1, 1),
+            shared_mem_bytes: 0,
+        };
+        // SAFETY: q holds h * nope values, kv_b h * (nope + vd) rows of r, q_lat h * r; one
+        // thread per (column < r, head < h).
+        unsafe { b.launch(cfg) }?;
+
+        let scale = (nope as f32).powf(-0.5);
+        let mut o_lat = cuda.alloc_f32(h * r)?;
+        cuda.mla_sparse_attend_dev(
+            &q_lat,
+            &latents.buf,
+            &AttnLayout::absorbed(h, r, scale),
+            sel,
+            &mut o_lat,
+        )?;
+
+        let mut attn = cuda.alloc_f32(h * vd)?;
+        let mut b = cuda.stream.launch_builder(cuda.kernel("mla_absorb_out"));
+        b.arg(&o_lat)
+            .arg(&w.kv_b)
+            .arg(&h_i)
+            .arg(&nope_i)
+            .arg(&vd_i)
+            .arg(&r_i)
+            .arg(&mut attn);
+        // SAFETY: o_lat holds h * r values, attn h * vd; one warp per row of attn, reading
+        // kv_b's value rows (inside its h * (nope + vd) rows of r).
+        unsafe { b.launch(rows_config(h * vd, 1)) }?;
+        w.o_proj.apply(cuda, &attn)
+    }
+
+    /// The indexer of a full layer for the new token at `pos`: its key and gate appended
+    /// (and the keys of pools they complete), then the selection (`Indexer::select`).
+    fn select(
+        &self,
+        ix: &DevIndexer,
+        ic: &mut DevIndexerCache,
+        x: &Buf,
+        qr: &Buf,
+        pos: usize,
+    ) -> anyhow::Result<DeviceSelections> {
+        let cuda = &*self.cuda;
+        let (di, hi, kpool) = (ix.spec.dim, ix.spec.heads, ix.spec.kpool);
+        let mut keys = ix.wk.apply(cuda, x)?;
+        let di_i = di as i32;
+        let mut b = cuda.stream.launch_builder(cuda.kernel("layer_norm"));
+        b.arg(&mut keys)
+            .arg(&ix.k_norm_weight)
+            .arg(&ix.k_norm_bias)
+            .arg(&di_i)
+            .arg(&K_NORM_EPS);
+        // SAFETY: one block over the di values of keys, weight and bias.
+        unsafe { b.launch(norm_config(1, di)) }?;
+        let gates = ix.gate.apply(cuda, x)?;
+        let mut weights = ix.weights_proj.apply(cuda, x)?;
+        let (scale, hi_i) = ((hi as f32).powf(-0.5), hi as i32);
+        let mut b = cuda.stream.launch_builder(cuda.kernel("scale_values"));
+        b.arg(&mut weights).arg(&scale).arg(&hi_i);
+        // SAFETY: weights holds hi values, one thread each.
+        unsafe { b.launch(elem_config(hi)) }?;
+        let q = ix.wq_b.apply(cuda, qr)?;
+
+        ic.keys.push(cuda, &keys, di)?;
+        ic.gates.push(cuda, &gates, di)?;
+        let tokens = ic.keys.len / di;
+        let mut pool = ic.pool_keys.len / di;
+        while (pool + 1) * kpool <= tokens {
+            let mut key = cuda.alloc_f32(di)?;
+            cuda.dsa_pool_keys_dev(
+                &ic.keys.buf,
+                &ic.gates.buf,
+                &ix.ape,
+                kpool,
+                pool,
+                1,
+                &mut key,
+            )?;
+            ic.pool_keys.push(cuda, &key, di)?;
+            pool += 1;
+        }
+        Ok(cuda.dsa_select_dev(&q, &weights, &ic.pool_keys.buf, pool, ix.spec, &[pos])?)
+    }
+
+    fn mlp(&self, w: &DevMlp, x: &Buf) -> anyhow::Result<Buf> {
+        let cuda = &*self.cuda;
+        let gate = w.gate.apply(cuda, x)?;
+        let up = w.up.apply(cuda, x)?;
+        let mut act = cuda.alloc_f32(w.gate.rows)?;
+        cuda.swiglu(&gate, &up, w.limit, &mut act)?;
+        w.down.apply(cuda, &act)
+    }
+
+    /// `Moe::forward` for one token: routed experts through the model's provider on the
+    /// host row, plus the shared expert.
+    fn moe(&self, layer: usize, w: &DevMoe, x: &Buf, phase: Phase) -> anyhow::Result<Buf> {
+        let cuda = &*self.cuda;
+        let d = self.model.cfg.hidden_size;
+        let logits = w.router.apply(cuda, x)?;
+        let (ids, weights) = cuda.route(&logits, &w.bias, w.spec, 1)?;
+        let routing = Routing {
+            k: w.spec.k,
+            ids,
+            weights,
+            phases: vec![phase],
+        };
+        let mut xh = cuda.download(x)?;
+        xh.truncate(d);
+        let mut out = vec![0f32; d];
+        self.model
+            .experts()
+            .forward(layer, &xh, &routing, &mut out)?;
+        let mut y = cuda.upload(&out)?;
+        if let Some(shared) = &w.shared {
+            let s = self.mlp(shared, x)?;
+            let d_i = d as i32;
+            let mut b = cuda.stream.launch_builder(cuda.kernel("add_values"));
+            b.arg(&mut y).arg(&s).arg(&d_i);
+            // SAFETY: y and s hold d values each, one thread per value.
+            unsafe { b.launch(elem_config(d)) }?;
+        }
+        Ok(y)
+    }
+}
+
+fn elem_config(n: usize) -> LaunchConfig {
+    LaunchConfig {
+        grid_dim: ((n as u32).div_ceil(ELEM_BLOCK).max(1), 1, 1),
+        block_dim: (ELEM_BLOCK, 1, 1),
+        shared_mem_bytes: 0,
+    }
+}
+
+impl DevLayer {
+    fn new(cuda: &Arc<Cuda>, l: &Layer) -> anyhow::Result<DevLayer> {
+        let attention = match &l.attention {
+            Attention::Kda(k) => DevAttention::Kda(DevKda::new(cuda, k)?),
+            Attention::Mla(m) => DevAttention::Mla(DevMla::new(cuda, m)?),
+        };
+        let feed_forward = match &l.feed_forward {
+            FeedForward::Dense(mlp) => DevFeedForward::Dense(DevMlp::new(cuda, mlp)?),
+            FeedForward::Moe(moe) => DevFeedForward::Moe(DevMoe::new(cuda, moe)?),
+        };
+        Ok(DevLayer {
+            attn_hc: DevHc::new(cuda, &l.attn_hc)?,
+            ffn_hc: DevHc::new(cuda, &l.ffn_hc)?,
+            input_norm: cuda.upload(&l.input_norm)?,
+            post_attention_norm: cuda.upload(&l.post_attention_norm)?,
+            attention,
+            feed_forward,
+        })
+    }
+}
+
+impl DevHc {
+    fn new(cuda: &Arc<Cuda>, hc: &HyperConnection) -> anyhow::Result<DevHc> {
+        Ok(DevHc {
+            proj: DevMatrix::new(cuda, &hc.proj)?,
+            base: cuda.upload(&hc.base)?,
+            spec: MhcSpec {
+                streams: hc.streams,
+                hidden: hc.hidden,
+                scale: hc.scale,
+                hc_eps: hc.hc_eps,
+                sinkhorn_iters: hc.sinkhorn_iters,
+            },
+            norm_eps: hc.norm_eps,
+        })
+    }
+}
+
+impl DevKda {
+    fn new(cuda: &Arc<Cuda>, k: &Kda) -> anyhow::Result<DevKda> {
+        let m = |x: &Matrix| DevMatrix::new(cuda, x);
+        Ok(DevKda {
+            q: m(&k.q_proj)?,
+            k: m(&k.k_proj)?,
+            v: m(&k.v_proj)?,
+            conv: cuda.upload(&k.conv)?,
+            f_a: m(&k.f_a)?,
+            f_b: m(&k.f_b)?,
+            dt_bias: cuda.upload(&k.dt_bias)?,
+            a_log: cuda.upload(&k.a_log)?,
+            b_proj: m(&k.b_proj)?,
+            g_a: m(&k.g_a)?,
+            g_b: m(&k.g_b)?,
+            o_norm: cuda.upload(&k.o_norm)?,
+            o_proj: m(&k.o_proj)?,
+            spec: KdaSpec {
+                heads: k.heads,
+                head_dim: k.head_dim,
+                kernel: k.kernel,
+                l2_eps: L2_EPS,
+            },
+            lower_bound: k.lower_bound,
+            eps: k.eps,
+        })
+    }
+}
+
+impl DevMla {
+    fn new(cuda: &Arc<Cuda>, m: &Mla) -> anyhow::Result<DevMla> {
+        let kv_b: Vec<f32> = (0..m.kv_b.rows()).flat_map(|r| m.kv_b.row_f32(r)).collect();
+        Ok(DevMla {
+            q_a: DevMatrix::new(cuda, &m.q_a)?,
+            q_a_norm: cuda.upload(&m.q_a_norm)?,
+            q_b: DevMatrix::new(cuda, &m.q_b)?,
+            kv_a: DevMatrix::new(cuda, &m.kv_a)?,
+            kv_a_norm: cuda.upload(&m.kv_a_norm)?,
+            kv_b: cuda.upload(&kv_b)?,
+            o_proj: DevMatrix::new(cuda, &m.o_proj)?,
+            indexer: m
+                .indexer
+                .as_ref()
+                .map(|ix| DevIndexer::new(cuda, ix))
+                .transpose()?,
+            heads: m.heads,
+            nope: m.nope,
+            v_dim: m.v_dim,
+            rank: m.rank,
+            eps: m.eps,
+        })
+    }
+}
+
+impl DevIndexer {
+    fn new(cuda: &Arc<Cuda>, ix: &Indexer) -> anyhow::Result<DevIndexer> {
+        Ok(DevIndexer {
+            wq_b: DevMatrix::new(cuda, &ix.wq_b)?,
+            wk: DevMatrix::new(cuda, &ix.wk)?,
+            k_norm_weight: cuda.upload(&ix.k_norm_weight)?,
+            k_norm_bias: cuda.upload(&ix.k_norm_bias)?,
+            weights_proj: DevMatrix::new(cuda, &ix.weights_proj)?,
+            ape: cuda.upload(&ix.ape)?,
+            gate: DevMatrix::new(cuda, &ix.gate)?,
+            spec: DsaSpec {
+                heads: ix.heads,
+                dim: ix.dim,
+                kpool: ix.kpool,
+                topk: ix.topk,
+                select_tail: ix.select_tail,
+            },
+        })
+    }
+}
+
+impl DevMlp {
+    fn new(cuda: &Arc<Cuda>, s: &SwiGlu) -> anyhow::Result<DevMlp> {
+        Ok(DevMlp {
+            gate: DevMatrix::new(cuda, &s.gate)?,
+            up: DevMatrix::new(cuda, &s.up)?,
+            down: DevMatrix::new(cuda, &s.down)?,
+            limit: s.limit,
+        })
+    }
+}
+
+impl DevMoe {
+    fn new(cuda: &Arc<Cuda>, moe: &Moe) -> anyhow::Result<DevMoe> {
+        let r = &moe.router;
+        Ok(DevMoe {
+            router: DevMatrix::new(cuda, &r.weight)?,
+            bias: cuda.upload(&r.bias)?,
+            spec: RouteSpec {
+                experts: r.experts,
+                groups: r.groups,
+                topk_groups: r.topk_groups,
+                k: r.top_k,
+                normalize: r.normalize,
+                scale: r.scale,
+            },
+            shared: moe
+                .shared
+                .as_ref()
+                .map(|s| DevMlp::new(cuda, s))
+                .transpose()?,
+        })
+    }
+}
