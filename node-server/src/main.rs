@@ -206,8 +206,10 @@ fn run(command: Command) -> anyhow::Result<()> {
             pack_batch_bytes,
             pack_skip_space_check,
             report: report_path,
+            format,
         } => {
             let opts = store::PackOptions {
+                format,
                 verify: !no_verify,
                 sample: verify_sample,
                 throttle: pack_throttle_ms.map(std::time::Duration::from_millis),

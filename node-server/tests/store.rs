@@ -175,6 +175,75 @@ fn a_quantized_checkpoint_packs_in_its_serving_format() {
     }
 }
 
+/// `pack-store --format q4_k` on a bf16 checkpoint writes the bytes `convert-experts` would,
+/// verifies against the source converted the same way, and a rerun asking for another format
+/// is refused instead of being taken for a complete store.
+#[test]
+fn packing_with_a_format_quantizes_as_convert_experts_does() {
+    use glmflash_node::quant::Format;
+    let f = fixture_with(13, 256, DType::Bf16);
+    let q4k = f.model.with_file_name("model-q4k");
+    glmflash_node::model::convert::convert_experts(&f.model, &q4k, Format::Q4K, |_, _| {}).unwrap();
+    let opts = PackOptions {
+        format: Some(Format::Q4K),
+        ..quiet()
+    };
+    let report = store::pack_store(&f.model, &f.store, &opts).unwrap();
+    assert_eq!(report.outcome, PackOutcome::Packed);
+    assert_eq!(report.verify.expect("verified").compared, 48);
+    let m = Manifest::load(&f.store).unwrap();
+    assert!(m.parts.all().iter().all(|p| p.format == Format::Q4K));
+    let ckpt = Checkpoint::open(&q4k).unwrap();
+    let r = reader(&f.store, EngineChoice::Auto);
+    for (l, e) in [(1, 0), (2, 15), (3, 8)] {
+        let got = r.read(l, e).unwrap().to_expert(f.cfg.swiglu_limit).unwrap();
+        let want = load_expert(
+            &f.cfg,
+            Loader::new(&ckpt).pp(&format!("layers.{l}.mlp.experts")),
+            e,
+        )
+        .unwrap();
+        for (g, w) in [
+            (&got.gate, &want.gate),
+            (&got.up, &want.up),
+            (&got.down, &want.down),
+        ] {
+            assert_eq!(g.format(), Format::Q4K);
+            assert_eq!(g.to_bytes(), w.to_bytes(), "layer {l} expert {e}");
+        }
+    }
+    let again = store::pack_store(&f.model, &f.store, &opts).unwrap();
+    assert_eq!(again.outcome, PackOutcome::AlreadyComplete);
+    let other = PackOptions {
+        format: Some(Format::Q8_0),
+        ..quiet()
+    };
+    let err = store::pack_store(&f.model, &f.store, &other)
+        .unwrap_err()
+        .to_string();
+    assert!(
+        err.contains("holds q4_k records") && err.contains("q8_0"),
+        "{err}"
+    );
+    let plain = store::pack_store(&f.model, &f.store, &quiet())
+        .unwrap_err()
+        .to_string();
+    assert!(
+        plain.contains("holds q4_k records") && plain.contains("bf16"),
+        "{plain}"
+    );
+    store::verify_store(
+        &f.store,
+        Some(&f.model),
+        &VerifyOptions {
+            sample: 48,
+            progress: false,
+            ..VerifyOptions::default()
+        },
+    )
+    .unwrap();
+}
+
 #[test]
 fn a_refused_io_uring_falls_back_to_pread() {
     let f = packed();

@@ -46,6 +46,9 @@ pub struct PackOptions {
     /// Test hook: skip the free-space check (to hit a real ENOSPC).
     #[doc(hidden)]
     pub skip_space_check: bool,
+    /// Weight format of the records; `None` keeps the checkpoint's. Converting quantizes each
+    /// expert as it is packed (deterministically, as `convert-experts` does).
+    pub format: Option<crate::quant::Format>,
 }
 
 impl Default for PackOptions {
@@ -57,6 +60,7 @@ impl Default for PackOptions {
             batch_bytes: 64 << 20,
             throttle: None,
             skip_space_check: false,
+            format: None,
         }
     }
 }
@@ -100,6 +104,35 @@ struct JournalRecord {
     tensors: BTreeMap<String, String>,
 }
 
+/// The expert with every weight in `format` (unchanged when `None` or already so).
+pub(crate) fn in_format(
+    x: crate::model::mlp::SwiGlu,
+    format: Option<crate::quant::Format>,
+) -> Result<crate::model::mlp::SwiGlu, StoreError> {
+    let Some(f) = format else {
+        return Ok(x);
+    };
+    let convert = |m: crate::backend::cpu::Matrix, what: &str| {
+        if m.format() == f {
+            return Ok(m);
+        }
+        m.convert(f).map_err(|e| {
+            StoreError::Other(format!(
+                "converting an expert's {what} ({}x{}) to {}: {e}",
+                m.rows(),
+                m.cols(),
+                f.name()
+            ))
+        })
+    };
+    Ok(crate::model::mlp::SwiGlu {
+        gate: convert(x.gate, "gate")?,
+        up: convert(x.up, "up")?,
+        down: convert(x.down, "down")?,
+        limit: x.limit,
+    })
+}
+
 fn io_err(path: &Path) -> impl FnOnce(std::io::Error) -> StoreError + '_ {
     move |source| StoreError::Io {
         path: path.display().to_string(),
@@ -133,11 +166,14 @@ pub fn pack_store(
         .map(|&l| (l, loader.pp(&format!("layers.{l}.mlp.experts"))))
         .collect();
     let build = |l: usize, e: usize| -> Result<[Vec<u8>; 3], StoreError> {
-        let x = load_expert(&cfg, layer_loaders[&l], e)?;
+        let x = in_format(load_expert(&cfg, layer_loaders[&l], e)?, opts.format)?;
         Ok([x.gate.to_bytes(), x.up.to_bytes(), x.down.to_bytes()])
     };
     let parts = {
-        let x = load_expert(&cfg, layer_loaders[&layers[0]], 0)?;
+        let x = in_format(
+            load_expert(&cfg, layer_loaders[&layers[0]], 0)?,
+            opts.format,
+        )?;
         let part = |m: &crate::backend::cpu::Matrix, offset: usize| Part {
             format: m.format(),
             rows: m.rows(),
@@ -177,6 +213,17 @@ pub fn pack_store(
                 store_fingerprint: existing.quick_fingerprint,
                 model_fingerprint: quick,
             });
+        }
+        if existing.parts != parts {
+            return Err(StoreError::Other(format!(
+                "store {} holds {} records ({} bytes each); this run asks for {} records ({} bytes): \
+                 pack into another directory or remove this one",
+                store.display(),
+                existing.parts.gate.format.name(),
+                existing.record_size,
+                parts.gate.format.name(),
+                record_size
+            )));
         }
         let found = std::fs::metadata(&data_path).map(|m| m.len()).unwrap_or(0);
         super::reader::check_length(&existing, &data_path, found)?;

@@ -130,10 +130,15 @@ pub(super) fn verify_opened(
         for s in 0..take {
             let (layer, expert) = keys[s * n / take];
             let record = reader.read(layer, expert)?;
-            let x = load_expert(
-                cfg,
-                loader.pp(&format!("layers.{layer}.mlp.experts")),
-                expert,
+            // Records may hold the weights in another format than the checkpoint (pack-store
+            // --format): convert the source the same way.
+            let x = super::pack::in_format(
+                load_expert(
+                    cfg,
+                    loader.pp(&format!("layers.{layer}.mlp.experts")),
+                    expert,
+                )?,
+                Some(manifest.parts.gate.format),
             )?;
             let want = [x.gate.to_bytes(), x.up.to_bytes(), x.down.to_bytes()].concat();
             let got = record.bytes();
