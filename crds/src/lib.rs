@@ -119,9 +119,11 @@ pub struct ModelSource {
     #[x_kube(validation = Rule::new("self.startsWith('/') && self != '/'").message("model.nodePath must be an absolute path below /"))]
     #[schemars(length(max = 4096))]
     pub node_path: Option<String>,
-    /// Weight format of the checkpoint.
+    /// Weight format of the routed experts in the packed store: the pack-store Job quantizes
+    /// a bf16 checkpoint's experts to it (`q4_k`: 4.5 bits per weight, about 172 GB of store
+    /// for the real model), or keeps them as the checkpoint stores them (`checkpoint`).
     #[serde(default)]
-    pub format: ModelFormat,
+    pub expert_format: ExpertFormat,
 }
 
 /// A Hugging Face model repository pinned to a revision.
@@ -157,15 +159,34 @@ fn default_secret_key() -> String {
     "token".into()
 }
 
-/// Checkpoint weight formats glmflash-node reads.
+/// Expert weight formats of the packed store (glmflash-node `pack-store --format`).
 #[derive(JsonSchema, Deserialize, Serialize, Clone, Copy, Debug, PartialEq, Eq, Default)]
-#[serde(rename_all = "kebab-case")]
-pub enum ModelFormat {
-    /// EXL3 quantized checkpoint (the seed's 3.05 bpw).
+pub enum ExpertFormat {
+    /// 4-bit blocks of 256 with 6-bit scales and mins (GGML Q4_K): 4.5 bits per weight.
     #[default]
-    Exl3,
-    /// Plain safetensors (bf16/f16/f32).
-    Safetensors,
+    #[serde(rename = "q4_k")]
+    Q4K,
+    /// 8-bit blocks of 32 (GGML Q8_0): 8.5 bits per weight.
+    #[serde(rename = "q8_0")]
+    Q8_0,
+    /// bfloat16.
+    #[serde(rename = "bf16")]
+    Bf16,
+    /// As the checkpoint stores them (a checkpoint converted with `convert-experts`).
+    #[serde(rename = "checkpoint")]
+    Checkpoint,
+}
+
+impl ExpertFormat {
+    /// The `pack-store --format` value; `None` keeps the checkpoint's format.
+    pub fn as_arg(self) -> Option<&'static str> {
+        match self {
+            ExpertFormat::Q4K => Some("q4_k"),
+            ExpertFormat::Q8_0 => Some("q8_0"),
+            ExpertFormat::Bf16 => Some("bf16"),
+            ExpertFormat::Checkpoint => None,
+        }
+    }
 }
 
 /// Serving mode, as in the seed's `GLM53_MODE`.

@@ -15,7 +15,7 @@
 use std::collections::BTreeMap;
 
 use glmflash_crds::{
-    GPU_RESOURCE, GlmFlashDeployment, GlmFlashDeploymentSpec, ModelFormat, SecretKeyRef,
+    ExpertFormat, GPU_RESOURCE, GlmFlashDeployment, GlmFlashDeploymentSpec, SecretKeyRef,
 };
 use k8s_openapi::api::apps::v1::{Deployment, DeploymentSpec, DeploymentStrategy};
 use k8s_openapi::api::batch::v1::{Job, JobSpec};
@@ -144,7 +144,7 @@ pub fn store_hash(spec: &GlmFlashDeploymentSpec, node: &str) -> String {
         repo: Option<&'a str>,
         revision: Option<&'a str>,
         node_path: Option<&'a str>,
-        format: ModelFormat,
+        expert_format: ExpertFormat,
         host_path: &'a str,
         image: String,
     }
@@ -154,7 +154,7 @@ pub fn store_hash(spec: &GlmFlashDeploymentSpec, node: &str) -> String {
         repo: hf.map(|h| h.repo.as_str()),
         revision: hf.map(|h| h.revision.as_str()),
         node_path: spec.model.node_path.as_deref(),
-        format: spec.model.format,
+        expert_format: spec.model.expert_format,
         host_path: &spec.store.host_path,
         image: spec.image.reference(),
     });
@@ -390,19 +390,23 @@ pub fn pack_job(gfd: &GlmFlashDeployment, node: &str, store_hash: &str) -> Job {
         }]
     });
 
+    let mut pack_args = vec![
+        "pack-store".to_string(),
+        "--model".into(),
+        MODEL_MOUNT.into(),
+        "--store".into(),
+        STORE_MOUNT.into(),
+        "--report".into(),
+        TERMINATION_LOG.into(),
+    ];
+    if let Some(format) = spec.model.expert_format.as_arg() {
+        pack_args.extend(["--format".into(), format.into()]);
+    }
     let pack = Container {
         name: "pack-store".into(),
         image: Some(image),
         image_pull_policy: Some(pull),
-        args: Some(vec![
-            "pack-store".into(),
-            "--model".into(),
-            MODEL_MOUNT.into(),
-            "--store".into(),
-            STORE_MOUNT.into(),
-            "--report".into(),
-            TERMINATION_LOG.into(),
-        ]),
+        args: Some(pack_args),
         volume_mounts: Some(vec![
             mount("model", MODEL_MOUNT, true),
             mount("store", STORE_MOUNT, false),
@@ -1099,7 +1103,8 @@ mod tests {
         let pack = &pod.containers[0];
         assert_eq!(
             pack.args.as_ref().unwrap().join(" "),
-            "pack-store --model /models --store /store --report /dev/termination-log"
+            "pack-store --model /models --store /store --report /dev/termination-log \
+             --format q4_k"
         );
         assert_eq!(pack.termination_message_policy.as_deref(), Some("File"));
         // pack-store needs no GPU and no pinning.

@@ -123,6 +123,7 @@ fn pack_job_containers_parse_with_the_node_cli() {
         store,
         report,
         no_verify,
+        format,
         ..
     } = parse(pack)
     else {
@@ -132,6 +133,12 @@ fn pack_job_containers_parse_with_the_node_cli() {
     assert_mounted(pack, &model, false);
     assert_mounted(pack, &store, true);
     assert!(!no_verify);
+    // The CRD's default expert format is the node's q4_k.
+    assert_eq!(
+        format.map(|f| f.name()),
+        g.spec.model.expert_format.as_arg()
+    );
+    assert_eq!(format.map(|f| f.name()), Some("q4_k"));
     // The report is the termination message the controller reads storeBytes from.
     assert_eq!(
         report.as_deref(),
