@@ -511,3 +511,86 @@ async fn tiered_server_exports_the_tier_metrics() {
     assert!(value("glmflash_nvme_read_seconds_count") > 0.0);
     assert!(text.contains(r#"glmflash_memory_bytes{kind="pinned_ram"}"#));
 }
+
+/// A source that records how it is asked: one expert at a time or in batches.
+struct Counting {
+    inner: CheckpointSource,
+    singles: std::sync::atomic::AtomicUsize,
+    batches: std::sync::Mutex<Vec<usize>>,
+}
+
+impl glmflash_node::tiers::provider::ExpertSource for Counting {
+    fn load(
+        &self,
+        layer: usize,
+        expert: usize,
+    ) -> anyhow::Result<glmflash_node::model::mlp::SwiGlu> {
+        self.singles
+            .fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+        self.inner.load(layer, expert)
+    }
+
+    fn load_many(
+        &self,
+        keys: &[(usize, usize)],
+    ) -> Vec<anyhow::Result<glmflash_node::model::mlp::SwiGlu>> {
+        self.batches.lock().unwrap().push(keys.len());
+        keys.iter().map(|&(l, e)| self.inner.load(l, e)).collect()
+    }
+
+    fn record_bytes(&self) -> usize {
+        self.inner.record_bytes()
+    }
+}
+
+/// A prefill's store misses of a layer are read in one batch (at queue depth on the real
+/// store), not one after another; the logits stay bit-identical.
+#[test]
+fn a_layers_store_misses_are_read_in_one_batch() {
+    let dir = fixture("tiny_mixed");
+    let untiered = Model::load(&dir).unwrap();
+    let prompt: Vec<u32> = (0..30)
+        .map(|i| (i * 29 + 7) % untiered.cfg.vocab_size as u32)
+        .collect();
+    let expected = run(&untiered, &prompt);
+    let source = Arc::new(Counting {
+        inner: CheckpointSource::open(&dir).unwrap(),
+        singles: Default::default(),
+        batches: Default::default(),
+    });
+    let tiers = Arc::new(
+        TieredExperts::new(
+            source.clone(),
+            untiered.cfg.hidden_size,
+            untiered.cfg.n_routed_experts,
+            &untiered.cfg.moe_layers(),
+            Mode::NvmeExact,
+            TierCaps {
+                device_slots_per_layer: 1,
+                ram_slots_per_layer: 1,
+            },
+            64,
+            false,
+        )
+        .unwrap(),
+    );
+    let model = Model::load_with(&dir, Some(tiers.clone())).unwrap();
+    assert!(run(&model, &prompt) == expected, "logits differ");
+    let batches = source.batches.lock().unwrap().clone();
+    let moe_layers = untiered.cfg.moe_layers().iter().filter(|&&m| m).count();
+    // The prefill: every MoE layer asks once for all its misses (30 tokens pick most experts).
+    assert!(batches.len() >= moe_layers, "{batches:?}");
+    assert!(
+        batches[..moe_layers].iter().all(|&n| n > 2),
+        "prefill batches {batches:?}"
+    );
+    let batched: usize = batches.iter().sum();
+    let reads = tiers
+        .stats
+        .store_reads
+        .load(std::sync::atomic::Ordering::Relaxed) as usize;
+    assert_eq!(
+        reads,
+        batched + source.singles.load(std::sync::atomic::Ordering::Relaxed)
+    );
+}

@@ -29,6 +29,12 @@ use std::sync::{Arc, Mutex};
 /// Where experts come from on a miss: the packed store (or, untiered, the checkpoint).
 pub trait ExpertSource: Send + Sync {
     fn load(&self, layer: usize, expert: usize) -> anyhow::Result<SwiGlu>;
+    /// Several records at once, in `keys` order (the store reads them at queue depth and
+    /// checks and decodes them on all cores).
+    fn load_many(&self, keys: &[(usize, usize)]) -> Vec<anyhow::Result<SwiGlu>> {
+        use rayon::prelude::*;
+        keys.par_iter().map(|&(l, e)| self.load(l, e)).collect()
+    }
     /// Bytes of one expert record as this source stores it.
     fn record_bytes(&self) -> usize;
 }
@@ -493,6 +499,55 @@ impl TieredExperts {
             }
     }
 
+    /// Reads the picked experts of `layer` that no tier holds (and no prefetch staged) in one
+    /// batch: the store serves them at queue depth instead of one after another under the
+    /// layer's lock. One miss is left to the lookup itself.
+    fn fetch_misses(
+        &self,
+        layer: usize,
+        routing: &Routing,
+    ) -> anyhow::Result<HashMap<usize, Arc<SwiGlu>>> {
+        let mut wanted: Vec<usize> = routing.ids.iter().map(|&e| e as usize).collect();
+        wanted.sort_unstable();
+        wanted.dedup();
+        let missing: Vec<usize> = {
+            let l = self.layer(layer);
+            let staged = self.staged.lock().expect("staging lock");
+            wanted
+                .into_iter()
+                .filter(|e| {
+                    !l.device.contains_key(e)
+                        && !l.ram.contains_key(e)
+                        && !l.in_flight.contains_key(e)
+                        && !staged.contains_key(&(layer, *e))
+                })
+                .collect()
+        };
+        if missing.len() < 2 {
+            return Ok(HashMap::new());
+        }
+        let keys: Vec<(usize, usize)> = missing.iter().map(|&e| (layer, e)).collect();
+        let started = std::time::Instant::now();
+        let results = self.source.load_many(&keys);
+        // Each lookup waited for the whole batch.
+        let waited = started.elapsed();
+        let mut out = HashMap::with_capacity(missing.len());
+        for (e, r) in missing.into_iter().zip(results) {
+            match r {
+                Ok(w) => {
+                    self.stats.store_read_latency.observe(waited);
+                    self.stats.store_reads.fetch_add(1, Ordering::Relaxed);
+                    out.insert(e, Arc::new(w));
+                }
+                Err(err) => {
+                    self.stats.store_read_errors.fetch_add(1, Ordering::Relaxed);
+                    return Err(err);
+                }
+            }
+        }
+        Ok(out)
+    }
+
     /// Finds (and moves, by policy) one picked expert; returns its weights. Moves down a
     /// tier are decided here and queued in `jobs` for the write-back ring.
     fn resolve(
@@ -502,6 +557,7 @@ impl TieredExperts {
         expert: usize,
         phase: Phase,
         jobs: &mut Vec<WriteBack>,
+        fetched: &mut HashMap<usize, Arc<SwiGlu>>,
     ) -> anyhow::Result<Arc<SwiGlu>> {
         l.device_policy.touch(expert);
         l.ram_policy.touch(expert);
@@ -538,6 +594,10 @@ impl TieredExperts {
                     Some(w) => {
                         self.stats.prefetch_hits.fetch_add(1, Ordering::Relaxed);
                         w
+                    }
+                    None if fetched.contains_key(&expert) => {
+                        self.stats.loads.fetch_add(1, Ordering::Relaxed);
+                        fetched.remove(&expert).expect("checked above")
                     }
                     None => {
                         self.stats.loads.fetch_add(1, Ordering::Relaxed);
@@ -699,8 +759,9 @@ impl ExpertProvider for TieredExperts {
         routing: &Routing,
         out: &mut [f32],
     ) -> anyhow::Result<()> {
-        // Resolve residency first (under the layer's lock), then queue the moves down and
-        // compute without it.
+        // This call's store misses are read in one batch first; then residency is resolved
+        // (under the layer's lock), the moves down are queued, and the products run without it.
+        let mut fetched = self.fetch_misses(layer, routing)?;
         let mut picked: HashMap<usize, Arc<SwiGlu>> = HashMap::new();
         let mut jobs = Vec::new();
         let resolved = {
@@ -710,7 +771,7 @@ impl ExpertProvider for TieredExperts {
                 let e = e as usize;
                 if let std::collections::hash_map::Entry::Vacant(slot) = picked.entry(e) {
                     let phase = routing.phase(i / routing.k.max(1));
-                    slot.insert(self.resolve(layer, &mut l, e, phase, &mut jobs)?);
+                    slot.insert(self.resolve(layer, &mut l, e, phase, &mut jobs, &mut fetched)?);
                 }
                 anyhow::Ok(())
             })
@@ -889,6 +950,15 @@ impl ExpertSource for StoreSource {
     fn load(&self, layer: usize, expert: usize) -> anyhow::Result<SwiGlu> {
         let record = self.reader.read(layer, expert)?;
         Ok(record.to_expert(self.limit)?)
+    }
+
+    fn load_many(&self, keys: &[(usize, usize)]) -> Vec<anyhow::Result<SwiGlu>> {
+        use rayon::prelude::*;
+        self.reader
+            .read_many(keys)
+            .into_par_iter()
+            .map(|r| Ok(r?.to_expert(self.limit)?))
+            .collect()
     }
 
     fn record_bytes(&self) -> usize {
