@@ -42,7 +42,7 @@ pub const TIER_RESIDENT_EXPERTS: &str = "glmflash_tier_resident_experts";
 pub const TIER_CAPACITY_EXPERTS: &str = "glmflash_tier_capacity_experts";
 /// Bytes moved between tiers, label `path` (`nvme_to_ram` | `ram_to_vram` | `vram_to_ram`).
 pub const BYTES_MOVED_TOTAL: &str = "glmflash_bytes_moved_total";
-/// Store record read latency histogram (seconds).
+/// Store time per record read (seconds; records read in one batch share its wait).
 pub const NVME_READ_SECONDS: &str = "glmflash_nvme_read_seconds";
 /// Failed store reads (I/O error or checksum mismatch).
 pub const NVME_READ_ERRORS_TOTAL: &str = "glmflash_nvme_read_errors_total";
