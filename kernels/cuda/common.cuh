@@ -37,6 +37,20 @@ __device__ __forceinline__ float warp_sum(float v) {
     return v;
 }
 
+// Block-wide sum (blockDim a multiple of 32, at most 1024); every thread gets the total. Fixed reduction order: results repeat.
+__device__ float block_sum(float v) {
+    __shared__ float part[32];
+    const int lane = threadIdx.x & (WARP - 1), wid = threadIdx.x / WARP;
+    v = warp_sum(v);
+    if (lane == 0) part[wid] = v;
+    __syncthreads();
+    const int warps = (blockDim.x + WARP - 1) / WARP;
+    float total = lane < warps ? part[lane] : 0.0f;
+    total = warp_sum(total);
+    __syncthreads();
+    return total;
+}
+
 __device__ __forceinline__ float silu(float x) { return x / (1.0f + expf(-x)); }
 
 __device__ __forceinline__ float sigmoid(float x) { return 1.0f / (1.0f + expf(-x)); }

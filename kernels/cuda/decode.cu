@@ -25,20 +25,6 @@ extern "C" __global__ void kda_gates(float* __restrict__ g, const float* __restr
     if (i < heads) beta[i] = sigmoid(beta[i]);
 }
 
-// Block-wide sum; every thread gets the total (fixed order, as norm.cu's).
-__device__ float decode_block_sum(float v) {
-    __shared__ float part[32];
-    const int lane = threadIdx.x & (WARP - 1), wid = threadIdx.x / WARP;
-    v = warp_sum(v);
-    if (lane == 0) part[wid] = v;
-    __syncthreads();
-    const int warps = (blockDim.x + WARP - 1) / WARP;
-    float total = lane < warps ? part[lane] : 0.0f;
-    total = warp_sum(total);
-    __syncthreads();
-    return total;
-}
-
 // ops::layer_norm: x = (x - mean) * inv * weight + bias per row of `width` (biased
 // variance, eps inside the root). One block per row.
 extern "C" __global__ void layer_norm(float* __restrict__ x, const float* __restrict__ weight,
@@ -46,13 +32,13 @@ extern "C" __global__ void layer_norm(float* __restrict__ x, const float* __rest
     float* row = x + (i64)blockIdx.x * width;
     float s = 0.0f;
     for (int i = threadIdx.x; i < width; i += blockDim.x) s += row[i];
-    const float mean = decode_block_sum(s) / (float)width;
+    const float mean = block_sum(s) / (float)width;
     float ss = 0.0f;
     for (int i = threadIdx.x; i < width; i += blockDim.x) {
         const float c = row[i] - mean;
         ss = fmaf(c, c, ss);
     }
-    const float inv = 1.0f / sqrtf(decode_block_sum(ss) / (float)width + eps);
+    const float inv = 1.0f / sqrtf(block_sum(ss) / (float)width + eps);
     for (int i = threadIdx.x; i < width; i += blockDim.x)
         row[i] = (row[i] - mean) * inv * weight[i] + bias[i];
 }

@@ -2,20 +2,6 @@
 // sigmoid-gated RMSNorm of the KDA output. One block per row.
 #include "common.cuh"
 
-// Block-wide sum; every thread gets the total. Fixed reduction order: results repeat.
-__device__ float block_sum(float v) {
-    __shared__ float part[32];
-    const int lane = threadIdx.x & (WARP - 1), wid = threadIdx.x / WARP;
-    v = warp_sum(v);
-    if (lane == 0) part[wid] = v;
-    __syncthreads();
-    const int warps = (blockDim.x + WARP - 1) / WARP;
-    float total = lane < warps ? part[lane] : 0.0f;
-    total = warp_sum(total);
-    __syncthreads();
-    return total;
-}
-
 // x: [rows, width] in place; weight: [width], read only when has_weight.
 extern "C" __global__ void rms_norm(float* __restrict__ x, const float* __restrict__ weight,
                                     int has_weight, int width, float eps) {

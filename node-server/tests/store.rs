@@ -159,7 +159,13 @@ fn a_quantized_checkpoint_packs_in_its_serving_format() {
     store::pack_store(&q4k, &f.store, &quiet()).unwrap();
     let m = Manifest::load(&f.store).unwrap();
     assert_eq!(m.parts.gate.format, glmflash_node::quant::Format::Q4K);
-    let ckpt = Checkpoint::open(&q4k).unwrap();
+    assert_records_match(&f, &q4k, glmflash_node::quant::Format::Q4K);
+}
+
+/// A sample of the store's records rebuild, in `format`, exactly the experts of the
+/// checkpoint in `dir`.
+fn assert_records_match(f: &Fixture, dir: &Path, format: glmflash_node::quant::Format) {
+    let ckpt = Checkpoint::open(dir).unwrap();
     let r = reader(&f.store, EngineChoice::Auto);
     for (l, e) in [(1, 0), (2, 15), (3, 8)] {
         let got = r.read(l, e).unwrap().to_expert(f.cfg.swiglu_limit).unwrap();
@@ -169,9 +175,14 @@ fn a_quantized_checkpoint_packs_in_its_serving_format() {
             e,
         )
         .unwrap();
-        assert_eq!(got.gate.format(), want.gate.format());
-        assert_eq!(got.up.to_bytes(), want.up.to_bytes());
-        assert_eq!(got.down.to_bytes(), want.down.to_bytes());
+        for (g, w) in [
+            (&got.gate, &want.gate),
+            (&got.up, &want.up),
+            (&got.down, &want.down),
+        ] {
+            assert_eq!((g.format(), w.format()), (format, format));
+            assert_eq!(g.to_bytes(), w.to_bytes(), "layer {l} expert {e}");
+        }
     }
 }
 
@@ -193,25 +204,7 @@ fn packing_with_a_format_quantizes_as_convert_experts_does() {
     assert_eq!(report.verify.expect("verified").compared, 48);
     let m = Manifest::load(&f.store).unwrap();
     assert!(m.parts.all().iter().all(|p| p.format == Format::Q4K));
-    let ckpt = Checkpoint::open(&q4k).unwrap();
-    let r = reader(&f.store, EngineChoice::Auto);
-    for (l, e) in [(1, 0), (2, 15), (3, 8)] {
-        let got = r.read(l, e).unwrap().to_expert(f.cfg.swiglu_limit).unwrap();
-        let want = load_expert(
-            &f.cfg,
-            Loader::new(&ckpt).pp(&format!("layers.{l}.mlp.experts")),
-            e,
-        )
-        .unwrap();
-        for (g, w) in [
-            (&got.gate, &want.gate),
-            (&got.up, &want.up),
-            (&got.down, &want.down),
-        ] {
-            assert_eq!(g.format(), Format::Q4K);
-            assert_eq!(g.to_bytes(), w.to_bytes(), "layer {l} expert {e}");
-        }
-    }
+    assert_records_match(&f, &q4k, Format::Q4K);
     let again = store::pack_store(&f.model, &f.store, &opts).unwrap();
     assert_eq!(again.outcome, PackOutcome::AlreadyComplete);
     let other = PackOptions {
