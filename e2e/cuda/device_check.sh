@@ -4,10 +4,11 @@
 #   2. compute-sanitizer memcheck and racecheck over the kernel checks,
 #   3. the whole model with experts on the GPU against the CPU on every fixture, a
 #      the demo model with bf16, q4_k and q8_0 experts (logits + greedy), and against transformers,
-#   4. the GPU metrics a serving process exports (all in VRAM, and tiered),
+#   4. the GPU metrics a serving process exports (all in VRAM, and tiered), and the server's
+#      greedy texts with GPU decode (batched) against the CPU's,
 #   5. the kernels' register/spill report for sm_90 (nvcc -Xptxas -v).
 # Runs where a prebuilt binary is at $BIN (default .device/glmflash-node) and a GPU exists.
-#   e2e/cuda/device_check.sh [OUTDIR]
+#   [ONLY=step,step] e2e/cuda/device_check.sh [OUTDIR]
 set -uo pipefail
 cd "$(dirname "$0")/../.."
 BIN="${BIN:-.device/glmflash-node}"
@@ -15,6 +16,9 @@ OUT="${1:-${OUT:-/tmp/device-out}}"
 mkdir -p "$OUT"
 fail=0
 step() { echo; echo "== $*"; }
+# ONLY=serve,speed runs those steps (kernels, sanitizer, model, tiers, serve, speed, ptxas;
+# tiers needs model).
+want() { [ -z "${ONLY:-}" ] || [[ ",$ONLY," == *",$1,"* ]]; }
 
 nvidia-smi --query-gpu=name,memory.total,driver_version,clocks.sm --format=csv,noheader
 # NVRTC for the kernels: the toolkit's, else the one a Python package ships.
@@ -22,12 +26,19 @@ for d in /usr/local/cuda/lib64 /usr/local/cuda/targets/x86_64-linux/lib \
          $(python3 -c 'import nvidia,os;print(" ".join(os.path.join(p,"cu13","lib") for p in nvidia.__path__))' 2>/dev/null); do
   if ls "$d"/libnvrtc.so* >/dev/null 2>&1; then export LD_LIBRARY_PATH="$d:${LD_LIBRARY_PATH:-}"; echo "nvrtc from $d"; break; fi
 done
-export GLMFLASH_KERNEL_CACHE="$OUT/kernel-cache"
+export GLMFLASH_KERNEL_CACHE="${GLMFLASH_KERNEL_CACHE:-/tmp/glmflash-kernel-cache}"
 
+work="$(mktemp -d)"
+"$BIN" make-demo-model --out "$work/demo" >/dev/null 2>&1 || fail=1
+
+if want kernels; then
 step "kernels against the CPU backend (wide shapes)"
 "$BIN" cuda-check --wide 2>&1 | tee "$OUT/cuda_check.txt" | tail -n 200 || fail=1
 grep -q " 0 failed" "$OUT/cuda_check.txt" || fail=1
 
+fi
+
+if want sanitizer; then
 step "compute-sanitizer"
 for tool in memcheck racecheck; do
   if command -v compute-sanitizer >/dev/null; then
@@ -37,8 +48,10 @@ for tool in memcheck racecheck; do
   else echo "compute-sanitizer not found"; fi
 done
 
+fi
+
+if want model; then
 step "whole model: experts on the GPU vs the CPU"
-work="$(mktemp -d)"
 tokens_of() { python3 -c "import json,sys;print(','.join(map(str,json.load(open(sys.argv[1]))['prompt'])))" "$1"; }
 for fx in e2e/fixtures/tiny_*; do
   name=$(basename "$fx"); tok=$(tokens_of "$fx/reference.json")
@@ -49,7 +62,6 @@ for fx in e2e/fixtures/tiny_*; do
   grep -E "dense weights on the GPU|every routed expert in VRAM" "$work/$name.err" | sed 's/\x1b\[[0-9;]*m//g' | cut -c1-160
   python3 e2e/cuda/compare_logits.py "$work/$name.cuda.json" "$work/$name.cpu.json" --reference "$fx/reference.json" --name "$name" || fail=1
 done
-"$BIN" make-demo-model --out "$work/demo" >/dev/null 2>&1 || fail=1
 demo_tokens=1,2,3,4,5,6,7,8,9,10,11,12,13,14,15,16,17,18,19,20
 for fmt in bf16 q4_k q8_0; do
   model="$work/demo"
@@ -63,6 +75,9 @@ for fmt in bf16 q4_k q8_0; do
   python3 e2e/cuda/compare_logits.py "$work/$fmt.cuda.json" "$work/$fmt.cpu.json" --name "demo model, $fmt experts" || fail=1
 done
 
+fi
+
+if want tiers; then
 step "tiers on the GPU: nvme-exact and exact give the untiered GPU bits; nvme (CPU lane) KL"
 for fmt in bf16 q4_k; do
   model="$work/demo"; [ $fmt = bf16 ] || model="$work/demo_$fmt"
@@ -81,6 +96,9 @@ for fmt in bf16 q4_k; do
   rm -rf "$store"
 done
 
+fi
+
+if want serve; then
 step "GPU metrics scraped from a serving process: all in VRAM, and tiered (nvme-exact, RAM registered with CUDA)"
 store="$(mktemp -d -p "$PWD" .store.XXXX)"
 "$BIN" pack-store --model "$work/demo" --store "$store/s" >/dev/null 2>&1 || { echo "pack-store failed"; fail=1; }
@@ -90,8 +108,45 @@ for args in "" "--mode nvme-exact --store $store/s --vram-slots 2 --ram-slots 8"
   python3 e2e/cuda/scrape_gpu_metrics.py --url http://127.0.0.1:30111 --name "serve ${args:-(all in VRAM)}" ${args:+--registered} || { fail=1; tail -5 "$work/serve.log"; }
   kill -TERM $pid; wait $pid 2>/dev/null
 done
+
+fi
+
+if want serve; then
+step "the server's GPU decode (GpuDecoder, batched) gives the CPU's greedy text"
+complete() {  # port prompt -> text of a greedy completion of 32 tokens
+  python3 - "$1" "$2" <<'PY'
+import json, sys, time, urllib.request
+url = f"http://127.0.0.1:{sys.argv[1]}"
+for _ in range(240):
+    try:
+        urllib.request.urlopen(url + "/ready", timeout=2); break
+    except Exception:
+        time.sleep(0.5)
+body = json.dumps({"model": "glm-5.3-flash", "prompt": sys.argv[2], "max_tokens": 32, "temperature": 0}).encode()
+req = urllib.request.Request(url + "/v1/completions", body, {"content-type": "application/json"})
+print(json.dumps(json.load(urllib.request.urlopen(req, timeout=120))["choices"][0]["text"]))
+PY
+}
+run=0
+for args in "--device cpu" "--device cuda" "--device cuda --gpu-decode false" "--device cuda --mode nvme-exact --store $store/s --vram-slots 2 --ram-slots 8"; do
+  run=$((run + 1))
+  [ "${args#*nvme-exact}" != "$args" ] && { "$BIN" pack-store --model "$work/demo" --store "$store/s" >/dev/null 2>&1 || true; }
+  "$BIN" serve --model "$work/demo" --host 127.0.0.1 --port 30112 $args > "$work/serve2.log" 2>&1 &
+  pid=$!
+  # Three requests at once, so the GPU decoder steps a batch of sequences together.
+  for p in "the quick brown fox" "hello there" "one two three four five six"; do complete 30112 "$p" > "$work/text.$(echo $p | md5sum | cut -c1-8)" & done
+  wait $(jobs -p | grep -v "^$pid$") 2>/dev/null
+  cat "$work"/text.* > "$work/texts.$run"; rm -f "$work"/text.*
+  grep -E "decode steps run on the GPU" "$work/serve2.log" | sed 's/\x1b\[[0-9;]*m//g' | cut -c1-120
+  kill -TERM $pid; wait $pid 2>/dev/null
+  if [ -s "$work/texts.$run" ] && cmp -s "$work/texts.1" "$work/texts.$run"; then echo "${args%% --store*}: same greedy texts as the CPU"
+  else echo "${args%% --store*}: DIFFERENT texts"; diff "$work/texts.1" "$work/texts.$run"; fail=1; fi
+done
 rm -rf "$store"
 
+fi
+
+if want speed; then
 step "speed: the same random model on the CPU (16 cores) and on the GPU"
 for dev in cpu cuda; do
   "$BIN" bench --device $dev --hidden 2048 --layers 4 --experts 32 --expert-width 512 --top-k 8 \
@@ -99,12 +154,16 @@ for dev in cpu cuda; do
   python3 -c "import json,sys;d=json.load(open(sys.argv[1]));print(sys.argv[2], {k:d[k] for k in ('device','prefill_tok_s','decode_tok_s','decode_bytes_per_token','read_bandwidth_gb_s','decode_roofline_ratio')})" "$OUT/bench_$dev.json" $dev || fail=1
 done
 
+fi
+
+if want ptxas; then
 step "kernel resources, sm_90"
 for f in kernels/cuda/*.cu; do
   nvcc -cubin -arch=sm_90 -std=c++17 -Ikernels/cuda -Xptxas -v -o /dev/null "$f" 2>&1 \
     | grep -E "Compiling entry|registers|spill" | sed 's/ptxas info    : //' | paste - - - 2>/dev/null | cut -c1-220
 done > "$OUT/ptxas.txt"
 grep -c "0 bytes spill stores" "$OUT/ptxas.txt" | xargs echo "entries without spills:"; grep -v " 0 bytes spill stores" "$OUT/ptxas.txt" | head -5
+fi
 
 echo; echo "device check: $([ $fail -eq 0 ] && echo PASSED || echo FAILED)"
 exit $fail

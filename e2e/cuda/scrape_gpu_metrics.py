@@ -46,7 +46,7 @@ def main():
         'glmflash_memory_bytes{kind="vram_total"}': lambda v: v > 0,
         "glmflash_gpu_host_to_device_bytes_total": lambda v: v > 0,
         "glmflash_gpu_moe_step_seconds": lambda v: v > 0,
-        'glmflash_expert_lookups_total{tier="vram",phase="decode"}': lambda v: v > 0,
+        'glmflash_expert_lookups_total{phase="decode",tier="vram"}': lambda v: v > 0,
     }
     if args.registered:
         want['glmflash_memory_bytes{kind="registered_ram"}'] = lambda v: v > 0

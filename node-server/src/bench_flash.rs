@@ -8,7 +8,8 @@
 //! Runs (`--flash-runs`): `budget` (nvme mode, CPU lane on, uniform routing), `prefill`
 //! (`--flash-prefill` tokens under the budget), `exact` (nvme-exact under the budget),
 //! `vram` (every expert in VRAM: the ceiling), `fast` (every expert in RAM, decode picks on
-//! the CPU lane), `zipf` (the budget with skewed routing). Decode runs with 1 and 4 streams.
+//! the CPU lane), `zipf` (the budget with skewed routing). Decode runs with 1 and 4 streams,
+//! on each decoder `--flash-decoders` names (`host`: `Model::forward`; `gpu`: `GpuDecoder`).
 //!
 //! Each result has hit rate and bytes per token per tier and a roofline ratio: the time the
 //! bytes of one step need at the bandwidths measured in the same run (HBM copy, pinned H2D,
@@ -18,6 +19,7 @@
 //! Results print as JSON lines on stderr as they finish and as one JSON document at the end.
 
 use crate::backend::cuda::Cuda;
+use crate::backend::cuda::decode::{GpuDecoder, GpuSeq};
 use crate::bench::BenchArgs;
 use crate::model::checkpoint::DType;
 use crate::model::config::Config;
@@ -61,6 +63,11 @@ pub struct FlashBenchArgs {
     /// Keep the generated model and store in --scratch, and reuse them when present.
     #[arg(long)]
     pub keep: bool,
+    /// Decode paths each decode run measures, comma-separated: `host` (`Model::forward`,
+    /// activations on the host around every device product) and `gpu` (`GpuDecoder`: the
+    /// activations and caches stay on the GPU, the streams stepped as one batch).
+    #[arg(long, default_value = "host,gpu")]
+    pub flash_decoders: String,
 }
 
 /// Hidden size and layer count of the real model, for the non-expert memory estimate.
@@ -277,8 +284,8 @@ fn measure_all(
         if run == "prefill" {
             report(prefill(&model, Some(&tiers), args, &bw, record)?.tag(run));
         } else {
-            for streams in [1, 4] {
-                report(decode(&model, Some(&tiers), streams, args, &bw, record)?.tag(run));
+            for r in decodes(&model, Some(&tiers), cuda, args, &bw, record)? {
+                report(r.tag(run));
             }
         }
     }
@@ -295,8 +302,8 @@ fn measure_all(
             started.elapsed().as_secs_f64()
         );
         model.set_experts(vram);
-        for streams in [1, 4] {
-            report(decode(&model, None, streams, args, &bw, record)?.tag("vram"));
+        for r in decodes(&model, None, cuda, args, &bw, record)? {
+            report(r.tag("vram"));
         }
     }
     if runs.contains(&"fast") {
@@ -309,8 +316,8 @@ fn measure_all(
             started.elapsed().as_secs_f64()
         );
         model.set_experts(tiers.clone());
-        for streams in [1, 4] {
-            report(decode(&model, Some(&tiers), streams, args, &bw, record)?.tag("fast"));
+        for r in decodes(&model, Some(&tiers), cuda, args, &bw, record)? {
+            report(r.tag("fast"));
         }
     }
     if runs.contains(&"zipf") {
@@ -328,8 +335,8 @@ fn measure_all(
             .with_gpu(cuda.clone(), &cfg.moe_layers())?,
         );
         let model = crate::tiers::vram::load_dense_on_gpu(model_dir, tiers.clone(), cuda.clone())?;
-        for streams in [1, 4] {
-            report(decode(&model, Some(&tiers), streams, args, &bw, record)?.tag("zipf"));
+        for r in decodes(&model, Some(&tiers), cuda, args, &bw, record)? {
+            report(r.tag("zipf"));
         }
     }
     Ok(json!({
@@ -484,9 +491,35 @@ fn prompt(len: usize, salt: u32, vocab: usize) -> Vec<u32> {
         .collect()
 }
 
+/// Decode runs of `streams` streams on each decoder `--flash-decoders` names.
+fn decodes(
+    model: &Model,
+    tiers: Option<&Arc<TieredExperts>>,
+    cuda: &Arc<Cuda>,
+    args: &BenchArgs,
+    bw: &Bandwidths,
+    record: usize,
+) -> anyhow::Result<Vec<Value>> {
+    let mut out = Vec::new();
+    for name in args.flash.flash_decoders.split(',').map(str::trim) {
+        let gpu = match name {
+            "host" => None,
+            "gpu" => Some(GpuDecoder::new(cuda, model).context("the GPU decoder")?),
+            other => bail!("--flash-decoders: unknown decoder {other:?} (host, gpu)"),
+        };
+        for streams in [1, 4] {
+            let mut r = decode(model, tiers, gpu.as_ref(), streams, args, bw, record)?;
+            r["decoder"] = json!(name);
+            out.push(r);
+        }
+    }
+    Ok(out)
+}
+
 fn decode(
     model: &Model,
     tiers: Option<&Arc<TieredExperts>>,
+    gpu: Option<&GpuDecoder>,
     streams: usize,
     args: &BenchArgs,
     bw: &Bandwidths,
@@ -498,7 +531,23 @@ fn decode(
         let (logits, cache) = model.prefill(&prompt(args.prompt_tokens, s as u32, vocab))?;
         seqs.push((crate::backend::cpu::ops::argmax(&logits) as u32, cache));
     }
+    let mut gpu_seqs = match gpu {
+        Some(g) => seqs
+            .iter()
+            .map(|(t, cache)| Ok((*t, g.sequence(cache)?)))
+            .collect::<anyhow::Result<Vec<_>>>()?,
+        None => Vec::new(),
+    };
     let mut step = || -> anyhow::Result<()> {
+        if let Some(g) = gpu {
+            let tokens: Vec<u32> = gpu_seqs.iter().map(|(t, _)| *t).collect();
+            let mut seqs: Vec<&mut GpuSeq> = gpu_seqs.iter_mut().map(|(_, s)| s).collect();
+            let out = g.step_batch(model, &mut seqs, &tokens)?;
+            for ((next, _), logits) in gpu_seqs.iter_mut().zip(&out) {
+                *next = crate::backend::cpu::ops::argmax(logits) as u32;
+            }
+            return Ok(());
+        }
         let tokens: Vec<[u32; 1]> = seqs.iter().map(|(t, _)| [*t]).collect();
         let mut steps: Vec<Step> = seqs
             .iter_mut()

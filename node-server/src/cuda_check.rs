@@ -7,7 +7,7 @@ use crate::backend::AttnLayout;
 use crate::backend::cpu::Placer;
 use crate::backend::cpu::{Matrix, ops};
 use crate::backend::cuda::attn::DsaSpec;
-use crate::backend::cuda::decode::GpuDecoder;
+use crate::backend::cuda::decode::{GpuDecoder, GpuSeq};
 use crate::backend::cuda::matrix::CudaPlacer;
 use crate::backend::cuda::{
     Cuda, KdaSpec, MhcCollapse, MhcSpec, MoeLayout, MoeStep, RouteSpec, SlotArena,
@@ -901,7 +901,7 @@ fn decode_cases(
     let mut next = ops::argmax(&logits) as u32;
     for step in 0..DECODE_STEPS {
         let want = model.decode_step(next, &mut cpu_cache)?;
-        let got = decoder.step(&mut seq, next)?;
+        let got = decoder.step(model, &mut seq, next)?;
         let label = format!("decode {name} step {step}");
         cases.push(case(format!("{label} logits"), &got, &want, DECODE_BOUND));
         let (g, w) = (ops::argmax(&got), ops::argmax(&want));
@@ -951,6 +951,41 @@ fn decode_cases(
                 }
             }
             _ => cases.push(exact_case(format!("{label} cache kind"), false)),
+        }
+    }
+    decode_batch_cases(model, &decoder, name, rng, cases)
+}
+
+/// `GpuDecoder::step_batch` over sequences of different lengths (so different positions,
+/// pool counts and selections) against each one's own CPU decode steps.
+fn decode_batch_cases(
+    model: &Model,
+    decoder: &GpuDecoder,
+    name: &str,
+    rng: &mut ChaCha8Rng,
+    cases: &mut Vec<Case>,
+) -> anyhow::Result<()> {
+    let vocab = model.cfg.vocab_size as u32;
+    let mut cpu = Vec::new();
+    let mut next = Vec::new();
+    for len in [DECODE_PROMPT, DECODE_PROMPT / 2 + 3, 1] {
+        let prompt: Vec<u32> = (0..len).map(|_| rng.random_range(0..vocab)).collect();
+        let (logits, cache) = model.prefill(&prompt)?;
+        next.push(ops::argmax(&logits) as u32);
+        cpu.push(cache);
+    }
+    let mut gpu = cpu
+        .iter()
+        .map(|c| decoder.sequence(c))
+        .collect::<anyhow::Result<Vec<_>>>()?;
+    for step in 0..DECODE_STEPS / 2 {
+        let mut seqs: Vec<&mut GpuSeq> = gpu.iter_mut().collect();
+        let got = decoder.step_batch(model, &mut seqs, &next)?;
+        for (i, (cache, got)) in cpu.iter_mut().zip(&got).enumerate() {
+            let want = model.decode_step(next[i], cache)?;
+            let label = format!("decode batch {name} step {step} sequence {i}");
+            cases.push(case(format!("{label} logits"), got, &want, DECODE_BOUND));
+            next[i] = ops::argmax(&want) as u32;
         }
     }
     Ok(())

@@ -8,6 +8,7 @@
 //! strings are held back across token boundaries and cut, and events go to the request's
 //! channel.
 
+use crate::backend::cuda::decode::{GpuDecoder, GpuSeq, placed_device};
 use crate::engine::cache::CacheLayout;
 use crate::engine::constraint::{Constraint, Grammars};
 use crate::engine::sampling::{Sampler, SamplingParams};
@@ -34,6 +35,10 @@ pub struct EngineConfig {
     pub kv_cache_bytes: Option<usize>,
     /// Sequences that may wait for admission; more are refused (429).
     pub max_waiting: usize,
+    /// Decode steps of sequences past their prompt run with every activation and cache
+    /// on the GPU (`GpuDecoder`) when the model's dense weights are on one; else (or when
+    /// false) through `Model::forward` like prefill.
+    pub gpu_decode: bool,
 }
 
 impl Default for EngineConfig {
@@ -44,6 +49,7 @@ impl Default for EngineConfig {
             context_length: 131072,
             kv_cache_bytes: None,
             max_waiting: 64,
+            gpu_decode: true,
         }
     }
 }
@@ -185,7 +191,13 @@ impl Engine {
             cv: Condvar::new(),
         });
         let vocab_size = model.cfg.vocab_size;
+        let decoder = if config.gpu_decode {
+            gpu_decoder(&model)
+        } else {
+            None
+        };
         let worker = Worker {
+            decoder,
             model,
             codec: codec.clone(),
             config: config.clone(),
@@ -271,6 +283,21 @@ impl Drop for Engine {
     }
 }
 
+/// A decoder on the GPU that holds `model`'s dense weights, if one does.
+fn gpu_decoder(model: &Model) -> Option<GpuDecoder> {
+    let cuda = placed_device(model)?;
+    match GpuDecoder::new(&cuda, model) {
+        Ok(d) => {
+            tracing::info!(device = %cuda.describe(), "decode steps run on the GPU");
+            Some(d)
+        }
+        Err(e) => {
+            tracing::warn!(error = %format!("{e:#}"), "no GPU decoder; decode steps run like prefill");
+            None
+        }
+    }
+}
+
 fn lock<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
     m.lock().unwrap_or_else(|e| e.into_inner())
 }
@@ -279,6 +306,8 @@ struct Seq {
     tx: UnboundedSender<Event>,
     prompt: Vec<u32>,
     cache: SeqCache,
+    /// The caches on the GPU once the prompt is in (then `cache` is left empty).
+    gpu: Option<GpuSeq>,
     /// Prompt tokens already in the cache.
     prefilled: usize,
     /// The last sampled token: the next decode step's input.
@@ -300,8 +329,16 @@ struct Seq {
     constraint: Option<Constraint>,
 }
 
+impl Seq {
+    /// Tokens in the sequence's caches.
+    fn tokens(&self) -> usize {
+        self.gpu.as_ref().map_or(self.cache.len, GpuSeq::len)
+    }
+}
+
 struct Worker {
     model: Model,
+    decoder: Option<GpuDecoder>,
     codec: Arc<TextCodec>,
     config: EngineConfig,
     metrics: Arc<Metrics>,
@@ -378,6 +415,7 @@ impl Worker {
             self.running.push(Seq {
                 tx: p.tx,
                 cache: self.model.new_cache(),
+                gpu: None,
                 prefilled: 0,
                 last: 0,
                 generated: 0,
@@ -408,7 +446,12 @@ impl Worker {
         let mut budget = self.config.chunk_size;
         let mut plan = Vec::with_capacity(self.running.len());
         let mut steps = Vec::with_capacity(self.running.len());
+        let mut on_gpu = Vec::new();
         for (i, s) in self.running.iter_mut().enumerate() {
+            if s.gpu.is_some() {
+                on_gpu.push(i);
+                continue;
+            }
             let Seq {
                 prompt,
                 cache,
@@ -433,16 +476,63 @@ impl Worker {
                 all_logits: false,
             });
         }
-        let model = &self.model;
-        let result = std::panic::catch_unwind(AssertUnwindSafe(|| model.forward(&mut steps, None)));
-        drop(steps);
-        let logits = match result {
-            Ok(Ok(l)) => l,
-            Ok(Err(e)) => return self.fail_batch(&plan, &format!("{e:#}")),
-            Err(_) => return self.fail_batch(&plan, "the engine panicked on this batch"),
-        };
-        let mut finished = Vec::new();
-        for ((i, n), logits) in plan.into_iter().zip(logits) {
+        // (sequence, tokens it fed, logits), and the sequences whose forward failed.
+        let mut outputs: Vec<(usize, usize, Vec<f32>)> = Vec::new();
+        let mut failed: Vec<(usize, String)> = Vec::new();
+        let mut collect =
+            |indices: Vec<(usize, usize)>,
+             result: std::thread::Result<anyhow::Result<Vec<Vec<f32>>>>| {
+                match result {
+                    Ok(Ok(logits)) => {
+                        outputs.extend(indices.into_iter().zip(logits).map(|((i, n), l)| (i, n, l)))
+                    }
+                    Ok(Err(e)) => {
+                        let message = format!("{e:#}");
+                        tracing::error!(error = %message, sequences = indices.len(), "forward failed; failing its batch");
+                        failed.extend(indices.into_iter().map(|(i, _)| (i, message.clone())));
+                    }
+                    Err(_) => {
+                        tracing::error!(
+                            sequences = indices.len(),
+                            "the forward panicked; failing its batch"
+                        );
+                        failed.extend(
+                            indices
+                                .into_iter()
+                                .map(|(i, _)| (i, "the engine panicked on this batch".to_string())),
+                        );
+                    }
+                }
+            };
+        if !steps.is_empty() {
+            let model = &self.model;
+            let result =
+                std::panic::catch_unwind(AssertUnwindSafe(|| model.forward(&mut steps, None)));
+            drop(steps);
+            collect(plan, result);
+        }
+        if let (Some(decoder), false) = (&self.decoder, on_gpu.is_empty()) {
+            let tokens: Vec<u32> = on_gpu.iter().map(|&i| self.running[i].last).collect();
+            // The same order as on_gpu: the running sequences that have GPU caches.
+            let mut seqs: Vec<&mut GpuSeq> = self
+                .running
+                .iter_mut()
+                .filter_map(|s| s.gpu.as_mut())
+                .collect();
+            let model = &self.model;
+            let started = Instant::now();
+            let result = std::panic::catch_unwind(AssertUnwindSafe(|| {
+                decoder.step_batch(model, &mut seqs, &tokens)
+            }));
+            self.metrics
+                .gpu_decode_step
+                .observe(started.elapsed().as_secs_f64());
+            drop(seqs);
+            collect(on_gpu.into_iter().map(|i| (i, 1)).collect(), result);
+        }
+        let mut finished: Vec<(usize, Result<FinishReason, String>)> =
+            failed.into_iter().map(|(i, m)| (i, Err(m))).collect();
+        for (i, n, logits) in outputs {
             let s = &mut self.running[i];
             if s.prefilled < s.prompt.len() {
                 s.prefilled += n;
@@ -451,21 +541,49 @@ impl Worker {
                     continue;
                 }
             }
-            if let Some(reason) = sample_one(s, &logits, &self.codec, &self.metrics, &self.config) {
-                finished.push((i, reason));
-            }
             self.window_tokens += 1;
+            if let Some(reason) = sample_one(s, &logits, &self.codec, &self.metrics, &self.config) {
+                finished.push((i, Ok(reason)));
+                continue;
+            }
+            if let (None, Some(decoder)) = (&s.gpu, &self.decoder) {
+                // The prompt is in: the caches move to the GPU for the decode steps.
+                match decoder.sequence(&s.cache) {
+                    Ok(g) => {
+                        s.gpu = Some(g);
+                        s.cache = SeqCache {
+                            layers: Vec::new(),
+                            len: 0,
+                        };
+                    }
+                    Err(e) => tracing::warn!(
+                        error = %format!("{e:#}"),
+                        "a sequence's caches did not fit on the GPU; it decodes like prefill"
+                    ),
+                }
+            }
         }
-        for (i, reason) in finished.into_iter().rev() {
+        finished.sort_by_key(|&(i, _)| std::cmp::Reverse(i));
+        for (i, outcome) in finished {
             let s = self.running.swap_remove(i);
-            let _ = s.tx.send(Event::Done {
-                finish_reason: reason,
-                prompt_tokens: s.prompt.len(),
-                completion_tokens: s.generated,
+            let _ = s.tx.send(match outcome {
+                Ok(reason) => Event::Done {
+                    finish_reason: reason,
+                    prompt_tokens: s.prompt.len(),
+                    completion_tokens: s.generated,
+                },
+                Err(message) => Event::Error(message),
             });
         }
-        let used: usize = self.running.iter().map(|s| s.cache.len).sum();
-        let used_bytes: usize = self.running.iter().map(|s| s.cache.bytes()).sum();
+        let used: usize = self.running.iter().map(Seq::tokens).sum();
+        let used_bytes: usize = self
+            .running
+            .iter()
+            .map(|s| match &s.gpu {
+                Some(g) => self.layout.bytes_for(g.len()),
+                None => s.cache.bytes(),
+            })
+            .sum();
         self.metrics.kv_used.set(used as i64);
         self.metrics.kv_bytes_used.set(used_bytes as i64);
         self.metrics.running.set(self.running.len() as i64);
@@ -476,14 +594,6 @@ impl Worker {
                 .set(self.window_tokens as f64 / elapsed);
             self.window_start = Instant::now();
             self.window_tokens = 0;
-        }
-    }
-
-    fn fail_batch(&mut self, plan: &[(usize, usize)], message: &str) {
-        tracing::error!(error = message, "forward failed; failing its batch");
-        for &(i, _) in plan.iter().rev() {
-            let s = self.running.swap_remove(i);
-            let _ = s.tx.send(Event::Error(message.to_string()));
         }
     }
 }

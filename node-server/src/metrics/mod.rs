@@ -34,7 +34,7 @@ pub const TIER_METRICS: [&str; 13] = [
 ];
 
 /// Every name this module defines for every server.
-pub const ALL: [&str; 13] = [
+pub const ALL: [&str; 14] = [
     REQUESTS_TOTAL,
     RUNNING_REQUESTS,
     WAITING_REQUESTS,
@@ -48,6 +48,7 @@ pub const ALL: [&str; 13] = [
     KV_BYTES_USED,
     KV_BYTES_CAPACITY,
     SERVER_READY,
+    GPU_DECODE_STEP_SECONDS,
 ];
 
 /// Latency buckets (seconds) for TTFT and inter-token latency.
@@ -196,6 +197,7 @@ pub struct Metrics {
     pub prefill_tokens: IntCounter,
     pub decode_tokens: IntCounter,
     pub decode_tok_s: Gauge,
+    pub gpu_decode_step: Histogram,
     pub kv_used: IntGauge,
     pub kv_capacity: IntGauge,
     pub kv_bytes_used: IntGauge,
@@ -243,6 +245,10 @@ impl Metrics {
             "Generated tokens per second over the last scheduler window, all sequences.",
         )
         .expect("valid");
+        let gpu_decode_step = hist(
+            GPU_DECODE_STEP_SECONDS,
+            "Seconds of one batched decode step on the GPU, logits downloaded.",
+        );
         let kv_used = IntGauge::new(KV_TOKENS_USED, "Tokens held in running sequences' caches.")
             .expect("valid");
         let kv_capacity = IntGauge::new(
@@ -270,6 +276,7 @@ impl Metrics {
             Box::new(prefill_tokens.clone()),
             Box::new(decode_tokens.clone()),
             Box::new(decode_tok_s.clone()),
+            Box::new(gpu_decode_step.clone()),
             Box::new(kv_used.clone()),
             Box::new(kv_capacity.clone()),
             Box::new(kv_bytes_used.clone()),
@@ -289,6 +296,7 @@ impl Metrics {
             prefill_tokens,
             decode_tokens,
             decode_tok_s,
+            gpu_decode_step,
             kv_used,
             kv_capacity,
             kv_bytes_used,

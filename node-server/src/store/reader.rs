@@ -138,7 +138,7 @@ impl RecordBuf {
                 p.rows,
                 p.cols,
                 p.format,
-                bytes[p.offset..p.offset + p.length].to_vec(),
+                page_padded(&bytes[p.offset..p.offset + p.length]),
             )
             .map_err(|e| {
                 StoreError::Other(format!(
@@ -164,6 +164,16 @@ impl RecordBuf {
             limit,
         })
     }
+}
+
+/// `bytes` in a buffer with two spare pages after them, so that no two such buffers touch
+/// a common page: a RAM-tier resident is registered with CUDA page by page, and a
+/// registration overlapping another one's pages is refused (heap neighbours would share the
+/// page between them).
+fn page_padded(bytes: &[u8]) -> Vec<u8> {
+    let mut v = Vec::with_capacity(bytes.len() + 2 * 4096);
+    v.extend_from_slice(bytes);
+    v
 }
 
 type Outcome = Result<Arc<RecordBuf>, ReadError>;

@@ -308,6 +308,16 @@ impl CudaRegistrar {
 
 impl super::pin::HostRegistrar for CudaRegistrar {
     fn register(&self, spans: &[(usize, usize)]) -> bool {
+        {
+            // Released and admitted again before the drain: still registered, so the new
+            // resident takes the registration over instead of the drain undoing it (and a
+            // second registration of the same range being refused).
+            let mut pending = self.pending.lock().unwrap_or_else(|e| e.into_inner());
+            if let Some(i) = pending.iter().position(|(s, _)| s.as_slice() == spans) {
+                pending.swap_remove(i);
+                return true;
+            }
+        }
         let mut done = Vec::with_capacity(spans.len());
         for &(ptr, len) in spans {
             // SAFETY: the spans are the buffers of an expert that the `Pinned` holding it keeps

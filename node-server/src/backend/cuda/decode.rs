@@ -18,9 +18,13 @@
 //!   [`ExpertProvider`] on host rows (one row down, one row up per MoE layer), the shared
 //!   expert on the device. Dense layers on the device.
 //!
+//! [`GpuDecoder::step_batch`] advances a batch of sequences together: the weight products,
+//! norms, mHC and routing run over the batch's rows (each weight read once per step), each
+//! sequence's attention core on its own caches. The serving engine decodes through it when
+//! the dense weights are on a GPU (`--gpu-decode`).
+//!
 //! Scratch buffers are allocated per op and small uploads (selection offsets, routing) go
-//! per launch; a preallocated arena, fused launches and graph capture come after this path
-//! is proved against the CPU (cuda-check's decode cases). Not wired into serving yet.
+//! per launch; a preallocated arena, fused launches and graph capture are next.
 //!
 //! This module reads model types (it is the bridge from a loaded model to the kernels), which
 //! the rest of `backend::cuda` does not.
@@ -31,6 +35,7 @@ use super::matrix::CudaMatrix;
 use super::{Cuda, KdaSpec, MhcCollapse, MhcSpec, RouteSpec, norm_config, rows_config};
 use crate::backend::AttnLayout;
 use crate::backend::cpu::{DeviceWeights, Matrix};
+use crate::model::config::Config;
 use crate::model::dsa::{Indexer, IndexerCache, K_NORM_EPS};
 use crate::model::glm5::{Attention, FeedForward, Layer, LayerCache, Model, SeqCache};
 use crate::model::kda::{Kda, KdaState, L2_EPS};
@@ -40,7 +45,7 @@ use crate::model::mlp::SwiGlu;
 use crate::model::moe::{Moe, Phase, Routing};
 use crate::quant::Format;
 use anyhow::{Context, bail};
-use cudarc::driver::{CudaSlice, LaunchConfig, PushKernelArg};
+use cudarc::driver::{CudaSlice, CudaView, LaunchConfig, PushKernelArg};
 use std::sync::Arc;
 
 type Buf = CudaSlice<f32>;
@@ -93,16 +98,16 @@ impl DevMatrix {
         }
     }
 
-    /// `W x` for one token row.
-    fn apply(&self, cuda: &Cuda, x: &Buf) -> anyhow::Result<Buf> {
-        let mut y = cuda.alloc_f32(self.rows)?;
+    /// `W x` for each of `n` token rows (`x` is `[n, cols]`).
+    fn apply(&self, cuda: &Cuda, x: &Buf, n: usize) -> anyhow::Result<Buf> {
+        let mut y = cuda.alloc_f32(n * self.rows)?;
         cuda.matvec(
             self.bytes(),
             self.format,
             self.rows,
             self.cols,
             x,
-            1,
+            n,
             &mut y,
         )?;
         Ok(y)
@@ -128,9 +133,9 @@ impl DevVec {
         })
     }
 
-    /// Appends the first `n` values of `src`, doubling the buffer when full.
-    fn push(&mut self, cuda: &Cuda, src: &Buf, n: usize) -> anyhow::Result<()> {
-        let s = cuda.stream();
+    /// Appends the values of `src`, doubling the buffer when full.
+    fn push(&mut self, cuda: &Cuda, src: &CudaView<f32>) -> anyhow::Result<()> {
+        let (s, n) = (cuda.stream(), src.len());
         if self.len + n > self.buf.len() {
             let mut grown = cuda.alloc_f32((2 * self.buf.len()).max(self.len + n))?;
             if self.len > 0 {
@@ -140,7 +145,7 @@ impl DevVec {
             self.buf = grown;
         }
         let mut dst = self.buf.slice_mut(self.len..self.len + n);
-        s.memcpy_dtod(&src.slice(..n), &mut dst)?;
+        s.memcpy_dtod(src, &mut dst)?;
         self.len += n;
         Ok(())
     }
@@ -240,9 +245,9 @@ struct DevLayer {
 }
 
 /// Runs decode steps of a loaded [`Model`] with the activations on one CUDA device.
-pub struct GpuDecoder<'m> {
+pub struct GpuDecoder {
     cuda: Arc<Cuda>,
-    model: &'m Model,
+    cfg: Config,
     layers: Vec<DevLayer>,
     norm: Buf,
     lm_head: DevMatrix,
@@ -290,10 +295,10 @@ impl GpuSeq {
     }
 }
 
-impl<'m> GpuDecoder<'m> {
+impl GpuDecoder {
     /// Device copies of every weight of `model` but the routed experts and the embedding
     /// (read one row per token on the host).
-    pub fn new(cuda: &Arc<Cuda>, model: &'m Model) -> anyhow::Result<GpuDecoder<'m>> {
+    pub fn new(cuda: &Arc<Cuda>, model: &Model) -> anyhow::Result<GpuDecoder> {
         let layers = model
             .layers
             .iter()
@@ -302,7 +307,7 @@ impl<'m> GpuDecoder<'m> {
             .collect::<anyhow::Result<_>>()?;
         Ok(GpuDecoder {
             cuda: cuda.clone(),
-            model,
+            cfg: model.cfg.clone(),
             layers,
             norm: cuda.upload(&model.norm)?,
             lm_head: DevMatrix::new(cuda, &model.lm_head)?,
@@ -315,7 +320,7 @@ impl<'m> GpuDecoder<'m> {
         if cache.layers.len() != self.layers.len() {
             bail!("the cache does not belong to this model");
         }
-        let cfg = &self.model.cfg;
+        let cfg = &self.cfg;
         let layers = cache
             .layers
             .iter()
@@ -374,7 +379,7 @@ impl<'m> GpuDecoder<'m> {
     /// continue there).
     pub fn to_host(&self, seq: &GpuSeq) -> anyhow::Result<SeqCache> {
         let cuda = &*self.cuda;
-        let cfg = &self.model.cfg;
+        let cfg = &self.cfg;
         let conv_len = (cfg.linear_conv_kernel_dim - 1) * 3 * cfg.kda_dim();
         let layers = seq
             .layers
@@ -410,48 +415,90 @@ impl<'m> GpuDecoder<'m> {
         })
     }
 
-    /// Feeds `token` to `seq` and returns the next token's logits (`[vocab]`). After an
-    /// error `seq` may hold some layers' caches advanced and others not: drop it.
-    pub fn step(&self, seq: &mut GpuSeq, token: u32) -> anyhow::Result<Vec<f32>> {
+    /// Feeds `token` to `seq` and returns the next token's logits (`[vocab]`); see
+    /// [`GpuDecoder::step_batch`].
+    pub fn step(&self, model: &Model, seq: &mut GpuSeq, token: u32) -> anyhow::Result<Vec<f32>> {
+        Ok(self.step_batch(model, &mut [seq], &[token])?.remove(0))
+    }
+
+    /// Feeds `tokens[i]` to `seqs[i]` for every sequence in one pass over the layers and
+    /// returns each one's next-token logits (`[vocab]` each). The weight products, norms,
+    /// mHC and routing run over the batch's rows at once (every weight is read once per
+    /// step, and the routed experts see the batch's picks together); each sequence's
+    /// attention core (KDA conv and delta rule, MLA over its latents, its indexer) runs on
+    /// its own caches. `model` must be the model this decoder was made from (its routed
+    /// experts and embedding rows are read from it). After an error a sequence may hold some
+    /// layers' caches advanced and others not: drop the batch's sequences.
+    pub fn step_batch(
+        &self,
+        model: &Model,
+        seqs: &mut [&mut GpuSeq],
+        tokens: &[u32],
+    ) -> anyhow::Result<Vec<Vec<f32>>> {
         let cuda = &*self.cuda;
-        let cfg = &self.model.cfg;
+        let cfg = &self.cfg;
         let (d, n, v) = (cfg.hidden_size, cfg.hc_mult, cfg.vocab_size);
-        if token as usize >= v {
-            bail!("token id {token} is outside the vocabulary (size {v})");
+        let b = seqs.len();
+        if b == 0 || tokens.len() != b {
+            bail!(
+                "a decode batch of {b} sequences with {} tokens",
+                tokens.len()
+            );
         }
-        if seq.layers.len() != self.layers.len() {
-            bail!("the sequence does not belong to this model");
+        if model.layers.len() != self.layers.len() || model.cfg.hidden_size != d {
+            bail!("the model is not the one this decoder was made from");
         }
-        let row = self.model.embed.row_f32(token as usize);
-        let mut host = Vec::with_capacity(n * d);
-        for _ in 0..n {
-            host.extend_from_slice(&row);
+        let mut host = Vec::with_capacity(b * n * d);
+        for (i, (&token, seq)) in tokens.iter().zip(seqs.iter()).enumerate() {
+            if token as usize >= v {
+                bail!("sequence {i}: token id {token} is outside the vocabulary (size {v})");
+            }
+            if seq.layers.len() != self.layers.len() {
+                bail!("sequence {i} does not belong to this model");
+            }
+            let row = model.embed.row_f32(token as usize);
+            for _ in 0..n {
+                host.extend_from_slice(&row);
+            }
         }
         let mut streams = cuda.upload(&host)?;
-        let pos = seq.len;
-        let phase = if pos > 0 {
-            Phase::Decode
-        } else {
-            Phase::Prefill
-        };
-        // The last full indexer layer's selection, used by the shared layers after it.
-        let mut carried: Option<DeviceSelections> = None;
-        for (li, (layer, state)) in self.layers.iter().zip(seq.layers.iter_mut()).enumerate() {
-            let mix = self.collapse(&layer.attn_hc, &streams)?;
+        let positions: Vec<usize> = seqs.iter().map(|s| s.len).collect();
+        let phases: Vec<Phase> = positions
+            .iter()
+            .map(|&p| if p > 0 { Phase::Decode } else { Phase::Prefill })
+            .collect();
+        // Each sequence's last full indexer layer's selection, used by the shared layers
+        // after it.
+        let mut carried: Vec<Option<DeviceSelections>> = (0..b).map(|_| None).collect();
+        for (li, layer) in self.layers.iter().enumerate() {
+            let mix = self.collapse(&layer.attn_hc, &streams, b)?;
             let mut x = mix.collapsed;
             cuda.rms_norm(&mut x, Some(&layer.input_norm), d, cfg.rms_norm_eps)?;
-            let y = match (&layer.attention, state) {
-                (DevAttention::Kda(w), SeqLayer::Kda { conv, recurrent }) => {
-                    self.kda(w, &x, conv, recurrent)?
+            let y = match &layer.attention {
+                DevAttention::Kda(w) => {
+                    let mut states = Vec::with_capacity(b);
+                    for s in seqs.iter_mut() {
+                        let SeqLayer::Kda { conv, recurrent } = &mut s.layers[li] else {
+                            bail!("layer {li}: a sequence's cache kind differs from the layer's");
+                        };
+                        states.push((conv, recurrent));
+                    }
+                    self.kda(w, &x, &mut states)?
                 }
-                (DevAttention::Mla(w), SeqLayer::Mla { latents, indexer }) => {
-                    self.mla(w, &x, latents, indexer.as_mut(), pos, &mut carried)?
+                DevAttention::Mla(w) => {
+                    let mut states = Vec::with_capacity(b);
+                    for s in seqs.iter_mut() {
+                        let SeqLayer::Mla { latents, indexer } = &mut s.layers[li] else {
+                            bail!("layer {li}: a sequence's cache kind differs from the layer's");
+                        };
+                        states.push((latents, indexer.as_mut()));
+                    }
+                    self.mla(w, &x, &mut states, &positions, &mut carried)?
                 }
-                _ => bail!("layer {li}: the sequence's cache kind differs from the layer's"),
             };
-            streams = self.expand(&layer.attn_hc, &mix.post, &mix.comb, &streams, &y)?;
+            streams = self.expand(&layer.attn_hc, &mix.post, &mix.comb, &streams, &y, b)?;
 
-            let mix = self.collapse(&layer.ffn_hc, &streams)?;
+            let mix = self.collapse(&layer.ffn_hc, &streams, b)?;
             let mut x = mix.collapsed;
             cuda.rms_norm(
                 &mut x,
@@ -460,43 +507,53 @@ impl<'m> GpuDecoder<'m> {
                 cfg.rms_norm_eps,
             )?;
             let y = match &layer.feed_forward {
-                DevFeedForward::Dense(mlp) => self.mlp(mlp, &x)?,
+                DevFeedForward::Dense(mlp) => self.mlp(mlp, &x, b)?,
                 DevFeedForward::Moe(moe) => self
-                    .moe(li, moe, &x, phase)
+                    .moe(model, li, moe, &x, &phases)
                     .with_context(|| format!("experts of layer {li}"))?,
             };
-            streams = self.expand(&layer.ffn_hc, &mix.post, &mix.comb, &streams, &y)?;
+            streams = self.expand(&layer.ffn_hc, &mix.post, &mix.comb, &streams, &y, b)?;
         }
 
-        let mut h = cuda.alloc_f32(d)?;
+        let mut h = cuda.alloc_f32(b * d)?;
         let (n_i, d_i) = (n as i32, d as i32);
-        let mut b = cuda.stream.launch_builder(cuda.kernel("stream_mean"));
-        b.arg(&streams).arg(&n_i).arg(&d_i).arg(&mut h);
-        // SAFETY: streams holds n * d values, h d; one thread per column.
-        unsafe { b.launch(elem_config(d)) }?;
+        for i in 0..b {
+            let src = streams.slice(i * n * d..(i + 1) * n * d);
+            let mut dst = h.slice_mut(i * d..(i + 1) * d);
+            let mut l = cuda.stream.launch_builder(cuda.kernel("stream_mean"));
+            l.arg(&src).arg(&n_i).arg(&d_i).arg(&mut dst);
+            // SAFETY: src holds n * d values, dst d; one thread per column.
+            unsafe { l.launch(elem_config(d)) }?;
+        }
         cuda.rms_norm(&mut h, Some(&self.norm), d, cfg.rms_norm_eps)?;
-        let logits = self.lm_head.apply(cuda, &h)?;
-        let mut out = cuda.download(&logits)?;
-        out.truncate(v);
-        seq.len += 1;
-        Ok(out)
+        let logits = self.lm_head.apply(cuda, &h, b)?;
+        let all = cuda.download(&logits)?;
+        for s in seqs.iter_mut() {
+            s.len += 1;
+        }
+        Ok(all
+            .chunks(self.lm_head.rows)
+            .take(b)
+            .map(|row| row[..v].to_vec())
+            .collect())
     }
 
-    /// mHC's collapse: unweighted RMSNorm of the streams, the projection, then the weights
-    /// and the pre-weighted sum (`mhc_collapse`).
-    fn collapse(&self, hc: &DevHc, streams: &Buf) -> anyhow::Result<MhcCollapse<Buf>> {
+    /// mHC's collapse of `b` tokens' streams: unweighted RMSNorm of each token's streams,
+    /// the projection, then the weights and the pre-weighted sum (`mhc_collapse`).
+    fn collapse(&self, hc: &DevHc, streams: &Buf, b: usize) -> anyhow::Result<MhcCollapse<Buf>> {
         let cuda = &*self.cuda;
         let (n, d) = (hc.spec.streams, hc.spec.hidden);
-        let mut normed = cuda.alloc_f32(n * d)?;
-        cuda.stream.memcpy_dtod(streams, &mut normed)?;
+        let mut normed = cuda.alloc_f32(b * n * d)?;
+        cuda.stream
+            .memcpy_dtod(&streams.slice(..b * n * d), &mut normed)?;
         cuda.rms_norm(&mut normed, None, n * d, hc.norm_eps)?;
-        let logits = hc.proj.apply(cuda, &normed)?;
+        let logits = hc.proj.apply(cuda, &normed, b)?;
         let mut out = MhcCollapse {
-            collapsed: cuda.alloc_f32(d)?,
-            post: cuda.alloc_f32(n)?,
-            comb: cuda.alloc_f32(n * n)?,
+            collapsed: cuda.alloc_f32(b * d)?,
+            post: cuda.alloc_f32(b * n)?,
+            comb: cuda.alloc_f32(b * n * n)?,
         };
-        cuda.mhc_collapse_dev(hc.spec, &logits, &hc.base, streams, 1, &mut out)?;
+        cuda.mhc_collapse_dev(hc.spec, &logits, &hc.base, streams, b, &mut out)?;
         Ok(out)
     }
 
@@ -507,218 +564,285 @@ impl<'m> GpuDecoder<'m> {
         comb: &Buf,
         streams: &Buf,
         y: &Buf,
+        b: usize,
     ) -> anyhow::Result<Buf> {
-        let mut out = self.cuda.alloc_f32(hc.spec.streams * hc.spec.hidden)?;
+        let mut out = self.cuda.alloc_f32(b * hc.spec.streams * hc.spec.hidden)?;
         self.cuda
-            .mhc_expand_dev(hc.spec, post, comb, streams, y, 1, &mut out)?;
+            .mhc_expand_dev(hc.spec, post, comb, streams, y, b, &mut out)?;
         Ok(out)
     }
 
-    /// `Kda::forward` for one decode token.
-    fn kda(&self, w: &DevKda, x: &Buf, conv: &mut Buf, recurrent: &mut Buf) -> anyhow::Result<Buf> {
-        let cuda = &*self.cuda;
-        let (c, h, dh) = (w.spec.channels(), w.spec.heads, w.spec.head_dim);
-        let mut qkv = cuda.alloc_f32(3 * c)?;
-        for (i, m) in [&w.q, &w.k, &w.v].into_iter().enumerate() {
-            let part = m.apply(cuda, x)?;
-            let mut dst = qkv.slice_mut(i * c..(i + 1) * c);
-            cuda.stream.memcpy_dtod(&part, &mut dst)?;
-        }
-        let mut mixed = cuda.alloc_f32(3 * c)?;
-        cuda.kda_conv_dev(w.spec, &w.conv, &qkv, 1, conv, &mut mixed)?;
+    /// Row `i` of `[.., width]` values, in a buffer of its own.
+    fn row(&self, src: &Buf, i: usize, width: usize) -> anyhow::Result<Buf> {
+        let mut dst = self.cuda.alloc_f32(width)?;
+        self.cuda
+            .stream
+            .memcpy_dtod(&src.slice(i * width..(i + 1) * width), &mut dst)?;
+        Ok(dst)
+    }
 
-        let mut g = w.f_b.apply(cuda, &w.f_a.apply(cuda, x)?)?;
-        let mut beta = w.b_proj.apply(cuda, x)?;
+    /// `Kda::forward` for one decode token of each sequence (`x` is `[b, d]`, `states` each
+    /// sequence's conv and recurrent state).
+    fn kda(&self, w: &DevKda, x: &Buf, states: &mut [(&mut Buf, &mut Buf)]) -> anyhow::Result<Buf> {
+        let cuda = &*self.cuda;
+        let b = states.len();
+        let (c, h, dh) = (w.spec.channels(), w.spec.heads, w.spec.head_dim);
+        let parts = [
+            w.q.apply(cuda, x, b)?,
+            w.k.apply(cuda, x, b)?,
+            w.v.apply(cuda, x, b)?,
+        ];
+        let mut g = w.f_b.apply(cuda, &w.f_a.apply(cuda, x, b)?, b)?;
+        let mut beta = w.b_proj.apply(cuda, x, b)?;
         let (dh_i, c_i, h_i) = (dh as i32, c as i32, h as i32);
         let (has_bound, bound) = match w.lower_bound {
             Some(b) => (1i32, b),
             None => (0i32, 0.0f32),
         };
-        let mut b = cuda.stream.launch_builder(cuda.kernel("kda_gates"));
-        b.arg(&mut g)
-            .arg(&w.dt_bias)
-            .arg(&w.a_log)
-            .arg(&dh_i)
-            .arg(&c_i)
-            .arg(&has_bound)
-            .arg(&bound)
-            .arg(&mut beta)
-            .arg(&h_i);
-        // SAFETY: g, dt_bias hold c values, a_log and beta h (h <= c); one thread per
-        // channel, and the first h threads also do beta.
-        unsafe { b.launch(elem_config(c.max(h))) }?;
-
-        let mut core = cuda.alloc_f32(c)?;
-        cuda.kda_recurrent_dev(w.spec, &mixed, &g, &beta, 1, recurrent, &mut core)?;
-        let out_gate = w.g_b.apply(cuda, &w.g_a.apply(cuda, x)?)?;
+        let mut core = cuda.alloc_f32(b * c)?;
+        for (i, (conv, recurrent)) in states.iter_mut().enumerate() {
+            let mut qkv = cuda.alloc_f32(3 * c)?;
+            for (j, part) in parts.iter().enumerate() {
+                let mut dst = qkv.slice_mut(j * c..(j + 1) * c);
+                cuda.stream
+                    .memcpy_dtod(&part.slice(i * c..(i + 1) * c), &mut dst)?;
+            }
+            let mut mixed = cuda.alloc_f32(3 * c)?;
+            cuda.kda_conv_dev(w.spec, &w.conv, &qkv, 1, conv, &mut mixed)?;
+            {
+                let mut gi = g.slice_mut(i * c..(i + 1) * c);
+                let mut bi = beta.slice_mut(i * h..(i + 1) * h);
+                let mut l = cuda.stream.launch_builder(cuda.kernel("kda_gates"));
+                l.arg(&mut gi)
+                    .arg(&w.dt_bias)
+                    .arg(&w.a_log)
+                    .arg(&dh_i)
+                    .arg(&c_i)
+                    .arg(&has_bound)
+                    .arg(&bound)
+                    .arg(&mut bi)
+                    .arg(&h_i);
+                // SAFETY: gi and dt_bias hold c values, a_log and bi h (h <= c); one thread
+                // per channel, and the first h threads also do beta.
+                unsafe { l.launch(elem_config(c.max(h))) }?;
+            }
+            let (gi, bi) = (self.row(&g, i, c)?, self.row(&beta, i, h)?);
+            let mut out = cuda.alloc_f32(c)?;
+            cuda.kda_recurrent_dev(w.spec, &mixed, &gi, &bi, 1, recurrent, &mut out)?;
+            let mut dst = core.slice_mut(i * c..(i + 1) * c);
+            cuda.stream.memcpy_dtod(&out, &mut dst)?;
+        }
+        let out_gate = w.g_b.apply(cuda, &w.g_a.apply(cuda, x, b)?, b)?;
         cuda.gated_rms_norm(&mut core, &out_gate, &w.o_norm, dh, w.eps)?;
-        w.o_proj.apply(cuda, &core)
+        w.o_proj.apply(cuda, &core, b)
     }
 
-    /// `Mla::forward` for one decode token on the absorbed path; a full indexer layer
-    /// replaces `carried` with its fresh selection.
+    /// `Mla::forward` for one decode token of each sequence on the absorbed path (`states`:
+    /// each sequence's latents and indexer cache, `positions` their tokens so far); a full
+    /// indexer layer replaces each sequence's `carried` selection with its fresh one.
     fn mla(
         &self,
         w: &DevMla,
         x: &Buf,
-        latents: &mut DevVec,
-        indexer_cache: Option<&mut DevIndexerCache>,
-        pos: usize,
-        carried: &mut Option<DeviceSelections>,
+        states: &mut [(&mut DevVec, Option<&mut DevIndexerCache>)],
+        positions: &[usize],
+        carried: &mut [Option<DeviceSelections>],
     ) -> anyhow::Result<Buf> {
         let cuda = &*self.cuda;
+        let b = states.len();
         let (h, nope, vd, r) = (w.heads, w.nope, w.v_dim, w.rank);
-        let mut qr = w.q_a.apply(cuda, x)?;
+        let mut qr = w.q_a.apply(cuda, x, b)?;
         cuda.rms_norm(&mut qr, Some(&w.q_a_norm), w.q_a.rows, w.eps)?;
-        let q = w.q_b.apply(cuda, &qr)?;
-        let mut latent = w.kv_a.apply(cuda, x)?;
+        let q = w.q_b.apply(cuda, &qr, b)?;
+        let mut latent = w.kv_a.apply(cuda, x, b)?;
         cuda.rms_norm(&mut latent, Some(&w.kv_a_norm), r, w.eps)?;
 
         if let Some(ix) = &w.indexer {
-            let Some(ic) = indexer_cache else {
-                bail!("a full indexer layer's cache has no indexer state");
-            };
-            *carried = Some(self.select(ix, ic, x, &qr, pos)?);
+            let mut caches = Vec::with_capacity(b);
+            for (_, ic) in states.iter_mut() {
+                let Some(ic) = ic.as_deref_mut() else {
+                    bail!("a full indexer layer's cache has no indexer state");
+                };
+                caches.push(ic);
+            }
+            for (slot, sel) in
+                carried
+                    .iter_mut()
+                    .zip(self.select(ix, &mut caches, x, &qr, positions)?)
+            {
+                *slot = Some(sel);
+            }
         }
-        let Some(sel) = carried.as_ref() else {
-            bail!("a shared indexer layer with no full indexer layer before it");
-        };
 
-        latents.push(cuda, &latent, r)?;
-        let mut q_lat = cuda.alloc_f32(h * r)?;
         let (nope_i, vd_i, r_i, h_i) = (nope as i32, vd as i32, r as i32, h as i32);
-        let mut b = cuda.stream.launch_builder(cuda.kernel("mla_absorb_q"));
-        b.arg(&q)
-            .arg(&w.kv_b)
-            .arg(&nope_i)
-            .arg(&vd_i)
-            .arg(&r_i)
-            .arg(&mut q_lat);
-        let cfg = LaunchConfig {
-            grid_dim: ((r as u32).div_ceil(ELEM_BLOCK), h as u32, 1),
-            block_dim: (ELEM_BLOCK, 1, 1),
-            shared_mem_bytes: 0,
-        };
-        // SAFETY: q holds h * nope values, kv_b h * (nope + vd) rows of r, q_lat h * r; one
-        // thread per (column < r, head < h).
-        unsafe { b.launch(cfg) }?;
-
         let scale = (nope as f32).powf(-0.5);
-        let mut o_lat = cuda.alloc_f32(h * r)?;
-        cuda.mla_sparse_attend_dev(
-            &q_lat,
-            &latents.buf,
-            &AttnLayout::absorbed(h, r, scale),
-            sel,
-            &mut o_lat,
-        )?;
+        let mut attn = cuda.alloc_f32(b * h * vd)?;
+        for (i, (latents, _)) in states.iter_mut().enumerate() {
+            let Some(sel) = carried[i].as_ref() else {
+                bail!("a shared indexer layer with no full indexer layer before it");
+            };
+            latents.push(cuda, &latent.slice(i * r..(i + 1) * r))?;
+            let mut q_lat = cuda.alloc_f32(h * r)?;
+            let qi = q.slice(i * h * nope..(i + 1) * h * nope);
+            let mut l = cuda.stream.launch_builder(cuda.kernel("mla_absorb_q"));
+            l.arg(&qi)
+                .arg(&w.kv_b)
+                .arg(&nope_i)
+                .arg(&vd_i)
+                .arg(&r_i)
+                .arg(&mut q_lat);
+            let grid = LaunchConfig {
+                grid_dim: ((r as u32).div_ceil(ELEM_BLOCK), h as u32, 1),
+                block_dim: (ELEM_BLOCK, 1, 1),
+                shared_mem_bytes: 0,
+            };
+            // SAFETY: qi holds h * nope values, kv_b h * (nope + vd) rows of r, q_lat h * r;
+            // one thread per (column < r, head < h).
+            unsafe { l.launch(grid) }?;
 
-        let mut attn = cuda.alloc_f32(h * vd)?;
-        let mut b = cuda.stream.launch_builder(cuda.kernel("mla_absorb_out"));
-        b.arg(&o_lat)
-            .arg(&w.kv_b)
-            .arg(&h_i)
-            .arg(&nope_i)
-            .arg(&vd_i)
-            .arg(&r_i)
-            .arg(&mut attn);
-        // SAFETY: o_lat holds h * r values, attn h * vd; one warp per row of attn, reading
-        // kv_b's value rows (inside its h * (nope + vd) rows of r).
-        unsafe { b.launch(rows_config(h * vd, 1)) }?;
-        w.o_proj.apply(cuda, &attn)
+            let mut o_lat = cuda.alloc_f32(h * r)?;
+            cuda.mla_sparse_attend_dev(
+                &q_lat,
+                &latents.buf,
+                &AttnLayout::absorbed(h, r, scale),
+                sel,
+                &mut o_lat,
+            )?;
+
+            let mut dst = attn.slice_mut(i * h * vd..(i + 1) * h * vd);
+            let mut l = cuda.stream.launch_builder(cuda.kernel("mla_absorb_out"));
+            l.arg(&o_lat)
+                .arg(&w.kv_b)
+                .arg(&h_i)
+                .arg(&nope_i)
+                .arg(&vd_i)
+                .arg(&r_i)
+                .arg(&mut dst);
+            // SAFETY: o_lat holds h * r values, dst h * vd; one warp per row of dst, reading
+            // kv_b's value rows (inside its h * (nope + vd) rows of r).
+            unsafe { l.launch(rows_config(h * vd, 1)) }?;
+        }
+        w.o_proj.apply(cuda, &attn, b)
     }
 
-    /// The indexer of a full layer for the new token at `pos`: its key and gate appended
-    /// (and the keys of pools they complete), then the selection (`Indexer::select`).
+    /// The indexer of a full layer for each sequence's new token (at `positions[i]`): its
+    /// key and gate appended (and the keys of pools they complete), then its selection
+    /// (`Indexer::select`).
     fn select(
         &self,
         ix: &DevIndexer,
-        ic: &mut DevIndexerCache,
+        caches: &mut [&mut DevIndexerCache],
         x: &Buf,
         qr: &Buf,
-        pos: usize,
-    ) -> anyhow::Result<DeviceSelections> {
+        positions: &[usize],
+    ) -> anyhow::Result<Vec<DeviceSelections>> {
         let cuda = &*self.cuda;
+        let b = caches.len();
         let (di, hi, kpool) = (ix.spec.dim, ix.spec.heads, ix.spec.kpool);
-        let mut keys = ix.wk.apply(cuda, x)?;
+        let mut keys = ix.wk.apply(cuda, x, b)?;
         let di_i = di as i32;
-        let mut b = cuda.stream.launch_builder(cuda.kernel("layer_norm"));
-        b.arg(&mut keys)
+        let mut l = cuda.stream.launch_builder(cuda.kernel("layer_norm"));
+        l.arg(&mut keys)
             .arg(&ix.k_norm_weight)
             .arg(&ix.k_norm_bias)
             .arg(&di_i)
             .arg(&K_NORM_EPS);
-        // SAFETY: one block over the di values of keys, weight and bias.
-        unsafe { b.launch(norm_config(1, di)) }?;
-        let gates = ix.gate.apply(cuda, x)?;
-        let mut weights = ix.weights_proj.apply(cuda, x)?;
-        let (scale, hi_i) = ((hi as f32).powf(-0.5), hi as i32);
-        let mut b = cuda.stream.launch_builder(cuda.kernel("scale_values"));
-        b.arg(&mut weights).arg(&scale).arg(&hi_i);
-        // SAFETY: weights holds hi values, one thread each.
-        unsafe { b.launch(elem_config(hi)) }?;
-        let q = ix.wq_b.apply(cuda, qr)?;
+        // SAFETY: one block per row of di values of keys (b rows), weight and bias di.
+        unsafe { l.launch(norm_config(b, di)) }?;
+        let gates = ix.gate.apply(cuda, x, b)?;
+        let mut weights = ix.weights_proj.apply(cuda, x, b)?;
+        let (scale, count) = ((hi as f32).powf(-0.5), (b * hi) as i32);
+        let mut l = cuda.stream.launch_builder(cuda.kernel("scale_values"));
+        l.arg(&mut weights).arg(&scale).arg(&count);
+        // SAFETY: weights holds b * hi values, one thread each.
+        unsafe { l.launch(elem_config(b * hi)) }?;
+        let q = ix.wq_b.apply(cuda, qr, b)?;
 
-        ic.keys.push(cuda, &keys, di)?;
-        ic.gates.push(cuda, &gates, di)?;
-        let tokens = ic.keys.len / di;
-        let mut pool = ic.pool_keys.len / di;
-        while (pool + 1) * kpool <= tokens {
-            let mut key = cuda.alloc_f32(di)?;
-            cuda.dsa_pool_keys_dev(
-                &ic.keys.buf,
-                &ic.gates.buf,
-                &ix.ape,
-                kpool,
+        let mut out = Vec::with_capacity(b);
+        for (i, ic) in caches.iter_mut().enumerate() {
+            ic.keys.push(cuda, &keys.slice(i * di..(i + 1) * di))?;
+            ic.gates.push(cuda, &gates.slice(i * di..(i + 1) * di))?;
+            let tokens = ic.keys.len / di;
+            let mut pool = ic.pool_keys.len / di;
+            while (pool + 1) * kpool <= tokens {
+                let mut key = cuda.alloc_f32(di)?;
+                cuda.dsa_pool_keys_dev(
+                    &ic.keys.buf,
+                    &ic.gates.buf,
+                    &ix.ape,
+                    kpool,
+                    pool,
+                    1,
+                    &mut key,
+                )?;
+                ic.pool_keys.push(cuda, &key.as_view())?;
+                pool += 1;
+            }
+            let (qi, wi) = (self.row(&q, i, hi * di)?, self.row(&weights, i, hi)?);
+            out.push(cuda.dsa_select_dev(
+                &qi,
+                &wi,
+                &ic.pool_keys.buf,
                 pool,
-                1,
-                &mut key,
-            )?;
-            ic.pool_keys.push(cuda, &key, di)?;
-            pool += 1;
+                ix.spec,
+                &[positions[i]],
+            )?);
         }
-        Ok(cuda.dsa_select_dev(&q, &weights, &ic.pool_keys.buf, pool, ix.spec, &[pos])?)
+        Ok(out)
     }
 
-    fn mlp(&self, w: &DevMlp, x: &Buf) -> anyhow::Result<Buf> {
+    fn mlp(&self, w: &DevMlp, x: &Buf, b: usize) -> anyhow::Result<Buf> {
         let cuda = &*self.cuda;
-        let gate = w.gate.apply(cuda, x)?;
-        let up = w.up.apply(cuda, x)?;
-        let mut act = cuda.alloc_f32(w.gate.rows)?;
+        let gate = w.gate.apply(cuda, x, b)?;
+        let up = w.up.apply(cuda, x, b)?;
+        let mut act = cuda.alloc_f32(b * w.gate.rows)?;
         cuda.swiglu(&gate, &up, w.limit, &mut act)?;
-        w.down.apply(cuda, &act)
+        w.down.apply(cuda, &act, b)
     }
 
-    /// `Moe::forward` for one token: routed experts through the model's provider on the
-    /// host row, plus the shared expert.
-    fn moe(&self, layer: usize, w: &DevMoe, x: &Buf, phase: Phase) -> anyhow::Result<Buf> {
+    /// `Moe::forward` for the batch's tokens: routing on the device, the routed experts
+    /// through the model's provider on the host rows (all the batch's picks in one call),
+    /// plus the shared expert.
+    fn moe(
+        &self,
+        model: &Model,
+        layer: usize,
+        w: &DevMoe,
+        x: &Buf,
+        phases: &[Phase],
+    ) -> anyhow::Result<Buf> {
         let cuda = &*self.cuda;
-        let d = self.model.cfg.hidden_size;
-        let logits = w.router.apply(cuda, x)?;
-        let (ids, weights) = cuda.route(&logits, &w.bias, w.spec, 1)?;
+        let (d, b) = (self.cfg.hidden_size, phases.len());
+        let logits = w.router.apply(cuda, x, b)?;
+        let (ids, weights) = cuda.route(&logits, &w.bias, w.spec, b)?;
         let routing = Routing {
             k: w.spec.k,
             ids,
             weights,
-            phases: vec![phase],
+            phases: phases.to_vec(),
         };
         let mut xh = cuda.download(x)?;
-        xh.truncate(d);
-        let mut out = vec![0f32; d];
-        self.model
-            .experts()
-            .forward(layer, &xh, &routing, &mut out)?;
+        xh.truncate(b * d);
+        let mut out = vec![0f32; b * d];
+        model.experts().forward(layer, &xh, &routing, &mut out)?;
         let mut y = cuda.upload(&out)?;
         if let Some(shared) = &w.shared {
-            let s = self.mlp(shared, x)?;
-            let d_i = d as i32;
-            let mut b = cuda.stream.launch_builder(cuda.kernel("add_values"));
-            b.arg(&mut y).arg(&s).arg(&d_i);
-            // SAFETY: y and s hold d values each, one thread per value.
-            unsafe { b.launch(elem_config(d)) }?;
+            let s = self.mlp(shared, x, b)?;
+            let count = (b * d) as i32;
+            let mut l = cuda.stream.launch_builder(cuda.kernel("add_values"));
+            l.arg(&mut y).arg(&s).arg(&count);
+            // SAFETY: y and s hold b * d values each, one thread per value.
+            unsafe { l.launch(elem_config(b * d)) }?;
         }
         Ok(y)
     }
+}
+
+/// The GPU that holds `model`'s dense weights (its output projection's device copy), if any.
+pub fn placed_device(model: &Model) -> Option<Arc<Cuda>> {
+    let placed = model.lm_head.device()?;
+    let m = placed.as_any().downcast_ref::<CudaMatrix>()?;
+    Some(m.cuda().clone())
 }
 
 fn elem_config(n: usize) -> LaunchConfig {

@@ -57,6 +57,11 @@ impl CudaMatrix {
         Arc::ptr_eq(&self.cuda, cuda)
     }
 
+    /// The device the copy lives on.
+    pub(crate) fn cuda(&self) -> &Arc<Cuda> {
+        &self.cuda
+    }
+
     /// The weight bytes in the matrix's own format (what `Cuda::matvec` takes).
     pub(crate) fn weights(&self) -> &CudaSlice<u8> {
         &self.w

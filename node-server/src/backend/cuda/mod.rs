@@ -243,7 +243,10 @@ impl Cuda {
         if self.poison.load(std::sync::atomic::Ordering::Relaxed) {
             return Ok(self.stream.clone_htod(&vec![f32::NAN; len.max(1)])?);
         }
-        Ok(self.stream.alloc_zeros::<f32>(len.max(1))?)
+        // SAFETY: any bits are a valid f32, and every caller writes a scratch buffer before
+        // reading it: cuda-check runs every kernel wrapper and the decode step with each
+        // buffer poisoned with NaN instead, where a read before a write would show.
+        Ok(unsafe { self.stream.alloc::<f32>(len.max(1)) }?)
     }
 
     /// Poison scratch and output buffers with NaN before kernels write them.
