@@ -112,7 +112,7 @@ done
 fi
 
 if want serve; then
-step "the server's GPU decode (GpuDecoder, batched) gives the CPU's greedy text"
+step "the server's GPU forward (GpuDecoder: prompts and batched decode) gives the CPU's greedy text"
 complete() {  # port prompt -> text of a greedy completion of 32 tokens
   python3 - "$1" "$2" <<'PY'
 import json, sys, time, urllib.request
@@ -128,7 +128,7 @@ print(json.dumps(json.load(urllib.request.urlopen(req, timeout=120))["choices"][
 PY
 }
 run=0
-for args in "--device cpu" "--device cuda" "--device cuda --gpu-decode false" "--device cuda --mode nvme-exact --store $store/s --vram-slots 2 --ram-slots 8"; do
+for args in "--device cpu" "--device cuda" "--device cuda --gpu-forward false" "--device cuda --mode nvme-exact --store $store/s --vram-slots 2 --ram-slots 8"; do
   run=$((run + 1))
   [ "${args#*nvme-exact}" != "$args" ] && { "$BIN" pack-store --model "$work/demo" --store "$store/s" >/dev/null 2>&1 || true; }
   "$BIN" serve --model "$work/demo" --host 127.0.0.1 --port 30112 $args > "$work/serve2.log" 2>&1 &
@@ -137,7 +137,7 @@ for args in "--device cpu" "--device cuda" "--device cuda --gpu-decode false" "-
   for p in "the quick brown fox" "hello there" "one two three four five six"; do complete 30112 "$p" > "$work/text.$(echo $p | md5sum | cut -c1-8)" & done
   wait $(jobs -p | grep -v "^$pid$") 2>/dev/null
   cat "$work"/text.* > "$work/texts.$run"; rm -f "$work"/text.*
-  grep -E "decode steps run on the GPU" "$work/serve2.log" | sed 's/\x1b\[[0-9;]*m//g' | cut -c1-120
+  grep -E "sequences run on the GPU" "$work/serve2.log" | sed 's/\x1b\[[0-9;]*m//g' | cut -c1-120
   kill -TERM $pid; wait $pid 2>/dev/null
   if [ -s "$work/texts.$run" ] && cmp -s "$work/texts.1" "$work/texts.$run"; then echo "${args%% --store*}: same greedy texts as the CPU"
   else echo "${args%% --store*}: DIFFERENT texts"; diff "$work/texts.1" "$work/texts.$run"; fail=1; fi

@@ -30,7 +30,10 @@ def main():
                 print(f"{args.name}: not ready after 120 s")
                 return 1
             time.sleep(0.5)
-    body = json.dumps({"model": "glm-5.3-flash", "prompt": "hello there", "max_tokens": 16}).encode()
+    # Greedy and past EOS: exactly 16 tokens, so there are decode steps to count (a sampled
+    # reply may end after one token).
+    body = json.dumps({"model": "glm-5.3-flash", "prompt": "hello there", "max_tokens": 16,
+                       "temperature": 0, "ignore_eos": True}).encode()
     req = urllib.request.Request(args.url + "/v1/completions", body, {"content-type": "application/json"})
     with urllib.request.urlopen(req, timeout=120) as r:
         json.load(r)

@@ -54,6 +54,7 @@ pub const SOURCES: &[(&str, &str, &[&str])] = &[
             "mla_absorb_q",
             "mla_absorb_out",
             "stream_mean",
+            "interleave3",
         ],
     ),
 ];
@@ -84,6 +85,18 @@ mod tests {
                     src.contains(&format!("extern \"C\" __global__ void {k}(")),
                     "{name} lacks kernel {k}"
                 );
+            }
+        }
+    }
+
+    #[test]
+    fn every_kernel_in_a_source_is_listed() {
+        let marker = "extern \"C\" __global__ void ";
+        for (name, src, kernels) in SOURCES {
+            for (at, _) in src.match_indices(marker) {
+                let rest = &src[at + marker.len()..];
+                let kernel = &rest[..rest.find('(').unwrap()];
+                assert!(kernels.contains(&kernel), "{name}: kernel {kernel} is not listed");
             }
         }
     }

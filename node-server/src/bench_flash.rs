@@ -276,16 +276,33 @@ fn measure_all(
         } else {
             Mode::Nvme
         };
-        let tiers = Arc::new(
-            tiered(&cfg, &source, mode, budget.vram_slots, budget.ram_slots)?
-                .with_gpu(cuda.clone(), &cfg.moe_layers())?,
-        );
-        model.set_experts(tiers.clone());
-        if run == "prefill" {
-            report(prefill(&model, Some(&tiers), args, &bw, record)?.tag(run));
-        } else {
-            for r in decodes(&model, Some(&tiers), cuda, args, &bw, record)? {
+        // Fresh (cold) tiers for each decoder, so that neither inherits the other's
+        // residents.
+        for name in decoders(args)? {
+            let tiers = Arc::new(
+                tiered(&cfg, &source, mode, budget.vram_slots, budget.ram_slots)?
+                    .with_gpu(cuda.clone(), &cfg.moe_layers())?,
+            );
+            model.set_experts(tiers.clone());
+            let gpu = gpu_decoder(name, cuda, &model)?;
+            if run == "prefill" {
+                let mut r = prefill(&model, Some(&tiers), gpu.as_ref(), args, &bw, record)?;
+                r["decoder"] = json!(name);
                 report(r.tag(run));
+            } else {
+                for streams in [1, 4] {
+                    let mut r = decode(
+                        &model,
+                        Some(&tiers),
+                        gpu.as_ref(),
+                        streams,
+                        args,
+                        &bw,
+                        record,
+                    )?;
+                    r["decoder"] = json!(name);
+                    report(r.tag(run));
+                }
             }
         }
     }
@@ -324,19 +341,38 @@ fn measure_all(
         drop(model);
         set_skew(model_dir, store, args.tiers.zipf_bias)?;
         let source = Arc::new(StoreSource::open(store, model_dir, &cfg)?);
-        let tiers = Arc::new(
-            tiered(
-                &cfg,
-                &source,
-                Mode::Nvme,
-                budget.vram_slots,
-                budget.ram_slots,
-            )?
-            .with_gpu(cuda.clone(), &cfg.moe_layers())?,
-        );
-        let model = crate::tiers::vram::load_dense_on_gpu(model_dir, tiers.clone(), cuda.clone())?;
-        for r in decodes(&model, Some(&tiers), cuda, args, &bw, record)? {
-            report(r.tag("zipf"));
+        let fresh = || -> anyhow::Result<Arc<TieredExperts>> {
+            Ok(Arc::new(
+                tiered(
+                    &cfg,
+                    &source,
+                    Mode::Nvme,
+                    budget.vram_slots,
+                    budget.ram_slots,
+                )?
+                .with_gpu(cuda.clone(), &cfg.moe_layers())?,
+            ))
+        };
+        let placeholder: Arc<dyn ExpertProvider> = fresh()?;
+        let mut model =
+            crate::tiers::vram::load_dense_on_gpu(model_dir, placeholder, cuda.clone())?;
+        for name in decoders(args)? {
+            let tiers = fresh()?;
+            model.set_experts(tiers.clone());
+            let gpu = gpu_decoder(name, cuda, &model)?;
+            for streams in [1, 4] {
+                let mut r = decode(
+                    &model,
+                    Some(&tiers),
+                    gpu.as_ref(),
+                    streams,
+                    args,
+                    &bw,
+                    record,
+                )?;
+                r["decoder"] = json!(name);
+                report(r.tag("zipf"));
+            }
         }
     }
     Ok(json!({
@@ -491,7 +527,29 @@ fn prompt(len: usize, salt: u32, vocab: usize) -> Vec<u32> {
         .collect()
 }
 
-/// Decode runs of `streams` streams on each decoder `--flash-decoders` names.
+/// The decoders `--flash-decoders` names.
+fn decoders(args: &BenchArgs) -> anyhow::Result<Vec<&str>> {
+    let names: Vec<&str> = args
+        .flash
+        .flash_decoders
+        .split(',')
+        .map(str::trim)
+        .collect();
+    if let Some(bad) = names.iter().find(|n| !["host", "gpu"].contains(n)) {
+        bail!("--flash-decoders: unknown decoder {bad:?} (host, gpu)");
+    }
+    Ok(names)
+}
+
+/// The GPU decoder for `name` `gpu`, none for `host`.
+fn gpu_decoder(name: &str, cuda: &Arc<Cuda>, model: &Model) -> anyhow::Result<Option<GpuDecoder>> {
+    Ok(match name {
+        "gpu" => Some(GpuDecoder::new(cuda, model).context("the GPU decoder")?),
+        _ => None,
+    })
+}
+
+/// Decode runs of 1 and 4 streams on each decoder `--flash-decoders` names.
 fn decodes(
     model: &Model,
     tiers: Option<&Arc<TieredExperts>>,
@@ -501,12 +559,8 @@ fn decodes(
     record: usize,
 ) -> anyhow::Result<Vec<Value>> {
     let mut out = Vec::new();
-    for name in args.flash.flash_decoders.split(',').map(str::trim) {
-        let gpu = match name {
-            "host" => None,
-            "gpu" => Some(GpuDecoder::new(cuda, model).context("the GPU decoder")?),
-            other => bail!("--flash-decoders: unknown decoder {other:?} (host, gpu)"),
-        };
+    for name in decoders(args)? {
+        let gpu = gpu_decoder(name, cuda, model)?;
         for streams in [1, 4] {
             let mut r = decode(model, tiers, gpu.as_ref(), streams, args, bw, record)?;
             r["decoder"] = json!(name);
@@ -593,6 +647,7 @@ fn decode(
 fn prefill(
     model: &Model,
     tiers: Option<&Arc<TieredExperts>>,
+    gpu: Option<&GpuDecoder>,
     args: &BenchArgs,
     bw: &Bandwidths,
     record: usize,
@@ -601,7 +656,13 @@ fn prefill(
     let p = prompt(len, 99, model.cfg.vocab_size);
     let before = snapshot(tiers, 0);
     let started = Instant::now();
-    let (logits, _cache) = model.prefill(&p)?;
+    let logits = match gpu {
+        Some(g) => {
+            let mut seq = g.sequence(&model.new_cache())?;
+            g.forward(model, &mut [&mut seq], &[&p])?.remove(0)
+        }
+        None => model.prefill(&p)?.0,
+    };
     let secs = started.elapsed().as_secs_f64();
     anyhow::ensure!(
         logits.iter().all(|v| v.is_finite()),

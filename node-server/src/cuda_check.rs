@@ -15,7 +15,7 @@ use crate::backend::cuda::{
 use crate::model::checkpoint::DType;
 use crate::model::config::Config;
 use crate::model::dsa::{pool_key, pool_scores, select_tokens};
-use crate::model::glm5::{LayerCache, Model};
+use crate::model::glm5::{LayerCache, Model, Step};
 use crate::model::kda::{self, KdaMode};
 use crate::model::mhc::HyperConnection;
 use crate::model::mla::sparse_attention;
@@ -953,7 +953,114 @@ fn decode_cases(
             _ => cases.push(exact_case(format!("{label} cache kind"), false)),
         }
     }
-    decode_batch_cases(model, &decoder, name, rng, cases)
+    decode_batch_cases(model, &decoder, name, rng, cases)?;
+    prefill_cases(model, &decoder, name, rng, cases)
+}
+
+/// `GpuDecoder::forward` over prompt chunks: a fresh sequence's prompt in two uneven chunks
+/// (logits after each against the CPU's forward over the same chunks, and the caches after
+/// them), then one call holding a third sequence's whole prompt and a decode token of the
+/// first, against the CPU doing each alone.
+fn prefill_cases(
+    model: &Model,
+    decoder: &GpuDecoder,
+    name: &str,
+    rng: &mut ChaCha8Rng,
+    cases: &mut Vec<Case>,
+) -> anyhow::Result<()> {
+    let vocab = model.cfg.vocab_size as u32;
+    let mut random =
+        |len: usize| -> Vec<u32> { (0..len).map(|_| rng.random_range(0..vocab)).collect() };
+    let prompt = random(DECODE_PROMPT + 7);
+    let mut cpu = model.new_cache();
+    let mut gpu = decoder.sequence(&model.new_cache())?;
+    for (c, chunk) in [&prompt[..13], &prompt[13..]].into_iter().enumerate() {
+        let want = model
+            .forward(
+                &mut [Step {
+                    tokens: chunk,
+                    cache: &mut cpu,
+                    all_logits: false,
+                }],
+                None,
+            )?
+            .remove(0);
+        let got = decoder.forward(model, &mut [&mut gpu], &[chunk])?.remove(0);
+        let label = format!("prefill {name} chunk {c} ({} tokens)", chunk.len());
+        cases.push(case(format!("{label} logits"), &got, &want, DECODE_BOUND));
+    }
+    let host = decoder.to_host(&gpu)?;
+    cases.push(exact_case(
+        format!("prefill {name} cache length"),
+        host.len == cpu.len,
+    ));
+    for (li, (g, w)) in host.layers.iter().zip(&cpu.layers).enumerate() {
+        let label = format!("prefill {name} layer {li}");
+        match (g, w) {
+            (LayerCache::Kda(g), LayerCache::Kda(w)) => {
+                cases.push(case(
+                    format!("{label} kda conv"),
+                    &g.conv,
+                    &w.conv,
+                    DECODE_BOUND,
+                ));
+                cases.push(case(
+                    format!("{label} kda state"),
+                    &g.recurrent,
+                    &w.recurrent,
+                    DECODE_BOUND,
+                ));
+            }
+            (LayerCache::Mla(g), LayerCache::Mla(w)) => {
+                cases.push(case(
+                    format!("{label} mla latents"),
+                    &g.latents,
+                    &w.latents,
+                    DECODE_BOUND,
+                ));
+                if let (Some(g), Some(w)) = (&g.indexer, &w.indexer) {
+                    cases.push(case(
+                        format!("{label} indexer pool keys"),
+                        &g.pool_keys,
+                        &w.pool_keys,
+                        DECODE_BOUND,
+                    ));
+                }
+            }
+            _ => cases.push(exact_case(format!("{label} cache kind"), false)),
+        }
+    }
+
+    // A prompt and a decode token in one call.
+    let other = random(DECODE_PROMPT / 2 + 5);
+    let token = random(1);
+    let mut cpu_other = model.new_cache();
+    let mut gpu_other = decoder.sequence(&model.new_cache())?;
+    let got = decoder.forward(model, &mut [&mut gpu_other, &mut gpu], &[&other, &token])?;
+    let want_other = model
+        .forward(
+            &mut [Step {
+                tokens: &other,
+                cache: &mut cpu_other,
+                all_logits: false,
+            }],
+            None,
+        )?
+        .remove(0);
+    let want = model.decode_step(token[0], &mut cpu)?;
+    cases.push(case(
+        format!("prefill {name} mixed call: prompt logits"),
+        &got[0],
+        &want_other,
+        DECODE_BOUND,
+    ));
+    cases.push(case(
+        format!("prefill {name} mixed call: decode logits"),
+        &got[1],
+        &want,
+        DECODE_BOUND,
+    ));
+    Ok(())
 }
 
 /// `GpuDecoder::step_batch` over sequences of different lengths (so different positions,

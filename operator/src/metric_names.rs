@@ -63,9 +63,10 @@ pub const EXPERT_PRODUCTS_TOTAL: &str = "glmflash_expert_products_total";
 /// Seconds of one MoE layer's expert step on the GPU, sampled every 64th step (synchronised).
 pub const GPU_MOE_STEP_SECONDS: &str = "glmflash_gpu_moe_step_seconds";
 
-/// Seconds of one batched decode step on the GPU (`GpuDecoder`: every activation on the
-/// device; it ends with the logits' download, so it spans the device's work), histogram.
-pub const GPU_DECODE_STEP_SECONDS: &str = "glmflash_gpu_decode_step_seconds";
+/// Seconds of one scheduler tick's forward on the GPU (`GpuDecoder`: the decode tokens and
+/// prompt chunks of the sequences there, every activation on the device; it ends with the
+/// logits' download, so it spans the device's work), histogram.
+pub const GPU_FORWARD_SECONDS: &str = "glmflash_gpu_forward_seconds";
 
 /// Every name above.
 pub const ALL: [&str; 27] = [
@@ -95,7 +96,7 @@ pub const ALL: [&str; 27] = [
     GPU_H2D_BYTES_TOTAL,
     EXPERT_PRODUCTS_TOTAL,
     GPU_MOE_STEP_SECONDS,
-    GPU_DECODE_STEP_SECONDS,
+    GPU_FORWARD_SECONDS,
 ];
 
 /// Histograms: Prometheus exposes them as `<name>_bucket`, `_sum` and `_count`.

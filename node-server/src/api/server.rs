@@ -58,11 +58,11 @@ pub struct ServeArgs {
     /// Largest request body in bytes (413 beyond).
     #[arg(long, env = "GLMFLASH_MAX_BODY_BYTES", default_value_t = 32 << 20)]
     pub max_body_bytes: usize,
-    /// Run decode steps with every activation and cache on the GPU when the model's dense
-    /// weights are on one (`--device cuda`); `false` sends them through the same forward
-    /// as prefill (activations on the host around each device product).
-    #[arg(long, env = "GLMFLASH_GPU_DECODE", default_value_t = true, action = clap::ArgAction::Set)]
-    pub gpu_decode: bool,
+    /// Run prompt chunks and decode steps with every activation and sequence cache on the
+    /// GPU when the model's dense weights are on one (`--device cuda`); `false` keeps the
+    /// activations and caches on the host around each device product.
+    #[arg(long, env = "GLMFLASH_GPU_FORWARD", default_value_t = true, action = clap::ArgAction::Set)]
+    pub gpu_forward: bool,
     /// Seconds to let in-flight requests finish after SIGTERM.
     #[arg(long, env = "GLMFLASH_SHUTDOWN_TIMEOUT", default_value_t = 30)]
     pub shutdown_timeout: u64,
@@ -102,7 +102,7 @@ impl ServeArgs {
             context_length: self.context_length,
             kv_cache_bytes: self.kv_cache_mib.map(|m| m.saturating_mul(1 << 20)),
             max_waiting: self.max_waiting,
-            gpu_decode: self.gpu_decode,
+            gpu_forward: self.gpu_forward,
         }
     }
 }

@@ -35,10 +35,10 @@ pub struct EngineConfig {
     pub kv_cache_bytes: Option<usize>,
     /// Sequences that may wait for admission; more are refused (429).
     pub max_waiting: usize,
-    /// Decode steps of sequences past their prompt run with every activation and cache
-    /// on the GPU (`GpuDecoder`) when the model's dense weights are on one; else (or when
-    /// false) through `Model::forward` like prefill.
-    pub gpu_decode: bool,
+    /// Sequences run with every activation and cache on the GPU (`GpuDecoder`: prompt
+    /// chunks and decode steps) when the model's dense weights are on one; else (or when
+    /// false) through `Model::forward`.
+    pub gpu_forward: bool,
 }
 
 impl Default for EngineConfig {
@@ -49,7 +49,7 @@ impl Default for EngineConfig {
             context_length: 131072,
             kv_cache_bytes: None,
             max_waiting: 64,
-            gpu_decode: true,
+            gpu_forward: true,
         }
     }
 }
@@ -191,7 +191,7 @@ impl Engine {
             cv: Condvar::new(),
         });
         let vocab_size = model.cfg.vocab_size;
-        let decoder = if config.gpu_decode {
+        let decoder = if config.gpu_forward {
             gpu_decoder(&model)
         } else {
             None
@@ -288,11 +288,11 @@ fn gpu_decoder(model: &Model) -> Option<GpuDecoder> {
     let cuda = placed_device(model)?;
     match GpuDecoder::new(&cuda, model) {
         Ok(d) => {
-            tracing::info!(device = %cuda.describe(), "decode steps run on the GPU");
+            tracing::info!(device = %cuda.describe(), "sequences run on the GPU");
             Some(d)
         }
         Err(e) => {
-            tracing::warn!(error = %format!("{e:#}"), "no GPU decoder; decode steps run like prefill");
+            tracing::warn!(error = %format!("{e:#}"), "no GPU decoder; sequences run through the host forward");
             None
         }
     }
@@ -306,7 +306,8 @@ struct Seq {
     tx: UnboundedSender<Event>,
     prompt: Vec<u32>,
     cache: SeqCache,
-    /// The caches on the GPU once the prompt is in (then `cache` is left empty).
+    /// The caches on the GPU (then `cache` is left empty): from admission with a GPU
+    /// decoder, or after a host prefill when the GPU had no room at admission.
     gpu: Option<GpuSeq>,
     /// Prompt tokens already in the cache.
     prefilled: usize,
@@ -354,6 +355,31 @@ struct Worker {
 }
 
 impl Worker {
+    /// A new sequence's caches: on the GPU when there is a decoder and room (the host cache
+    /// left empty), else on the host.
+    fn new_caches(&self) -> (SeqCache, Option<GpuSeq>) {
+        let host = self.model.new_cache();
+        let Some(decoder) = &self.decoder else {
+            return (host, None);
+        };
+        match decoder.sequence(&host) {
+            Ok(g) => (
+                SeqCache {
+                    layers: Vec::new(),
+                    len: 0,
+                },
+                Some(g),
+            ),
+            Err(e) => {
+                tracing::warn!(
+                    error = %format!("{e:#}"),
+                    "no room for a sequence's caches on the GPU; it runs through the host forward"
+                );
+                (host, None)
+            }
+        }
+    }
+
     fn run(mut self) {
         loop {
             if !self.admit() {
@@ -410,12 +436,13 @@ impl Worker {
             }
             let p = q.waiting.pop_front().expect("front exists");
             self.reserved += need;
+            let (cache, gpu) = self.new_caches();
             let mut sampler = Sampler::with_params(p.req.params.clone());
             sampler.observe_prompt(&p.req.prompt);
             self.running.push(Seq {
                 tx: p.tx,
-                cache: self.model.new_cache(),
-                gpu: None,
+                cache,
+                gpu,
                 prefilled: 0,
                 last: 0,
                 generated: 0,
@@ -446,15 +473,12 @@ impl Worker {
         let mut budget = self.config.chunk_size;
         let mut plan = Vec::with_capacity(self.running.len());
         let mut steps = Vec::with_capacity(self.running.len());
-        let mut on_gpu = Vec::new();
+        let (mut gpu_plan, mut gpu_seqs, mut gpu_tokens) = (Vec::new(), Vec::new(), Vec::new());
         for (i, s) in self.running.iter_mut().enumerate() {
-            if s.gpu.is_some() {
-                on_gpu.push(i);
-                continue;
-            }
             let Seq {
                 prompt,
                 cache,
+                gpu,
                 prefilled,
                 last,
                 ..
@@ -469,12 +493,21 @@ impl Worker {
             } else {
                 std::slice::from_ref(last)
             };
-            plan.push((i, tokens.len()));
-            steps.push(Step {
-                tokens,
-                cache,
-                all_logits: false,
-            });
+            match gpu {
+                Some(g) => {
+                    gpu_plan.push((i, tokens.len()));
+                    gpu_seqs.push(g);
+                    gpu_tokens.push(tokens);
+                }
+                None => {
+                    plan.push((i, tokens.len()));
+                    steps.push(Step {
+                        tokens,
+                        cache,
+                        all_logits: false,
+                    });
+                }
+            }
         }
         // (sequence, tokens it fed, logits), and the sequences whose forward failed.
         let mut outputs: Vec<(usize, usize, Vec<f32>)> = Vec::new();
@@ -511,24 +544,17 @@ impl Worker {
             drop(steps);
             collect(plan, result);
         }
-        if let (Some(decoder), false) = (&self.decoder, on_gpu.is_empty()) {
-            let tokens: Vec<u32> = on_gpu.iter().map(|&i| self.running[i].last).collect();
-            // The same order as on_gpu: the running sequences that have GPU caches.
-            let mut seqs: Vec<&mut GpuSeq> = self
-                .running
-                .iter_mut()
-                .filter_map(|s| s.gpu.as_mut())
-                .collect();
+        if let (Some(decoder), false) = (&self.decoder, gpu_seqs.is_empty()) {
             let model = &self.model;
             let started = Instant::now();
             let result = std::panic::catch_unwind(AssertUnwindSafe(|| {
-                decoder.step_batch(model, &mut seqs, &tokens)
+                decoder.forward(model, &mut gpu_seqs, &gpu_tokens)
             }));
             self.metrics
-                .gpu_decode_step
+                .gpu_forward
                 .observe(started.elapsed().as_secs_f64());
-            drop(seqs);
-            collect(on_gpu.into_iter().map(|i| (i, 1)).collect(), result);
+            drop((gpu_seqs, gpu_tokens));
+            collect(gpu_plan, result);
         }
         let mut finished: Vec<(usize, Result<FinishReason, String>)> =
             failed.into_iter().map(|(i, m)| (i, Err(m))).collect();
@@ -547,7 +573,8 @@ impl Worker {
                 continue;
             }
             if let (None, Some(decoder)) = (&s.gpu, &self.decoder) {
-                // The prompt is in: the caches move to the GPU for the decode steps.
+                // Prefilled on the host (no room on the GPU at admission): the caches move
+                // to the GPU for the decode steps if there is room now.
                 match decoder.sequence(&s.cache) {
                     Ok(g) => {
                         s.gpu = Some(g);
@@ -558,7 +585,7 @@ impl Worker {
                     }
                     Err(e) => tracing::warn!(
                         error = %format!("{e:#}"),
-                        "a sequence's caches did not fit on the GPU; it decodes like prefill"
+                        "a sequence's caches did not fit on the GPU; it decodes through the host forward"
                     ),
                 }
             }

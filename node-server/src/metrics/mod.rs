@@ -48,7 +48,7 @@ pub const ALL: [&str; 14] = [
     KV_BYTES_USED,
     KV_BYTES_CAPACITY,
     SERVER_READY,
-    GPU_DECODE_STEP_SECONDS,
+    GPU_FORWARD_SECONDS,
 ];
 
 /// Latency buckets (seconds) for TTFT and inter-token latency.
@@ -197,7 +197,7 @@ pub struct Metrics {
     pub prefill_tokens: IntCounter,
     pub decode_tokens: IntCounter,
     pub decode_tok_s: Gauge,
-    pub gpu_decode_step: Histogram,
+    pub gpu_forward: Histogram,
     pub kv_used: IntGauge,
     pub kv_capacity: IntGauge,
     pub kv_bytes_used: IntGauge,
@@ -245,9 +245,9 @@ impl Metrics {
             "Generated tokens per second over the last scheduler window, all sequences.",
         )
         .expect("valid");
-        let gpu_decode_step = hist(
-            GPU_DECODE_STEP_SECONDS,
-            "Seconds of one batched decode step on the GPU, logits downloaded.",
+        let gpu_forward = hist(
+            GPU_FORWARD_SECONDS,
+            "Seconds of one tick's forward of the sequences on the GPU, logits downloaded.",
         );
         let kv_used = IntGauge::new(KV_TOKENS_USED, "Tokens held in running sequences' caches.")
             .expect("valid");
@@ -276,7 +276,7 @@ impl Metrics {
             Box::new(prefill_tokens.clone()),
             Box::new(decode_tokens.clone()),
             Box::new(decode_tok_s.clone()),
-            Box::new(gpu_decode_step.clone()),
+            Box::new(gpu_forward.clone()),
             Box::new(kv_used.clone()),
             Box::new(kv_capacity.clone()),
             Box::new(kv_bytes_used.clone()),
@@ -296,7 +296,7 @@ impl Metrics {
             prefill_tokens,
             decode_tokens,
             decode_tok_s,
-            gpu_decode_step,
+            gpu_forward,
             kv_used,
             kv_capacity,
             kv_bytes_used,

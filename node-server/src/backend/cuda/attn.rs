@@ -77,6 +77,21 @@ impl Cuda {
         sel: &DeviceSelections,
         out: &mut CudaSlice<f32>,
     ) -> Result<(), CudaError> {
+        self.mla_sparse_attend_part_dev(q, kv, layout, &sel.tokens, &sel.offsets, out)
+    }
+
+    /// [`Cuda::mla_sparse_attend_dev`] for the queries whose selections are
+    /// `tokens[offsets[i]..offsets[i + 1]]` (a window of a [`DeviceSelections`]' offsets:
+    /// they index its whole token buffer); `q` and `out` hold just these queries' rows.
+    pub fn mla_sparse_attend_part_dev(
+        &self,
+        q: &CudaSlice<f32>,
+        kv: &CudaSlice<f32>,
+        layout: &AttnLayout,
+        tokens: &CudaSlice<u32>,
+        offsets: &[usize],
+        out: &mut CudaSlice<f32>,
+    ) -> Result<(), CudaError> {
         let AttnLayout {
             heads,
             dk,
@@ -87,33 +102,28 @@ impl Cuda {
             v_off,
             scale,
         } = *layout;
-        let queries = sel.offsets.len().saturating_sub(1);
+        let queries = offsets.len().saturating_sub(1);
         let rows = queries * heads;
         let reach = (heads.saturating_sub(1) * head_step + (k_off + dk).max(v_off + dv)).max(1);
         if dk > ATTN_MAX_DK
             || reach > stride
             || q.len() < rows * dk
             || out.len() < rows * dv
-            || sel.tokens.len() < sel.offsets.last().copied().unwrap_or(0)
+            || tokens.len() < offsets.last().copied().unwrap_or(0)
         {
             return Err(CudaError::Invalid(format!(
                 "mla_sparse_attend {layout:?} for {queries} queries: q {}, out {}, {} tokens",
                 q.len(),
                 out.len(),
-                sel.tokens.len()
+                tokens.len()
             )));
         }
         if rows == 0 {
             return Ok(());
         }
-        let max_picks = sel
-            .offsets
-            .windows(2)
-            .map(|w| w[1] - w[0])
-            .max()
-            .unwrap_or(0);
-        let offsets: Vec<i32> = sel.offsets.iter().map(|&o| o as i32).collect();
-        let d_off = self.stream.clone_htod(&offsets)?;
+        let max_picks = offsets.windows(2).map(|w| w[1] - w[0]).max().unwrap_or(0);
+        let offsets_i: Vec<i32> = offsets.iter().map(|&o| o as i32).collect();
+        let d_off = self.stream.clone_htod(&offsets_i)?;
         let mut scratch = self.alloc_f32(rows * max_picks)?;
         let (heads_i, dk_i, dv_i, max_i) = (heads as i32, dk as i32, dv as i32, max_picks as i32);
         let (stride_l, step_l, k_off_l, v_off_l) =
@@ -121,7 +131,7 @@ impl Cuda {
         let mut b = self.stream.launch_builder(self.kernel("mla_sparse_attend"));
         b.arg(q)
             .arg(kv)
-            .arg(&sel.tokens)
+            .arg(tokens)
             .arg(&d_off)
             .arg(&heads_i)
             .arg(&dk_i)

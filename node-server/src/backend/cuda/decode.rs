@@ -18,10 +18,11 @@
 //!   [`ExpertProvider`] on host rows (one row down, one row up per MoE layer), the shared
 //!   expert on the device. Dense layers on the device.
 //!
-//! [`GpuDecoder::step_batch`] advances a batch of sequences together: the weight products,
-//! norms, mHC and routing run over the batch's rows (each weight read once per step), each
-//! sequence's attention core on its own caches. The serving engine decodes through it when
-//! the dense weights are on a GPU (`--gpu-decode`).
+//! [`GpuDecoder::forward`] advances a batch of sequences together, each by one decode token
+//! or a chunk of its prompt: the weight products, norms, mHC and routing run over all the
+//! batch's token rows (each weight read once per call), each sequence's attention core on
+//! its own caches. The serving engine runs its sequences through it when the dense weights
+//! are on a GPU (`--gpu-forward`).
 //!
 //! Scratch buffers are allocated per op and small uploads (selection offsets, routing) go
 //! per launch; a preallocated arena, fused launches and graph capture are next.
@@ -52,6 +53,13 @@ type Buf = CudaSlice<f32>;
 
 /// Threads per block of the elementwise and column kernels of decode.cu.
 const ELEM_BLOCK: u32 = 256;
+
+/// Queries of one attention launch (its scratch holds a score per selected token of each
+/// query and head: 256 x 64 heads x 2,048 tokens is 128 MiB at the real widths).
+const ATTN_QUERIES: usize = 256;
+
+/// Token rows of one forward call (the grid's y and z dimensions index them).
+const MAX_ROWS: usize = 65_535;
 
 /// A weight matrix the decode step multiplies by with `Cuda::matvec`.
 struct DevMatrix {
@@ -422,56 +430,92 @@ impl GpuDecoder {
     }
 
     /// Feeds `tokens[i]` to `seqs[i]` for every sequence in one pass over the layers and
-    /// returns each one's next-token logits (`[vocab]` each). The weight products, norms,
-    /// mHC and routing run over the batch's rows at once (every weight is read once per
-    /// step, and the routed experts see the batch's picks together); each sequence's
-    /// attention core (KDA conv and delta rule, MLA over its latents, its indexer) runs on
-    /// its own caches. `model` must be the model this decoder was made from (its routed
-    /// experts and embedding rows are read from it). After an error a sequence may hold some
-    /// layers' caches advanced and others not: drop the batch's sequences.
+    /// returns each one's next-token logits (`[vocab]` each); see [`GpuDecoder::forward`].
     pub fn step_batch(
         &self,
         model: &Model,
         seqs: &mut [&mut GpuSeq],
         tokens: &[u32],
     ) -> anyhow::Result<Vec<Vec<f32>>> {
+        let chunks: Vec<&[u32]> = tokens.iter().map(std::slice::from_ref).collect();
+        self.forward(model, seqs, &chunks)
+    }
+
+    /// Feeds `tokens[i]` (one decode token, or a chunk of a prompt) to `seqs[i]` for every
+    /// sequence in one pass over the layers and returns each one's logits after its last
+    /// token (`[vocab]` each). The weight products, norms, mHC and routing run over all the
+    /// batch's token rows at once (every weight is read once per call, and the routed
+    /// experts see the batch's picks together); each sequence's attention core (KDA conv and
+    /// delta rule over its tokens in order, MLA over its latents, its indexer) runs on its
+    /// own caches. A sequence's tokens are decode picks ([`Phase::Decode`]) when it feeds
+    /// one token onto a cache that holds some, else prefill (as `Step::is_decode`).
+    /// `model` must be the model this decoder was made from (its routed experts and
+    /// embedding rows are read from it). After an error a sequence may hold some layers'
+    /// caches advanced and others not: drop the batch's sequences.
+    pub fn forward(
+        &self,
+        model: &Model,
+        seqs: &mut [&mut GpuSeq],
+        tokens: &[&[u32]],
+    ) -> anyhow::Result<Vec<Vec<f32>>> {
         let cuda = &*self.cuda;
         let cfg = &self.cfg;
         let (d, n, v) = (cfg.hidden_size, cfg.hc_mult, cfg.vocab_size);
         let b = seqs.len();
         if b == 0 || tokens.len() != b {
-            bail!(
-                "a decode batch of {b} sequences with {} tokens",
-                tokens.len()
-            );
+            bail!("a batch of {b} sequences with {} token lists", tokens.len());
         }
         if model.layers.len() != self.layers.len() || model.cfg.hidden_size != d {
             bail!("the model is not the one this decoder was made from");
         }
-        let mut host = Vec::with_capacity(b * n * d);
-        for (i, (&token, seq)) in tokens.iter().zip(seqs.iter()).enumerate() {
-            if token as usize >= v {
-                bail!("sequence {i}: token id {token} is outside the vocabulary (size {v})");
+        // Each sequence's rows of the batch: (first row, tokens).
+        let mut rows = Vec::with_capacity(b);
+        let mut total = 0;
+        for (i, t) in tokens.iter().enumerate() {
+            if t.is_empty() {
+                bail!("sequence {i} of the batch has no tokens to process");
             }
+            rows.push((total, t.len()));
+            total += t.len();
+        }
+        if total > MAX_ROWS {
+            bail!("a batch of {total} tokens; the GPU forward takes at most {MAX_ROWS} per call");
+        }
+        let mut host = Vec::with_capacity(total * n * d);
+        for (i, (t, seq)) in tokens.iter().zip(seqs.iter()).enumerate() {
             if seq.layers.len() != self.layers.len() {
                 bail!("sequence {i} does not belong to this model");
             }
-            let row = model.embed.row_f32(token as usize);
-            for _ in 0..n {
-                host.extend_from_slice(&row);
+            for &token in t.iter() {
+                if token as usize >= v {
+                    bail!("sequence {i}: token id {token} is outside the vocabulary (size {v})");
+                }
+                let row = model.embed.row_f32(token as usize);
+                for _ in 0..n {
+                    host.extend_from_slice(&row);
+                }
             }
         }
         let mut streams = cuda.upload(&host)?;
+        drop(host);
         let positions: Vec<usize> = seqs.iter().map(|s| s.len).collect();
-        let phases: Vec<Phase> = positions
+        let phases: Vec<Phase> = rows
             .iter()
-            .map(|&p| if p > 0 { Phase::Decode } else { Phase::Prefill })
+            .zip(&positions)
+            .flat_map(|(&(_, len), &pos)| {
+                let phase = if len == 1 && pos > 0 {
+                    Phase::Decode
+                } else {
+                    Phase::Prefill
+                };
+                std::iter::repeat_n(phase, len)
+            })
             .collect();
         // Each sequence's last full indexer layer's selection, used by the shared layers
         // after it.
         let mut carried: Vec<Option<DeviceSelections>> = (0..b).map(|_| None).collect();
         for (li, layer) in self.layers.iter().enumerate() {
-            let mix = self.collapse(&layer.attn_hc, &streams, b)?;
+            let mix = self.collapse(&layer.attn_hc, &streams, total)?;
             let mut x = mix.collapsed;
             cuda.rms_norm(&mut x, Some(&layer.input_norm), d, cfg.rms_norm_eps)?;
             let y = match &layer.attention {
@@ -483,7 +527,7 @@ impl GpuDecoder {
                         };
                         states.push((conv, recurrent));
                     }
-                    self.kda(w, &x, &mut states)?
+                    self.kda(w, &x, &mut states, &rows)?
                 }
                 DevAttention::Mla(w) => {
                     let mut states = Vec::with_capacity(b);
@@ -493,12 +537,12 @@ impl GpuDecoder {
                         };
                         states.push((latents, indexer.as_mut()));
                     }
-                    self.mla(w, &x, &mut states, &positions, &mut carried)?
+                    self.mla(w, &x, &mut states, &rows, &positions, &mut carried)?
                 }
             };
-            streams = self.expand(&layer.attn_hc, &mix.post, &mix.comb, &streams, &y, b)?;
+            streams = self.expand(&layer.attn_hc, &mix.post, &mix.comb, &streams, &y, total)?;
 
-            let mix = self.collapse(&layer.ffn_hc, &streams, b)?;
+            let mix = self.collapse(&layer.ffn_hc, &streams, total)?;
             let mut x = mix.collapsed;
             cuda.rms_norm(
                 &mut x,
@@ -507,18 +551,20 @@ impl GpuDecoder {
                 cfg.rms_norm_eps,
             )?;
             let y = match &layer.feed_forward {
-                DevFeedForward::Dense(mlp) => self.mlp(mlp, &x, b)?,
+                DevFeedForward::Dense(mlp) => self.mlp(mlp, &x, total)?,
                 DevFeedForward::Moe(moe) => self
                     .moe(model, li, moe, &x, &phases)
                     .with_context(|| format!("experts of layer {li}"))?,
             };
-            streams = self.expand(&layer.ffn_hc, &mix.post, &mix.comb, &streams, &y, b)?;
+            streams = self.expand(&layer.ffn_hc, &mix.post, &mix.comb, &streams, &y, total)?;
         }
 
+        // The stream mean of each sequence's last token.
         let mut h = cuda.alloc_f32(b * d)?;
         let (n_i, d_i) = (n as i32, d as i32);
-        for i in 0..b {
-            let src = streams.slice(i * n * d..(i + 1) * n * d);
+        for (i, &(first, len)) in rows.iter().enumerate() {
+            let last = first + len - 1;
+            let src = streams.slice(last * n * d..(last + 1) * n * d);
             let mut dst = h.slice_mut(i * d..(i + 1) * d);
             let mut l = cuda.stream.launch_builder(cuda.kernel("stream_mean"));
             l.arg(&src).arg(&n_i).arg(&d_i).arg(&mut dst);
@@ -528,8 +574,8 @@ impl GpuDecoder {
         cuda.rms_norm(&mut h, Some(&self.norm), d, cfg.rms_norm_eps)?;
         let logits = self.lm_head.apply(cuda, &h, b)?;
         let all = cuda.download(&logits)?;
-        for s in seqs.iter_mut() {
-            s.len += 1;
+        for (s, &(_, len)) in seqs.iter_mut().zip(&rows) {
+            s.len += len;
         }
         Ok(all
             .chunks(self.lm_head.rows)
@@ -572,93 +618,112 @@ impl GpuDecoder {
         Ok(out)
     }
 
-    /// Row `i` of `[.., width]` values, in a buffer of its own.
-    fn row(&self, src: &Buf, i: usize, width: usize) -> anyhow::Result<Buf> {
-        let mut dst = self.cuda.alloc_f32(width)?;
+    /// Rows `first .. first + count` of `[.., width]` values, in a buffer of their own.
+    fn rows(&self, src: &Buf, first: usize, count: usize, width: usize) -> anyhow::Result<Buf> {
+        let mut dst = self.cuda.alloc_f32(count * width)?;
         self.cuda
             .stream
-            .memcpy_dtod(&src.slice(i * width..(i + 1) * width), &mut dst)?;
+            .memcpy_dtod(&src.slice(first * width..(first + count) * width), &mut dst)?;
         Ok(dst)
     }
 
-    /// `Kda::forward` for one decode token of each sequence (`x` is `[b, d]`, `states` each
-    /// sequence's conv and recurrent state).
-    fn kda(&self, w: &DevKda, x: &Buf, states: &mut [(&mut Buf, &mut Buf)]) -> anyhow::Result<Buf> {
+    /// `Kda::forward` for each sequence's tokens (`x` is `[rows, d]`; `spans[i]` sequence
+    /// i's rows, `states[i]` its conv and recurrent state): the delta rule runs over a
+    /// sequence's tokens in order (the recurrent form, prefill chunks included).
+    fn kda(
+        &self,
+        w: &DevKda,
+        x: &Buf,
+        states: &mut [(&mut Buf, &mut Buf)],
+        spans: &[(usize, usize)],
+    ) -> anyhow::Result<Buf> {
         let cuda = &*self.cuda;
-        let b = states.len();
+        let total: usize = spans.iter().map(|s| s.1).sum();
         let (c, h, dh) = (w.spec.channels(), w.spec.heads, w.spec.head_dim);
-        let parts = [
-            w.q.apply(cuda, x, b)?,
-            w.k.apply(cuda, x, b)?,
-            w.v.apply(cuda, x, b)?,
-        ];
-        let mut g = w.f_b.apply(cuda, &w.f_a.apply(cuda, x, b)?, b)?;
-        let mut beta = w.b_proj.apply(cuda, x, b)?;
+        let [q, k, v] = [&w.q, &w.k, &w.v].map(|m| m.apply(cuda, x, total));
+        let (q, k, v) = (q?, k?, v?);
+        let mut g = w.f_b.apply(cuda, &w.f_a.apply(cuda, x, total)?, total)?;
+        let mut beta = w.b_proj.apply(cuda, x, total)?;
         let (dh_i, c_i, h_i) = (dh as i32, c as i32, h as i32);
         let (has_bound, bound) = match w.lower_bound {
             Some(b) => (1i32, b),
             None => (0i32, 0.0f32),
         };
-        let mut core = cuda.alloc_f32(b * c)?;
-        for (i, (conv, recurrent)) in states.iter_mut().enumerate() {
-            let mut qkv = cuda.alloc_f32(3 * c)?;
-            for (j, part) in parts.iter().enumerate() {
-                let mut dst = qkv.slice_mut(j * c..(j + 1) * c);
-                cuda.stream
-                    .memcpy_dtod(&part.slice(i * c..(i + 1) * c), &mut dst)?;
-            }
-            let mut mixed = cuda.alloc_f32(3 * c)?;
-            cuda.kda_conv_dev(w.spec, &w.conv, &qkv, 1, conv, &mut mixed)?;
-            {
-                let mut gi = g.slice_mut(i * c..(i + 1) * c);
-                let mut bi = beta.slice_mut(i * h..(i + 1) * h);
-                let mut l = cuda.stream.launch_builder(cuda.kernel("kda_gates"));
-                l.arg(&mut gi)
-                    .arg(&w.dt_bias)
-                    .arg(&w.a_log)
-                    .arg(&dh_i)
-                    .arg(&c_i)
-                    .arg(&has_bound)
-                    .arg(&bound)
-                    .arg(&mut bi)
-                    .arg(&h_i);
-                // SAFETY: gi and dt_bias hold c values, a_log and bi h (h <= c); one thread
-                // per channel, and the first h threads also do beta.
-                unsafe { l.launch(elem_config(c.max(h))) }?;
-            }
-            let (gi, bi) = (self.row(&g, i, c)?, self.row(&beta, i, h)?);
-            let mut out = cuda.alloc_f32(c)?;
-            cuda.kda_recurrent_dev(w.spec, &mixed, &gi, &bi, 1, recurrent, &mut out)?;
-            let mut dst = core.slice_mut(i * c..(i + 1) * c);
+        let mut l = cuda.stream.launch_builder(cuda.kernel("kda_gates"));
+        l.arg(&mut g)
+            .arg(&w.dt_bias)
+            .arg(&w.a_log)
+            .arg(&dh_i)
+            .arg(&c_i)
+            .arg(&has_bound)
+            .arg(&bound)
+            .arg(&mut beta)
+            .arg(&h_i);
+        let mut grid = elem_config(c.max(h));
+        grid.grid_dim.1 = total as u32;
+        // SAFETY: g holds total rows of c values, beta total rows of h (h <= c), dt_bias c
+        // and a_log h; one thread per channel of a row (grid y over the rows), the first h
+        // of a row also do its beta.
+        unsafe { l.launch(grid) }?;
+
+        let mut core = cuda.alloc_f32(total * c)?;
+        for ((conv, recurrent), &(first, len)) in states.iter_mut().zip(spans) {
+            let mut qkv = cuda.alloc_f32(len * 3 * c)?;
+            let (qs, ks, vs) = (
+                q.slice(first * c..(first + len) * c),
+                k.slice(first * c..(first + len) * c),
+                v.slice(first * c..(first + len) * c),
+            );
+            let (len_i, c_i) = (len as i32, c as i32);
+            let mut l = cuda.stream.launch_builder(cuda.kernel("interleave3"));
+            l.arg(&qs)
+                .arg(&ks)
+                .arg(&vs)
+                .arg(&len_i)
+                .arg(&c_i)
+                .arg(&mut qkv);
+            // SAFETY: qs, ks and vs hold len * c values, qkv len * 3c; one thread per value of
+            // a projection.
+            unsafe { l.launch(elem_config(len * c)) }?;
+            let mut mixed = cuda.alloc_f32(len * 3 * c)?;
+            cuda.kda_conv_dev(w.spec, &w.conv, &qkv, len, conv, &mut mixed)?;
+            let gi = self.rows(&g, first, len, c)?;
+            let bi = self.rows(&beta, first, len, h)?;
+            let mut out = cuda.alloc_f32(len * c)?;
+            cuda.kda_recurrent_dev(w.spec, &mixed, &gi, &bi, len, recurrent, &mut out)?;
+            let mut dst = core.slice_mut(first * c..(first + len) * c);
             cuda.stream.memcpy_dtod(&out, &mut dst)?;
         }
-        let out_gate = w.g_b.apply(cuda, &w.g_a.apply(cuda, x, b)?, b)?;
+        let out_gate = w.g_b.apply(cuda, &w.g_a.apply(cuda, x, total)?, total)?;
         cuda.gated_rms_norm(&mut core, &out_gate, &w.o_norm, dh, w.eps)?;
-        w.o_proj.apply(cuda, &core, b)
+        w.o_proj.apply(cuda, &core, total)
     }
 
-    /// `Mla::forward` for one decode token of each sequence on the absorbed path (`states`:
-    /// each sequence's latents and indexer cache, `positions` their tokens so far); a full
-    /// indexer layer replaces each sequence's `carried` selection with its fresh one.
+    /// `Mla::forward` for each sequence's tokens on the absorbed path (`states`: each
+    /// sequence's latents and indexer cache, `spans` its rows of `x`, `positions` its tokens
+    /// before this call); a full indexer layer replaces each sequence's `carried` selection
+    /// with its fresh one. A sequence's new latents join its cache before its queries
+    /// attend, and each query sees only what its selection (causal) holds.
     fn mla(
         &self,
         w: &DevMla,
         x: &Buf,
         states: &mut [(&mut DevVec, Option<&mut DevIndexerCache>)],
+        spans: &[(usize, usize)],
         positions: &[usize],
         carried: &mut [Option<DeviceSelections>],
     ) -> anyhow::Result<Buf> {
         let cuda = &*self.cuda;
-        let b = states.len();
+        let total: usize = spans.iter().map(|s| s.1).sum();
         let (h, nope, vd, r) = (w.heads, w.nope, w.v_dim, w.rank);
-        let mut qr = w.q_a.apply(cuda, x, b)?;
+        let mut qr = w.q_a.apply(cuda, x, total)?;
         cuda.rms_norm(&mut qr, Some(&w.q_a_norm), w.q_a.rows, w.eps)?;
-        let q = w.q_b.apply(cuda, &qr, b)?;
-        let mut latent = w.kv_a.apply(cuda, x, b)?;
+        let q = w.q_b.apply(cuda, &qr, total)?;
+        let mut latent = w.kv_a.apply(cuda, x, total)?;
         cuda.rms_norm(&mut latent, Some(&w.kv_a_norm), r, w.eps)?;
 
         if let Some(ix) = &w.indexer {
-            let mut caches = Vec::with_capacity(b);
+            let mut caches = Vec::with_capacity(states.len());
             for (_, ic) in states.iter_mut() {
                 let Some(ic) = ic.as_deref_mut() else {
                     bail!("a full indexer layer's cache has no indexer state");
@@ -668,78 +733,86 @@ impl GpuDecoder {
             for (slot, sel) in
                 carried
                     .iter_mut()
-                    .zip(self.select(ix, &mut caches, x, &qr, positions)?)
+                    .zip(self.select(ix, &mut caches, x, &qr, spans, positions)?)
             {
                 *slot = Some(sel);
             }
         }
 
         let (nope_i, vd_i, r_i, h_i) = (nope as i32, vd as i32, r as i32, h as i32);
-        let scale = (nope as f32).powf(-0.5);
-        let mut attn = cuda.alloc_f32(b * h * vd)?;
-        for (i, (latents, _)) in states.iter_mut().enumerate() {
+        let layout = AttnLayout::absorbed(h, r, (nope as f32).powf(-0.5));
+        let mut attn = cuda.alloc_f32(total * h * vd)?;
+        for (i, ((latents, _), &(first, len))) in states.iter_mut().zip(spans).enumerate() {
             let Some(sel) = carried[i].as_ref() else {
                 bail!("a shared indexer layer with no full indexer layer before it");
             };
-            latents.push(cuda, &latent.slice(i * r..(i + 1) * r))?;
-            let mut q_lat = cuda.alloc_f32(h * r)?;
-            let qi = q.slice(i * h * nope..(i + 1) * h * nope);
-            let mut l = cuda.stream.launch_builder(cuda.kernel("mla_absorb_q"));
-            l.arg(&qi)
-                .arg(&w.kv_b)
-                .arg(&nope_i)
-                .arg(&vd_i)
-                .arg(&r_i)
-                .arg(&mut q_lat);
-            let grid = LaunchConfig {
-                grid_dim: ((r as u32).div_ceil(ELEM_BLOCK), h as u32, 1),
-                block_dim: (ELEM_BLOCK, 1, 1),
-                shared_mem_bytes: 0,
-            };
-            // SAFETY: qi holds h * nope values, kv_b h * (nope + vd) rows of r, q_lat h * r;
-            // one thread per (column < r, head < h).
-            unsafe { l.launch(grid) }?;
+            latents.push(cuda, &latent.slice(first * r..(first + len) * r))?;
+            // Queries in groups, so the attention's scratch (a score per selected token of
+            // each query and head) stays bounded on long prompt chunks.
+            for a in (0..len).step_by(ATTN_QUERIES) {
+                let m = ATTN_QUERIES.min(len - a);
+                let t0 = first + a;
+                let mut q_lat = cuda.alloc_f32(m * h * r)?;
+                let qi = q.slice(t0 * h * nope..(t0 + m) * h * nope);
+                let mut l = cuda.stream.launch_builder(cuda.kernel("mla_absorb_q"));
+                l.arg(&qi)
+                    .arg(&w.kv_b)
+                    .arg(&nope_i)
+                    .arg(&vd_i)
+                    .arg(&r_i)
+                    .arg(&mut q_lat);
+                let grid = LaunchConfig {
+                    grid_dim: ((r as u32).div_ceil(ELEM_BLOCK), h as u32, m as u32),
+                    block_dim: (ELEM_BLOCK, 1, 1),
+                    shared_mem_bytes: 0,
+                };
+                // SAFETY: qi holds m * h * nope values, kv_b h * (nope + vd) rows of r, q_lat
+                // m * h * r; one thread per (column < r, head < h, token < m).
+                unsafe { l.launch(grid) }?;
 
-            let mut o_lat = cuda.alloc_f32(h * r)?;
-            cuda.mla_sparse_attend_dev(
-                &q_lat,
-                &latents.buf,
-                &AttnLayout::absorbed(h, r, scale),
-                sel,
-                &mut o_lat,
-            )?;
+                let mut o_lat = cuda.alloc_f32(m * h * r)?;
+                cuda.mla_sparse_attend_part_dev(
+                    &q_lat,
+                    &latents.buf,
+                    &layout,
+                    &sel.tokens,
+                    &sel.offsets[a..=a + m],
+                    &mut o_lat,
+                )?;
 
-            let mut dst = attn.slice_mut(i * h * vd..(i + 1) * h * vd);
-            let mut l = cuda.stream.launch_builder(cuda.kernel("mla_absorb_out"));
-            l.arg(&o_lat)
-                .arg(&w.kv_b)
-                .arg(&h_i)
-                .arg(&nope_i)
-                .arg(&vd_i)
-                .arg(&r_i)
-                .arg(&mut dst);
-            // SAFETY: o_lat holds h * r values, dst h * vd; one warp per row of dst, reading
-            // kv_b's value rows (inside its h * (nope + vd) rows of r).
-            unsafe { l.launch(rows_config(h * vd, 1)) }?;
+                let mut dst = attn.slice_mut(t0 * h * vd..(t0 + m) * h * vd);
+                let mut l = cuda.stream.launch_builder(cuda.kernel("mla_absorb_out"));
+                l.arg(&o_lat)
+                    .arg(&w.kv_b)
+                    .arg(&h_i)
+                    .arg(&nope_i)
+                    .arg(&vd_i)
+                    .arg(&r_i)
+                    .arg(&mut dst);
+                // SAFETY: o_lat holds m * h * r values, dst m * h * vd; one warp per row of a
+                // token's h * vd (grid y over the m tokens), reading kv_b's value rows.
+                unsafe { l.launch(rows_config(h * vd, m as u32)) }?;
+            }
         }
-        w.o_proj.apply(cuda, &attn, b)
+        w.o_proj.apply(cuda, &attn, total)
     }
 
-    /// The indexer of a full layer for each sequence's new token (at `positions[i]`): its
-    /// key and gate appended (and the keys of pools they complete), then its selection
-    /// (`Indexer::select`).
+    /// The indexer of a full layer for each sequence's new tokens (`spans` its rows,
+    /// `positions` its tokens before them): their keys and gates appended (and the keys of
+    /// the pools they complete), then the selection of each token (`Indexer::select`).
     fn select(
         &self,
         ix: &DevIndexer,
         caches: &mut [&mut DevIndexerCache],
         x: &Buf,
         qr: &Buf,
+        spans: &[(usize, usize)],
         positions: &[usize],
     ) -> anyhow::Result<Vec<DeviceSelections>> {
         let cuda = &*self.cuda;
-        let b = caches.len();
+        let total: usize = spans.iter().map(|s| s.1).sum();
         let (di, hi, kpool) = (ix.spec.dim, ix.spec.heads, ix.spec.kpool);
-        let mut keys = ix.wk.apply(cuda, x, b)?;
+        let mut keys = ix.wk.apply(cuda, x, total)?;
         let di_i = di as i32;
         let mut l = cuda.stream.launch_builder(cuda.kernel("layer_norm"));
         l.arg(&mut keys)
@@ -747,45 +820,49 @@ impl GpuDecoder {
             .arg(&ix.k_norm_bias)
             .arg(&di_i)
             .arg(&K_NORM_EPS);
-        // SAFETY: one block per row of di values of keys (b rows), weight and bias di.
-        unsafe { l.launch(norm_config(b, di)) }?;
-        let gates = ix.gate.apply(cuda, x, b)?;
-        let mut weights = ix.weights_proj.apply(cuda, x, b)?;
-        let (scale, count) = ((hi as f32).powf(-0.5), (b * hi) as i32);
+        // SAFETY: one block per row of di values of keys (total rows), weight and bias di.
+        unsafe { l.launch(norm_config(total, di)) }?;
+        let gates = ix.gate.apply(cuda, x, total)?;
+        let mut weights = ix.weights_proj.apply(cuda, x, total)?;
+        let (scale, count) = ((hi as f32).powf(-0.5), (total * hi) as i32);
         let mut l = cuda.stream.launch_builder(cuda.kernel("scale_values"));
         l.arg(&mut weights).arg(&scale).arg(&count);
-        // SAFETY: weights holds b * hi values, one thread each.
-        unsafe { l.launch(elem_config(b * hi)) }?;
-        let q = ix.wq_b.apply(cuda, qr, b)?;
+        // SAFETY: weights holds total * hi values, one thread each.
+        unsafe { l.launch(elem_config(total * hi)) }?;
+        let q = ix.wq_b.apply(cuda, qr, total)?;
 
-        let mut out = Vec::with_capacity(b);
-        for (i, ic) in caches.iter_mut().enumerate() {
-            ic.keys.push(cuda, &keys.slice(i * di..(i + 1) * di))?;
-            ic.gates.push(cuda, &gates.slice(i * di..(i + 1) * di))?;
-            let tokens = ic.keys.len / di;
-            let mut pool = ic.pool_keys.len / di;
-            while (pool + 1) * kpool <= tokens {
-                let mut key = cuda.alloc_f32(di)?;
+        let mut out = Vec::with_capacity(caches.len());
+        for ((ic, &(first, len)), &pos) in caches.iter_mut().zip(spans).zip(positions) {
+            ic.keys
+                .push(cuda, &keys.slice(first * di..(first + len) * di))?;
+            ic.gates
+                .push(cuda, &gates.slice(first * di..(first + len) * di))?;
+            let pool = ic.pool_keys.len / di;
+            let complete = (ic.keys.len / di) / kpool;
+            if complete > pool {
+                let mut key = cuda.alloc_f32((complete - pool) * di)?;
                 cuda.dsa_pool_keys_dev(
                     &ic.keys.buf,
                     &ic.gates.buf,
                     &ix.ape,
                     kpool,
                     pool,
-                    1,
+                    complete - pool,
                     &mut key,
                 )?;
-                ic.pool_keys.push(cuda, &key.as_view())?;
-                pool += 1;
+                ic.pool_keys
+                    .push(cuda, &key.slice(..(complete - pool) * di))?;
             }
-            let (qi, wi) = (self.row(&q, i, hi * di)?, self.row(&weights, i, hi)?);
+            let qi = self.rows(&q, first, len, hi * di)?;
+            let wi = self.rows(&weights, first, len, hi)?;
+            let at: Vec<usize> = (pos..pos + len).collect();
             out.push(cuda.dsa_select_dev(
                 &qi,
                 &wi,
                 &ic.pool_keys.buf,
-                pool,
+                complete.max(pool),
                 ix.spec,
-                &[positions[i]],
+                &at,
             )?);
         }
         Ok(out)

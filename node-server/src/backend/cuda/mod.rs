@@ -893,3 +893,33 @@ fn static_arch(arch: &str) -> &'static str {
         .copied()
         .unwrap_or_else(|| Box::leak(arch.to_string().into_boxed_str()))
 }
+
+#[cfg(test)]
+mod tests {
+    /// Every kernel a wrapper launches by name is in the kernel crate's lists: a missing one
+    /// would only show at its first launch, on a GPU.
+    #[test]
+    fn every_launched_kernel_is_listed() {
+        let listed: Vec<&str> = glmflash_kernels::SOURCES
+            .iter()
+            .flat_map(|(_, _, kernels)| kernels.iter().copied())
+            .collect();
+        let dir = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("src/backend/cuda");
+        let mut launched = 0;
+        for entry in std::fs::read_dir(dir).unwrap() {
+            let path = entry.unwrap().path();
+            let text = std::fs::read_to_string(&path).unwrap();
+            for (at, _) in text.match_indices("kernel(\"") {
+                let rest = &text[at + "kernel(\"".len()..];
+                let name = &rest[..rest.find('"').unwrap()];
+                assert!(
+                    listed.contains(&name),
+                    "{}: kernel {name} is not in glmflash_kernels::SOURCES",
+                    path.display()
+                );
+                launched += 1;
+            }
+        }
+        assert!(launched > 20, "found {launched} launches by name");
+    }
+}
