@@ -96,7 +96,10 @@ mod tests {
             for (at, _) in src.match_indices(marker) {
                 let rest = &src[at + marker.len()..];
                 let kernel = &rest[..rest.find('(').unwrap()];
-                assert!(kernels.contains(&kernel), "{name}: kernel {kernel} is not listed");
+                assert!(
+                    kernels.contains(&kernel),
+                    "{name}: kernel {kernel} is not listed"
+                );
             }
         }
     }

@@ -171,8 +171,10 @@ pub struct ModelArgs {
     /// 1,300 experts in VRAM"); instead of --vram-slots.
     #[arg(long, env = "GLMFLASH_VRAM_EXPERT_SLOTS")]
     pub vram_expert_slots: Option<usize>,
-    /// VRAM left free when the tier is sized from free VRAM: activations, cuBLAS workspace,
-    /// staging of non-resident experts (MiB).
+    /// VRAM left free when the tier is sized from free VRAM, for the sequences' caches (the
+    /// GPU forward keeps them there) and cuBLAS (MiB). The GPU forward's activations for a
+    /// default prompt chunk (`--gpu-chunk-size`), estimated from the model's widths, are kept
+    /// free on top of this.
     #[arg(long, env = "GLMFLASH_VRAM_RESERVE_MIB", default_value_t = 1024)]
     pub vram_reserve_mib: u64,
     /// Refuse to start on a GPU with less free VRAM than this (MiB; the seed refuses under
@@ -253,7 +255,12 @@ impl ModelArgs {
                 vram_slots_from_free(
                     free as u64,
                     dense,
-                    self.vram_reserve_mib << 20,
+                    (self.vram_reserve_mib << 20)
+                        + crate::backend::cuda::decode::workspace_bytes(
+                            &cfg,
+                            crate::backend::cuda::decode::DEFAULT_GPU_CHUNK,
+                            cfg.max_position_embeddings,
+                        ) as u64,
                     record,
                     moe_layers,
                     cfg.n_routed_experts,

@@ -63,6 +63,11 @@ pub struct ServeArgs {
     /// activations and caches on the host around each device product.
     #[arg(long, env = "GLMFLASH_GPU_FORWARD", default_value_t = true, action = clap::ArgAction::Set)]
     pub gpu_forward: bool,
+    /// Prompt tokens per scheduler tick of the sequences on the GPU: the GPU forward's
+    /// activations grow with it (about 0.7 MB a token at GLM-5.3-Flash's widths); VRAM
+    /// sizing from free memory keeps room for the default.
+    #[arg(long, env = "GLMFLASH_GPU_CHUNK_SIZE", default_value_t = crate::backend::cuda::decode::DEFAULT_GPU_CHUNK)]
+    pub gpu_chunk_size: usize,
     /// Seconds to let in-flight requests finish after SIGTERM.
     #[arg(long, env = "GLMFLASH_SHUTDOWN_TIMEOUT", default_value_t = 30)]
     pub shutdown_timeout: u64,
@@ -103,6 +108,7 @@ impl ServeArgs {
             kv_cache_bytes: self.kv_cache_mib.map(|m| m.saturating_mul(1 << 20)),
             max_waiting: self.max_waiting,
             gpu_forward: self.gpu_forward,
+            gpu_chunk_size: self.gpu_chunk_size,
         }
     }
 }

@@ -8,7 +8,9 @@
 //! strings are held back across token boundaries and cut, and events go to the request's
 //! channel.
 
-use crate::backend::cuda::decode::{GpuDecoder, GpuSeq, placed_device};
+use crate::backend::cuda::decode::{
+    DEFAULT_GPU_CHUNK, GROWTH_SLACK, GpuDecoder, GpuSeq, MAX_ROWS, placed_device, workspace_bytes,
+};
 use crate::engine::cache::CacheLayout;
 use crate::engine::constraint::{Constraint, Grammars};
 use crate::engine::sampling::{Sampler, SamplingParams};
@@ -39,6 +41,9 @@ pub struct EngineConfig {
     /// chunks and decode steps) when the model's dense weights are on one; else (or when
     /// false) through `Model::forward`.
     pub gpu_forward: bool,
+    /// Prompt tokens per tick of the sequences on the GPU (the GPU forward's activations
+    /// grow with it; VRAM sizing keeps room for `DEFAULT_GPU_CHUNK`).
+    pub gpu_chunk_size: usize,
 }
 
 impl Default for EngineConfig {
@@ -50,6 +55,7 @@ impl Default for EngineConfig {
             kv_cache_bytes: None,
             max_waiting: 64,
             gpu_forward: true,
+            gpu_chunk_size: DEFAULT_GPU_CHUNK,
         }
     }
 }
@@ -161,16 +167,26 @@ impl Engine {
     ) -> Engine {
         config.max_batch_size = config.max_batch_size.max(1);
         config.chunk_size = config.chunk_size.max(1);
+        // One GPU forward call takes the prompt chunks and a decode row per sequence.
+        config.gpu_chunk_size = config
+            .gpu_chunk_size
+            .clamp(1, MAX_ROWS.saturating_sub(config.max_batch_size).max(1));
         let layout = CacheLayout::of(&model.cfg);
         let context = config
             .context_length
             .min(model.cfg.max_position_embeddings)
             .max(2);
-        let capacity = config.kv_cache_bytes.unwrap_or_else(|| {
+        let mut capacity = config.kv_cache_bytes.unwrap_or_else(|| {
             layout
                 .bytes_for(context)
                 .saturating_mul(config.max_batch_size)
         });
+        let decoder = if config.gpu_forward {
+            gpu_decoder(&model)
+                .and_then(|d| fit_on_gpu(d, &model.cfg, &config, context, &mut capacity))
+        } else {
+            None
+        };
         let fits = layout.tokens_within(capacity);
         config.context_length = context.min(fits);
         config.kv_cache_bytes = Some(capacity);
@@ -191,11 +207,6 @@ impl Engine {
             cv: Condvar::new(),
         });
         let vocab_size = model.cfg.vocab_size;
-        let decoder = if config.gpu_forward {
-            gpu_decoder(&model)
-        } else {
-            None
-        };
         let worker = Worker {
             decoder,
             model,
@@ -296,6 +307,53 @@ fn gpu_decoder(model: &Model) -> Option<GpuDecoder> {
             None
         }
     }
+}
+
+/// Keeps `decoder` when the GPU has room for its forward's workspace, and bounds the cache
+/// budget `capacity` by the VRAM left after it (the sequences' caches live there, each up to
+/// a quarter over its values while it grows). `None`: no room, the host forward instead.
+fn fit_on_gpu(
+    decoder: GpuDecoder,
+    cfg: &crate::model::config::Config,
+    config: &EngineConfig,
+    context: usize,
+    capacity: &mut usize,
+) -> Option<GpuDecoder> {
+    let workspace = workspace_bytes(cfg, config.gpu_chunk_size + config.max_batch_size, context);
+    let free = match decoder.device().mem_info() {
+        Ok((free, _)) => free,
+        Err(e) => {
+            tracing::warn!(error = %e, "cannot read the free VRAM; the cache budget is not bounded by it");
+            return Some(decoder);
+        }
+    };
+    if free <= workspace {
+        tracing::error!(
+            free_mib = free >> 20,
+            workspace_mib = workspace >> 20,
+            gpu_chunk_size = config.gpu_chunk_size,
+            "no room on the GPU for the forward's workspace; sequences run through the host \
+             forward (lower --gpu-chunk-size, or leave more VRAM with --vram-reserve-mib)"
+        );
+        return None;
+    }
+    let room = (free - workspace) / (GROWTH_SLACK + 1) * GROWTH_SLACK;
+    if config.kv_cache_bytes.is_some_and(|asked| asked > room) {
+        tracing::warn!(
+            kv_cache_mib = *capacity >> 20,
+            room_mib = room >> 20,
+            "the cache budget asked for does not fit in the free VRAM; using what fits"
+        );
+    }
+    *capacity = (*capacity).min(room);
+    tracing::info!(
+        free_mib = free >> 20,
+        workspace_mib = workspace >> 20,
+        kv_cache_mib = *capacity >> 20,
+        "the sequences' caches live on the GPU: the cache budget is what the free VRAM holds \
+         after the forward's workspace"
+    );
+    Some(decoder)
 }
 
 fn lock<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
@@ -471,6 +529,7 @@ impl Worker {
             return;
         }
         let mut budget = self.config.chunk_size;
+        let mut gpu_budget = self.config.gpu_chunk_size;
         let mut plan = Vec::with_capacity(self.running.len());
         let mut steps = Vec::with_capacity(self.running.len());
         let (mut gpu_plan, mut gpu_seqs, mut gpu_tokens) = (Vec::new(), Vec::new(), Vec::new());
@@ -484,11 +543,16 @@ impl Worker {
                 ..
             } = s;
             let tokens: &[u32] = if *prefilled < prompt.len() {
-                if budget == 0 {
+                let budget = if gpu.is_some() {
+                    &mut gpu_budget
+                } else {
+                    &mut budget
+                };
+                if *budget == 0 {
                     continue;
                 }
-                let take = budget.min(prompt.len() - *prefilled);
-                budget -= take;
+                let take = (*budget).min(prompt.len() - *prefilled);
+                *budget -= take;
                 &prompt[*prefilled..*prefilled + take]
             } else {
                 std::slice::from_ref(last)

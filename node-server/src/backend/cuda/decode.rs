@@ -58,8 +58,11 @@ const ELEM_BLOCK: u32 = 256;
 /// query and head: 256 x 64 heads x 2,048 tokens is 128 MiB at the real widths).
 const ATTN_QUERIES: usize = 256;
 
+/// A sequence's caches on the GPU hold at most `1 + 1 / GROWTH_SLACK` times their values.
+pub const GROWTH_SLACK: usize = 4;
+
 /// Token rows of one forward call (the grid's y and z dimensions index them).
-const MAX_ROWS: usize = 65_535;
+pub const MAX_ROWS: usize = 65_535;
 
 /// A weight matrix the decode step multiplies by with `Cuda::matvec`.
 struct DevMatrix {
@@ -141,11 +144,14 @@ impl DevVec {
         })
     }
 
-    /// Appends the values of `src`, doubling the buffer when full.
+    /// Appends the values of `src`, growing the buffer by a quarter (or to what is needed)
+    /// when full: a cache holds at most a quarter more than its values, which the engine's
+    /// VRAM budget counts ([`GROWTH_SLACK`]).
     fn push(&mut self, cuda: &Cuda, src: &CudaView<f32>) -> anyhow::Result<()> {
         let (s, n) = (cuda.stream(), src.len());
         if self.len + n > self.buf.len() {
-            let mut grown = cuda.alloc_f32((2 * self.buf.len()).max(self.len + n))?;
+            let mut grown =
+                cuda.alloc_f32((self.buf.len() + self.buf.len() / GROWTH_SLACK).max(self.len + n))?;
             if self.len > 0 {
                 let mut dst = grown.slice_mut(..self.len);
                 s.memcpy_dtod(&self.buf.slice(..self.len), &mut dst)?;
@@ -304,6 +310,11 @@ impl GpuSeq {
 }
 
 impl GpuDecoder {
+    /// The device the decoder runs on.
+    pub fn device(&self) -> &Arc<Cuda> {
+        &self.cuda
+    }
+
     /// Device copies of every weight of `model` but the routed experts and the embedding
     /// (read one row per token on the host).
     pub fn new(cuda: &Arc<Cuda>, model: &Model) -> anyhow::Result<GpuDecoder> {
@@ -915,6 +926,37 @@ impl GpuDecoder {
     }
 }
 
+/// Prompt tokens of one GPU forward call the engine plans for (`--gpu-chunk-size`'s default,
+/// and what VRAM sizing keeps room for).
+pub const DEFAULT_GPU_CHUNK: usize = 2048;
+
+/// Bytes of device memory one [`GpuDecoder::forward`] call of `rows` token rows allocates
+/// beyond the weights and the sequences' caches, with sequences of up to `context` tokens:
+/// per row the residual streams (three copies live at once) plus the widest sublayer's
+/// buffers (KDA, MLA with its indexer, or an MLP), the indexer's pool scores, and one
+/// attention group's scratch. An estimate from the widths, counted per buffer; the stream-
+/// ordered allocator's rounding comes on top.
+pub fn workspace_bytes(cfg: &Config, rows: usize, context: usize) -> usize {
+    let (d, n, h) = (cfg.hidden_size, cfg.hc_mult, cfg.num_attention_heads);
+    let c = cfg.kda_dim();
+    let (di, hi) = (cfg.index_head_dim, cfg.index_n_heads);
+    let streams = 3 * n * d + 2 * d;
+    let kda = 14 * c + cfg.linear_num_heads;
+    let mla = cfg.q_lora_rank
+        + h * cfg.qk_nope_head_dim
+        + cfg.kv_lora_rank
+        + h * cfg.v_head_dim
+        + 2 * hi * di
+        + 2 * di
+        + 2 * hi
+        + context / cfg.index_kpool.max(1);
+    let shared = cfg.moe_intermediate_size * cfg.n_shared_experts.max(1);
+    let mlp = 3 * cfg.intermediate_size.max(shared) + cfg.n_routed_experts + d;
+    let per_row = streams + kda.max(mla).max(mlp);
+    let group = ATTN_QUERIES * h * (cfg.index_topk + 2 * cfg.kv_lora_rank);
+    (rows * per_row + group) * std::mem::size_of::<f32>()
+}
+
 /// The GPU that holds `model`'s dense weights (its output projection's device copy), if any.
 pub fn placed_device(model: &Model) -> Option<Arc<Cuda>> {
     let placed = model.lm_head.device()?;
@@ -1074,5 +1116,29 @@ impl DevMoe {
                 .map(|s| DevMlp::new(cuda, s))
                 .transpose()?,
         })
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// At GLM-5.3-Flash's widths a default prompt chunk's workspace is about 1.5 GiB (KDA's
+    /// buffers are the widest sublayer), a decode batch's a few MiB over the fixed attention
+    /// group: what VRAM sizing on a 24 GB card must leave free beside the experts.
+    #[test]
+    fn workspace_at_flash_width() {
+        let cfg = Config::from_json(&crate::model::random::flash_config(1, 4)).unwrap();
+        let chunk = workspace_bytes(&cfg, DEFAULT_GPU_CHUNK, 131_072);
+        let decode = workspace_bytes(&cfg, 8, 131_072);
+        let per_row = (chunk - decode) / (DEFAULT_GPU_CHUNK - 8);
+        println!(
+            "chunk {} MiB, decode {} MiB, {per_row} bytes a row",
+            chunk >> 20,
+            decode >> 20
+        );
+        assert!((600_000..800_000).contains(&per_row), "{per_row}");
+        assert!((1200 << 20..1700 << 20).contains(&chunk), "{chunk}");
+        assert!(decode < 300 << 20, "{decode}");
     }
 }
