@@ -50,6 +50,8 @@ def main():
         "glmflash_gpu_host_to_device_bytes_total": lambda v: v > 0,
         "glmflash_gpu_moe_step_seconds": lambda v: v > 0,
         'glmflash_expert_lookups_total{phase="decode",tier="vram"}': lambda v: v > 0,
+        # The sequences ran on the GPU (GpuDecoder): a prompt call and a call per decode step.
+        "glmflash_gpu_forward_seconds_count": lambda v: v >= 16,
     }
     if args.registered:
         want['glmflash_memory_bytes{kind="registered_ram"}'] = lambda v: v > 0
