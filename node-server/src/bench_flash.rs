@@ -217,7 +217,10 @@ fn budget(args: &BenchArgs, model: &Model, record: usize) -> Budget {
     let non_expert = 2 * embed + per_layer * REAL_LAYERS;
     let ram_bytes = (f.ram_cap_gib * (1u64 << 30) as f64 - non_expert as f64).max(0.0);
     let vram_slots = (f.vram_expert_gb * 1e9 / f.budget_layers as f64 / record as f64) as usize;
-    let ram_slots = (ram_bytes / f.budget_layers as f64 / record as f64) as usize;
+    // The device tier's residents keep a host copy within the same memory cap (as the
+    // server's RAM sizing counts them).
+    let ram_slots =
+        ((ram_bytes / f.budget_layers as f64 / record as f64) as usize).saturating_sub(vram_slots);
     let json = json!({
         "record_bytes": record,
         "vram_expert_gb": f.vram_expert_gb,

@@ -267,12 +267,16 @@ impl ModelArgs {
                 )
             }
         };
+        let device_slots = device_slots.min(cfg.n_routed_experts);
+        // The device tier's residents keep their host copy (for the CPU lane, and to go down
+        // to RAM through the write-back ring when evicted): count those bytes as held too.
+        let device_copies = device_slots as u64 * moe_layers as u64 * record;
         let caps = TierCaps {
-            device_slots_per_layer: device_slots.min(cfg.n_routed_experts),
+            device_slots_per_layer: device_slots,
             ram_slots_per_layer: self.tier.prepare(
                 mode,
                 self.ram_slots,
-                dense,
+                dense + device_copies,
                 record,
                 moe_layers,
                 cfg.n_routed_experts,
