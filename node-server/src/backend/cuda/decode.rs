@@ -1,22 +1,25 @@
-//! A decode step that keeps one sequence's activations on the GPU: the `hc_mult` residual
-//! streams, every sublayer's intermediates and the sequence's caches (KDA conv and recurrent
-//! states, MLA latents, indexer keys, gates and pool keys) stay in device memory from one
-//! token to the next; only the token's embedding row goes up and the logits come down.
+//! The forward of the model with the sequences' activations on the GPU: the `hc_mult`
+//! residual streams, every sublayer's intermediates and each sequence's caches (KDA conv and
+//! recurrent states, MLA latents, indexer keys, gates and pool keys) stay in device memory
+//! from one call to the next; only the tokens' embedding rows go up and the logits come down
+//! (and the routed experts' rows, see below).
 //!
 //! [`GpuDecoder`] holds device copies of the weights of a loaded [`Model`] (the copy a
 //! weight matrix already carries on this device when it has one, else an upload of its
-//! bytes), and [`GpuSeq`] one sequence's caches, made from a CPU [`SeqCache`] after a CPU
-//! prefill. Every op follows the CPU forward (`model::glm5`) in order of operations:
+//! bytes), and [`GpuSeq`] one sequence's caches, made from a CPU [`SeqCache`] (empty for a
+//! new sequence, or after a host prefill). Every op follows the CPU forward (`model::glm5`)
+//! in order of operations:
 //!
-//! - KDA layers: projections, conv, forget gate and beta, the delta rule, the gated norm and
-//!   the output projection all on the device.
-//! - MLA + DSA layers: the absorbed decode path (`Mla::attend_absorbed`) on the device with
-//!   `kv_b` dequantized once to f32 (the values `Matrix::row_f32` gives the CPU path); the
-//!   indexer (keys, pool keys, scores, top pools) on the device; shared-indexer layers reuse
-//!   the last full layer's device selection.
+//! - KDA layers: projections, conv, forget gate and beta, the delta rule (the recurrent form
+//!   over a sequence's tokens in order, prompt chunks included), the gated norm and the
+//!   output projection all on the device.
+//! - MLA + DSA layers: the absorbed path (`Mla::attend_absorbed`) for every query, prompt
+//!   chunks included, with `kv_b` dequantized once to f32 (the values `Matrix::row_f32` gives
+//!   the CPU path); the indexer (keys, pool keys, scores, top pools) on the device;
+//!   shared-indexer layers reuse the last full layer's device selection.
 //! - MoE layers: the router on the device, the routed experts through the model's
-//!   [`ExpertProvider`] on host rows (one row down, one row up per MoE layer), the shared
-//!   expert on the device. Dense layers on the device.
+//!   [`ExpertProvider`] on host rows (the call's rows down, their outputs up, once per MoE
+//!   layer), the shared expert on the device. Dense layers on the device.
 //!
 //! [`GpuDecoder::forward`] advances a batch of sequences together, each by one decode token
 //! or a chunk of its prompt: the weight products, norms, mHC and routing run over all the
