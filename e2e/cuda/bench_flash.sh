@@ -36,5 +36,7 @@ fi
   > "$OUT/flash.json" 2> "$OUT/flash.log"
 rc=$?
 sed 's/\x1b\[[0-9;]*m//g' "$OUT/flash.log" | grep -v "^\s*$" | tail -40
+# The RAM tier's residents are registered with CUDA; a refusal (logged once) falls back to mlock.
+grep -c "registration refused" "$OUT/flash.log" | xargs echo "CUDA host registration refusals logged:"
 echo "bench exit $rc"
 exit $rc

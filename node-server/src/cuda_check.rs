@@ -7,7 +7,7 @@ use crate::backend::AttnLayout;
 use crate::backend::cpu::Placer;
 use crate::backend::cpu::{Matrix, ops};
 use crate::backend::cuda::attn::DsaSpec;
-use crate::backend::cuda::decode::{GpuDecoder, GpuSeq};
+use crate::backend::cuda::decode::{CACHE_SPARE_TOKENS, GpuDecoder, GpuSeq};
 use crate::backend::cuda::matrix::CudaPlacer;
 use crate::backend::cuda::{
     Cuda, KdaSpec, MhcCollapse, MhcSpec, MoeLayout, MoeStep, RouteSpec, SlotArena,
@@ -957,9 +957,9 @@ fn decode_cases(
     prefill_cases(model, &decoder, name, rng, cases)
 }
 
-/// `GpuDecoder::forward` over prompt chunks: a fresh sequence's prompt in two uneven chunks
-/// (logits after each against the CPU's forward over the same chunks, and the caches after
-/// them), then one call holding a third sequence's whole prompt and a decode token of the
+/// `GpuDecoder::forward` over prompt chunks: a fresh sequence's prompt in three uneven
+/// chunks, the last growing the device caches (logits after each against the CPU's forward
+/// over the same chunks, and the caches after them), then one call holding a third sequence's whole prompt and a decode token of the
 /// first, against the CPU doing each alone.
 fn prefill_cases(
     model: &Model,
@@ -971,10 +971,14 @@ fn prefill_cases(
     let vocab = model.cfg.vocab_size as u32;
     let mut random =
         |len: usize| -> Vec<u32> { (0..len).map(|_| rng.random_range(0..vocab)).collect() };
-    let prompt = random(DECODE_PROMPT + 7);
+    // Longer than a new sequence's room on the device, so the last chunk grows its caches.
+    let prompt = random(CACHE_SPARE_TOKENS + 60);
     let mut cpu = model.new_cache();
     let mut gpu = decoder.sequence(&model.new_cache())?;
-    for (c, chunk) in [&prompt[..13], &prompt[13..]].into_iter().enumerate() {
+    for (c, chunk) in [&prompt[..13], &prompt[13..200], &prompt[200..]]
+        .into_iter()
+        .enumerate()
+    {
         let want = model
             .forward(
                 &mut [Step {

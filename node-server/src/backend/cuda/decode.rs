@@ -299,7 +299,7 @@ struct DevIndexerCache {
 }
 
 /// Tokens of room the MLA caches are made with beyond what the CPU cache holds.
-const CACHE_SPARE_TOKENS: usize = 256;
+pub const CACHE_SPARE_TOKENS: usize = 256;
 
 impl GpuSeq {
     /// Tokens processed so far.
