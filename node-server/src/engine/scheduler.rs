@@ -327,7 +327,7 @@ fn fit_on_gpu(
             return Some(decoder);
         }
     };
-    if free <= workspace {
+    let Some(room) = vram_cache_room(free, workspace) else {
         tracing::error!(
             free_mib = free >> 20,
             workspace_mib = workspace >> 20,
@@ -336,8 +336,7 @@ fn fit_on_gpu(
              forward (lower --gpu-chunk-size, or leave more VRAM with --vram-reserve-mib)"
         );
         return None;
-    }
-    let room = (free - workspace) / (GROWTH_SLACK + 1) * GROWTH_SLACK;
+    };
     if config.kv_cache_bytes.is_some_and(|asked| asked > room) {
         tracing::warn!(
             kv_cache_mib = *capacity >> 20,
@@ -354,6 +353,14 @@ fn fit_on_gpu(
          after the forward's workspace"
     );
     Some(decoder)
+}
+
+/// Cache bytes that fit in `free` bytes of VRAM after `workspace`, with each cache up to a
+/// `1 / GROWTH_SLACK` over its values while it grows; `None` when the workspace alone does not
+/// fit.
+fn vram_cache_room(free: usize, workspace: usize) -> Option<usize> {
+    let left = free.checked_sub(workspace).filter(|&b| b > 0)?;
+    Some(left / (GROWTH_SLACK + 1) * GROWTH_SLACK)
 }
 
 fn lock<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
@@ -815,5 +822,18 @@ mod tests {
         assert_eq!(find_stop("a END b", &st), Some(2));
         assert_eq!(find_stop("aé! END", &st), Some(1));
         assert_eq!(find_stop("abc", &st), None);
+    }
+
+    /// The caches get what the free VRAM holds after the forward's workspace, less the room
+    /// they may grow into; no room at all without the workspace.
+    #[test]
+    fn vram_cache_room_leaves_the_workspace_and_the_growth() {
+        let gib = 1usize << 30;
+        // 6 GiB free, 1 GiB workspace: 5 GiB for caches that may each be a quarter over.
+        assert_eq!(vram_cache_room(6 * gib, gib), Some(4 * gib));
+        assert_eq!(vram_cache_room(gib, gib), None);
+        assert_eq!(vram_cache_room(gib / 2, gib), None);
+        let room = vram_cache_room(gib + 1000, gib).unwrap();
+        assert!(room + room / GROWTH_SLACK <= 1000, "{room}");
     }
 }
