@@ -100,10 +100,11 @@ pub const ALL: [&str; 27] = [
 ];
 
 /// Histograms: Prometheus exposes them as `<name>_bucket`, `_sum` and `_count`.
-pub const HISTOGRAMS: [&str; 3] = [
+pub const HISTOGRAMS: [&str; 4] = [
     NVME_READ_SECONDS,
     TIME_TO_FIRST_TOKEN_SECONDS,
     INTER_TOKEN_LATENCY_SECONDS,
+    GPU_FORWARD_SECONDS,
 ];
 
 /// Whether `series` (a name as it appears in PromQL or an exposition) belongs to the
