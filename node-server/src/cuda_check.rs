@@ -15,7 +15,7 @@ use crate::backend::cuda::{
 use crate::model::checkpoint::DType;
 use crate::model::config::Config;
 use crate::model::dsa::{pool_key, pool_scores, select_tokens};
-use crate::model::glm5::{LayerCache, Model, Step};
+use crate::model::glm5::{LayerCache, Model, SeqCache, Step};
 use crate::model::kda::{self, KdaMode};
 use crate::model::mhc::HyperConnection;
 use crate::model::mla::sparse_attention;
@@ -909,50 +909,7 @@ fn decode_cases(
         next = w as u32;
     }
     let gpu_cache = decoder.to_host(&seq)?;
-    cases.push(exact_case(
-        format!("decode {name} cache length"),
-        gpu_cache.len == cpu_cache.len,
-    ));
-    for (li, (g, w)) in gpu_cache.layers.iter().zip(&cpu_cache.layers).enumerate() {
-        let label = format!("decode {name} layer {li}");
-        match (g, w) {
-            (LayerCache::Kda(g), LayerCache::Kda(w)) => {
-                cases.push(case(
-                    format!("{label} kda conv"),
-                    &g.conv,
-                    &w.conv,
-                    DECODE_BOUND,
-                ));
-                cases.push(case(
-                    format!("{label} kda state"),
-                    &g.recurrent,
-                    &w.recurrent,
-                    DECODE_BOUND,
-                ));
-            }
-            (LayerCache::Mla(g), LayerCache::Mla(w)) => {
-                cases.push(case(
-                    format!("{label} mla latents"),
-                    &g.latents,
-                    &w.latents,
-                    DECODE_BOUND,
-                ));
-                match (&g.indexer, &w.indexer) {
-                    (Some(g), Some(w)) => cases.push(case(
-                        format!("{label} indexer pool keys"),
-                        &g.pool_keys,
-                        &w.pool_keys,
-                        DECODE_BOUND,
-                    )),
-                    (g, w) => cases.push(exact_case(
-                        format!("{label} indexer presence"),
-                        g.is_some() == w.is_some(),
-                    )),
-                }
-            }
-            _ => cases.push(exact_case(format!("{label} cache kind"), false)),
-        }
-    }
+    compare_caches(&format!("decode {name}"), &gpu_cache, &cpu_cache, cases);
     decode_batch_cases(model, &decoder, name, rng, cases)?;
     prefill_cases(model, &decoder, name, rng, cases)
 }
@@ -994,46 +951,7 @@ fn prefill_cases(
         cases.push(case(format!("{label} logits"), &got, &want, DECODE_BOUND));
     }
     let host = decoder.to_host(&gpu)?;
-    cases.push(exact_case(
-        format!("prefill {name} cache length"),
-        host.len == cpu.len,
-    ));
-    for (li, (g, w)) in host.layers.iter().zip(&cpu.layers).enumerate() {
-        let label = format!("prefill {name} layer {li}");
-        match (g, w) {
-            (LayerCache::Kda(g), LayerCache::Kda(w)) => {
-                cases.push(case(
-                    format!("{label} kda conv"),
-                    &g.conv,
-                    &w.conv,
-                    DECODE_BOUND,
-                ));
-                cases.push(case(
-                    format!("{label} kda state"),
-                    &g.recurrent,
-                    &w.recurrent,
-                    DECODE_BOUND,
-                ));
-            }
-            (LayerCache::Mla(g), LayerCache::Mla(w)) => {
-                cases.push(case(
-                    format!("{label} mla latents"),
-                    &g.latents,
-                    &w.latents,
-                    DECODE_BOUND,
-                ));
-                if let (Some(g), Some(w)) = (&g.indexer, &w.indexer) {
-                    cases.push(case(
-                        format!("{label} indexer pool keys"),
-                        &g.pool_keys,
-                        &w.pool_keys,
-                        DECODE_BOUND,
-                    ));
-                }
-            }
-            _ => cases.push(exact_case(format!("{label} cache kind"), false)),
-        }
-    }
+    compare_caches(&format!("prefill {name}"), &host, &cpu, cases);
 
     // A prompt and a decode token in one call.
     let other = random(DECODE_PROMPT / 2 + 5);
@@ -1065,6 +983,55 @@ fn prefill_cases(
         DECODE_BOUND,
     ));
     Ok(())
+}
+
+/// A device sequence's caches (`gpu`, back on the host) against the CPU's (`cpu`) after the
+/// same tokens: length, KDA conv and state, MLA latents and indexer pool keys per layer.
+fn compare_caches(what: &str, gpu: &SeqCache, cpu: &SeqCache, cases: &mut Vec<Case>) {
+    cases.push(exact_case(
+        format!("{what} cache length"),
+        gpu.len == cpu.len,
+    ));
+    for (li, (g, w)) in gpu.layers.iter().zip(&cpu.layers).enumerate() {
+        let label = format!("{what} layer {li}");
+        match (g, w) {
+            (LayerCache::Kda(g), LayerCache::Kda(w)) => {
+                cases.push(case(
+                    format!("{label} kda conv"),
+                    &g.conv,
+                    &w.conv,
+                    DECODE_BOUND,
+                ));
+                cases.push(case(
+                    format!("{label} kda state"),
+                    &g.recurrent,
+                    &w.recurrent,
+                    DECODE_BOUND,
+                ));
+            }
+            (LayerCache::Mla(g), LayerCache::Mla(w)) => {
+                cases.push(case(
+                    format!("{label} mla latents"),
+                    &g.latents,
+                    &w.latents,
+                    DECODE_BOUND,
+                ));
+                match (&g.indexer, &w.indexer) {
+                    (Some(g), Some(w)) => cases.push(case(
+                        format!("{label} indexer pool keys"),
+                        &g.pool_keys,
+                        &w.pool_keys,
+                        DECODE_BOUND,
+                    )),
+                    (g, w) => cases.push(exact_case(
+                        format!("{label} indexer presence"),
+                        g.is_some() == w.is_some(),
+                    )),
+                }
+            }
+            _ => cases.push(exact_case(format!("{label} cache kind"), false)),
+        }
+    }
 }
 
 /// `GpuDecoder::step_batch` over sequences of different lengths (so different positions,
