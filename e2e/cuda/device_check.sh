@@ -17,7 +17,7 @@ mkdir -p "$OUT"
 fail=0
 step() { echo; echo "== $*"; }
 # ONLY=serve,speed runs those steps (kernels, sanitizer, model, tiers, serve, speed, ptxas;
-# tiers needs model).
+# tiers needs model). SANITIZE_ONLY=matvec,kda limits the sanitizer to those check groups.
 want() { [ -z "${ONLY:-}" ] || [[ ",$ONLY," == *",$1,"* ]]; }
 
 nvidia-smi --query-gpu=name,memory.total,driver_version,clocks.sm --format=csv,noheader
@@ -42,7 +42,7 @@ if want sanitizer; then
 step "compute-sanitizer"
 for tool in memcheck racecheck; do
   if command -v compute-sanitizer >/dev/null; then
-    compute-sanitizer --tool $tool --error-exitcode 9 "$BIN" cuda-check > "$OUT/sanitizer_$tool.txt" 2>&1
+    compute-sanitizer --tool $tool --error-exitcode 9 "$BIN" cuda-check ${SANITIZE_ONLY:+--only "$SANITIZE_ONLY"} > "$OUT/sanitizer_$tool.txt" 2>&1
     rc=$?; echo "$tool: exit $rc; $(grep -E 'ERROR SUMMARY|RACECHECK SUMMARY' "$OUT/sanitizer_$tool.txt" | tail -1)"
     [ $rc -eq 0 ] || fail=1
   else echo "compute-sanitizer not found"; fi
@@ -50,7 +50,7 @@ done
 
 fi
 
-if want model; then
+if want model || want tiers; then  # tiers compares against the model step's runs
 step "whole model: experts on the GPU vs the CPU"
 tokens_of() { python3 -c "import json,sys;print(','.join(map(str,json.load(open(sys.argv[1]))['prompt'])))" "$1"; }
 for fx in e2e/fixtures/tiny_*; do

@@ -1,5 +1,5 @@
 // KDA (Kimi delta attention): the depthwise causal conv + SiLU on q|k|v, and the delta-rule
-// recurrence per head.
+// recurrence per head, token by token (decode) or in chunks (prefill).
 #include "common.cuh"
 
 // Longest conv kernel `kda_conv` takes (the model uses 4); the host checks.
@@ -144,4 +144,198 @@ extern "C" __global__ void kda_recurrent(const float* __restrict__ mixed,
     }
     if (active)
         for (int i = 0; i < d; i++) sg[(i64)i * d + j] = col[i * KDA_COLS];
+}
+
+// Tokens per chunk of `kda_chunked`: its working set for d = 128 stays under the 48 KB of
+// shared memory every device grants without an opt-in.
+#define KDA_CHUNK 16
+// Warps of a `kda_chunked` block; each takes KDA_CHUNK_TOKENS tokens of a chunk.
+#define KDA_CHUNK_WARPS 4
+#define KDA_CHUNK_THREADS (KDA_CHUNK_WARPS * WARP)
+#define KDA_CHUNK_TOKENS (KDA_CHUNK / KDA_CHUNK_WARPS)
+// (t, s) pairs of a chunk per thread.
+#define KDA_CHUNK_PAIRS (KDA_CHUNK * KDA_CHUNK / KDA_CHUNK_THREADS)
+
+// What `kda_recurrent` computes (same arguments, same layouts), in the chunked form: a block
+// takes KDA_COLS state columns of one head through the span KDA_CHUNK tokens at a time.
+// Within a chunk, with G_t the cumulative log decay (per key channel) up to token t, S the
+// state before the chunk and e_ts = exp(G_t - G_s) for s <= t (never above 1, as g <= 0):
+//   A[t][s] = beta_t sum_i k_t[i] k_s[i] e_ts[i]  (s < t)
+//   P[t][s] = sum_i q_t[i] k_s[i] e_ts[i]         (s <= t)
+//   U[t] = beta_t (v_t - (k_t exp(G_t))^T S) - sum_{s<t} A[t][s] U[s]  (forward substitution)
+//   o_t = (q_t exp(G_t))^T S + sum_{s<=t} P[t][s] U[s]
+//   S <- exp(G_last) S + sum_s (k_s exp(G_last - G_s)) U[s]^T
+// U[t] is the delta (v - mem) beta the recurrence adds at token t. A and P depend only on
+// the head, so each of a head's column blocks computes them; the state columns never leave
+// shared memory. Lanes are state columns wherever S or U is touched. The chunk's rows of q,
+// k and G have an odd stride, so threads reading 16 rows at one channel hit 16 banks.
+// Grid (ceil(d / KDA_COLS), heads), block KDA_CHUNK_THREADS, dynamic shared memory
+// (KDA_COLS + 1) * d + 3 * KDA_CHUNK * (d | 1) + (2 * KDA_CHUNK + KDA_COLS + 1) * KDA_CHUNK
+// floats.
+extern "C" __global__ void kda_chunked(const float* __restrict__ mixed,
+                                       const float* __restrict__ g,
+                                       const float* __restrict__ beta, int len, int heads, int d,
+                                       float scale, float eps, float* __restrict__ state,
+                                       float* __restrict__ out) {
+    extern __shared__ float sh[];
+    const int ld = d | 1;
+    float* s = sh;                           // [d][KDA_COLS]
+    float* qc = s + d * KDA_COLS;            // [KDA_CHUNK][ld] q normalised and scaled
+    float* kc = qc + KDA_CHUNK * ld;         // [KDA_CHUNK][ld] k normalised
+    float* gc = kc + KDA_CHUNK * ld;         // [KDA_CHUNK][ld] G
+    float* last_decay = gc + KDA_CHUNK * ld; // [d] exp(G_last)
+    float* a = last_decay + d;               // [KDA_CHUNK][KDA_CHUNK]
+    float* p = a + KDA_CHUNK * KDA_CHUNK;    // [KDA_CHUNK][KDA_CHUNK]
+    float* u = p + KDA_CHUNK * KDA_CHUNK;    // [KDA_CHUNK][KDA_COLS]
+    float* bc = u + KDA_CHUNK * KDA_COLS;    // [KDA_CHUNK] beta
+    // Once A and P are made, the chunk's rows are rewritten in place to what the rest reads:
+    float* q_decayed = qc;  // q_t exp(G_t)
+    float* k_to_last = kc;  // k_s exp(G_last - G_s)
+    float* k_decayed = gc;  // k_t exp(G_t)
+    const int tid = threadIdx.x, lane = tid & (WARP - 1), warp = tid / WARP;
+    const int head = blockIdx.y;
+    const int j = blockIdx.x * KDA_COLS + lane;
+    const bool active = j < d;
+    const i64 c = (i64)heads * d;
+    float* sg = state + (i64)head * d * d;
+    // Columns past d stay zero, so every lane runs the same arithmetic and stores nothing.
+    for (int i = warp; i < d; i += KDA_CHUNK_WARPS)
+        s[i * KDA_COLS + lane] = active ? sg[(i64)i * d + j] : 0.0f;
+    for (int t0 = 0; t0 < len; t0 += KDA_CHUNK) {
+        const int n = min(KDA_CHUNK, len - t0);
+        // This warp's tokens are warp + KDA_CHUNK_WARPS * r for r < mine (n >= 1, so the
+        // numerator is positive).
+        const int mine =
+            min(KDA_CHUNK_TOKENS, (n - warp + KDA_CHUNK_WARPS - 1) / KDA_CHUNK_WARPS);
+        __syncthreads();  // the previous chunk is done with every array but s
+        for (int r = 0; r < mine; r++) {
+            const int t = warp + KDA_CHUNK_WARPS * r;
+            const float* qt = mixed + (i64)(t0 + t) * 3 * c + (i64)head * d;
+            const float* kt = qt + c;
+            float qq = 0.0f, kk = 0.0f;
+            for (int i = lane; i < d; i += WARP) {
+                qq = fmaf(qt[i], qt[i], qq);
+                kk = fmaf(kt[i], kt[i], kk);
+            }
+            const float qn = sqrtf(warp_sum(qq) + eps), kn = sqrtf(warp_sum(kk) + eps);
+            for (int i = lane; i < d; i += WARP) {
+                qc[t * ld + i] = (qt[i] / qn) * scale;
+                kc[t * ld + i] = kt[i] / kn;
+            }
+        }
+        for (int i = tid; i < d; i += KDA_CHUNK_THREADS) {
+            float acc = 0.0f;
+#pragma unroll
+            for (int t = 0; t < KDA_CHUNK; t++) {
+                if (t < n) {
+                    acc += g[(i64)(t0 + t) * c + (i64)head * d + i];
+                    gc[t * ld + i] = acc;
+                }
+            }
+        }
+        if (tid < n) bc[tid] = beta[(i64)(t0 + tid) * heads + head];
+        __syncthreads();
+        // A thread takes source token s and KDA_CHUNK_PAIRS target tokens t, each pair's sums
+        // over the channels on its own (no reductions across threads).
+        const int src = tid % KDA_CHUNK;
+        if (src < n) {
+            float kk[KDA_CHUNK_PAIRS], qk[KDA_CHUNK_PAIRS];
+#pragma unroll
+            for (int r = 0; r < KDA_CHUNK_PAIRS; r++) kk[r] = qk[r] = 0.0f;
+            for (int i = 0; i < d; i++) {
+                const float ks = kc[src * ld + i], gs = gc[src * ld + i];
+#pragma unroll
+                for (int r = 0; r < KDA_CHUNK_PAIRS; r++) {
+                    const int t = tid / KDA_CHUNK + r * (KDA_CHUNK_THREADS / KDA_CHUNK);
+                    if (src <= t && t < n) {
+                        const float x = ks * expf(gc[t * ld + i] - gs);
+                        kk[r] = fmaf(kc[t * ld + i], x, kk[r]);
+                        qk[r] = fmaf(qc[t * ld + i], x, qk[r]);
+                    }
+                }
+            }
+#pragma unroll
+            for (int r = 0; r < KDA_CHUNK_PAIRS; r++) {
+                const int t = tid / KDA_CHUNK + r * (KDA_CHUNK_THREADS / KDA_CHUNK);
+                if (src <= t && t < n) {
+                    a[t * KDA_CHUNK + src] = src < t ? bc[t] * kk[r] : 0.0f;
+                    p[t * KDA_CHUNK + src] = qk[r];
+                }
+            }
+        }
+        __syncthreads();
+        // Per key channel, so each thread rewrites only the column it reads.
+        for (int i = tid; i < d; i += KDA_CHUNK_THREADS) {
+            const float gl = gc[(n - 1) * ld + i];
+            last_decay[i] = expf(gl);
+            for (int t = 0; t < n; t++) {
+                const float gt = gc[t * ld + i], k = kc[t * ld + i];
+                const float decay = expf(gt);
+                q_decayed[t * ld + i] = qc[t * ld + i] * decay;
+                k_decayed[t * ld + i] = k * decay;
+                k_to_last[t * ld + i] = k * expf(gl - gt);
+            }
+        }
+        __syncthreads();
+        float acc[KDA_CHUNK_TOKENS];
+#pragma unroll
+        for (int r = 0; r < KDA_CHUNK_TOKENS; r++) acc[r] = 0.0f;
+        for (int i = 0; i < d; i++) {
+            const float x = s[i * KDA_COLS + lane];
+#pragma unroll
+            for (int r = 0; r < KDA_CHUNK_TOKENS; r++)
+                if (r < mine)
+                    acc[r] = fmaf(k_decayed[(warp + KDA_CHUNK_WARPS * r) * ld + i], x, acc[r]);
+        }
+#pragma unroll
+        for (int r = 0; r < KDA_CHUNK_TOKENS; r++) {
+            if (r < mine) {
+                const int t = warp + KDA_CHUNK_WARPS * r;
+                const float v =
+                    active ? mixed[(i64)(t0 + t) * 3 * c + 2 * c + (i64)head * d + j] : 0.0f;
+                u[t * KDA_COLS + lane] = (v - acc[r]) * bc[t];
+            }
+        }
+        __syncthreads();
+        // Each lane solves its own column, so one warp and no barrier between rows.
+        if (warp == 0) {
+            for (int t = 1; t < n; t++) {
+                float x = u[t * KDA_COLS + lane];
+                for (int src = 0; src < t; src++)
+                    x = fmaf(-a[t * KDA_CHUNK + src], u[src * KDA_COLS + lane], x);
+                u[t * KDA_COLS + lane] = x;
+            }
+        }
+        __syncthreads();
+#pragma unroll
+        for (int r = 0; r < KDA_CHUNK_TOKENS; r++) acc[r] = 0.0f;
+        for (int i = 0; i < d; i++) {
+            const float x = s[i * KDA_COLS + lane];
+#pragma unroll
+            for (int r = 0; r < KDA_CHUNK_TOKENS; r++)
+                if (r < mine)
+                    acc[r] = fmaf(q_decayed[(warp + KDA_CHUNK_WARPS * r) * ld + i], x, acc[r]);
+        }
+#pragma unroll
+        for (int r = 0; r < KDA_CHUNK_TOKENS; r++) {
+            if (r < mine) {
+                const int t = warp + KDA_CHUNK_WARPS * r;
+                float o = acc[r];
+                for (int src = 0; src <= t; src++)
+                    o = fmaf(p[t * KDA_CHUNK + src], u[src * KDA_COLS + lane], o);
+                if (active) out[(i64)(t0 + t) * c + (i64)head * d + j] = o;
+            }
+        }
+        __syncthreads();
+        for (int i = warp; i < d; i += KDA_CHUNK_WARPS) {
+            float x = last_decay[i] * s[i * KDA_COLS + lane];
+            for (int src = 0; src < n; src++)
+                x = fmaf(k_to_last[src * ld + i], u[src * KDA_COLS + lane], x);
+            s[i * KDA_COLS + lane] = x;
+        }
+    }
+    // Each thread stores the rows it updated last.
+    if (active)
+        for (int i = warp; i < d; i += KDA_CHUNK_WARPS)
+            sg[(i64)i * d + j] = s[i * KDA_COLS + lane];
 }

@@ -10,7 +10,11 @@ pub const COMMON: &str = include_str!("../cuda/common.cuh");
 
 /// `(file name, CUDA C source)` for every kernel file, and the `extern "C"` kernels in it.
 pub const SOURCES: &[(&str, &str, &[&str])] = &[
-    ("gemv.cu", include_str!("../cuda/gemv.cu"), &["matvec"]),
+    (
+        "gemv.cu",
+        include_str!("../cuda/gemv.cu"),
+        &["matvec", "matvec_split"],
+    ),
     (
         "moe.cu",
         include_str!("../cuda/moe.cu"),
@@ -31,7 +35,7 @@ pub const SOURCES: &[(&str, &str, &[&str])] = &[
     (
         "kda.cu",
         include_str!("../cuda/kda.cu"),
-        &["kda_conv", "kda_conv_state", "kda_recurrent"],
+        &["kda_conv", "kda_conv_state", "kda_recurrent", "kda_chunked"],
     ),
     (
         "mla.cu",

@@ -625,6 +625,7 @@ fn decode(
         step()?;
     }
     let before = snapshot(tiers, 1);
+    gpu.map(GpuDecoder::take_profile);
     let started = Instant::now();
     for _ in 0..args.decode_tokens {
         step().context("decode step")?;
@@ -644,6 +645,7 @@ fn decode(
     );
     r["streams"] = json!(streams);
     r["phase"] = json!("decode");
+    add_profile(&mut r, gpu, args.decode_tokens);
     Ok(r)
 }
 
@@ -658,6 +660,7 @@ fn prefill(
     let len = args.flash.flash_prefill;
     let p = prompt(len, 99, model.cfg.vocab_size);
     let before = snapshot(tiers, 0);
+    gpu.map(GpuDecoder::take_profile);
     let started = Instant::now();
     let logits = match gpu {
         Some(g) => {
@@ -684,5 +687,19 @@ fn prefill(
         record,
     );
     r["phase"] = json!("prefill");
+    add_profile(&mut r, gpu, 1);
     Ok(r)
+}
+
+/// The GPU decoder's phase profile of the timed calls (`GLMFLASH_GPU_PROFILE`), in
+/// milliseconds per call of the forward.
+fn add_profile(r: &mut Value, gpu: Option<&GpuDecoder>, calls: usize) {
+    let phases = gpu.map(GpuDecoder::take_profile).unwrap_or_default();
+    if !phases.is_empty() {
+        r["gpu_profile_ms"] = phases
+            .iter()
+            .map(|(name, secs, _)| (name.to_string(), json!(secs * 1e3 / calls.max(1) as f64)))
+            .collect::<serde_json::Map<_, _>>()
+            .into();
+    }
 }

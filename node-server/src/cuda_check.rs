@@ -39,7 +39,16 @@ pub struct CudaCheckArgs {
     pub wide: bool,
     #[arg(long, env = "GLMFLASH_CUDA_DEVICE", default_value_t = 0)]
     pub cuda_device: usize,
+    /// Run only these groups of checks (comma-separated; default all): matvec, dense, moe,
+    /// small, router, mhc, kda, mla, dsa, decode.
+    #[arg(long, env = "GLMFLASH_CHECK_ONLY", value_delimiter = ',')]
+    pub only: Vec<String>,
 }
+
+/// The groups of checks, in the order they run.
+const GROUPS: [&str; 10] = [
+    "matvec", "dense", "moe", "small", "router", "mhc", "kda", "mla", "dsa", "decode",
+];
 
 /// One compared case.
 struct Case {
@@ -100,18 +109,32 @@ pub fn run(args: &CudaCheckArgs) -> anyhow::Result<bool> {
     let cuda = Cuda::open(args.cuda_device, None)?;
     println!("device {}", cuda.describe());
     cuda.set_poison(true);
+    if let Some(bad) = args.only.iter().find(|g| !GROUPS.contains(&g.as_str())) {
+        anyhow::bail!(
+            "--only: no check group {bad:?} (groups: {})",
+            GROUPS.join(", ")
+        );
+    }
     let mut rng = ChaCha8Rng::seed_from_u64(seed);
     let mut cases = Vec::new();
-    check_matvec(&cuda, &mut rng, args.wide, &mut cases)?;
-    check_dense(&cuda, &mut rng, &mut cases)?;
-    check_moe(&cuda, &mut rng, args.wide, &mut cases)?;
-    check_small_ops(&cuda, &mut rng, &mut cases)?;
-    check_router(&cuda, &mut rng, &mut cases)?;
-    check_mhc(&cuda, &mut rng, &mut cases)?;
-    check_kda(&cuda, &mut rng, &mut cases)?;
-    check_mla(&cuda, &mut rng, &mut cases)?;
-    check_dsa(&cuda, &mut rng, &mut cases)?;
-    check_decode(&cuda, &mut rng, &mut cases)?;
+    for group in GROUPS {
+        if !args.only.is_empty() && !args.only.iter().any(|g| g == group) {
+            continue;
+        }
+        let (cuda, rng, cases) = (&cuda, &mut rng, &mut cases);
+        match group {
+            "matvec" => check_matvec(cuda, rng, args.wide, cases)?,
+            "dense" => check_dense(cuda, rng, cases)?,
+            "moe" => check_moe(cuda, rng, args.wide, cases)?,
+            "small" => check_small_ops(cuda, rng, cases)?,
+            "router" => check_router(cuda, rng, cases)?,
+            "mhc" => check_mhc(cuda, rng, cases)?,
+            "kda" => check_kda(cuda, rng, cases)?,
+            "mla" => check_mla(cuda, rng, cases)?,
+            "dsa" => check_dsa(cuda, rng, cases)?,
+            _ => check_decode(cuda, rng, cases)?,
+        }
+    }
     println!("{:<52} {:>12} {:>10}  result", "case", "rel err", "bound");
     let mut failed = 0;
     for c in &cases {
@@ -138,12 +161,17 @@ fn check_matvec(
     wide: bool,
     cases: &mut Vec<Case>,
 ) -> anyhow::Result<()> {
-    let mut shapes = vec![(37, 512), (256, 768), (1024, 2048)];
+    // Below 2048 rows `matvec_split` (a block per row; 37 x 512 leaves most of its warps
+    // without columns), from 2048 the warp per row; 24 x 16384 is mHC's projection.
+    let mut shapes = vec![(37, 512), (256, 768), (1024, 2048), (24, 16384)];
     if wide {
         shapes.extend([(2048, 4096), (4096, 2048), (6144, 4096)]);
     }
     for format in Format::ALL {
-        for &(rows, cols) in &shapes {
+        // Columns not a multiple of 8 take the float formats' scalar loads.
+        let odd = [(5, 260), (2100, 100)];
+        let float = matches!(format, Format::F32 | Format::F16 | Format::Bf16);
+        for &(rows, cols) in shapes.iter().chain(odd.iter().filter(|_| float)) {
             let m = random_matrix(rng, rows, cols, format)?;
             let w = cuda.upload(&m.to_bytes())?;
             for n in [1usize, 3, 8, 9, 17] {
@@ -231,7 +259,7 @@ fn check_moe(
             // Slots in reverse order, so slot and expert numbers differ.
             let mut arena = SlotArena::new(cuda, layout, experts)?;
             for (e, expert) in ex.iter().enumerate() {
-                write_slot(cuda, &mut arena, experts - 1 - e, expert)?;
+                write_slot(cuda.stream(), &mut arena, experts - 1 - e, expert)?;
             }
             for tokens in [1usize, 4, 33] {
                 let x = randn(rng, tokens * hidden, 2.0);
@@ -535,9 +563,10 @@ fn check_mhc(cuda: &Cuda, rng: &mut ChaCha8Rng, cases: &mut Vec<Case>) -> anyhow
     Ok(())
 }
 
-/// KDA's conv over spans continuing one conv state, then the delta rule over decode steps
-/// and prefill spans continuing one recurrent state kept on the device; outputs and both
-/// states after every span against the CPU (`kda::conv_step`, `kda::attend`).
+/// KDA's conv over spans continuing one conv state, then the delta rule (the recurrent and
+/// the chunked kernel) over decode steps and prefill spans continuing one recurrent state
+/// kept on the device; outputs and both states after every span against the CPU
+/// (`kda::conv_step`, `kda::attend`).
 fn check_kda(cuda: &Cuda, rng: &mut ChaCha8Rng, cases: &mut Vec<Case>) -> anyhow::Result<()> {
     for (heads, dh, kernel) in [(32usize, 128usize, 4usize), (3, 40, 4), (2, 16, 3)] {
         let spec = KdaSpec {
@@ -566,9 +595,10 @@ fn check_kda(cuda: &Cuda, rng: &mut ChaCha8Rng, cases: &mut Vec<Case>) -> anyhow
             ));
         }
 
-        let inputs = |rng: &mut ChaCha8Rng, len: usize| {
+        // Log decays uniform in [-decay, 0].
+        let inputs = |rng: &mut ChaCha8Rng, len: usize, decay: f32| {
             let mixed = randn(rng, len * w, 1.0);
-            let g: Vec<f32> = (0..len * c).map(|_| -rng.random::<f32>() * 0.5).collect();
+            let g: Vec<f32> = (0..len * c).map(|_| -rng.random::<f32>() * decay).collect();
             let beta: Vec<f32> = (0..len * heads).map(|_| rng.random::<f32>()).collect();
             (mixed, g, beta)
         };
@@ -576,7 +606,7 @@ fn check_kda(cuda: &Cuda, rng: &mut ChaCha8Rng, cases: &mut Vec<Case>) -> anyhow
         let mut cpu_s = s0.clone();
         let mut d_state = cuda.upload(&s0)?;
         for (step, len) in [1usize, 1, 1, 7, 1, 130].into_iter().enumerate() {
-            let (mixed, g, beta) = inputs(rng, len);
+            let (mixed, g, beta) = inputs(rng, len, 0.5);
             let want = kda::attend(
                 &mixed,
                 &g,
@@ -610,13 +640,65 @@ fn check_kda(cuda: &Cuda, rng: &mut ChaCha8Rng, cases: &mut Vec<Case>) -> anyhow
         // Prefill as the CPU engine runs it (chunked for more than one token): another
         // algorithm, yet on the CPU the two forms agree to ~4e-7 at these shapes.
         let len = 150;
-        let (mixed, g, beta) = inputs(rng, len);
-        let (mut cpu_s, mut gpu_s) = (s0.clone(), s0);
+        let (mixed, g, beta) = inputs(rng, len, 0.5);
+        let (mut cpu_s, mut gpu_s) = (s0.clone(), s0.clone());
         let want = kda::attend(&mixed, &g, &beta, len, heads, dh, &mut cpu_s, KdaMode::Auto);
         let got = cuda.kda_recurrent(spec, &mixed, &g, &beta, len, &mut gpu_s)?;
         let name = format!("kda_recurrent {shape} T={len} vs chunked");
         cases.push(case(name.clone(), &got, &want, F32_BOUND));
         cases.push(case(format!("{name} state"), &gpu_s, &cpu_s, F32_BOUND));
+
+        // The chunked kernel (16-token chunks) against both CPU forms (the CPU's chunks are
+        // 64 tokens), continuing one device state: one token, a chunk less one, a chunk, a
+        // chunk and one, then long spans that end mid-chunk. Its sums run in another order
+        // than either CPU form's, as the recurrent kernel's do against the chunked one above.
+        for mode in [KdaMode::Auto, KdaMode::Recurrent] {
+            let mut cpu_s = s0.clone();
+            let mut d_state = cuda.upload(&s0)?;
+            for (step, len) in [1usize, 15, 16, 17, 150, 1000].into_iter().enumerate() {
+                let (mixed, g, beta) = inputs(rng, len, 0.5);
+                let want = kda::attend(&mixed, &g, &beta, len, heads, dh, &mut cpu_s, mode);
+                let mut out = cuda.alloc_f32(len * c)?;
+                cuda.kda_chunked_dev(
+                    spec,
+                    &cuda.upload(&mixed)?,
+                    &cuda.upload(&g)?,
+                    &cuda.upload(&beta)?,
+                    len,
+                    &mut d_state,
+                    &mut out,
+                )?;
+                let name = format!("kda_chunked {shape} vs {mode:?} span {step} T={len}");
+                cases.push(case(name.clone(), &cuda.download(&out)?, &want, F32_BOUND));
+                cases.push(case(
+                    format!("{name} state"),
+                    &cuda.download(&d_state)?,
+                    &cpu_s,
+                    F32_BOUND,
+                ));
+            }
+        }
+
+        // Log decays down to -5 per token (a gate's lower bound): across a chunk the decay
+        // reaches exp(-80), which the kernel only meets as exp(G_t - G_s) <= 1 and exp(G_t).
+        let (mut cpu_s, mut gpu_s) = (s0.clone(), s0);
+        for (step, len) in [17usize, 150].into_iter().enumerate() {
+            let (mixed, g, beta) = inputs(rng, len, 5.0);
+            let want = kda::attend(
+                &mixed,
+                &g,
+                &beta,
+                len,
+                heads,
+                dh,
+                &mut cpu_s,
+                KdaMode::Recurrent,
+            );
+            let got = cuda.kda_chunked(spec, &mixed, &g, &beta, len, &mut gpu_s)?;
+            let name = format!("kda_chunked {shape} strong decay span {step} T={len}");
+            cases.push(case(name.clone(), &got, &want, F32_BOUND));
+            cases.push(case(format!("{name} state"), &gpu_s, &cpu_s, F32_BOUND));
+        }
     }
     Ok(())
 }

@@ -10,6 +10,7 @@ use crate::backend::cuda::{Cuda, MoeLayout, MoeStep, SlotArena};
 use crate::model::mlp::SwiGlu;
 use crate::model::moe::{ExpertProvider, Routing};
 use anyhow::{Context, bail};
+use cudarc::driver::{CudaEvent, CudaStream};
 use std::sync::{Arc, Mutex};
 
 /// The slot layout of an expert as loaded (its three matrices' formats and shapes).
@@ -36,9 +37,9 @@ pub fn layout_of(expert: &SwiGlu) -> anyhow::Result<MoeLayout> {
     )?)
 }
 
-/// Copies one expert into arena slot `slot`, checking it has the arena's layout.
+/// Copies one expert into arena slot `slot` on `stream`, checking it has the arena's layout.
 pub fn write_slot(
-    cuda: &Cuda,
+    stream: &Arc<CudaStream>,
     arena: &mut SlotArena,
     slot: usize,
     expert: &SwiGlu,
@@ -53,7 +54,7 @@ pub fn write_slot(
     // From the expert's own storage: a RAM resident registered with CUDA is copied by DMA
     // without a bounce buffer (asynchronously; see `CudaRegistrar` for the lifetime rule).
     arena.write(
-        cuda,
+        stream,
         slot,
         &expert.gate.as_bytes(),
         &expert.up.as_bytes(),
@@ -123,7 +124,7 @@ impl VramExperts {
                     })
                     .collect::<anyhow::Result<_>>()?;
                 for (&e, expert) in batch.iter().zip(&loaded) {
-                    write_slot(&cuda, &mut arena, next, expert)
+                    write_slot(cuda.stream(), &mut arena, next, expert)
                         .with_context(|| format!("layer {l} expert {e}"))?;
                     row.push(next as u32);
                     next += 1;
@@ -362,6 +363,9 @@ impl Drop for CudaRegistrar {
 /// every MoE layer in slots of one arena (`per_layer` slots each), plus `staging` slots that
 /// carry non-resident experts to the kernel in `exact` modes and in prefill.
 ///
+/// The staging slots are two halves used in turn: the copy stream fills one half while the
+/// kernels compute the picks of the other, so a step's uploads overlap its products.
+///
 /// Residency itself stays with the tiers' maps; [`GpuTier::reconcile`] makes a layer's
 /// slots match them (freeing the slots of experts that left, writing the ones that came).
 pub struct GpuTier {
@@ -374,7 +378,12 @@ pub struct GpuTier {
     base: Vec<Option<u32>>,
     /// Expert -> slot, per layer.
     slot_of: Vec<std::collections::HashMap<usize, u32>>,
-    staging: std::ops::Range<u32>,
+    /// The staging halves (one when there is a single staging slot).
+    halves: Vec<std::ops::Range<u32>>,
+    /// Per half: recorded on the copy stream after its slots were written, and on the kernel
+    /// stream after the picks reading them were launched.
+    copied: Vec<CudaEvent>,
+    computed: Vec<CudaEvent>,
     limit: f32,
     /// Bytes copied host -> device (slot writes and staging).
     pub h2d_bytes: u64,
@@ -436,6 +445,16 @@ impl GpuTier {
             );
         }
         let arena = SlotArena::new(&cuda, layout, slots)?;
+        // The copy stream writes staging slots from now on: the allocation (on the kernel
+        // stream) must have completed.
+        cuda.synchronize()?;
+        let half = staging.div_ceil(2);
+        let halves: Vec<std::ops::Range<u32>> = [next..next + half, next + half..next + staging]
+            .into_iter()
+            .filter(|r| !r.is_empty())
+            .collect();
+        let events = |n: usize| (0..n).map(|_| cuda.event()).collect::<Result<Vec<_>, _>>();
+        let (copied, computed) = (events(halves.len())?, events(halves.len())?);
         tracing::info!(
             slots,
             per_layer,
@@ -450,7 +469,9 @@ impl GpuTier {
             per_layer,
             base,
             slot_of: moe_layers.iter().map(|_| Default::default()).collect(),
-            staging: next..next + staging,
+            halves,
+            copied,
+            computed,
             limit: sample.limit,
             h2d_bytes: 0,
             gpu_picks: 0,
@@ -484,7 +505,7 @@ impl GpuTier {
                     self.per_layer
                 );
             };
-            write_slot(&self.cuda, &mut self.arena, slot as usize, w)?;
+            write_slot(self.cuda.stream(), &mut self.arena, slot as usize, w)?;
             self.h2d_bytes += w.storage_bytes() as u64;
             map.insert(*e, slot);
         }
@@ -546,17 +567,29 @@ impl GpuTier {
                 )
             })
             .collect();
-        let stage_slots: Vec<u32> = self.staging.clone().collect();
-        for round in staged.chunks(stage_slots.len()) {
+        // Staged experts in rounds of a half's slots, halves alternating: the copy stream
+        // fills a half once the kernels that read it last are done (`computed`), and the
+        // kernels take it once its copies are (`copied`). The host weights are kept until the
+        // result's download, which follows every copy.
+        let kernels = self.cuda.stream().clone();
+        let copies = self.cuda.copy_stream().clone();
+        let mut keep = Vec::with_capacity(staged.len());
+        for (round, batch) in staged.chunks(self.halves[0].len()).enumerate() {
+            let h = round % self.halves.len();
+            copies.wait(&self.computed[h])?;
             let mut picks = Vec::new();
-            for ((e, ps), &slot) in round.iter().zip(&stage_slots) {
+            for ((e, ps), slot) in batch.iter().zip(self.halves[h].clone()) {
                 let w = weights_of(*e);
-                write_slot(&self.cuda, &mut self.arena, slot as usize, &w)?;
+                write_slot(&copies, &mut self.arena, slot as usize, &w)?;
                 self.h2d_bytes += w.storage_bytes() as u64;
                 picks.extend(ps.iter().map(|&p| (p, slot)));
+                keep.push(w);
             }
+            self.copied[h].record(&copies)?;
+            kernels.wait(&self.copied[h])?;
             self.cuda
                 .moe_picks(&mut run, &self.arena.buf, self.limit, &picks)?;
+            self.computed[h].record(&kernels)?;
         }
         for (p, y) in &cpu_rows {
             self.cuda.moe_set_rows(&mut run, *p, y)?;
@@ -564,6 +597,7 @@ impl GpuTier {
         self.cpu_picks += cpu_rows.len() as u64;
         self.gpu_picks += (tokens * k - cpu_rows.len()) as u64;
         let y = self.cuda.moe_finish(run, &routing.weights)?;
+        drop(keep);
         if sampled {
             // moe_finish downloads the result, so the step has finished on the device.
             self.step_seconds = started.elapsed().as_secs_f64();

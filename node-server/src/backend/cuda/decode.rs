@@ -10,8 +10,8 @@
 //! new sequence, or after a host prefill). Every op follows the CPU forward (`model::glm5`)
 //! in order of operations:
 //!
-//! - KDA layers: projections, conv, forget gate and beta, the delta rule (the recurrent form
-//!   over a sequence's tokens in order, prompt chunks included), the gated norm and the
+//! - KDA layers: projections, conv, forget gate and beta, the delta rule (the chunked form
+//!   over a prompt chunk, the recurrent one over decode steps), the gated norm and the
 //!   output projection all on the device.
 //! - MLA + DSA layers: the absorbed path (`Mla::attend_absorbed`) for every query, prompt
 //!   chunks included, with `kv_b` dequantized once to f32 (the values `Matrix::row_f32` gives
@@ -36,6 +36,7 @@
 
 use super::attn::{DeviceSelections, DsaSpec};
 use super::matrix::CudaMatrix;
+use super::ops::KDA_CHUNK;
 use super::{Cuda, KdaSpec, MhcCollapse, MhcSpec, RouteSpec, norm_config, rows_config};
 use crate::backend::AttnLayout;
 use crate::backend::cpu::{DeviceWeights, Matrix};
@@ -50,7 +51,8 @@ use crate::model::moe::{Moe, Phase, Routing};
 use crate::quant::Format;
 use anyhow::{Context, bail};
 use cudarc::driver::{CudaSlice, CudaView, LaunchConfig, PushKernelArg};
-use std::sync::Arc;
+use std::collections::BTreeMap;
+use std::sync::{Arc, Mutex};
 
 type Buf = CudaSlice<f32>;
 
@@ -268,6 +270,9 @@ pub struct GpuDecoder {
     layers: Vec<DevLayer>,
     norm: Buf,
     lm_head: DevMatrix,
+    /// Wall time per phase of the forward, each phase between two synchronisations; only
+    /// with `GLMFLASH_GPU_PROFILE` set (the synchronisations cost overlap).
+    profile: Option<Mutex<BTreeMap<&'static str, (f64, u64)>>>,
 }
 
 /// One sequence's caches on the device, advanced by [`GpuDecoder::step`].
@@ -333,7 +338,41 @@ impl GpuDecoder {
             layers,
             norm: cuda.upload(&model.norm)?,
             lm_head: DevMatrix::new(cuda, &model.lm_head)?,
+            profile: std::env::var_os("GLMFLASH_GPU_PROFILE").map(|_| Default::default()),
         })
+    }
+
+    /// `f`'s wall time added to phase `name` when profiling (the device synchronised before
+    /// and after, so the time is the phase's own); just `f` otherwise.
+    fn timed<T>(
+        &self,
+        name: &'static str,
+        f: impl FnOnce() -> anyhow::Result<T>,
+    ) -> anyhow::Result<T> {
+        let Some(profile) = &self.profile else {
+            return f();
+        };
+        self.cuda.synchronize()?;
+        let started = std::time::Instant::now();
+        let out = f()?;
+        self.cuda.synchronize()?;
+        let mut p = profile.lock().unwrap_or_else(|e| e.into_inner());
+        let e = p.entry(name).or_default();
+        e.0 += started.elapsed().as_secs_f64();
+        e.1 += 1;
+        Ok(out)
+    }
+
+    /// The profile so far, (phase, seconds, times run), most time first; and resets it.
+    /// Empty unless `GLMFLASH_GPU_PROFILE` was set when the decoder was made.
+    pub fn take_profile(&self) -> Vec<(&'static str, f64, u64)> {
+        let Some(profile) = &self.profile else {
+            return Vec::new();
+        };
+        let p = std::mem::take(&mut *profile.lock().unwrap_or_else(|e| e.into_inner()));
+        let mut v: Vec<_> = p.into_iter().map(|(k, (s, n))| (k, s, n)).collect();
+        v.sort_by(|a, b| b.1.total_cmp(&a.1));
+        v
     }
 
     /// A sequence's caches on the device, from its CPU cache (after a CPU prefill).
@@ -510,7 +549,7 @@ impl GpuDecoder {
                 }
             }
         }
-        let mut streams = cuda.upload(&host)?;
+        let mut streams = self.timed("embed", || Ok(cuda.upload(&host)?))?;
         drop(host);
         let positions: Vec<usize> = seqs.iter().map(|s| s.len).collect();
         let phases: Vec<Phase> = rows
@@ -529,7 +568,9 @@ impl GpuDecoder {
         // after it.
         let mut carried: Vec<Option<DeviceSelections>> = (0..b).map(|_| None).collect();
         for (li, layer) in self.layers.iter().enumerate() {
-            let mix = self.collapse(&layer.attn_hc, &streams, total)?;
+            let mix = self.timed("mhc collapse", || {
+                self.collapse(&layer.attn_hc, &streams, total)
+            })?;
             let mut x = mix.collapsed;
             cuda.rms_norm(&mut x, Some(&layer.input_norm), d, cfg.rms_norm_eps)?;
             let y = match &layer.attention {
@@ -541,7 +582,7 @@ impl GpuDecoder {
                         };
                         states.push((conv, recurrent));
                     }
-                    self.kda(w, &x, &mut states, &rows)?
+                    self.timed("kda", || self.kda(w, &x, &mut states, &rows))?
                 }
                 DevAttention::Mla(w) => {
                     let mut states = Vec::with_capacity(b);
@@ -551,12 +592,18 @@ impl GpuDecoder {
                         };
                         states.push((latents, indexer.as_mut()));
                     }
-                    self.mla(w, &x, &mut states, &rows, &positions, &mut carried)?
+                    self.timed("mla", || {
+                        self.mla(w, &x, &mut states, &rows, &positions, &mut carried)
+                    })?
                 }
             };
-            streams = self.expand(&layer.attn_hc, &mix.post, &mix.comb, &streams, &y, total)?;
+            streams = self.timed("mhc expand", || {
+                self.expand(&layer.attn_hc, &mix.post, &mix.comb, &streams, &y, total)
+            })?;
 
-            let mix = self.collapse(&layer.ffn_hc, &streams, total)?;
+            let mix = self.timed("mhc collapse", || {
+                self.collapse(&layer.ffn_hc, &streams, total)
+            })?;
             let mut x = mix.collapsed;
             cuda.rms_norm(
                 &mut x,
@@ -565,12 +612,16 @@ impl GpuDecoder {
                 cfg.rms_norm_eps,
             )?;
             let y = match &layer.feed_forward {
-                DevFeedForward::Dense(mlp) => self.mlp(mlp, &x, total)?,
+                DevFeedForward::Dense(mlp) => {
+                    self.timed("dense mlp", || self.mlp(mlp, &x, total))?
+                }
                 DevFeedForward::Moe(moe) => self
                     .moe(model, li, moe, &x, &phases)
                     .with_context(|| format!("experts of layer {li}"))?,
             };
-            streams = self.expand(&layer.ffn_hc, &mix.post, &mix.comb, &streams, &y, total)?;
+            streams = self.timed("mhc expand", || {
+                self.expand(&layer.ffn_hc, &mix.post, &mix.comb, &streams, &y, total)
+            })?;
         }
 
         // The stream mean of each sequence's last token.
@@ -585,9 +636,11 @@ impl GpuDecoder {
             // SAFETY: src holds n * d values, dst d; one thread per column.
             unsafe { l.launch(elem_config(d)) }?;
         }
-        cuda.rms_norm(&mut h, Some(&self.norm), d, cfg.rms_norm_eps)?;
-        let logits = self.lm_head.apply(cuda, &h, b)?;
-        let all = cuda.download(&logits)?;
+        let all = self.timed("lm head", || {
+            cuda.rms_norm(&mut h, Some(&self.norm), d, cfg.rms_norm_eps)?;
+            let logits = self.lm_head.apply(cuda, &h, b)?;
+            Ok(cuda.download(&logits)?)
+        })?;
         for (s, &(_, len)) in seqs.iter_mut().zip(&rows) {
             s.len += len;
         }
@@ -643,7 +696,8 @@ impl GpuDecoder {
 
     /// `Kda::forward` for each sequence's tokens (`x` is `[rows, d]`; `spans[i]` sequence
     /// i's rows, `states[i]` its conv and recurrent state): the delta rule runs over a
-    /// sequence's tokens in order (the recurrent form, prefill chunks included).
+    /// sequence's tokens in order (the chunked form over a prompt chunk, the recurrent one
+    /// over decode steps).
     fn kda(
         &self,
         w: &DevKda,
@@ -704,7 +758,14 @@ impl GpuDecoder {
             let gi = self.rows(&g, first, len, c)?;
             let bi = self.rows(&beta, first, len, h)?;
             let mut out = cuda.alloc_f32(len * c)?;
-            cuda.kda_recurrent_dev(w.spec, &mixed, &gi, &bi, len, recurrent, &mut out)?;
+            // The recurrent kernel pays a global load and two barriers per token in one warp
+            // per block; the chunked one loads a chunk's tokens at once and works on them with
+            // four warps, but does a chunk's worth of work even for one token.
+            if len >= KDA_CHUNK && w.spec.chunked_fits() {
+                cuda.kda_chunked_dev(w.spec, &mixed, &gi, &bi, len, recurrent, &mut out)?;
+            } else {
+                cuda.kda_recurrent_dev(w.spec, &mixed, &gi, &bi, len, recurrent, &mut out)?;
+            }
             let mut dst = core.slice_mut(first * c..(first + len) * c);
             cuda.stream.memcpy_dtod(&out, &mut dst)?;
         }
@@ -904,21 +965,25 @@ impl GpuDecoder {
     ) -> anyhow::Result<Buf> {
         let cuda = &*self.cuda;
         let (d, b) = (self.cfg.hidden_size, phases.len());
-        let logits = w.router.apply(cuda, x, b)?;
-        let (ids, weights) = cuda.route(&logits, &w.bias, w.spec, b)?;
+        let (ids, weights) = self.timed("moe route", || {
+            let logits = w.router.apply(cuda, x, b)?;
+            Ok(cuda.route(&logits, &w.bias, w.spec, b)?)
+        })?;
         let routing = Routing {
             k: w.spec.k,
             ids,
             weights,
             phases: phases.to_vec(),
         };
-        let mut xh = cuda.download(x)?;
-        xh.truncate(b * d);
-        let mut out = vec![0f32; b * d];
-        model.experts().forward(layer, &xh, &routing, &mut out)?;
-        let mut y = cuda.upload(&out)?;
+        let mut y = self.timed("moe experts", || {
+            let mut xh = cuda.download(x)?;
+            xh.truncate(b * d);
+            let mut out = vec![0f32; b * d];
+            model.experts().forward(layer, &xh, &routing, &mut out)?;
+            Ok(cuda.upload(&out)?)
+        })?;
         if let Some(shared) = &w.shared {
-            let s = self.mlp(shared, x, b)?;
+            let s = self.timed("moe shared", || self.mlp(shared, x, b))?;
             let count = (b * d) as i32;
             let mut l = cuda.stream.launch_builder(cuda.kernel("add_values"));
             l.arg(&mut y).arg(&s).arg(&count);

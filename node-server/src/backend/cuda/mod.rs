@@ -38,6 +38,11 @@ pub enum CudaError {
     Invalid(String),
 }
 
+/// Matrices of fewer rows go through `matvec_split` (a block per row).
+const SPLIT_BELOW_ROWS: usize = 2048;
+/// Threads of a `matvec_split` block (its SPLIT_WARPS warps).
+const SPLIT_THREADS: u32 = 256;
+
 /// Threads per block of the warp-per-row kernels (4 warps: 4 rows per block).
 const ROW_BLOCK: u32 = 128;
 const ROWS_PER_BLOCK: u32 = ROW_BLOCK / 32;
@@ -57,6 +62,10 @@ pub fn kernel_format_id(format: Format) -> i32 {
 pub struct Cuda {
     ctx: Arc<CudaContext>,
     stream: Arc<CudaStream>,
+    /// Host-to-device copies that overlap the kernels on `stream` (the VRAM tier's staging
+    /// slots). The context tracks no events: whoever uses this stream orders it against
+    /// `stream` with explicit events.
+    copy: Arc<CudaStream>,
     name: String,
     arch: String,
     kernels: HashMap<&'static str, CudaFunction>,
@@ -101,10 +110,16 @@ impl Cuda {
             )));
         }
         let ctx = CudaContext::new(ordinal)?;
+        // SAFETY: called before any buffer exists. Every buffer is used on `stream` alone,
+        // except the slots the copy stream writes, which their user orders with events
+        // (`GpuTier::compute`); so no buffer needs cudarc's per-use event tracking, which would
+        // also make the copy stream wait for every kernel reading any part of the arena.
+        unsafe { ctx.disable_event_tracking() };
         let (major, minor) = ctx.compute_capability()?;
         let arch = format!("sm_{major}{minor}");
         let name = ctx.name()?;
         let stream = ctx.default_stream();
+        let copy = ctx.new_stream()?;
         let mut kernels = HashMap::new();
         for (file, _, names) in glmflash_kernels::SOURCES {
             let ptx = compile_cached(file, &arch, cache_dir)?;
@@ -116,6 +131,7 @@ impl Cuda {
         Ok(Arc::new(Cuda {
             ctx,
             stream,
+            copy,
             name,
             arch,
             kernels,
@@ -202,12 +218,16 @@ impl Cuda {
     /// # Safety
     /// No copy from the range may still be in flight.
     pub unsafe fn unregister_host(&self, ptr: *const u8) -> Result<(), CudaError> {
-        self.ctx.bind_to_thread()?;
+        use cudarc::driver::sys::CUresult::CUDA_ERROR_DEINITIALIZED;
+        // At process exit the driver may be torn down before the last residents drop (then
+        // binding the context fails too); it has released every registration then.
+        match self.ctx.bind_to_thread() {
+            Err(e) if e.0 == CUDA_ERROR_DEINITIALIZED => return Ok(()),
+            r => r?,
+        }
         // SAFETY: registered by `register_host`; the caller has drained copies from it.
         let r = unsafe { cudarc::driver::sys::cuMemHostUnregister(ptr as *mut std::ffi::c_void) };
-        // At process exit the driver may be torn down before the last residents drop; it has
-        // released every registration then.
-        if r == cudarc::driver::sys::CUresult::CUDA_ERROR_DEINITIALIZED {
+        if r == CUDA_ERROR_DEINITIALIZED {
             return Ok(());
         }
         r.result()?;
@@ -254,8 +274,22 @@ impl Cuda {
         self.poison.store(on, std::sync::atomic::Ordering::Relaxed);
     }
 
+    /// Waits for both streams (kernels and copies).
     pub fn synchronize(&self) -> Result<(), CudaError> {
+        self.copy.synchronize()?;
         Ok(self.stream.synchronize()?)
+    }
+
+    /// The stream of host-to-device copies that overlap the kernels.
+    pub fn copy_stream(&self) -> &Arc<CudaStream> {
+        &self.copy
+    }
+
+    /// An event for ordering the two streams (no timing).
+    pub fn event(&self) -> Result<cudarc::driver::CudaEvent, CudaError> {
+        Ok(self.ctx.new_event(Some(
+            cudarc::driver::sys::CUevent_flags::CU_EVENT_DISABLE_TIMING,
+        ))?)
     }
 
     /// `y[t] = W x[t]` for `n` tokens: `w` holds `rows` rows of `cols` values in `format`,
@@ -290,7 +324,20 @@ impl Cuda {
         }
         let (fmt, rows_i, cols_i, n_i) =
             (kernel_format_id(format), rows as i32, cols as i32, n as i32);
-        let mut b = self.stream.launch_builder(self.kernel("matvec"));
+        // A warp per row leaves most of the GPU idle below a few thousand rows (the mHC,
+        // router and gate projections): those rows get a block each instead.
+        let split = rows < SPLIT_BELOW_ROWS;
+        let (name, cfg) = if split {
+            let cfg = LaunchConfig {
+                grid_dim: (rows as u32, 1, 1),
+                block_dim: (SPLIT_THREADS, 1, 1),
+                shared_mem_bytes: 0,
+            };
+            ("matvec_split", cfg)
+        } else {
+            ("matvec", rows_config(rows, 1))
+        };
+        let mut b = self.stream.launch_builder(self.kernel(name));
         b.arg(w)
             .arg(&fmt)
             .arg(&rows_i)
@@ -298,9 +345,10 @@ impl Cuda {
             .arg(x)
             .arg(&n_i)
             .arg(y);
-        // SAFETY: the argument list matches `matvec` in gemv.cu; the sizes were checked
-        // above, and the grid covers `rows` rows, one warp each.
-        unsafe { b.launch(rows_config(rows, 1)) }?;
+        // SAFETY: both kernels take `matvec`'s argument list in gemv.cu; the sizes were
+        // checked above, and the grid covers `rows` rows (a warp each, or a block of
+        // SPLIT_WARPS warps each).
+        unsafe { b.launch(cfg) }?;
         Ok(())
     }
 
@@ -754,10 +802,11 @@ impl SlotArena {
         Ok(SlotArena { buf, layout, slots })
     }
 
-    /// Copies one expert's gate, up and down bytes into slot `slot`.
+    /// Copies one expert's gate, up and down bytes into slot `slot`, on `stream` (the
+    /// kernel stream, or the copy stream for slots its user orders with events).
     pub fn write(
         &mut self,
-        cuda: &Cuda,
+        stream: &Arc<CudaStream>,
         slot: usize,
         gate: &[u8],
         up: &[u8],
@@ -779,7 +828,7 @@ impl SlotArena {
         let base = slot * l.slot_bytes;
         for (off, bytes) in [(0, gate), (l.up_offset, up), (l.down_offset, down)] {
             let mut dst = self.buf.slice_mut(base + off..base + off + bytes.len());
-            cuda.stream.memcpy_htod(bytes, &mut dst)?;
+            stream.memcpy_htod(bytes, &mut dst)?;
         }
         Ok(())
     }

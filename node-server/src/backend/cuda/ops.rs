@@ -16,6 +16,10 @@ const KDA_MAX_CONV: usize = 8;
 const KDA_CONV_SEG: usize = 64;
 /// `KDA_COLS` in kda.cu: state columns (and threads) per `kda_recurrent` block.
 const KDA_COLS: usize = 32;
+/// `KDA_CHUNK` in kda.cu: tokens per chunk of `kda_chunked`.
+pub(super) const KDA_CHUNK: usize = 16;
+/// `KDA_CHUNK_THREADS` in kda.cu: threads per `kda_chunked` block.
+const KDA_CHUNK_THREADS: usize = 128;
 /// Largest grid y dimension.
 const MAX_GRID_Y: usize = 65535;
 /// Static shared-memory limit every device grants without an opt-in.
@@ -88,6 +92,20 @@ impl KdaSpec {
 
     fn shared_bytes(&self) -> usize {
         (KDA_COLS + 3) * self.head_dim * 4
+    }
+
+    /// Dynamic shared memory of a `kda_chunked` block: its state columns, exp(G_last), the
+    /// chunk's q, k and G rows (odd stride), A, P, U and beta.
+    fn chunked_shared_bytes(&self) -> usize {
+        let d = self.head_dim;
+        ((KDA_COLS + 1) * d + 3 * KDA_CHUNK * (d | 1) + (2 * KDA_CHUNK + KDA_COLS + 1) * KDA_CHUNK)
+            * 4
+    }
+
+    /// Whether [`Cuda::kda_chunked`] takes heads of this width: its chunk's working set must
+    /// fit in the shared memory granted without an opt-in (`head_dim` up to 138).
+    pub fn chunked_fits(&self) -> bool {
+        self.chunked_shared_bytes() <= SHARED_BYTES
     }
 }
 
@@ -335,8 +353,8 @@ impl Cuda {
     /// KDA's delta rule over `len` tokens, token after token, from the conv output `mixed`
     /// (`[len, 3C]`: q | k | v), the log decay `g` (`[len, C]`) and `beta` (`[len, H]`):
     /// q and k l2-normalised, q scaled by `1 / sqrt(d)`; `state` (`[H, d, d]`) is updated.
-    /// Returns `[len, C]`. One token is the decode step; for many tokens this is the
-    /// sequential form (a first cut for prefill, not the chunked one).
+    /// Returns `[len, C]`. One token is the decode step; for many tokens
+    /// [`Cuda::kda_chunked`] computes the same in fewer, wider steps.
     pub fn kda_recurrent(
         &self,
         spec: KdaSpec,
@@ -412,6 +430,89 @@ impl Cuda {
         };
         // SAFETY: arguments match `kda_recurrent` in kda.cu; sizes checked above; one warp
         // per block (the kernel's reductions assume it) with the shared memory it indexes.
+        unsafe { b.launch(cfg) }?;
+        Ok(())
+    }
+
+    /// [`Cuda::kda_recurrent`] in the chunked form: the same outputs (`[len, C]`) and state
+    /// update, computed `KDA_CHUNK` tokens at a time (the prefill form).
+    pub fn kda_chunked(
+        &self,
+        spec: KdaSpec,
+        mixed: &[f32],
+        g: &[f32],
+        beta: &[f32],
+        len: usize,
+        state: &mut [f32],
+    ) -> Result<Vec<f32>, CudaError> {
+        let c = spec.channels();
+        let mut d_state = self.upload(state)?;
+        let mut out = self.alloc_f32(len * c)?;
+        self.kda_chunked_dev(
+            spec,
+            &self.upload(mixed)?,
+            &self.upload(g)?,
+            &self.upload(beta)?,
+            len,
+            &mut d_state,
+            &mut out,
+        )?;
+        let s = self.download(&d_state)?;
+        state.copy_from_slice(&s[..state.len()]);
+        let mut v = self.download(&out)?;
+        v.truncate(len * c);
+        Ok(v)
+    }
+
+    /// [`Cuda::kda_chunked`] on device buffers.
+    pub fn kda_chunked_dev(
+        &self,
+        spec: KdaSpec,
+        mixed: &CudaSlice<f32>,
+        g: &CudaSlice<f32>,
+        beta: &CudaSlice<f32>,
+        len: usize,
+        state: &mut CudaSlice<f32>,
+        out: &mut CudaSlice<f32>,
+    ) -> Result<(), CudaError> {
+        let (h, d) = (spec.heads, spec.head_dim);
+        let c = h * d;
+        if h == 0 || h > MAX_GRID_Y || d == 0 || !spec.chunked_fits() {
+            return Err(CudaError::Invalid(format!(
+                "kda_chunked: {h} heads of {d} (the kernel takes 1..={MAX_GRID_Y} heads, and a \
+                 chunk of {KDA_CHUNK} tokens with a head's {KDA_COLS} columns must fit in \
+                 {SHARED_BYTES} bytes of shared memory)"
+            )));
+        }
+        too_short("kda_chunked mixed", mixed.len(), len * 3 * c)?;
+        too_short("kda_chunked g", g.len(), len * c)?;
+        too_short("kda_chunked beta", beta.len(), len * h)?;
+        too_short("kda_chunked state", state.len(), h * d * d)?;
+        too_short("kda_chunked out", out.len(), len * c)?;
+        if len == 0 {
+            return Ok(());
+        }
+        let (len_i, h_i, d_i) = (len as i32, h as i32, d as i32);
+        let scale = 1.0 / (d as f32).sqrt();
+        let mut b = self.stream.launch_builder(self.kernel("kda_chunked"));
+        b.arg(mixed)
+            .arg(g)
+            .arg(beta)
+            .arg(&len_i)
+            .arg(&h_i)
+            .arg(&d_i)
+            .arg(&scale)
+            .arg(&spec.l2_eps)
+            .arg(state)
+            .arg(out);
+        let cfg = LaunchConfig {
+            grid_dim: (d.div_ceil(KDA_COLS) as u32, h as u32, 1),
+            block_dim: (KDA_CHUNK_THREADS as u32, 1, 1),
+            shared_mem_bytes: spec.chunked_shared_bytes() as u32,
+        };
+        // SAFETY: arguments match `kda_chunked` in kda.cu; sizes checked above; the block has
+        // the KDA_CHUNK_THREADS threads its token and pair split assumes and the shared
+        // memory it indexes for this d.
         unsafe { b.launch(cfg) }?;
         Ok(())
     }
