@@ -3,7 +3,7 @@
 # device call: `bench --flash` on a random model with q4_k experts in a packed store on this
 # machine's disk (as many MoE layers as the disk holds, at most 8), with fio's O_DIRECT read
 # rate of the same disk when fio exists. Results: $OUT/flash.json (and flash.log).
-#   e2e/cuda/bench_flash.sh [OUTDIR]     # env: BIN, RUNS, LAYERS, SCRATCH, PREFILL, DECODERS
+#   e2e/cuda/bench_flash.sh [OUTDIR]     # env: BIN, RUNS, LAYERS, SCRATCH, PREFILL, DECODERS, NO_PIN=1
 set -uo pipefail
 cd "$(dirname "$0")/../.."
 BIN="${BIN:-.device/glmflash-node}"
@@ -32,7 +32,7 @@ if command -v fio >/dev/null; then
   rm -f "$SCRATCH/fio.tmp"
 fi
 "$BIN" bench --flash --device cuda --scratch "$SCRATCH" --keep --flash-moe-layers "$layers" \
-  --flash-runs "$RUNS" --flash-prefill "${PREFILL:-8192}" --flash-decoders "${DECODERS:-host,gpu}" --prompt-tokens 256 --warmup-tokens "${WARMUP:-8}" --decode-tokens "${DECODE:-24}" \
+  --flash-runs "$RUNS" --flash-prefill "${PREFILL:-8192}" --flash-decoders "${DECODERS:-host,gpu}" ${NO_PIN:+--flash-no-pin} --prompt-tokens 256 --warmup-tokens "${WARMUP:-8}" --decode-tokens "${DECODE:-24}" \
   > "$OUT/flash.json" 2> "$OUT/flash.log"
 rc=$?
 sed 's/\x1b\[[0-9;]*m//g' "$OUT/flash.log" | grep -v "^\s*$" | tail -40

@@ -28,7 +28,7 @@ use crate::model::moe::ExpertProvider;
 use crate::model::{Model, random};
 use crate::quant::Format;
 use crate::store::{ChecksumPolicy, ReaderOptions, StoreReader};
-use crate::tiers::provider::{Mode, StoreSource, Tier, TierCaps, TierTuning, TieredExperts};
+use crate::tiers::provider::{Mode, Part, StoreSource, Tier, TierCaps, TierTuning, TieredExperts};
 use anyhow::{Context, bail};
 use serde_json::{Value, json};
 use std::path::Path;
@@ -68,6 +68,10 @@ pub struct FlashBenchArgs {
     /// activations and caches stay on the GPU, the streams stepped as one batch).
     #[arg(long, default_value = "host,gpu")]
     pub flash_decoders: String,
+    /// Leave the RAM tier unpinned (neither registered with CUDA nor mlocked): shows what
+    /// pinning costs at admission.
+    #[arg(long)]
+    pub flash_no_pin: bool,
 }
 
 /// Hidden size and layer count of the real model, for the non-expert memory estimate.
@@ -245,6 +249,7 @@ fn measure_all(
     args: &BenchArgs,
 ) -> anyhow::Result<Value> {
     let runs: Vec<&str> = args.flash.flash_runs.split(',').map(str::trim).collect();
+    let pin = !args.flash.flash_no_pin;
     for r in &runs {
         if !["budget", "prefill", "exact", "vram", "fast", "zipf"].contains(r) {
             bail!("--flash-runs: unknown run {r:?} (budget, prefill, exact, vram, fast, zipf)");
@@ -256,7 +261,8 @@ fn measure_all(
     let source = Arc::new(StoreSource::open(store, model_dir, &cfg)?);
     let record = source_record(&source);
     let started = Instant::now();
-    let placeholder: Arc<dyn ExpertProvider> = Arc::new(tiered(&cfg, &source, Mode::Nvme, 1, 1)?);
+    let placeholder: Arc<dyn ExpertProvider> =
+        Arc::new(tiered(&cfg, &source, Mode::Nvme, 1, 1, true)?);
     let mut model = crate::tiers::vram::load_dense_on_gpu(model_dir, placeholder, cuda.clone())?;
     eprintln!(
         "dense model on the GPU in {:.1}s",
@@ -283,8 +289,15 @@ fn measure_all(
         // residents.
         for name in decoders(args)? {
             let tiers = Arc::new(
-                tiered(&cfg, &source, mode, budget.vram_slots, budget.ram_slots)?
-                    .with_gpu(cuda.clone(), &cfg.moe_layers())?,
+                tiered(
+                    &cfg,
+                    &source,
+                    mode,
+                    budget.vram_slots,
+                    budget.ram_slots,
+                    pin,
+                )?
+                .with_gpu(cuda.clone(), &cfg.moe_layers())?,
             );
             model.set_experts(tiers.clone());
             let gpu = gpu_decoder(name, cuda, &model)?;
@@ -329,7 +342,8 @@ fn measure_all(
     if runs.contains(&"fast") {
         let started = Instant::now();
         let tiers = Arc::new(
-            tiered(&cfg, &source, Mode::Fast, 0, 0)?.with_gpu(cuda.clone(), &cfg.moe_layers())?,
+            tiered(&cfg, &source, Mode::Fast, 0, 0, pin)?
+                .with_gpu(cuda.clone(), &cfg.moe_layers())?,
         );
         eprintln!(
             "every expert in RAM in {:.1}s",
@@ -352,6 +366,7 @@ fn measure_all(
                     Mode::Nvme,
                     budget.vram_slots,
                     budget.ram_slots,
+                    pin,
                 )?
                 .with_gpu(cuda.clone(), &cfg.moe_layers())?,
             ))
@@ -404,6 +419,7 @@ fn tiered(
     mode: Mode,
     vram_slots: usize,
     ram_slots: usize,
+    pin: bool,
 ) -> anyhow::Result<TieredExperts> {
     TieredExperts::with_tuning(
         source.clone(),
@@ -417,7 +433,10 @@ fn tiered(
         },
         4096,
         true,
-        TierTuning::default(),
+        TierTuning {
+            pin,
+            ..TierTuning::default()
+        },
     )
 }
 
@@ -441,6 +460,8 @@ struct Snapshot {
     h2d: u64,
     gpu_picks: u64,
     cpu_picks: u64,
+    /// Seconds the tiers' `forward` spent per part (`Part::ALL`).
+    parts: [f64; 4],
 }
 
 fn snapshot(tiers: Option<&Arc<TieredExperts>>, phase: usize) -> Snapshot {
@@ -457,6 +478,7 @@ fn snapshot(tiers: Option<&Arc<TieredExperts>>, phase: usize) -> Snapshot {
         h2d: gpu.as_ref().map_or(0, |g| g.h2d_bytes),
         gpu_picks: gpu.as_ref().map_or(0, |g| g.gpu_picks),
         cpu_picks: gpu.as_ref().map_or(0, |g| g.cpu_picks),
+        parts: Part::ALL.map(|p| s.part_seconds(p)),
     }
 }
 
@@ -521,6 +543,13 @@ fn figures(
         "cpu_lane_share": cpu_picks / (cpu_picks + gpu_picks).max(1.0),
         "time_needed_ms_per_step": need * 1e3 / n,
         "roofline_ratio": need / secs,
+        "tier_ms_per_step": Part::ALL
+            .iter()
+            .map(|&p| {
+                let i = p as usize;
+                (p.name().to_string(), json!((after.parts[i] - before.parts[i]) * 1e3 / n))
+            })
+            .collect::<serde_json::Map<_, _>>(),
     })
 }
 

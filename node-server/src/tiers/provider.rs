@@ -98,9 +98,49 @@ pub struct TierStats {
     pub written_back: AtomicU64,
     /// Decode picks computed in place from RAM (the CPU lane).
     pub cpu_lane: AtomicU64,
+    /// Nanoseconds `forward` spent per part, indexed by [`Part`].
+    pub part_nanos: [AtomicU64; 4],
+}
+
+/// The parts of one `TieredExperts::forward` call, in order.
+#[derive(Clone, Copy, Debug)]
+pub enum Part {
+    /// Reading the call's store misses (one batch).
+    Fetch,
+    /// Lookups under the layer lock: residency, admission (pinning a RAM resident included).
+    Resolve,
+    /// Queueing the moves down (a full write-back ring blocks here).
+    WriteBack,
+    /// The products: device slot writes, staging and kernels, or the CPU.
+    Compute,
+}
+
+impl Part {
+    pub const ALL: [Part; 4] = [Part::Fetch, Part::Resolve, Part::WriteBack, Part::Compute];
+
+    pub fn name(self) -> &'static str {
+        match self {
+            Part::Fetch => "fetch",
+            Part::Resolve => "resolve",
+            Part::WriteBack => "write_back",
+            Part::Compute => "compute",
+        }
+    }
 }
 
 impl TierStats {
+    /// Seconds `forward` has spent in `part` so far.
+    pub fn part_seconds(&self, part: Part) -> f64 {
+        self.part_nanos[part as usize].load(Ordering::Relaxed) as f64 * 1e-9
+    }
+
+    fn add_part(&self, part: Part, since: std::time::Instant) -> std::time::Instant {
+        let now = std::time::Instant::now();
+        self.part_nanos[part as usize]
+            .fetch_add((now - since).as_nanos() as u64, Ordering::Relaxed);
+        now
+    }
+
     pub fn lookups(&self, tier: Tier) -> u64 {
         self.lookups[tier as usize]
             .iter()
@@ -762,7 +802,9 @@ impl ExpertProvider for TieredExperts {
     ) -> anyhow::Result<()> {
         // This call's store misses are read in one batch first; then residency is resolved
         // (under the layer's lock), the moves down are queued, and the products run without it.
+        let started = std::time::Instant::now();
         let mut fetched = self.fetch_misses(layer, routing)?;
+        let at = self.stats.add_part(Part::Fetch, started);
         let mut picked: HashMap<usize, Arc<SwiGlu>> = HashMap::new();
         let mut jobs = Vec::new();
         let resolved = {
@@ -777,8 +819,18 @@ impl ExpertProvider for TieredExperts {
                 anyhow::Ok(())
             })
         };
+        let at = self.stats.add_part(Part::Resolve, at);
         self.write_back(jobs);
+        let at = self.stats.add_part(Part::WriteBack, at);
         resolved?;
+        // The products' time is counted when this returns, whichever way it does.
+        struct Compute<'a>(&'a TierStats, std::time::Instant);
+        impl Drop for Compute<'_> {
+            fn drop(&mut self) {
+                self.0.add_part(Part::Compute, self.1);
+            }
+        }
+        let _compute = Compute(&self.stats, at);
         if self.prefetcher.is_some() {
             // Reads staged for this layer that no pick used are wasted.
             let mut staged = self.staged.lock().expect("staging lock");
