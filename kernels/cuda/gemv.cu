@@ -78,3 +78,12 @@ extern "C" __global__ void matvec_split(const u8* __restrict__ w, int fmt, int r
     DISPATCH_FORMAT(fmt, CALL)
 #undef CALL
 }
+
+// out[i] = value i of an f16 or bf16 run of weights (a tile widened for cuBLAS SGEMM, so
+// products of many tokens keep f32 activations). Grid-stride over `count` values.
+extern "C" __global__ void widen_f32(const u16* __restrict__ w, int fmt, i64 count,
+                                     float* __restrict__ out) {
+    for (i64 i = blockIdx.x * (i64)blockDim.x + threadIdx.x; i < count;
+         i += (i64)gridDim.x * blockDim.x)
+        out[i] = fmt == FMT_F16 ? f16_to_f32(w[i]) : bf16_to_f32(w[i]);
+}

@@ -13,7 +13,7 @@ pub const SOURCES: &[(&str, &str, &[&str])] = &[
     (
         "gemv.cu",
         include_str!("../cuda/gemv.cu"),
-        &["matvec", "matvec_split"],
+        &["matvec", "matvec_split", "widen_f32"],
     ),
     (
         "moe.cu",

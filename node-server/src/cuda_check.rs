@@ -193,15 +193,17 @@ fn check_matvec(
     Ok(())
 }
 
-/// Dense matrices placed on the GPU as a model load places them (cuBLAS for many f32 tokens).
+/// Dense matrices placed on the GPU as a model load places them (`Cuda::matmul`: cuBLAS for
+/// many tokens of f32, and of f16/bf16 widened a tile at a time: 4100 x 4096 is three tiles,
+/// the last of 4 rows).
 fn check_dense(
     cuda: &Arc<Cuda>,
     rng: &mut ChaCha8Rng,
     cases: &mut Vec<Case>,
 ) -> anyhow::Result<()> {
     let placer = CudaPlacer::new(cuda.clone(), 1)?;
-    for format in [Format::F32, Format::Bf16, Format::Q4K] {
-        for (rows, cols) in [(512usize, 256usize), (1000, 1536)] {
+    for format in [Format::F32, Format::F16, Format::Bf16, Format::Q4K] {
+        for (rows, cols) in [(512usize, 256usize), (1000, 1536), (4100, 4096)] {
             let m = random_matrix(rng, rows, cols, format)?;
             // Called directly, not through Matrix::matmul, whose CPU fallback would hide a
             // failing device product.
@@ -941,7 +943,7 @@ const DECODE_STEPS: usize = 8;
 /// every layer kind (KDA, MLA with full and shared indexers, dense and MoE; index_topk 16 so
 /// the indexer keeps one of two or three pools) whose weights the decoder uploads itself, then
 /// the demo model (bf16) with its dense weights placed on the GPU, whose copies the decoder
-/// reuses.
+/// reuses, and the demo model with its routed experts in VRAM too.
 fn check_decode(
     cuda: &Arc<Cuda>,
     rng: &mut ChaCha8Rng,
@@ -960,7 +962,12 @@ fn check_decode(
         crate::demo::make_demo_model(&demo, crate::demo::DEFAULT_SEED)?;
         let placer = CudaPlacer::new(cuda.clone(), 0)?;
         let model = Model::load_placed(&demo, None, Some(&placer))?;
-        decode_cases(cuda, &model, "demo bf16 placed", rng, cases)
+        decode_cases(cuda, &model, "demo bf16 placed", rng, cases)?;
+
+        // Every routed expert in VRAM: the decoder hands the provider its device rows
+        // (`DeviceExperts`), the CPU reference goes through the same provider's host path.
+        let (model, _) = crate::tiers::vram::load_model_on_gpu(&demo, cuda.clone())?;
+        decode_cases(cuda, &model, "demo experts in VRAM", rng, cases)
     })();
     let _ = std::fs::remove_dir_all(&dir);
     result

@@ -77,6 +77,11 @@ pub trait ExpertProvider: Send + Sync {
     /// A prediction of layer `layer`'s picks (`ids`, any order, duplicates allowed), made one
     /// MoE layer ahead; a provider may start reading them.
     fn prefetch(&self, _layer: usize, _ids: &[u32]) {}
+
+    /// This provider taking token rows already on a GPU, when its products run there.
+    fn on_device(&self) -> Option<&dyn crate::backend::cuda::DeviceExperts> {
+        None
+    }
 }
 
 /// `(token, pick slot)` pairs routed to one expert.

@@ -213,6 +213,8 @@ pub struct TieredExperts {
     /// The device tier's slots on a GPU (see [`TieredExperts::with_gpu`]); without it the
     /// device tier is CPU memory.
     gpu: Option<Mutex<super::vram::GpuTier>>,
+    /// That GPU (read without the tier's lock).
+    gpu_device: Option<Arc<crate::backend::cuda::Cuda>>,
 }
 
 /// Experts read ahead by the prefetcher, by (layer, expert), not yet looked up.
@@ -328,6 +330,7 @@ impl TieredExperts {
             pins,
             mode,
             gpu: None,
+            gpu_device: None,
         })
     }
 
@@ -358,6 +361,7 @@ impl TieredExperts {
                 }
             }
         }
+        self.gpu_device = Some(gpu.cuda().clone());
         self.gpu = Some(Mutex::new(gpu));
         Ok(self)
     }
@@ -792,16 +796,16 @@ fn spawn_writer(shared: Arc<Shared>, ring: Arc<Ring<WriteBack>>) {
         .expect("spawning the write-back thread");
 }
 
-impl ExpertProvider for TieredExperts {
-    fn forward(
+impl TieredExperts {
+    /// The first half of a `forward`: this call's store misses read in one batch, residency
+    /// resolved under the layer's lock (admissions included), the moves down queued. Gives
+    /// each picked expert's weights. The returned guard counts the products' time when it
+    /// drops.
+    fn resolve_picks(
         &self,
         layer: usize,
-        x: &[f32],
         routing: &Routing,
-        out: &mut [f32],
-    ) -> anyhow::Result<()> {
-        // This call's store misses are read in one batch first; then residency is resolved
-        // (under the layer's lock), the moves down are queued, and the products run without it.
+    ) -> anyhow::Result<(HashMap<usize, Arc<SwiGlu>>, PartTimer<'_>)> {
         let started = std::time::Instant::now();
         let mut fetched = self.fetch_misses(layer, routing)?;
         let at = self.stats.add_part(Part::Fetch, started);
@@ -823,14 +827,6 @@ impl ExpertProvider for TieredExperts {
         self.write_back(jobs);
         let at = self.stats.add_part(Part::WriteBack, at);
         resolved?;
-        // The products' time is counted when this returns, whichever way it does.
-        struct Compute<'a>(&'a TierStats, std::time::Instant);
-        impl Drop for Compute<'_> {
-            fn drop(&mut self) {
-                self.0.add_part(Part::Compute, self.1);
-            }
-        }
-        let _compute = Compute(&self.stats, at);
         if self.prefetcher.is_some() {
             // Reads staged for this layer that no pick used are wasted.
             let mut staged = self.staged.lock().expect("staging lock");
@@ -840,22 +836,86 @@ impl ExpertProvider for TieredExperts {
                 .prefetch_wasted
                 .fetch_add((before - staged.len()) as u64, Ordering::Relaxed);
         }
-        if let Some(gpu) = &self.gpu {
-            let residents: Vec<(usize, Arc<SwiGlu>)> = {
-                let l = self.layer(layer);
-                l.device.iter().map(|(e, w)| (*e, w.clone())).collect()
-            };
-            let lane = match self.mode {
-                Mode::Fast | Mode::Nvme => super::vram::Lane::CpuForDecode,
-                Mode::Exact | Mode::NvmeExact => super::vram::Lane::GpuOnly,
-            };
-            let mut g = gpu.lock().unwrap_or_else(|e| e.into_inner());
-            g.reconcile(layer, &residents)?;
+        Ok((picked, PartTimer(&self.stats, at)))
+    }
+
+    /// The GPU tier with `layer`'s device slots made to match its residents, and the lane
+    /// the mode puts non-resident decode picks on.
+    fn gpu_for(
+        &self,
+        layer: usize,
+    ) -> anyhow::Result<
+        Option<(
+            std::sync::MutexGuard<'_, super::vram::GpuTier>,
+            super::vram::Lane,
+        )>,
+    > {
+        let Some(gpu) = &self.gpu else {
+            return Ok(None);
+        };
+        let residents: Vec<(usize, Arc<SwiGlu>)> = {
+            let l = self.layer(layer);
+            l.device.iter().map(|(e, w)| (*e, w.clone())).collect()
+        };
+        let lane = match self.mode {
+            Mode::Fast | Mode::Nvme => super::vram::Lane::CpuForDecode,
+            Mode::Exact | Mode::NvmeExact => super::vram::Lane::GpuOnly,
+        };
+        let mut g = gpu.lock().unwrap_or_else(|e| e.into_inner());
+        g.reconcile(layer, &residents)?;
+        Ok(Some((g, lane)))
+    }
+}
+
+/// Counts the products' part of a `forward` when dropped, whichever way it returns.
+struct PartTimer<'a>(&'a TierStats, std::time::Instant);
+
+impl Drop for PartTimer<'_> {
+    fn drop(&mut self) {
+        self.0.add_part(Part::Compute, self.1);
+    }
+}
+
+impl crate::backend::cuda::DeviceExperts for TieredExperts {
+    fn device(&self) -> &Arc<crate::backend::cuda::Cuda> {
+        self.gpu_device
+            .as_ref()
+            .expect("on_device offers only a tier with a GPU")
+    }
+
+    fn forward_device(
+        &self,
+        layer: usize,
+        x: &cudarc::driver::CudaSlice<f32>,
+        routing: &Routing,
+    ) -> anyhow::Result<cudarc::driver::CudaSlice<f32>> {
+        let (picked, _compute) = self.resolve_picks(layer, routing)?;
+        let Some((mut g, lane)) = self.gpu_for(layer)? else {
+            anyhow::bail!("the tiers have no GPU device tier");
+        };
+        g.compute_device(layer, x, routing, lane, &|e| picked[&e].clone())
+    }
+}
+
+impl ExpertProvider for TieredExperts {
+    fn forward(
+        &self,
+        layer: usize,
+        x: &[f32],
+        routing: &Routing,
+        out: &mut [f32],
+    ) -> anyhow::Result<()> {
+        let (picked, _compute) = self.resolve_picks(layer, routing)?;
+        if let Some((mut g, lane)) = self.gpu_for(layer)? {
             return g.compute(layer, x, routing, lane, &|e| picked[&e].clone(), out);
         }
         combine_experts(self.hidden, x, routing, self.experts, out, |e, rows, n| {
             Ok(picked[&e].forward(rows, n))
         })
+    }
+
+    fn on_device(&self) -> Option<&dyn crate::backend::cuda::DeviceExperts> {
+        self.gpu_device.as_ref().map(|_| self as _)
     }
 
     fn wants_prefetch(&self) -> bool {

@@ -6,11 +6,11 @@
 #![allow(unsafe_code)] // CUDA host registration of RAM residents; each block says why it holds
 
 use super::provider::ExpertSource;
-use crate::backend::cuda::{Cuda, MoeLayout, MoeStep, SlotArena};
+use crate::backend::cuda::{Cuda, DeviceExperts, MoeLayout, MoeStep, SlotArena};
 use crate::model::mlp::SwiGlu;
 use crate::model::moe::{ExpertProvider, Routing};
 use anyhow::{Context, bail};
-use cudarc::driver::{CudaEvent, CudaStream};
+use cudarc::driver::{CudaEvent, CudaSlice, CudaStream};
 use std::sync::{Arc, Mutex};
 
 /// The slot layout of an expert as loaded (its three matrices' formats and shapes).
@@ -77,6 +77,8 @@ pub struct VramExperts {
     step_seconds: std::sync::atomic::AtomicU64,
     /// Bytes copied in at load.
     loaded_bytes: u64,
+    /// Steps taken through [`DeviceExperts::forward_device`] (every STEP_SAMPLE-th is timed).
+    device_steps: std::sync::atomic::AtomicU64,
 }
 
 impl VramExperts {
@@ -147,6 +149,7 @@ impl VramExperts {
             picks: Default::default(),
             step_seconds: Default::default(),
             loaded_bytes: need as u64,
+            device_steps: Default::default(),
         })
     }
 
@@ -172,17 +175,11 @@ impl VramExperts {
     }
 }
 
-impl ExpertProvider for VramExperts {
-    fn forward(
-        &self,
-        layer: usize,
-        x: &[f32],
-        routing: &Routing,
-        out: &mut [f32],
-    ) -> anyhow::Result<()> {
-        let arena = self.arena.lock().unwrap_or_else(|e| e.into_inner());
+impl VramExperts {
+    /// The arena slot of each pick of `routing` in `layer`.
+    fn slots_of(&self, layer: usize, routing: &Routing) -> anyhow::Result<Vec<u32>> {
         let row = &self.slots[layer];
-        let slots: Vec<u32> = routing
+        routing
             .ids
             .iter()
             .map(|&e| row.get(e as usize).copied())
@@ -192,7 +189,69 @@ impl ExpertProvider for VramExperts {
                     "layer {layer} routes to an expert outside its {} experts",
                     row.len()
                 )
-            })?;
+            })
+    }
+
+    fn count_picks(&self, routing: &Routing) {
+        use std::sync::atomic::Ordering::Relaxed;
+        for t in 0..routing.tokens() {
+            let phase = routing.phase(t) == crate::model::moe::Phase::Decode;
+            self.picks[phase as usize].fetch_add(routing.k as u64, Relaxed);
+        }
+    }
+}
+
+impl DeviceExperts for VramExperts {
+    fn device(&self) -> &Arc<Cuda> {
+        &self.cuda
+    }
+
+    fn forward_device(
+        &self,
+        layer: usize,
+        x: &CudaSlice<f32>,
+        routing: &Routing,
+    ) -> anyhow::Result<CudaSlice<f32>> {
+        use std::sync::atomic::Ordering::Relaxed;
+        let arena = self.arena.lock().unwrap_or_else(|e| e.into_inner());
+        let slots = self.slots_of(layer, routing)?;
+        // Nothing here waits for the device; every STEP_SAMPLE-th step is timed between
+        // two synchronisations for the step-time gauge.
+        let sampled = self
+            .device_steps
+            .fetch_add(1, Relaxed)
+            .is_multiple_of(STEP_SAMPLE);
+        if sampled {
+            self.cuda.synchronize()?;
+        }
+        let started = std::time::Instant::now();
+        let mut run = self
+            .cuda
+            .moe_begin_dev(arena.layout, routing.tokens(), routing.k, x)?;
+        let picks: Vec<(usize, u32)> = slots.iter().copied().enumerate().collect();
+        self.cuda
+            .moe_picks(&mut run, &arena.buf, self.limit, &picks)?;
+        let y = self.cuda.moe_combine(run, &routing.weights)?;
+        if sampled {
+            self.cuda.synchronize()?;
+            let secs = started.elapsed().as_secs_f64();
+            self.step_seconds.store(secs.to_bits(), Relaxed);
+        }
+        self.count_picks(routing);
+        Ok(y)
+    }
+}
+
+impl ExpertProvider for VramExperts {
+    fn forward(
+        &self,
+        layer: usize,
+        x: &[f32],
+        routing: &Routing,
+        out: &mut [f32],
+    ) -> anyhow::Result<()> {
+        let arena = self.arena.lock().unwrap_or_else(|e| e.into_inner());
+        let slots = self.slots_of(layer, routing)?;
         let step = MoeStep {
             layout: arena.layout,
             tokens: routing.tokens(),
@@ -204,14 +263,15 @@ impl ExpertProvider for VramExperts {
         let started = std::time::Instant::now();
         let y = self.cuda.moe(&arena.buf, &step, x)?;
         let secs = started.elapsed().as_secs_f64();
-        use std::sync::atomic::Ordering::Relaxed;
-        self.step_seconds.store(secs.to_bits(), Relaxed);
-        for t in 0..routing.tokens() {
-            let phase = routing.phase(t) == crate::model::moe::Phase::Decode;
-            self.picks[phase as usize].fetch_add(routing.k as u64, Relaxed);
-        }
+        self.step_seconds
+            .store(secs.to_bits(), std::sync::atomic::Ordering::Relaxed);
+        self.count_picks(routing);
         out.iter_mut().zip(&y).for_each(|(o, v)| *o += v);
         Ok(())
+    }
+
+    fn on_device(&self) -> Option<&dyn DeviceExperts> {
+        Some(self)
     }
 
     fn weight_bytes(&self) -> usize {
@@ -393,6 +453,15 @@ pub struct GpuTier {
     /// MoE steps computed, and the last sampled one's wall time (synchronised).
     steps: u64,
     step_seconds: f64,
+    /// The last step's staged host weights (kept until its copies are surely done).
+    staged_weights: Vec<Arc<SwiGlu>>,
+}
+
+/// Where a step's token rows are.
+#[derive(Clone, Copy)]
+enum Rows<'a> {
+    Host(&'a [f32]),
+    Device(&'a CudaSlice<f32>),
 }
 
 /// What [`GpuTier`] reports to the metrics.
@@ -478,6 +547,7 @@ impl GpuTier {
             cpu_picks: 0,
             steps: 0,
             step_seconds: 0.0,
+            staged_weights: Vec::new(),
         })
     }
 
@@ -524,8 +594,39 @@ impl GpuTier {
         weights_of: &(dyn Fn(usize) -> Arc<SwiGlu> + Sync),
         out: &mut [f32],
     ) -> anyhow::Result<()> {
+        let y = self.run(layer, Rows::Host(x), routing, lane, weights_of)?;
+        let y = self.cuda.download(&y)?;
+        out.iter_mut().zip(&y).for_each(|(o, v)| *o += v);
+        Ok(())
+    }
+
+    /// [`GpuTier::compute`] on token rows on the device, the sum left there
+    /// (`[tokens, hidden]`); the rows come to the host only for CPU-lane picks.
+    pub fn compute_device(
+        &mut self,
+        layer: usize,
+        x: &CudaSlice<f32>,
+        routing: &Routing,
+        lane: Lane,
+        weights_of: &(dyn Fn(usize) -> Arc<SwiGlu> + Sync),
+    ) -> anyhow::Result<CudaSlice<f32>> {
+        self.run(layer, Rows::Device(x), routing, lane, weights_of)
+    }
+
+    fn run(
+        &mut self,
+        layer: usize,
+        x: Rows,
+        routing: &Routing,
+        lane: Lane,
+        weights_of: &(dyn Fn(usize) -> Arc<SwiGlu> + Sync),
+    ) -> anyhow::Result<CudaSlice<f32>> {
         use rayon::prelude::*;
         self.registrar.drain()?;
+        // The last step's staged weights: its copies have long been waited for by the
+        // kernels, and the copy stream is idle by now.
+        self.cuda.copy_stream().synchronize()?;
+        self.staged_weights.clear();
         self.steps += 1;
         let sampled = self.steps % STEP_SAMPLE == 1;
         if sampled {
@@ -534,7 +635,10 @@ impl GpuTier {
         let started = std::time::Instant::now();
         let layout = self.arena.layout;
         let (k, tokens, hidden) = (routing.k, routing.tokens(), layout.hidden);
-        let mut run = self.cuda.moe_begin(layout, tokens, k, x)?;
+        let mut run = match x {
+            Rows::Host(x) => self.cuda.moe_begin(layout, tokens, k, x)?,
+            Rows::Device(x) => self.cuda.moe_begin_dev(layout, tokens, k, x)?,
+        };
         let mut on_gpu = Vec::new();
         let mut on_cpu = Vec::new();
         let mut staged: Vec<(usize, Vec<usize>)> = Vec::new();
@@ -556,6 +660,15 @@ impl GpuTier {
         // Launches are asynchronous: the CPU lane below overlaps the resident picks.
         self.cuda
             .moe_picks(&mut run, &self.arena.buf, self.limit, &on_gpu)?;
+        let host_rows = match x {
+            Rows::Device(x) if !on_cpu.is_empty() => {
+                let mut rows = self.cuda.download(x)?;
+                rows.truncate(tokens * hidden);
+                std::borrow::Cow::Owned(rows)
+            }
+            Rows::Device(_) => std::borrow::Cow::Borrowed(&[][..]),
+            Rows::Host(x) => std::borrow::Cow::Borrowed(x),
+        };
         let cpu_rows: Vec<(usize, Vec<f32>)> = on_cpu
             .par_iter()
             .map(|&p| {
@@ -563,17 +676,16 @@ impl GpuTier {
                 (
                     p,
                     weights_of(routing.ids[p] as usize)
-                        .forward(&x[t * hidden..(t + 1) * hidden], 1),
+                        .forward(&host_rows[t * hidden..(t + 1) * hidden], 1),
                 )
             })
             .collect();
         // Staged experts in rounds of a half's slots, halves alternating: the copy stream
         // fills a half once the kernels that read it last are done (`computed`), and the
-        // kernels take it once its copies are (`copied`). The host weights are kept until the
-        // result's download, which follows every copy.
+        // kernels take it once its copies are (`copied`). The host weights are held until
+        // the next step, when the copy stream has finished with them.
         let kernels = self.cuda.stream().clone();
         let copies = self.cuda.copy_stream().clone();
-        let mut keep = Vec::with_capacity(staged.len());
         for (round, batch) in staged.chunks(self.halves[0].len()).enumerate() {
             let h = round % self.halves.len();
             copies.wait(&self.computed[h])?;
@@ -583,7 +695,7 @@ impl GpuTier {
                 write_slot(&copies, &mut self.arena, slot as usize, &w)?;
                 self.h2d_bytes += w.storage_bytes() as u64;
                 picks.extend(ps.iter().map(|&p| (p, slot)));
-                keep.push(w);
+                self.staged_weights.push(w);
             }
             self.copied[h].record(&copies)?;
             kernels.wait(&self.copied[h])?;
@@ -596,14 +708,12 @@ impl GpuTier {
         }
         self.cpu_picks += cpu_rows.len() as u64;
         self.gpu_picks += (tokens * k - cpu_rows.len()) as u64;
-        let y = self.cuda.moe_finish(run, &routing.weights)?;
-        drop(keep);
+        let y = self.cuda.moe_combine(run, &routing.weights)?;
         if sampled {
-            // moe_finish downloads the result, so the step has finished on the device.
+            self.cuda.synchronize()?;
             self.step_seconds = started.elapsed().as_secs_f64();
         }
-        out.iter_mut().zip(&y).for_each(|(o, v)| *o += v);
-        Ok(())
+        Ok(y)
     }
 
     pub fn stats(&self) -> GpuStats {

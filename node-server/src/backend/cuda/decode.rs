@@ -2,7 +2,7 @@
 //! residual streams, every sublayer's intermediates and each sequence's caches (KDA conv and
 //! recurrent states, MLA latents, indexer keys, gates and pool keys) stay in device memory
 //! from one call to the next; only the tokens' embedding rows go up and the logits come down
-//! (and the routed experts' rows, see below).
+//! (and the routing, see below).
 //!
 //! [`GpuDecoder`] holds device copies of the weights of a loaded [`Model`] (the copy a
 //! weight matrix already carries on this device when it has one, else an upload of its
@@ -17,9 +17,12 @@
 //!   chunks included, with `kv_b` dequantized once to f32 (the values `Matrix::row_f32` gives
 //!   the CPU path); the indexer (keys, pool keys, scores, top pools) on the device;
 //!   shared-indexer layers reuse the last full layer's device selection.
-//! - MoE layers: the router on the device, the routed experts through the model's
-//!   [`ExpertProvider`] on host rows (the call's rows down, their outputs up, once per MoE
-//!   layer), the shared expert on the device. Dense layers on the device.
+//! - MoE layers: the router on the device (its picks come down: the tiers decide residency
+//!   on the host), the routed experts through the model's [`ExpertProvider`] — on the
+//!   device rows when it computes on this GPU (`ExpertProvider::on_device`: all in VRAM, or
+//!   tiers with a GPU device tier, whose CPU lane alone takes rows down), else on host rows
+//!   (the call's rows down, their outputs up) — and the shared expert on the device. Dense
+//!   layers on the device.
 //!
 //! [`GpuDecoder::forward`] advances a batch of sequences together, each by one decode token
 //! or a chunk of its prompt: the weight products, norms, mHC and routing run over all the
@@ -117,7 +120,7 @@ impl DevMatrix {
     /// `W x` for each of `n` token rows (`x` is `[n, cols]`).
     fn apply(&self, cuda: &Cuda, x: &Buf, n: usize) -> anyhow::Result<Buf> {
         let mut y = cuda.alloc_f32(n * self.rows)?;
-        cuda.matvec(
+        cuda.matmul(
             self.bytes(),
             self.format,
             self.rows,
@@ -953,8 +956,8 @@ impl GpuDecoder {
     }
 
     /// `Moe::forward` for the batch's tokens: routing on the device, the routed experts
-    /// through the model's provider on the host rows (all the batch's picks in one call),
-    /// plus the shared expert.
+    /// through the model's provider (all the batch's picks in one call; on the device rows
+    /// when the provider computes on this GPU, else on host rows), plus the shared expert.
     fn moe(
         &self,
         model: &Model,
@@ -975,12 +978,19 @@ impl GpuDecoder {
             weights,
             phases: phases.to_vec(),
         };
-        let mut y = self.timed("moe experts", || {
-            let mut xh = cuda.download(x)?;
-            xh.truncate(b * d);
-            let mut out = vec![0f32; b * d];
-            model.experts().forward(layer, &xh, &routing, &mut out)?;
-            Ok(cuda.upload(&out)?)
+        let experts = model.experts();
+        let mut y = self.timed("moe experts", || match experts.on_device() {
+            // The rows stay on this device: the provider takes them where they are.
+            Some(dev) if Arc::ptr_eq(dev.device(), &self.cuda) => {
+                dev.forward_device(layer, x, &routing)
+            }
+            _ => {
+                let mut xh = cuda.download(x)?;
+                xh.truncate(b * d);
+                let mut out = vec![0f32; b * d];
+                experts.forward(layer, &xh, &routing, &mut out)?;
+                Ok(cuda.upload(&out)?)
+            }
         })?;
         if let Some(shared) = &w.shared {
             let s = self.timed("moe shared", || self.mlp(shared, x, b))?;
@@ -1001,9 +1011,9 @@ pub const DEFAULT_GPU_CHUNK: usize = 2048;
 /// Bytes of device memory one [`GpuDecoder::forward`] call of `rows` token rows allocates
 /// beyond the weights and the sequences' caches, with sequences of up to `context` tokens:
 /// per row the residual streams (three copies live at once) plus the widest sublayer's
-/// buffers (KDA, MLA with its indexer, or an MLP), the indexer's pool scores, and one
-/// attention group's scratch. An estimate from the widths, counted per buffer; the stream-
-/// ordered allocator's rounding comes on top.
+/// buffers (KDA, MLA with its indexer, or an MLP), the indexer's pool scores, one
+/// attention group's scratch, and a weight tile widened for cuBLAS. An estimate from the
+/// widths, counted per buffer; the stream-ordered allocator's rounding comes on top.
 pub fn workspace_bytes(cfg: &Config, rows: usize, context: usize) -> usize {
     let (d, n, h) = (cfg.hidden_size, cfg.hc_mult, cfg.num_attention_heads);
     let c = cfg.kda_dim();
@@ -1022,7 +1032,13 @@ pub fn workspace_bytes(cfg: &Config, rows: usize, context: usize) -> usize {
     let mlp = 3 * cfg.intermediate_size.max(shared) + cfg.n_routed_experts + d;
     let per_row = streams + kda.max(mla).max(mlp);
     let group = ATTN_QUERIES * h * (cfg.index_topk + 2 * cfg.kv_lora_rank);
-    (rows * per_row + group) * std::mem::size_of::<f32>()
+    // One weight tile widened for cuBLAS at a time, in prompt chunks.
+    let widened = if rows >= super::WIDEN_MIN_TOKENS {
+        super::WIDEN_TILE_VALUES
+    } else {
+        0
+    };
+    (rows * per_row + group + widened) * std::mem::size_of::<f32>()
 }
 
 /// The GPU that holds `model`'s dense weights (its output projection's device copy), if any.

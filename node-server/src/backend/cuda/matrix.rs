@@ -1,50 +1,26 @@
-//! Dense weight matrices on the GPU: decode-sized products through the `matvec` kernel (any
-//! weight format), many-token f32 products through cuBLAS SGEMM (full f32, no TF32).
-#![allow(unsafe_code)] // cuBLAS calls; the block says why it holds
+//! Dense weight matrices on the GPU, in their own format; products through
+//! [`Cuda::matmul`] (the `matvec` kernel for few tokens, cuBLAS SGEMM for many).
 
 use super::{Cuda, CudaError};
 use crate::backend::cpu::{DeviceWeights, Matrix, Placer};
 use crate::quant::Format;
-use cudarc::cublas::{CudaBlas, Gemm, GemmConfig, sys::cublasOperation_t};
 use cudarc::driver::CudaSlice;
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex};
 
-/// Above this many tokens an f32 matrix's product goes through cuBLAS.
-const GEMM_MIN_TOKENS: usize = 9;
-
 pub struct CudaMatrix {
     cuda: Arc<Cuda>,
-    blas: Arc<Mutex<CudaBlas>>,
     w: CudaSlice<u8>,
-    /// The same weights typed for cuBLAS (f32 matrices only).
-    w32: Option<CudaSlice<f32>>,
     format: Format,
     rows: usize,
     cols: usize,
 }
 
 impl CudaMatrix {
-    pub fn upload(
-        cuda: &Arc<Cuda>,
-        blas: &Arc<Mutex<CudaBlas>>,
-        m: &Matrix,
-    ) -> Result<CudaMatrix, CudaError> {
-        let bytes = m.to_bytes();
-        let w32 = if m.format() == Format::F32 {
-            let values: Vec<f32> = bytes
-                .chunks_exact(4)
-                .map(|c| f32::from_le_bytes([c[0], c[1], c[2], c[3]]))
-                .collect();
-            Some(cuda.upload(&values)?)
-        } else {
-            None
-        };
+    pub fn upload(cuda: &Arc<Cuda>, m: &Matrix) -> Result<CudaMatrix, CudaError> {
         Ok(CudaMatrix {
             cuda: cuda.clone(),
-            blas: blas.clone(),
-            w: cuda.upload(&bytes)?,
-            w32,
+            w: cuda.upload(&m.to_bytes())?,
             format: m.format(),
             rows: m.rows(),
             cols: m.cols(),
@@ -70,31 +46,8 @@ impl CudaMatrix {
     fn product(&self, x: &[f32], n: usize) -> Result<Vec<f32>, CudaError> {
         let dx = self.cuda.upload(x)?;
         let mut dy = self.cuda.alloc_f32(n * self.rows)?;
-        match &self.w32 {
-            Some(w32) if n >= GEMM_MIN_TOKENS => {
-                // Row-major y[n, rows] = x[n, cols] W^T is, column-major, y^T = W x^T:
-                // W's row-major bytes are W^T column-major (lda = cols), so op(A) = T.
-                let cfg = GemmConfig {
-                    transa: cublasOperation_t::CUBLAS_OP_T,
-                    transb: cublasOperation_t::CUBLAS_OP_N,
-                    m: self.rows as i32,
-                    n: n as i32,
-                    k: self.cols as i32,
-                    alpha: 1.0f32,
-                    lda: self.cols as i32,
-                    ldb: self.cols as i32,
-                    beta: 0.0f32,
-                    ldc: self.rows as i32,
-                };
-                let blas = self.blas.lock().unwrap_or_else(|e| e.into_inner());
-                // SAFETY: w32 is rows x cols, dx n x cols, dy n x rows, as cfg says.
-                unsafe { blas.gemm(cfg, w32, &dx, &mut dy) }
-                    .map_err(|e| CudaError::Invalid(format!("cuBLAS SGEMM: {e:?}")))?;
-            }
-            _ => self
-                .cuda
-                .matvec(&self.w, self.format, self.rows, self.cols, &dx, n, &mut dy)?,
-        }
+        self.cuda
+            .matmul(&self.w, self.format, self.rows, self.cols, &dx, n, &mut dy)?;
         let mut y = self.cuda.download(&dy)?;
         y.truncate(n * self.rows);
         Ok(y)
@@ -109,7 +62,7 @@ impl DeviceWeights for CudaMatrix {
     }
 
     fn bytes(&self) -> usize {
-        self.w.len() + self.w32.as_ref().map_or(0, |w| w.len() * 4)
+        self.w.len()
     }
 
     fn as_any(&self) -> &dyn std::any::Any {
@@ -120,7 +73,6 @@ impl DeviceWeights for CudaMatrix {
 /// Puts every dense matrix of at least `min_values` values on the GPU.
 pub struct CudaPlacer {
     cuda: Arc<Cuda>,
-    blas: Arc<Mutex<CudaBlas>>,
     min_values: usize,
     placed_bytes: AtomicUsize,
     failed: Mutex<Option<String>>,
@@ -128,11 +80,8 @@ pub struct CudaPlacer {
 
 impl CudaPlacer {
     pub fn new(cuda: Arc<Cuda>, min_values: usize) -> Result<CudaPlacer, CudaError> {
-        let blas = CudaBlas::new(cuda.stream().clone())
-            .map_err(|e| CudaError::Unavailable(format!("cuBLAS could not start: {e:?}")))?;
         Ok(CudaPlacer {
             cuda,
-            blas: Arc::new(Mutex::new(blas)),
             min_values,
             placed_bytes: AtomicUsize::new(0),
             failed: Mutex::new(None),
@@ -158,7 +107,7 @@ impl Placer for CudaPlacer {
         if m.rows() * m.cols() < self.min_values {
             return None;
         }
-        match CudaMatrix::upload(&self.cuda, &self.blas, m) {
+        match CudaMatrix::upload(&self.cuda, m) {
             Ok(d) => {
                 self.placed_bytes.fetch_add(d.bytes(), Ordering::Relaxed);
                 Some(Arc::new(d))

@@ -13,6 +13,7 @@ pub mod attn;
 pub mod decode;
 pub mod matrix;
 mod ops;
+use cudarc::cublas::{CudaBlas, Gemm, GemmConfig, sys::cublasOperation_t};
 use cudarc::driver::{
     CudaContext, CudaFunction, CudaSlice, CudaStream, DriverError, LaunchConfig, PushKernelArg,
 };
@@ -36,6 +37,42 @@ pub enum CudaError {
     },
     #[error("{0}")]
     Invalid(String),
+}
+
+/// Token rows from which [`Cuda::matmul`] hands a float-format product to cuBLAS.
+pub const GEMM_MIN_TOKENS: usize = 9;
+/// Token rows from which an f16/bf16 product is widened for cuBLAS: widening moves 6 bytes a
+/// weight and SGEMM reads 4 more, against `matvec`'s 2 bytes per pass of TOK_TILE tokens.
+pub const WIDEN_MIN_TOKENS: usize = 64;
+/// Values of one f16/bf16 weight tile widened to f32 for cuBLAS (32 MiB).
+pub const WIDEN_TILE_VALUES: usize = 8 << 20;
+
+/// The sizes of a product `y[n, rows] = x[n, cols] W^T` against its buffers.
+fn check_product(
+    w: &CudaSlice<u8>,
+    format: Format,
+    rows: usize,
+    cols: usize,
+    x: &CudaSlice<f32>,
+    n: usize,
+    y: &CudaSlice<f32>,
+) -> Result<(), CudaError> {
+    let expected = rows
+        * format
+            .row_bytes(cols)
+            .map_err(|e| CudaError::Invalid(e.to_string()))?;
+    if w.len() < expected || x.len() < n * cols || y.len() < n * rows {
+        return Err(CudaError::Invalid(format!(
+            "matvec {rows}x{cols} {}: weights {} of {expected} bytes, x {} of {}, y {} of {}",
+            format.name(),
+            w.len(),
+            x.len(),
+            n * cols,
+            y.len(),
+            n * rows
+        )));
+    }
+    Ok(())
 }
 
 /// Matrices of fewer rows go through `matvec_split` (a block per row).
@@ -72,6 +109,8 @@ pub struct Cuda {
     /// Fill scratch buffers with NaN before kernels write them (checks: an unwritten output
     /// then shows as NaN instead of a plausible zero).
     poison: std::sync::atomic::AtomicBool,
+    /// cuBLAS on `stream`, started at the first many-token product (`Err`: it would not start).
+    blas: std::sync::OnceLock<Result<std::sync::Mutex<CudaBlas>, String>>,
 }
 
 impl std::fmt::Debug for Cuda {
@@ -136,6 +175,7 @@ impl Cuda {
             arch,
             kernels,
             poison: Default::default(),
+            blas: Default::default(),
         }))
     }
 
@@ -292,6 +332,87 @@ impl Cuda {
         ))?)
     }
 
+    /// [`Cuda::matvec`]'s product, through cuBLAS SGEMM for many tokens of a float-format
+    /// matrix (f32 from `GEMM_MIN_TOKENS`; f16 and bf16 from `WIDEN_MIN_TOKENS`, widened to
+    /// f32 a tile of rows at a time, so the product keeps f32 activations and f32 arithmetic:
+    /// no TF32), else through `matvec`.
+    #[allow(clippy::too_many_arguments)]
+    pub fn matmul(
+        &self,
+        w: &CudaSlice<u8>,
+        format: Format,
+        rows: usize,
+        cols: usize,
+        x: &CudaSlice<f32>,
+        n: usize,
+        y: &mut CudaSlice<f32>,
+    ) -> Result<(), CudaError> {
+        let min = match format {
+            Format::F32 => GEMM_MIN_TOKENS,
+            Format::F16 | Format::Bf16 => WIDEN_MIN_TOKENS,
+            Format::Q8_0 | Format::Q4K => usize::MAX,
+        };
+        if n < min || cols == 0 {
+            return self.matvec(w, format, rows, cols, x, n, y);
+        }
+        check_product(w, format, rows, cols, x, n, y)?;
+        let blas = self
+            .blas
+            .get_or_init(|| {
+                CudaBlas::new(self.stream.clone())
+                    .map(std::sync::Mutex::new)
+                    .map_err(|e| format!("{e:?}"))
+            })
+            .as_ref()
+            .map_err(|e| CudaError::Unavailable(format!("cuBLAS could not start: {e}")))?;
+        let blas = blas.lock().unwrap_or_else(|e| e.into_inner());
+        let tile = (WIDEN_TILE_VALUES / cols).clamp(1, rows);
+        let mut widened = match format {
+            Format::F32 => None,
+            _ => Some(self.alloc_f32(tile * cols)?),
+        };
+        for r0 in (0..rows).step_by(tile) {
+            let m = tile.min(rows - r0);
+            if let Some(out) = widened.as_mut() {
+                let src = w.slice(r0 * cols * 2..(r0 + m) * cols * 2);
+                let (fmt, count) = (kernel_format_id(format), (m * cols) as i64);
+                let mut b = self.stream.launch_builder(self.kernel("widen_f32"));
+                b.arg(&src).arg(&fmt).arg(&count).arg(&mut *out);
+                // SAFETY: src holds m * cols 2-byte values, out at least as many f32.
+                unsafe { b.launch(LaunchConfig::for_num_elems((m * cols) as u32)) }?;
+            }
+            // SAFETY: an f32 matrix's bytes are rows * cols little-endian f32 (checked
+            // above), the device's own byte order; the view covers exactly them.
+            let all = match &widened {
+                Some(out) => out.slice(..m * cols),
+                None => unsafe { w.transmute::<f32>(rows * cols) }
+                    .ok_or_else(|| CudaError::Invalid("f32 weights short of their size".into()))?
+                    .slice(r0 * cols..(r0 + m) * cols),
+            };
+            // Row-major y[n, rows] = x[n, cols] W^T is, column-major, y^T = W x^T: the tile's
+            // row-major bytes are its transpose column-major (lda = cols), so op(A) = T; its
+            // rows are y's columns r0.. with y's stride (ldc = rows).
+            let cfg = GemmConfig {
+                transa: cublasOperation_t::CUBLAS_OP_T,
+                transb: cublasOperation_t::CUBLAS_OP_N,
+                m: m as i32,
+                n: n as i32,
+                k: cols as i32,
+                alpha: 1.0f32,
+                lda: cols as i32,
+                ldb: cols as i32,
+                beta: 0.0f32,
+                ldc: rows as i32,
+            };
+            let mut c = y.slice_mut(r0..n * rows);
+            // SAFETY: A is m x cols, x holds n x cols, and C's view from r0 covers
+            // (n - 1) * rows + m values, as cfg says.
+            unsafe { blas.gemm(cfg, &all, x, &mut c) }
+                .map_err(|e| CudaError::Invalid(format!("cuBLAS SGEMM: {e:?}")))?;
+        }
+        Ok(())
+    }
+
     /// `y[t] = W x[t]` for `n` tokens: `w` holds `rows` rows of `cols` values in `format`,
     /// `x` is `[n, cols]`, `y` is `[n, rows]` (device buffers).
     pub fn matvec(
@@ -304,21 +425,7 @@ impl Cuda {
         n: usize,
         y: &mut CudaSlice<f32>,
     ) -> Result<(), CudaError> {
-        let expected = rows
-            * format
-                .row_bytes(cols)
-                .map_err(|e| CudaError::Invalid(e.to_string()))?;
-        if w.len() < expected || x.len() < n * cols || y.len() < n * rows {
-            return Err(CudaError::Invalid(format!(
-                "matvec {rows}x{cols} {}: weights {} of {expected} bytes, x {} of {}, y {} of {}",
-                format.name(),
-                w.len(),
-                x.len(),
-                n * cols,
-                y.len(),
-                n * rows
-            )));
-        }
+        check_product(w, format, rows, cols, x, n, y)?;
         if n == 0 || rows == 0 {
             return Ok(());
         }
@@ -527,6 +634,35 @@ impl Cuda {
         })
     }
 
+    /// [`Cuda::moe_begin`] on token rows already on the device (`x`: at least
+    /// `tokens * hidden` values).
+    pub fn moe_begin_dev(
+        &self,
+        layout: MoeLayout,
+        tokens: usize,
+        k: usize,
+        x: &CudaSlice<f32>,
+    ) -> Result<MoeRun, CudaError> {
+        let n = tokens * layout.hidden;
+        if x.len() < n {
+            return Err(CudaError::Invalid(format!(
+                "moe step of {tokens} tokens of {}: {} inputs",
+                layout.hidden,
+                x.len()
+            )));
+        }
+        let mut rows = self.alloc_f32(n.max(1))?;
+        self.stream.memcpy_dtod(&x.slice(..n), &mut rows)?;
+        Ok(MoeRun {
+            layout,
+            tokens,
+            k,
+            x: rows,
+            yp: self.alloc_f32(tokens * k * layout.hidden)?,
+            act: self.alloc_f32(tokens * k * layout.inter)?,
+        })
+    }
+
     /// Computes the outputs of `picks` (`(pick index t * k + j, arena slot)`) on the GPU.
     /// Each pick's output depends only on its token row and its slot's bytes, never on
     /// which other picks share the launch.
@@ -648,15 +784,24 @@ impl Cuda {
 
     /// `out[t] = sum_j weights[t, j] * pick(t * k + j)` in pick order, on the GPU.
     pub fn moe_finish(&self, run: MoeRun, weights: &[f32]) -> Result<Vec<f32>, CudaError> {
+        let n = run.tokens * run.layout.hidden;
+        if run.tokens == 0 {
+            return Ok(Vec::new());
+        }
+        let out = self.moe_combine(run, weights)?;
+        let mut y = self.stream.clone_dtoh(&out)?;
+        y.truncate(n);
+        Ok(y)
+    }
+
+    /// [`Cuda::moe_finish`] leaving the result on the device (`[tokens, hidden]`).
+    pub fn moe_combine(&self, run: MoeRun, weights: &[f32]) -> Result<CudaSlice<f32>, CudaError> {
         let (tokens, k, hidden) = (run.tokens, run.k, run.layout.hidden);
-        if weights.len() != tokens * k {
+        if weights.len() != tokens * k || tokens == 0 {
             return Err(CudaError::Invalid(format!(
                 "moe combine of {tokens} x {k} picks with {} weights",
                 weights.len()
             )));
-        }
-        if tokens == 0 {
-            return Ok(Vec::new());
         }
         let s = &self.stream;
         let d_w = s.clone_htod(weights)?;
@@ -671,10 +816,25 @@ impl Cuda {
             .arg(&mut out);
         // SAFETY: `tokens * hidden` outputs from `tokens * k` pick rows and weights.
         unsafe { b.launch(LaunchConfig::for_num_elems((tokens * hidden) as u32)) }?;
-        let mut y = s.clone_dtoh(&out)?;
-        y.truncate(tokens * hidden);
-        Ok(y)
+        Ok(out)
     }
+}
+
+/// An expert provider whose products run on a GPU, taking the token rows where they are
+/// (see `ExpertProvider::on_device`): the GPU forward's activations need not come back to
+/// the host and go out again around every MoE layer.
+pub trait DeviceExperts {
+    /// The device the products run on (the rows must live there).
+    fn device(&self) -> &Arc<Cuda>;
+
+    /// `ExpertProvider::forward` for `x` (`[tokens, hidden]` on [`DeviceExperts::device`]):
+    /// the routed experts' weighted sum, `[tokens, hidden]`, on the device.
+    fn forward_device(
+        &self,
+        layer: usize,
+        x: &CudaSlice<f32>,
+        routing: &crate::model::moe::Routing,
+    ) -> anyhow::Result<CudaSlice<f32>>;
 }
 
 /// A routed-expert step in progress (see [`Cuda::moe_begin`]).
