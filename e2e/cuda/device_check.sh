@@ -128,9 +128,12 @@ print(json.dumps(json.load(urllib.request.urlopen(req, timeout=120))["choices"][
 PY
 }
 run=0
-for args in "--device cpu" "--device cuda" "--device cuda --gpu-forward false" "--device cuda --mode nvme-exact --store $store/s --vram-slots 2 --ram-slots 8"; do
+# nvme: RAM-resident decode picks on the CPU lane, so the GPU forward's rows come down for them.
+for args in "--device cpu" "--device cuda" "--device cuda --gpu-forward false" \
+            "--device cuda --mode nvme-exact --store $store/s --vram-slots 2 --ram-slots 8" \
+            "--device cuda --mode nvme --store $store/s --vram-slots 2 --ram-slots 8"; do
   run=$((run + 1))
-  [ "${args#*nvme-exact}" != "$args" ] && { "$BIN" pack-store --model "$work/demo" --store "$store/s" >/dev/null 2>&1 || true; }
+  [ "${args#*--store}" != "$args" ] && [ ! -d "$store/s" ] && { "$BIN" pack-store --model "$work/demo" --store "$store/s" >/dev/null 2>&1 || true; }
   "$BIN" serve --model "$work/demo" --host 127.0.0.1 --port 30112 $args > "$work/serve2.log" 2>&1 &
   pid=$!
   # Three requests at once, so the GPU decoder steps a batch of sequences together.
