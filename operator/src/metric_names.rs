@@ -63,13 +63,19 @@ pub const EXPERT_PRODUCTS_TOTAL: &str = "glmflash_expert_products_total";
 /// Seconds of one MoE layer's expert step on the GPU, sampled every 64th step (synchronised).
 pub const GPU_MOE_STEP_SECONDS: &str = "glmflash_gpu_moe_step_seconds";
 
+/// Seconds the tiered expert provider has spent per `part` of its steps: `fetch` (the
+/// step's store misses, read in one batch), `resolve` (lookups and admissions, pinning
+/// included), `write_back` (queueing moves down; a full ring blocks) and `compute` (the
+/// products, slot writes and staging included).
+pub const EXPERT_STEP_SECONDS_TOTAL: &str = "glmflash_expert_step_seconds_total";
+
 /// Seconds of one scheduler tick's forward on the GPU (`GpuDecoder`: the decode tokens and
 /// prompt chunks of the sequences there, every activation on the device; it ends with the
 /// logits' download, so it spans the device's work), histogram.
 pub const GPU_FORWARD_SECONDS: &str = "glmflash_gpu_forward_seconds";
 
 /// Every name above.
-pub const ALL: [&str; 27] = [
+pub const ALL: [&str; 28] = [
     EXPERT_LOOKUPS_TOTAL,
     TIER_RESIDENT_EXPERTS,
     TIER_CAPACITY_EXPERTS,
@@ -97,6 +103,7 @@ pub const ALL: [&str; 27] = [
     EXPERT_PRODUCTS_TOTAL,
     GPU_MOE_STEP_SECONDS,
     GPU_FORWARD_SECONDS,
+    EXPERT_STEP_SECONDS_TOTAL,
 ];
 
 /// Histograms: Prometheus exposes them as `<name>_bucket`, `_sum` and `_count`.

@@ -17,7 +17,7 @@ mod names;
 pub use names::*;
 
 /// The tier metrics, exposed once a tiered model is attached ([`Metrics::attach_tiers`]).
-pub const TIER_METRICS: [&str; 13] = [
+pub const TIER_METRICS: [&str; 14] = [
     EXPERT_LOOKUPS_TOTAL,
     TIER_RESIDENT_EXPERTS,
     TIER_CAPACITY_EXPERTS,
@@ -31,6 +31,7 @@ pub const TIER_METRICS: [&str; 13] = [
     GPU_H2D_BYTES_TOTAL,
     EXPERT_PRODUCTS_TOTAL,
     GPU_MOE_STEP_SECONDS,
+    EXPERT_STEP_SECONDS_TOTAL,
 ];
 
 /// Every name this module defines for every server.
@@ -82,6 +83,8 @@ pub struct TierSnapshot {
     pub gpu_h2d_bytes: u64,
     pub expert_products: Vec<(&'static str, u64)>,
     pub gpu_moe_step_seconds: f64,
+    /// `(part, seconds)` of the tiered provider's steps (none without tiers).
+    pub step_parts: Vec<(&'static str, f64)>,
 }
 
 type TierSource = Box<dyn Fn() -> TierSnapshot + Send + Sync>;
@@ -102,6 +105,7 @@ struct TierMetrics {
     gpu_h2d: IntCounter,
     products: IntCounterVec,
     gpu_step: prometheus::Gauge,
+    step_parts: prometheus::CounterVec,
 }
 
 /// Advances a counter to `total` (the tiers count; the registry mirrors).
@@ -112,6 +116,10 @@ fn mirror(counter: &IntCounter, total: u64) {
 impl TierMetrics {
     fn refresh(&self) {
         let snap = (self.source)();
+        for &(part, secs) in &snap.step_parts {
+            let c = self.step_parts.with_label_values(&[part]);
+            c.inc_by((secs - c.get()).max(0.0));
+        }
         for &(tier, phase, n) in &snap.lookups {
             mirror(&self.lookups.with_label_values(&[tier, phase]), n);
         }
@@ -384,6 +392,14 @@ impl Metrics {
                 GPU_MOE_STEP_SECONDS,
                 "Seconds of one MoE layer's expert step on the GPU (sampled every 64th step).",
             )?,
+            step_parts: prometheus::CounterVec::new(
+                Opts::new(
+                    EXPERT_STEP_SECONDS_TOTAL,
+                    "Seconds the tiered expert provider spent per part of its steps: fetch \
+                     (store misses), resolve (lookups, admissions), write_back, compute.",
+                ),
+                &["part"],
+            )?,
         };
         let histogram = ReadSecondsCollector {
             desc: prometheus::core::Desc::new(
@@ -414,6 +430,7 @@ impl Metrics {
             Box::new(t.gpu_h2d.clone()),
             Box::new(t.products.clone()),
             Box::new(t.gpu_step.clone()),
+            Box::new(t.step_parts.clone()),
         ] {
             self.registry.register(c)?;
         }
@@ -475,6 +492,7 @@ mod tests {
             read_count: 4,
             read_sum: 1.5,
             memory: vec![("pinned_ram", 4096)],
+            step_parts: vec![("fetch", 0.25)],
             ..Default::default()
         })
         .unwrap();
@@ -495,6 +513,7 @@ mod tests {
             r#"glmflash_memory_bytes{kind="pinned_ram"} 4096"#,
             r#"glmflash_bytes_moved_total{path="nvme_to_ram"} 1048576"#,
             r#"glmflash_prefetch_total{outcome="hit"} 2"#,
+            r#"glmflash_expert_step_seconds_total{part="fetch"} 0.25"#,
         ] {
             assert!(text.contains(line), "{line} in\n{text}");
         }
