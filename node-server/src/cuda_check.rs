@@ -10,7 +10,7 @@ use crate::backend::cuda::attn::DsaSpec;
 use crate::backend::cuda::decode::{CACHE_SPARE_TOKENS, GpuDecoder, GpuSeq};
 use crate::backend::cuda::matrix::CudaPlacer;
 use crate::backend::cuda::{
-    Cuda, KdaSpec, MhcCollapse, MhcSpec, MoeLayout, MoeStep, RouteSpec, SlotArena,
+    Cuda, KdaForm, KdaSpec, MhcCollapse, MhcSpec, MoeLayout, MoeStep, RouteSpec, SlotArena,
 };
 use crate::model::checkpoint::DType;
 use crate::model::config::Config;
@@ -605,64 +605,24 @@ fn check_kda(cuda: &Cuda, rng: &mut ChaCha8Rng, cases: &mut Vec<Case>) -> anyhow
             (mixed, g, beta)
         };
         let s0 = randn(rng, heads * dh * dh, 0.5);
-        let mut cpu_s = s0.clone();
-        let mut d_state = cuda.upload(&s0)?;
-        for (step, len) in [1usize, 1, 1, 7, 1, 130].into_iter().enumerate() {
-            let (mixed, g, beta) = inputs(rng, len, 0.5);
-            let want = kda::attend(
-                &mixed,
-                &g,
-                &beta,
-                len,
-                heads,
-                dh,
-                &mut cpu_s,
-                KdaMode::Recurrent,
-            );
-            let mut out = cuda.alloc_f32(len * c)?;
-            cuda.kda_recurrent_dev(
-                spec,
-                &cuda.upload(&mixed)?,
-                &cuda.upload(&g)?,
-                &cuda.upload(&beta)?,
-                len,
-                &mut d_state,
-                &mut out,
-            )?;
-            let name = format!("kda_recurrent {shape} step {step} T={len}");
-            cases.push(case(name.clone(), &cuda.download(&out)?, &want, F32_BOUND));
-            cases.push(case(
-                format!("{name} state"),
-                &cuda.download(&d_state)?,
-                &cpu_s,
-                F32_BOUND,
-            ));
-        }
-
-        // Prefill as the CPU engine runs it (chunked for more than one token): another
-        // algorithm, yet on the CPU the two forms agree to ~4e-7 at these shapes.
-        let len = 150;
-        let (mixed, g, beta) = inputs(rng, len, 0.5);
-        let (mut cpu_s, mut gpu_s) = (s0.clone(), s0.clone());
-        let want = kda::attend(&mixed, &g, &beta, len, heads, dh, &mut cpu_s, KdaMode::Auto);
-        let got = cuda.kda_recurrent(spec, &mixed, &g, &beta, len, &mut gpu_s)?;
-        let name = format!("kda_recurrent {shape} T={len} vs chunked");
-        cases.push(case(name.clone(), &got, &want, F32_BOUND));
-        cases.push(case(format!("{name} state"), &gpu_s, &cpu_s, F32_BOUND));
-
-        // The chunked kernel (16-token chunks) against both CPU forms (the CPU's chunks are
-        // 64 tokens), continuing one device state: one token, a chunk less one, a chunk, a
-        // chunk and one, then long spans that end mid-chunk. Its sums run in another order
-        // than either CPU form's, as the recurrent kernel's do against the chunked one above.
-        for mode in [KdaMode::Auto, KdaMode::Recurrent] {
+        // Spans through one kernel form continuing one device state, each against the CPU in
+        // `mode` continuing its own: the output and both states after every span.
+        let mut spans = |rng: &mut ChaCha8Rng,
+                         form: KdaForm,
+                         mode: KdaMode,
+                         lens: &[usize],
+                         decay: f32,
+                         label: &str|
+         -> anyhow::Result<()> {
             let mut cpu_s = s0.clone();
             let mut d_state = cuda.upload(&s0)?;
-            for (step, len) in [1usize, 15, 16, 17, 150, 1000].into_iter().enumerate() {
-                let (mixed, g, beta) = inputs(rng, len, 0.5);
+            for (step, &len) in lens.iter().enumerate() {
+                let (mixed, g, beta) = inputs(rng, len, decay);
                 let want = kda::attend(&mixed, &g, &beta, len, heads, dh, &mut cpu_s, mode);
                 let mut out = cuda.alloc_f32(len * c)?;
-                cuda.kda_chunked_dev(
+                cuda.kda_delta_dev(
                     spec,
+                    form,
                     &cuda.upload(&mixed)?,
                     &cuda.upload(&g)?,
                     &cuda.upload(&beta)?,
@@ -670,7 +630,7 @@ fn check_kda(cuda: &Cuda, rng: &mut ChaCha8Rng, cases: &mut Vec<Case>) -> anyhow
                     &mut d_state,
                     &mut out,
                 )?;
-                let name = format!("kda_chunked {shape} vs {mode:?} span {step} T={len}");
+                let name = format!("{label} {shape} span {step} T={len}");
                 cases.push(case(name.clone(), &cuda.download(&out)?, &want, F32_BOUND));
                 cases.push(case(
                     format!("{name} state"),
@@ -679,25 +639,47 @@ fn check_kda(cuda: &Cuda, rng: &mut ChaCha8Rng, cases: &mut Vec<Case>) -> anyhow
                     F32_BOUND,
                 ));
             }
+            Ok(())
+        };
+        let (recurrent, chunked) = (KdaForm::Recurrent, KdaForm::Chunked);
+        spans(
+            rng,
+            recurrent,
+            KdaMode::Recurrent,
+            &[1, 1, 1, 7, 1, 130],
+            0.5,
+            "kda_recurrent",
+        )?;
+        // Prefill as the CPU engine runs it (chunked for more than one token): another
+        // algorithm, yet on the CPU the two forms agree to ~4e-7 at these shapes.
+        spans(
+            rng,
+            recurrent,
+            KdaMode::Auto,
+            &[150],
+            0.5,
+            "kda_recurrent vs chunked",
+        )?;
+        // The chunked kernel (16-token chunks) against both CPU forms (the CPU's chunks are
+        // 64 tokens): one token, a chunk less one, a chunk, a chunk and one, then long spans
+        // that end mid-chunk. Its sums run in another order than either CPU form's, as the
+        // recurrent kernel's do against the CPU's chunked form above.
+        for mode in [KdaMode::Auto, KdaMode::Recurrent] {
+            let label = format!("kda_chunked vs {mode:?}");
+            spans(rng, chunked, mode, &[1, 15, 16, 17, 150, 1000], 0.5, &label)?;
         }
-
         // Log decays down to -5 per token (a gate's lower bound): across a chunk the decay
         // reaches exp(-80), which the kernel only meets as exp(G_t - G_s) <= 1 and exp(G_t).
-        let (mut cpu_s, mut gpu_s) = (s0.clone(), s0);
-        for (step, len) in [17usize, 150].into_iter().enumerate() {
-            let (mixed, g, beta) = inputs(rng, len, 5.0);
-            let want = kda::attend(
-                &mixed,
-                &g,
-                &beta,
-                len,
-                heads,
-                dh,
-                &mut cpu_s,
-                KdaMode::Recurrent,
-            );
-            let got = cuda.kda_chunked(spec, &mixed, &g, &beta, len, &mut gpu_s)?;
-            let name = format!("kda_chunked {shape} strong decay span {step} T={len}");
+        let label = "kda_chunked strong decay";
+        spans(rng, chunked, KdaMode::Recurrent, &[17, 150], 5.0, label)?;
+        // The host-slice wrapper, once per form.
+        for form in [recurrent, chunked] {
+            let len = 40;
+            let (mixed, g, beta) = inputs(rng, len, 0.5);
+            let (mut cpu_s, mut gpu_s) = (s0.clone(), s0.clone());
+            let want = kda::attend(&mixed, &g, &beta, len, heads, dh, &mut cpu_s, KdaMode::Auto);
+            let got = cuda.kda_delta(spec, form, &mixed, &g, &beta, len, &mut gpu_s)?;
+            let name = format!("kda_delta {form:?} {shape} host slices T={len}");
             cases.push(case(name.clone(), &got, &want, F32_BOUND));
             cases.push(case(format!("{name} state"), &gpu_s, &cpu_s, F32_BOUND));
         }

@@ -39,7 +39,6 @@
 
 use super::attn::{DeviceSelections, DsaSpec};
 use super::matrix::CudaMatrix;
-use super::ops::KDA_CHUNK;
 use super::{Cuda, KdaSpec, MhcCollapse, MhcSpec, RouteSpec, norm_config, rows_config};
 use crate::backend::AttnLayout;
 use crate::backend::cpu::{DeviceWeights, Matrix};
@@ -761,14 +760,8 @@ impl GpuDecoder {
             let gi = self.rows(&g, first, len, c)?;
             let bi = self.rows(&beta, first, len, h)?;
             let mut out = cuda.alloc_f32(len * c)?;
-            // The recurrent kernel pays a global load and two barriers per token in one warp
-            // per block; the chunked one loads a chunk's tokens at once and works on them with
-            // four warps, but does a chunk's worth of work even for one token.
-            if len >= KDA_CHUNK && w.spec.chunked_fits() {
-                cuda.kda_chunked_dev(w.spec, &mixed, &gi, &bi, len, recurrent, &mut out)?;
-            } else {
-                cuda.kda_recurrent_dev(w.spec, &mixed, &gi, &bi, len, recurrent, &mut out)?;
-            }
+            let form = w.spec.form_for(len);
+            cuda.kda_delta_dev(w.spec, form, &mixed, &gi, &bi, len, recurrent, &mut out)?;
             let mut dst = core.slice_mut(first * c..(first + len) * c);
             cuda.stream.memcpy_dtod(&out, &mut dst)?;
         }

@@ -18,7 +18,7 @@ use cudarc::driver::{
     CudaContext, CudaFunction, CudaSlice, CudaStream, DriverError, LaunchConfig, PushKernelArg,
 };
 use cudarc::nvrtc::{CompileOptions, Ptx};
-pub use ops::{KdaSpec, MhcCollapse, MhcSpec};
+pub use ops::{KdaForm, KdaSpec, MhcCollapse, MhcSpec};
 use std::collections::HashMap;
 use std::path::{Path, PathBuf};
 use std::sync::Arc;

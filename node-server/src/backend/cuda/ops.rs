@@ -17,7 +17,7 @@ const KDA_CONV_SEG: usize = 64;
 /// `KDA_COLS` in kda.cu: state columns (and threads) per `kda_recurrent` block.
 const KDA_COLS: usize = 32;
 /// `KDA_CHUNK` in kda.cu: tokens per chunk of `kda_chunked`.
-pub(super) const KDA_CHUNK: usize = 16;
+const KDA_CHUNK: usize = 16;
 /// `KDA_CHUNK_THREADS` in kda.cu: threads per `kda_chunked` block.
 const KDA_CHUNK_THREADS: usize = 128;
 /// Largest grid y dimension.
@@ -102,11 +102,32 @@ impl KdaSpec {
             * 4
     }
 
-    /// Whether [`Cuda::kda_chunked`] takes heads of this width: its chunk's working set must
-    /// fit in the shared memory granted without an opt-in (`head_dim` up to 138).
+    /// Whether the chunked form takes heads of this width: its chunk's working set must fit
+    /// in the shared memory granted without an opt-in (`head_dim` up to 138).
     pub fn chunked_fits(&self) -> bool {
         self.chunked_shared_bytes() <= SHARED_BYTES
     }
+
+    /// The form for a span of `len` tokens: chunked from a chunk's worth where the heads fit.
+    /// The recurrent kernel pays a global load and two barriers per token in one warp per
+    /// block; the chunked one loads a chunk's tokens at once and works on them with four
+    /// warps, but does a chunk's worth of work even for one token.
+    pub fn form_for(&self, len: usize) -> KdaForm {
+        if len >= KDA_CHUNK && self.chunked_fits() {
+            KdaForm::Chunked
+        } else {
+            KdaForm::Recurrent
+        }
+    }
+}
+
+/// The two kernels of KDA's delta rule (see [`Cuda::kda_delta`]).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum KdaForm {
+    /// `kda_recurrent`: token after token (the decode step).
+    Recurrent,
+    /// `kda_chunked`: `KDA_CHUNK` tokens at a time, the WY form (prompt spans).
+    Chunked,
 }
 
 fn too_short(what: &str, got: usize, want: usize) -> Result<(), CudaError> {
@@ -350,14 +371,15 @@ impl Cuda {
         Ok(())
     }
 
-    /// KDA's delta rule over `len` tokens, token after token, from the conv output `mixed`
+    /// KDA's delta rule over `len` tokens in `form`, from the conv output `mixed`
     /// (`[len, 3C]`: q | k | v), the log decay `g` (`[len, C]`) and `beta` (`[len, H]`):
     /// q and k l2-normalised, q scaled by `1 / sqrt(d)`; `state` (`[H, d, d]`) is updated.
-    /// Returns `[len, C]`. One token is the decode step; for many tokens
-    /// [`Cuda::kda_chunked`] computes the same in fewer, wider steps.
-    pub fn kda_recurrent(
+    /// Returns `[len, C]`. Both forms compute the same; see [`KdaSpec::form_for`].
+    #[allow(clippy::too_many_arguments)]
+    pub fn kda_delta(
         &self,
         spec: KdaSpec,
+        form: KdaForm,
         mixed: &[f32],
         g: &[f32],
         beta: &[f32],
@@ -367,8 +389,9 @@ impl Cuda {
         let c = spec.channels();
         let mut d_state = self.upload(state)?;
         let mut out = self.alloc_f32(len * c)?;
-        self.kda_recurrent_dev(
+        self.kda_delta_dev(
             spec,
+            form,
             &self.upload(mixed)?,
             &self.upload(g)?,
             &self.upload(beta)?,
@@ -383,10 +406,12 @@ impl Cuda {
         Ok(v)
     }
 
-    /// [`Cuda::kda_recurrent`] on device buffers.
-    pub fn kda_recurrent_dev(
+    /// [`Cuda::kda_delta`] on device buffers.
+    #[allow(clippy::too_many_arguments)]
+    pub fn kda_delta_dev(
         &self,
         spec: KdaSpec,
+        form: KdaForm,
         mixed: &CudaSlice<f32>,
         g: &CudaSlice<f32>,
         beta: &CudaSlice<f32>,
@@ -396,23 +421,35 @@ impl Cuda {
     ) -> Result<(), CudaError> {
         let (h, d) = (spec.heads, spec.head_dim);
         let c = h * d;
-        if h == 0 || d == 0 || spec.shared_bytes() > SHARED_BYTES {
+        // `kda_recurrent`: one warp per block (its reductions assume it) and per token the
+        // block's state columns, q, k and the decay in shared memory. `kda_chunked`: the
+        // KDA_CHUNK_THREADS threads its token and pair split assumes, and a chunk's working set.
+        let (name, threads, shared) = match form {
+            KdaForm::Recurrent => ("kda_recurrent", KDA_COLS, spec.shared_bytes()),
+            KdaForm::Chunked => (
+                "kda_chunked",
+                KDA_CHUNK_THREADS,
+                spec.chunked_shared_bytes(),
+            ),
+        };
+        if h == 0 || h > MAX_GRID_Y || d == 0 || shared > SHARED_BYTES {
             return Err(CudaError::Invalid(format!(
-                "kda_recurrent: {h} heads of {d} (a head's {KDA_COLS} columns must fit in \
-                 {SHARED_BYTES} bytes of shared memory)"
+                "{name}: {h} heads of {d} (the kernel takes 1..={MAX_GRID_Y} heads, and {shared} \
+                 bytes of shared memory for a head's {KDA_COLS} columns must fit in \
+                 {SHARED_BYTES})"
             )));
         }
-        too_short("kda_recurrent mixed", mixed.len(), len * 3 * c)?;
-        too_short("kda_recurrent g", g.len(), len * c)?;
-        too_short("kda_recurrent beta", beta.len(), len * h)?;
-        too_short("kda_recurrent state", state.len(), h * d * d)?;
-        too_short("kda_recurrent out", out.len(), len * c)?;
+        too_short(&format!("{name} mixed"), mixed.len(), len * 3 * c)?;
+        too_short(&format!("{name} g"), g.len(), len * c)?;
+        too_short(&format!("{name} beta"), beta.len(), len * h)?;
+        too_short(&format!("{name} state"), state.len(), h * d * d)?;
+        too_short(&format!("{name} out"), out.len(), len * c)?;
         if len == 0 {
             return Ok(());
         }
         let (len_i, h_i, d_i) = (len as i32, h as i32, d as i32);
         let scale = 1.0 / (d as f32).sqrt();
-        let mut b = self.stream.launch_builder(self.kernel("kda_recurrent"));
+        let mut b = self.stream.launch_builder(self.kernel(name));
         b.arg(mixed)
             .arg(g)
             .arg(beta)
@@ -425,94 +462,11 @@ impl Cuda {
             .arg(out);
         let cfg = LaunchConfig {
             grid_dim: (d.div_ceil(KDA_COLS) as u32, h as u32, 1),
-            block_dim: (KDA_COLS as u32, 1, 1),
-            shared_mem_bytes: spec.shared_bytes() as u32,
+            block_dim: (threads as u32, 1, 1),
+            shared_mem_bytes: shared as u32,
         };
-        // SAFETY: arguments match `kda_recurrent` in kda.cu; sizes checked above; one warp
-        // per block (the kernel's reductions assume it) with the shared memory it indexes.
-        unsafe { b.launch(cfg) }?;
-        Ok(())
-    }
-
-    /// [`Cuda::kda_recurrent`] in the chunked form: the same outputs (`[len, C]`) and state
-    /// update, computed `KDA_CHUNK` tokens at a time (the prefill form).
-    pub fn kda_chunked(
-        &self,
-        spec: KdaSpec,
-        mixed: &[f32],
-        g: &[f32],
-        beta: &[f32],
-        len: usize,
-        state: &mut [f32],
-    ) -> Result<Vec<f32>, CudaError> {
-        let c = spec.channels();
-        let mut d_state = self.upload(state)?;
-        let mut out = self.alloc_f32(len * c)?;
-        self.kda_chunked_dev(
-            spec,
-            &self.upload(mixed)?,
-            &self.upload(g)?,
-            &self.upload(beta)?,
-            len,
-            &mut d_state,
-            &mut out,
-        )?;
-        let s = self.download(&d_state)?;
-        state.copy_from_slice(&s[..state.len()]);
-        let mut v = self.download(&out)?;
-        v.truncate(len * c);
-        Ok(v)
-    }
-
-    /// [`Cuda::kda_chunked`] on device buffers.
-    pub fn kda_chunked_dev(
-        &self,
-        spec: KdaSpec,
-        mixed: &CudaSlice<f32>,
-        g: &CudaSlice<f32>,
-        beta: &CudaSlice<f32>,
-        len: usize,
-        state: &mut CudaSlice<f32>,
-        out: &mut CudaSlice<f32>,
-    ) -> Result<(), CudaError> {
-        let (h, d) = (spec.heads, spec.head_dim);
-        let c = h * d;
-        if h == 0 || h > MAX_GRID_Y || d == 0 || !spec.chunked_fits() {
-            return Err(CudaError::Invalid(format!(
-                "kda_chunked: {h} heads of {d} (the kernel takes 1..={MAX_GRID_Y} heads, and a \
-                 chunk of {KDA_CHUNK} tokens with a head's {KDA_COLS} columns must fit in \
-                 {SHARED_BYTES} bytes of shared memory)"
-            )));
-        }
-        too_short("kda_chunked mixed", mixed.len(), len * 3 * c)?;
-        too_short("kda_chunked g", g.len(), len * c)?;
-        too_short("kda_chunked beta", beta.len(), len * h)?;
-        too_short("kda_chunked state", state.len(), h * d * d)?;
-        too_short("kda_chunked out", out.len(), len * c)?;
-        if len == 0 {
-            return Ok(());
-        }
-        let (len_i, h_i, d_i) = (len as i32, h as i32, d as i32);
-        let scale = 1.0 / (d as f32).sqrt();
-        let mut b = self.stream.launch_builder(self.kernel("kda_chunked"));
-        b.arg(mixed)
-            .arg(g)
-            .arg(beta)
-            .arg(&len_i)
-            .arg(&h_i)
-            .arg(&d_i)
-            .arg(&scale)
-            .arg(&spec.l2_eps)
-            .arg(state)
-            .arg(out);
-        let cfg = LaunchConfig {
-            grid_dim: (d.div_ceil(KDA_COLS) as u32, h as u32, 1),
-            block_dim: (KDA_CHUNK_THREADS as u32, 1, 1),
-            shared_mem_bytes: spec.chunked_shared_bytes() as u32,
-        };
-        // SAFETY: arguments match `kda_chunked` in kda.cu; sizes checked above; the block has
-        // the KDA_CHUNK_THREADS threads its token and pair split assumes and the shared
-        // memory it indexes for this d.
+        // SAFETY: both kernels take these arguments in kda.cu; sizes checked above; the block
+        // and shared memory are the ones the kernel of `form` assumes (above).
         unsafe { b.launch(cfg) }?;
         Ok(())
     }
