@@ -1,4 +1,4 @@
-// Elementwise activations.
+// Elementwise ops: activations, scaling and sums, the mean of the residual streams.
 #include "common.cuh"
 
 // out[i] = silu(min(gate[i], L)) * clamp(up[i], -L, L): the clamped SwiGLU.
@@ -6,4 +6,27 @@ extern "C" __global__ void swiglu(const float* __restrict__ gate, const float* _
                                   float limit, i64 n, float* __restrict__ out) {
     const i64 i = (i64)blockIdx.x * blockDim.x + threadIdx.x;
     if (i < n) out[i] = silu(fminf(gate[i], limit)) * fminf(fmaxf(up[i], -limit), limit);
+}
+
+// x[i] *= s for i < n.
+extern "C" __global__ void scale_values(float* __restrict__ x, float s, int n) {
+    const int i = blockIdx.x * blockDim.x + threadIdx.x;
+    if (i < n) x[i] *= s;
+}
+
+// y[i] += x[i] for i < n.
+extern "C" __global__ void add_values(float* __restrict__ y, const float* __restrict__ x,
+                                      int n) {
+    const int i = blockIdx.x * blockDim.x + threadIdx.x;
+    if (i < n) y[i] += x[i];
+}
+
+// glm5.rs's final stream mean: out[k] = (sum_i streams[i][k]) / n, summed in stream order.
+extern "C" __global__ void stream_mean(const float* __restrict__ streams, int n, int d,
+                                       float* __restrict__ out) {
+    const int k = blockIdx.x * blockDim.x + threadIdx.x;
+    if (k >= d) return;
+    float acc = 0.0f;
+    for (int i = 0; i < n; i++) acc += streams[(i64)i * d + k];
+    out[k] = acc / (float)n;
 }

@@ -1,5 +1,6 @@
-// KDA (Kimi delta attention): the depthwise causal conv + SiLU on q|k|v, and the delta-rule
-// recurrence per head, token by token (decode) or in chunks (prefill).
+// KDA (Kimi delta attention): the forget gate and beta, q|k|v packed for the conv, the
+// depthwise causal conv + SiLU on q|k|v, and the delta-rule recurrence per head, token by
+// token (decode) or in chunks (prefill).
 #include "common.cuh"
 
 // Longest conv kernel `kda_conv` takes (the model uses 4); the host checks.
@@ -338,4 +339,42 @@ extern "C" __global__ void kda_chunked(const float* __restrict__ mixed,
     if (active)
         for (int i = warp; i < d; i += KDA_CHUNK_WARPS)
             sg[(i64)i * d + j] = s[i * KDA_COLS + lane];
+}
+
+// kda.rs `forget_gate` on g = f_b(f_a(x)) in place ([tokens, channels]), and beta =
+// sigmoid(b) in place ([tokens, heads]). With a bound: g = bound * sigmoid(exp(a_log[h]) *
+// (g + dt_bias)); without: g = -exp(a_log[h]) * softplus(g + dt_bias) (softplus linear above
+// 20). Grid y over tokens.
+extern "C" __global__ void kda_gates(float* __restrict__ g, const float* __restrict__ dt_bias,
+                                     const float* __restrict__ a_log, int head_dim,
+                                     int channels, int has_bound, float bound,
+                                     float* __restrict__ beta, int heads) {
+    const int i = blockIdx.x * blockDim.x + threadIdx.x;
+    g += (i64)blockIdx.y * channels;
+    beta += (i64)blockIdx.y * heads;
+    if (i < channels) {
+        const float rate = expf(a_log[i / head_dim]);
+        const float pre = g[i] + dt_bias[i];
+        if (has_bound) {
+            g[i] = bound * sigmoid(rate * pre);
+        } else {
+            const float softplus = pre > 20.0f ? pre : logf(1.0f + expf(pre));
+            g[i] = -rate * softplus;
+        }
+    }
+    if (i < heads) beta[i] = sigmoid(beta[i]);
+}
+
+// KDA's conv input per token: the q, k and v projections (`[tokens, width]` each) side by
+// side, `[tokens, 3 * width]` (q | k | v), the layout kda_conv reads.
+extern "C" __global__ void interleave3(const float* __restrict__ a, const float* __restrict__ b,
+                                       const float* __restrict__ c, int tokens, int width,
+                                       float* __restrict__ out) {
+    const i64 i = (i64)blockIdx.x * blockDim.x + threadIdx.x;
+    if (i >= (i64)tokens * width) return;
+    const i64 t = i / width, k = i % width;
+    float* row = out + t * 3 * width;
+    row[k] = a[i];
+    row[width + k] = b[i];
+    row[2 * width + k] = c[i];
 }

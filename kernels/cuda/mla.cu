@@ -2,7 +2,8 @@
 // The same kernel serves absorbed decode (every head attends over the shared latent, which is
 // both key and value) and expanded prefill (per-head keys and values from kv_b): the caller
 // says where a token's key and value sit. Scores go to a per-row scratch row, the softmax and
-// the weighted sum follow in selection order, so results repeat bit for bit.
+// the weighted sum follow in selection order, so results repeat bit for bit. Also the
+// weight absorption of queries and outputs on an f32 copy of kv_b.
 #include "common.cuh"
 
 #define ATTN_MAX_DK 1024
@@ -84,4 +85,44 @@ extern "C" __global__ void mla_sparse_attend(const float* __restrict__ q,
         }
         out[(i64)row * dv + c] = acc;
     }
+}
+
+// MLA absorption of the query (mla.rs `attend_absorbed`): per head,
+// q_lat[head][c] = sum_{i < nope} q[head][i] * kv_b[head * (nope + vd) + i][c], summed in
+// order of i as the CPU's axpy loop. kv_b is f32 `[heads * (nope + vd), rank]`; one thread
+// per (head, c): grid x over rank, grid y over heads, grid z over tokens (q is
+// `[tokens, heads, nope]`, q_lat `[tokens, heads, rank]`).
+extern "C" __global__ void mla_absorb_q(const float* __restrict__ q,
+                                        const float* __restrict__ kv_b, int nope, int vd,
+                                        int rank, float* __restrict__ q_lat) {
+    const int c = blockIdx.x * blockDim.x + threadIdx.x;
+    const int head = blockIdx.y;
+    if (c >= rank) return;
+    q += (i64)blockIdx.z * gridDim.y * nope;
+    q_lat += (i64)blockIdx.z * gridDim.y * rank;
+    const float* qh = q + (i64)head * nope;
+    const float* w = kv_b + (i64)head * (nope + vd) * rank + c;
+    float acc = 0.0f;
+    for (int i = 0; i < nope; i++) acc += qh[i] * w[(i64)i * rank];
+    q_lat[(i64)head * rank + c] = acc;
+}
+
+// MLA absorption of the output: out[head][v] = kv_b[head * (nope + vd) + nope + v] .
+// o_lat[head]. One warp per output row (heads * vd rows), grid y over tokens (o_lat is
+// `[tokens, heads, rank]`, out `[tokens, heads * vd]`).
+extern "C" __global__ void mla_absorb_out(const float* __restrict__ o_lat,
+                                          const float* __restrict__ kv_b, int heads, int nope,
+                                          int vd, int rank, float* __restrict__ out) {
+    const int warps = blockDim.x / WARP;
+    const int r = blockIdx.x * warps + threadIdx.x / WARP;
+    if (r >= heads * vd) return;
+    o_lat += (i64)blockIdx.y * heads * rank;
+    out += (i64)blockIdx.y * heads * vd;
+    const int head = r / vd, v = r % vd;
+    const float* w = kv_b + ((i64)head * (nope + vd) + nope + v) * rank;
+    const float* o = o_lat + (i64)head * rank;
+    float acc = 0.0f;
+    for (int i = threadIdx.x & (WARP - 1); i < rank; i += WARP) acc = fmaf(w[i], o[i], acc);
+    acc = warp_sum(acc);
+    if ((threadIdx.x & (WARP - 1)) == 0) out[r] = acc;
 }

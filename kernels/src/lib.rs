@@ -23,9 +23,13 @@ pub const SOURCES: &[(&str, &str, &[&str])] = &[
     (
         "norm.cu",
         include_str!("../cuda/norm.cu"),
-        &["rms_norm", "gated_rms_norm"],
+        &["rms_norm", "gated_rms_norm", "layer_norm"],
     ),
-    ("act.cu", include_str!("../cuda/act.cu"), &["swiglu"]),
+    (
+        "act.cu",
+        include_str!("../cuda/act.cu"),
+        &["swiglu", "scale_values", "add_values", "stream_mean"],
+    ),
     ("router.cu", include_str!("../cuda/router.cu"), &["route"]),
     (
         "mhc.cu",
@@ -35,31 +39,24 @@ pub const SOURCES: &[(&str, &str, &[&str])] = &[
     (
         "kda.cu",
         include_str!("../cuda/kda.cu"),
-        &["kda_conv", "kda_conv_state", "kda_recurrent", "kda_chunked"],
+        &[
+            "kda_conv",
+            "kda_conv_state",
+            "kda_recurrent",
+            "kda_chunked",
+            "kda_gates",
+            "interleave3",
+        ],
     ),
     (
         "mla.cu",
         include_str!("../cuda/mla.cu"),
-        &["mla_sparse_attend"],
+        &["mla_sparse_attend", "mla_absorb_q", "mla_absorb_out"],
     ),
     (
         "dsa.cu",
         include_str!("../cuda/dsa.cu"),
         &["dsa_pool_keys", "dsa_scores", "dsa_topk_tokens"],
-    ),
-    (
-        "decode.cu",
-        include_str!("../cuda/decode.cu"),
-        &[
-            "kda_gates",
-            "layer_norm",
-            "scale_values",
-            "add_values",
-            "mla_absorb_q",
-            "mla_absorb_out",
-            "stream_mean",
-            "interleave3",
-        ],
     ),
 ];
 

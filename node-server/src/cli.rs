@@ -3,13 +3,14 @@
 
 use crate::api::server::ServeArgs;
 use crate::backend::Device;
+use crate::demo;
 use crate::model::Model;
+use crate::model::config::Config;
 use crate::tiers::args::TierArgs;
-use crate::tiers::history::RoutingHistory;
-use crate::tiers::provider::{
-    CheckpointSource, ExpertSource, Mode, StoreSource, TierCaps, TieredExperts,
-};
-use crate::{bench, demo};
+use crate::tiers::plan::{ModelSizes, Placement};
+use crate::tiers::provider::{CheckpointSource, ExpertSource, StoreSource, TieredExperts};
+use crate::tiers::vram::VramExperts;
+use crate::tools::{bench, cuda_check, gates};
 use clap::{Args, Parser, Subcommand};
 use std::path::PathBuf;
 use std::sync::Arc;
@@ -19,7 +20,8 @@ use std::sync::Arc;
     name = "glmflash-node",
     version,
     about = "GLM-5.3-Flash inference pod: engine, expert tiers and tools",
-    long_about = "GLM-5.3-Flash inference pod.\n\nRuns glm5_next checkpoints on the CPU (CUDA and the expert tiers come in later releases). \
+    long_about = "GLM-5.3-Flash inference pod.\n\nRuns glm5_next checkpoints on the CPU or a CUDA GPU, with the routed experts \
+                  in VRAM, in RAM or tiered over VRAM, pinned RAM and a packed NVMe store. \
                   Every flag can also be set through the environment variable shown in its help."
 )]
 pub struct Cli {
@@ -96,11 +98,11 @@ pub enum Command {
         format: String,
     },
     /// Run the acceptance gates (load, chat, reasoning, tools, context, speed) against a server.
-    Gates(crate::gates::GatesArgs),
+    Gates(gates::GatesArgs),
     /// Measure CPU prefill and decode speed on a random model of the given shape.
     Bench(bench::BenchArgs),
     /// Check every CUDA kernel against the CPU backend on fresh random inputs (needs a GPU).
-    CudaCheck(crate::cuda_check::CudaCheckArgs),
+    CudaCheck(cuda_check::CudaCheckArgs),
     /// Download a checkpoint (safetensors, config, tokenizer) from the Hugging Face Hub:
     /// resumable, hash-checked, `HF_ENDPOINT` honoured.
     Download(crate::download::DownloadArgs),
@@ -155,84 +157,118 @@ pub struct ModelArgs {
     /// Checkpoint directory: config.json, safetensors, tokenizer files.
     #[arg(long, env = "GLMFLASH_MODEL")]
     pub model: PathBuf,
-    /// Expert residency: fast/exact (all experts in RAM) or nvme/nvme-exact (tiered).
-    #[arg(long, env = "GLMFLASH_MODE", value_enum)]
-    pub mode: Option<Mode>,
-    /// Device-tier expert slots per MoE layer (tiered modes). Default: on a GPU, sized from
-    /// the free VRAM left after the dense weights and --vram-reserve-mib; without a GPU
-    /// (the device tier is then CPU memory) 4.
-    #[arg(
-        long,
-        env = "GLMFLASH_VRAM_SLOTS",
-        conflicts_with = "vram_expert_slots"
-    )]
-    pub vram_slots: Option<usize>,
-    /// Device-tier expert slots in all, spread evenly over the MoE layers (the seed's "about
-    /// 1,300 experts in VRAM"); instead of --vram-slots.
-    #[arg(long, env = "GLMFLASH_VRAM_EXPERT_SLOTS")]
-    pub vram_expert_slots: Option<usize>,
-    /// VRAM left free when the tier is sized from free VRAM, for the sequences' caches (the
-    /// GPU forward keeps them there) and cuBLAS (MiB). The GPU forward's activations for a
-    /// default prompt chunk (`--gpu-chunk-size`), estimated from the model's widths, are kept
-    /// free on top of this.
-    #[arg(long, env = "GLMFLASH_VRAM_RESERVE_MIB", default_value_t = 1024)]
-    pub vram_reserve_mib: u64,
-    /// Refuse to start on a GPU with less free VRAM than this (MiB; the seed refuses under
-    /// 23,000 for the real model). 0: no floor.
-    #[arg(long, env = "GLMFLASH_MIN_FREE_VRAM_MIB", default_value_t = 0)]
-    pub min_free_vram_mib: u64,
-    /// RAM-tier expert slots per MoE layer (tiered modes); default: sized from the memory
-    /// limit (see --ram-budget-mib).
-    #[arg(long, env = "GLMFLASH_RAM_SLOTS")]
-    pub ram_slots: Option<usize>,
     /// Packed expert store (from `pack-store`) that expert misses are read from; without it
     /// a tiered mode reads misses from the checkpoint.
     #[arg(long, env = "GLMFLASH_STORE")]
     pub store: Option<PathBuf>,
-    /// Routing history file: loaded at start to warm the tiers, written at exit.
-    #[arg(long, env = "GLMFLASH_HISTORY")]
-    pub history: Option<PathBuf>,
-    /// Turn off layer-ahead prefetch of predicted experts.
-    #[arg(long, env = "GLMFLASH_NO_PREFETCH")]
-    pub no_prefetch: bool,
     #[command(flatten)]
     pub tier: TierArgs,
     #[command(flatten)]
     pub device: crate::backend::DeviceArgs,
 }
 
-/// Lookups per layer between halvings of the LFU counts.
-pub const AGING_PERIOD: u64 = 4096;
+/// A loaded model and where its routed experts are served from.
+pub struct Loaded {
+    pub model: Model,
+    pub experts: ServedExperts,
+}
+
+/// The routed experts as the placement put them (their metrics and summary differ).
+#[derive(Clone)]
+pub enum ServedExperts {
+    /// In host memory, computed on the CPU.
+    Host,
+    /// Every one in VRAM.
+    Vram(Arc<VramExperts>),
+    Tiered(Arc<TieredExperts>),
+}
+
+impl ServedExperts {
+    /// Lets the registry read these experts' counters at each scrape.
+    pub fn attach_metrics(&self, metrics: &crate::metrics::Metrics) -> anyhow::Result<()> {
+        match self {
+            ServedExperts::Host => Ok(()),
+            ServedExperts::Vram(v) => {
+                let v = v.clone();
+                Ok(metrics.attach_tiers(move || v.metrics_snapshot())?)
+            }
+            ServedExperts::Tiered(t) => {
+                let t = t.clone();
+                Ok(metrics.attach_tiers(move || crate::tiers::args::metrics_snapshot(&t))?)
+            }
+        }
+    }
+}
 
 impl ModelArgs {
-    /// The model with its experts served as the flags ask (untiered when no --mode).
-    pub fn load(&self) -> anyhow::Result<(Model, Option<Arc<TieredExperts>>)> {
-        let (model, tiers, _) = self.load_serving()?;
-        Ok((model, tiers))
-    }
-
-    /// As [`ModelArgs::load`], also giving the all-in-VRAM experts (`--device cuda` without
-    /// `--mode`) whose counters the metrics registry reads.
-    pub fn load_serving(&self) -> anyhow::Result<LoadedModel> {
+    /// The model with its experts placed as the flags ask: the placement is decided once
+    /// ([`TierArgs::plan`]) from the checkpoint's sizes and the machine, then followed.
+    pub fn load(&self) -> anyhow::Result<Loaded> {
         crate::tiers::args::log_cpu_lane();
         let device = self.device.open()?;
-        if let Device::Cuda(cuda) = &device {
-            check_vram_floor(cuda, self.min_free_vram_mib)?;
-        }
-        let cfg = crate::model::config::Config::from_file(&self.model.join("config.json"))?;
-        let moe = cfg.moe_layers();
-        let Some(mode) = self.mode else {
-            return match device {
-                Device::Cpu => Ok((Model::load(&self.model)?, None, None)),
-                Device::Cuda(cuda) => {
-                    let (model, vram) = crate::tiers::vram::load_model_on_gpu(&self.model, cuda)?;
-                    Ok((model, None, Some(vram)))
-                }
-            };
+        let cuda = match &device {
+            Device::Cuda(cuda) => {
+                check_vram_floor(cuda, self.tier.min_free_vram_mib)?;
+                Some(cuda.clone())
+            }
+            Device::Cpu => None,
         };
-        let source: Arc<dyn ExpertSource> = match &self.store {
+        let cfg = Config::from_file(&self.model.join("config.json"))?;
+        let source = self.expert_source(&cfg)?;
+        let sizes = model_sizes(&self.model, &cfg, source.as_deref())?;
+        let free_vram = cuda
+            .as_ref()
+            .map(|c| c.mem_info().map(|(free, _)| free as u64))
+            .transpose()?;
+        match (self.tier.plan(&sizes, free_vram), cuda) {
+            (Placement::Untiered, None) => Ok(Loaded {
+                model: Model::load(&self.model)?,
+                experts: ServedExperts::Host,
+            }),
+            (Placement::Untiered, Some(cuda)) => {
+                let (model, vram) = crate::tiers::vram::load_model_on_gpu(&self.model, cuda)?;
+                Ok(Loaded {
+                    model,
+                    experts: ServedExperts::Vram(vram),
+                })
+            }
+            (Placement::Tiered(plan), cuda) => {
+                let source = source.expect("a tiered placement has an expert source");
+                let moe = cfg.moe_layers();
+                let tiers = Arc::new(TieredExperts::new(
+                    source,
+                    cfg.hidden_size,
+                    cfg.n_routed_experts,
+                    &moe,
+                    &plan,
+                    cuda.clone(),
+                )?);
+                if plan.history.is_some() {
+                    tiers.open_history(&crate::store::quick_fingerprint(&self.model)?)?;
+                }
+                let model = match cuda {
+                    None => Model::load_with(&self.model, Some(tiers.clone()))?,
+                    Some(cuda) => {
+                        crate::tiers::vram::load_dense_on_gpu(&self.model, tiers.clone(), cuda)?
+                    }
+                };
+                Ok(Loaded {
+                    model,
+                    experts: ServedExperts::Tiered(tiers),
+                })
+            }
+        }
+    }
+
+    /// Where a tiered placement reads experts from (the store, else the checkpoint); `None`
+    /// without --mode.
+    fn expert_source(&self, cfg: &Config) -> anyhow::Result<Option<Arc<dyn ExpertSource>>> {
+        if self.tier.mode.is_none() {
+            return Ok(None);
+        }
+        Ok(Some(match &self.store {
             Some(store) => {
-                let s = StoreSource::open(store, &self.model, &cfg)?;
+                let s = StoreSource::open(store, &self.model, cfg)?;
                 tracing::info!(
                     engine = s.engine_name(),
                     "experts served from the packed store"
@@ -240,92 +276,34 @@ impl ModelArgs {
                 Arc::new(s)
             }
             None => Arc::new(CheckpointSource::open(&self.model)?),
-        };
-        let moe_layers = moe.iter().filter(|&&m| m).count();
-        let record = source.record_bytes() as u64;
-        // The non-expert weights load after sizing: count them as held already.
-        let dense = checkpoint_bytes(&self.model)
-            .saturating_sub(moe_layers as u64 * cfg.n_routed_experts as u64 * record);
-        let device_slots = match (self.vram_slots, self.vram_expert_slots, &device) {
-            (Some(n), _, _) => n,
-            (None, Some(total), _) => total / moe_layers.max(1),
-            (None, None, Device::Cpu) => 4,
-            (None, None, Device::Cuda(cuda)) => {
-                let (free, _) = cuda.mem_info()?;
-                vram_slots_from_free(
-                    free as u64,
-                    dense,
-                    (self.vram_reserve_mib << 20)
-                        + crate::backend::cuda::decode::workspace_bytes(
-                            &cfg,
-                            crate::backend::cuda::decode::DEFAULT_GPU_CHUNK,
-                            cfg.max_position_embeddings,
-                        ) as u64,
-                    record,
-                    moe_layers,
-                    cfg.n_routed_experts,
-                )
-            }
-        };
-        let device_slots = device_slots.min(cfg.n_routed_experts);
-        // The device tier's residents keep their host copy (for the CPU lane, and to go down
-        // to RAM through the write-back ring when evicted): count those bytes as held too.
-        let device_copies = device_slots as u64 * moe_layers as u64 * record;
-        let caps = TierCaps {
-            device_slots_per_layer: device_slots,
-            ram_slots_per_layer: self.tier.prepare(
-                mode,
-                self.ram_slots,
-                dense + device_copies,
-                record,
-                moe_layers,
-                cfg.n_routed_experts,
-            ),
-        };
-        let tiers = TieredExperts::with_tuning(
-            source,
-            cfg.hidden_size,
-            cfg.n_routed_experts,
-            &moe,
-            mode,
-            caps,
-            AGING_PERIOD,
-            !self.no_prefetch,
-            self.tier.tuning(),
-        )?;
-        let tiers = Arc::new(match &device {
-            Device::Cpu => tiers,
-            Device::Cuda(cuda) => tiers.with_gpu(cuda.clone(), &moe)?,
-        });
-        if let Some(path) = &self.history {
-            let fingerprint = crate::store::quick_fingerprint(&self.model)?;
-            match RoutingHistory::load(path, &fingerprint, moe.len(), cfg.n_routed_experts) {
-                Some(h) => {
-                    let loaded = tiers.warm_start(&h, AGING_PERIOD)?;
-                    tracing::info!(path = %path.display(), loaded, "tiers warm-started from the routing history");
-                }
-                None => {
-                    tracing::info!(path = %path.display(), "no usable routing history; starting cold")
-                }
-            }
-        }
-        let model = match device {
-            Device::Cpu => Model::load_with(&self.model, Some(tiers.clone()))?,
-            Device::Cuda(cuda) => {
-                crate::tiers::vram::load_dense_on_gpu(&self.model, tiers.clone(), cuda)?
-            }
-        };
-        Ok((model, Some(tiers), None))
+        }))
     }
 }
 
-/// A model, its expert tiers (with `--mode`) and its all-in-VRAM experts (`--device cuda`
-/// without `--mode`).
-pub type LoadedModel = (
-    Model,
-    Option<Arc<TieredExperts>>,
-    Option<Arc<crate::tiers::vram::VramExperts>>,
-);
+/// The sizes the placement plan needs: records as `source` stores them (the checkpoint's
+/// bytes without one), the non-expert weights as the checkpoint stores them, and the GPU
+/// forward's workspace for a default prompt chunk.
+fn model_sizes(
+    dir: &std::path::Path,
+    cfg: &Config,
+    source: Option<&dyn ExpertSource>,
+) -> anyhow::Result<ModelSizes> {
+    let moe_layers = cfg.moe_layers().iter().filter(|&&m| m).count();
+    let record_bytes = source.map_or(0, |s| s.record_bytes() as u64);
+    let dense_bytes = checkpoint_bytes(dir)
+        .saturating_sub(moe_layers as u64 * cfg.n_routed_experts as u64 * record_bytes);
+    Ok(ModelSizes {
+        moe_layers,
+        experts: cfg.n_routed_experts,
+        record_bytes,
+        dense_bytes,
+        gpu_workspace_bytes: crate::model::gpu::workspace_bytes(
+            cfg,
+            crate::model::gpu::DEFAULT_GPU_CHUNK,
+            cfg.max_position_embeddings,
+        ) as u64,
+    })
+}
 
 fn parse_format(s: &str) -> Result<crate::quant::Format, String> {
     crate::quant::Format::from_name(s).map_err(|e| e.to_string())
@@ -337,38 +315,13 @@ fn check_vram_floor(cuda: &crate::backend::cuda::Cuda, floor_mib: u64) -> anyhow
     let free_mib = free as u64 >> 20;
     if free_mib < floor_mib {
         anyhow::bail!(
-            "{}: {free_mib} MiB of VRAM free (of {} MiB), below the floor of {floor_mib} MiB              (--min-free-vram-mib); free the GPU of other processes or lower the floor",
+            "{}: {free_mib} MiB of VRAM free (of {} MiB), below the floor of {floor_mib} MiB \
+             (--min-free-vram-mib); free the GPU of other processes or lower the floor",
             cuda.describe(),
             total >> 20
         );
     }
     Ok(())
-}
-
-/// Device-tier slots per MoE layer that fit in `free` bytes of VRAM after the dense weights
-/// (`dense`, as the checkpoint stores them), `reserve` and the staging slots.
-fn vram_slots_from_free(
-    free: u64,
-    dense: u64,
-    reserve: u64,
-    record: u64,
-    moe_layers: usize,
-    experts: usize,
-) -> usize {
-    let staging = 16 * record;
-    let left = free.saturating_sub(dense + reserve + staging);
-    let slots = (left / (record * moe_layers.max(1) as u64).max(1)) as usize;
-    let slots = slots.min(experts);
-    tracing::info!(
-        free_mib = free >> 20,
-        dense_mib = dense >> 20,
-        reserve_mib = reserve >> 20,
-        record_kib = record >> 10,
-        moe_layers,
-        slots_per_layer = slots,
-        "VRAM tier sized from free VRAM"
-    );
-    slots
 }
 
 /// Bytes of the checkpoint's safetensors files.
@@ -400,26 +353,4 @@ pub struct GenerationArgs {
     pub top_p: f32,
     #[arg(long, env = "GLMFLASH_SEED", default_value_t = 0)]
     pub seed: u64,
-}
-
-#[cfg(test)]
-mod tests {
-    use super::vram_slots_from_free;
-
-    #[test]
-    fn vram_slots_fill_what_the_dense_weights_reserve_and_staging_leave() {
-        let mib = 1u64 << 20;
-        // 24,000 MiB free, 9,000 dense, 1,024 reserve, 16 staging records of 14 MiB:
-        // 13,752 MiB left for 42 layers of 14 MiB records -> 23 per layer.
-        assert_eq!(
-            vram_slots_from_free(24_000 * mib, 9_000 * mib, 1024 * mib, 14 * mib, 42, 288),
-            23
-        );
-        // Never more than the layer's experts, never negative.
-        assert_eq!(vram_slots_from_free(1 << 40, 0, 0, 14 * mib, 1, 288), 288);
-        assert_eq!(
-            vram_slots_from_free(mib, 9_000 * mib, 0, 14 * mib, 42, 288),
-            0
-        );
-    }
 }

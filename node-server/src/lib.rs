@@ -1,19 +1,18 @@
 #![recursion_limit = "256"]
 //! glmflash-node: the inference pod for GLM-5.3-Flash.
 //!
-//! Imports point down: `model` -> `backend`, `quant`; `backend` knows no model.
+//! Imports point one way (checked by hand; no two folders import each other):
+//! `api` -> `engine` -> `model` -> `backend` -> `quant`; `tiers` implements the model's
+//! `ExpertProvider` over `store` (records) and `backend`; `store` reads checkpoints through
+//! `model`'s loader. `backend` knows no model type, and nothing in the product imports
+//! `tools` (benchmarks and checks; the command line dispatches to them).
 
 pub mod api;
 pub mod backend;
-pub mod bench;
-pub mod bench_flash;
-pub mod bench_tiers;
 pub mod cli;
-pub mod cuda_check;
 pub mod demo;
 pub mod download;
 pub mod engine;
-pub mod gates;
 pub mod metrics;
 pub mod mmap;
 pub mod model;
@@ -21,3 +20,4 @@ pub mod quant;
 pub mod store;
 pub mod tiers;
 pub mod tokenizer;
+pub mod tools;

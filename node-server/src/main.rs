@@ -7,12 +7,10 @@ use glmflash_node::cli::{Cli, Command, GenerationArgs};
 use glmflash_node::engine::sampling::Sampler;
 use glmflash_node::model::dump::Dump;
 use glmflash_node::model::{Model, Step};
-use glmflash_node::tiers::args::tier_summary;
-use glmflash_node::tiers::provider::TieredExperts;
 use glmflash_node::tokenizer::TextCodec;
-use glmflash_node::{bench, demo, store};
+use glmflash_node::tools::{bench, cuda_check, gates};
+use glmflash_node::{demo, store};
 use std::io::Write;
-use std::sync::Arc;
 use std::time::Instant;
 
 fn main() {
@@ -44,44 +42,15 @@ fn run(command: Command) -> anyhow::Result<()> {
             demo::ensure_demo_model(&dir)?;
             server::serve(dir, serve, None)
         }
-        Command::Serve { model, serve } => {
-            let dir = model.model.clone();
-            let history = model.history.clone();
-            // The tiers outlive the server so their routing history is saved at exit.
-            let slot: Arc<std::sync::Mutex<Option<Arc<TieredExperts>>>> = Arc::default();
-            let keep = slot.clone();
-            server::serve(
-                dir.clone(),
-                serve,
-                Some(Box::new(move |metrics| {
-                    let (loaded, tiers, vram) = model.load_serving()?;
-                    if let Some(t) = &tiers {
-                        let t = t.clone();
-                        metrics.attach_tiers(move || {
-                            glmflash_node::tiers::args::metrics_snapshot(&t)
-                        })?;
-                    }
-                    if let Some(v) = vram {
-                        metrics.attach_tiers(move || v.metrics_snapshot())?;
-                    }
-                    *keep.lock().unwrap_or_else(|e| e.into_inner()) = tiers;
-                    Ok(loaded)
-                })),
-            )?;
-            let tiers = slot.lock().unwrap_or_else(|e| e.into_inner()).take();
-            if let Some(tiers) = &tiers {
-                tiers.flush();
-                eprintln!("tiers ({:?}): {}", tiers.mode(), tier_summary(tiers));
-            }
-            if let (Some(tiers), Some(path)) = (tiers, history) {
-                let fingerprint = glmflash_node::store::quick_fingerprint(&dir)?;
-                tiers
-                    .history(&fingerprint)
-                    .save(&path)
-                    .with_context(|| format!("writing {}", path.display()))?;
-            }
-            Ok(())
-        }
+        Command::Serve { model, serve } => server::serve(
+            model.model.clone(),
+            serve,
+            Some(Box::new(move |metrics| {
+                let loaded = model.load()?;
+                loaded.experts.attach_metrics(metrics)?;
+                Ok(loaded.model)
+            })),
+        ),
         Command::MakeDemoModel { out, seed } => {
             demo::make_demo_model(&out, seed)?;
             eprintln!("demo model written to {}", out.display());
@@ -93,7 +62,7 @@ fn run(command: Command) -> anyhow::Result<()> {
             greedy,
             dump,
         } => {
-            let (model, _) = model.load()?;
+            let model = model.load()?.model;
             if let Some(path) = dump {
                 let hooks = Dump::default();
                 let mut cache = model.new_cache();
@@ -129,20 +98,9 @@ fn run(command: Command) -> anyhow::Result<()> {
             Ok(())
         }
         Command::Generate { model, generation } => {
-            let (loaded, tiers) = model.load()?;
-            generate(&model.model, loaded, &generation)?;
-            if let Some(tiers) = tiers {
-                tiers.flush();
-                eprintln!("tiers ({:?}): {}", tiers.mode(), tier_summary(&tiers));
-                if let Some(path) = &model.history {
-                    let fingerprint = glmflash_node::store::quick_fingerprint(&model.model)?;
-                    tiers
-                        .history(&fingerprint)
-                        .save(path)
-                        .with_context(|| format!("writing {}", path.display()))?;
-                }
-            }
-            Ok(())
+            let loaded = model.load()?;
+            generate(&model.model, &loaded.model, &generation)?;
+            loaded.model.experts().finish()
         }
         Command::ConvertExperts { model, out, format } => {
             let format = glmflash_node::quant::Format::from_name(&format)?;
@@ -184,14 +142,14 @@ fn run(command: Command) -> anyhow::Result<()> {
         }
         Command::Bench(args) => bench::run(&args),
         Command::CudaCheck(args) => {
-            if glmflash_node::cuda_check::run(&args)? {
+            if cuda_check::run(&args)? {
                 Ok(())
             } else {
                 bail!("some CUDA kernels disagree with the CPU backend (table above)")
             }
         }
         Command::Gates(args) => {
-            if glmflash_node::gates::run(&args)? {
+            if gates::run(&args)? {
                 Ok(())
             } else {
                 bail!("some gates failed")
@@ -295,7 +253,7 @@ fn print_verify(v: &store::VerifyReport) {
     );
 }
 
-fn generate(dir: &std::path::Path, model: Model, args: &GenerationArgs) -> anyhow::Result<()> {
+fn generate(dir: &std::path::Path, model: &Model, args: &GenerationArgs) -> anyhow::Result<()> {
     let codec = TextCodec::from_dir(dir)
         .with_context(|| format!("loading the tokenizer of {}", dir.display()))?;
     let text = if args.raw || !codec.has_chat_template() {

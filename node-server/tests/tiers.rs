@@ -3,9 +3,26 @@
 
 use glmflash_node::model::config::MlpKind;
 use glmflash_node::model::{Model, Step};
-use glmflash_node::tiers::provider::{CheckpointSource, Mode, Tier, TierCaps, TieredExperts};
+use glmflash_node::tiers::plan::TierPlan;
+use glmflash_node::tiers::provider::{CheckpointSource, Mode, Tier, TieredExperts};
 use std::path::PathBuf;
 use std::sync::Arc;
+
+/// The tiers' plan with these slots per layer, aging period and prefetch (LFU, pinned).
+fn test_plan(
+    mode: Mode,
+    device: usize,
+    ram: usize,
+    experts: usize,
+    aging_period: u64,
+    prefetch: bool,
+) -> TierPlan {
+    TierPlan {
+        aging_period,
+        prefetch: prefetch && mode.tiered(),
+        ..TierPlan::new(mode, device, ram, experts)
+    }
+}
 
 const FIXTURES: [&str; 4] = ["tiny_mixed", "tiny_nested", "tiny_bf16", "tiny_fused"];
 
@@ -82,13 +99,8 @@ fn every_mode_and_cap_is_bit_identical_to_untiered() {
                     untiered.cfg.hidden_size,
                     experts,
                     &moe,
-                    mode,
-                    TierCaps {
-                        device_slots_per_layer: device,
-                        ram_slots_per_layer: ram,
-                    },
-                    64,
-                    false,
+                    &test_plan(mode, device, ram, experts, 64, false),
+                    None,
                 )
                 .unwrap(),
             );
@@ -158,20 +170,14 @@ fn packed_store_source_is_bit_identical_too() {
             .collect();
         for mode in [Mode::NvmeExact, Mode::Nvme, Mode::Exact] {
             let source = Arc::new(StoreSource::open(store.path(), &dir, &untiered.cfg).unwrap());
-            let caps = TierCaps {
-                device_slots_per_layer: 1,
-                ram_slots_per_layer: 1,
-            };
             let tiers = Arc::new(
                 TieredExperts::new(
                     source,
                     untiered.cfg.hidden_size,
                     untiered.cfg.n_routed_experts,
                     &moe,
-                    mode,
-                    caps,
-                    64,
-                    true,
+                    &test_plan(mode, 1, 1, untiered.cfg.n_routed_experts, 64, true),
+                    None,
                 )
                 .unwrap(),
             );
@@ -199,10 +205,8 @@ fn packed_store_source_is_bit_identical_too() {
                     untiered.cfg.hidden_size,
                     untiered.cfg.n_routed_experts,
                     &moe,
-                    mode,
-                    caps,
-                    64,
-                    false,
+                    &test_plan(mode, 1, 1, untiered.cfg.n_routed_experts, 64, false),
+                    None,
                 )
                 .unwrap(),
             );
@@ -239,7 +243,6 @@ fn moe_flags(model: &Model) -> Vec<bool> {
 /// flight lands once flushed, and the logits stay bit-identical.
 #[test]
 fn write_back_ring_keeps_residency_unique_and_bounded() {
-    use glmflash_node::tiers::provider::TierTuning;
     use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
     let dir = fixture("tiny_mixed");
     let untiered = Model::load(&dir).unwrap();
@@ -251,22 +254,23 @@ fn write_back_ring_keeps_residency_unique_and_bounded() {
     let (device, ram) = (2, 3);
     for ring in [1, 4] {
         let tiers = Arc::new(
-            TieredExperts::with_tuning(
+            TieredExperts::new(
                 Arc::new(CheckpointSource::open(&dir).unwrap()),
                 untiered.cfg.hidden_size,
                 untiered.cfg.n_routed_experts,
                 &moe,
-                Mode::NvmeExact,
-                TierCaps {
-                    device_slots_per_layer: device,
-                    ram_slots_per_layer: ram,
-                },
-                64,
-                true,
-                TierTuning {
+                &TierPlan {
                     writeback_ring: ring,
-                    ..TierTuning::default()
+                    ..test_plan(
+                        Mode::NvmeExact,
+                        device,
+                        ram,
+                        untiered.cfg.n_routed_experts,
+                        64,
+                        true,
+                    )
                 },
+                None,
             )
             .unwrap(),
         );
@@ -328,13 +332,8 @@ fn batched_decode_tick_is_counted_as_decode() {
             cfg.hidden_size,
             cfg.n_routed_experts,
             &moe,
-            Mode::Nvme,
-            TierCaps {
-                device_slots_per_layer: 2,
-                ram_slots_per_layer: 4,
-            },
-            64,
-            false,
+            &test_plan(Mode::Nvme, 2, 4, cfg.n_routed_experts, 64, false),
+            None,
         )
         .unwrap(),
     );
@@ -446,13 +445,8 @@ async fn tiered_server_exports_the_tier_metrics() {
                     cfg.hidden_size,
                     cfg.n_routed_experts,
                     &moe,
-                    Mode::Nvme,
-                    TierCaps {
-                        device_slots_per_layer: 2,
-                        ram_slots_per_layer: 3,
-                    },
-                    64,
-                    true,
+                    &test_plan(Mode::Nvme, 2, 3, cfg.n_routed_experts, 64, true),
+                    None,
                 )?);
                 let t = tiers.clone();
                 registry.attach_tiers(move || glmflash_node::tiers::args::metrics_snapshot(&t))?;
@@ -564,13 +558,15 @@ fn a_layers_store_misses_are_read_in_one_batch() {
             untiered.cfg.hidden_size,
             untiered.cfg.n_routed_experts,
             &untiered.cfg.moe_layers(),
-            Mode::NvmeExact,
-            TierCaps {
-                device_slots_per_layer: 1,
-                ram_slots_per_layer: 1,
-            },
-            64,
-            false,
+            &test_plan(
+                Mode::NvmeExact,
+                1,
+                1,
+                untiered.cfg.n_routed_experts,
+                64,
+                false,
+            ),
+            None,
         )
         .unwrap(),
     );

@@ -66,7 +66,7 @@ pub struct ServeArgs {
     /// Prompt tokens per scheduler tick of the sequences on the GPU: the GPU forward's
     /// activations grow with it (about 0.7 MB a token at GLM-5.3-Flash's widths); VRAM
     /// sizing from free memory keeps room for the default.
-    #[arg(long, env = "GLMFLASH_GPU_CHUNK_SIZE", default_value_t = crate::backend::cuda::decode::DEFAULT_GPU_CHUNK)]
+    #[arg(long, env = "GLMFLASH_GPU_CHUNK_SIZE", default_value_t = crate::model::gpu::DEFAULT_GPU_CHUNK)]
     pub gpu_chunk_size: usize,
     /// Seconds to let in-flight requests finish after SIGTERM.
     #[arg(long, env = "GLMFLASH_SHUTDOWN_TIMEOUT", default_value_t = 30)]
@@ -143,11 +143,11 @@ pub fn load_engine_with(
 
 /// Type of the model loader [`serve`] runs once the socket is bound; it gets the server's
 /// metrics registry (e.g. to attach the expert tiers' metrics).
-pub type Loader = Box<dyn FnOnce(&Arc<Metrics>) -> anyhow::Result<Model> + Send>;
+pub type ModelLoader = Box<dyn FnOnce(&Arc<Metrics>) -> anyhow::Result<Model> + Send>;
 
 /// Runs the server until SIGTERM / ctrl-c, then drains. `load` gives the model (default:
 /// `Model::load(dir)`); the tokenizer comes from `dir`.
-pub fn serve(dir: PathBuf, args: ServeArgs, load: Option<Loader>) -> anyhow::Result<()> {
+pub fn serve(dir: PathBuf, args: ServeArgs, load: Option<ModelLoader>) -> anyhow::Result<()> {
     let runtime = tokio::runtime::Builder::new_multi_thread()
         .enable_all()
         .worker_threads(2)
@@ -156,7 +156,11 @@ pub fn serve(dir: PathBuf, args: ServeArgs, load: Option<Loader>) -> anyhow::Res
     runtime.block_on(serve_async(dir, args, load))
 }
 
-async fn serve_async(dir: PathBuf, args: ServeArgs, load: Option<Loader>) -> anyhow::Result<()> {
+async fn serve_async(
+    dir: PathBuf,
+    args: ServeArgs,
+    load: Option<ModelLoader>,
+) -> anyhow::Result<()> {
     let metrics = Arc::new(Metrics::new());
     let state = AppState::new(args.api_config()?, metrics.clone());
     let addr = format!("{}:{}", args.host, args.port);
@@ -228,12 +232,7 @@ async fn serve_async(dir: PathBuf, args: ServeArgs, load: Option<Loader>) -> any
         anyhow::bail!("the model did not load; see the log above");
     }
     if let Some(engine) = state.engine().cloned() {
-        let _ = tokio::task::spawn_blocking(move || {
-            if drained {
-                engine.shutdown();
-            }
-        })
-        .await;
+        tokio::task::spawn_blocking(move || engine.finish(drained)).await??;
     }
     tracing::info!("stopped");
     Ok(())

@@ -29,8 +29,8 @@ pub enum Device {
 #[derive(Clone, Debug, clap::Args)]
 pub struct DeviceArgs {
     /// Where products run: auto (CUDA when present), cpu or cuda. On CUDA the dense weights
-    /// and routed experts live and multiply on the GPU; attention cores and norms stay on
-    /// the CPU for now.
+    /// and the routed experts (or the tiers' device slots) live and multiply on the GPU, and
+    /// `serve` keeps its sequences' activations and caches there (`--gpu-forward`).
     #[arg(long, env = "GLMFLASH_DEVICE", value_enum, default_value = "cpu")]
     pub device: DeviceChoice,
     /// CUDA device ordinal.

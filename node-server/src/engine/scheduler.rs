@@ -8,13 +8,14 @@
 //! strings are held back across token boundaries and cut, and events go to the request's
 //! channel.
 
-use crate::backend::cuda::decode::{
-    DEFAULT_GPU_CHUNK, GROWTH_SLACK, GpuDecoder, GpuSeq, MAX_ROWS, placed_device, workspace_bytes,
-};
 use crate::engine::cache::CacheLayout;
 use crate::engine::constraint::{Constraint, Grammars};
 use crate::engine::sampling::{Sampler, SamplingParams};
 use crate::metrics::Metrics;
+use crate::model::gpu::{
+    DEFAULT_GPU_CHUNK, GROWTH_SLACK, GpuDecoder, GpuSeq, MAX_ROWS, placed_device, workspace_bytes,
+};
+use crate::model::moe::ExpertProvider;
 use crate::model::{Model, SeqCache, Step};
 use crate::tokenizer::{StreamDecoder, TextCodec};
 use std::collections::VecDeque;
@@ -153,6 +154,8 @@ pub struct Engine {
     /// The budget (not the model) limits `config.context_length`.
     pub context_limited_by_cache: bool,
     grammars: std::sync::OnceLock<Result<Arc<Grammars>, String>>,
+    /// The model's routed experts, settled by [`Engine::finish`].
+    experts: Arc<dyn ExpertProvider>,
 }
 
 impl Engine {
@@ -207,6 +210,7 @@ impl Engine {
             cv: Condvar::new(),
         });
         let vocab_size = model.cfg.vocab_size;
+        let experts = model.experts().clone();
         let worker = Worker {
             decoder,
             model,
@@ -234,6 +238,7 @@ impl Engine {
             layout,
             context_limited_by_cache,
             grammars: std::sync::OnceLock::new(),
+            experts,
         }
     }
 
@@ -285,6 +290,18 @@ impl Engine {
         if let Some(t) = lock(&self.thread).take() {
             let _ = t.join();
         }
+    }
+}
+
+impl Engine {
+    /// Ends serving: with `drain`, lets the sequences finish and joins the engine thread
+    /// first ([`Engine::shutdown`]); then the experts settle (the tiers save their routing
+    /// history). Without `drain` the sequences in flight are abandoned.
+    pub fn finish(&self, drain: bool) -> anyhow::Result<()> {
+        if drain {
+            self.shutdown();
+        }
+        self.experts.finish()
     }
 }
 

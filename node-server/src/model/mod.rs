@@ -7,6 +7,7 @@ pub mod convert;
 pub mod dsa;
 pub mod dump;
 pub mod glm5;
+pub mod gpu;
 pub mod kda;
 pub mod loader;
 pub mod mhc;

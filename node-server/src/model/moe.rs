@@ -8,7 +8,10 @@ use super::config::Config;
 use super::loader::{LoadError, Loader};
 use super::mlp::SwiGlu;
 use crate::backend::cpu::{Matrix, ops};
+use crate::backend::cuda::Cuda;
+use cudarc::driver::CudaSlice;
 use rayon::prelude::*;
+use std::sync::Arc;
 
 /// What a token of a forward call is doing, from the kind of its step (not the call's token
 /// count: a batched decode tick of several sequences is still decode, and a tick mixing
@@ -78,10 +81,33 @@ pub trait ExpertProvider: Send + Sync {
     /// MoE layer ahead; a provider may start reading them.
     fn prefetch(&self, _layer: usize, _ids: &[u32]) {}
 
+    /// Called once when serving ends (after the last forward): a provider settles what it
+    /// owes (pending moves, its saved state) and reports.
+    fn finish(&self) -> anyhow::Result<()> {
+        Ok(())
+    }
+
     /// This provider taking token rows already on a GPU, when its products run there.
-    fn on_device(&self) -> Option<&dyn crate::backend::cuda::DeviceExperts> {
+    fn on_device(&self) -> Option<&dyn DeviceExperts> {
         None
     }
+}
+
+/// An expert provider whose products run on a GPU, taking the token rows where they are
+/// (see [`ExpertProvider::on_device`]): the GPU forward's activations need not come back to
+/// the host and go out again around every MoE layer.
+pub trait DeviceExperts {
+    /// The device the products run on (the rows must live there).
+    fn device(&self) -> &Arc<Cuda>;
+
+    /// `ExpertProvider::forward` for `x` (`[tokens, hidden]` on [`DeviceExperts::device`]):
+    /// the routed experts' weighted sum, `[tokens, hidden]`, on the device.
+    fn forward_device(
+        &self,
+        layer: usize,
+        x: &CudaSlice<f32>,
+        routing: &Routing,
+    ) -> anyhow::Result<CudaSlice<f32>>;
 }
 
 /// `(token, pick slot)` pairs routed to one expert.

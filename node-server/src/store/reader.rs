@@ -16,8 +16,6 @@ use super::aligned::{AlignedBuf, IoBuf};
 use super::io::{DirectOpenError, Engine, PreadEngine, ReadRequest, UringEngine, open_direct};
 use super::manifest::{DATA, Manifest, Parts, sha256_hex};
 use super::{StoreError, aligned::BufPool};
-use crate::backend::cpu::Matrix;
-use crate::model::mlp::SwiGlu;
 use rayon::prelude::*;
 use std::collections::HashMap;
 use std::fs::File;
@@ -130,50 +128,10 @@ impl RecordBuf {
         &self.buf.as_slice()[..self.length]
     }
 
-    /// Gate, up and down as matrices (their bytes copied out of the record).
-    pub fn parts(&self) -> Result<[Matrix; 3], StoreError> {
-        let bytes = self.bytes();
-        let matrix = |p: &super::Part| {
-            Matrix::from_bytes(
-                p.rows,
-                p.cols,
-                p.format,
-                page_padded(&bytes[p.offset..p.offset + p.length]),
-            )
-            .map_err(|e| {
-                StoreError::Other(format!(
-                    "record of layer {}, expert {}: {e}",
-                    self.layer, self.expert
-                ))
-            })
-        };
-        Ok([
-            matrix(&self.parts.gate)?,
-            matrix(&self.parts.up)?,
-            matrix(&self.parts.down)?,
-        ])
+    /// Where gate, up and down sit in the record, and their formats and shapes.
+    pub fn layout(&self) -> &Parts {
+        &self.parts
     }
-
-    /// The expert, with the model's SwiGLU clamp `limit`.
-    pub fn to_expert(&self, limit: f32) -> Result<SwiGlu, StoreError> {
-        let [gate, up, down] = self.parts()?;
-        Ok(SwiGlu {
-            gate,
-            up,
-            down,
-            limit,
-        })
-    }
-}
-
-/// `bytes` in a buffer with two spare pages after them, so that no two such buffers touch
-/// a common page: a RAM-tier resident is registered with CUDA page by page, and a
-/// registration overlapping another one's pages is refused (heap neighbours would share the
-/// page between them).
-fn page_padded(bytes: &[u8]) -> Vec<u8> {
-    let mut v = Vec::with_capacity(bytes.len() + 2 * 4096);
-    v.extend_from_slice(bytes);
-    v
 }
 
 type Outcome = Result<Arc<RecordBuf>, ReadError>;

@@ -1,13 +1,48 @@
-//! Start-up of the tiers: the flags that size and tune them, the RAM-tier sizing and
-//! memlock check, the CPU-lane feature check, and the one-line summary printed at exit.
+//! Start-up of the tiers: the placement flags (turned into the plan), the CPU-lane feature
+//! check, and what the tiers report (the one-line summary printed at exit, the metrics).
 
+use super::plan::{self, ModelSizes, Placement, SlotRequest, TierPlan};
 use super::policy::PolicyKind;
-use super::provider::{Mode, Tier, TierTuning, TieredExperts};
-use super::sizing::{self, MemoryFacts};
+use super::provider::{Mode, Tier, TieredExperts};
+use super::sizing::MemoryFacts;
+use std::path::PathBuf;
 use std::sync::atomic::Ordering;
 
+/// The placement flags: mode, slot counts or the budgets they are sized from, eviction,
+/// pinning, prefetch and the routing history. [`TierArgs::plan`] turns them into the one
+/// [`Placement`] value.
 #[derive(clap::Args, Debug, Clone)]
 pub struct TierArgs {
+    /// Expert residency: fast/exact (all experts in RAM) or nvme/nvme-exact (tiered).
+    #[arg(long, env = "GLMFLASH_MODE", value_enum)]
+    pub mode: Option<Mode>,
+    /// Device-tier expert slots per MoE layer (tiered modes). Default: on a GPU, sized from
+    /// the free VRAM left after the dense weights and --vram-reserve-mib; without a GPU
+    /// (the device tier is then CPU memory) 4.
+    #[arg(
+        long,
+        env = "GLMFLASH_VRAM_SLOTS",
+        conflicts_with = "vram_expert_slots"
+    )]
+    pub vram_slots: Option<usize>,
+    /// Device-tier expert slots in all, spread evenly over the MoE layers (the seed's "about
+    /// 1,300 experts in VRAM"); instead of --vram-slots.
+    #[arg(long, env = "GLMFLASH_VRAM_EXPERT_SLOTS")]
+    pub vram_expert_slots: Option<usize>,
+    /// VRAM left free when the tier is sized from free VRAM, for the sequences' caches (the
+    /// GPU forward keeps them there) and cuBLAS (MiB). The GPU forward's activations for a
+    /// default prompt chunk (`--gpu-chunk-size`), estimated from the model's widths, are kept
+    /// free on top of this.
+    #[arg(long, env = "GLMFLASH_VRAM_RESERVE_MIB", default_value_t = 1024)]
+    pub vram_reserve_mib: u64,
+    /// Refuse to start on a GPU with less free VRAM than this (MiB; the seed refuses under
+    /// 23,000 for the real model). 0: no floor.
+    #[arg(long, env = "GLMFLASH_MIN_FREE_VRAM_MIB", default_value_t = 0)]
+    pub min_free_vram_mib: u64,
+    /// RAM-tier expert slots per MoE layer (tiered modes); default: sized from the memory
+    /// limit (see --ram-budget-mib).
+    #[arg(long, env = "GLMFLASH_RAM_SLOTS")]
+    pub ram_slots: Option<usize>,
     /// RAM-tier budget in MiB, all MoE layers together (tiered modes without --ram-slots);
     /// default: the cgroup memory limit minus what the process holds minus --ram-reserve-mib.
     #[arg(long, env = "GLMFLASH_RAM_BUDGET_MIB")]
@@ -24,71 +59,38 @@ pub struct TierArgs {
     /// Do not mlock the RAM tier.
     #[arg(long, env = "GLMFLASH_NO_PIN")]
     pub no_pin: bool,
+    /// Turn off layer-ahead prefetch of predicted experts.
+    #[arg(long, env = "GLMFLASH_NO_PREFETCH")]
+    pub no_prefetch: bool,
+    /// Routing history file: loaded at start to warm the tiers, written at exit.
+    #[arg(long, env = "GLMFLASH_HISTORY")]
+    pub history: Option<PathBuf>,
 }
 
 impl TierArgs {
-    pub fn tuning(&self) -> TierTuning {
-        TierTuning {
-            policy: self.eviction,
+    /// The placement these flags ask for on a machine with `free_vram` (`None`: no GPU):
+    /// untiered without --mode; else the tiers sized by [`plan::decide`].
+    pub fn plan(&self, model: &ModelSizes, free_vram: Option<u64>) -> Placement {
+        let Some(mode) = self.mode else {
+            return Placement::Untiered;
+        };
+        let request = SlotRequest {
+            device_slots: self.vram_slots,
+            device_slots_total: self.vram_expert_slots,
+            ram_slots: self.ram_slots,
+            ram_budget: self.ram_budget_mib.map(|m| m << 20),
+            ram_reserve: self.ram_reserve_mib << 20,
+            vram_reserve: self.vram_reserve_mib << 20,
+        };
+        let sizing = plan::decide(mode, model, &request, free_vram, !self.no_pin);
+        Placement::Tiered(TierPlan {
+            prefetch: mode.tiered() && !self.no_prefetch,
+            eviction: self.eviction,
             writeback_ring: self.writeback_ring,
             pin: !self.no_pin,
-        }
-    }
-
-    /// Checks what the tiers need from the machine and sizes the RAM tier: `explicit` slots
-    /// win; else the budget from the cgroup limit (or --ram-budget-mib). `held_extra`: bytes
-    /// the process will still load outside the tier (the non-expert weights). Logs the numbers
-    /// in one line and says plainly what to change when the tier cannot be pinned.
-    pub fn prepare(
-        &self,
-        mode: Mode,
-        explicit: Option<usize>,
-        held_extra: u64,
-        record_bytes: u64,
-        moe_layers: usize,
-        experts: usize,
-    ) -> usize {
-        let soft = sizing::raise_memlock();
-        let facts = MemoryFacts::read();
-        let plan = sizing::plan_ram_tier(
-            &facts,
-            held_extra,
-            self.ram_reserve_mib << 20,
-            self.ram_budget_mib.map(|m| m << 20),
-            record_bytes,
-            moe_layers,
-            experts,
-        );
-        let slots = match (mode.tiered(), explicit) {
-            (false, _) => experts,
-            (true, Some(n)) => n,
-            (true, None) => plan.slots_per_layer,
-        };
-        tracing::info!(
-            cgroup_limit_mib = plan.limit.map(|b| b >> 20),
-            cgroup_source = plan.source.as_deref().unwrap_or("none"),
-            held_mib = plan.held >> 20,
-            reserve_mib = plan.reserve >> 20,
-            budget_mib = plan.budget >> 20,
-            budget_from = if explicit.is_some() {
-                "--ram-slots"
-            } else {
-                plan.basis
-            },
-            record_bytes,
-            moe_layers,
-            ram_slots_per_layer = slots,
-            memlock_limit_kib = soft.map(|b| b >> 10),
-            "RAM tier sized"
-        );
-        let pinned = slots as u64 * moe_layers as u64 * record_bytes;
-        if !self.no_pin
-            && !sizing::has_ipc_lock()
-            && let Some(problem) = sizing::memlock_problem(pinned, soft)
-        {
-            tracing::warn!("{problem}");
-        }
-        slots
+            history: self.history.clone(),
+            ..TierPlan::new(mode, sizing.device_slots, sizing.ram_slots, model.experts)
+        })
     }
 }
 
@@ -231,7 +233,7 @@ pub fn metrics_snapshot(tiers: &TieredExperts) -> crate::metrics::TierSnapshot {
             ),
         ],
         gpu_moe_step_seconds: gpu.as_ref().map_or(0.0, |g| g.step_seconds),
-        step_parts: super::provider::Part::ALL
+        step_parts: super::provider::StepPart::ALL
             .iter()
             .map(|&p| (p.name(), s.part_seconds(p)))
             .collect(),

@@ -1,10 +1,11 @@
-//! Expert residency across tiers (device slots, pinned RAM slots, the NVMe store): sizing
-//! from the container's limits and the eviction policy. The tiered `ExpertProvider` builds
-//! on these with the store reader.
+//! Expert residency across tiers (device slots, pinned RAM slots, the NVMe store): the
+//! placement plan (decided once, from the flags and the machine), the eviction policy, and
+//! the tiered `ExpertProvider` over the store reader.
 
 pub mod args;
 pub mod history;
 pub mod pin;
+pub mod plan;
 pub mod policy;
 pub mod provider;
 pub mod ring;

@@ -14,14 +14,18 @@
 //! ([`super::pin`]).
 
 use super::pin::{PinStats, Pinned};
+use super::plan::TierPlan;
 use super::policy::{Policy, PolicyKind};
 use super::ring::Ring;
 use super::stats::ReadLatency;
+use crate::backend::cpu::Matrix;
 use crate::model::checkpoint::Checkpoint;
 use crate::model::config::Config;
 use crate::model::loader::Loader;
 use crate::model::mlp::SwiGlu;
 use crate::model::moe::{ExpertProvider, Phase, Routing, combine_experts};
+use crate::store::RecordBuf;
+use anyhow::Context;
 use std::collections::HashMap;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
@@ -98,13 +102,13 @@ pub struct TierStats {
     pub written_back: AtomicU64,
     /// Decode picks computed in place from RAM (the CPU lane).
     pub cpu_lane: AtomicU64,
-    /// Nanoseconds `forward` spent per part, indexed by [`Part`].
+    /// Nanoseconds `forward` spent per part, indexed by [`StepPart`].
     pub part_nanos: [AtomicU64; 4],
 }
 
 /// The parts of one `TieredExperts::forward` call, in order.
 #[derive(Clone, Copy, Debug)]
-pub enum Part {
+pub enum StepPart {
     /// Reading the call's store misses (one batch).
     Fetch,
     /// Lookups under the layer lock: residency, admission (pinning a RAM resident included).
@@ -115,26 +119,31 @@ pub enum Part {
     Compute,
 }
 
-impl Part {
-    pub const ALL: [Part; 4] = [Part::Fetch, Part::Resolve, Part::WriteBack, Part::Compute];
+impl StepPart {
+    pub const ALL: [StepPart; 4] = [
+        StepPart::Fetch,
+        StepPart::Resolve,
+        StepPart::WriteBack,
+        StepPart::Compute,
+    ];
 
     pub fn name(self) -> &'static str {
         match self {
-            Part::Fetch => "fetch",
-            Part::Resolve => "resolve",
-            Part::WriteBack => "write_back",
-            Part::Compute => "compute",
+            StepPart::Fetch => "fetch",
+            StepPart::Resolve => "resolve",
+            StepPart::WriteBack => "write_back",
+            StepPart::Compute => "compute",
         }
     }
 }
 
 impl TierStats {
     /// Seconds `forward` has spent in `part` so far.
-    pub fn part_seconds(&self, part: Part) -> f64 {
+    pub fn part_seconds(&self, part: StepPart) -> f64 {
         self.part_nanos[part as usize].load(Ordering::Relaxed) as f64 * 1e-9
     }
 
-    fn add_part(&self, part: Part, since: std::time::Instant) -> std::time::Instant {
+    fn add_part(&self, part: StepPart, since: std::time::Instant) -> std::time::Instant {
         let now = std::time::Instant::now();
         self.part_nanos[part as usize]
             .fetch_add((now - since).as_nanos() as u64, Ordering::Relaxed);
@@ -174,24 +183,6 @@ struct Shared {
     stats: Arc<TierStats>,
 }
 
-/// Policy, write-back and pinning choices (defaults: LFU, a 64-entry ring, pinning on).
-#[derive(Clone, Copy, Debug)]
-pub struct TierTuning {
-    pub policy: PolicyKind,
-    pub writeback_ring: usize,
-    pub pin: bool,
-}
-
-impl Default for TierTuning {
-    fn default() -> Self {
-        TierTuning {
-            policy: PolicyKind::Lfu,
-            writeback_ring: 64,
-            pin: true,
-        }
-    }
-}
-
 pub struct TieredExperts {
     source: Arc<dyn ExpertSource>,
     hidden: usize,
@@ -210,77 +201,67 @@ pub struct TieredExperts {
     pub stats: Arc<TierStats>,
     pub pins: Arc<PinStats>,
     mode: Mode,
-    /// The device tier's slots on a GPU (see [`TieredExperts::with_gpu`]); without it the
+    /// The device tier's slots on a GPU (see [`TieredExperts::new`]); without it the
     /// device tier is CPU memory.
     gpu: Option<Mutex<super::vram::GpuTier>>,
     /// That GPU (read without the tier's lock).
     gpu_device: Option<Arc<crate::backend::cuda::Cuda>>,
+    /// Where [`ExpertProvider::finish`] saves the routing history, and its fingerprint.
+    history_file: std::sync::OnceLock<(std::path::PathBuf, String)>,
+    plan: TierPlan,
 }
 
 /// Experts read ahead by the prefetcher, by (layer, expert), not yet looked up.
 type Staging = Mutex<HashMap<(usize, usize), Arc<SwiGlu>>>;
 
-/// Slot caps are per layer (each layer's experts compete only with each other).
-#[derive(Clone, Copy, Debug)]
-pub struct TierCaps {
-    pub device_slots_per_layer: usize,
-    pub ram_slots_per_layer: usize,
-}
-
 impl TieredExperts {
-    /// `moe_layers[l]` says whether layer l has routed experts. In `fast`/`exact` every
-    /// expert is loaded into RAM now and the store is never read again.
+    /// The tiers `plan` describes over `source`; `moe_layers[l]` says whether layer l has
+    /// routed experts. In `fast`/`exact` every expert is loaded into RAM now and the store
+    /// is never read again. With `gpu` the device tier's residents live in VRAM slots and
+    /// are computed there; in `nvme`/`fast` RAM-resident decode picks run on the CPU lane, in
+    /// the exact modes every product runs on the GPU kernel (non-residents through the
+    /// plan's staging slots). Without it the device tier is CPU memory.
     pub fn new(
         source: Arc<dyn ExpertSource>,
         hidden: usize,
         experts: usize,
         moe_layers: &[bool],
-        mode: Mode,
-        caps: TierCaps,
-        aging_period: u64,
-        prefetch: bool,
+        plan: &TierPlan,
+        gpu: Option<Arc<crate::backend::cuda::Cuda>>,
     ) -> anyhow::Result<TieredExperts> {
-        Self::with_tuning(
-            source,
-            hidden,
-            experts,
-            moe_layers,
-            mode,
-            caps,
-            aging_period,
-            prefetch,
-            TierTuning::default(),
-        )
-    }
-
-    /// As [`TieredExperts::new`], with the policy, ring size and pinning chosen.
-    pub fn with_tuning(
-        source: Arc<dyn ExpertSource>,
-        hidden: usize,
-        experts: usize,
-        moe_layers: &[bool],
-        mode: Mode,
-        caps: TierCaps,
-        aging_period: u64,
-        prefetch: bool,
-        tuning: TierTuning,
-    ) -> anyhow::Result<TieredExperts> {
-        let (device_slots, ram_slots) = if mode.tiered() {
-            (caps.device_slots_per_layer, caps.ram_slots_per_layer)
-        } else {
-            (0, experts)
-        };
+        let mode = plan.mode;
+        let (device_slots, ram_slots) = (plan.device_slots, plan.ram_slots);
         let stats = Arc::new(TierStats::default());
         let pins = Arc::new(PinStats::default());
-        pins.disabled.store(!tuning.pin, Ordering::Relaxed);
+        pins.disabled.store(!plan.pin, Ordering::Relaxed);
+        let gpu = match gpu {
+            Some(cuda) => {
+                let first = moe_layers
+                    .iter()
+                    .position(|&m| m)
+                    .ok_or_else(|| anyhow::anyhow!("no MoE layer"))?;
+                let sample = source.load(first, 0)?;
+                let tier = super::vram::GpuTier::new(
+                    cuda,
+                    &sample,
+                    moe_layers,
+                    device_slots,
+                    plan.staging_slots,
+                )?;
+                // RAM residents are registered with CUDA (pinned, copied by DMA).
+                pins.set_registrar(tier.registrar.clone());
+                Some(tier)
+            }
+            None => None,
+        };
         let mut layers = Vec::with_capacity(moe_layers.len());
         for (l, &moe) in moe_layers.iter().enumerate() {
             let mut layer = Layer {
                 device: HashMap::new(),
                 ram: HashMap::new(),
                 in_flight: HashMap::new(),
-                device_policy: tuning.policy.build(experts, aging_period, None),
-                ram_policy: tuning.policy.build(experts, aging_period, None),
+                device_policy: plan.eviction.build(experts, plan.aging_period, None),
+                ram_policy: plan.eviction.build(experts, plan.aging_period, None),
             };
             if moe && !mode.tiered() {
                 use rayon::prelude::*;
@@ -300,10 +281,10 @@ impl TieredExperts {
             pins: pins.clone(),
             stats: stats.clone(),
         });
-        let ring = Arc::new(Ring::new(tuning.writeback_ring));
+        let ring = Arc::new(Ring::new(plan.writeback_ring));
         spawn_writer(shared.clone(), ring.clone());
         let staged = Arc::new(Mutex::new(HashMap::new()));
-        let prefetcher = (mode.tiered() && prefetch).then(|| {
+        let prefetcher = (mode.tiered() && plan.prefetch).then(|| {
             Mutex::new(spawn_prefetcher(
                 source.clone(),
                 staged.clone(),
@@ -318,7 +299,7 @@ impl TieredExperts {
             ram_slots,
             shared,
             ring,
-            policy: tuning.policy,
+            policy: plan.eviction,
             moe_layers: moe_layers.iter().filter(|&&m| m).count(),
             picks: moe_layers
                 .iter()
@@ -329,41 +310,38 @@ impl TieredExperts {
             stats,
             pins,
             mode,
-            gpu: None,
-            gpu_device: None,
+            gpu_device: gpu.as_ref().map(|g| g.cuda().clone()),
+            gpu: gpu.map(Mutex::new),
+            history_file: std::sync::OnceLock::new(),
+            plan: plan.clone(),
         })
     }
 
-    /// Puts the device tier on `cuda`: device residents live in VRAM slots and are computed
-    /// there; in `nvme`/`fast` RAM-resident decode picks run on the CPU lane, in the exact
-    /// modes every product runs on the GPU kernel (non-residents through staging slots).
-    pub fn with_gpu(
-        mut self,
-        cuda: Arc<crate::backend::cuda::Cuda>,
-        moe_layers: &[bool],
-    ) -> anyhow::Result<TieredExperts> {
-        let first = moe_layers
-            .iter()
-            .position(|&m| m)
-            .ok_or_else(|| anyhow::anyhow!("no MoE layer"))?;
-        let sample = self.source.load(first, 0)?;
-        // Staging carries one layer's non-resident picks per round: a decode step's worth.
-        let staging = 16;
-        let gpu = super::vram::GpuTier::new(cuda, &sample, moe_layers, self.device_slots, staging)?;
-        // RAM residents from now on are registered with CUDA; re-pin those loaded already.
-        self.pins.set_registrar(gpu.registrar.clone());
-        if !self.pins.disabled.load(Ordering::Relaxed) {
-            for layer in &self.shared.layers {
-                let mut l = layer.lock().unwrap_or_else(|e| e.into_inner());
-                for pinned in l.ram.values_mut() {
-                    let w = pinned.weights().clone();
-                    *pinned = Pinned::new(w, &self.pins);
-                }
+    /// The plan these tiers were built from.
+    pub fn plan(&self) -> &TierPlan {
+        &self.plan
+    }
+
+    /// With a history file in the plan: warm-starts the tiers from it when it matches
+    /// `fingerprint` (the model's), and remembers where [`ExpertProvider::finish`] saves it.
+    pub fn open_history(&self, fingerprint: &str) -> anyhow::Result<()> {
+        let Some(path) = &self.plan.history else {
+            return Ok(());
+        };
+        let layers = self.picks.len();
+        match super::history::RoutingHistory::load(path, fingerprint, layers, self.experts) {
+            Some(h) => {
+                let loaded = self.warm_start(&h, self.plan.aging_period)?;
+                tracing::info!(path = %path.display(), loaded, "tiers warm-started from the routing history");
+            }
+            None => {
+                tracing::info!(path = %path.display(), "no usable routing history; starting cold")
             }
         }
-        self.gpu_device = Some(gpu.cuda().clone());
-        self.gpu = Some(Mutex::new(gpu));
-        Ok(self)
+        let _ = self
+            .history_file
+            .set((path.clone(), fingerprint.to_string()));
+        Ok(())
     }
 
     /// The GPU device tier's counters, when there is one.
@@ -808,7 +786,7 @@ impl TieredExperts {
     ) -> anyhow::Result<(HashMap<usize, Arc<SwiGlu>>, PartTimer<'_>)> {
         let started = std::time::Instant::now();
         let mut fetched = self.fetch_misses(layer, routing)?;
-        let at = self.stats.add_part(Part::Fetch, started);
+        let at = self.stats.add_part(StepPart::Fetch, started);
         let mut picked: HashMap<usize, Arc<SwiGlu>> = HashMap::new();
         let mut jobs = Vec::new();
         let resolved = {
@@ -823,9 +801,9 @@ impl TieredExperts {
                 anyhow::Ok(())
             })
         };
-        let at = self.stats.add_part(Part::Resolve, at);
+        let at = self.stats.add_part(StepPart::Resolve, at);
         self.write_back(jobs);
-        let at = self.stats.add_part(Part::WriteBack, at);
+        let at = self.stats.add_part(StepPart::WriteBack, at);
         resolved?;
         if self.prefetcher.is_some() {
             // Reads staged for this layer that no pick used are wasted.
@@ -872,11 +850,11 @@ struct PartTimer<'a>(&'a TierStats, std::time::Instant);
 
 impl Drop for PartTimer<'_> {
     fn drop(&mut self) {
-        self.0.add_part(Part::Compute, self.1);
+        self.0.add_part(StepPart::Compute, self.1);
     }
 }
 
-impl crate::backend::cuda::DeviceExperts for TieredExperts {
+impl crate::model::moe::DeviceExperts for TieredExperts {
     fn device(&self) -> &Arc<crate::backend::cuda::Cuda> {
         self.gpu_device
             .as_ref()
@@ -914,7 +892,25 @@ impl ExpertProvider for TieredExperts {
         })
     }
 
-    fn on_device(&self) -> Option<&dyn crate::backend::cuda::DeviceExperts> {
+    /// Settles the write-back ring, prints the one-line tier summary on stderr and saves
+    /// the routing history where [`TieredExperts::open_history`] was told to.
+    fn finish(&self) -> anyhow::Result<()> {
+        use anyhow::Context;
+        self.flush();
+        eprintln!(
+            "tiers ({:?}): {}",
+            self.mode,
+            super::args::tier_summary(self)
+        );
+        if let Some((path, fingerprint)) = self.history_file.get() {
+            self.history(fingerprint)
+                .save(path)
+                .with_context(|| format!("writing {}", path.display()))?;
+        }
+        Ok(())
+    }
+
+    fn on_device(&self) -> Option<&dyn crate::model::moe::DeviceExperts> {
         self.gpu_device.as_ref().map(|_| self as _)
     }
 
@@ -1062,7 +1058,7 @@ impl StoreSource {
 impl ExpertSource for StoreSource {
     fn load(&self, layer: usize, expert: usize) -> anyhow::Result<SwiGlu> {
         let record = self.reader.read(layer, expert)?;
-        Ok(record.to_expert(self.limit)?)
+        expert_from_record(&record, self.limit)
     }
 
     fn load_many(&self, keys: &[(usize, usize)]) -> Vec<anyhow::Result<SwiGlu>> {
@@ -1070,11 +1066,49 @@ impl ExpertSource for StoreSource {
         self.reader
             .read_many(keys)
             .into_par_iter()
-            .map(|r| Ok(r?.to_expert(self.limit)?))
+            .map(|r| expert_from_record(&*r?, self.limit))
             .collect()
     }
 
     fn record_bytes(&self) -> usize {
         self.record_bytes
     }
+}
+
+/// The expert a store record holds, with the model's SwiGLU clamp `limit`: gate, up and down
+/// as matrices, their bytes copied out of the record.
+pub fn expert_from_record(record: &RecordBuf, limit: f32) -> anyhow::Result<SwiGlu> {
+    let bytes = record.bytes();
+    let matrix = |p: &crate::store::Part| {
+        Matrix::from_bytes(
+            p.rows,
+            p.cols,
+            p.format,
+            page_padded(&bytes[p.offset..p.offset + p.length]),
+        )
+        .with_context(|| {
+            format!(
+                "record of layer {}, expert {}",
+                record.layer(),
+                record.expert()
+            )
+        })
+    };
+    let parts = record.layout();
+    Ok(SwiGlu {
+        gate: matrix(&parts.gate)?,
+        up: matrix(&parts.up)?,
+        down: matrix(&parts.down)?,
+        limit,
+    })
+}
+
+/// `bytes` in a buffer with two spare pages after them, so that no two such buffers touch
+/// a common page: a RAM-tier resident is registered with CUDA page by page, and a
+/// registration overlapping another one's pages is refused (heap neighbours would share the
+/// page between them).
+fn page_padded(bytes: &[u8]) -> Vec<u8> {
+    let mut v = Vec::with_capacity(bytes.len() + 2 * 4096);
+    v.extend_from_slice(bytes);
+    v
 }

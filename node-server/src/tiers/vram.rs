@@ -6,9 +6,9 @@
 #![allow(unsafe_code)] // CUDA host registration of RAM residents; each block says why it holds
 
 use super::provider::ExpertSource;
-use crate::backend::cuda::{Cuda, DeviceExperts, MoeLayout, MoeStep, SlotArena};
+use crate::backend::cuda::{Cuda, MoeLayout, MoeStep, SlotArena};
 use crate::model::mlp::SwiGlu;
-use crate::model::moe::{ExpertProvider, Routing};
+use crate::model::moe::{DeviceExperts, ExpertProvider, Routing};
 use anyhow::{Context, bail};
 use cudarc::driver::{CudaEvent, CudaSlice, CudaStream};
 use std::sync::{Arc, Mutex};

@@ -7,7 +7,6 @@ use crate::backend::AttnLayout;
 use crate::backend::cpu::Placer;
 use crate::backend::cpu::{Matrix, ops};
 use crate::backend::cuda::attn::DsaSpec;
-use crate::backend::cuda::decode::{CACHE_SPARE_TOKENS, GpuDecoder, GpuSeq};
 use crate::backend::cuda::matrix::CudaPlacer;
 use crate::backend::cuda::{
     Cuda, KdaForm, KdaSpec, MhcCollapse, MhcSpec, MoeLayout, MoeStep, RouteSpec, SlotArena,
@@ -16,6 +15,7 @@ use crate::model::checkpoint::DType;
 use crate::model::config::Config;
 use crate::model::dsa::{pool_key, pool_scores, select_tokens};
 use crate::model::glm5::{LayerCache, Model, SeqCache, Step};
+use crate::model::gpu::{CACHE_SPARE_TOKENS, GpuDecoder, GpuSeq};
 use crate::model::kda::{self, KdaMode};
 use crate::model::mhc::HyperConnection;
 use crate::model::mla::sparse_attention;

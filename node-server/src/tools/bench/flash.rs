@@ -18,61 +18,25 @@
 //! `need = max(gpu bytes / HBM, cpu-lane bytes / RAM) + h2d bytes / H2D + store bytes / store`.
 //! Results print as JSON lines on stderr as they finish and as one JSON document at the end.
 
+use super::args::BenchArgs;
+use super::common::{measure_read_bandwidth, set_router_bias};
 use crate::backend::cuda::Cuda;
-use crate::backend::cuda::decode::{GpuDecoder, GpuSeq};
-use crate::bench::BenchArgs;
 use crate::model::checkpoint::DType;
 use crate::model::config::Config;
 use crate::model::glm5::Step;
+use crate::model::gpu::{GpuDecoder, GpuSeq};
 use crate::model::moe::ExpertProvider;
 use crate::model::{Model, random};
 use crate::quant::Format;
 use crate::store::{ChecksumPolicy, ReaderOptions, StoreReader};
-use crate::tiers::provider::{Mode, Part, StoreSource, Tier, TierCaps, TierTuning, TieredExperts};
+use crate::tiers::plan::TierPlan;
+use crate::tiers::provider::{Mode, StepPart, StoreSource, Tier, TieredExperts};
 use anyhow::{Context, bail};
 use serde_json::{Value, json};
 use std::path::Path;
 use std::sync::Arc;
 use std::sync::atomic::Ordering;
 use std::time::Instant;
-
-#[derive(clap::Args, Debug, Clone)]
-pub struct FlashBenchArgs {
-    /// Benchmark a random model at GLM-5.3-Flash width under the RTX 3090 box's budget
-    /// (needs --device cuda; writes about 4.1 GB of store per MoE layer into --scratch).
-    #[arg(long, env = "GLMFLASH_BENCH_FLASH")]
-    pub flash: bool,
-    /// MoE layers of the random model (the real one has 42).
-    #[arg(long, env = "GLMFLASH_BENCH_FLASH_LAYERS", default_value_t = 8)]
-    pub flash_moe_layers: usize,
-    /// VRAM the 3090 box gives expert slots, in GB (the seed: about 1,300 experts).
-    #[arg(long, default_value_t = 12.4)]
-    pub vram_expert_gb: f64,
-    /// The 3090 box's memory cap for the server, in GiB (the seed's 55 GiB).
-    #[arg(long, default_value_t = 55.0)]
-    pub ram_cap_gib: f64,
-    /// MoE layers of the real model the budgets are spread over.
-    #[arg(long, default_value_t = 42)]
-    pub budget_layers: usize,
-    /// Prompt length of the `prefill` run.
-    #[arg(long, default_value_t = 8192)]
-    pub flash_prefill: usize,
-    /// Runs, comma-separated: budget, prefill, exact, vram, fast, zipf.
-    #[arg(long, default_value = "budget,prefill,exact,vram,fast,zipf")]
-    pub flash_runs: String,
-    /// Keep the generated model and store in --scratch, and reuse them when present.
-    #[arg(long)]
-    pub keep: bool,
-    /// Decode paths each decode run measures, comma-separated: `host` (`Model::forward`,
-    /// activations on the host around every device product) and `gpu` (`GpuDecoder`: the
-    /// activations and caches stay on the GPU, the streams stepped as one batch).
-    #[arg(long, default_value = "host,gpu")]
-    pub flash_decoders: String,
-    /// Leave the RAM tier unpinned (neither registered with CUDA nor mlocked): shows what
-    /// pinning costs at admission.
-    #[arg(long)]
-    pub flash_no_pin: bool,
-}
 
 /// Hidden size and layer count of the real model, for the non-expert memory estimate.
 const REAL_LAYERS: usize = 45;
@@ -136,7 +100,7 @@ fn prepare_and_measure(root: &Path, cuda: &Arc<Cuda>, args: &BenchArgs) -> anyho
 
 fn set_skew(model_dir: &Path, store: &Path, skew: f32) -> anyhow::Result<()> {
     let cfg = Config::from_file(&model_dir.join("config.json"))?;
-    crate::bench_tiers::set_router_bias(
+    set_router_bias(
         &model_dir.join("model.safetensors"),
         cfg.n_routed_experts,
         skew,
@@ -197,7 +161,7 @@ fn measure_bandwidths(cuda: &Cuda, store: &Path, cfg: &Config) -> anyhow::Result
         hbm: cuda.copy_bandwidth(1 << 30)?,
         h2d_pinned: cuda.h2d_bandwidth(256 << 20, true)?,
         h2d_pageable: cuda.h2d_bandwidth(256 << 20, false)?,
-        ram: crate::bench::measure_read_bandwidth(),
+        ram: measure_read_bandwidth(),
         store_raw: store_rate(ChecksumPolicy::Never)?,
         store_checked: store_rate(ChecksumPolicy::Always)?,
     })
@@ -262,7 +226,7 @@ fn measure_all(
     let record = source_record(&source);
     let started = Instant::now();
     let placeholder: Arc<dyn ExpertProvider> =
-        Arc::new(tiered(&cfg, &source, Mode::Nvme, 1, 1, true)?);
+        Arc::new(tiered(&cfg, &source, Mode::Nvme, 1, 1, true, None)?);
     let mut model = crate::tiers::vram::load_dense_on_gpu(model_dir, placeholder, cuda.clone())?;
     eprintln!(
         "dense model on the GPU in {:.1}s",
@@ -288,17 +252,15 @@ fn measure_all(
         // Fresh (cold) tiers for each decoder, so that neither inherits the other's
         // residents.
         for name in decoders(args)? {
-            let tiers = Arc::new(
-                tiered(
-                    &cfg,
-                    &source,
-                    mode,
-                    budget.vram_slots,
-                    budget.ram_slots,
-                    pin,
-                )?
-                .with_gpu(cuda.clone(), &cfg.moe_layers())?,
-            );
+            let tiers = Arc::new(tiered(
+                &cfg,
+                &source,
+                mode,
+                budget.vram_slots,
+                budget.ram_slots,
+                pin,
+                Some(cuda),
+            )?);
             model.set_experts(tiers.clone());
             let gpu = gpu_decoder(name, cuda, &model)?;
             if run == "prefill" {
@@ -341,10 +303,7 @@ fn measure_all(
     }
     if runs.contains(&"fast") {
         let started = Instant::now();
-        let tiers = Arc::new(
-            tiered(&cfg, &source, Mode::Fast, 0, 0, pin)?
-                .with_gpu(cuda.clone(), &cfg.moe_layers())?,
-        );
+        let tiers = Arc::new(tiered(&cfg, &source, Mode::Fast, 0, 0, pin, Some(cuda))?);
         eprintln!(
             "every expert in RAM in {:.1}s",
             started.elapsed().as_secs_f64()
@@ -359,17 +318,15 @@ fn measure_all(
         set_skew(model_dir, store, args.tiers.zipf_bias)?;
         let source = Arc::new(StoreSource::open(store, model_dir, &cfg)?);
         let fresh = || -> anyhow::Result<Arc<TieredExperts>> {
-            Ok(Arc::new(
-                tiered(
-                    &cfg,
-                    &source,
-                    Mode::Nvme,
-                    budget.vram_slots,
-                    budget.ram_slots,
-                    pin,
-                )?
-                .with_gpu(cuda.clone(), &cfg.moe_layers())?,
-            ))
+            Ok(Arc::new(tiered(
+                &cfg,
+                &source,
+                Mode::Nvme,
+                budget.vram_slots,
+                budget.ram_slots,
+                pin,
+                Some(cuda),
+            )?))
         };
         let placeholder: Arc<dyn ExpertProvider> = fresh()?;
         let mut model =
@@ -413,6 +370,8 @@ fn source_record(source: &StoreSource) -> usize {
     source.record_bytes()
 }
 
+/// Cold tiers over `source` with these slots per MoE layer (LFU, prefetch on), their
+/// device tier on `cuda` when given.
 fn tiered(
     cfg: &Config,
     source: &Arc<StoreSource>,
@@ -420,23 +379,19 @@ fn tiered(
     vram_slots: usize,
     ram_slots: usize,
     pin: bool,
+    cuda: Option<&Arc<Cuda>>,
 ) -> anyhow::Result<TieredExperts> {
-    TieredExperts::with_tuning(
+    let plan = TierPlan {
+        pin,
+        ..TierPlan::new(mode, vram_slots, ram_slots, cfg.n_routed_experts)
+    };
+    TieredExperts::new(
         source.clone(),
         cfg.hidden_size,
         cfg.n_routed_experts,
         &cfg.moe_layers(),
-        mode,
-        TierCaps {
-            device_slots_per_layer: vram_slots,
-            ram_slots_per_layer: ram_slots,
-        },
-        4096,
-        true,
-        TierTuning {
-            pin,
-            ..TierTuning::default()
-        },
+        &plan,
+        cuda.cloned(),
     )
 }
 
@@ -460,7 +415,7 @@ struct Snapshot {
     h2d: u64,
     gpu_picks: u64,
     cpu_picks: u64,
-    /// Seconds the tiers' `forward` spent per part (`Part::ALL`).
+    /// Seconds the tiers' `forward` spent per part (`StepPart::ALL`).
     parts: [f64; 4],
 }
 
@@ -478,7 +433,7 @@ fn snapshot(tiers: Option<&Arc<TieredExperts>>, phase: usize) -> Snapshot {
         h2d: gpu.as_ref().map_or(0, |g| g.h2d_bytes),
         gpu_picks: gpu.as_ref().map_or(0, |g| g.gpu_picks),
         cpu_picks: gpu.as_ref().map_or(0, |g| g.cpu_picks),
-        parts: Part::ALL.map(|p| s.part_seconds(p)),
+        parts: StepPart::ALL.map(|p| s.part_seconds(p)),
     }
 }
 
@@ -543,7 +498,7 @@ fn figures(
         "cpu_lane_share": cpu_picks / (cpu_picks + gpu_picks).max(1.0),
         "time_needed_ms_per_step": need * 1e3 / n,
         "roofline_ratio": need / secs,
-        "tier_ms_per_step": Part::ALL
+        "tier_ms_per_step": StepPart::ALL
             .iter()
             .map(|&p| {
                 let i = p as usize;

@@ -1,53 +1,16 @@
-//! `bench`: CPU prefill and decode speed of a random model of a given shape, with the
+//! `bench` (no variant flag): prefill and decode speed of a random model of a given shape, with the
 //! memory-bandwidth roofline measured in the same run.
 
+use super::args::BenchArgs;
+use super::common::measure_read_bandwidth;
 use crate::model::Model;
 use crate::model::checkpoint::DType;
 use crate::model::config::MlpKind;
 use crate::model::random::{scaled_config, write_random_checkpoint};
 use crate::quant::Format;
-use rayon::prelude::*;
 use std::time::Instant;
 
-#[derive(clap::Args, Debug, Clone)]
-pub struct BenchArgs {
-    /// Use this checkpoint instead of a random one.
-    #[arg(long, env = "GLMFLASH_MODEL")]
-    pub model: Option<std::path::PathBuf>,
-    #[arg(long, default_value_t = 1024)]
-    pub hidden: usize,
-    #[arg(long, default_value_t = 4)]
-    pub layers: usize,
-    #[arg(long, default_value_t = 32)]
-    pub experts: usize,
-    #[arg(long, default_value_t = 512)]
-    pub expert_width: usize,
-    #[arg(long, default_value_t = 8)]
-    pub top_k: usize,
-    #[arg(long, default_value_t = 4096)]
-    pub vocab: usize,
-    /// Routed expert weight format of the random model: bf16, q8_0 or q4_k.
-    #[arg(long, default_value = "bf16")]
-    pub expert_format: String,
-    #[arg(long, default_value_t = 256)]
-    pub prompt_tokens: usize,
-    #[arg(long, default_value_t = 32)]
-    pub decode_tokens: usize,
-    #[command(flatten)]
-    pub device: crate::backend::DeviceArgs,
-    #[command(flatten)]
-    pub tiers: crate::bench_tiers::TierBenchArgs,
-    #[command(flatten)]
-    pub flash: crate::bench_flash::FlashBenchArgs,
-}
-
 pub fn run(args: &BenchArgs) -> anyhow::Result<()> {
-    if args.flash.flash {
-        return crate::bench_flash::run(args);
-    }
-    if args.tiers.tiered {
-        return crate::bench_tiers::run(args);
-    }
     let scratch = std::env::temp_dir().join(format!("glmflash-bench-{}", std::process::id()));
     let dir = match &args.model {
         Some(dir) => dir.clone(),
@@ -153,24 +116,4 @@ fn model_bytes(model: &Model) -> WeightBytes {
         routed,
         embed: model.embedding_bytes(),
     }
-}
-
-/// Sustained read bandwidth of this machine's memory: all threads summing a 512 MiB buffer
-/// of integers (an integer sum vectorises, so the loop is bound by memory, not adds).
-pub fn measure_read_bandwidth() -> f64 {
-    let len = 128 << 20;
-    let buf: Vec<u32> = (0..len as u32).collect();
-    let mut best = f64::MAX;
-    let mut sink = 0u32;
-    for _ in 0..3 {
-        let started = Instant::now();
-        let sum = buf
-            .par_chunks(1 << 16)
-            .map(|c| c.iter().fold(0u32, |a, &b| a.wrapping_add(b)))
-            .reduce(|| 0, u32::wrapping_add);
-        best = best.min(started.elapsed().as_secs_f64());
-        sink = sink.wrapping_add(sum);
-    }
-    std::hint::black_box(sink);
-    (len * 4) as f64 / best
 }

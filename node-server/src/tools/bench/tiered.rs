@@ -4,44 +4,19 @@
 //! hit rate and bytes per token per tier, the store's read rate, and the roofline ratio:
 //! the time the bytes moved need at the measured bandwidths over the measured time per token.
 
-use crate::bench::BenchArgs;
+use super::args::BenchArgs;
+use super::common::{measure_read_bandwidth, set_router_bias};
 use crate::model::Model;
 use crate::model::checkpoint::DType;
 use crate::model::config::Config;
 use crate::model::random::{scaled_config, write_random_checkpoint};
+use crate::tiers::plan::TierPlan;
 use crate::tiers::policy::PolicyKind;
-use crate::tiers::provider::{Mode, StoreSource, Tier, TierCaps, TierTuning, TieredExperts};
-use std::path::{Path, PathBuf};
+use crate::tiers::provider::{Mode, StoreSource, Tier, TieredExperts};
+use std::path::Path;
 use std::sync::Arc;
 use std::sync::atomic::Ordering;
 use std::time::Instant;
-
-#[derive(clap::Args, Debug, Clone)]
-pub struct TierBenchArgs {
-    /// Measure decode through the expert tiers (experts read from a packed store) instead of
-    /// with every expert in memory.
-    #[arg(long, env = "GLMFLASH_BENCH_TIERED")]
-    pub tiered: bool,
-    /// Where the model and its packed stores are written (a disk filesystem with O_DIRECT);
-    /// removed afterwards.
-    #[arg(long, env = "GLMFLASH_BENCH_SCRATCH", default_value = "/tmp")]
-    pub scratch: PathBuf,
-    /// Device-tier slots per MoE layer.
-    #[arg(long, env = "GLMFLASH_BENCH_VRAM_SLOTS", default_value_t = 8)]
-    pub vram_slots: usize,
-    /// RAM-tier slots per MoE layer.
-    #[arg(long, env = "GLMFLASH_BENCH_RAM_SLOTS", default_value_t = 16)]
-    pub ram_slots: usize,
-    /// Skew of the Zipf-like routing: the expert of popularity rank r gets bias -s * ln(1 + r).
-    #[arg(long, env = "GLMFLASH_BENCH_ZIPF_BIAS", default_value_t = 0.1)]
-    pub zipf_bias: f32,
-    /// Decode steps run before measuring (to fill the tiers).
-    #[arg(long, env = "GLMFLASH_BENCH_WARMUP", default_value_t = 16)]
-    pub warmup_tokens: usize,
-    /// The store disk's O_DIRECT read bandwidth in GB/s (fio, same run), for the roofline.
-    #[arg(long, env = "GLMFLASH_BENCH_DISK_GBPS")]
-    pub disk_gbps: Option<f64>,
-}
 
 pub fn run(args: &BenchArgs) -> anyhow::Result<()> {
     let root = args
@@ -64,7 +39,7 @@ fn measure_all(root: &Path, args: &BenchArgs) -> anyhow::Result<serde_json::Valu
         args.expert_width,
         args.top_k,
     );
-    let mem_bw = crate::bench::measure_read_bandwidth();
+    let mem_bw = measure_read_bandwidth();
     let mut runs = Vec::new();
     for routing in ["uniform", "zipf"] {
         let dir = root.join(routing);
@@ -105,42 +80,6 @@ fn measure_all(root: &Path, args: &BenchArgs) -> anyhow::Result<serde_json::Valu
     }))
 }
 
-/// Rewrites every router's `e_score_correction_bias` in place: the expert of popularity rank
-/// `r` (a fixed shuffle of the ids) gets `-skew * ln(1 + r)`; `skew` 0 zeroes the biases.
-pub(crate) fn set_router_bias(file: &Path, experts: usize, skew: f32) -> anyhow::Result<()> {
-    use rand::SeedableRng;
-    use rand::seq::SliceRandom;
-    use std::io::{Read, Seek, SeekFrom, Write};
-    let mut f = std::fs::OpenOptions::new()
-        .read(true)
-        .write(true)
-        .open(file)?;
-    let mut len = [0u8; 8];
-    f.read_exact(&mut len)?;
-    let mut header = vec![0u8; u64::from_le_bytes(len) as usize];
-    f.read_exact(&mut header)?;
-    let header: serde_json::Map<String, serde_json::Value> = serde_json::from_slice(&header)?;
-    let data_start = 8 + u64::from_le_bytes(len);
-    let mut rank: Vec<usize> = (0..experts).collect();
-    rank.shuffle(&mut rand_chacha::ChaCha8Rng::seed_from_u64(7));
-    let bias: Vec<u8> = (0..experts)
-        .flat_map(|e| (-skew * (1.0 + rank[e] as f32).ln()).to_le_bytes())
-        .collect();
-    let mut patched = 0;
-    for (name, t) in &header {
-        if !name.ends_with("mlp.gate.e_score_correction_bias") {
-            continue;
-        }
-        anyhow::ensure!(t["dtype"] == "F32", "{name} is not F32");
-        let start = t["data_offsets"][0].as_u64().unwrap_or(0);
-        f.seek(SeekFrom::Start(data_start + start))?;
-        f.write_all(&bias)?;
-        patched += 1;
-    }
-    anyhow::ensure!(patched > 0, "no router bias in {}", file.display());
-    Ok(())
-}
-
 fn measure(
     dir: &Path,
     store: &Path,
@@ -152,22 +91,22 @@ fn measure(
     let cfg = Config::from_file(&dir.join("config.json"))?;
     let moe = cfg.moe_layers();
     let source = Arc::new(StoreSource::open(store, dir, &cfg)?);
-    let tiers = Arc::new(TieredExperts::with_tuning(
+    let plan = TierPlan {
+        eviction: policy,
+        ..TierPlan::new(
+            Mode::Nvme,
+            args.tiers.vram_slots,
+            args.tiers.ram_slots,
+            cfg.n_routed_experts,
+        )
+    };
+    let tiers = Arc::new(TieredExperts::new(
         source,
         cfg.hidden_size,
         cfg.n_routed_experts,
         &moe,
-        Mode::Nvme,
-        TierCaps {
-            device_slots_per_layer: args.tiers.vram_slots,
-            ram_slots_per_layer: args.tiers.ram_slots,
-        },
-        4096,
-        true,
-        TierTuning {
-            policy,
-            ..TierTuning::default()
-        },
+        &plan,
+        None,
     )?);
     let model = Model::load_with(dir, Some(tiers.clone()))?;
     let vocab = cfg.vocab_size as u32;

@@ -1,0 +1,206 @@
+//! Dense products and row ops on device buffers: `matmul` (cuBLAS for many tokens) and
+//! `matvec` over every weight format, SwiGLU, RMSNorm and the gated RMSNorm.
+
+use super::*;
+
+impl Cuda {
+    /// [`Cuda::matvec`]'s product, through cuBLAS SGEMM for many tokens of a float-format
+    /// matrix (f32 from `GEMM_MIN_TOKENS`; f16 and bf16 from `WIDEN_MIN_TOKENS`, widened to
+    /// f32 a tile of rows at a time, so the product keeps f32 activations and f32 arithmetic:
+    /// no TF32), else through `matvec`.
+    #[allow(clippy::too_many_arguments)]
+    pub fn matmul(
+        &self,
+        w: &CudaSlice<u8>,
+        format: Format,
+        rows: usize,
+        cols: usize,
+        x: &CudaSlice<f32>,
+        n: usize,
+        y: &mut CudaSlice<f32>,
+    ) -> Result<(), CudaError> {
+        let min = match format {
+            Format::F32 => GEMM_MIN_TOKENS,
+            Format::F16 | Format::Bf16 => WIDEN_MIN_TOKENS,
+            Format::Q8_0 | Format::Q4K => usize::MAX,
+        };
+        if n < min || cols == 0 {
+            return self.matvec(w, format, rows, cols, x, n, y);
+        }
+        check_product(w, format, rows, cols, x, n, y)?;
+        let blas = self
+            .blas
+            .get_or_init(|| {
+                CudaBlas::new(self.stream.clone())
+                    .map(std::sync::Mutex::new)
+                    .map_err(|e| format!("{e:?}"))
+            })
+            .as_ref()
+            .map_err(|e| CudaError::Unavailable(format!("cuBLAS could not start: {e}")))?;
+        let blas = blas.lock().unwrap_or_else(|e| e.into_inner());
+        let tile = (WIDEN_TILE_VALUES / cols).clamp(1, rows);
+        let mut widened = match format {
+            Format::F32 => None,
+            _ => Some(self.alloc_f32(tile * cols)?),
+        };
+        for r0 in (0..rows).step_by(tile) {
+            let m = tile.min(rows - r0);
+            if let Some(out) = widened.as_mut() {
+                let src = w.slice(r0 * cols * 2..(r0 + m) * cols * 2);
+                let (fmt, count) = (kernel_format_id(format), (m * cols) as i64);
+                let mut b = self.stream.launch_builder(self.kernel("widen_f32"));
+                b.arg(&src).arg(&fmt).arg(&count).arg(&mut *out);
+                // SAFETY: src holds m * cols 2-byte values, out at least as many f32.
+                unsafe { b.launch(LaunchConfig::for_num_elems((m * cols) as u32)) }?;
+            }
+            // SAFETY: an f32 matrix's bytes are rows * cols little-endian f32 (checked
+            // above), the device's own byte order; the view covers exactly them.
+            let all = match &widened {
+                Some(out) => out.slice(..m * cols),
+                None => unsafe { w.transmute::<f32>(rows * cols) }
+                    .ok_or_else(|| CudaError::Invalid("f32 weights short of their size".into()))?
+                    .slice(r0 * cols..(r0 + m) * cols),
+            };
+            // Row-major y[n, rows] = x[n, cols] W^T is, column-major, y^T = W x^T: the tile's
+            // row-major bytes are its transpose column-major (lda = cols), so op(A) = T; its
+            // rows are y's columns r0.. with y's stride (ldc = rows).
+            let cfg = GemmConfig {
+                transa: cublasOperation_t::CUBLAS_OP_T,
+                transb: cublasOperation_t::CUBLAS_OP_N,
+                m: m as i32,
+                n: n as i32,
+                k: cols as i32,
+                alpha: 1.0f32,
+                lda: cols as i32,
+                ldb: cols as i32,
+                beta: 0.0f32,
+                ldc: rows as i32,
+            };
+            let mut c = y.slice_mut(r0..n * rows);
+            // SAFETY: A is m x cols, x holds n x cols, and C's view from r0 covers
+            // (n - 1) * rows + m values, as cfg says.
+            unsafe { blas.gemm(cfg, &all, x, &mut c) }
+                .map_err(|e| CudaError::Invalid(format!("cuBLAS SGEMM: {e:?}")))?;
+        }
+        Ok(())
+    }
+
+    /// `y[t] = W x[t]` for `n` tokens: `w` holds `rows` rows of `cols` values in `format`,
+    /// `x` is `[n, cols]`, `y` is `[n, rows]` (device buffers).
+    pub fn matvec(
+        &self,
+        w: &CudaSlice<u8>,
+        format: Format,
+        rows: usize,
+        cols: usize,
+        x: &CudaSlice<f32>,
+        n: usize,
+        y: &mut CudaSlice<f32>,
+    ) -> Result<(), CudaError> {
+        check_product(w, format, rows, cols, x, n, y)?;
+        if n == 0 || rows == 0 {
+            return Ok(());
+        }
+        let (fmt, rows_i, cols_i, n_i) =
+            (kernel_format_id(format), rows as i32, cols as i32, n as i32);
+        // A warp per row leaves most of the GPU idle below a few thousand rows (the mHC,
+        // router and gate projections): those rows get a block each instead.
+        let split = rows < SPLIT_BELOW_ROWS;
+        let (name, cfg) = if split {
+            let cfg = LaunchConfig {
+                grid_dim: (rows as u32, 1, 1),
+                block_dim: (SPLIT_THREADS, 1, 1),
+                shared_mem_bytes: 0,
+            };
+            ("matvec_split", cfg)
+        } else {
+            ("matvec", rows_config(rows, 1))
+        };
+        let mut b = self.stream.launch_builder(self.kernel(name));
+        b.arg(w)
+            .arg(&fmt)
+            .arg(&rows_i)
+            .arg(&cols_i)
+            .arg(x)
+            .arg(&n_i)
+            .arg(y);
+        // SAFETY: both kernels take `matvec`'s argument list in gemv.cu; the sizes were
+        // checked above, and the grid covers `rows` rows (a warp each, or a block of
+        // SPLIT_WARPS warps each).
+        unsafe { b.launch(cfg) }?;
+        Ok(())
+    }
+
+    /// Clamped SwiGLU over `n` values of device buffers.
+    pub fn swiglu(
+        &self,
+        gate: &CudaSlice<f32>,
+        up: &CudaSlice<f32>,
+        limit: f32,
+        out: &mut CudaSlice<f32>,
+    ) -> Result<(), CudaError> {
+        let n = gate.len().min(up.len()).min(out.len());
+        let n_i = n as i64;
+        let mut b = self.stream.launch_builder(self.kernel("swiglu"));
+        b.arg(gate).arg(up).arg(&limit).arg(&n_i).arg(out);
+        // SAFETY: `n` is within all three buffers; arguments match act.cu.
+        unsafe { b.launch(LaunchConfig::for_num_elems(n as u32)) }?;
+        Ok(())
+    }
+
+    /// RMSNorm of each `width`-wide row of `x` in place (`weight` of `width`, or none).
+    pub fn rms_norm(
+        &self,
+        x: &mut CudaSlice<f32>,
+        weight: Option<&CudaSlice<f32>>,
+        width: usize,
+        eps: f32,
+    ) -> Result<(), CudaError> {
+        let rows = x.len() / width.max(1);
+        if weight.is_some_and(|w| w.len() != width) || rows * width != x.len() {
+            return Err(CudaError::Invalid(format!(
+                "rms_norm of {} values in rows of {width}",
+                x.len()
+            )));
+        }
+        let dummy;
+        let w = match weight {
+            Some(w) => w,
+            None => {
+                dummy = self.stream.alloc_zeros::<f32>(1)?;
+                &dummy
+            }
+        };
+        let (has_weight, width_i) = (weight.is_some() as i32, width as i32);
+        let mut b = self.stream.launch_builder(self.kernel("rms_norm"));
+        b.arg(x).arg(w).arg(&has_weight).arg(&width_i).arg(&eps);
+        // SAFETY: one block per row of `width` values; the weight is `width` long or null.
+        unsafe { b.launch(norm_config(rows, width)) }?;
+        Ok(())
+    }
+
+    /// `x = rms_norm(x) * weight * sigmoid(gate)` per row of `width`, in place.
+    pub fn gated_rms_norm(
+        &self,
+        x: &mut CudaSlice<f32>,
+        gate: &CudaSlice<f32>,
+        weight: &CudaSlice<f32>,
+        width: usize,
+        eps: f32,
+    ) -> Result<(), CudaError> {
+        let rows = x.len() / width.max(1);
+        if weight.len() != width || rows * width != x.len() || gate.len() != x.len() {
+            return Err(CudaError::Invalid(format!(
+                "gated_rms_norm of {} values (gate {}) in rows of {width}",
+                x.len(),
+                gate.len()
+            )));
+        }
+        let width_i = width as i32;
+        let mut b = self.stream.launch_builder(self.kernel("gated_rms_norm"));
+        b.arg(x).arg(gate).arg(weight).arg(&width_i).arg(&eps);
+        // SAFETY: as in `rms_norm`; `gate` has the shape of `x`.
+        unsafe { b.launch(norm_config(rows, width)) }?;
+        Ok(())
+    }
+}

@@ -1,0 +1,219 @@
+//! Small device ops of the GPU forward on buffers already on the device (kernels in
+//! kernels/cuda/elementwise.cu and mla.cu): stream mean, value scaling and sums, LayerNorm,
+//! KDA's gates, packing q|k|v, and MLA's absorbed query and output products.
+#![allow(unsafe_code)] // kernel launches; each block says why it holds
+
+use super::{Cuda, CudaError, norm_config, rows_config};
+use cudarc::driver::{CudaSlice, CudaView, CudaViewMut, LaunchConfig, PushKernelArg};
+
+/// Threads per block of the elementwise and column kernels.
+const ELEM_BLOCK: u32 = 256;
+
+fn elem_config(n: usize) -> LaunchConfig {
+    LaunchConfig {
+        grid_dim: ((n as u32).div_ceil(ELEM_BLOCK).max(1), 1, 1),
+        block_dim: (ELEM_BLOCK, 1, 1),
+        shared_mem_bytes: 0,
+    }
+}
+
+/// KDA's gate settings for [`Cuda::kda_gates`].
+#[derive(Clone, Copy, Debug)]
+pub struct KdaGates {
+    /// Heads and their width; channels = heads x head_dim.
+    pub heads: usize,
+    pub head_dim: usize,
+    /// The forget gate's lower bound, when the config sets one.
+    pub lower_bound: Option<f32>,
+}
+
+impl Cuda {
+    /// `dst[c] = mean over the n streams of src[s * d + c]` for one token's `n x d` streams.
+    pub fn stream_mean(
+        &self,
+        src: &CudaView<f32>,
+        n: usize,
+        d: usize,
+        dst: &mut CudaViewMut<f32>,
+    ) -> Result<(), CudaError> {
+        let (n_i, d_i) = (n as i32, d as i32);
+        let mut l = self.stream.launch_builder(self.kernel("stream_mean"));
+        l.arg(src).arg(&n_i).arg(&d_i).arg(dst);
+        // SAFETY: src holds n * d values, dst d; one thread per column.
+        unsafe { l.launch(elem_config(d)) }?;
+        Ok(())
+    }
+
+    /// KDA's forget gates and betas in place over `rows` token rows: `g` (`[rows, channels]`)
+    /// becomes the log decay from `dt_bias` (channels) and `a_log` (heads), `beta`
+    /// (`[rows, heads]`) its sigmoid.
+    pub fn kda_gates(
+        &self,
+        spec: KdaGates,
+        g: &mut CudaSlice<f32>,
+        dt_bias: &CudaSlice<f32>,
+        a_log: &CudaSlice<f32>,
+        beta: &mut CudaSlice<f32>,
+        rows: usize,
+    ) -> Result<(), CudaError> {
+        let (h, dh) = (spec.heads, spec.head_dim);
+        let c = h * dh;
+        let (dh_i, c_i, h_i) = (dh as i32, c as i32, h as i32);
+        let (has_bound, bound) = match spec.lower_bound {
+            Some(b) => (1i32, b),
+            None => (0i32, 0.0f32),
+        };
+        let mut l = self.stream.launch_builder(self.kernel("kda_gates"));
+        l.arg(g)
+            .arg(dt_bias)
+            .arg(a_log)
+            .arg(&dh_i)
+            .arg(&c_i)
+            .arg(&has_bound)
+            .arg(&bound)
+            .arg(beta)
+            .arg(&h_i);
+        let mut grid = elem_config(c.max(h));
+        grid.grid_dim.1 = rows as u32;
+        // SAFETY: g holds rows of c values, beta rows of h (h <= c), dt_bias c and a_log h;
+        // one thread per channel of a row (grid y over the rows), the first h of a row also
+        // do its beta.
+        unsafe { l.launch(grid) }?;
+        Ok(())
+    }
+
+    /// Packs `len` tokens' q, k and v (`[len, c]` each) into `out` (`[len, 3c]`, q|k|v per
+    /// token).
+    pub fn interleave3(
+        &self,
+        q: &CudaView<f32>,
+        k: &CudaView<f32>,
+        v: &CudaView<f32>,
+        len: usize,
+        c: usize,
+        out: &mut CudaSlice<f32>,
+    ) -> Result<(), CudaError> {
+        let (len_i, c_i) = (len as i32, c as i32);
+        let mut l = self.stream.launch_builder(self.kernel("interleave3"));
+        l.arg(q).arg(k).arg(v).arg(&len_i).arg(&c_i).arg(out);
+        // SAFETY: q, k and v hold len * c values, out len * 3c; one thread per value of a
+        // projection.
+        unsafe { l.launch(elem_config(len * c)) }?;
+        Ok(())
+    }
+
+    /// MLA's absorbed queries: `out[t, h] = q[t, h] (nope) x kv_b's key rows of head h`
+    /// (`[tokens, heads, rank]`), `kv_b` being `heads x (nope + v_dim)` rows of `rank`.
+    #[allow(clippy::too_many_arguments)]
+    pub fn mla_absorb_q(
+        &self,
+        q: &CudaView<f32>,
+        kv_b: &CudaSlice<f32>,
+        heads: usize,
+        nope: usize,
+        v_dim: usize,
+        rank: usize,
+        tokens: usize,
+        out: &mut CudaSlice<f32>,
+    ) -> Result<(), CudaError> {
+        let (nope_i, vd_i, r_i) = (nope as i32, v_dim as i32, rank as i32);
+        let mut l = self.stream.launch_builder(self.kernel("mla_absorb_q"));
+        l.arg(q)
+            .arg(kv_b)
+            .arg(&nope_i)
+            .arg(&vd_i)
+            .arg(&r_i)
+            .arg(out);
+        let grid = LaunchConfig {
+            grid_dim: (
+                (rank as u32).div_ceil(ELEM_BLOCK),
+                heads as u32,
+                tokens as u32,
+            ),
+            block_dim: (ELEM_BLOCK, 1, 1),
+            shared_mem_bytes: 0,
+        };
+        // SAFETY: q holds tokens * heads * nope values, kv_b heads * (nope + v_dim) rows of
+        // rank, out tokens * heads * rank; one thread per (column < rank, head, token).
+        unsafe { l.launch(grid) }?;
+        Ok(())
+    }
+
+    /// MLA's absorbed output: `out[t, h] = o_lat[t, h] (rank) x kv_b's value rows of head h`
+    /// (`[tokens, heads, v_dim]`).
+    #[allow(clippy::too_many_arguments)]
+    pub fn mla_absorb_out(
+        &self,
+        o_lat: &CudaSlice<f32>,
+        kv_b: &CudaSlice<f32>,
+        heads: usize,
+        nope: usize,
+        v_dim: usize,
+        rank: usize,
+        tokens: usize,
+        out: &mut CudaViewMut<f32>,
+    ) -> Result<(), CudaError> {
+        let (h_i, nope_i, vd_i, r_i) = (heads as i32, nope as i32, v_dim as i32, rank as i32);
+        let mut l = self.stream.launch_builder(self.kernel("mla_absorb_out"));
+        l.arg(o_lat)
+            .arg(kv_b)
+            .arg(&h_i)
+            .arg(&nope_i)
+            .arg(&vd_i)
+            .arg(&r_i)
+            .arg(out);
+        // SAFETY: o_lat holds tokens * heads * rank values, out tokens * heads * v_dim; one
+        // warp per row of a token's heads * v_dim (grid y over the tokens), reading kv_b's
+        // value rows.
+        unsafe { l.launch(rows_config(heads * v_dim, tokens as u32)) }?;
+        Ok(())
+    }
+
+    /// LayerNorm in place over `rows` rows of `width` values.
+    pub fn layer_norm(
+        &self,
+        x: &mut CudaSlice<f32>,
+        weight: &CudaSlice<f32>,
+        bias: &CudaSlice<f32>,
+        width: usize,
+        eps: f32,
+        rows: usize,
+    ) -> Result<(), CudaError> {
+        let width_i = width as i32;
+        let mut l = self.stream.launch_builder(self.kernel("layer_norm"));
+        l.arg(x).arg(weight).arg(bias).arg(&width_i).arg(&eps);
+        // SAFETY: one block per row of width values of x (rows rows), weight and bias width.
+        unsafe { l.launch(norm_config(rows, width)) }?;
+        Ok(())
+    }
+
+    /// `x *= scale` over the first `count` values.
+    pub fn scale_values(
+        &self,
+        x: &mut CudaSlice<f32>,
+        scale: f32,
+        count: usize,
+    ) -> Result<(), CudaError> {
+        let count_i = count as i32;
+        let mut l = self.stream.launch_builder(self.kernel("scale_values"));
+        l.arg(x).arg(&scale).arg(&count_i);
+        // SAFETY: x holds at least count values, one thread each.
+        unsafe { l.launch(elem_config(count)) }?;
+        Ok(())
+    }
+
+    /// `y += s` over the first `count` values.
+    pub fn add_values(
+        &self,
+        y: &mut CudaSlice<f32>,
+        s: &CudaSlice<f32>,
+        count: usize,
+    ) -> Result<(), CudaError> {
+        let count_i = count as i32;
+        let mut l = self.stream.launch_builder(self.kernel("add_values"));
+        l.arg(y).arg(s).arg(&count_i);
+        // SAFETY: y and s hold at least count values each, one thread per value.
+        unsafe { l.launch(elem_config(count)) }?;
+        Ok(())
+    }
+}

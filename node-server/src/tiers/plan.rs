@@ -1,0 +1,359 @@
+//! The expert placement plan: where every routed expert lives, which lane computes it, and
+//! how many slots each tier has. It is decided once at start, from the flags, the model's
+//! sizes and the machine (free VRAM, the cgroup limit), by [`decide`]; the tiers, the
+//! loaders and the benchmarks receive the value instead of re-deriving any of it.
+//!
+//! The arithmetic ([`size_tiers`]) is pure and unit-tested; [`decide`] reads the machine and
+//! logs the numbers it chose.
+
+use super::policy::PolicyKind;
+use super::provider::Mode;
+use super::sizing::{self, MemoryFacts};
+use std::path::PathBuf;
+
+/// Lookups per layer between halvings of the LFU counts.
+pub const AGING_PERIOD: u64 = 4096;
+
+/// Staging slots of a GPU device tier: one layer's non-resident picks per round, a decode
+/// step's worth (the exact modes and prompt chunks stage what is not in a VRAM slot).
+pub const STAGING_SLOTS: usize = 16;
+
+/// Device-tier slots per MoE layer when the device tier is CPU memory (no GPU) and no flag
+/// sets them.
+pub const CPU_DEVICE_SLOTS: usize = 4;
+
+/// Where the routed experts live.
+#[derive(Clone, Debug, PartialEq)]
+pub enum Placement {
+    /// Every expert beside the dense weights, loaded from the checkpoint: host memory and
+    /// the CPU, or VRAM and the GPU.
+    Untiered,
+    /// Through the expert tiers.
+    Tiered(TierPlan),
+}
+
+/// The tiers' shape and behaviour.
+#[derive(Clone, Debug, PartialEq)]
+pub struct TierPlan {
+    pub mode: Mode,
+    /// Device-tier slots per MoE layer (VRAM on a GPU, else CPU memory); 0 in fast/exact.
+    pub device_slots: usize,
+    /// RAM-tier slots per MoE layer (every expert in fast/exact).
+    pub ram_slots: usize,
+    /// Staging slots of a GPU device tier.
+    pub staging_slots: usize,
+    /// Layer-ahead prefetch of predicted picks (tiered modes only).
+    pub prefetch: bool,
+    pub eviction: PolicyKind,
+    pub aging_period: u64,
+    /// Entries of the write-back ring.
+    pub writeback_ring: usize,
+    /// mlock (or register with CUDA) the RAM tier.
+    pub pin: bool,
+    /// The routing history: loaded at start to warm the tiers, saved at exit.
+    pub history: Option<PathBuf>,
+}
+
+impl TierPlan {
+    /// A plan with these slot caps and the defaults: LFU, prefetch, a 64-entry ring,
+    /// pinning, no history. In `fast`/`exact` every expert is in RAM whatever the caps say.
+    pub fn new(mode: Mode, device_slots: usize, ram_slots: usize, experts: usize) -> TierPlan {
+        let (device_slots, ram_slots) = if mode.tiered() {
+            (device_slots.min(experts), ram_slots.min(experts))
+        } else {
+            (0, experts)
+        };
+        TierPlan {
+            mode,
+            device_slots,
+            ram_slots,
+            staging_slots: STAGING_SLOTS,
+            prefetch: mode.tiered(),
+            eviction: PolicyKind::Lfu,
+            aging_period: AGING_PERIOD,
+            writeback_ring: 64,
+            pin: true,
+            history: None,
+        }
+    }
+}
+
+/// What the plan needs to know of the model.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct ModelSizes {
+    pub moe_layers: usize,
+    pub experts: usize,
+    /// Bytes of one expert record as the source stores it.
+    pub record_bytes: u64,
+    /// Bytes of every weight but the routed experts, as the checkpoint stores them.
+    pub dense_bytes: u64,
+    /// The GPU forward's activations for a default prompt chunk, kept free in VRAM.
+    pub gpu_workspace_bytes: u64,
+}
+
+/// What the flags ask for (`None`: size it from the machine).
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct SlotRequest {
+    pub device_slots: Option<usize>,
+    /// Device slots in all, spread over the MoE layers.
+    pub device_slots_total: Option<usize>,
+    pub ram_slots: Option<usize>,
+    /// RAM-tier budget in bytes, all layers together.
+    pub ram_budget: Option<u64>,
+    /// Memory kept outside the RAM tier.
+    pub ram_reserve: u64,
+    /// VRAM kept free besides the dense weights, the staging and the GPU workspace.
+    pub vram_reserve: u64,
+}
+
+/// The machine, as far as sizing goes.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct MachineFacts {
+    /// Free VRAM of the GPU the device tier lives on; `None`: no GPU (the device tier is CPU
+    /// memory).
+    pub free_vram: Option<u64>,
+    pub memory: MemoryFacts,
+}
+
+/// Slot counts and the numbers behind them.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Sizing {
+    pub device_slots: usize,
+    pub ram_slots: usize,
+    /// How the device slots were chosen: "flag", "flag-total", "cpu-default" or "free-vram".
+    pub device_basis: &'static str,
+    pub ram: sizing::RamPlan,
+}
+
+/// Slots per MoE layer for each tier. Device slots: the flags, else what the free VRAM
+/// holds after the dense weights, the reserve, the GPU workspace and the staging slots (a
+/// fixed default without a GPU). RAM slots: the flags, else the cgroup budget less what the
+/// process holds, which includes the dense weights still to load and the device residents'
+/// host copies (they keep one, for the CPU lane and to go down to RAM when evicted).
+pub fn size_tiers(model: &ModelSizes, request: &SlotRequest, machine: &MachineFacts) -> Sizing {
+    let layers = model.moe_layers.max(1) as u64;
+    let (device_slots, device_basis) = match (
+        request.device_slots,
+        request.device_slots_total,
+        machine.free_vram,
+    ) {
+        (Some(n), _, _) => (n, "flag"),
+        (None, Some(total), _) => (total / layers as usize, "flag-total"),
+        (None, None, None) => (CPU_DEVICE_SLOTS, "cpu-default"),
+        (None, None, Some(free)) => {
+            let staging = STAGING_SLOTS as u64 * model.record_bytes;
+            let held =
+                model.dense_bytes + request.vram_reserve + model.gpu_workspace_bytes + staging;
+            let left = free.saturating_sub(held);
+            (
+                (left / (model.record_bytes * layers).max(1)) as usize,
+                "free-vram",
+            )
+        }
+    };
+    let device_slots = device_slots.min(model.experts);
+    let device_copies = device_slots as u64 * layers * model.record_bytes;
+    let ram = sizing::plan_ram_tier(
+        &machine.memory,
+        model.dense_bytes + device_copies,
+        request.ram_reserve,
+        request.ram_budget,
+        model.record_bytes,
+        model.moe_layers,
+        model.experts,
+    );
+    let ram_slots = request
+        .ram_slots
+        .unwrap_or(ram.slots_per_layer)
+        .min(model.experts);
+    Sizing {
+        device_slots,
+        ram_slots,
+        device_basis,
+        ram,
+    }
+}
+
+/// Reads the machine, sizes the tiers for `mode` and logs the numbers in one line per tier;
+/// warns (and says what to change) when the RAM tier cannot be pinned.
+pub fn decide(
+    mode: Mode,
+    model: &ModelSizes,
+    request: &SlotRequest,
+    free_vram: Option<u64>,
+    pin: bool,
+) -> Sizing {
+    let memlock_soft = sizing::raise_memlock();
+    let machine = MachineFacts {
+        free_vram,
+        memory: MemoryFacts::read(),
+    };
+    let sizing = size_tiers(model, request, &machine);
+    if let Some(free) = free_vram {
+        tracing::info!(
+            free_mib = free >> 20,
+            dense_mib = model.dense_bytes >> 20,
+            reserve_mib = request.vram_reserve >> 20,
+            workspace_mib = model.gpu_workspace_bytes >> 20,
+            record_kib = model.record_bytes >> 10,
+            moe_layers = model.moe_layers,
+            slots_per_layer = sizing.device_slots,
+            basis = sizing.device_basis,
+            "VRAM tier sized"
+        );
+    }
+    let ram_slots = if mode.tiered() {
+        sizing.ram_slots
+    } else {
+        model.experts
+    };
+    let ram = &sizing.ram;
+    tracing::info!(
+        cgroup_limit_mib = ram.limit.map(|b| b >> 20),
+        cgroup_source = ram.source.as_deref().unwrap_or("none"),
+        held_mib = ram.held >> 20,
+        reserve_mib = ram.reserve >> 20,
+        budget_mib = ram.budget >> 20,
+        budget_from = if request.ram_slots.is_some() {
+            "--ram-slots"
+        } else {
+            ram.basis
+        },
+        record_bytes = model.record_bytes,
+        moe_layers = model.moe_layers,
+        ram_slots_per_layer = ram_slots,
+        memlock_limit_kib = memlock_soft.map(|b| b >> 10),
+        "RAM tier sized"
+    );
+    let pinned = ram_slots as u64 * model.moe_layers as u64 * model.record_bytes;
+    if pin
+        && !sizing::has_ipc_lock()
+        && let Some(problem) = sizing::memlock_problem(pinned, memlock_soft)
+    {
+        tracing::warn!("{problem}");
+    }
+    sizing
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    const MIB: u64 = 1 << 20;
+
+    fn machine(free_vram: Option<u64>, cgroup: Option<u64>) -> MachineFacts {
+        MachineFacts {
+            free_vram,
+            memory: MemoryFacts {
+                cgroup_limit: cgroup,
+                cgroup_source: cgroup.map(|_| "test".into()),
+                rss: 100 * MIB,
+                memlock_soft: None,
+                memlock_hard: None,
+                mem_available: Some(1 << 40),
+            },
+        }
+    }
+
+    fn request() -> SlotRequest {
+        SlotRequest {
+            device_slots: None,
+            device_slots_total: None,
+            ram_slots: None,
+            ram_budget: None,
+            ram_reserve: 2048 * MIB,
+            vram_reserve: 1024 * MIB,
+        }
+    }
+
+    fn flash(dense_mib: u64) -> ModelSizes {
+        ModelSizes {
+            moe_layers: 42,
+            experts: 288,
+            record_bytes: 14 * MIB,
+            dense_bytes: dense_mib * MIB,
+            gpu_workspace_bytes: 0,
+        }
+    }
+
+    #[test]
+    fn vram_slots_fill_what_the_dense_weights_reserve_workspace_and_staging_leave() {
+        // 24,000 MiB free, 9,000 dense, 1,024 reserve, 16 staging records of 14 MiB:
+        // 13,752 MiB left for 42 layers of 14 MiB records -> 23 per layer.
+        let s = size_tiers(
+            &flash(9_000),
+            &request(),
+            &machine(Some(24_000 * MIB), None),
+        );
+        assert_eq!((s.device_slots, s.device_basis), (23, "free-vram"));
+        // The workspace is held too: 1,176 MiB more takes two slots per layer.
+        let model = ModelSizes {
+            gpu_workspace_bytes: 1_176 * MIB,
+            ..flash(9_000)
+        };
+        let s = size_tiers(&model, &request(), &machine(Some(24_000 * MIB), None));
+        assert_eq!(s.device_slots, 21);
+        // Never more than the layer's experts, never negative.
+        let one = ModelSizes {
+            moe_layers: 1,
+            dense_bytes: 0,
+            ..flash(0)
+        };
+        let open = SlotRequest {
+            vram_reserve: 0,
+            ..request()
+        };
+        assert_eq!(
+            size_tiers(&one, &open, &machine(Some(1 << 40), None)).device_slots,
+            288
+        );
+        assert_eq!(
+            size_tiers(&flash(9_000), &open, &machine(Some(MIB), None)).device_slots,
+            0
+        );
+    }
+
+    #[test]
+    fn flags_win_and_no_gpu_gets_the_cpu_default() {
+        let m = machine(None, Some(64 << 30));
+        let s = size_tiers(&flash(1_000), &request(), &m);
+        assert_eq!(
+            (s.device_slots, s.device_basis),
+            (CPU_DEVICE_SLOTS, "cpu-default")
+        );
+        let r = SlotRequest {
+            device_slots_total: Some(1_300),
+            ram_slots: Some(7),
+            ..request()
+        };
+        let s = size_tiers(&flash(1_000), &r, &machine(Some(1 << 40), None));
+        assert_eq!(
+            (s.device_slots, s.device_basis, s.ram_slots),
+            (30, "flag-total", 7)
+        );
+        let r = SlotRequest {
+            device_slots: Some(500),
+            ..request()
+        };
+        assert_eq!(size_tiers(&flash(1_000), &r, &m).device_slots, 288);
+    }
+
+    #[test]
+    fn ram_tier_holds_the_dense_weights_and_the_device_copies_outside_its_budget() {
+        // 64 GiB cap: budget = 64 GiB - (rss 100 MiB + dense 1,000 MiB + 4 x 42 device
+        // copies of 14 MiB) - 2,048 MiB reserve.
+        let s = size_tiers(&flash(1_000), &request(), &machine(None, Some(64 << 30)));
+        let held = 100 * MIB + 1_000 * MIB + 4 * 42 * 14 * MIB;
+        assert_eq!(s.ram.held, held);
+        assert_eq!(s.ram.budget, (64 << 30) - held - 2048 * MIB);
+        assert_eq!(s.ram_slots as u64, s.ram.budget / (14 * MIB) / 42);
+    }
+
+    #[test]
+    fn untiered_modes_keep_every_expert_in_ram() {
+        let p = TierPlan::new(Mode::Fast, 9, 3, 64);
+        assert_eq!((p.device_slots, p.ram_slots, p.prefetch), (0, 64, false));
+        let p = TierPlan::new(Mode::NvmeExact, 9, 300, 64);
+        assert_eq!((p.device_slots, p.ram_slots, p.prefetch), (9, 64, true));
+    }
+}

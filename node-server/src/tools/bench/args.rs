@@ -1,0 +1,101 @@
+//! The flags of `bench` and its `--tiered` and `--flash` variants (one flag set: the
+//! variants share the model shape and token counts).
+
+use std::path::PathBuf;
+
+#[derive(clap::Args, Debug, Clone)]
+pub struct BenchArgs {
+    /// Use this checkpoint instead of a random one.
+    #[arg(long, env = "GLMFLASH_MODEL")]
+    pub model: Option<std::path::PathBuf>,
+    #[arg(long, default_value_t = 1024)]
+    pub hidden: usize,
+    #[arg(long, default_value_t = 4)]
+    pub layers: usize,
+    #[arg(long, default_value_t = 32)]
+    pub experts: usize,
+    #[arg(long, default_value_t = 512)]
+    pub expert_width: usize,
+    #[arg(long, default_value_t = 8)]
+    pub top_k: usize,
+    #[arg(long, default_value_t = 4096)]
+    pub vocab: usize,
+    /// Routed expert weight format of the random model: bf16, q8_0 or q4_k.
+    #[arg(long, default_value = "bf16")]
+    pub expert_format: String,
+    #[arg(long, default_value_t = 256)]
+    pub prompt_tokens: usize,
+    #[arg(long, default_value_t = 32)]
+    pub decode_tokens: usize,
+    #[command(flatten)]
+    pub device: crate::backend::DeviceArgs,
+    #[command(flatten)]
+    pub tiers: TierBenchArgs,
+    #[command(flatten)]
+    pub flash: FlashBenchArgs,
+}
+
+#[derive(clap::Args, Debug, Clone)]
+pub struct TierBenchArgs {
+    /// Measure decode through the expert tiers (experts read from a packed store) instead of
+    /// with every expert in memory.
+    #[arg(long, env = "GLMFLASH_BENCH_TIERED")]
+    pub tiered: bool,
+    /// Where the model and its packed stores are written (a disk filesystem with O_DIRECT);
+    /// removed afterwards.
+    #[arg(long, env = "GLMFLASH_BENCH_SCRATCH", default_value = "/tmp")]
+    pub scratch: PathBuf,
+    /// Device-tier slots per MoE layer.
+    #[arg(long, env = "GLMFLASH_BENCH_VRAM_SLOTS", default_value_t = 8)]
+    pub vram_slots: usize,
+    /// RAM-tier slots per MoE layer.
+    #[arg(long, env = "GLMFLASH_BENCH_RAM_SLOTS", default_value_t = 16)]
+    pub ram_slots: usize,
+    /// Skew of the Zipf-like routing: the expert of popularity rank r gets bias -s * ln(1 + r).
+    #[arg(long, env = "GLMFLASH_BENCH_ZIPF_BIAS", default_value_t = 0.1)]
+    pub zipf_bias: f32,
+    /// Decode steps run before measuring (to fill the tiers).
+    #[arg(long, env = "GLMFLASH_BENCH_WARMUP", default_value_t = 16)]
+    pub warmup_tokens: usize,
+    /// The store disk's O_DIRECT read bandwidth in GB/s (fio, same run), for the roofline.
+    #[arg(long, env = "GLMFLASH_BENCH_DISK_GBPS")]
+    pub disk_gbps: Option<f64>,
+}
+
+#[derive(clap::Args, Debug, Clone)]
+pub struct FlashBenchArgs {
+    /// Benchmark a random model at GLM-5.3-Flash width under the RTX 3090 box's budget
+    /// (needs --device cuda; writes about 4.1 GB of store per MoE layer into --scratch).
+    #[arg(long, env = "GLMFLASH_BENCH_FLASH")]
+    pub flash: bool,
+    /// MoE layers of the random model (the real one has 42).
+    #[arg(long, env = "GLMFLASH_BENCH_FLASH_LAYERS", default_value_t = 8)]
+    pub flash_moe_layers: usize,
+    /// VRAM the 3090 box gives expert slots, in GB (the seed: about 1,300 experts).
+    #[arg(long, default_value_t = 12.4)]
+    pub vram_expert_gb: f64,
+    /// The 3090 box's memory cap for the server, in GiB (the seed's 55 GiB).
+    #[arg(long, default_value_t = 55.0)]
+    pub ram_cap_gib: f64,
+    /// MoE layers of the real model the budgets are spread over.
+    #[arg(long, default_value_t = 42)]
+    pub budget_layers: usize,
+    /// Prompt length of the `prefill` run.
+    #[arg(long, default_value_t = 8192)]
+    pub flash_prefill: usize,
+    /// Runs, comma-separated: budget, prefill, exact, vram, fast, zipf.
+    #[arg(long, default_value = "budget,prefill,exact,vram,fast,zipf")]
+    pub flash_runs: String,
+    /// Keep the generated model and store in --scratch, and reuse them when present.
+    #[arg(long)]
+    pub keep: bool,
+    /// Decode paths each decode run measures, comma-separated: `host` (`Model::forward`,
+    /// activations on the host around every device product) and `gpu` (`GpuDecoder`: the
+    /// activations and caches stay on the GPU, the streams stepped as one batch).
+    #[arg(long, default_value = "host,gpu")]
+    pub flash_decoders: String,
+    /// Leave the RAM tier unpinned (neither registered with CUDA nor mlocked): shows what
+    /// pinning costs at admission.
+    #[arg(long)]
+    pub flash_no_pin: bool,
+}

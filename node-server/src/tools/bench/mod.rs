@@ -1,0 +1,22 @@
+//! `bench`: prefill and decode speed of a random model (or `--model`), and its variants
+//! `--tiered` (decode through the expert tiers) and `--flash` (GLM-5.3-Flash width under
+//! the RTX 3090 box's budget). Each reports its roofline from bandwidths measured in the
+//! same run.
+
+mod args;
+mod common;
+mod cpu;
+mod flash;
+mod tiered;
+
+pub use args::{BenchArgs, FlashBenchArgs, TierBenchArgs};
+
+pub fn run(args: &BenchArgs) -> anyhow::Result<()> {
+    if args.flash.flash {
+        flash::run(args)
+    } else if args.tiers.tiered {
+        tiered::run(args)
+    } else {
+        cpu::run(args)
+    }
+}
