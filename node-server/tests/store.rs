@@ -10,7 +10,7 @@ use glmflash_node::store::{
     self, ChecksumPolicy, EngineChoice, Manifest, PackOptions, PackOutcome, ReadErrorKind,
     ReaderOptions, StoreError, StoreReader, VerifyOptions,
 };
-use glmflash_node::tiers::provider::expert_from_record;
+use glmflash_node::tiers::source::expert_from_record;
 use std::os::unix::fs::FileExt;
 use std::path::{Path, PathBuf};
 use std::process::Command;

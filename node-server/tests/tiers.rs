@@ -4,7 +4,8 @@
 use glmflash_node::model::config::MlpKind;
 use glmflash_node::model::{Model, Step};
 use glmflash_node::tiers::plan::TierPlan;
-use glmflash_node::tiers::provider::{CheckpointSource, Mode, Tier, TieredExperts};
+use glmflash_node::tiers::provider::{Mode, Tier, TieredExperts};
+use glmflash_node::tiers::source::CheckpointSource;
 use std::path::PathBuf;
 use std::sync::Arc;
 
@@ -152,7 +153,7 @@ fn every_mode_and_cap_is_bit_identical_to_untiered() {
 
 #[test]
 fn packed_store_source_is_bit_identical_too() {
-    use glmflash_node::tiers::provider::StoreSource;
+    use glmflash_node::tiers::source::StoreSource;
     for name in ["tiny_mixed", "tiny_fused"] {
         let dir = fixture(name);
         let store = tempfile::tempdir_in(env!("CARGO_TARGET_TMPDIR")).unwrap();
@@ -513,7 +514,7 @@ struct Counting {
     batches: std::sync::Mutex<Vec<usize>>,
 }
 
-impl glmflash_node::tiers::provider::ExpertSource for Counting {
+impl glmflash_node::tiers::source::ExpertSource for Counting {
     fn load(
         &self,
         layer: usize,

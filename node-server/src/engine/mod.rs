@@ -4,3 +4,4 @@ pub mod cache;
 pub mod constraint;
 pub mod sampling;
 pub mod scheduler;
+mod worker;

@@ -8,21 +8,21 @@
 //! strings are held back across token boundaries and cut, and events go to the request's
 //! channel.
 
+use super::worker::Worker;
 use crate::engine::cache::CacheLayout;
 use crate::engine::constraint::{Constraint, Grammars};
-use crate::engine::sampling::{Sampler, SamplingParams};
+use crate::engine::sampling::SamplingParams;
 use crate::metrics::Metrics;
+use crate::model::Model;
 use crate::model::gpu::{
-    DEFAULT_GPU_CHUNK, GROWTH_SLACK, GpuDecoder, GpuSeq, MAX_ROWS, placed_device, workspace_bytes,
+    DEFAULT_GPU_CHUNK, GROWTH_SLACK, GpuDecoder, MAX_ROWS, placed_device, workspace_bytes,
 };
 use crate::model::moe::ExpertProvider;
-use crate::model::{Model, SeqCache, Step};
-use crate::tokenizer::{StreamDecoder, TextCodec};
+use crate::tokenizer::TextCodec;
 use std::collections::VecDeque;
-use std::panic::AssertUnwindSafe;
 use std::sync::{Arc, Condvar, Mutex};
 use std::thread::JoinHandle;
-use std::time::{Duration, Instant};
+use std::time::Instant;
 use tokio::sync::mpsc::{UnboundedReceiver, UnboundedSender, unbounded_channel};
 
 #[derive(Clone, Debug)]
@@ -125,21 +125,21 @@ pub enum SubmitError {
     ShuttingDown,
 }
 
-struct Pending {
-    req: GenRequest,
-    tx: UnboundedSender<Event>,
-    submitted: Instant,
+pub(super) struct Pending {
+    pub(super) req: GenRequest,
+    pub(super) tx: UnboundedSender<Event>,
+    pub(super) submitted: Instant,
 }
 
 #[derive(Default)]
-struct Queue {
-    waiting: VecDeque<Pending>,
-    shutdown: bool,
+pub(super) struct Queue {
+    pub(super) waiting: VecDeque<Pending>,
+    pub(super) shutdown: bool,
 }
 
-struct Shared {
-    queue: Mutex<Queue>,
-    cv: Condvar,
+pub(super) struct Shared {
+    pub(super) queue: Mutex<Queue>,
+    pub(super) cv: Condvar,
 }
 
 /// The handle the API holds; the engine thread runs until [`Engine::shutdown`].
@@ -380,425 +380,8 @@ fn vram_cache_room(free: usize, workspace: usize) -> Option<usize> {
     Some(left / (GROWTH_SLACK + 1) * GROWTH_SLACK)
 }
 
-fn lock<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
+pub(super) fn lock<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
     m.lock().unwrap_or_else(|e| e.into_inner())
-}
-
-struct Seq {
-    tx: UnboundedSender<Event>,
-    prompt: Vec<u32>,
-    cache: SeqCache,
-    /// The caches on the GPU (then `cache` is left empty): from admission with a GPU
-    /// decoder, or after a host prefill when the GPU had no room at admission.
-    gpu: Option<GpuSeq>,
-    /// Prompt tokens already in the cache.
-    prefilled: usize,
-    /// The last sampled token: the next decode step's input.
-    last: u32,
-    generated: usize,
-    max_tokens: usize,
-    sampler: Sampler,
-    want_logprobs: bool,
-    decoder: StreamDecoder,
-    stop: Vec<String>,
-    stop_token_ids: Vec<u32>,
-    /// Decoded text held back because it may begin a stop string.
-    held: String,
-    logprobs: Vec<TokenLogprob>,
-    submitted: Instant,
-    last_token_at: Option<Instant>,
-    /// Cache bytes reserved for this sequence at its most tokens.
-    reserved: usize,
-    constraint: Option<Constraint>,
-}
-
-impl Seq {
-    /// Tokens in the sequence's caches.
-    fn tokens(&self) -> usize {
-        self.gpu.as_ref().map_or(self.cache.len, GpuSeq::len)
-    }
-}
-
-struct Worker {
-    model: Model,
-    decoder: Option<GpuDecoder>,
-    codec: Arc<TextCodec>,
-    config: EngineConfig,
-    metrics: Arc<Metrics>,
-    shared: Arc<Shared>,
-    layout: CacheLayout,
-    /// Cache bytes all running sequences may reserve together.
-    capacity: usize,
-    running: Vec<Seq>,
-    /// Cache bytes reserved by the running sequences.
-    reserved: usize,
-    window_start: Instant,
-    window_tokens: u64,
-}
-
-impl Worker {
-    /// A new sequence's caches: on the GPU when there is a decoder and room (the host cache
-    /// left empty), else on the host.
-    fn new_caches(&self) -> (SeqCache, Option<GpuSeq>) {
-        let host = self.model.new_cache();
-        let Some(decoder) = &self.decoder else {
-            return (host, None);
-        };
-        match decoder.sequence(&host) {
-            Ok(g) => (
-                SeqCache {
-                    layers: Vec::new(),
-                    len: 0,
-                },
-                Some(g),
-            ),
-            Err(e) => {
-                tracing::warn!(
-                    error = %format!("{e:#}"),
-                    "no room for a sequence's caches on the GPU; it runs through the host forward"
-                );
-                (host, None)
-            }
-        }
-    }
-
-    fn run(mut self) {
-        loop {
-            if !self.admit() {
-                return;
-            }
-            // Forward errors and panics are handled per batch inside; this is the last
-            // resort for a bug elsewhere in the tick: its sequences fail, the engine lives on.
-            if std::panic::catch_unwind(AssertUnwindSafe(|| self.tick())).is_err() {
-                tracing::error!("the scheduler panicked; failing the running sequences");
-                for s in self.running.drain(..) {
-                    let _ =
-                        s.tx.send(Event::Error("the engine failed on this batch".into()));
-                }
-            }
-        }
-    }
-
-    /// Moves waiting sequences into the batch; false once shut down with nothing left.
-    fn admit(&mut self) -> bool {
-        let mut q = lock(&self.shared.queue);
-        loop {
-            q.waiting.retain(|p| !p.tx.is_closed());
-            self.running.retain(|s| !s.tx.is_closed());
-            if !self.running.is_empty() || !q.waiting.is_empty() {
-                break;
-            }
-            self.reserved = 0;
-            self.metrics.running.set(0);
-            self.metrics.waiting.set(0);
-            self.metrics.kv_used.set(0);
-            self.metrics.kv_bytes_used.set(0);
-            self.metrics.decode_tok_s.set(0.0);
-            if q.shutdown {
-                return false;
-            }
-            q = self
-                .shared
-                .cv
-                .wait_timeout(q, Duration::from_millis(200))
-                .unwrap_or_else(|e| e.into_inner())
-                .0;
-        }
-        self.reserved = self.running.iter().map(|s| s.reserved).sum();
-        while self.running.len() < self.config.max_batch_size {
-            let Some(front) = q.waiting.front() else {
-                break;
-            };
-            let most =
-                (front.req.prompt.len() + front.req.max_tokens).min(self.config.context_length);
-            let need = self.layout.bytes_for(most);
-            // Alone it always fits: the context length is capped at what the budget holds.
-            if self.reserved + need > self.capacity && !self.running.is_empty() {
-                break;
-            }
-            let p = q.waiting.pop_front().expect("front exists");
-            self.reserved += need;
-            let (cache, gpu) = self.new_caches();
-            let mut sampler = Sampler::with_params(p.req.params.clone());
-            sampler.observe_prompt(&p.req.prompt);
-            self.running.push(Seq {
-                tx: p.tx,
-                cache,
-                gpu,
-                prefilled: 0,
-                last: 0,
-                generated: 0,
-                max_tokens: p.req.max_tokens,
-                want_logprobs: p.req.params.logprobs.is_some(),
-                sampler,
-                decoder: self.codec.stream_decoder(p.req.skip_special_tokens),
-                stop: p.req.stop.into_iter().filter(|s| !s.is_empty()).collect(),
-                stop_token_ids: p.req.stop_token_ids,
-                held: String::new(),
-                logprobs: Vec::new(),
-                submitted: p.submitted,
-                last_token_at: None,
-                reserved: need,
-                constraint: p.req.constraint,
-                prompt: p.req.prompt,
-            });
-        }
-        self.metrics.waiting.set(q.waiting.len() as i64);
-        self.metrics.running.set(self.running.len() as i64);
-        true
-    }
-
-    fn tick(&mut self) {
-        if self.running.is_empty() {
-            return;
-        }
-        let mut budget = self.config.chunk_size;
-        let mut gpu_budget = self.config.gpu_chunk_size;
-        let mut plan = Vec::with_capacity(self.running.len());
-        let mut steps = Vec::with_capacity(self.running.len());
-        let (mut gpu_plan, mut gpu_seqs, mut gpu_tokens) = (Vec::new(), Vec::new(), Vec::new());
-        for (i, s) in self.running.iter_mut().enumerate() {
-            let Seq {
-                prompt,
-                cache,
-                gpu,
-                prefilled,
-                last,
-                ..
-            } = s;
-            let tokens: &[u32] = if *prefilled < prompt.len() {
-                let budget = if gpu.is_some() {
-                    &mut gpu_budget
-                } else {
-                    &mut budget
-                };
-                if *budget == 0 {
-                    continue;
-                }
-                let take = (*budget).min(prompt.len() - *prefilled);
-                *budget -= take;
-                &prompt[*prefilled..*prefilled + take]
-            } else {
-                std::slice::from_ref(last)
-            };
-            match gpu {
-                Some(g) => {
-                    gpu_plan.push((i, tokens.len()));
-                    gpu_seqs.push(g);
-                    gpu_tokens.push(tokens);
-                }
-                None => {
-                    plan.push((i, tokens.len()));
-                    steps.push(Step {
-                        tokens,
-                        cache,
-                        all_logits: false,
-                    });
-                }
-            }
-        }
-        // (sequence, tokens it fed, logits), and the sequences whose forward failed.
-        let mut outputs: Vec<(usize, usize, Vec<f32>)> = Vec::new();
-        let mut failed: Vec<(usize, String)> = Vec::new();
-        let mut collect =
-            |indices: Vec<(usize, usize)>,
-             result: std::thread::Result<anyhow::Result<Vec<Vec<f32>>>>| {
-                match result {
-                    Ok(Ok(logits)) => {
-                        outputs.extend(indices.into_iter().zip(logits).map(|((i, n), l)| (i, n, l)))
-                    }
-                    Ok(Err(e)) => {
-                        let message = format!("{e:#}");
-                        tracing::error!(error = %message, sequences = indices.len(), "forward failed; failing its batch");
-                        failed.extend(indices.into_iter().map(|(i, _)| (i, message.clone())));
-                    }
-                    Err(_) => {
-                        tracing::error!(
-                            sequences = indices.len(),
-                            "the forward panicked; failing its batch"
-                        );
-                        failed.extend(
-                            indices
-                                .into_iter()
-                                .map(|(i, _)| (i, "the engine panicked on this batch".to_string())),
-                        );
-                    }
-                }
-            };
-        if !steps.is_empty() {
-            let model = &self.model;
-            let result =
-                std::panic::catch_unwind(AssertUnwindSafe(|| model.forward(&mut steps, None)));
-            drop(steps);
-            collect(plan, result);
-        }
-        if let (Some(decoder), false) = (&self.decoder, gpu_seqs.is_empty()) {
-            let model = &self.model;
-            let started = Instant::now();
-            let result = std::panic::catch_unwind(AssertUnwindSafe(|| {
-                decoder.forward(model, &mut gpu_seqs, &gpu_tokens)
-            }));
-            self.metrics
-                .gpu_forward
-                .observe(started.elapsed().as_secs_f64());
-            drop((gpu_seqs, gpu_tokens));
-            collect(gpu_plan, result);
-        }
-        let mut finished: Vec<(usize, Result<FinishReason, String>)> =
-            failed.into_iter().map(|(i, m)| (i, Err(m))).collect();
-        for (i, n, logits) in outputs {
-            let s = &mut self.running[i];
-            if s.prefilled < s.prompt.len() {
-                s.prefilled += n;
-                self.metrics.prefill_tokens.inc_by(n as u64);
-                if s.prefilled < s.prompt.len() {
-                    continue;
-                }
-            }
-            self.window_tokens += 1;
-            if let Some(reason) = sample_one(s, &logits, &self.codec, &self.metrics, &self.config) {
-                finished.push((i, Ok(reason)));
-                continue;
-            }
-            if let (None, Some(decoder)) = (&s.gpu, &self.decoder) {
-                // Prefilled on the host (no room on the GPU at admission): the caches move
-                // to the GPU for the decode steps if there is room now.
-                match decoder.sequence(&s.cache) {
-                    Ok(g) => {
-                        s.gpu = Some(g);
-                        s.cache = SeqCache {
-                            layers: Vec::new(),
-                            len: 0,
-                        };
-                    }
-                    Err(e) => tracing::warn!(
-                        error = %format!("{e:#}"),
-                        "a sequence's caches did not fit on the GPU; it decodes through the host forward"
-                    ),
-                }
-            }
-        }
-        finished.sort_by_key(|&(i, _)| std::cmp::Reverse(i));
-        for (i, outcome) in finished {
-            let s = self.running.swap_remove(i);
-            let _ = s.tx.send(match outcome {
-                Ok(reason) => Event::Done {
-                    finish_reason: reason,
-                    prompt_tokens: s.prompt.len(),
-                    completion_tokens: s.generated,
-                },
-                Err(message) => Event::Error(message),
-            });
-        }
-        let used: usize = self.running.iter().map(Seq::tokens).sum();
-        let used_bytes: usize = self
-            .running
-            .iter()
-            .map(|s| match &s.gpu {
-                Some(g) => self.layout.bytes_for(g.len()),
-                None => s.cache.bytes(),
-            })
-            .sum();
-        self.metrics.kv_used.set(used as i64);
-        self.metrics.kv_bytes_used.set(used_bytes as i64);
-        self.metrics.running.set(self.running.len() as i64);
-        let elapsed = self.window_start.elapsed().as_secs_f64();
-        if elapsed >= 1.0 {
-            self.metrics
-                .decode_tok_s
-                .set(self.window_tokens as f64 / elapsed);
-            self.window_start = Instant::now();
-            self.window_tokens = 0;
-        }
-    }
-}
-
-/// Samples the next token of `s`, sends its text; returns the finish reason when done.
-fn sample_one(
-    s: &mut Seq,
-    logits: &[f32],
-    codec: &TextCodec,
-    metrics: &Metrics,
-    config: &EngineConfig,
-) -> Option<FinishReason> {
-    let out = match &mut s.constraint {
-        Some(c) => {
-            let mut masked = logits.to_vec();
-            let out = c.mask(&mut masked).and_then(|()| {
-                let out = s.sampler.sample_full(&masked);
-                c.advance(out.token).map(|()| out)
-            });
-            match out {
-                Ok(out) => out,
-                Err(e) => {
-                    let _ =
-                        s.tx.send(Event::Error(format!("constrained decoding failed: {e:#}")));
-                    return Some(FinishReason::Stop);
-                }
-            }
-        }
-        None => s.sampler.sample_full(logits),
-    };
-    let now = Instant::now();
-    match s.last_token_at {
-        None => metrics.ttft.observe((now - s.submitted).as_secs_f64()),
-        Some(t) => metrics.inter_token.observe((now - t).as_secs_f64()),
-    }
-    s.last_token_at = Some(now);
-    s.generated += 1;
-    s.last = out.token;
-    metrics.decode_tokens.inc();
-    if s.want_logprobs {
-        let text = |id: u32| codec.decode_with(&[id], false).unwrap_or_default();
-        s.logprobs.push(TokenLogprob {
-            token: text(out.token),
-            logprob: out.logprob.unwrap_or(0.0),
-            top: out.top.iter().map(|&(id, lp)| (text(id), lp)).collect(),
-        });
-    }
-    if s.stop_token_ids.contains(&out.token) {
-        let rest = s.decoder.finish().unwrap_or_default();
-        let text = std::mem::take(&mut s.held) + &rest;
-        emit(s, text);
-        return Some(FinishReason::Stop);
-    }
-    let delta = s.decoder.push(out.token).unwrap_or_default();
-    s.held.push_str(&delta);
-    let grammar_done = s.constraint.as_ref().is_some_and(Constraint::done);
-    let out_of_room =
-        s.generated >= s.max_tokens || s.prompt.len() + s.generated >= config.context_length;
-    if out_of_room || grammar_done {
-        let rest = s.decoder.finish().unwrap_or_default();
-        s.held.push_str(&rest);
-    }
-    if let Some(at) = find_stop(&s.held, &s.stop) {
-        let mut text = std::mem::take(&mut s.held);
-        text.truncate(at);
-        emit(s, text);
-        return Some(FinishReason::Stop);
-    }
-    if grammar_done {
-        let text = std::mem::take(&mut s.held);
-        emit(s, text);
-        return Some(FinishReason::Stop);
-    }
-    if out_of_room {
-        let text = std::mem::take(&mut s.held);
-        emit(s, text);
-        return Some(FinishReason::Length);
-    }
-    let keep = held_back(&s.held, &s.stop);
-    let text: String = s.held.drain(..s.held.len() - keep).collect();
-    emit(s, text);
-    None
-}
-
-fn emit(s: &mut Seq, text: String) {
-    if text.is_empty() && s.logprobs.is_empty() {
-        return;
-    }
-    let logprobs = std::mem::take(&mut s.logprobs);
-    let _ = s.tx.send(Event::Delta { text, logprobs });
 }
 
 /// Byte offset of the earliest stop string in `text`.

@@ -156,7 +156,6 @@ impl Kda {
                 &mixed,
                 &gate_log[start * c..(start + len) * c],
                 &beta[start * self.heads..(start + len) * self.heads],
-                len,
                 self.heads,
                 self.head_dim,
                 &mut state.recurrent,
@@ -231,18 +230,19 @@ pub(crate) fn conv_step(
 }
 
 /// Normalises q and k of the conv output `mixed` (`[T, 3C]`), then runs the delta rule per
-/// head (in parallel across heads) on `state` (`[H, d, d]`); returns `[T, C]`.
+/// head (in parallel across heads) on `state` (`[H, d, d]`) with the tokens' log decays `g`
+/// (`[T, C]`) and betas (`[T, H]`, so T = beta.len() / H); returns `[T, C]`.
 pub(crate) fn attend(
     mixed: &[f32],
     g: &[f32],
     beta: &[f32],
-    len: usize,
     h: usize,
     dh: usize,
     state: &mut [f32],
     mode: KdaMode,
 ) -> Vec<f32> {
     let c = h * dh;
+    let len = beta.len() / h;
     let scale = 1.0 / (dh as f32).sqrt();
     let mut out = vec![0f32; len * c];
     let per_head: Vec<Vec<f32>> = state

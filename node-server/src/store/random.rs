@@ -188,7 +188,7 @@ mod tests {
     use super::*;
     use crate::model::checkpoint::DType;
     use crate::model::random::{scaled_config, write_random_dense_checkpoint};
-    use crate::tiers::provider::{ExpertSource, StoreSource};
+    use crate::tiers::source::{ExpertSource, StoreSource};
 
     #[test]
     fn random_store_opens_reads_checked_records_and_has_the_planned_scale() {

@@ -233,7 +233,7 @@ pub fn metrics_snapshot(tiers: &TieredExperts) -> crate::metrics::TierSnapshot {
             ),
         ],
         gpu_moe_step_seconds: gpu.as_ref().map_or(0.0, |g| g.step_seconds),
-        step_parts: super::provider::StepPart::ALL
+        step_parts: super::stats::StepPart::ALL
             .iter()
             .map(|&p| (p.name(), s.part_seconds(p)))
             .collect(),

@@ -10,5 +10,6 @@ pub mod policy;
 pub mod provider;
 pub mod ring;
 pub mod sizing;
+pub mod source;
 pub mod stats;
 pub mod vram;

@@ -1,8 +1,89 @@
-//! Store read latency as fixed buckets of atomic counters, cheap enough for every read; the
-//! metrics registry exports it as the `glmflash_nvme_read_seconds` histogram.
+//! The tiers' counters: lookups, moves, prefetch outcomes and the time per part of a step
+//! ([`TierStats`]), and the store read latency as fixed buckets of atomic counters, cheap
+//! enough for every read (exported as the `glmflash_nvme_read_seconds` histogram).
 
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::Duration;
+
+use super::provider::Tier;
+
+/// Lookup and movement counters (exported as metrics by the server).
+#[derive(Debug, Default)]
+pub struct TierStats {
+    /// `[tier][phase]`, phase 0 = prefill, 1 = decode.
+    pub lookups: [[AtomicU64; 2]; 3],
+    pub loads: AtomicU64,
+    pub promotions: AtomicU64,
+    pub demotions: AtomicU64,
+    pub bypassed: AtomicU64,
+    /// Layer-ahead prefetch: reads issued, reads a lookup then used, reads never used.
+    pub prefetch_issued: AtomicU64,
+    pub prefetch_hits: AtomicU64,
+    pub prefetch_wasted: AtomicU64,
+    /// Records read from the source (lookups, prefetch and warm start), failed reads, and
+    /// the time each read took.
+    pub store_reads: AtomicU64,
+    pub store_read_errors: AtomicU64,
+    pub store_read_latency: ReadLatency,
+    /// Device victims the write-back ring has moved into RAM.
+    pub written_back: AtomicU64,
+    /// Decode picks computed in place from RAM (the CPU lane).
+    pub cpu_lane: AtomicU64,
+    /// Nanoseconds `forward` spent per part, indexed by [`StepPart`].
+    pub part_nanos: [AtomicU64; 4],
+}
+
+/// The parts of one `TieredExperts::forward` call, in order.
+#[derive(Clone, Copy, Debug)]
+pub enum StepPart {
+    /// Reading the call's store misses (one batch).
+    Fetch,
+    /// Lookups under the layer lock: residency, admission (pinning a RAM resident included).
+    Resolve,
+    /// Queueing the moves down (a full write-back ring blocks here).
+    WriteBack,
+    /// The products: device slot writes, staging and kernels, or the CPU.
+    Compute,
+}
+
+impl StepPart {
+    pub const ALL: [StepPart; 4] = [
+        StepPart::Fetch,
+        StepPart::Resolve,
+        StepPart::WriteBack,
+        StepPart::Compute,
+    ];
+
+    pub fn name(self) -> &'static str {
+        match self {
+            StepPart::Fetch => "fetch",
+            StepPart::Resolve => "resolve",
+            StepPart::WriteBack => "write_back",
+            StepPart::Compute => "compute",
+        }
+    }
+}
+
+impl TierStats {
+    /// Seconds `forward` has spent in `part` so far.
+    pub fn part_seconds(&self, part: StepPart) -> f64 {
+        self.part_nanos[part as usize].load(Ordering::Relaxed) as f64 * 1e-9
+    }
+
+    pub(super) fn add_part(&self, part: StepPart, since: std::time::Instant) -> std::time::Instant {
+        let now = std::time::Instant::now();
+        self.part_nanos[part as usize]
+            .fetch_add((now - since).as_nanos() as u64, Ordering::Relaxed);
+        now
+    }
+
+    pub fn lookups(&self, tier: Tier) -> u64 {
+        self.lookups[tier as usize]
+            .iter()
+            .map(|c| c.load(Ordering::Relaxed))
+            .sum()
+    }
+}
 
 /// Upper bounds (seconds) of the store read latency buckets: 50 µs (a page-cache hit) to
 /// 1 s (a saturated or failing disk).

@@ -5,7 +5,7 @@
 //! untiered GPU run that `nvme-exact` must match bit for bit).
 #![allow(unsafe_code)] // CUDA host registration of RAM residents; each block says why it holds
 
-use super::provider::ExpertSource;
+use super::source::ExpertSource;
 use crate::backend::cuda::{Cuda, MoeLayout, MoeStep, SlotArena};
 use crate::model::mlp::SwiGlu;
 use crate::model::moe::{DeviceExperts, ExpertProvider, Routing};
@@ -288,7 +288,7 @@ pub fn load_model_on_gpu(
 ) -> anyhow::Result<(crate::model::Model, Arc<VramExperts>)> {
     let cfg = crate::model::config::Config::from_file(&dir.join("config.json"))?;
     let moe = cfg.moe_layers();
-    let source = super::provider::CheckpointSource::open(dir)?;
+    let source = super::source::CheckpointSource::open(dir)?;
     let vram = Arc::new(VramExperts::load_all(
         cuda.clone(),
         &source,

@@ -257,6 +257,7 @@ impl Cuda {
     }
 
     /// [`Cuda::mhc_expand`] on device buffers (`out` must not be `streams`).
+    #[allow(clippy::too_many_arguments)] // the kernel's arguments
     pub fn mhc_expand_dev(
         &self,
         spec: MhcSpec,

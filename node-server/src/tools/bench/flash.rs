@@ -30,7 +30,9 @@ use crate::model::{Model, random};
 use crate::quant::Format;
 use crate::store::{ChecksumPolicy, ReaderOptions, StoreReader};
 use crate::tiers::plan::TierPlan;
-use crate::tiers::provider::{Mode, StepPart, StoreSource, Tier, TieredExperts};
+use crate::tiers::provider::{Mode, Tier, TieredExperts};
+use crate::tiers::source::StoreSource;
+use crate::tiers::stats::StepPart;
 use anyhow::{Context, bail};
 use serde_json::{Value, json};
 use std::path::Path;
@@ -366,7 +368,7 @@ fn measure_all(
 }
 
 fn source_record(source: &StoreSource) -> usize {
-    use crate::tiers::provider::ExpertSource;
+    use crate::tiers::source::ExpertSource;
     source.record_bytes()
 }
 
@@ -437,19 +439,25 @@ fn snapshot(tiers: Option<&Arc<TieredExperts>>, phase: usize) -> Snapshot {
     }
 }
 
-/// Tier figures and the roofline over `steps` steps that made `tokens` tokens in `secs`.
-#[allow(clippy::too_many_arguments)]
-fn figures(
-    model: &Model,
+/// One measured run: the counters around it, its steps, the tokens they made, its time.
+#[derive(Clone, Copy)]
+struct Measured {
     before: Snapshot,
     after: Snapshot,
-    all_vram: bool,
     steps: usize,
     tokens: usize,
     secs: f64,
-    bw: &Bandwidths,
-    record: usize,
-) -> Value {
+}
+
+/// Tier figures and the roofline of a measured run.
+fn figures(model: &Model, run: Measured, all_vram: bool, bw: &Bandwidths, record: usize) -> Value {
+    let Measured {
+        before,
+        after,
+        steps,
+        tokens,
+        secs,
+    } = run;
     let cfg = &model.cfg;
     let picks =
         (cfg.moe_layers().iter().filter(|&&m| m).count() * cfg.num_experts_per_tok * tokens) as f64;
@@ -616,17 +624,14 @@ fn decode(
     }
     let secs = started.elapsed().as_secs_f64();
     let after = snapshot(tiers, 1);
-    let mut r = figures(
-        model,
+    let run = Measured {
         before,
         after,
-        tiers.is_none(),
-        args.decode_tokens,
-        args.decode_tokens * streams,
+        steps: args.decode_tokens,
+        tokens: args.decode_tokens * streams,
         secs,
-        bw,
-        record,
-    );
+    };
+    let mut r = figures(model, run, tiers.is_none(), bw, record);
     r["streams"] = json!(streams);
     r["phase"] = json!("decode");
     add_profile(&mut r, gpu, args.decode_tokens);
@@ -659,17 +664,14 @@ fn prefill(
         "prefill logits are not finite"
     );
     let after = snapshot(tiers, 0);
-    let mut r = figures(
-        model,
+    let run = Measured {
         before,
         after,
-        tiers.is_none(),
-        1,
-        len,
+        steps: 1,
+        tokens: len,
         secs,
-        bw,
-        record,
-    );
+    };
+    let mut r = figures(model, run, tiers.is_none(), bw, record);
     r["phase"] = json!("prefill");
     add_profile(&mut r, gpu, 1);
     Ok(r)

@@ -13,35 +13,20 @@
 //! RAM slot, and RAM victims are unpinned and freed there. RAM residents are `mlock`ed
 //! ([`super::pin`]).
 
+mod background;
+
 use super::pin::{PinStats, Pinned};
 use super::plan::TierPlan;
 use super::policy::{Policy, PolicyKind};
 use super::ring::Ring;
-use super::stats::ReadLatency;
-use crate::backend::cpu::Matrix;
-use crate::model::checkpoint::Checkpoint;
-use crate::model::config::Config;
-use crate::model::loader::Loader;
+use super::source::ExpertSource;
+use super::stats::{StepPart, TierStats};
 use crate::model::mlp::SwiGlu;
 use crate::model::moe::{ExpertProvider, Phase, Routing, combine_experts};
-use crate::store::RecordBuf;
-use anyhow::Context;
+use background::{Room, handle_write_back, make_room, spawn_prefetcher, spawn_writer, timed_load};
 use std::collections::HashMap;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
-
-/// Where experts come from on a miss: the packed store (or, untiered, the checkpoint).
-pub trait ExpertSource: Send + Sync {
-    fn load(&self, layer: usize, expert: usize) -> anyhow::Result<SwiGlu>;
-    /// Several records at once, in `keys` order (the store reads them at queue depth and
-    /// checks and decodes them on all cores).
-    fn load_many(&self, keys: &[(usize, usize)]) -> Vec<anyhow::Result<SwiGlu>> {
-        use rayon::prelude::*;
-        keys.par_iter().map(|&(l, e)| self.load(l, e)).collect()
-    }
-    /// Bytes of one expert record as this source stores it.
-    fn record_bytes(&self) -> usize;
-}
 
 /// Serving modes, as the seed names them.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, clap::ValueEnum, serde::Serialize)]
@@ -77,84 +62,6 @@ impl Tier {
             Tier::Ram => "ram",
             Tier::Store => "nvme",
         }
-    }
-}
-
-/// Lookup and movement counters (exported as metrics by the server).
-#[derive(Debug, Default)]
-pub struct TierStats {
-    /// `[tier][phase]`, phase 0 = prefill, 1 = decode.
-    pub lookups: [[AtomicU64; 2]; 3],
-    pub loads: AtomicU64,
-    pub promotions: AtomicU64,
-    pub demotions: AtomicU64,
-    pub bypassed: AtomicU64,
-    /// Layer-ahead prefetch: reads issued, reads a lookup then used, reads never used.
-    pub prefetch_issued: AtomicU64,
-    pub prefetch_hits: AtomicU64,
-    pub prefetch_wasted: AtomicU64,
-    /// Records read from the source (lookups, prefetch and warm start), failed reads, and
-    /// the time each read took.
-    pub store_reads: AtomicU64,
-    pub store_read_errors: AtomicU64,
-    pub store_read_latency: ReadLatency,
-    /// Device victims the write-back ring has moved into RAM.
-    pub written_back: AtomicU64,
-    /// Decode picks computed in place from RAM (the CPU lane).
-    pub cpu_lane: AtomicU64,
-    /// Nanoseconds `forward` spent per part, indexed by [`StepPart`].
-    pub part_nanos: [AtomicU64; 4],
-}
-
-/// The parts of one `TieredExperts::forward` call, in order.
-#[derive(Clone, Copy, Debug)]
-pub enum StepPart {
-    /// Reading the call's store misses (one batch).
-    Fetch,
-    /// Lookups under the layer lock: residency, admission (pinning a RAM resident included).
-    Resolve,
-    /// Queueing the moves down (a full write-back ring blocks here).
-    WriteBack,
-    /// The products: device slot writes, staging and kernels, or the CPU.
-    Compute,
-}
-
-impl StepPart {
-    pub const ALL: [StepPart; 4] = [
-        StepPart::Fetch,
-        StepPart::Resolve,
-        StepPart::WriteBack,
-        StepPart::Compute,
-    ];
-
-    pub fn name(self) -> &'static str {
-        match self {
-            StepPart::Fetch => "fetch",
-            StepPart::Resolve => "resolve",
-            StepPart::WriteBack => "write_back",
-            StepPart::Compute => "compute",
-        }
-    }
-}
-
-impl TierStats {
-    /// Seconds `forward` has spent in `part` so far.
-    pub fn part_seconds(&self, part: StepPart) -> f64 {
-        self.part_nanos[part as usize].load(Ordering::Relaxed) as f64 * 1e-9
-    }
-
-    fn add_part(&self, part: StepPart, since: std::time::Instant) -> std::time::Instant {
-        let now = std::time::Instant::now();
-        self.part_nanos[part as usize]
-            .fetch_add((now - since).as_nanos() as u64, Ordering::Relaxed);
-        now
-    }
-
-    pub fn lookups(&self, tier: Tier) -> u64 {
-        self.lookups[tier as usize]
-            .iter()
-            .map(|c| c.load(Ordering::Relaxed))
-            .sum()
     }
 }
 
@@ -681,99 +588,6 @@ impl Drop for TieredExperts {
     }
 }
 
-/// Whether a tier admits a candidate, and what it evicted to make room.
-enum Room {
-    Free,
-    Evicted(Pinned),
-    Refused,
-}
-
-/// Makes room in the RAM tier for `candidate` (evicting the policy's victim when full and
-/// the candidate is worth it).
-fn make_room(
-    ram: &mut HashMap<usize, Pinned>,
-    policy: &dyn Policy,
-    slots: usize,
-    candidate: usize,
-) -> Room {
-    if slots == 0 {
-        return Room::Refused;
-    }
-    if ram.len() < slots {
-        return Room::Free;
-    }
-    let resident: Vec<usize> = ram.keys().copied().collect();
-    match policy.victim(&resident) {
-        Some(v) if policy.admit(candidate, v) => {
-            Room::Evicted(ram.remove(&v).expect("victim is resident"))
-        }
-        _ => Room::Refused,
-    }
-}
-
-/// Reads one record from the source, counting it and timing it.
-fn timed_load(
-    source: &dyn ExpertSource,
-    stats: &TierStats,
-    layer: usize,
-    expert: usize,
-) -> anyhow::Result<SwiGlu> {
-    let started = std::time::Instant::now();
-    match source.load(layer, expert) {
-        Ok(w) => {
-            stats.store_read_latency.observe(started.elapsed());
-            stats.store_reads.fetch_add(1, Ordering::Relaxed);
-            Ok(w)
-        }
-        Err(e) => {
-            stats.store_read_errors.fetch_add(1, Ordering::Relaxed);
-            Err(e)
-        }
-    }
-}
-
-/// One write-back job, on the writer thread (or inline once the ring is closed).
-fn handle_write_back(shared: &Shared, job: WriteBack) {
-    match job {
-        WriteBack::Demote { layer, expert } => {
-            let evicted = {
-                let mut l = shared.layers[layer].lock().expect("tier lock");
-                let Some(w) = l.in_flight.remove(&expert) else {
-                    return;
-                };
-                shared.stats.written_back.fetch_add(1, Ordering::Relaxed);
-                let l = &mut *l;
-                match make_room(&mut l.ram, l.ram_policy.as_ref(), shared.ram_slots, expert) {
-                    Room::Refused => None,
-                    room => {
-                        l.ram.insert(expert, Pinned::new(w, &shared.pins));
-                        match room {
-                            Room::Evicted(v) => Some(v),
-                            _ => None,
-                        }
-                    }
-                }
-            };
-            // Unpinned and freed outside the lock.
-            drop(evicted);
-        }
-        WriteBack::Release(pinned) => drop(pinned),
-    }
-}
-
-/// The write-back thread: handles the ring until it is closed and drained.
-fn spawn_writer(shared: Arc<Shared>, ring: Arc<Ring<WriteBack>>) {
-    std::thread::Builder::new()
-        .name("expert-writeback".into())
-        .spawn(move || {
-            while let Some(job) = ring.pop() {
-                handle_write_back(&shared, job);
-                ring.done();
-            }
-        })
-        .expect("spawning the write-back thread");
-}
-
 impl TieredExperts {
     /// The first half of a `forward`: this call's store misses read in one batch, residency
     /// resolved under the layer's lock (admissions included), the moves down queued. Gives
@@ -945,170 +759,4 @@ impl ExpertProvider for TieredExperts {
     fn weight_bytes(&self) -> usize {
         self.moe_layers * self.experts * self.source.record_bytes()
     }
-}
-
-/// The background reader behind layer-ahead prefetch: loads queued (layer, expert) records
-/// into the staging map, which lookups consume.
-fn spawn_prefetcher(
-    source: Arc<dyn ExpertSource>,
-    staged: Arc<Staging>,
-    stats: Arc<TierStats>,
-) -> std::sync::mpsc::Sender<(usize, usize)> {
-    let (tx, rx) = std::sync::mpsc::channel::<(usize, usize)>();
-    std::thread::Builder::new()
-        .name("expert-prefetch".into())
-        .spawn(move || {
-            for key in rx {
-                if staged.lock().expect("staging lock").contains_key(&key) {
-                    continue;
-                }
-                match timed_load(source.as_ref(), &stats, key.0, key.1) {
-                    Ok(w) => {
-                        staged.lock().expect("staging lock").insert(key, Arc::new(w));
-                    }
-                    Err(e) => {
-                        // The lookup will read (and report) it itself.
-                        stats.prefetch_wasted.fetch_add(1, Ordering::Relaxed);
-                        tracing::debug!(layer = key.0, expert = key.1, error = %e, "prefetch read failed");
-                    }
-                }
-            }
-        })
-        .expect("spawning the prefetch thread");
-    tx
-}
-
-/// Experts read from the checkpoint itself (the untiered source, and the tiers' source until
-/// a packed store is given).
-pub struct CheckpointSource {
-    ckpt: Checkpoint,
-    cfg: Config,
-    record_bytes: usize,
-}
-
-impl CheckpointSource {
-    pub fn open(dir: &std::path::Path) -> anyhow::Result<CheckpointSource> {
-        let cfg = Config::from_file(&dir.join("config.json"))?;
-        let ckpt = Checkpoint::open(dir)?;
-        let first = cfg
-            .mlp_kinds
-            .iter()
-            .position(|k| *k == crate::model::config::MlpKind::Moe)
-            .ok_or_else(|| anyhow::anyhow!("{} has no MoE layer", dir.display()))?;
-        let e = crate::model::moe::load_expert(
-            &cfg,
-            Loader::new(&ckpt).pp(&format!("layers.{first}.mlp.experts")),
-            0,
-        )?;
-        Ok(CheckpointSource {
-            record_bytes: e.storage_bytes(),
-            ckpt,
-            cfg,
-        })
-    }
-
-    pub fn config(&self) -> &Config {
-        &self.cfg
-    }
-}
-
-impl ExpertSource for CheckpointSource {
-    fn load(&self, layer: usize, expert: usize) -> anyhow::Result<SwiGlu> {
-        let experts = Loader::new(&self.ckpt).pp(&format!("layers.{layer}.mlp.experts"));
-        Ok(crate::model::moe::load_expert(&self.cfg, experts, expert)?)
-    }
-
-    fn record_bytes(&self) -> usize {
-        self.record_bytes
-    }
-}
-
-/// Experts read from the packed store (O_DIRECT, io_uring or pread; sha256-checked).
-pub struct StoreSource {
-    reader: crate::store::StoreReader,
-    limit: f32,
-    record_bytes: usize,
-}
-
-impl StoreSource {
-    /// Opens `store` for the model in `model_dir`, refusing a store made from another model.
-    pub fn open(
-        store: &std::path::Path,
-        model_dir: &std::path::Path,
-        cfg: &Config,
-    ) -> anyhow::Result<StoreSource> {
-        let fingerprint = crate::store::quick_fingerprint(model_dir)?;
-        let reader = crate::store::StoreReader::open(
-            store,
-            Some(&fingerprint),
-            crate::store::ReaderOptions::default(),
-        )?;
-        Ok(StoreSource {
-            record_bytes: reader.manifest().record_size,
-            reader,
-            limit: cfg.swiglu_limit,
-        })
-    }
-
-    pub fn engine_name(&self) -> &'static str {
-        self.reader.engine_name()
-    }
-}
-
-impl ExpertSource for StoreSource {
-    fn load(&self, layer: usize, expert: usize) -> anyhow::Result<SwiGlu> {
-        let record = self.reader.read(layer, expert)?;
-        expert_from_record(&record, self.limit)
-    }
-
-    fn load_many(&self, keys: &[(usize, usize)]) -> Vec<anyhow::Result<SwiGlu>> {
-        use rayon::prelude::*;
-        self.reader
-            .read_many(keys)
-            .into_par_iter()
-            .map(|r| expert_from_record(&*r?, self.limit))
-            .collect()
-    }
-
-    fn record_bytes(&self) -> usize {
-        self.record_bytes
-    }
-}
-
-/// The expert a store record holds, with the model's SwiGLU clamp `limit`: gate, up and down
-/// as matrices, their bytes copied out of the record.
-pub fn expert_from_record(record: &RecordBuf, limit: f32) -> anyhow::Result<SwiGlu> {
-    let bytes = record.bytes();
-    let matrix = |p: &crate::store::Part| {
-        Matrix::from_bytes(
-            p.rows,
-            p.cols,
-            p.format,
-            page_padded(&bytes[p.offset..p.offset + p.length]),
-        )
-        .with_context(|| {
-            format!(
-                "record of layer {}, expert {}",
-                record.layer(),
-                record.expert()
-            )
-        })
-    };
-    let parts = record.layout();
-    Ok(SwiGlu {
-        gate: matrix(&parts.gate)?,
-        up: matrix(&parts.up)?,
-        down: matrix(&parts.down)?,
-        limit,
-    })
-}
-
-/// `bytes` in a buffer with two spare pages after them, so that no two such buffers touch
-/// a common page: a RAM-tier resident is registered with CUDA page by page, and a
-/// registration overlapping another one's pages is refused (heap neighbours would share the
-/// page between them).
-fn page_padded(bytes: &[u8]) -> Vec<u8> {
-    let mut v = Vec::with_capacity(bytes.len() + 2 * 4096);
-    v.extend_from_slice(bytes);
-    v
 }

@@ -1,0 +1,158 @@
+//! Where the tiers read experts from on a miss: the packed store (its records decoded into
+//! the expert's matrices here), or the checkpoint itself.
+
+use crate::backend::cpu::Matrix;
+use crate::model::checkpoint::Checkpoint;
+use crate::model::config::Config;
+use crate::model::loader::Loader;
+use crate::model::mlp::SwiGlu;
+use crate::store::RecordBuf;
+use anyhow::Context;
+
+/// Where experts come from on a miss: the packed store (or, untiered, the checkpoint).
+pub trait ExpertSource: Send + Sync {
+    fn load(&self, layer: usize, expert: usize) -> anyhow::Result<SwiGlu>;
+    /// Several records at once, in `keys` order (the store reads them at queue depth and
+    /// checks and decodes them on all cores).
+    fn load_many(&self, keys: &[(usize, usize)]) -> Vec<anyhow::Result<SwiGlu>> {
+        use rayon::prelude::*;
+        keys.par_iter().map(|&(l, e)| self.load(l, e)).collect()
+    }
+    /// Bytes of one expert record as this source stores it.
+    fn record_bytes(&self) -> usize;
+}
+
+/// Experts read from the checkpoint itself (the untiered source, and the tiers' source until
+/// a packed store is given).
+pub struct CheckpointSource {
+    ckpt: Checkpoint,
+    cfg: Config,
+    record_bytes: usize,
+}
+
+impl CheckpointSource {
+    pub fn open(dir: &std::path::Path) -> anyhow::Result<CheckpointSource> {
+        let cfg = Config::from_file(&dir.join("config.json"))?;
+        let ckpt = Checkpoint::open(dir)?;
+        let first = cfg
+            .mlp_kinds
+            .iter()
+            .position(|k| *k == crate::model::config::MlpKind::Moe)
+            .ok_or_else(|| anyhow::anyhow!("{} has no MoE layer", dir.display()))?;
+        let e = crate::model::moe::load_expert(
+            &cfg,
+            Loader::new(&ckpt).pp(&format!("layers.{first}.mlp.experts")),
+            0,
+        )?;
+        Ok(CheckpointSource {
+            record_bytes: e.storage_bytes(),
+            ckpt,
+            cfg,
+        })
+    }
+
+    pub fn config(&self) -> &Config {
+        &self.cfg
+    }
+}
+
+impl ExpertSource for CheckpointSource {
+    fn load(&self, layer: usize, expert: usize) -> anyhow::Result<SwiGlu> {
+        let experts = Loader::new(&self.ckpt).pp(&format!("layers.{layer}.mlp.experts"));
+        Ok(crate::model::moe::load_expert(&self.cfg, experts, expert)?)
+    }
+
+    fn record_bytes(&self) -> usize {
+        self.record_bytes
+    }
+}
+
+/// Experts read from the packed store (O_DIRECT, io_uring or pread; sha256-checked).
+pub struct StoreSource {
+    reader: crate::store::StoreReader,
+    limit: f32,
+    record_bytes: usize,
+}
+
+impl StoreSource {
+    /// Opens `store` for the model in `model_dir`, refusing a store made from another model.
+    pub fn open(
+        store: &std::path::Path,
+        model_dir: &std::path::Path,
+        cfg: &Config,
+    ) -> anyhow::Result<StoreSource> {
+        let fingerprint = crate::store::quick_fingerprint(model_dir)?;
+        let reader = crate::store::StoreReader::open(
+            store,
+            Some(&fingerprint),
+            crate::store::ReaderOptions::default(),
+        )?;
+        Ok(StoreSource {
+            record_bytes: reader.manifest().record_size,
+            reader,
+            limit: cfg.swiglu_limit,
+        })
+    }
+
+    pub fn engine_name(&self) -> &'static str {
+        self.reader.engine_name()
+    }
+}
+
+impl ExpertSource for StoreSource {
+    fn load(&self, layer: usize, expert: usize) -> anyhow::Result<SwiGlu> {
+        let record = self.reader.read(layer, expert)?;
+        expert_from_record(&record, self.limit)
+    }
+
+    fn load_many(&self, keys: &[(usize, usize)]) -> Vec<anyhow::Result<SwiGlu>> {
+        use rayon::prelude::*;
+        self.reader
+            .read_many(keys)
+            .into_par_iter()
+            .map(|r| expert_from_record(&*r?, self.limit))
+            .collect()
+    }
+
+    fn record_bytes(&self) -> usize {
+        self.record_bytes
+    }
+}
+
+/// The expert a store record holds, with the model's SwiGLU clamp `limit`: gate, up and down
+/// as matrices, their bytes copied out of the record.
+pub fn expert_from_record(record: &RecordBuf, limit: f32) -> anyhow::Result<SwiGlu> {
+    let bytes = record.bytes();
+    let matrix = |p: &crate::store::Part| {
+        Matrix::from_bytes(
+            p.rows,
+            p.cols,
+            p.format,
+            page_padded(&bytes[p.offset..p.offset + p.length]),
+        )
+        .with_context(|| {
+            format!(
+                "record of layer {}, expert {}",
+                record.layer(),
+                record.expert()
+            )
+        })
+    };
+    let parts = record.layout();
+    Ok(SwiGlu {
+        gate: matrix(&parts.gate)?,
+        up: matrix(&parts.up)?,
+        down: matrix(&parts.down)?,
+        limit,
+    })
+}
+
+/// `bytes` in a buffer with two spare pages after them, so that no two such buffers touch
+/// a common page: a RAM-tier resident is registered with CUDA page by page, and a
+/// registration overlapping another one's pages is refused (heap neighbours would share the
+/// page between them).
+fn page_padded(bytes: &[u8]) -> Vec<u8> {
+    let mut v = Vec::with_capacity(bytes.len() + 2 * 4096);
+    v.extend_from_slice(bytes);
+    v
+}

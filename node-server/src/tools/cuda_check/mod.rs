@@ -1,0 +1,192 @@
+//! `glmflash-node cuda-check`: every CUDA kernel against the CPU backend on fresh random
+//! inputs (a new seed each run unless given), at wide and odd shapes, with outputs poisoned
+//! (NaN) before each launch so an unwritten element fails. Prints one row per case and
+//! exits non-zero on any failure. Needs a CUDA device.
+
+mod blocks;
+mod model;
+mod products;
+
+use crate::backend::AttnLayout;
+use crate::backend::cpu::Placer;
+use crate::backend::cpu::{Matrix, ops};
+use crate::backend::cuda::attn::DsaSpec;
+use crate::backend::cuda::matrix::CudaPlacer;
+use crate::backend::cuda::{
+    Cuda, KdaForm, KdaSpec, MhcCollapse, MhcSpec, MoeLayout, MoeStep, RouteSpec, SlotArena,
+};
+use crate::model::checkpoint::DType;
+use crate::model::config::Config;
+use crate::model::dsa::{pool_key, pool_scores, select_tokens};
+use crate::model::glm5::{LayerCache, Model, SeqCache, Step};
+use crate::model::gpu::{CACHE_SPARE_TOKENS, GpuDecoder, GpuSeq};
+use crate::model::kda::{self, KdaMode};
+use crate::model::mhc::HyperConnection;
+use crate::model::mla::sparse_attention;
+use crate::model::mlp::{SwiGlu, swiglu};
+use crate::model::moe::{Router, Routing, combine_experts};
+use crate::model::random::{scaled_config, write_random_checkpoint};
+use crate::quant::Format;
+use crate::tiers::vram::write_slot;
+use anyhow::Context;
+use blocks::{check_dsa, check_kda, check_mhc, check_mla};
+use model::check_decode;
+use products::{check_dense, check_matvec, check_moe, check_router, check_small_ops};
+use rand::{Rng, SeedableRng};
+use rand_chacha::ChaCha8Rng;
+use std::sync::Arc;
+
+#[derive(Debug, clap::Args)]
+pub struct CudaCheckArgs {
+    /// Seed of the random inputs (default: a fresh one, printed).
+    #[arg(long, env = "GLMFLASH_SEED")]
+    pub seed: Option<u64>,
+    /// Also run the widest shapes (GLM-5.3-Flash expert size: hidden 4096, inter 2048).
+    #[arg(long, env = "GLMFLASH_CHECK_WIDE")]
+    pub wide: bool,
+    #[arg(long, env = "GLMFLASH_CUDA_DEVICE", default_value_t = 0)]
+    pub cuda_device: usize,
+    /// Run only these groups of checks (comma-separated; default all): matvec, dense, moe,
+    /// small, router, mhc, kda, mla, dsa, decode.
+    #[arg(long, env = "GLMFLASH_CHECK_ONLY", value_delimiter = ',')]
+    pub only: Vec<String>,
+}
+
+/// The groups of checks, in the order they run.
+const GROUPS: [&str; 10] = [
+    "matvec", "dense", "moe", "small", "router", "mhc", "kda", "mla", "dsa", "decode",
+];
+
+/// One compared case.
+struct Case {
+    name: String,
+    rel: f64,
+    bound: f64,
+    finite: bool,
+}
+
+impl Case {
+    fn ok(&self) -> bool {
+        self.finite && self.rel <= self.bound
+    }
+}
+
+/// `||a - b|| / ||b||` in f64; infinite when a length differs.
+pub fn rel_err(got: &[f32], want: &[f32]) -> f64 {
+    if got.len() != want.len() {
+        return f64::INFINITY;
+    }
+    let (mut num, mut den) = (0f64, 0f64);
+    for (g, w) in got.iter().zip(want) {
+        num += (*g as f64 - *w as f64).powi(2);
+        den += (*w as f64).powi(2);
+    }
+    (num / den.max(1e-300)).sqrt()
+}
+
+fn case(name: String, got: &[f32], want: &[f32], bound: f64) -> Case {
+    Case {
+        name,
+        rel: rel_err(got, want),
+        bound,
+        finite: got.iter().all(|v| v.is_finite()) && got.len() == want.len(),
+    }
+}
+
+fn randn(rng: &mut ChaCha8Rng, n: usize, scale: f32) -> Vec<f32> {
+    (0..n)
+        .map(|_| (rng.random::<f32>() * 2.0 - 1.0) * scale)
+        .collect()
+}
+
+fn random_matrix(
+    rng: &mut ChaCha8Rng,
+    rows: usize,
+    cols: usize,
+    format: Format,
+) -> anyhow::Result<Matrix> {
+    let w = randn(rng, rows * cols, 1.0 / (cols as f32).sqrt());
+    Ok(Matrix::from_f32(rows, cols, w).convert(format)?)
+}
+
+/// Runs every check; `Ok(true)` when all pass.
+pub fn run(args: &CudaCheckArgs) -> anyhow::Result<bool> {
+    let seed = args.seed.unwrap_or_else(rand::random);
+    println!("cuda-check seed {seed}");
+    let cuda = Cuda::open(args.cuda_device, None)?;
+    println!("device {}", cuda.describe());
+    cuda.set_poison(true);
+    if let Some(bad) = args.only.iter().find(|g| !GROUPS.contains(&g.as_str())) {
+        anyhow::bail!(
+            "--only: no check group {bad:?} (groups: {})",
+            GROUPS.join(", ")
+        );
+    }
+    let mut rng = ChaCha8Rng::seed_from_u64(seed);
+    let mut cases = Vec::new();
+    for group in GROUPS {
+        if !args.only.is_empty() && !args.only.iter().any(|g| g == group) {
+            continue;
+        }
+        let (cuda, rng, cases) = (&cuda, &mut rng, &mut cases);
+        match group {
+            "matvec" => check_matvec(cuda, rng, args.wide, cases)?,
+            "dense" => check_dense(cuda, rng, cases)?,
+            "moe" => check_moe(cuda, rng, args.wide, cases)?,
+            "small" => check_small_ops(cuda, rng, cases)?,
+            "router" => check_router(cuda, rng, cases)?,
+            "mhc" => check_mhc(cuda, rng, cases)?,
+            "kda" => check_kda(cuda, rng, cases)?,
+            "mla" => check_mla(cuda, rng, cases)?,
+            "dsa" => check_dsa(cuda, rng, cases)?,
+            _ => check_decode(cuda, rng, cases)?,
+        }
+    }
+    println!("{:<52} {:>12} {:>10}  result", "case", "rel err", "bound");
+    let mut failed = 0;
+    for c in &cases {
+        let verdict = if c.ok() { "ok" } else { "FAIL" };
+        if !c.ok() {
+            failed += 1;
+        }
+        let note = if c.finite { "" } else { " (non-finite output)" };
+        println!(
+            "{:<52} {:>12.3e} {:>10.0e}  {verdict}{note}",
+            c.name, c.rel, c.bound
+        );
+    }
+    println!("{} cases, {} failed (seed {seed})", cases.len(), failed);
+    Ok(failed == 0)
+}
+
+/// f32 products in another summation order: far under 1e-5 relative.
+const F32_BOUND: f64 = 1e-5;
+
+/// A case that passes only on exact equality.
+fn exact_case(name: String, same: bool) -> Case {
+    Case {
+        name,
+        rel: if same { 0.0 } else { f64::INFINITY },
+        bound: 0.0,
+        finite: true,
+    }
+}
+
+/// A default config with the mHC shape set (the other fields do not matter to mHC).
+fn mhc_config(streams: usize, hidden: usize) -> anyhow::Result<Config> {
+    let mut cfg = Config::from_json(&serde_json::json!({}))?;
+    cfg.hc_mult = streams;
+    cfg.hidden_size = hidden;
+    Ok(cfg)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn mhc_config_takes_the_shape() {
+        let cfg = mhc_config(3, 257).unwrap();
+        assert_eq!((cfg.hc_mult, cfg.hidden_size), (3, 257));
+    }
+}

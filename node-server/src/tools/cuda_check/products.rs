@@ -1,0 +1,335 @@
+//! Checks of the products: matvec, dense matmul, the fused MoE launches, the small row ops
+//! and the router.
+
+use super::*;
+
+pub(super) fn check_matvec(
+    cuda: &Cuda,
+    rng: &mut ChaCha8Rng,
+    wide: bool,
+    cases: &mut Vec<Case>,
+) -> anyhow::Result<()> {
+    // Below 2048 rows `matvec_split` (a block per row; 37 x 512 leaves most of its warps
+    // without columns), from 2048 the warp per row; 24 x 16384 is mHC's projection.
+    let mut shapes = vec![(37, 512), (256, 768), (1024, 2048), (24, 16384)];
+    if wide {
+        shapes.extend([(2048, 4096), (4096, 2048), (6144, 4096)]);
+    }
+    for format in Format::ALL {
+        // Columns not a multiple of 8 take the float formats' scalar loads.
+        let odd = [(5, 260), (2100, 100)];
+        let float = matches!(format, Format::F32 | Format::F16 | Format::Bf16);
+        for &(rows, cols) in shapes.iter().chain(odd.iter().filter(|_| float)) {
+            let m = random_matrix(rng, rows, cols, format)?;
+            let w = cuda.upload(&m.to_bytes())?;
+            for n in [1usize, 3, 8, 9, 17] {
+                let x = randn(rng, n * cols, 1.0);
+                let want = m.matmul(&x, n);
+                let dx = cuda.upload(&x)?;
+                let mut dy = cuda.alloc_f32(n * rows)?;
+                cuda.matvec(&w, format, rows, cols, &dx, n, &mut dy)?;
+                let got = cuda.download(&dy)?;
+                cases.push(case(
+                    format!("matvec {} {rows}x{cols} n={n}", format.name()),
+                    &got[..n * rows],
+                    &want,
+                    F32_BOUND,
+                ));
+            }
+        }
+    }
+    Ok(())
+}
+
+/// Dense matrices placed on the GPU as a model load places them (`Cuda::matmul`: cuBLAS for
+/// many tokens of f32, and of f16/bf16 widened a tile at a time: 4100 x 4096 is three tiles,
+/// the last of 4 rows).
+pub(super) fn check_dense(
+    cuda: &Arc<Cuda>,
+    rng: &mut ChaCha8Rng,
+    cases: &mut Vec<Case>,
+) -> anyhow::Result<()> {
+    let placer = CudaPlacer::new(cuda.clone(), 1)?;
+    for format in [Format::F32, Format::F16, Format::Bf16, Format::Q4K] {
+        for (rows, cols) in [(512usize, 256usize), (1000, 1536), (4100, 4096)] {
+            let m = random_matrix(rng, rows, cols, format)?;
+            // Called directly, not through Matrix::matmul, whose CPU fallback would hide a
+            // failing device product.
+            let device = placer
+                .place(&m)
+                .with_context(|| format!("placing {m:?} failed: {:?}", placer.failure()))?;
+            for n in [1usize, 9, 64, 300] {
+                let x = randn(rng, n * cols, 1.0);
+                let want = m.matmul(&x, n);
+                let mut got = vec![f32::NAN; n * rows];
+                device.matmul_into(&x, n, &mut got)?;
+                cases.push(case(
+                    format!("dense {} {rows}x{cols} n={n}", format.name()),
+                    &got,
+                    &want,
+                    F32_BOUND,
+                ));
+            }
+        }
+    }
+    Ok(())
+}
+
+pub(super) fn check_moe(
+    cuda: &Cuda,
+    rng: &mut ChaCha8Rng,
+    wide: bool,
+    cases: &mut Vec<Case>,
+) -> anyhow::Result<()> {
+    let mut shapes = vec![(512, 256, 16, 4)];
+    if wide {
+        shapes.push((4096, 2048, 12, 8));
+    }
+    for (hidden, inter, experts, k) in shapes {
+        for (gu, down) in [
+            (Format::F32, Format::F32),
+            (Format::Bf16, Format::Bf16),
+            (Format::F16, Format::F16),
+            (Format::Q8_0, Format::Q8_0),
+            (Format::Q4K, Format::Q4K),
+            (Format::Q4K, Format::Q8_0),
+        ] {
+            let limit = 7.0;
+            let ex: Vec<SwiGlu> = (0..experts)
+                .map(|_| {
+                    Ok(SwiGlu {
+                        gate: random_matrix(rng, inter, hidden, gu)?,
+                        up: random_matrix(rng, inter, hidden, gu)?,
+                        down: random_matrix(rng, hidden, inter, down)?,
+                        limit,
+                    })
+                })
+                .collect::<anyhow::Result<_>>()?;
+            let layout = MoeLayout::new(hidden, inter, gu, down)?;
+            // Slots in reverse order, so slot and expert numbers differ.
+            let mut arena = SlotArena::new(cuda, layout, experts)?;
+            for (e, expert) in ex.iter().enumerate() {
+                write_slot(cuda.stream(), &mut arena, experts - 1 - e, expert)?;
+            }
+            for tokens in [1usize, 4, 33] {
+                let x = randn(rng, tokens * hidden, 2.0);
+                let routing = random_routing(rng, tokens, experts, k);
+                let mut want = vec![0f32; tokens * hidden];
+                combine_experts(hidden, &x, &routing, experts, &mut want, |e, rows, n| {
+                    Ok(ex[e].forward(rows, n))
+                })?;
+                let slots: Vec<u32> = routing
+                    .ids
+                    .iter()
+                    .map(|&e| (experts - 1 - e as usize) as u32)
+                    .collect();
+                let step = MoeStep {
+                    layout,
+                    tokens,
+                    k,
+                    limit,
+                    slots: &slots,
+                    weights: &routing.weights,
+                };
+                let got = cuda.moe(&arena.buf, &step, &x)?;
+                cases.push(case(
+                    format!(
+                        "moe {}/{} h{hidden} i{inter} T={tokens} k={k}",
+                        gu.name(),
+                        down.name()
+                    ),
+                    &got,
+                    &want,
+                    F32_BOUND,
+                ));
+                // The same step in two launches with the odd picks computed on the CPU (as
+                // the CPU lane does) must agree, and the GPU picks split across launches must
+                // give the single launch's bits for an all-GPU split.
+                let mut run = cuda.moe_begin(layout, tokens, k, &x)?;
+                let (even, odd): (Vec<Pick>, Vec<Pick>) = slots
+                    .iter()
+                    .copied()
+                    .enumerate()
+                    .partition(|(p, _)| p % 2 == 0);
+                cuda.moe_picks(&mut run, &arena.buf, limit, &even)?;
+                for &(p, _) in &odd {
+                    let (t, e) = (p / k, routing.ids[p] as usize);
+                    let y = ex[e].forward(&x[t * hidden..(t + 1) * hidden], 1);
+                    cuda.moe_set_rows(&mut run, p, &y)?;
+                }
+                let mixed = cuda.moe_finish(run, &routing.weights)?;
+                cases.push(case(
+                    format!(
+                        "moe {}/{} T={tokens} half on the CPU lane",
+                        gu.name(),
+                        down.name()
+                    ),
+                    &mixed,
+                    &want,
+                    F32_BOUND,
+                ));
+                let mut run = cuda.moe_begin(layout, tokens, k, &x)?;
+                cuda.moe_picks(&mut run, &arena.buf, limit, &odd)?;
+                cuda.moe_picks(&mut run, &arena.buf, limit, &even)?;
+                let split = cuda.moe_finish(run, &routing.weights)?;
+                let same_bits = split
+                    .iter()
+                    .zip(&got)
+                    .all(|(a, b)| a.to_bits() == b.to_bits());
+                cases.push(Case {
+                    name: format!(
+                        "moe {}/{} T={tokens} two launches: same bits",
+                        gu.name(),
+                        down.name()
+                    ),
+                    rel: if same_bits { 0.0 } else { f64::INFINITY },
+                    bound: 0.0,
+                    finite: split.iter().all(|v| v.is_finite()),
+                });
+            }
+        }
+    }
+    Ok(())
+}
+
+/// `(pick index, arena slot)`.
+type Pick = (usize, u32);
+
+/// `k` distinct experts per token with positive weights.
+pub(super) fn random_routing(
+    rng: &mut ChaCha8Rng,
+    tokens: usize,
+    experts: usize,
+    k: usize,
+) -> Routing {
+    let mut ids = Vec::with_capacity(tokens * k);
+    let mut weights = Vec::with_capacity(tokens * k);
+    for _ in 0..tokens {
+        let mut picked: Vec<u32> = Vec::with_capacity(k);
+        while picked.len() < k {
+            let e = rng.random_range(0..experts) as u32;
+            if !picked.contains(&e) {
+                picked.push(e);
+            }
+        }
+        ids.extend(picked);
+        weights.extend((0..k).map(|_| rng.random::<f32>() + 0.1));
+    }
+    Routing {
+        k,
+        ids,
+        weights,
+        phases: Vec::new(),
+    }
+}
+
+pub(super) fn check_small_ops(
+    cuda: &Cuda,
+    rng: &mut ChaCha8Rng,
+    cases: &mut Vec<Case>,
+) -> anyhow::Result<()> {
+    for (rows, width) in [(1usize, 64usize), (7, 128), (33, 4096), (5, 1000)] {
+        let x = randn(rng, rows * width, 3.0);
+        let w = randn(rng, width, 1.0);
+        let g = randn(rng, rows * width, 4.0);
+        for weighted in [false, true] {
+            let mut want = x.clone();
+            ops::rms_norm(&mut want, weighted.then_some(&w[..]), width, 1e-6);
+            let mut dx = cuda.upload(&x)?;
+            let dw = cuda.upload(&w)?;
+            cuda.rms_norm(&mut dx, weighted.then_some(&dw), width, 1e-6)?;
+            let got = cuda.download(&dx)?;
+            cases.push(case(
+                format!("rms_norm {rows}x{width} weight={weighted}"),
+                &got,
+                &want,
+                F32_BOUND,
+            ));
+        }
+        let mut want = x.clone();
+        for (o, gg) in want.chunks_exact_mut(width).zip(g.chunks_exact(width)) {
+            ops::rms_norm(o, Some(&w), width, 1e-6);
+            o.iter_mut()
+                .zip(gg)
+                .for_each(|(o, gg)| *o *= ops::sigmoid(*gg));
+        }
+        let mut dx = cuda.upload(&x)?;
+        let (dg, dw) = (cuda.upload(&g)?, cuda.upload(&w)?);
+        cuda.gated_rms_norm(&mut dx, &dg, &dw, width, 1e-6)?;
+        cases.push(case(
+            format!("gated_rms_norm {rows}x{width}"),
+            &cuda.download(&dx)?,
+            &want,
+            F32_BOUND,
+        ));
+    }
+    for n in [1usize, 1000, 100_003] {
+        let gate = randn(rng, n, 20.0);
+        let up = randn(rng, n, 20.0);
+        let want = swiglu(&gate, &up, 7.0);
+        let (dg, du) = (cuda.upload(&gate)?, cuda.upload(&up)?);
+        let mut out = cuda.alloc_f32(n)?;
+        cuda.swiglu(&dg, &du, 7.0, &mut out)?;
+        cases.push(case(
+            format!("swiglu n={n}"),
+            &cuda.download(&out)?,
+            &want,
+            F32_BOUND,
+        ));
+    }
+    Ok(())
+}
+
+pub(super) fn check_router(
+    cuda: &Cuda,
+    rng: &mut ChaCha8Rng,
+    cases: &mut Vec<Case>,
+) -> anyhow::Result<()> {
+    for (experts, groups, topk_groups, k, normalize) in [
+        (16usize, 1usize, 1usize, 4usize, true),
+        (64, 8, 4, 8, true),
+        (288, 1, 1, 8, true),
+        (288, 8, 4, 8, false),
+    ] {
+        let tokens = 37;
+        let hidden = 8;
+        let router = Router::new(
+            Matrix::from_f32(experts, hidden, randn(rng, experts * hidden, 1.0)),
+            randn(rng, experts, 0.1),
+            k,
+            groups,
+            topk_groups,
+            normalize,
+            2.5,
+        );
+        let mut logits = randn(rng, tokens * experts, 4.0);
+        // Exact ties in the choice must go to the lower index, as on the CPU.
+        logits[3] = logits[5];
+        let want = router.choose(&logits, tokens);
+        let (dl, db) = (cuda.upload(&logits)?, cuda.upload(router.bias())?);
+        let spec = RouteSpec {
+            experts,
+            groups,
+            topk_groups,
+            k,
+            normalize,
+            scale: 2.5,
+        };
+        let (ids, weights) = cuda.route(&dl, &db, spec, tokens)?;
+        let name = format!("route E={experts} groups={groups}/{topk_groups} k={k}");
+        let same_ids = ids == want.ids;
+        cases.push(Case {
+            name: format!("{name} ids"),
+            rel: if same_ids { 0.0 } else { f64::INFINITY },
+            bound: 0.0,
+            finite: true,
+        });
+        cases.push(case(
+            format!("{name} weights"),
+            &weights,
+            &want.weights,
+            F32_BOUND,
+        ));
+    }
+    Ok(())
+}
