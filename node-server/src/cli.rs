@@ -248,7 +248,7 @@ impl ModelArgs {
                     tiers.open_history(&crate::store::quick_fingerprint(&self.model)?)?;
                 }
                 let model = match cuda {
-                    None => Model::load_with(&self.model, Some(tiers.clone()))?,
+                    None => Model::builder().experts(tiers.clone()).load(&self.model)?,
                     Some(cuda) => {
                         crate::tiers::vram::load_dense_on_gpu(&self.model, tiers.clone(), cuda)?
                     }

@@ -105,7 +105,7 @@ fn every_mode_and_cap_is_bit_identical_to_untiered() {
                 )
                 .unwrap(),
             );
-            let model = Model::load_with(&dir, Some(tiers.clone())).unwrap();
+            let model = Model::builder().experts(tiers.clone()).load(&dir).unwrap();
             let got = run(&model, &prompt);
             assert!(
                 got == expected,
@@ -182,7 +182,7 @@ fn packed_store_source_is_bit_identical_too() {
                 )
                 .unwrap(),
             );
-            let model = Model::load_with(&dir, Some(tiers.clone())).unwrap();
+            let model = Model::builder().experts(tiers.clone()).load(&dir).unwrap();
             assert!(
                 run(&model, &prompt) == expected,
                 "{name} {mode:?} from the store: logits differ"
@@ -220,7 +220,7 @@ fn packed_store_source_is_bit_identical_too() {
                     vec![history.ranked(first_moe)[0]]
                 );
             }
-            let model = Model::load_with(&dir, Some(warm)).unwrap();
+            let model = Model::builder().experts(warm).load(&dir).unwrap();
             assert!(
                 run(&model, &prompt) == expected,
                 "{name} {mode:?} warm-started: logits differ"
@@ -295,7 +295,7 @@ fn write_back_ring_keeps_residency_unique_and_bounded() {
                 }
             })
         };
-        let model = Model::load_with(&dir, Some(tiers.clone())).unwrap();
+        let model = Model::builder().experts(tiers.clone()).load(&dir).unwrap();
         let got = run(&model, &prompt);
         stop.store(true, Ordering::Relaxed);
         checker.join().unwrap();
@@ -338,7 +338,7 @@ fn batched_decode_tick_is_counted_as_decode() {
         )
         .unwrap(),
     );
-    let model = Model::load_with(&dir, Some(tiers.clone())).unwrap();
+    let model = Model::builder().experts(tiers.clone()).load(&dir).unwrap();
     let phase_total = |phase: usize| -> u64 {
         tiers
             .stats
@@ -451,7 +451,7 @@ async fn tiered_server_exports_the_tier_metrics() {
                 )?);
                 let t = tiers.clone();
                 registry.attach_tiers(move || glmflash_node::tiers::args::metrics_snapshot(&t))?;
-                Model::load_with(&model_dir, Some(tiers))
+                Model::builder().experts(tiers).load(&model_dir)
             },
         )
     })
@@ -571,7 +571,7 @@ fn a_layers_store_misses_are_read_in_one_batch() {
         )
         .unwrap(),
     );
-    let model = Model::load_with(&dir, Some(tiers.clone())).unwrap();
+    let model = Model::builder().experts(tiers.clone()).load(&dir).unwrap();
     assert!(run(&model, &prompt) == expected, "logits differ");
     let batches = source.batches.lock().unwrap().clone();
     let moe_layers = untiered.cfg.moe_layers().iter().filter(|&&m| m).count();

@@ -117,27 +117,31 @@ pub struct Model {
     embed_bytes: usize,
 }
 
-impl Model {
-    /// Loads `dir` (config.json + safetensors); routed experts from the checkpoint into memory.
-    pub fn load(dir: &Path) -> anyhow::Result<Model> {
-        Model::load_with(dir, None)
+/// How a model is made from a checkpoint directory: where its routed experts are served
+/// from (default: the checkpoint, into memory) and which dense weights get a device copy
+/// (default: none). `Model::load(dir)` is the default build.
+#[derive(Default)]
+pub struct ModelBuilder<'a> {
+    experts: Option<Arc<dyn ExpertProvider>>,
+    placer: Option<&'a dyn Placer>,
+}
+
+impl<'a> ModelBuilder<'a> {
+    /// Routed experts served by `experts` (the tiers, or every expert in VRAM).
+    pub fn experts(mut self, experts: Arc<dyn ExpertProvider>) -> Self {
+        self.experts = Some(experts);
+        self
     }
 
-    /// As [`Model::load`], with routed experts served by `experts` when given.
-    pub fn load_with(
-        dir: &Path,
-        experts: Option<Arc<dyn ExpertProvider>>,
-    ) -> anyhow::Result<Model> {
-        Model::load_placed(dir, experts, None)
+    /// Dense weights get the device copy `placer` makes (the routed experts are the
+    /// provider's business).
+    pub fn placer(mut self, placer: &'a dyn Placer) -> Self {
+        self.placer = Some(placer);
+        self
     }
 
-    /// As [`Model::load_with`], giving the dense weights the `placer` wants a device copy
-    /// (the routed experts are the provider's business).
-    pub fn load_placed(
-        dir: &Path,
-        experts: Option<Arc<dyn ExpertProvider>>,
-        placer: Option<&dyn Placer>,
-    ) -> anyhow::Result<Model> {
+    /// Loads `dir` (config.json + safetensors).
+    pub fn load(self, dir: &Path) -> anyhow::Result<Model> {
         let cfg = Config::from_file(&dir.join("config.json"))?;
         let ckpt = Checkpoint::open(dir)?;
         if ckpt
@@ -150,22 +154,26 @@ impl Model {
                 "checkpoint carries an MTP layer; it is ignored (no speculative decoding)"
             );
         }
-        let experts = match experts {
+        let experts = match self.experts {
             Some(e) => e,
             None => Arc::new(InMemoryExperts::load(&cfg, Loader::new(&ckpt))?),
         };
-        Ok(Model::from_checkpoint_placed(cfg, &ckpt, experts, placer)?)
+        Ok(Model::from_checkpoint(cfg, &ckpt, experts, self.placer)?)
+    }
+}
+
+impl Model {
+    /// Loads `dir` (config.json + safetensors); routed experts from the checkpoint into memory.
+    pub fn load(dir: &Path) -> anyhow::Result<Model> {
+        ModelBuilder::default().load(dir)
     }
 
-    pub fn from_checkpoint(
-        cfg: Config,
-        ckpt: &Checkpoint,
-        experts: Arc<dyn ExpertProvider>,
-    ) -> Result<Model, LoadError> {
-        Model::from_checkpoint_placed(cfg, ckpt, experts, None)
+    /// A model made otherwise than [`Model::load`]'s defaults.
+    pub fn builder<'a>() -> ModelBuilder<'a> {
+        ModelBuilder::default()
     }
 
-    pub fn from_checkpoint_placed(
+    fn from_checkpoint(
         cfg: Config,
         ckpt: &Checkpoint,
         experts: Arc<dyn ExpertProvider>,
@@ -254,8 +262,49 @@ impl Model {
         steps: &mut [Step],
         hooks: Option<&dyn ForwardHooks>,
     ) -> anyhow::Result<Vec<Vec<f32>>> {
+        let spans = self.check_batch(steps)?;
+        let tokens = spans.last().map_or(0, |&(start, len)| start + len);
+        let phases: Vec<Phase> = steps
+            .iter()
+            .flat_map(|s| {
+                let phase = if s.is_decode() {
+                    Phase::Decode
+                } else {
+                    Phase::Prefill
+                };
+                std::iter::repeat_n(phase, s.tokens.len())
+            })
+            .collect();
+        let pass = Pass {
+            cfg: &self.cfg,
+            spans: &spans,
+            tokens,
+            phases: &phases,
+            options: self.options,
+            experts: self.experts.as_ref(),
+            hooks,
+        };
+        let mut streams = self.embed(steps, &pass);
+        let mut carried: Option<Vec<Selections>> = None;
+        for (li, layer) in self.layers.iter().enumerate() {
+            let next_moe = self
+                .layers
+                .iter()
+                .enumerate()
+                .skip(li + 1)
+                .find_map(|(i, l)| match &l.feed_forward {
+                    FeedForward::Moe(m) => Some((i, m)),
+                    FeedForward::Dense(_) => None,
+                });
+            streams = layer.forward(li, &pass, steps, streams, &mut carried, next_moe)?;
+        }
+        self.head(steps, &pass, &streams)
+    }
+
+    /// Checks each step of a batch (tokens to feed, ids in the vocabulary, a cache of this
+    /// model) and gives its rows in the batch: `(first row, tokens)` per step.
+    fn check_batch(&self, steps: &[Step]) -> anyhow::Result<Vec<(usize, usize)>> {
         let cfg = &self.cfg;
-        let (d, n) = (cfg.hidden_size, cfg.hc_mult);
         let mut spans = Vec::with_capacity(steps.len());
         let mut tokens = 0;
         for (i, step) in steps.iter().enumerate() {
@@ -274,123 +323,44 @@ impl Model {
             spans.push((tokens, step.tokens.len()));
             tokens += step.tokens.len();
         }
-        let tap = |name: &str, values: &[f32], width: usize| {
-            if let Some(h) = hooks {
-                h.tensor(name, values, width);
-            }
-        };
+        Ok(spans)
+    }
 
-        let mut embedded = Vec::with_capacity(tokens * d);
-        for step in steps.iter() {
+    /// The batch's tokens embedded, each row copied into the `hc_mult` residual streams
+    /// (`[tokens, n, d]`).
+    fn embed(&self, steps: &[Step], pass: &Pass) -> Vec<f32> {
+        let (d, n) = (self.cfg.hidden_size, self.cfg.hc_mult);
+        let mut embedded = Vec::with_capacity(pass.tokens * d);
+        for step in steps {
             for &t in step.tokens {
                 embedded.extend(self.embed.row_f32(t as usize));
             }
         }
-        tap("embed", &embedded, d);
-        let mut streams = Vec::with_capacity(tokens * n * d);
+        pass.tap("embed", &embedded, d);
+        let mut streams = Vec::with_capacity(pass.tokens * n * d);
         for row in embedded.chunks_exact(d) {
             for _ in 0..n {
                 streams.extend_from_slice(row);
             }
         }
+        streams
+    }
 
-        let phases: Vec<Phase> = steps
-            .iter()
-            .flat_map(|s| {
-                let phase = if s.is_decode() {
-                    Phase::Decode
-                } else {
-                    Phase::Prefill
-                };
-                std::iter::repeat_n(phase, s.tokens.len())
-            })
-            .collect();
-        let mut carried: Option<Vec<Selections>> = None;
-        for (li, layer) in self.layers.iter().enumerate() {
-            let name = |part: &str| format!("layers.{li}.{part}");
-            // Attention sublayer.
-            let (mut x, mix) = layer.attn_hc.collapse(&streams, tokens);
-            tap(&name("attn_hc.collapsed"), &x, d);
-            ops::rms_norm(&mut x, Some(&layer.input_norm), d, cfg.rms_norm_eps);
-            let y = match &layer.attention {
-                Attention::Kda(kda) => {
-                    let mut states: Vec<&mut KdaState> = steps
-                        .iter_mut()
-                        .map(|s| match &mut s.cache.layers[li] {
-                            LayerCache::Kda(state) => state,
-                            LayerCache::Mla(_) => unreachable!("cache built from the same config"),
-                        })
-                        .collect();
-                    kda.forward(&x, &spans, &mut states, self.options.kda)
-                }
-                Attention::Mla(mla) => {
-                    let mut caches: Vec<&mut MlaCache> = steps
-                        .iter_mut()
-                        .map(|s| match &mut s.cache.layers[li] {
-                            LayerCache::Mla(c) => c,
-                            LayerCache::Kda(_) => unreachable!("cache built from the same config"),
-                        })
-                        .collect();
-                    let (y, fresh) = mla.forward(
-                        &x,
-                        &spans,
-                        &mut caches,
-                        carried.as_deref(),
-                        self.options.mla,
-                    );
-                    if fresh.is_some() {
-                        carried = fresh;
-                    }
-                    y
-                }
-            };
-            tap(&name("self_attn"), &y, d);
-            streams = layer.attn_hc.expand(&mix, &streams, &y, tokens);
-
-            // Feed-forward sublayer.
-            let (mut x, mix) = layer.ffn_hc.collapse(&streams, tokens);
-            tap(&name("ffn_hc.collapsed"), &x, d);
-            ops::rms_norm(
-                &mut x,
-                Some(&layer.post_attention_norm),
-                d,
-                cfg.rms_norm_eps,
-            );
-            let y = match &layer.feed_forward {
-                FeedForward::Dense(mlp) => mlp.forward(&x, tokens),
-                FeedForward::Moe(moe) => {
-                    // Layer-ahead prediction: the next MoE layer's router on this layer's
-                    // input, so its expert reads overlap this layer's compute.
-                    if self.experts.wants_prefetch()
-                        && let Some((next, FeedForward::Moe(next_moe))) = self
-                            .layers
-                            .iter()
-                            .enumerate()
-                            .skip(li + 1)
-                            .map(|(i, l)| (i, &l.feed_forward))
-                            .find(|(_, f)| matches!(f, FeedForward::Moe(_)))
-                    {
-                        let predicted = next_moe.router.route(&x, tokens);
-                        self.experts.prefetch(next, &predicted.ids);
-                    }
-                    let (y, routing) = moe
-                        .forward(li, &x, tokens, &phases, self.experts.as_ref())
-                        .with_context(|| format!("experts of layer {li}"))?;
-                    if let Some(h) = hooks {
-                        h.routing(li, &routing);
-                    }
-                    y
-                }
-            };
-            tap(&name("mlp"), &y, d);
-            streams = layer.ffn_hc.expand(&mix, &streams, &y, tokens);
-            tap(&format!("layers.{li}"), &streams, n * d);
-        }
-
+    /// The stream mean, the final norm and the head on the rows whose logits each step
+    /// wants; advances the steps' caches. Logits per step, as [`Model::forward`] gives them.
+    fn head(
+        &self,
+        steps: &mut [Step],
+        pass: &Pass,
+        streams: &[f32],
+    ) -> anyhow::Result<Vec<Vec<f32>>> {
+        let cfg = &self.cfg;
+        let (d, n) = (cfg.hidden_size, cfg.hc_mult);
+        let spans = pass.spans;
         // Rows whose logits are wanted.
         let mut rows = Vec::new();
         let mut counts = Vec::with_capacity(steps.len());
-        for (step, &(start, len)) in steps.iter().zip(&spans) {
+        for (step, &(start, len)) in steps.iter().zip(spans) {
             let first = if step.all_logits {
                 start
             } else {
@@ -405,11 +375,11 @@ impl Model {
             h.extend((0..d).map(|k| (0..n).map(|i| s[i * d + k]).sum::<f32>() / n as f32));
         }
         ops::rms_norm(&mut h, Some(&self.norm), d, cfg.rms_norm_eps);
-        tap("norm", &h, d);
+        pass.tap("norm", &h, d);
         let logits = self.lm_head.matmul(&h, rows.len());
-        tap("logits", &logits, cfg.vocab_size);
+        pass.tap("logits", &logits, cfg.vocab_size);
 
-        for (step, &(_, len)) in steps.iter_mut().zip(&spans) {
+        for (step, &(_, len)) in steps.iter_mut().zip(spans) {
             step.cache.len += len;
         }
         let v = cfg.vocab_size;
@@ -475,7 +445,142 @@ fn is_routed_expert_key(key: &str) -> bool {
     key.contains(".mlp.experts.")
 }
 
+/// What every layer of one forward call shares: the batch's layout, the kernel forms, the
+/// experts and the hooks.
+struct Pass<'a> {
+    cfg: &'a Config,
+    /// `(first row, tokens)` of each step.
+    spans: &'a [(usize, usize)],
+    tokens: usize,
+    /// Each row's phase (decode picks or prefill), for the experts' statistics.
+    phases: &'a [Phase],
+    options: ForwardOptions,
+    experts: &'a dyn ExpertProvider,
+    hooks: Option<&'a dyn ForwardHooks>,
+}
+
+impl Pass<'_> {
+    fn tap(&self, name: &str, values: &[f32], width: usize) {
+        if let Some(h) = self.hooks {
+            h.tensor(name, values, width);
+        }
+    }
+}
+
 impl Layer {
+    /// One decoder layer on the batch's residual streams (`[tokens, n, d]`): the attention
+    /// sublayer, then the feed-forward sublayer, each inside its mHC collapse and expand.
+    /// `carried`: the last full indexer's selections (shared-indexer layers reuse them);
+    /// `next_moe`: the next MoE layer, whose experts this layer's input predicts.
+    fn forward(
+        &self,
+        li: usize,
+        pass: &Pass,
+        steps: &mut [Step],
+        streams: Vec<f32>,
+        carried: &mut Option<Vec<Selections>>,
+        next_moe: Option<(usize, &Moe)>,
+    ) -> anyhow::Result<Vec<f32>> {
+        let (d, tokens) = (pass.cfg.hidden_size, pass.tokens);
+        let name = |part: &str| format!("layers.{li}.{part}");
+
+        let (mut x, mix) = self.attn_hc.collapse(&streams, tokens);
+        pass.tap(&name("attn_hc.collapsed"), &x, d);
+        ops::rms_norm(&mut x, Some(&self.input_norm), d, pass.cfg.rms_norm_eps);
+        let y = self.attend(li, pass, steps, &x, carried);
+        pass.tap(&name("self_attn"), &y, d);
+        let streams = self.attn_hc.expand(&mix, &streams, &y, tokens);
+
+        let (mut x, mix) = self.ffn_hc.collapse(&streams, tokens);
+        pass.tap(&name("ffn_hc.collapsed"), &x, d);
+        ops::rms_norm(
+            &mut x,
+            Some(&self.post_attention_norm),
+            d,
+            pass.cfg.rms_norm_eps,
+        );
+        let y = self.feed(li, pass, &x, next_moe)?;
+        pass.tap(&name("mlp"), &y, d);
+        let streams = self.ffn_hc.expand(&mix, &streams, &y, tokens);
+        pass.tap(&format!("layers.{li}"), &streams, pass.cfg.hc_mult * d);
+        Ok(streams)
+    }
+
+    /// The attention sublayer on the normed input `x`: KDA on each step's state, or MLA with
+    /// the indexer on each step's cache.
+    fn attend(
+        &self,
+        li: usize,
+        pass: &Pass,
+        steps: &mut [Step],
+        x: &[f32],
+        carried: &mut Option<Vec<Selections>>,
+    ) -> Vec<f32> {
+        match &self.attention {
+            Attention::Kda(kda) => {
+                let mut states: Vec<&mut KdaState> = steps
+                    .iter_mut()
+                    .map(|s| match &mut s.cache.layers[li] {
+                        LayerCache::Kda(state) => state,
+                        LayerCache::Mla(_) => unreachable!("cache built from the same config"),
+                    })
+                    .collect();
+                kda.forward(x, pass.spans, &mut states, pass.options.kda)
+            }
+            Attention::Mla(mla) => {
+                let mut caches: Vec<&mut MlaCache> = steps
+                    .iter_mut()
+                    .map(|s| match &mut s.cache.layers[li] {
+                        LayerCache::Mla(c) => c,
+                        LayerCache::Kda(_) => unreachable!("cache built from the same config"),
+                    })
+                    .collect();
+                let (y, fresh) = mla.forward(
+                    x,
+                    pass.spans,
+                    &mut caches,
+                    carried.as_deref(),
+                    pass.options.mla,
+                );
+                if fresh.is_some() {
+                    *carried = fresh;
+                }
+                y
+            }
+        }
+    }
+
+    /// The feed-forward sublayer on the normed input `x`: the dense MLP, or the MoE (after
+    /// predicting the next MoE layer's picks from `x` when the experts read ahead).
+    fn feed(
+        &self,
+        li: usize,
+        pass: &Pass,
+        x: &[f32],
+        next_moe: Option<(usize, &Moe)>,
+    ) -> anyhow::Result<Vec<f32>> {
+        match &self.feed_forward {
+            FeedForward::Dense(mlp) => Ok(mlp.forward(x, pass.tokens)),
+            FeedForward::Moe(moe) => {
+                // Layer-ahead prediction: the next MoE layer's router on this layer's input,
+                // so its expert reads overlap this layer's compute.
+                if pass.experts.wants_prefetch()
+                    && let Some((next, next_moe)) = next_moe
+                {
+                    let predicted = next_moe.router.route(x, pass.tokens);
+                    pass.experts.prefetch(next, &predicted.ids);
+                }
+                let (y, routing) = moe
+                    .forward(li, x, pass.tokens, pass.phases, pass.experts)
+                    .with_context(|| format!("experts of layer {li}"))?;
+                if let Some(h) = pass.hooks {
+                    h.routing(li, &routing);
+                }
+                Ok(y)
+            }
+        }
+    }
+
     fn load(cfg: &Config, vb: Loader, i: usize) -> Result<Layer, LoadError> {
         let d = cfg.hidden_size;
         let attention = match cfg.attn_kinds[i] {

@@ -16,4 +16,4 @@ pub mod mlp;
 pub mod moe;
 pub mod random;
 
-pub use glm5::{ForwardHooks, ForwardOptions, Model, SeqCache, Step};
+pub use glm5::{ForwardHooks, ForwardOptions, Model, ModelBuilder, SeqCache, Step};

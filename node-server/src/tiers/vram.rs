@@ -305,7 +305,10 @@ pub fn load_dense_on_gpu(
     cuda: Arc<Cuda>,
 ) -> anyhow::Result<crate::model::Model> {
     let placer = crate::backend::cuda::matrix::CudaPlacer::new(cuda, 1)?;
-    let model = crate::model::Model::load_placed(dir, Some(experts), Some(&placer))?;
+    let model = crate::model::Model::builder()
+        .experts(experts)
+        .placer(&placer)
+        .load(dir)?;
     if let Some(failure) = placer.failure() {
         tracing::warn!(%failure, "some dense weights stay on the CPU");
     }

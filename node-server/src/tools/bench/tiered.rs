@@ -109,7 +109,7 @@ fn measure(
         &plan,
         None,
     )?);
-    let model = Model::load_with(dir, Some(tiers.clone()))?;
+    let model = Model::builder().experts(tiers.clone()).load(dir)?;
     let vocab = cfg.vocab_size as u32;
     let prompt: Vec<u32> = (0..args.prompt_tokens as u32)
         .map(|i| (i * 7919 + 13) % vocab)

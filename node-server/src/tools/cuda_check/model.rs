@@ -32,7 +32,7 @@ pub(super) fn check_decode(
         let demo = dir.join("demo");
         crate::demo::make_demo_model(&demo, crate::demo::DEFAULT_SEED)?;
         let placer = CudaPlacer::new(cuda.clone(), 0)?;
-        let model = Model::load_placed(&demo, None, Some(&placer))?;
+        let model = Model::builder().placer(&placer).load(&demo)?;
         decode_cases(cuda, &model, "demo bf16 placed", rng, cases)?;
 
         // Every routed expert in VRAM: the decoder hands the provider its device rows
