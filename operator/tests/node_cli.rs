@@ -190,14 +190,14 @@ fn server_container_parses_with_the_node_cli_in_every_mode() {
         assert_mounted(c, &model.model, false);
         assert_mounted(c, model.store.as_ref().unwrap(), false);
         assert_eq!(
-            model.mode.unwrap().to_possible_value().unwrap().get_name(),
+            model.tier.mode.unwrap().to_possible_value().unwrap().get_name(),
             mode,
             "{what}"
         );
-        assert_eq!(model.vram_expert_slots, slots.map(|s| s as usize), "{what}");
-        assert_eq!(model.vram_slots, None, "{what}");
+        assert_eq!(model.tier.vram_expert_slots, slots.map(|s| s as usize), "{what}");
+        assert_eq!(model.tier.vram_slots, None, "{what}");
         assert_eq!(
-            model.min_free_vram_mib,
+            model.tier.min_free_vram_mib,
             u64::from(g.spec.vram.min_free_mib),
             "{what}"
         );
