@@ -8,9 +8,13 @@ use cudarc::driver::CudaSlice;
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex};
 
+/// A weight matrix on one GPU, in its own format: the model's device copy of a [`Matrix`]
+/// (through [`DeviceWeights`], products of host rows) and the GPU forward's weight (products
+/// of device rows, [`CudaMatrix::apply`]). Cloning shares the device bytes.
+#[derive(Clone)]
 pub struct CudaMatrix {
     cuda: Arc<Cuda>,
-    w: CudaSlice<u8>,
+    w: Arc<CudaSlice<u8>>,
     format: Format,
     rows: usize,
     cols: usize,
@@ -20,35 +24,47 @@ impl CudaMatrix {
     pub fn upload(cuda: &Arc<Cuda>, m: &Matrix) -> Result<CudaMatrix, CudaError> {
         Ok(CudaMatrix {
             cuda: cuda.clone(),
-            w: cuda.upload(&m.to_bytes())?,
+            w: Arc::new(cuda.upload(&m.as_bytes())?),
             format: m.format(),
             rows: m.rows(),
             cols: m.cols(),
         })
     }
 
-    /// Whether the copy lives on `cuda` (the same context, so its buffers can be passed to
-    /// that device's kernels).
-    pub(crate) fn is_on(&self, cuda: &Arc<Cuda>) -> bool {
-        Arc::ptr_eq(&self.cuda, cuda)
+    /// `m` on `cuda`: the device copy it carries there (shared), else an upload of its bytes.
+    pub fn of(cuda: &Arc<Cuda>, m: &Matrix) -> Result<CudaMatrix, CudaError> {
+        match CudaMatrix::placed(m) {
+            Some(placed) if Arc::ptr_eq(&placed.cuda, cuda) => Ok(placed.clone()),
+            _ => CudaMatrix::upload(cuda, m),
+        }
+    }
+
+    /// The device copy `m` carries, when it is on a GPU.
+    pub fn placed(m: &Matrix) -> Option<&CudaMatrix> {
+        m.device()?.as_any().downcast_ref::<CudaMatrix>()
+    }
+
+    /// Output values per token row.
+    pub fn rows(&self) -> usize {
+        self.rows
     }
 
     /// The device the copy lives on.
-    pub(crate) fn cuda(&self) -> &Arc<Cuda> {
+    pub fn cuda(&self) -> &Arc<Cuda> {
         &self.cuda
     }
 
-    /// The weight bytes in the matrix's own format (what `Cuda::matvec` takes).
-    pub(crate) fn weights(&self) -> &CudaSlice<u8> {
-        &self.w
+    /// `W x` for each of `n` token rows of `x` (`[n, cols]`, on this device): `[n, rows]`.
+    pub fn apply(&self, x: &CudaSlice<f32>, n: usize) -> Result<CudaSlice<f32>, CudaError> {
+        let mut y = self.cuda.alloc_f32(n * self.rows)?;
+        self.cuda
+            .matmul(&self.w, self.format, self.rows, self.cols, x, n, &mut y)?;
+        Ok(y)
     }
 
     fn product(&self, x: &[f32], n: usize) -> Result<Vec<f32>, CudaError> {
         let dx = self.cuda.upload(x)?;
-        let mut dy = self.cuda.alloc_f32(n * self.rows)?;
-        self.cuda
-            .matmul(&self.w, self.format, self.rows, self.cols, &dx, n, &mut dy)?;
-        let mut y = self.cuda.download(&dy)?;
+        let mut y = self.cuda.download(&self.apply(&dx, n)?)?;
         y.truncate(n * self.rows);
         Ok(y)
     }

@@ -22,7 +22,7 @@ impl GpuDecoder {
         cuda.stream()
             .memcpy_dtod(&streams.slice(..b * n * d), &mut normed)?;
         cuda.rms_norm(&mut normed, None, n * d, hc.norm_eps)?;
-        let logits = hc.proj.apply(cuda, &normed, b)?;
+        let logits = hc.proj.apply(&normed, b)?;
         let mut out = MhcCollapse {
             collapsed: cuda.alloc_f32(b * d)?,
             post: cuda.alloc_f32(b * n)?,
@@ -76,10 +76,10 @@ impl GpuDecoder {
         let cuda = &*self.cuda;
         let total: usize = spans.iter().map(|s| s.1).sum();
         let (c, h, dh) = (w.spec.channels(), w.spec.heads, w.spec.head_dim);
-        let [q, k, v] = [&w.q, &w.k, &w.v].map(|m| m.apply(cuda, x, total));
+        let [q, k, v] = [&w.q, &w.k, &w.v].map(|m| m.apply(x, total));
         let (q, k, v) = (q?, k?, v?);
-        let mut g = w.f_b.apply(cuda, &w.f_a.apply(cuda, x, total)?, total)?;
-        let mut beta = w.b_proj.apply(cuda, x, total)?;
+        let mut g = w.f_b.apply(&w.f_a.apply(x, total)?, total)?;
+        let mut beta = w.b_proj.apply(x, total)?;
         let gates = KdaGates {
             heads: h,
             head_dim: dh,
@@ -106,9 +106,9 @@ impl GpuDecoder {
             let mut dst = core.slice_mut(first * c..(first + len) * c);
             cuda.stream().memcpy_dtod(&out, &mut dst)?;
         }
-        let out_gate = w.g_b.apply(cuda, &w.g_a.apply(cuda, x, total)?, total)?;
+        let out_gate = w.g_b.apply(&w.g_a.apply(x, total)?, total)?;
         cuda.gated_rms_norm(&mut core, &out_gate, &w.o_norm, dh, w.eps)?;
-        w.o_proj.apply(cuda, &core, total)
+        Ok(w.o_proj.apply(&core, total)?)
     }
 
     /// `Mla::forward` for each sequence's tokens on the absorbed path (`states`: each
@@ -128,10 +128,10 @@ impl GpuDecoder {
         let cuda = &*self.cuda;
         let total: usize = spans.iter().map(|s| s.1).sum();
         let (h, nope, vd, r) = (w.heads, w.nope, w.v_dim, w.rank);
-        let mut qr = w.q_a.apply(cuda, x, total)?;
-        cuda.rms_norm(&mut qr, Some(&w.q_a_norm), w.q_a.rows, w.eps)?;
-        let q = w.q_b.apply(cuda, &qr, total)?;
-        let mut latent = w.kv_a.apply(cuda, x, total)?;
+        let mut qr = w.q_a.apply(x, total)?;
+        cuda.rms_norm(&mut qr, Some(&w.q_a_norm), w.q_a.rows(), w.eps)?;
+        let q = w.q_b.apply(&qr, total)?;
+        let mut latent = w.kv_a.apply(x, total)?;
         cuda.rms_norm(&mut latent, Some(&w.kv_a_norm), r, w.eps)?;
 
         if let Some(ix) = &w.indexer {
@@ -181,7 +181,7 @@ impl GpuDecoder {
                 cuda.mla_absorb_out(&o_lat, &w.kv_b, h, nope, vd, r, m, &mut dst)?;
             }
         }
-        w.o_proj.apply(cuda, &attn, total)
+        Ok(w.o_proj.apply(&attn, total)?)
     }
 
     /// The indexer of a full layer for each sequence's new tokens (`spans` its rows,
@@ -199,7 +199,7 @@ impl GpuDecoder {
         let cuda = &*self.cuda;
         let total: usize = spans.iter().map(|s| s.1).sum();
         let (di, hi, kpool) = (ix.spec.dim, ix.spec.heads, ix.spec.kpool);
-        let mut keys = ix.wk.apply(cuda, x, total)?;
+        let mut keys = ix.wk.apply(x, total)?;
         cuda.layer_norm(
             &mut keys,
             &ix.k_norm_weight,
@@ -208,10 +208,10 @@ impl GpuDecoder {
             K_NORM_EPS,
             total,
         )?;
-        let gates = ix.gate.apply(cuda, x, total)?;
-        let mut weights = ix.weights_proj.apply(cuda, x, total)?;
+        let gates = ix.gate.apply(x, total)?;
+        let mut weights = ix.weights_proj.apply(x, total)?;
         cuda.scale_values(&mut weights, (hi as f32).powf(-0.5), total * hi)?;
-        let q = ix.wq_b.apply(cuda, qr, total)?;
+        let q = ix.wq_b.apply(qr, total)?;
 
         let mut out = Vec::with_capacity(caches.len());
         for ((ic, &(first, len)), &pos) in caches.iter_mut().zip(spans).zip(positions) {
@@ -252,11 +252,11 @@ impl GpuDecoder {
 
     pub(super) fn mlp(&self, w: &DevMlp, x: &Buf, b: usize) -> anyhow::Result<Buf> {
         let cuda = &*self.cuda;
-        let gate = w.gate.apply(cuda, x, b)?;
-        let up = w.up.apply(cuda, x, b)?;
-        let mut act = cuda.alloc_f32(b * w.gate.rows)?;
+        let gate = w.gate.apply(x, b)?;
+        let up = w.up.apply(x, b)?;
+        let mut act = cuda.alloc_f32(b * w.gate.rows())?;
         cuda.swiglu(&gate, &up, w.limit, &mut act)?;
-        w.down.apply(cuda, &act, b)
+        Ok(w.down.apply(&act, b)?)
     }
 
     /// `Moe::forward` for the batch's tokens: routing on the device, the routed experts
@@ -273,7 +273,7 @@ impl GpuDecoder {
         let cuda = &*self.cuda;
         let (d, b) = (self.cfg.hidden_size, phases.len());
         let (ids, weights) = self.timed("moe route", || {
-            let logits = w.router.apply(cuda, x, b)?;
+            let logits = w.router.apply(x, b)?;
             Ok(cuda.route(&logits, &w.bias, w.spec, b)?)
         })?;
         let routing = Routing {

@@ -41,14 +41,13 @@ mod blocks;
 mod seq;
 mod weights;
 
-use crate::backend::cpu::{DeviceWeights, Matrix};
+use crate::backend::cpu::Matrix;
 use crate::backend::cuda::attn::{DeviceSelections, DsaSpec};
 use crate::backend::cuda::matrix::CudaMatrix;
 use crate::backend::cuda::{Cuda, KdaSpec, MhcSpec, RouteSpec};
 use crate::model::config::Config;
 use crate::model::glm5::{Attention, FeedForward, Model};
 use crate::model::moe::Phase;
-use crate::quant::Format;
 use anyhow::{Context, bail};
 use cudarc::driver::CudaSlice;
 use std::collections::BTreeMap;
@@ -66,21 +65,6 @@ pub const GROWTH_SLACK: usize = 4;
 /// Token rows of one forward call (the grid's y and z dimensions index them).
 pub const MAX_ROWS: usize = 65_535;
 
-/// A weight matrix the decode step multiplies by with `Cuda::matvec`.
-struct DevMatrix {
-    weights: Weights,
-    format: Format,
-    rows: usize,
-    cols: usize,
-}
-
-enum Weights {
-    /// The model's own device copy (a `CudaMatrix` on this device).
-    Placed(Arc<dyn DeviceWeights>),
-    /// Uploaded for the decoder.
-    Owned(CudaSlice<u8>),
-}
-
 /// A device buffer that grows by appended rows (the caches of MLA layers).
 struct DevVec {
     buf: Buf,
@@ -89,51 +73,51 @@ struct DevVec {
 }
 
 struct DevHc {
-    proj: DevMatrix,
+    proj: CudaMatrix,
     base: Buf,
     spec: MhcSpec,
     norm_eps: f32,
 }
 
 struct DevKda {
-    q: DevMatrix,
-    k: DevMatrix,
-    v: DevMatrix,
+    q: CudaMatrix,
+    k: CudaMatrix,
+    v: CudaMatrix,
     conv: Buf,
-    f_a: DevMatrix,
-    f_b: DevMatrix,
+    f_a: CudaMatrix,
+    f_b: CudaMatrix,
     dt_bias: Buf,
     a_log: Buf,
-    b_proj: DevMatrix,
-    g_a: DevMatrix,
-    g_b: DevMatrix,
+    b_proj: CudaMatrix,
+    g_a: CudaMatrix,
+    g_b: CudaMatrix,
     o_norm: Buf,
-    o_proj: DevMatrix,
+    o_proj: CudaMatrix,
     spec: KdaSpec,
     lower_bound: Option<f32>,
     eps: f32,
 }
 
 struct DevIndexer {
-    wq_b: DevMatrix,
-    wk: DevMatrix,
+    wq_b: CudaMatrix,
+    wk: CudaMatrix,
     k_norm_weight: Buf,
     k_norm_bias: Buf,
-    weights_proj: DevMatrix,
+    weights_proj: CudaMatrix,
     ape: Buf,
-    gate: DevMatrix,
+    gate: CudaMatrix,
     spec: DsaSpec,
 }
 
 struct DevMla {
-    q_a: DevMatrix,
+    q_a: CudaMatrix,
     q_a_norm: Buf,
-    q_b: DevMatrix,
-    kv_a: DevMatrix,
+    q_b: CudaMatrix,
+    kv_a: CudaMatrix,
     kv_a_norm: Buf,
     /// `kv_b` dequantized to f32, `[heads * (nope + v_dim), rank]`.
     kv_b: Buf,
-    o_proj: DevMatrix,
+    o_proj: CudaMatrix,
     indexer: Option<DevIndexer>,
     heads: usize,
     nope: usize,
@@ -143,14 +127,14 @@ struct DevMla {
 }
 
 struct DevMlp {
-    gate: DevMatrix,
-    up: DevMatrix,
-    down: DevMatrix,
+    gate: CudaMatrix,
+    up: CudaMatrix,
+    down: CudaMatrix,
     limit: f32,
 }
 
 struct DevMoe {
-    router: DevMatrix,
+    router: CudaMatrix,
     bias: Buf,
     spec: RouteSpec,
     shared: Option<DevMlp>,
@@ -181,7 +165,7 @@ pub struct GpuDecoder {
     cfg: Config,
     layers: Vec<DevLayer>,
     norm: Buf,
-    lm_head: DevMatrix,
+    lm_head: CudaMatrix,
     /// Wall time per phase of the forward, each phase between two synchronisations; only
     /// with `GLMFLASH_GPU_PROFILE` set (the synchronisations cost overlap).
     profile: Option<Mutex<BTreeMap<&'static str, (f64, u64)>>>,
@@ -249,7 +233,7 @@ impl GpuDecoder {
             cfg: model.cfg.clone(),
             layers,
             norm: cuda.upload(&model.norm)?,
-            lm_head: DevMatrix::new(cuda, &model.lm_head)?,
+            lm_head: CudaMatrix::of(cuda, &model.lm_head)?,
             profile: std::env::var_os("GLMFLASH_GPU_PROFILE").map(|_| Default::default()),
         })
     }
@@ -444,14 +428,14 @@ impl GpuDecoder {
         }
         let all = self.timed("lm head", || {
             cuda.rms_norm(&mut h, Some(&self.norm), d, cfg.rms_norm_eps)?;
-            let logits = self.lm_head.apply(cuda, &h, b)?;
+            let logits = self.lm_head.apply(&h, b)?;
             Ok(cuda.download(&logits)?)
         })?;
         for (s, &(_, len)) in seqs.iter_mut().zip(&rows) {
             s.len += len;
         }
         Ok(all
-            .chunks(self.lm_head.rows)
+            .chunks(self.lm_head.rows())
             .take(b)
             .map(|row| row[..v].to_vec())
             .collect())
@@ -497,9 +481,7 @@ pub fn workspace_bytes(cfg: &Config, rows: usize, context: usize) -> usize {
 
 /// The GPU that holds `model`'s dense weights (its output projection's device copy), if any.
 pub fn placed_device(model: &Model) -> Option<Arc<Cuda>> {
-    let placed = model.lm_head.device()?;
-    let m = placed.as_any().downcast_ref::<CudaMatrix>()?;
-    Some(m.cuda().clone())
+    Some(CudaMatrix::placed(&model.lm_head)?.cuda().clone())
 }
 
 #[cfg(test)]

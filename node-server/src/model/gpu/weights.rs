@@ -9,52 +9,6 @@ use crate::model::mla::Mla;
 use crate::model::mlp::SwiGlu;
 use crate::model::moe::Moe;
 use cudarc::driver::CudaView;
-impl DevMatrix {
-    pub(super) fn new(cuda: &Arc<Cuda>, m: &Matrix) -> anyhow::Result<DevMatrix> {
-        let placed = m.device().filter(|d| {
-            d.as_any()
-                .downcast_ref::<CudaMatrix>()
-                .is_some_and(|c| c.is_on(cuda))
-        });
-        let weights = match placed {
-            Some(d) => Weights::Placed(d.clone()),
-            None => Weights::Owned(cuda.upload(&m.as_bytes())?),
-        };
-        Ok(DevMatrix {
-            weights,
-            format: m.format(),
-            rows: m.rows(),
-            cols: m.cols(),
-        })
-    }
-
-    pub(super) fn bytes(&self) -> &CudaSlice<u8> {
-        match &self.weights {
-            Weights::Placed(d) => d
-                .as_any()
-                .downcast_ref::<CudaMatrix>()
-                .expect("only a CudaMatrix is kept as placed")
-                .weights(),
-            Weights::Owned(b) => b,
-        }
-    }
-
-    /// `W x` for each of `n` token rows (`x` is `[n, cols]`).
-    pub(super) fn apply(&self, cuda: &Cuda, x: &Buf, n: usize) -> anyhow::Result<Buf> {
-        let mut y = cuda.alloc_f32(n * self.rows)?;
-        cuda.matmul(
-            self.bytes(),
-            self.format,
-            self.rows,
-            self.cols,
-            x,
-            n,
-            &mut y,
-        )?;
-        Ok(y)
-    }
-}
-
 impl DevVec {
     /// `values` with room for `spare` more values.
     pub(super) fn from_host(cuda: &Cuda, values: &[f32], spare: usize) -> anyhow::Result<DevVec> {
@@ -118,7 +72,7 @@ impl DevLayer {
 impl DevHc {
     pub(super) fn new(cuda: &Arc<Cuda>, hc: &HyperConnection) -> anyhow::Result<DevHc> {
         Ok(DevHc {
-            proj: DevMatrix::new(cuda, &hc.proj)?,
+            proj: CudaMatrix::of(cuda, &hc.proj)?,
             base: cuda.upload(&hc.base)?,
             spec: MhcSpec {
                 streams: hc.streams,
@@ -134,7 +88,7 @@ impl DevHc {
 
 impl DevKda {
     pub(super) fn new(cuda: &Arc<Cuda>, k: &Kda) -> anyhow::Result<DevKda> {
-        let m = |x: &Matrix| DevMatrix::new(cuda, x);
+        let m = |x: &Matrix| CudaMatrix::of(cuda, x);
         Ok(DevKda {
             q: m(&k.q_proj)?,
             k: m(&k.k_proj)?,
@@ -165,13 +119,13 @@ impl DevMla {
     pub(super) fn new(cuda: &Arc<Cuda>, m: &Mla) -> anyhow::Result<DevMla> {
         let kv_b: Vec<f32> = (0..m.kv_b.rows()).flat_map(|r| m.kv_b.row_f32(r)).collect();
         Ok(DevMla {
-            q_a: DevMatrix::new(cuda, &m.q_a)?,
+            q_a: CudaMatrix::of(cuda, &m.q_a)?,
             q_a_norm: cuda.upload(&m.q_a_norm)?,
-            q_b: DevMatrix::new(cuda, &m.q_b)?,
-            kv_a: DevMatrix::new(cuda, &m.kv_a)?,
+            q_b: CudaMatrix::of(cuda, &m.q_b)?,
+            kv_a: CudaMatrix::of(cuda, &m.kv_a)?,
             kv_a_norm: cuda.upload(&m.kv_a_norm)?,
             kv_b: cuda.upload(&kv_b)?,
-            o_proj: DevMatrix::new(cuda, &m.o_proj)?,
+            o_proj: CudaMatrix::of(cuda, &m.o_proj)?,
             indexer: m
                 .indexer
                 .as_ref()
@@ -189,13 +143,13 @@ impl DevMla {
 impl DevIndexer {
     pub(super) fn new(cuda: &Arc<Cuda>, ix: &Indexer) -> anyhow::Result<DevIndexer> {
         Ok(DevIndexer {
-            wq_b: DevMatrix::new(cuda, &ix.wq_b)?,
-            wk: DevMatrix::new(cuda, &ix.wk)?,
+            wq_b: CudaMatrix::of(cuda, &ix.wq_b)?,
+            wk: CudaMatrix::of(cuda, &ix.wk)?,
             k_norm_weight: cuda.upload(&ix.k_norm_weight)?,
             k_norm_bias: cuda.upload(&ix.k_norm_bias)?,
-            weights_proj: DevMatrix::new(cuda, &ix.weights_proj)?,
+            weights_proj: CudaMatrix::of(cuda, &ix.weights_proj)?,
             ape: cuda.upload(&ix.ape)?,
-            gate: DevMatrix::new(cuda, &ix.gate)?,
+            gate: CudaMatrix::of(cuda, &ix.gate)?,
             spec: DsaSpec {
                 heads: ix.heads,
                 dim: ix.dim,
@@ -210,9 +164,9 @@ impl DevIndexer {
 impl DevMlp {
     pub(super) fn new(cuda: &Arc<Cuda>, s: &SwiGlu) -> anyhow::Result<DevMlp> {
         Ok(DevMlp {
-            gate: DevMatrix::new(cuda, &s.gate)?,
-            up: DevMatrix::new(cuda, &s.up)?,
-            down: DevMatrix::new(cuda, &s.down)?,
+            gate: CudaMatrix::of(cuda, &s.gate)?,
+            up: CudaMatrix::of(cuda, &s.up)?,
+            down: CudaMatrix::of(cuda, &s.down)?,
             limit: s.limit,
         })
     }
@@ -222,7 +176,7 @@ impl DevMoe {
     pub(super) fn new(cuda: &Arc<Cuda>, moe: &Moe) -> anyhow::Result<DevMoe> {
         let r = &moe.router;
         Ok(DevMoe {
-            router: DevMatrix::new(cuda, &r.weight)?,
+            router: CudaMatrix::of(cuda, &r.weight)?,
             bias: cuda.upload(&r.bias)?,
             spec: RouteSpec {
                 experts: r.experts,
