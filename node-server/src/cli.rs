@@ -104,6 +104,9 @@ pub enum Command {
     Bench(bench::BenchArgs),
     /// Check every CUDA kernel against the CPU backend on fresh random inputs (needs a GPU).
     CudaCheck(cuda_check::CudaCheckArgs),
+    /// What fits where: VRAM, RAM and store for a model on a box (default: GLM-5.3-Flash as
+    /// EXL3 3.05 bpw on an RTX 3090), before a byte is downloaded.
+    Plan(crate::plan::args::PlanArgs),
     /// Download a checkpoint (safetensors, config, tokenizer) from the Hugging Face Hub:
     /// resumable, hash-checked, `HF_ENDPOINT` honoured.
     Download(crate::download::DownloadArgs),
@@ -298,6 +301,8 @@ fn model_sizes(
         experts: cfg.n_routed_experts,
         record_bytes,
         dense_bytes,
+        host_only_bytes: 0,
+        cache_bytes: 0,
         gpu_workspace_bytes: crate::model::gpu::workspace_bytes(
             cfg,
             crate::model::gpu::DEFAULT_GPU_CHUNK,

@@ -16,6 +16,7 @@ pub mod engine;
 pub mod metrics;
 pub mod mmap;
 pub mod model;
+pub mod plan;
 pub mod quant;
 pub mod store;
 pub mod tiers;

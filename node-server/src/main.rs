@@ -141,6 +141,7 @@ fn run(command: Command) -> anyhow::Result<()> {
             Ok(())
         }
         Command::Bench(args) => bench::run(&args),
+        Command::Plan(args) => glmflash_node::plan::args::run(&args),
         Command::CudaCheck(args) => {
             if cuda_check::run(&args)? {
                 Ok(())

@@ -85,10 +85,29 @@ pub struct ModelSizes {
     pub experts: usize,
     /// Bytes of one expert record as the source stores it.
     pub record_bytes: u64,
-    /// Bytes of every weight but the routed experts, as the checkpoint stores them.
+    /// Bytes of every weight but the routed experts, as the checkpoint stores them (the
+    /// process holds them in host memory; all but `host_only_bytes` also go to the GPU).
     pub dense_bytes: u64,
+    /// Of `dense_bytes`, what stays in host memory only (the embedding table: one row per
+    /// token goes up).
+    pub host_only_bytes: u64,
+    /// The sequences' caches in VRAM, when sized here (else `SlotRequest::vram_reserve`
+    /// covers them).
+    pub cache_bytes: u64,
     /// The GPU forward's activations for a default prompt chunk, kept free in VRAM.
     pub gpu_workspace_bytes: u64,
+}
+
+impl ModelSizes {
+    /// VRAM held besides the expert slots: the dense weights the GPU keeps, the caches, the
+    /// workspace, the staging slots and `reserve`.
+    pub fn vram_held(&self, reserve: u64) -> u64 {
+        self.dense_bytes.saturating_sub(self.host_only_bytes)
+            + self.cache_bytes
+            + self.gpu_workspace_bytes
+            + STAGING_SLOTS as u64 * self.record_bytes
+            + reserve
+    }
 }
 
 /// What the flags ask for (`None`: size it from the machine).
@@ -141,10 +160,7 @@ pub fn size_tiers(model: &ModelSizes, request: &SlotRequest, machine: &MachineFa
         (None, Some(total), _) => (total / layers as usize, "flag-total"),
         (None, None, None) => (CPU_DEVICE_SLOTS, "cpu-default"),
         (None, None, Some(free)) => {
-            let staging = STAGING_SLOTS as u64 * model.record_bytes;
-            let held =
-                model.dense_bytes + request.vram_reserve + model.gpu_workspace_bytes + staging;
-            let left = free.saturating_sub(held);
+            let left = free.saturating_sub(model.vram_held(request.vram_reserve));
             (
                 (left / (model.record_bytes * layers).max(1)) as usize,
                 "free-vram",
@@ -272,6 +288,8 @@ mod tests {
             experts: 288,
             record_bytes: 14 * MIB,
             dense_bytes: dense_mib * MIB,
+            host_only_bytes: 0,
+            cache_bytes: 0,
             gpu_workspace_bytes: 0,
         }
     }

@@ -1,0 +1,223 @@
+//! `glmflash-node plan`: the memory plan for a model on a box, from flags.
+
+use super::weights::Storage;
+use super::{Bandwidths, GLM_5_3_FLASH_CONFIG, PlanInputs};
+use crate::model::config::Config;
+use anyhow::Context;
+use std::path::{Path, PathBuf};
+
+/// What fits where: VRAM, RAM and store for a model on a box, before a byte is downloaded.
+#[derive(clap::Args, Debug, Clone)]
+pub struct PlanArgs {
+    /// A model directory: its config.json, and its formats from `quantization_config`
+    /// (EXL3) or the safetensors' dtype.
+    #[arg(long, env = "GLMFLASH_MODEL", conflicts_with = "config")]
+    pub model: Option<PathBuf>,
+    /// A config.json alone (no weights needed). Default, without --model: GLM-5.3-Flash's.
+    #[arg(long, env = "GLMFLASH_PLAN_CONFIG")]
+    pub config: Option<PathBuf>,
+    /// The routed experts' format: f32, bf16, f16, q8_0, q4_k or exl3:BITS (e.g. exl3:3.05).
+    /// Default: the checkpoint's, else exl3:3.05.
+    #[arg(long, env = "GLMFLASH_EXPERT_FORMAT", value_parser = Storage::parse)]
+    pub expert_format: Option<Storage>,
+    /// The other linear weights' format (same names). Default: the checkpoint's, else the
+    /// experts' format.
+    #[arg(long, env = "GLMFLASH_DENSE_FORMAT", value_parser = Storage::parse)]
+    pub dense_format: Option<Storage>,
+    /// The output projection's format. Default: exl3:6 for EXL3 (exllamav3's head bits),
+    /// else the dense format.
+    #[arg(long, env = "GLMFLASH_HEAD_FORMAT", value_parser = Storage::parse)]
+    pub head_format: Option<Storage>,
+    /// VRAM free when the server starts, MiB (an RTX 3090: 24,576 less what the desktop holds).
+    #[arg(long, env = "GLMFLASH_PLAN_VRAM_MIB", default_value_t = 24_576)]
+    pub vram_mib: u64,
+    /// VRAM left free beside what the plan counts (cuBLAS, fragmentation), MiB.
+    #[arg(long, env = "GLMFLASH_VRAM_RESERVE_MIB", default_value_t = 512)]
+    pub vram_reserve_mib: u64,
+    /// The container's memory cap, as the cgroup would set it (e.g. 55GiB, 60000MiB, bytes).
+    /// Default: no cap (then --ram-available).
+    #[arg(long, env = "GLMFLASH_RAM_LIMIT", value_parser = parse_bytes)]
+    pub ram_limit: Option<u64>,
+    /// Host memory available when there is no cap.
+    #[arg(long, env = "GLMFLASH_PLAN_RAM_AVAILABLE", value_parser = parse_bytes, default_value = "64GiB")]
+    pub ram_available: u64,
+    /// Host memory kept outside the RAM tier, MiB.
+    #[arg(long, env = "GLMFLASH_RAM_RESERVE_MIB", default_value_t = 2048)]
+    pub ram_reserve_mib: u64,
+    /// Tokens of cache, shared by the batch (the seed runs 131,072 with batch 8).
+    #[arg(long, env = "GLMFLASH_CONTEXT_LENGTH", default_value_t = 131_072)]
+    pub context: usize,
+    /// Sequences at once (each keeps its own KDA state).
+    #[arg(long, env = "GLMFLASH_MAX_BATCH_SIZE", default_value_t = 8)]
+    pub batch: usize,
+    /// Prompt-chunk rows of the GPU forward (its workspace grows with them).
+    #[arg(long, env = "GLMFLASH_GPU_CHUNK_SIZE", default_value_t = crate::model::gpu::DEFAULT_GPU_CHUNK)]
+    pub gpu_chunk_size: usize,
+    /// GPU memory bandwidth, GB/s.
+    #[arg(long, default_value_t = Bandwidths::RTX_3090_BOX.hbm)]
+    pub hbm_gbs: f64,
+    /// Host-to-device bandwidth, GB/s.
+    #[arg(long, default_value_t = Bandwidths::RTX_3090_BOX.h2d)]
+    pub h2d_gbs: f64,
+    /// Host memory bandwidth as the CPU lane reads it, GB/s.
+    #[arg(long, default_value_t = Bandwidths::RTX_3090_BOX.ram)]
+    pub ram_gbs: f64,
+    /// The store disk's O_DIRECT read rate, GB/s.
+    #[arg(long, default_value_t = Bandwidths::RTX_3090_BOX.nvme)]
+    pub nvme_gbs: f64,
+    /// One JSON object instead of the table.
+    #[arg(long)]
+    pub json: bool,
+}
+
+/// `123`, `55GiB`, `60000MiB`, `64GB`, `1.5TiB` (binary and decimal units, case-insensitive).
+pub fn parse_bytes(s: &str) -> Result<u64, String> {
+    let t = s.trim();
+    let split = t
+        .find(|c: char| !(c.is_ascii_digit() || c == '.'))
+        .unwrap_or(t.len());
+    let (number, unit) = t.split_at(split);
+    let value: f64 = number
+        .parse()
+        .map_err(|_| format!("{s:?}: expected a size such as 55GiB, 60000MiB or bytes"))?;
+    let scale: f64 = match unit.trim().to_ascii_lowercase().as_str() {
+        "" | "b" => 1.0,
+        "k" | "kb" => 1e3,
+        "m" | "mb" => 1e6,
+        "g" | "gb" => 1e9,
+        "t" | "tb" => 1e12,
+        "ki" | "kib" => 1024.0,
+        "mi" | "mib" => (1u64 << 20) as f64,
+        "gi" | "gib" => (1u64 << 30) as f64,
+        "ti" | "tib" => (1u64 << 40) as f64,
+        other => {
+            return Err(format!(
+                "{s:?}: unknown unit {other:?} (B, KiB, MiB, GiB, TiB, KB, MB, GB, TB)"
+            ));
+        }
+    };
+    Ok((value * scale) as u64)
+}
+
+/// The formats a checkpoint declares: EXL3 from `quantization_config` (in config.json or
+/// beside it), else the safetensors dtype of its output projection.
+struct Declared {
+    dense: Option<Storage>,
+    head: Option<Storage>,
+    experts: Option<Storage>,
+}
+
+fn declared(dir: &Path) -> anyhow::Result<Declared> {
+    let read = |name: &str| -> anyhow::Result<Option<serde_json::Value>> {
+        let path = dir.join(name);
+        if !path.exists() {
+            return Ok(None);
+        }
+        let text = std::fs::read_to_string(&path).with_context(|| path.display().to_string())?;
+        Ok(Some(
+            serde_json::from_str(&text).with_context(|| path.display().to_string())?,
+        ))
+    };
+    let config = read("config.json")?.unwrap_or_default();
+    let quant = match config.get("quantization_config") {
+        Some(q) => Some(q.clone()),
+        None => read("quantization_config.json")?,
+    };
+    if let Some(q) =
+        quant.filter(|q| q.get("quant_method").and_then(|m| m.as_str()) == Some("exl3"))
+    {
+        let bits = q
+            .get("bits")
+            .and_then(|b| b.as_f64())
+            .context("quantization_config: exl3 without a numeric `bits`")?;
+        let head = q.get("head_bits").and_then(|b| b.as_f64()).unwrap_or(6.0);
+        return Ok(Declared {
+            dense: Some(Storage::Exl3 { bits }),
+            head: Some(Storage::Exl3 { bits: head }),
+            experts: Some(Storage::Exl3 { bits }),
+        });
+    }
+    let dtype = crate::model::checkpoint::Checkpoint::open(dir)
+        .ok()
+        .and_then(|c| c.view("lm_head.weight").ok().map(|v| v.dtype));
+    let rows = dtype.and_then(|d| crate::quant::Format::from_name(d.name()).ok());
+    let storage = rows.map(Storage::Rows);
+    Ok(Declared {
+        dense: storage,
+        head: storage,
+        experts: storage,
+    })
+}
+
+impl PlanArgs {
+    pub fn inputs(&self) -> anyhow::Result<PlanInputs> {
+        let (cfg, found) = match (&self.model, &self.config) {
+            (Some(dir), _) => (
+                Config::from_file(&dir.join("config.json"))
+                    .with_context(|| format!("--model {}", dir.display()))?,
+                declared(dir)?,
+            ),
+            (None, Some(path)) => (
+                Config::from_file(path).with_context(|| format!("--config {}", path.display()))?,
+                Declared {
+                    dense: None,
+                    head: None,
+                    experts: None,
+                },
+            ),
+            (None, None) => (
+                Config::from_json(&serde_json::from_str(GLM_5_3_FLASH_CONFIG)?)?,
+                Declared {
+                    dense: None,
+                    head: None,
+                    experts: None,
+                },
+            ),
+        };
+        let experts = self
+            .expert_format
+            .or(found.experts)
+            .unwrap_or(Storage::Exl3 { bits: 3.05 });
+        let dense = self.dense_format.or(found.dense).unwrap_or(experts);
+        let head = self.head_format.or(found.head).unwrap_or(match dense {
+            Storage::Exl3 { .. } => Storage::Exl3 { bits: 6.0 },
+            other => other,
+        });
+        Ok(PlanInputs {
+            cfg,
+            dense,
+            head,
+            experts,
+            vram: self.vram_mib << 20,
+            vram_reserve: self.vram_reserve_mib << 20,
+            ram_limit: self.ram_limit,
+            ram_available: Some(self.ram_available),
+            ram_reserve: self.ram_reserve_mib << 20,
+            context: self.context,
+            batch: self.batch,
+            chunk: self.gpu_chunk_size,
+            bandwidths: Bandwidths {
+                hbm: self.hbm_gbs,
+                h2d: self.h2d_gbs,
+                ram: self.ram_gbs,
+                nvme: self.nvme_gbs,
+            },
+        })
+    }
+}
+
+/// Prints the plan (table or JSON); fails with the numbers when nothing fits.
+pub fn run(args: &PlanArgs) -> anyhow::Result<()> {
+    use std::io::Write;
+    let plan = super::plan(&args.inputs()?)?;
+    let text = if args.json {
+        serde_json::to_string_pretty(&plan)? + "\n"
+    } else {
+        plan.table()
+    };
+    match std::io::stdout().lock().write_all(text.as_bytes()) {
+        // A reader that stops early (`| head`) is not an error of the plan.
+        Err(e) if e.kind() == std::io::ErrorKind::BrokenPipe => Ok(()),
+        other => Ok(other?),
+    }
+}
