@@ -275,7 +275,7 @@ fn one_row_product_throughput() {
         (Codebook::Mcg, 64),
     ] {
         let bytes: Vec<u8> = (0..k / 16 * n / 16 * len * 2)
-            .map(|i| (i * 2_654_435_761usize >> 7) as u8)
+            .map(|i| ((i * 2_654_435_761usize) >> 7) as u8)
             .collect();
         let lin = Exl3Linear::new(
             &[k / 16, n / 16, len],

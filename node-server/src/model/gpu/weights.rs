@@ -3,7 +3,7 @@
 use super::*;
 use crate::model::dsa::Indexer;
 use crate::model::glm5::Layer;
-use crate::model::kda::{Kda, L2_EPS};
+use crate::model::kda::{Kda, L2_EPS, QkvProjection};
 use crate::model::mhc::HyperConnection;
 use crate::model::mla::Mla;
 use crate::model::mlp::SwiGlu;
@@ -16,13 +16,15 @@ impl DevMatrix {
                 .downcast_ref::<CudaMatrix>()
                 .is_some_and(|c| c.is_on(cuda))
         });
+        let no_kernels = || anyhow::anyhow!("{m:?}: EXL3 weights have no CUDA kernels");
+        let format = m.format().ok_or_else(no_kernels)?;
         let weights = match placed {
             Some(d) => Weights::Placed(d.clone()),
-            None => Weights::Owned(cuda.upload(&m.as_bytes())?),
+            None => Weights::Owned(cuda.upload(&m.as_bytes().ok_or_else(no_kernels)?)?),
         };
         Ok(DevMatrix {
             weights,
-            format: m.format(),
+            format,
             rows: m.rows(),
             cols: m.cols(),
         })
@@ -135,10 +137,13 @@ impl DevHc {
 impl DevKda {
     pub(super) fn new(cuda: &Arc<Cuda>, k: &Kda) -> anyhow::Result<DevKda> {
         let m = |x: &Matrix| DevMatrix::new(cuda, x);
+        let QkvProjection::Split { q, k: key, v } = &k.qkv else {
+            anyhow::bail!("a fused KDA qkv_proj (EXL3 checkpoints) has no GPU path");
+        };
         Ok(DevKda {
-            q: m(&k.q_proj)?,
-            k: m(&k.k_proj)?,
-            v: m(&k.v_proj)?,
+            q: m(q)?,
+            k: m(key)?,
+            v: m(v)?,
             conv: cuda.upload(&k.conv)?,
             f_a: m(&k.f_a)?,
             f_b: m(&k.f_b)?,
