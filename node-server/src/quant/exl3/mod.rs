@@ -97,9 +97,15 @@ impl Rate {
         usize::from(self.halves / 2)
     }
 
-    /// u32 words per tile (`16 * bits` int16 words).
-    fn tile_words(self) -> usize {
-        4 * usize::from(self.halves)
+    /// Bytes of a tile's bit stream (`16 * bits` int16 words).
+    fn stream_bytes(self) -> usize {
+        16 * usize::from(self.halves)
+    }
+
+    /// Bytes a tile occupies as stored here: its stream and the copy of the stream's last
+    /// [`trellis::WRAP`] bytes in front of it.
+    fn tile_bytes(self) -> usize {
+        trellis::WRAP + self.stream_bytes()
     }
 }
 
@@ -160,8 +166,9 @@ pub struct Exl3Linear {
     n: usize,
     rate: Rate,
     codebook: Codebook,
-    /// Tile `(kt, nt)` is `words[(kt * n / 16 + nt) * tile_words..][..tile_words]`.
-    words: Vec<u32>,
+    /// Tile `(kt, nt)` at `stream[(kt * n / 16 + nt) * tile_bytes..]`, laid out by
+    /// `trellis::store_tile`; [`trellis::TAIL`] bytes of padding after the last tile.
+    stream: Vec<u8>,
     suh: Vec<f32>,
     svh: Vec<f32>,
     bias: Option<Vec<f32>>,
@@ -234,16 +241,17 @@ impl Exl3Linear {
                 });
             }
         }
-        let words = trellis
-            .chunks_exact(4)
-            .map(|b| u32::from_le_bytes([b[0], b[1], b[2], b[3]]))
-            .collect();
+        let mut stream = Vec::with_capacity(kt * nt * rate.tile_bytes() + trellis::TAIL);
+        for tile in trellis.chunks_exact(2 * len) {
+            trellis::store_tile(tile, &mut stream);
+        }
+        stream.resize(stream.len() + trellis::TAIL, 0);
         Ok(Exl3Linear {
             k,
             n,
             rate,
             codebook,
-            words,
+            stream,
             suh,
             svh,
             bias: None,
@@ -282,29 +290,30 @@ impl Exl3Linear {
         self.codebook
     }
 
-    /// The trellis words (start and length in bytes, for pinning them in RAM).
+    /// The trellis as stored here (start and length in bytes, for pinning them in RAM).
     pub fn trellis_span(&self) -> (*const u8, usize) {
-        (self.words.as_ptr().cast(), self.words.len() * 4)
+        (self.stream.as_ptr(), self.stream.len())
     }
 
     /// Bytes as stored in an EXL3 checkpoint: trellis, f16 `suh` and `svh`, f16 bias.
     pub fn stored_bytes(&self) -> usize {
-        self.words.len() * 4 + 2 * (self.k + self.n + self.bias.as_ref().map_or(0, Vec::len))
+        let trellis = self.k / 16 * self.n / 16 * self.rate.stream_bytes();
+        trellis + 2 * (self.k + self.n + self.bias.as_ref().map_or(0, Vec::len))
     }
 
-    fn tile(&self, kt: usize, nt: usize) -> &[u32] {
+    fn tile(&self, kt: usize, nt: usize) -> &[u8] {
         self.column(nt).tile(kt)
     }
 
     /// The tiles of output columns `16 nt..16 nt + 16`.
     fn column(&self, nt: usize) -> TileColumn<'_> {
-        let tile_words = self.rate.tile_words();
+        let tile_bytes = self.rate.tile_bytes();
         TileColumn {
-            words: &self.words,
-            start: nt * tile_words,
-            stride: self.n / 16 * tile_words,
+            stream: &self.stream,
+            start: nt * tile_bytes,
+            stride: self.n / 16 * tile_bytes,
             tiles: self.k / 16,
-            tile_words,
+            tile_bytes,
         }
     }
 
@@ -473,16 +482,17 @@ impl Exl3Linear {
 /// The tiles of one 16-column strip of a trellis, top to bottom.
 #[derive(Clone, Copy)]
 struct TileColumn<'a> {
-    words: &'a [u32],
+    stream: &'a [u8],
     start: usize,
     stride: usize,
     tiles: usize,
-    tile_words: usize,
+    tile_bytes: usize,
 }
 
 impl<'a> TileColumn<'a> {
-    fn tile(&self, kt: usize) -> &'a [u32] {
-        &self.words[self.start + kt * self.stride..][..self.tile_words]
+    /// Tile `kt` with the [`trellis::TAIL`] bytes after it, which wide reads may touch.
+    fn tile(&self, kt: usize) -> &'a [u8] {
+        &self.stream[self.start + kt * self.stride..][..self.tile_bytes + trellis::TAIL]
     }
 }
 

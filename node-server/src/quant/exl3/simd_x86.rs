@@ -1,15 +1,14 @@
 //! The AVX2 + FMA + F16C product kernel: eight tile positions per vector, from their states
-//! (two gathers and two variable shifts) through the codebook (integer ops, then one f16
-//! rounding with F16C) straight into FMAs, without storing the tile.
+//! (two 16-byte loads, a byte shuffle and a variable shift) through the codebook (integer
+//! ops, then one f16 rounding with F16C) straight into FMAs, without storing the tile.
 //!
 //! The eight positions of group `t` lie in rows `2q, 2q+1, 2q+8, 2q+9` (`q = t mod 4`) of
 //! columns `t div 4` and `t div 4 + 8`, so each group multiplies a fixed lane pattern of the
 //! input ([`arrange`] lays it out once per product) and accumulates into the lanes of one of
 //! eight vectors per row; the lanes are summed per column at the end of the strip.
 //!
-//! `unsafe` is allowed here for the gathers (raw-pointer loads whose indices the rate plan
-//! keeps inside the tile) and for calling the `#[target_feature]` kernel once the caller has
-//! checked the CPU.
+//! `unsafe` is allowed here for unaligned loads from fixed-size array references and for
+//! calling the `#[target_feature]` kernel once the caller has checked the CPU.
 #![allow(unsafe_code)]
 
 use std::arch::x86_64::*;
@@ -51,11 +50,6 @@ pub(super) fn strip(
 ) {
     debug_assert!(crate::quant::cpu_features().simd_supported());
     let plan = RatePlan::of(rate);
-    let reach = plan.first.iter().chain(&plan.second).max().copied();
-    assert!(
-        tiles.tiles == 0 || reach.is_some_and(|i| (i as usize) < tiles.tile(0).len()),
-        "the gathers stay inside a tile"
-    );
     let per_row = xa.len() / rows;
     for r0 in (0..rows).step_by(ROW_BLOCK) {
         let n = (rows - r0).min(ROW_BLOCK);
@@ -93,10 +87,10 @@ fn rows_block<const CB: u8, const R: usize>(
     let per_row = x.len() / R;
     let mut acc = [[_mm256_setzero_ps(); 8]; R];
     for kt in 0..tiles.tiles {
-        let words = tiles.tile(kt);
+        let tile = tiles.tile(kt);
         for c0 in 0..8 {
             for q in 0..4 {
-                let v = values::<CB>(states(plan, words, 4 * c0 + q));
+                let v = values::<CB>(states(plan, tile, 4 * c0 + q));
                 for (r, acc) in acc.iter_mut().enumerate() {
                     let xv = load8(&x[r * per_row + kt * ARRANGED + 8 * q..][..8]);
                     acc[c0] = _mm256_fmadd_ps(v, xv, acc[c0]);
@@ -123,10 +117,24 @@ fn load8(v: &[f32]) -> __m256 {
 
 #[target_feature(enable = "avx2,fma,f16c")]
 #[inline]
-fn load8i(v: &[i32]) -> __m256i {
-    let v: &[i32; 8] = v.try_into().expect("eight lanes");
+fn load8i(v: &[i32; 8]) -> __m256i {
     // SAFETY: `v` is 32 readable bytes; loadu has no alignment requirement.
     unsafe { _mm256_loadu_si256(v.as_ptr().cast()) }
+}
+
+#[target_feature(enable = "avx2,fma,f16c")]
+#[inline]
+fn load32(v: &[u8; 32]) -> __m256i {
+    // SAFETY: `v` is 32 readable bytes; loadu has no alignment requirement.
+    unsafe { _mm256_loadu_si256(v.as_ptr().cast()) }
+}
+
+#[target_feature(enable = "avx2,fma,f16c")]
+#[inline]
+fn load16(v: &[u8]) -> __m128i {
+    let v: &[u8; 16] = v.try_into().expect("sixteen bytes");
+    // SAFETY: `v` is 16 readable bytes; loadu has no alignment requirement.
+    unsafe { _mm_loadu_si128(v.as_ptr().cast()) }
 }
 
 #[target_feature(enable = "avx2,fma,f16c")]
@@ -138,28 +146,15 @@ fn to_array(v: __m256) -> [f32; 8] {
     out
 }
 
-/// The 16-bit states of group `t`'s eight positions in the tile `words`.
+/// The 16-bit states of group `t`'s eight positions in the stored `tile`: one 16-byte load
+/// per half, a byte shuffle into big-endian 32-bit windows, a shift per lane.
 #[target_feature(enable = "avx2,fma,f16c")]
 #[inline]
-fn states(plan: &RatePlan, words: &[u32], t: usize) -> __m256i {
-    let first = load8i(&plan.first[8 * t..8 * t + 8]);
-    let second = load8i(&plan.second[8 * t..8 * t + 8]);
-    let shift = load8i(&plan.shift[8 * t..8 * t + 8]);
-    let base = words.as_ptr().cast::<i32>();
-    // SAFETY: the plan of this tile's rate indexes words below its tile length, which is
-    // `words.len()` (a `TileColumn` tile; `strip` checks the plan against it).
-    let (hi, lo) = unsafe {
-        (
-            _mm256_i32gather_epi32::<4>(base, first),
-            _mm256_i32gather_epi32::<4>(base, second),
-        )
-    };
-    // The 32 stream bits from the state's first bit (a shift by 32 gives 0), top 16 kept.
-    let window = _mm256_or_si256(
-        _mm256_sllv_epi32(hi, shift),
-        _mm256_srlv_epi32(lo, _mm256_sub_epi32(_mm256_set1_epi32(32), shift)),
-    );
-    _mm256_srli_epi32::<16>(window)
+fn states(plan: &RatePlan, tile: &[u8], t: usize) -> __m256i {
+    let [a, b] = plan.half_start[t].map(usize::from);
+    let bytes = _mm256_set_m128i(load16(&tile[b..b + 16]), load16(&tile[a..a + 16]));
+    let windows = _mm256_shuffle_epi8(bytes, load32(&plan.shuffle[t]));
+    _mm256_srli_epi32::<16>(_mm256_sllv_epi32(windows, load8i(&plan.shift[t])))
 }
 
 /// f32 values of eight f16 bit patterns (in the low halves of the lanes) that are normal
@@ -210,13 +205,13 @@ fn values<const CB: u8>(state: __m256i) -> __m256 {
     _mm256_cvtph_ps(_mm256_cvtps_ph::<_MM_FROUND_TO_NEAREST_INT>(exact))
 }
 
-/// The tile `words` decoded into `[row * 16 + column]` order by this kernel's decoder (the
+/// The stored `tile` decoded into `[row * 16 + column]` order by this kernel's decoder (the
 /// tests hold it to the portable decoder bit for bit).
 #[cfg(test)]
-pub(super) fn decode_tile(rate: Rate, cb: Codebook, words: &[u32]) -> [f32; 256] {
+pub(super) fn decode_tile(rate: Rate, cb: Codebook, tile: &[u8]) -> [f32; 256] {
     #[target_feature(enable = "avx2,fma,f16c")]
-    fn group<const CB: u8>(plan: &RatePlan, words: &[u32], t: usize) -> [f32; 8] {
-        to_array(values::<CB>(states(plan, words, t)))
+    fn group<const CB: u8>(plan: &RatePlan, tile: &[u8], t: usize) -> [f32; 8] {
+        to_array(values::<CB>(states(plan, tile, t)))
     }
     assert!(crate::quant::cpu_features().simd_supported());
     let plan = RatePlan::of(rate);
@@ -225,9 +220,9 @@ pub(super) fn decode_tile(rate: Rate, cb: Codebook, words: &[u32]) -> [f32; 256]
         // SAFETY: checked above that the CPU has avx2, fma and f16c.
         let v = unsafe {
             match cb {
-                Codebook::Inst3 => group::<0>(plan, words, t),
-                Codebook::Mcg => group::<1>(plan, words, t),
-                Codebook::Mul1 => group::<2>(plan, words, t),
+                Codebook::Inst3 => group::<0>(plan, tile, t),
+                Codebook::Mcg => group::<1>(plan, tile, t),
+                Codebook::Mul1 => group::<2>(plan, tile, t),
             }
         };
         for (j, &(dr, dc)) in GROUP_OFFSETS.iter().enumerate() {

@@ -88,7 +88,7 @@ fn rates_come_from_the_tile_length() {
     {
         let rate = Rate::from_tile_len(*len).unwrap();
         assert_eq!(rate.bits(), bits);
-        assert_eq!(rate.tile_words() * 2, *len);
+        assert_eq!(rate.stream_bytes(), 2 * len);
         assert_eq!(rate.is_half(), bits != bits.floor());
     }
     for len in [0, 8, 17, 72, 88, 120, 136, 256] {
