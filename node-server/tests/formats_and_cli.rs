@@ -95,7 +95,7 @@ fn converted_experts_load_bit_exact_and_stay_close() {
             7,
         )
         .unwrap();
-        assert_eq!(stored.down.format(), format);
+        assert_eq!(stored.down.format(), Some(format));
         assert_eq!(
             stored.down.to_bytes(),
             original.down.convert(format).unwrap().to_bytes()

@@ -181,7 +181,7 @@ fn assert_records_match(f: &Fixture, dir: &Path, format: glmflash_node::quant::F
             (&got.up, &want.up),
             (&got.down, &want.down),
         ] {
-            assert_eq!((g.format(), w.format()), (format, format));
+            assert_eq!((g.format(), w.format()), (Some(format), Some(format)));
             assert_eq!(g.to_bytes(), w.to_bytes(), "layer {l} expert {e}");
         }
     }

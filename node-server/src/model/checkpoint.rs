@@ -17,6 +17,10 @@ pub enum DType {
     F16,
     Bf16,
     U8,
+    /// EXL3 trellises.
+    I16,
+    /// EXL3 codebook markers (0-d).
+    I32,
 }
 
 impl DType {
@@ -26,14 +30,16 @@ impl DType {
             "F16" => DType::F16,
             "BF16" => DType::Bf16,
             "U8" => DType::U8,
+            "I16" => DType::I16,
+            "I32" => DType::I32,
             _ => return None,
         })
     }
 
     pub fn size(self) -> usize {
         match self {
-            DType::F32 => 4,
-            DType::F16 | DType::Bf16 => 2,
+            DType::F32 | DType::I32 => 4,
+            DType::F16 | DType::Bf16 | DType::I16 => 2,
             DType::U8 => 1,
         }
     }
@@ -44,6 +50,8 @@ impl DType {
             DType::F16 => "F16",
             DType::Bf16 => "BF16",
             DType::U8 => "U8",
+            DType::I16 => "I16",
+            DType::I32 => "I32",
         }
     }
 }
@@ -113,11 +121,11 @@ impl TensorView<'_> {
                 .chunks_exact(2)
                 .map(|c| half::bf16::from_le_bytes([c[0], c[1]]).to_f32())
                 .collect(),
-            DType::U8 => {
+            DType::U8 | DType::I16 | DType::I32 => {
                 return Err(CheckpointError::DType {
                     key: self.key.to_string(),
                     expected: "F32, F16 or BF16".into(),
-                    found: "U8".into(),
+                    found: self.dtype.name().into(),
                 });
             }
         })
@@ -333,7 +341,7 @@ fn read_file(path: &Path, index: usize) -> Result<FileContents, CheckpointError>
         let dtype_name = info.get("dtype").and_then(Value::as_str).unwrap_or("?");
         let dtype = DType::parse(dtype_name).ok_or_else(|| {
             fmt_err(format!(
-                "tensor `{key}` has unsupported dtype {dtype_name} (F32, F16, BF16, U8 are)"
+                "tensor `{key}` has unsupported dtype {dtype_name} (F32, F16, BF16, U8, I16, I32 are)"
             ))
         })?;
         let shape: Vec<usize> = info

@@ -4,6 +4,7 @@
 //! rejected with a message naming the field, so a checkpoint either loads as the reference
 //! would run it or not at all.
 
+use crate::quant::exl3::Codebook;
 use serde_json::{Map, Value};
 use std::path::Path;
 
@@ -72,6 +73,8 @@ pub struct Config {
     pub eos_token_ids: Vec<u32>,
     pub pad_token_id: Option<u32>,
     pub bos_token_id: Option<u32>,
+    /// `quantization_config` of an EXL3 (exllamav3) checkpoint.
+    pub exl3: Option<Exl3Quantization>,
 }
 
 #[derive(Debug, thiserror::Error)]
@@ -331,10 +334,13 @@ impl Config {
                 .enumerate()
                 .map(|(i, t)| match t.as_str() {
                     "linear_attention" => Ok(AttnKind::Kda),
-                    "indexed_attention" | "full_attention" => Ok(AttnKind::Mla),
+                    // exllamav3 spells it `deepseek_sparse_attention`.
+                    "indexed_attention" | "deepseek_sparse_attention" | "full_attention" => {
+                        Ok(AttnKind::Mla)
+                    }
                     other => Err(field_err(
                         &format!("layer_types[{i}]"),
-                        format!("unknown layer type `{other}` (expected linear_attention or indexed_attention)"),
+                        format!("unknown layer type `{other}` (expected linear_attention, indexed_attention or deepseek_sparse_attention)"),
                     )),
                 })
                 .collect::<Result<_, _>>()?,
@@ -387,6 +393,7 @@ impl Config {
             },
             pad_token_id: f.token_id("pad_token_id")?,
             bos_token_id: f.token_id("bos_token_id")?,
+            exl3: parse_quantization(top)?,
         };
         cfg.validate()?;
         Ok(cfg)
@@ -543,6 +550,112 @@ impl Config {
     pub fn qk_head_dim(&self) -> usize {
         self.qk_nope_head_dim
     }
+}
+
+/// `quantization_config` of an EXL3 (exllamav3) checkpoint. Each linear's rate and codebook
+/// are read from its own tensors (trellis shape, `mcg` / `mul1` markers); these are the
+/// converter's targets, logged and checked for sense.
+#[derive(Clone, Debug, PartialEq)]
+pub struct Exl3Quantization {
+    /// Average bits per weight of the quantized linears.
+    pub bits: f32,
+    /// Bits per weight of `lm_head`.
+    pub head_bits: f32,
+    /// The converter's default codebook.
+    pub codebook: Codebook,
+    /// exllamav3's version that wrote the checkpoint, when recorded.
+    pub version: Option<String>,
+}
+
+/// Keys of exllamav3's `quantization_config` that this engine reads or may ignore.
+const EXL3_KEYS: [&str; 9] = [
+    "quant_method",
+    "version",
+    "bits",
+    "head_bits",
+    "codebook",
+    "calibration",
+    "out_scales",
+    "mtp_bits",
+    "tensor_storage",
+];
+
+/// Parses the top-level `quantization_config`: absent (unquantized or glmflash's own row
+/// formats) or exllamav3's EXL3 block; any other method, a missing or unknown field is an
+/// error naming it.
+fn parse_quantization(top: &Map<String, Value>) -> Result<Option<Exl3Quantization>, ConfigError> {
+    let map = match top.get("quantization_config") {
+        None | Some(Value::Null) => return Ok(None),
+        Some(Value::Object(m)) => m,
+        Some(v) => {
+            return Err(field_err(
+                "quantization_config",
+                format!("expected an object, got {v}"),
+            ));
+        }
+    };
+    let name = |key: &str| format!("quantization_config.{key}");
+    let required = |key: &str| {
+        map.get(key)
+            .filter(|v| !v.is_null())
+            .ok_or_else(|| field_err(&name(key), "is required for an EXL3 checkpoint"))
+    };
+    let method = required("quant_method")?;
+    if method.as_str() != Some("exl3") {
+        return Err(field_err(
+            &name("quant_method"),
+            format!("{method} is not supported (expected \"exl3\")"),
+        ));
+    }
+    if let Some(unknown) = map.keys().find(|k| !EXL3_KEYS.contains(&k.as_str())) {
+        return Err(field_err(
+            &name(unknown),
+            format!(
+                "is not a field of exllamav3's quantization_config (known: {})",
+                EXL3_KEYS.join(", ")
+            ),
+        ));
+    }
+    let bits_of = |key: &str| -> Result<f32, ConfigError> {
+        let v = required(key)?;
+        v.as_f64()
+            .map(|b| b as f32)
+            .filter(|b| (1.0..=8.0).contains(b))
+            .ok_or_else(|| {
+                field_err(
+                    &name(key),
+                    format!("expected bits per weight in 1..=8, got {v}"),
+                )
+            })
+    };
+    let codebook = required("codebook")?;
+    let codebook = codebook
+        .as_str()
+        .ok_or_else(|| {
+            field_err(
+                &name("codebook"),
+                format!("expected a string, got {codebook}"),
+            )
+        })
+        .and_then(|c| {
+            Codebook::from_name(c).map_err(|e| field_err(&name("codebook"), e.to_string()))
+        })?;
+    let version = match map.get("version") {
+        None | Some(Value::Null) => None,
+        Some(Value::String(s)) => Some(s.clone()),
+        Some(v) => {
+            return Err(field_err(
+                &name("version"),
+                format!("expected a string, got {v}"),
+            ));
+        }
+    };
+    Ok(Some(Exl3Quantization {
+        bits: bits_of("bits")?,
+        head_bits: bits_of("head_bits")?,
+        codebook,
+        version,
+    }))
 }
 
 fn parse_indexer_kinds(f: &Fields, layers: usize) -> Result<Vec<IndexerKind>, ConfigError> {

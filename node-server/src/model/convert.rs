@@ -117,11 +117,11 @@ pub fn convert_experts(
                 ] {
                     let key = format!("{prefix}layers.{layer}.mlp.experts.{e}.{part}.weight");
                     report.source_bytes += m.storage_bytes();
-                    let q = m
-                        .convert(format)
+                    let bytes = m
+                        .encode(format)
                         .with_context(|| format!("quantizing {key}"))?;
-                    report.converted_bytes += q.storage_bytes();
-                    push_matrix(&mut tensors, &mut metadata, key, &q);
+                    report.converted_bytes += bytes.len();
+                    push_matrix(&mut tensors, &mut metadata, key, m, format, bytes);
                 }
                 report.experts += 1;
                 progress(report.experts, total_experts);
@@ -151,8 +151,9 @@ fn push_matrix(
     metadata: &mut BTreeMap<String, String>,
     key: String,
     m: &Matrix,
+    format: Format,
+    bytes: Vec<u8>,
 ) {
-    let format = m.format();
     let (dtype, shape) = match format {
         Format::F32 => (DType::F32, vec![m.rows(), m.cols()]),
         Format::F16 => (DType::F16, vec![m.rows(), m.cols()]),
@@ -171,5 +172,5 @@ fn push_matrix(
             )
         }
     };
-    tensors.push((key, dtype, shape, m.to_bytes()));
+    tensors.push((key, dtype, shape, bytes));
 }

@@ -144,16 +144,7 @@ impl<'a> ModelBuilder<'a> {
     pub fn load(self, dir: &Path) -> anyhow::Result<Model> {
         let cfg = Config::from_file(&dir.join("config.json"))?;
         let ckpt = Checkpoint::open(dir)?;
-        if ckpt
-            .keys()
-            .iter()
-            .any(|k| k.contains(&format!("layers.{}.", cfg.num_hidden_layers)))
-        {
-            tracing::info!(
-                layer = cfg.num_hidden_layers,
-                "checkpoint carries an MTP layer; it is ignored (no speculative decoding)"
-            );
-        }
+        check_checkpoint_parts(&cfg, &ckpt, dir)?;
         let experts = match self.experts {
             Some(e) => e,
             None => Arc::new(InMemoryExperts::load(&cfg, Loader::new(&ckpt))?),
@@ -183,7 +174,7 @@ impl Model {
         let (d, v) = (cfg.hidden_size, cfg.vocab_size);
         // The embedding is only ever read by rows: no device copy.
         let embed = Loader::new(ckpt).matrix("embed_tokens.weight", v, d)?;
-        let lm_head = if vb.contains("lm_head.weight") {
+        let lm_head = if vb.has_matrix("lm_head.weight") {
             vb.matrix("lm_head.weight", v, d)?
         } else if cfg.tie_word_embeddings {
             let mut head = embed.clone();
@@ -438,6 +429,46 @@ impl Model {
         }
         Ok((tokens, all))
     }
+}
+
+/// Logs the parts of the checkpoint the text model skips (an MTP layer, a vision tower) and
+/// its EXL3 quantization, which config.json must declare when tensors are trellises.
+fn check_checkpoint_parts(cfg: &Config, ckpt: &Checkpoint, dir: &Path) -> anyhow::Result<()> {
+    let keys = ckpt.keys();
+    let mtp = format!("layers.{}.", cfg.num_hidden_layers);
+    let mtp_tensors = keys
+        .iter()
+        .filter(|k| k.starts_with(&mtp) || k.contains(&format!(".{mtp}")))
+        .count();
+    let vision_tensors = keys
+        .iter()
+        .filter(|k| k.starts_with("model.visual.") || k.starts_with("visual."))
+        .count();
+    if mtp_tensors + vision_tensors > 0 {
+        tracing::info!(
+            mtp_layer = cfg.num_hidden_layers,
+            mtp_tensors,
+            vision_tensors,
+            "checkpoint tensors of the MTP layer and the vision tower are skipped (no speculative decoding, text only)"
+        );
+    }
+    let trellises = keys.iter().filter(|k| k.ends_with(".trellis")).count();
+    match &cfg.exl3 {
+        None if trellises > 0 => bail!(
+            "{}: {trellises} tensors are EXL3 trellises but config.json has no quantization_config with quant_method \"exl3\"",
+            dir.display()
+        ),
+        Some(q) => tracing::info!(
+            bits = q.bits,
+            head_bits = q.head_bits,
+            codebook = %q.codebook,
+            version = q.version.as_deref().unwrap_or("?"),
+            linears = trellises,
+            "EXL3 checkpoint (each linear's rate and codebook read from its own tensors)"
+        ),
+        None => {}
+    }
+    Ok(())
 }
 
 /// Whether a checkpoint key holds a routed expert's weights (either layout).

@@ -15,10 +15,35 @@ pub const CHUNK: usize = 64;
 /// The eps of the q and k l2-norms (under the square root).
 pub(crate) const L2_EPS: f32 = 1e-6;
 
+/// The q, k and v projections: three matrices (transformers' layout), or one fused `[3C, D]`
+/// matrix with q|k|v along its outputs (exllamav3's `qkv_proj`).
+pub enum QkvProjection {
+    Split { q: Matrix, k: Matrix, v: Matrix },
+    Fused(Matrix),
+}
+
+impl QkvProjection {
+    /// `[tokens, 3C]`: each token's q|k|v.
+    fn apply(&self, x: &[f32], tokens: usize) -> Vec<f32> {
+        match self {
+            QkvProjection::Fused(qkv) => qkv.matmul(x, tokens),
+            QkvProjection::Split { q, k, v } => {
+                let parts = [q, k, v].map(|m| m.matmul(x, tokens));
+                let c = q.rows();
+                let mut qkv = vec![0f32; tokens * 3 * c];
+                for (t, row) in qkv.chunks_exact_mut(3 * c).enumerate() {
+                    for (dst, part) in row.chunks_exact_mut(c).zip(&parts) {
+                        dst.copy_from_slice(&part[t * c..(t + 1) * c]);
+                    }
+                }
+                qkv
+            }
+        }
+    }
+}
+
 pub struct Kda {
-    pub(crate) q_proj: Matrix,
-    pub(crate) k_proj: Matrix,
-    pub(crate) v_proj: Matrix,
+    pub(crate) qkv: QkvProjection,
     /// `[3C, K]`: depthwise conv taps over the concatenated q|k|v channels.
     pub(crate) conv: Vec<f32>,
     pub(crate) f_a: Matrix,
@@ -86,15 +111,22 @@ impl Kda {
             taps.extend(vb.f32s("v_conv1d.weight", &[c, 1, k])?);
             taps
         };
-        let fg = if vb.contains("forget_gate.f_a_proj.weight") {
+        let fg = if vb.has_matrix("forget_gate.f_a_proj.weight") {
             vb.pp("forget_gate")
         } else {
             vb
         };
+        let qkv = if vb.has_matrix("qkv_proj.weight") {
+            QkvProjection::Fused(vb.matrix("qkv_proj.weight", 3 * c, d)?)
+        } else {
+            QkvProjection::Split {
+                q: vb.matrix("q_proj.weight", c, d)?,
+                k: vb.matrix("k_proj.weight", c, d)?,
+                v: vb.matrix("v_proj.weight", c, d)?,
+            }
+        };
         Ok(Kda {
-            q_proj: vb.matrix("q_proj.weight", c, d)?,
-            k_proj: vb.matrix("k_proj.weight", c, d)?,
-            v_proj: vb.matrix("v_proj.weight", c, d)?,
+            qkv,
             conv,
             f_a: fg.matrix("f_a_proj.weight", dh, d)?,
             f_b: fg.matrix("f_b_proj.weight", c, dh)?,
@@ -124,16 +156,7 @@ impl Kda {
     ) -> Vec<f32> {
         let tokens: usize = spans.iter().map(|s| s.1).sum();
         let c = self.heads * self.head_dim;
-        let q = self.q_proj.matmul(x, tokens);
-        let k = self.k_proj.matmul(x, tokens);
-        let v = self.v_proj.matmul(x, tokens);
-        let mut qkv = vec![0f32; tokens * 3 * c];
-        for t in 0..tokens {
-            let row = &mut qkv[t * 3 * c..(t + 1) * 3 * c];
-            row[..c].copy_from_slice(&q[t * c..(t + 1) * c]);
-            row[c..2 * c].copy_from_slice(&k[t * c..(t + 1) * c]);
-            row[2 * c..].copy_from_slice(&v[t * c..(t + 1) * c]);
-        }
+        let qkv = self.qkv.apply(x, tokens);
         let gate_log = self.forget_gate(x, tokens);
         let beta: Vec<f32> = self
             .b_proj

@@ -1,9 +1,14 @@
 //! Typed reads of a layer's weights from a [`Checkpoint`], under a module-path prefix
 //! (`layers.3.self_attn`), the way the module tree names them.
+//!
+//! A weight `x.weight` is read as stored: a float tensor, glmflash's quantized rows (U8 with
+//! metadata), or an EXL3 linear layer (exllamav3's `x.trellis`, `x.suh`, `x.svh`, optional
+//! `x.bias`, and an `x.mcg` / `x.mul1` marker naming the codebook, none meaning 3INST).
 
 use super::checkpoint::{Checkpoint, CheckpointError, DType, TensorView};
 use crate::backend::cpu::{Matrix, MatrixError, Placer};
 use crate::quant::Format;
+use crate::quant::exl3::{Codebook, Exl3Linear};
 
 #[derive(Debug, thiserror::Error)]
 pub enum LoadError {
@@ -78,6 +83,17 @@ impl<'a> Loader<'a> {
         self.ckpt.contains(&self.name(name))
     }
 
+    /// Whether the weight `name` is present, as stored or as an EXL3 layer.
+    pub fn has_matrix(&self, name: &str) -> bool {
+        self.contains(name) || self.exl3_base(name).is_some()
+    }
+
+    /// `x` of a weight `x.weight` stored as an EXL3 layer (`x.trellis`).
+    fn exl3_base<'n>(&self, name: &'n str) -> Option<&'n str> {
+        name.strip_suffix(".weight")
+            .filter(|base| self.contains(&format!("{base}.trellis")))
+    }
+
     /// The first name of `names` present (one tensor's names across the on-disk layouts).
     pub fn pick<'n>(&self, names: &[&'n str]) -> Result<&'n str, LoadError> {
         names
@@ -118,13 +134,16 @@ impl<'a> Loader<'a> {
     }
 
     fn host_matrix(&self, name: &str, rows: usize, cols: usize) -> Result<Matrix, LoadError> {
+        if let Some(base) = self.exl3_base(name) {
+            return self.exl3_matrix(base, rows, cols);
+        }
         let full = self.name(name);
         let view = self.ckpt.view(&full)?;
         if view.dtype == DType::U8 {
             return self.quantized(view, rows, cols);
         }
         let view = self.ckpt.tensor(&full, &[rows, cols])?;
-        let format = float_format(view.dtype);
+        let format = float_format(&view)?;
         Matrix::from_bytes(rows, cols, format, view.bytes.to_vec()).map_err(|source| {
             LoadError::Matrix {
                 key: view.key.to_string(),
@@ -148,12 +167,58 @@ impl<'a> Loader<'a> {
         let size = view.dtype.size();
         let start = (index * total_rows + row0) * cols * size;
         let bytes = view.bytes[start..start + rows * cols * size].to_vec();
-        Matrix::from_bytes(rows, cols, float_format(view.dtype), bytes).map_err(|source| {
+        Matrix::from_bytes(rows, cols, float_format(&view)?, bytes).map_err(|source| {
             LoadError::Matrix {
                 key: view.key.to_string(),
                 source,
             }
         })
+    }
+
+    /// The EXL3 layer `base` as the `rows x cols` matrix `W^T` (`cols` inputs, `rows`
+    /// outputs; exllamav3's padding of other sizes to multiples of 128 is not supported).
+    fn exl3_matrix(&self, base: &str, rows: usize, cols: usize) -> Result<Matrix, LoadError> {
+        let part = |p: &str| self.name(&format!("{base}.{p}"));
+        let trellis = self.ckpt.view(&part("trellis"))?;
+        let invalid = |message: String| LoadError::Invalid {
+            key: trellis.key.to_string(),
+            message,
+        };
+        if trellis.dtype != DType::I16 {
+            return Err(LoadError::Checkpoint(CheckpointError::DType {
+                key: trellis.key.to_string(),
+                expected: "I16".into(),
+                found: trellis.dtype.name().into(),
+            }));
+        }
+        if trellis.shape.len() != 3
+            || [16 * trellis.shape[0], 16 * trellis.shape[1]] != [cols, rows]
+        {
+            return Err(invalid(format!(
+                "EXL3 trellis of shape {:?} does not hold a weight of {cols} inputs and {rows} outputs (expected [{cols}/16, {rows}/16, 16 * bits])",
+                trellis.shape
+            )));
+        }
+        let codebook = match (
+            self.ckpt.contains(&part("mcg")),
+            self.ckpt.contains(&part("mul1")),
+        ) {
+            (false, false) => Codebook::Inst3,
+            (true, false) => Codebook::Mcg,
+            (false, true) => Codebook::Mul1,
+            (true, true) => {
+                return Err(invalid("has both an mcg and a mul1 codebook marker".into()));
+            }
+        };
+        let suh = self.ckpt.tensor(&part("suh"), &[cols])?.to_f32()?;
+        let svh = self.ckpt.tensor(&part("svh"), &[rows])?.to_f32()?;
+        let mut linear = Exl3Linear::new(trellis.shape, trellis.bytes, suh, svh, codebook)
+            .map_err(|e| invalid(e.to_string()))?;
+        if self.ckpt.contains(&part("bias")) {
+            let bias = self.ckpt.tensor(&part("bias"), &[rows])?.to_f32()?;
+            linear = linear.with_bias(bias).map_err(|e| invalid(e.to_string()))?;
+        }
+        Ok(Matrix::from_exl3(linear))
     }
 
     fn quantized(
@@ -206,11 +271,15 @@ impl<'a> Loader<'a> {
     }
 }
 
-fn float_format(dtype: DType) -> Format {
-    match dtype {
-        DType::F32 => Format::F32,
-        DType::F16 => Format::F16,
-        DType::Bf16 => Format::Bf16,
-        DType::U8 => unreachable!("U8 tensors are read as quantized blocks"),
+fn float_format(view: &TensorView<'_>) -> Result<Format, LoadError> {
+    match view.dtype {
+        DType::F32 => Ok(Format::F32),
+        DType::F16 => Ok(Format::F16),
+        DType::Bf16 => Ok(Format::Bf16),
+        other => Err(LoadError::Checkpoint(CheckpointError::DType {
+            key: view.key.to_string(),
+            expected: "F32, F16 or BF16".into(),
+            found: other.name().into(),
+        })),
     }
 }

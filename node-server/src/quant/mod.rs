@@ -1,5 +1,6 @@
 //! Weight row formats: plain floats (f32/f16/bf16) and GGML-compatible block
-//! quantization (Q8_0, Q4_K).
+//! quantization (Q8_0, Q4_K); and, apart from the row formats, EXL3 trellis-coded linear
+//! layers ([`exl3`]), which are decoded and multiplied as whole matrices.
 //!
 //! Every format is stored as little-endian bytes with exactly GGML's block
 //! layout, so GGUF tensors can be used as-is and independent decoders (the
@@ -14,6 +15,7 @@
 //! * [`set_force_portable`] or `GLMFLASH_FORCE_PORTABLE=1` (read once) disable
 //!   the SIMD path, e.g. to compare both paths in tests and benchmarks.
 
+pub mod exl3;
 mod float;
 mod q4k;
 mod q8_0;

@@ -113,7 +113,7 @@ pub(crate) fn in_format(
         return Ok(x);
     };
     let convert = |m: crate::backend::cpu::Matrix, what: &str| {
-        if m.format() == f {
+        if m.format() == Some(f) {
             return Ok(m);
         }
         m.convert(f).map_err(|e| {
@@ -130,6 +130,18 @@ pub(crate) fn in_format(
         up: convert(x.up, "up")?,
         down: convert(x.down, "down")?,
         limit: x.limit,
+    })
+}
+
+/// The row format and bytes of an expert's matrix; an EXL3 matrix has none (a `--format`
+/// converts it).
+pub(crate) fn stored_rows(
+    m: &crate::backend::cpu::Matrix,
+) -> Result<(crate::quant::Format, Vec<u8>), StoreError> {
+    m.format().zip(m.to_bytes()).ok_or_else(|| {
+        StoreError::Other(format!(
+            "{m:?}: EXL3 experts have no row format the store holds; pack them with a --format to convert them"
+        ))
     })
 }
 
@@ -167,23 +179,29 @@ pub fn pack_store(
         .collect();
     let build = |l: usize, e: usize| -> Result<[Vec<u8>; 3], StoreError> {
         let x = in_format(load_expert(&cfg, layer_loaders[&l], e)?, opts.format)?;
-        Ok([x.gate.to_bytes(), x.up.to_bytes(), x.down.to_bytes()])
+        Ok([
+            stored_rows(&x.gate)?.1,
+            stored_rows(&x.up)?.1,
+            stored_rows(&x.down)?.1,
+        ])
     };
     let parts = {
         let x = in_format(
             load_expert(&cfg, layer_loaders[&layers[0]], 0)?,
             opts.format,
         )?;
-        let part = |m: &crate::backend::cpu::Matrix, offset: usize| Part {
-            format: m.format(),
-            rows: m.rows(),
-            cols: m.cols(),
-            offset,
-            length: m.storage_bytes(),
+        let part = |m: &crate::backend::cpu::Matrix, offset: usize| {
+            Ok::<_, StoreError>(Part {
+                format: stored_rows(m)?.0,
+                rows: m.rows(),
+                cols: m.cols(),
+                offset,
+                length: m.storage_bytes(),
+            })
         };
-        let gate = part(&x.gate, 0);
-        let up = part(&x.up, gate.length);
-        let down = part(&x.down, gate.length + up.length);
+        let gate = part(&x.gate, 0)?;
+        let up = part(&x.up, gate.length)?;
+        let down = part(&x.down, gate.length + up.length)?;
         Parts { gate, up, down }
     };
     let record_size = align_up(parts.length());

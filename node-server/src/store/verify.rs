@@ -140,7 +140,12 @@ pub(super) fn verify_opened(
                 )?,
                 Some(manifest.parts.gate.format),
             )?;
-            let want = [x.gate.to_bytes(), x.up.to_bytes(), x.down.to_bytes()].concat();
+            let want = [
+                super::pack::stored_rows(&x.gate)?.1,
+                super::pack::stored_rows(&x.up)?.1,
+                super::pack::stored_rows(&x.down)?.1,
+            ]
+            .concat();
             let got = record.bytes();
             if got != want.as_slice() {
                 let byte = got

@@ -29,12 +29,10 @@ pub fn layout_of(expert: &SwiGlu) -> anyhow::Result<MoeLayout> {
             expert.down
         );
     }
-    Ok(MoeLayout::new(
-        hidden,
-        inter,
-        expert.gate.format(),
-        expert.down.format(),
-    )?)
+    let (Some(gate), Some(down)) = (expert.gate.format(), expert.down.format()) else {
+        bail!("{:?}: EXL3 experts have no CUDA kernels", expert.gate);
+    };
+    Ok(MoeLayout::new(hidden, inter, gate, down)?)
 }
 
 /// Copies one expert into arena slot `slot` on `stream`, checking it has the arena's layout.
@@ -56,11 +54,16 @@ pub fn write_slot(
     arena.write(
         stream,
         slot,
-        &expert.gate.as_bytes(),
-        &expert.up.as_bytes(),
-        &expert.down.as_bytes(),
+        &rows(&expert.gate)?,
+        &rows(&expert.up)?,
+        &rows(&expert.down)?,
     )?;
     Ok(())
+}
+
+fn rows(m: &crate::backend::cpu::Matrix) -> anyhow::Result<std::borrow::Cow<'_, [u8]>> {
+    m.as_bytes()
+        .ok_or_else(|| anyhow::anyhow!("{m:?}: EXL3 experts have no CUDA kernels"))
 }
 
 /// Every routed expert in VRAM.

@@ -1,9 +1,10 @@
-//! CPU backend: weight matrices in any [`Format`], products through the `gemm` crate or
-//! SIMD row dots, and the small elementwise ops of the model.
+//! CPU backend: weight matrices in any [`Format`] or as EXL3 trellises, products through the
+//! `gemm` crate, SIMD row dots or the EXL3 kernels, and the small elementwise ops of the model.
 
 mod gemm;
 pub mod ops;
 
+use crate::quant::exl3::Exl3Linear;
 use crate::quant::{self, Format};
 use rayon::prelude::*;
 use std::sync::Arc;
@@ -28,19 +29,28 @@ pub trait Placer: Send + Sync {
 const DEQUANT_TILE_ROWS: usize = 64;
 /// At or below this many tokens a block-format product uses row dots instead of a GEMM.
 const ROW_DOT_MAX_TOKENS: usize = 2;
+/// At or below this many tokens an EXL3 product decodes its tiles inside the product (once
+/// per four tokens); above, it decodes [`EXL3_STRIP_COLUMNS`] outputs at a time to f32 for
+/// a GEMM.
+const EXL3_FUSED_MAX_TOKENS: usize = 16;
+/// Output columns an EXL3 matrix expands to f32 at a time for a many-token product.
+const EXL3_STRIP_COLUMNS: usize = 64;
 
 #[derive(Clone)]
 enum Data {
     F32(Vec<f32>),
-    Packed(Vec<u8>),
+    /// Rows in a block or 16-bit float format.
+    Packed(Format, Vec<u8>),
+    /// `W^T` of the EXL3 layer (`cols` inputs, `rows` outputs).
+    Exl3(Box<Exl3Linear>),
 }
 
-/// A `rows x cols` weight matrix (`y = W x`), rows stored in one [`Format`].
+/// A `rows x cols` weight matrix (`y = W x`): rows stored in one [`Format`], or an EXL3
+/// trellis (which has no row format).
 #[derive(Clone)]
 pub struct Matrix {
     rows: usize,
     cols: usize,
-    format: Format,
     data: Data,
     /// When set, products run there (the host bytes stay for row reads and as the fallback).
     device: Option<Arc<dyn DeviceWeights>>,
@@ -48,13 +58,23 @@ pub struct Matrix {
 
 impl std::fmt::Debug for Matrix {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        write!(
-            f,
-            "Matrix({}x{} {})",
-            self.rows,
-            self.cols,
-            self.format.name()
-        )
+        match &self.data {
+            Data::Exl3(lin) => write!(
+                f,
+                "Matrix({}x{} exl3 {} bpw {})",
+                self.rows,
+                self.cols,
+                lin.rate(),
+                lin.codebook()
+            ),
+            _ => write!(
+                f,
+                "Matrix({}x{} {})",
+                self.rows,
+                self.cols,
+                self.format().map_or("?", Format::name)
+            ),
+        }
     }
 }
 
@@ -78,8 +98,17 @@ impl Matrix {
         Matrix {
             rows,
             cols,
-            format: Format::F32,
             data: Data::F32(values),
+            device: None,
+        }
+    }
+
+    /// The EXL3 layer `y = x W` as the matrix `W^T` (`out_features x in_features`).
+    pub fn from_exl3(linear: Exl3Linear) -> Matrix {
+        Matrix {
+            rows: linear.out_features(),
+            cols: linear.in_features(),
+            data: Data::Exl3(Box::new(linear)),
             device: None,
         }
     }
@@ -111,8 +140,7 @@ impl Matrix {
         Ok(Matrix {
             rows,
             cols,
-            format,
-            data: Data::Packed(bytes),
+            data: Data::Packed(format, bytes),
             device: None,
         })
     }
@@ -125,8 +153,22 @@ impl Matrix {
         self.cols
     }
 
-    pub fn format(&self) -> Format {
-        self.format
+    /// The row format; `None` for an EXL3 matrix, whose trellis no row kernel (nor the GPU,
+    /// nor the expert store) reads: [`Matrix::convert`] makes rows of it.
+    pub fn format(&self) -> Option<Format> {
+        match &self.data {
+            Data::F32(_) => Some(Format::F32),
+            Data::Packed(format, _) => Some(*format),
+            Data::Exl3(_) => None,
+        }
+    }
+
+    /// The EXL3 layer, for an EXL3 matrix.
+    pub fn exl3(&self) -> Option<&Exl3Linear> {
+        match &self.data {
+            Data::Exl3(lin) => Some(lin),
+            _ => None,
+        }
     }
 
     /// Products of this matrix run on `device` from now on.
@@ -148,32 +190,36 @@ impl Matrix {
     pub fn storage_span(&self) -> (*const u8, usize) {
         match &self.data {
             Data::F32(v) => (v.as_ptr().cast(), v.len() * 4),
-            Data::Packed(b) => (b.as_ptr(), b.len()),
+            Data::Packed(_, b) => (b.as_ptr(), b.len()),
+            Data::Exl3(lin) => lin.trellis_span(),
         }
     }
 
-    /// Bytes the weights occupy.
+    /// Bytes the weights occupy (an EXL3 matrix: as stored in its checkpoint).
     pub fn storage_bytes(&self) -> usize {
         match &self.data {
             Data::F32(v) => v.len() * 4,
-            Data::Packed(b) => b.len(),
+            Data::Packed(_, b) => b.len(),
+            Data::Exl3(lin) => lin.stored_bytes(),
         }
     }
 
     /// As [`Matrix::to_bytes`], borrowing the storage where it already is those bytes (every
     /// format but f32), so a copy to the GPU reads the resident (possibly registered) pages.
-    pub fn as_bytes(&self) -> std::borrow::Cow<'_, [u8]> {
+    pub fn as_bytes(&self) -> Option<std::borrow::Cow<'_, [u8]>> {
         match &self.data {
-            Data::F32(_) => std::borrow::Cow::Owned(self.to_bytes()),
-            Data::Packed(b) => std::borrow::Cow::Borrowed(b),
+            Data::F32(_) => self.to_bytes().map(std::borrow::Cow::Owned),
+            Data::Packed(_, b) => Some(std::borrow::Cow::Borrowed(b)),
+            Data::Exl3(_) => None,
         }
     }
 
-    /// The rows encoded in this matrix's format, concatenated.
-    pub fn to_bytes(&self) -> Vec<u8> {
+    /// The rows encoded in [`Matrix::format`], concatenated; `None` for an EXL3 matrix.
+    pub fn to_bytes(&self) -> Option<Vec<u8>> {
         match &self.data {
-            Data::F32(v) => v.iter().flat_map(|x| x.to_le_bytes()).collect(),
-            Data::Packed(b) => b.clone(),
+            Data::F32(v) => Some(v.iter().flat_map(|x| x.to_le_bytes()).collect()),
+            Data::Packed(_, b) => Some(b.clone()),
+            Data::Exl3(_) => None,
         }
     }
 
@@ -186,26 +232,38 @@ impl Matrix {
 
     /// The matrix in another format (quantizing or widening every row).
     pub fn convert(&self, format: Format) -> Result<Matrix, MatrixError> {
+        Matrix::from_bytes(self.rows, self.cols, format, self.encode(format)?)
+    }
+
+    /// Every row quantized or widened to `format` from its f32 values, concatenated (what
+    /// [`Matrix::convert`] stores).
+    pub fn encode(&self, format: Format) -> Result<Vec<u8>, MatrixError> {
         let row_bytes = format.row_bytes(self.cols)?;
         let mut bytes = vec![0u8; self.rows * row_bytes];
-        let mut row = vec![0f32; self.cols];
-        for r in 0..self.rows {
-            self.dequantize_rows(r, r + 1, &mut row);
-            quant::quantize_row(format, &row, &mut bytes[r * row_bytes..(r + 1) * row_bytes])?;
+        // An EXL3 matrix decodes 128 outputs at a time (one Hadamard block).
+        let chunk = 128;
+        let mut rows = vec![0f32; chunk * self.cols];
+        for r0 in (0..self.rows).step_by(chunk) {
+            let r1 = (r0 + chunk).min(self.rows);
+            self.dequantize_rows(r0, r1, &mut rows[..(r1 - r0) * self.cols]);
+            for (r, row) in (r0..r1).zip(rows.chunks_exact(self.cols)) {
+                quant::quantize_row(format, row, &mut bytes[r * row_bytes..(r + 1) * row_bytes])?;
+            }
         }
-        Matrix::from_bytes(self.rows, self.cols, format, bytes)
+        Ok(bytes)
     }
 
     fn dequantize_rows(&self, r0: usize, r1: usize, out: &mut [f32]) {
         let c = self.cols;
         match &self.data {
             Data::F32(v) => out[..(r1 - r0) * c].copy_from_slice(&v[r0 * c..r1 * c]),
-            Data::Packed(b) => {
-                let rb = self.format.row_bytes(c).expect("validated at construction");
+            Data::Exl3(lin) => lin.dequantize_rows(r0, r1, &mut out[..(r1 - r0) * c]),
+            Data::Packed(format, b) => {
+                let rb = format.row_bytes(c).expect("validated at construction");
                 for r in r0..r1 {
                     let start = r * rb;
                     quant::dequantize_row(
-                        self.format,
+                        *format,
                         &b[start..start + rb],
                         &mut out[(r - r0) * c..(r - r0 + 1) * c],
                     )
@@ -251,12 +309,11 @@ impl Matrix {
         }
         match &self.data {
             Data::F32(w) => gemm::gemm_xwt(x, n, w, rows, cols, y, 0),
-            Data::Packed(b) if n <= ROW_DOT_MAX_TOKENS => {
-                let rb = self
-                    .format
-                    .row_bytes(cols)
-                    .expect("validated at construction");
-                let fmt = self.format;
+            Data::Exl3(lin) if n <= EXL3_FUSED_MAX_TOKENS => lin.forward(x, n, y),
+            Data::Exl3(lin) => exl3_by_strips(lin, x, n, y),
+            Data::Packed(format, b) if n <= ROW_DOT_MAX_TOKENS => {
+                let rb = format.row_bytes(cols).expect("validated at construction");
+                let fmt = *format;
                 // Parallel over output rows; each row's dot is one SIMD pass over its bytes.
                 let mut yt = vec![0f32; rows * n];
                 yt.par_chunks_mut(n).enumerate().for_each(|(r, out)| {
@@ -271,7 +328,7 @@ impl Matrix {
                     }
                 }
             }
-            Data::Packed(_) => {
+            Data::Packed(..) => {
                 let tiles: Vec<(usize, Vec<f32>)> = (0..rows.div_ceil(DEQUANT_TILE_ROWS))
                     .into_par_iter()
                     .map(|tile| {
@@ -294,4 +351,32 @@ impl Matrix {
             }
         }
     }
+}
+
+/// `y = x W` of an EXL3 layer for many tokens: the input rotated once, then per strip of
+/// [`EXL3_STRIP_COLUMNS`] outputs `What`'s columns decoded to f32 and multiplied by a GEMM,
+/// then the output rotated.
+fn exl3_by_strips(lin: &Exl3Linear, x: &[f32], n: usize, y: &mut [f32]) {
+    let (k, outs) = (lin.in_features(), lin.out_features());
+    let xr = lin.rotate_input(x, n);
+    let strips: Vec<(usize, Vec<f32>)> = (0..outs.div_ceil(EXL3_STRIP_COLUMNS))
+        .into_par_iter()
+        .map(|s| {
+            let c0 = s * EXL3_STRIP_COLUMNS;
+            let c1 = (c0 + EXL3_STRIP_COLUMNS).min(outs);
+            let mut what_t = vec![0f32; (c1 - c0) * k];
+            lin.reconstruct_columns_t(c0, c1, &mut what_t);
+            let mut part = vec![0f32; n * (c1 - c0)];
+            gemm::gemm_xwt(&xr, n, &what_t, c1 - c0, k, &mut part, usize::MAX);
+            (c0, part)
+        })
+        .collect();
+    for (c0, part) in strips {
+        let width = part.len() / n;
+        for t in 0..n {
+            y[t * outs + c0..t * outs + c0 + width]
+                .copy_from_slice(&part[t * width..(t + 1) * width]);
+        }
+    }
+    lin.rotate_output(y, n);
 }

@@ -22,10 +22,15 @@ pub struct CudaMatrix {
 
 impl CudaMatrix {
     pub fn upload(cuda: &Arc<Cuda>, m: &Matrix) -> Result<CudaMatrix, CudaError> {
+        let (Some(format), Some(bytes)) = (m.format(), m.as_bytes()) else {
+            return Err(CudaError::Invalid(format!(
+                "{m:?}: EXL3 weights have no CUDA kernels"
+            )));
+        };
         Ok(CudaMatrix {
             cuda: cuda.clone(),
-            w: Arc::new(cuda.upload(&m.as_bytes())?),
-            format: m.format(),
+            w: Arc::new(cuda.upload(&bytes)?),
+            format,
             rows: m.rows(),
             cols: m.cols(),
         })
@@ -120,7 +125,8 @@ impl CudaPlacer {
 
 impl Placer for CudaPlacer {
     fn place(&self, m: &Matrix) -> Option<Arc<dyn DeviceWeights>> {
-        if m.rows() * m.cols() < self.min_values {
+        // EXL3 matrices have no CUDA kernels: their products stay on the CPU.
+        if m.rows() * m.cols() < self.min_values || m.format().is_none() {
             return None;
         }
         match CudaMatrix::upload(&self.cuda, m) {

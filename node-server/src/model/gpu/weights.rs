@@ -3,7 +3,7 @@
 use super::*;
 use crate::model::dsa::Indexer;
 use crate::model::glm5::Layer;
-use crate::model::kda::{Kda, L2_EPS};
+use crate::model::kda::{Kda, L2_EPS, QkvProjection};
 use crate::model::mhc::HyperConnection;
 use crate::model::mla::Mla;
 use crate::model::mlp::SwiGlu;
@@ -89,10 +89,13 @@ impl DevHc {
 impl DevKda {
     pub(super) fn new(cuda: &Arc<Cuda>, k: &Kda) -> anyhow::Result<DevKda> {
         let m = |x: &Matrix| CudaMatrix::of(cuda, x);
+        let QkvProjection::Split { q, k: key, v } = &k.qkv else {
+            anyhow::bail!("a fused KDA qkv_proj (EXL3 checkpoints) has no GPU path");
+        };
         Ok(DevKda {
-            q: m(&k.q_proj)?,
-            k: m(&k.k_proj)?,
-            v: m(&k.v_proj)?,
+            q: m(q)?,
+            k: m(key)?,
+            v: m(v)?,
             conv: cuda.upload(&k.conv)?,
             f_a: m(&k.f_a)?,
             f_b: m(&k.f_b)?,

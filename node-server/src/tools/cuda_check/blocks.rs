@@ -13,7 +13,7 @@ pub(super) fn check_mhc(
         let cfg = mhc_config(n, d)?;
         let width = (2 + n) * n;
         let proj = random_matrix(rng, width, n * d, Format::F32)?;
-        let w = cuda.upload(&proj.to_bytes())?;
+        let w = cuda.upload(&proj.to_bytes().context("a row-format matrix")?)?;
         let base = randn(rng, width, 1.0);
         let scale = [0.5 + rng.random::<f32>(), 0.5 + rng.random::<f32>(), 2.0];
         let hc = HyperConnection::new(&cfg, proj, base.clone(), scale);

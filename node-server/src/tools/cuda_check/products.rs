@@ -21,7 +21,7 @@ pub(super) fn check_matvec(
         let float = matches!(format, Format::F32 | Format::F16 | Format::Bf16);
         for &(rows, cols) in shapes.iter().chain(odd.iter().filter(|_| float)) {
             let m = random_matrix(rng, rows, cols, format)?;
-            let w = cuda.upload(&m.to_bytes())?;
+            let w = cuda.upload(&m.to_bytes().context("a row-format matrix")?)?;
             for n in [1usize, 3, 8, 9, 17] {
                 let x = randn(rng, n * cols, 1.0);
                 let want = m.matmul(&x, n);

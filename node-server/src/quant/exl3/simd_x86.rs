@@ -1,0 +1,233 @@
+//! The AVX2 + FMA + F16C product kernel: eight tile positions per vector, from their states
+//! (two 16-byte loads, a byte shuffle and a variable shift) through the codebook (integer
+//! ops, then one f16 rounding with F16C) straight into FMAs, without storing the tile.
+//!
+//! The eight positions of group `t` lie in rows `2q, 2q+1, 2q+8, 2q+9` (`q = t mod 4`) of
+//! columns `t div 4` and `t div 4 + 8`, so each group multiplies a fixed lane pattern of the
+//! input ([`arrange`] lays it out once per product) and accumulates into the lanes of one of
+//! eight vectors per row; the lanes are summed per column at the end of the strip.
+//!
+//! `unsafe` is allowed here for unaligned loads from fixed-size array references and for
+//! calling the `#[target_feature]` kernel once the caller has checked the CPU.
+#![allow(unsafe_code)]
+
+use std::arch::x86_64::*;
+
+use super::trellis::{
+    GROUP_OFFSETS, HALVES_MASK, HALVES_XOR, INST3_ADD, INST3_MUL, MCG_MUL, MUL1_DIVISOR, MUL1_MUL,
+    MUL1_OFFSET, MUL1_SCALE, RatePlan,
+};
+use super::{Codebook, Rate, TileColumn};
+
+/// Rows one pass over a strip's tiles serves; their accumulators stay in registers.
+const ROW_BLOCK: usize = 4;
+/// Floats of the arranged input per 16 inputs: four groups of eight lanes.
+const ARRANGED: usize = 32;
+
+/// The rotated input `xr` (`[rows, K]`) laid out for [`strip`]: per row and 16-input block,
+/// four groups of eight lanes, group `q` holding inputs `2q, 2q+1, 2q+8, 2q+9` of the block
+/// twice (the rows of the tile positions its lanes decode).
+pub(super) fn arrange(xr: &[f32], rows: usize) -> Vec<f32> {
+    let k = xr.len() / rows;
+    let mut out = Vec::with_capacity(rows * k / 16 * ARRANGED);
+    for block in xr.chunks_exact(16) {
+        for q in 0..4 {
+            out.extend(GROUP_OFFSETS.iter().map(|&(dr, _)| block[2 * q + dr]));
+        }
+    }
+    out
+}
+
+/// As `portable::strip`, from the [`arrange`]d input. The caller has checked that the CPU
+/// has AVX2, FMA and F16C.
+pub(super) fn strip(
+    rate: Rate,
+    cb: Codebook,
+    tiles: TileColumn,
+    xa: &[f32],
+    rows: usize,
+    out: &mut [f32],
+) {
+    debug_assert!(crate::quant::cpu_features().simd_supported());
+    let plan = RatePlan::of(rate);
+    let per_row = xa.len() / rows;
+    for r0 in (0..rows).step_by(ROW_BLOCK) {
+        let n = (rows - r0).min(ROW_BLOCK);
+        let x = &xa[r0 * per_row..(r0 + n) * per_row];
+        let o = &mut out[16 * r0..16 * (r0 + n)];
+        // SAFETY: the callers only choose this kernel after runtime detection reported avx2,
+        // fma and f16c on this CPU.
+        unsafe {
+            match (cb, n) {
+                (Codebook::Inst3, 1) => rows_block::<0, 1>(plan, tiles, x, o),
+                (Codebook::Inst3, 2) => rows_block::<0, 2>(plan, tiles, x, o),
+                (Codebook::Inst3, 3) => rows_block::<0, 3>(plan, tiles, x, o),
+                (Codebook::Inst3, _) => rows_block::<0, 4>(plan, tiles, x, o),
+                (Codebook::Mcg, 1) => rows_block::<1, 1>(plan, tiles, x, o),
+                (Codebook::Mcg, 2) => rows_block::<1, 2>(plan, tiles, x, o),
+                (Codebook::Mcg, 3) => rows_block::<1, 3>(plan, tiles, x, o),
+                (Codebook::Mcg, _) => rows_block::<1, 4>(plan, tiles, x, o),
+                (Codebook::Mul1, 1) => rows_block::<2, 1>(plan, tiles, x, o),
+                (Codebook::Mul1, 2) => rows_block::<2, 2>(plan, tiles, x, o),
+                (Codebook::Mul1, 3) => rows_block::<2, 3>(plan, tiles, x, o),
+                (Codebook::Mul1, _) => rows_block::<2, 4>(plan, tiles, x, o),
+            }
+        }
+    }
+}
+
+/// One strip for `R` rows of codebook `CB` (`Codebook as u8`).
+#[target_feature(enable = "avx2,fma,f16c")]
+fn rows_block<const CB: u8, const R: usize>(
+    plan: &RatePlan,
+    tiles: TileColumn,
+    x: &[f32],
+    out: &mut [f32],
+) {
+    let per_row = x.len() / R;
+    let mut acc = [[_mm256_setzero_ps(); 8]; R];
+    for kt in 0..tiles.tiles {
+        let tile = tiles.tile(kt);
+        for c0 in 0..8 {
+            for q in 0..4 {
+                let v = values::<CB>(states(plan, tile, 4 * c0 + q));
+                for (r, acc) in acc.iter_mut().enumerate() {
+                    let xv = load8(&x[r * per_row + kt * ARRANGED + 8 * q..][..8]);
+                    acc[c0] = _mm256_fmadd_ps(v, xv, acc[c0]);
+                }
+            }
+        }
+    }
+    for (r, acc) in acc.iter().enumerate() {
+        for (c0, v) in acc.iter().enumerate() {
+            let lanes = to_array(*v);
+            out[16 * r + c0] = (lanes[0] + lanes[1]) + (lanes[2] + lanes[3]);
+            out[16 * r + c0 + 8] = (lanes[4] + lanes[5]) + (lanes[6] + lanes[7]);
+        }
+    }
+}
+
+#[target_feature(enable = "avx2,fma,f16c")]
+#[inline]
+fn load8(v: &[f32]) -> __m256 {
+    let v: &[f32; 8] = v.try_into().expect("eight lanes");
+    // SAFETY: `v` is 32 readable bytes; loadu has no alignment requirement.
+    unsafe { _mm256_loadu_ps(v.as_ptr()) }
+}
+
+#[target_feature(enable = "avx2,fma,f16c")]
+#[inline]
+fn load8i(v: &[i32; 8]) -> __m256i {
+    // SAFETY: `v` is 32 readable bytes; loadu has no alignment requirement.
+    unsafe { _mm256_loadu_si256(v.as_ptr().cast()) }
+}
+
+#[target_feature(enable = "avx2,fma,f16c")]
+#[inline]
+fn load32(v: &[u8; 32]) -> __m256i {
+    // SAFETY: `v` is 32 readable bytes; loadu has no alignment requirement.
+    unsafe { _mm256_loadu_si256(v.as_ptr().cast()) }
+}
+
+#[target_feature(enable = "avx2,fma,f16c")]
+#[inline]
+fn load16(v: &[u8]) -> __m128i {
+    let v: &[u8; 16] = v.try_into().expect("sixteen bytes");
+    // SAFETY: `v` is 16 readable bytes; loadu has no alignment requirement.
+    unsafe { _mm_loadu_si128(v.as_ptr().cast()) }
+}
+
+#[target_feature(enable = "avx2,fma,f16c")]
+#[inline]
+fn to_array(v: __m256) -> [f32; 8] {
+    let mut out = [0.0f32; 8];
+    // SAFETY: `out` is 32 writable bytes; storeu has no alignment requirement.
+    unsafe { _mm256_storeu_ps(out.as_mut_ptr(), v) };
+    out
+}
+
+/// The 16-bit states of group `t`'s eight positions in the stored `tile`: one 16-byte load
+/// per half, a byte shuffle into big-endian 32-bit windows, a shift per lane.
+#[target_feature(enable = "avx2,fma,f16c")]
+#[inline]
+fn states(plan: &RatePlan, tile: &[u8], t: usize) -> __m256i {
+    let [a, b] = plan.half_start[t].map(usize::from);
+    let bytes = _mm256_set_m128i(load16(&tile[b..b + 16]), load16(&tile[a..a + 16]));
+    let windows = _mm256_shuffle_epi8(bytes, load32(&plan.shuffle[t]));
+    _mm256_srli_epi32::<16>(_mm256_sllv_epi32(windows, load8i(&plan.shift[t])))
+}
+
+/// f32 values of eight f16 bit patterns (in the low halves of the lanes) that are normal
+/// numbers, by moving the fields and rebiasing the exponent.
+#[target_feature(enable = "avx2,fma,f16c")]
+#[inline]
+fn normal_f16_to_f32(h: __m256i) -> __m256 {
+    let sign = _mm256_slli_epi32::<16>(_mm256_and_si256(h, _mm256_set1_epi32(0x8000)));
+    let magnitude = _mm256_add_epi32(
+        _mm256_slli_epi32::<13>(_mm256_and_si256(h, _mm256_set1_epi32(0x7FFF))),
+        _mm256_set1_epi32((127 - 15) << 23),
+    );
+    _mm256_castsi256_ps(_mm256_or_si256(sign, magnitude))
+}
+
+/// The codebook `CB`'s weights of eight states, as `trellis::decode_state` computes them.
+#[target_feature(enable = "avx2,fma,f16c")]
+#[inline]
+fn values<const CB: u8>(state: __m256i) -> __m256 {
+    let exact = if CB == Codebook::Mul1 as u8 {
+        let y = _mm256_mullo_epi32(state, _mm256_set1_epi32(MUL1_MUL as i32));
+        // Sum of the four bytes: byte pairs to i16, then i16 pairs to i32.
+        let pairs = _mm256_maddubs_epi16(y, _mm256_set1_epi8(1));
+        let sum = _mm256_cvtepi32_ps(_mm256_madd_epi16(pairs, _mm256_set1_epi16(1)));
+        let scaled = _mm256_fmadd_ps(
+            sum,
+            _mm256_set1_ps(MUL1_SCALE as f32),
+            _mm256_set1_ps(-(MUL1_OFFSET as f32)),
+        );
+        _mm256_mul_ps(scaled, _mm256_set1_ps(1.0 / MUL1_DIVISOR))
+    } else {
+        let y = if CB == Codebook::Mcg as u8 {
+            _mm256_mullo_epi32(state, _mm256_set1_epi32(MCG_MUL as i32))
+        } else {
+            _mm256_add_epi32(
+                _mm256_mullo_epi32(state, _mm256_set1_epi32(INST3_MUL as i32)),
+                _mm256_set1_epi32(INST3_ADD as i32),
+            )
+        };
+        let y = _mm256_xor_si256(
+            _mm256_and_si256(y, _mm256_set1_epi32(HALVES_MASK as i32)),
+            _mm256_set1_epi32(HALVES_XOR as i32),
+        );
+        let lo = normal_f16_to_f32(_mm256_and_si256(y, _mm256_set1_epi32(0xFFFF)));
+        let hi = normal_f16_to_f32(_mm256_srli_epi32::<16>(y));
+        _mm256_add_ps(lo, hi)
+    };
+    _mm256_cvtph_ps(_mm256_cvtps_ph::<_MM_FROUND_TO_NEAREST_INT>(exact))
+}
+
+/// The stored `tile` decoded into `[row * 16 + column]` order by this kernel's decoder (the
+/// tests hold it to the portable decoder bit for bit).
+#[cfg(test)]
+pub(super) fn decode_tile(rate: Rate, cb: Codebook, tile: &[u8]) -> [f32; 256] {
+    #[target_feature(enable = "avx2,fma,f16c")]
+    fn group<const CB: u8>(plan: &RatePlan, tile: &[u8], t: usize) -> [f32; 8] {
+        to_array(values::<CB>(states(plan, tile, t)))
+    }
+    assert!(crate::quant::cpu_features().simd_supported());
+    let plan = RatePlan::of(rate);
+    let mut out = [0f32; 256];
+    for t in 0..32 {
+        // SAFETY: checked above that the CPU has avx2, fma and f16c.
+        let v = unsafe {
+            match cb {
+                Codebook::Inst3 => group::<0>(plan, tile, t),
+                Codebook::Mcg => group::<1>(plan, tile, t),
+                Codebook::Mul1 => group::<2>(plan, tile, t),
+            }
+        };
+        for (j, &(dr, dc)) in GROUP_OFFSETS.iter().enumerate() {
+            out[(2 * (t % 4) + dr) * 16 + t / 4 + dc] = v[j];
+        }
+    }
+    out
+}

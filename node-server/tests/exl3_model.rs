@@ -1,0 +1,310 @@
+//! An EXL3 checkpoint through the normal loading path: the tiny glm5_next that exllamav3 1.6.5
+//! converted at mul1 3 bpw (`e2e/fixtures/exl3/exl3_mul1_3bpw`) against transformers' float32
+//! forward on its reconstructed weights (`reference.json`) and against exllamav3's own forward
+//! (`exllamav3_logits.json`); EXL3 matrices as CPU matrices; config errors.
+
+use glmflash_node::backend::cpu::Matrix;
+use glmflash_node::model::checkpoint::{Checkpoint, DType, write_safetensors};
+use glmflash_node::model::config::Config;
+use glmflash_node::model::{Model, Step};
+use glmflash_node::quant::exl3::{Codebook, Exl3Linear};
+use serde::Deserialize;
+use serde_json::Value;
+use std::path::PathBuf;
+
+/// Max |ours - reference| / max |reference| of the logits: both are float32 forwards of the
+/// same weights (ours decodes them from the trellis, the reference from exllamav3's
+/// reconstruction), so only summation order separates them.
+const REF_TOLERANCE: f32 = 1e-4;
+/// Rel. L2 of prefill logits allowed against exllamav3's forward, which runs in f16
+/// (0.0053 against the reference per the fixture's notes).
+const EXLLAMA_TOLERANCE: f64 = 0.02;
+
+#[derive(Deserialize)]
+struct Logits {
+    prompt: Vec<u32>,
+    prefill_logits: Vec<Vec<f32>>,
+    greedy: Vec<u32>,
+    greedy_logits: Vec<Vec<f32>>,
+}
+
+fn dir() -> PathBuf {
+    PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../e2e/fixtures/exl3/exl3_mul1_3bpw")
+}
+
+fn read(name: &str) -> Logits {
+    let text = std::fs::read_to_string(dir().join(name)).expect(name);
+    serde_json::from_str(&text).expect(name)
+}
+
+/// max |a - b| / max |b|
+fn rel_max(a: &[f32], b: &[f32]) -> f32 {
+    assert_eq!(a.len(), b.len());
+    assert!(a.iter().all(|v| v.is_finite()), "non-finite output");
+    let scale = b.iter().fold(0f32, |m, v| m.max(v.abs()));
+    a.iter().zip(b).fold(0f32, |m, (x, y)| m.max((x - y).abs())) / scale
+}
+
+fn rel_l2(a: &[f32], b: &[f32]) -> f64 {
+    let num: f64 = a
+        .iter()
+        .zip(b)
+        .map(|(x, y)| (f64::from(*x) - f64::from(*y)).powi(2))
+        .sum();
+    let den: f64 = b.iter().map(|y| f64::from(*y).powi(2)).sum();
+    (num / den).sqrt()
+}
+
+fn argmax(v: &[f32]) -> usize {
+    (0..v.len()).fold(0, |best, i| if v[i] > v[best] { i } else { best })
+}
+
+fn prefill_logits(model: &Model, tokens: &[u32]) -> Vec<f32> {
+    let mut cache = model.new_cache();
+    model
+        .forward(
+            &mut [Step {
+                tokens,
+                cache: &mut cache,
+                all_logits: true,
+            }],
+            None,
+        )
+        .unwrap()
+        .remove(0)
+}
+
+#[test]
+fn exl3_checkpoint_matches_reference_and_exllamav3() {
+    let model = Model::load(&dir()).unwrap_or_else(|e| panic!("{e:#}"));
+    let reference = read("reference.json");
+    let theirs = read("exllamav3_logits.json");
+    assert_eq!(reference.prompt, theirs.prompt);
+
+    let ours = prefill_logits(&model, &reference.prompt);
+    let want = reference.prefill_logits.concat();
+    let err = rel_max(&ours, &want);
+    eprintln!(
+        "prefill vs reference: rel max {err:.2e}, rel L2 {:.2e}",
+        rel_l2(&ours, &want)
+    );
+    assert!(err < REF_TOLERANCE, "prefill logits rel err {err:.3e}");
+
+    let (tokens, logits) = model
+        .greedy(&reference.prompt, reference.greedy.len())
+        .unwrap();
+    assert_eq!(tokens, reference.greedy, "greedy ids");
+    let err = rel_max(&logits.concat(), &reference.greedy_logits.concat());
+    eprintln!("greedy (cached decode) vs reference: rel max {err:.2e}");
+    assert!(err < REF_TOLERANCE, "greedy logits rel err {err:.3e}");
+
+    let vocab = model.cfg.vocab_size;
+    let theirs_prefill = theirs.prefill_logits.concat();
+    let spread = rel_l2(&ours, &theirs_prefill);
+    let per_position: Vec<String> = ours
+        .chunks_exact(vocab)
+        .zip(theirs_prefill.chunks_exact(vocab))
+        .map(|(a, b)| format!("{:.4}", rel_l2(a, b)))
+        .collect();
+    let argmax_agree = ours
+        .chunks_exact(vocab)
+        .zip(theirs_prefill.chunks_exact(vocab))
+        .filter(|(a, b)| argmax(a) == argmax(b))
+        .count();
+    let greedy_spread = rel_l2(&logits.concat(), &theirs.greedy_logits.concat());
+    eprintln!(
+        "vs exllamav3: prefill rel L2 {spread:.4} (per position {}), argmax {argmax_agree}/{}, greedy ids equal {}, greedy logits rel L2 {greedy_spread:.4}",
+        per_position.join(" "),
+        reference.prompt.len(),
+        tokens == theirs.greedy
+    );
+    assert!(
+        spread < EXLLAMA_TOLERANCE,
+        "prefill rel L2 vs exllamav3 {spread:.4}"
+    );
+    assert_eq!(tokens, theirs.greedy, "greedy ids vs exllamav3");
+}
+
+#[test]
+fn exl3_matrix_products_agree_across_token_counts() {
+    let (k, n) = (256, 384);
+    let trellis: Vec<u8> = (0..k / 16 * n / 16 * 48 * 2)
+        .map(|i| ((i * 2_654_435_761usize) >> 9) as u8)
+        .collect();
+    let suh: Vec<f32> = (0..k).map(|i| 0.05 * (1.0 + (i % 5) as f32)).collect();
+    let svh: Vec<f32> = (0..n)
+        .map(|i| if i % 3 == 0 { -0.07 } else { 0.04 })
+        .collect();
+    let lin = Exl3Linear::new(&[k / 16, n / 16, 48], &trellis, suh, svh, Codebook::Mul1).unwrap();
+    let m = Matrix::from_exl3(lin);
+    assert_eq!((m.rows(), m.cols(), m.format()), (n, k, None));
+    assert!(m.to_bytes().is_none() && m.as_bytes().is_none());
+    let rows: Vec<Vec<f32>> = (0..n).map(|r| m.row_f32(r)).collect();
+    // 3 tokens take the fused kernel, 40 the strip-by-strip GEMM.
+    for tokens in [1, 3, 40] {
+        let x: Vec<f32> = (0..tokens * k)
+            .map(|i| ((i * 7919) % 101) as f32 / 50.0 - 1.0)
+            .collect();
+        let y = m.matmul(&x, tokens);
+        let want: Vec<f32> = (0..tokens)
+            .flat_map(|t| {
+                let (x, rows) = (&x, &rows);
+                (0..n).map(move |r| {
+                    let dot: f64 = (0..k)
+                        .map(|i| f64::from(x[t * k + i]) * f64::from(rows[r][i]))
+                        .sum();
+                    dot as f32
+                })
+            })
+            .collect();
+        let err = rel_max(&y, &want);
+        assert!(err < 1e-5, "{tokens} tokens: rel err {err:.2e}");
+    }
+    // Conversion to a row format goes through the same decoded rows.
+    let f32_rows = m.convert(glmflash_node::quant::Format::F32).unwrap();
+    for r in [0, 127, 128, 383] {
+        assert_eq!(f32_rows.row_f32(r), rows[r]);
+    }
+}
+
+fn config_error(edit: impl FnOnce(&mut serde_json::Map<String, Value>)) -> String {
+    let text = std::fs::read_to_string(dir().join("config.json")).unwrap();
+    let mut json: Value = serde_json::from_str(&text).unwrap();
+    edit(
+        json["quantization_config"]
+            .as_object_mut()
+            .expect("quantization_config"),
+    );
+    Config::from_json(&json).unwrap_err().to_string()
+}
+
+#[test]
+fn quantization_config_is_read_and_checked() {
+    let cfg = Config::from_file(&dir().join("config.json")).unwrap();
+    let q = cfg.exl3.expect("EXL3 quantization_config");
+    assert_eq!(
+        (q.bits, q.head_bits, q.codebook, q.version.as_deref()),
+        (3.0, 6.0, Codebook::Mul1, Some("1.6.5"))
+    );
+    let e = config_error(|q| {
+        q.remove("bits");
+    });
+    assert!(
+        e.contains("quantization_config.bits") && e.contains("required"),
+        "{e}"
+    );
+    let e = config_error(|q| {
+        q.remove("codebook");
+    });
+    assert!(e.contains("quantization_config.codebook"), "{e}");
+    let e = config_error(|q| {
+        q.insert("codebook".into(), "4inst".into());
+    });
+    assert!(
+        e.contains("quantization_config.codebook") && e.contains("4inst"),
+        "{e}"
+    );
+    let e = config_error(|q| {
+        q.insert("quant_method".into(), "gptq".into());
+    });
+    assert!(e.contains("quant_method") && e.contains("gptq"), "{e}");
+    let e = config_error(|q| {
+        q.insert("group_size".into(), 128.into());
+    });
+    assert!(e.contains("quantization_config.group_size"), "{e}");
+    let e = config_error(|q| {
+        q.insert("head_bits".into(), "six".into());
+    });
+    assert!(e.contains("quantization_config.head_bits"), "{e}");
+}
+
+#[test]
+fn trellises_without_exl3_config_are_refused() {
+    let tmp = tempfile::tempdir().unwrap();
+    let text = std::fs::read_to_string(dir().join("config.json")).unwrap();
+    let mut json: Value = serde_json::from_str(&text).unwrap();
+    json.as_object_mut().unwrap().remove("quantization_config");
+    std::fs::write(tmp.path().join("config.json"), json.to_string()).unwrap();
+    std::fs::copy(
+        dir().join("model.safetensors"),
+        tmp.path().join("model.safetensors"),
+    )
+    .unwrap();
+    let e = format!("{:#}", Model::load(tmp.path()).err().expect("refused"));
+    assert!(
+        e.contains("EXL3 trellises") && e.contains("quantization_config"),
+        "{e}"
+    );
+}
+
+/// The fixture checkpoint with `edit` applied to its tensors, loaded.
+fn load_edited(edit: impl FnOnce(&mut Vec<(String, DType, Vec<usize>, Vec<u8>)>)) -> String {
+    let ckpt = Checkpoint::open(&dir()).unwrap();
+    let mut tensors: Vec<_> = ckpt
+        .keys()
+        .into_iter()
+        .map(|k| {
+            let v = ckpt.view(k).unwrap();
+            (k.to_string(), v.dtype, v.shape.to_vec(), v.bytes.to_vec())
+        })
+        .collect();
+    edit(&mut tensors);
+    let tmp = tempfile::tempdir().unwrap();
+    std::fs::copy(dir().join("config.json"), tmp.path().join("config.json")).unwrap();
+    write_safetensors(
+        &tmp.path().join("model.safetensors"),
+        &tensors,
+        &Default::default(),
+    )
+    .unwrap();
+    format!("{:#}", Model::load(tmp.path()).err().expect("refused"))
+}
+
+#[test]
+fn bad_exl3_tensors_are_load_errors_naming_them() {
+    let o_proj = "model.language_model.layers.1.self_attn.o_proj";
+    let e = load_edited(|t| {
+        t.push((format!("{o_proj}.mcg"), DType::I32, vec![], vec![0; 4]));
+    });
+    assert!(
+        e.contains(&format!("{o_proj}.trellis")) && e.contains("mcg and a mul1"),
+        "{e}"
+    );
+    let e = load_edited(|t| {
+        let tr = t
+            .iter_mut()
+            .find(|x| x.0 == format!("{o_proj}.trellis"))
+            .unwrap();
+        tr.2 = vec![16, 8, 72];
+        tr.3 = vec![0; 16 * 8 * 72 * 2];
+    });
+    assert!(
+        e.contains(&format!("{o_proj}.trellis")) && e.contains("4.5"),
+        "{e}"
+    );
+    let e = load_edited(|t| {
+        let tr = t
+            .iter_mut()
+            .find(|x| x.0 == format!("{o_proj}.trellis"))
+            .unwrap();
+        tr.2 = vec![8, 8, 48];
+        tr.3.truncate(8 * 8 * 48 * 2);
+    });
+    assert!(
+        e.contains(&format!("{o_proj}.trellis")) && e.contains("256 inputs and 128 outputs"),
+        "{e}"
+    );
+    let e = load_edited(|t| t.retain(|x| x.0 != format!("{o_proj}.svh")));
+    assert!(e.contains(&format!("{o_proj}.svh")), "{e}");
+    let e = load_edited(|t| {
+        let tr = t
+            .iter_mut()
+            .find(|x| x.0 == format!("{o_proj}.trellis"))
+            .unwrap();
+        tr.1 = DType::F16;
+    });
+    assert!(
+        e.contains(&format!("{o_proj}.trellis")) && e.contains("I16"),
+        "{e}"
+    );
+}
