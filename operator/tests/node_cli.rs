@@ -190,11 +190,21 @@ fn server_container_parses_with_the_node_cli_in_every_mode() {
         assert_mounted(c, &model.model, false);
         assert_mounted(c, model.store.as_ref().unwrap(), false);
         assert_eq!(
-            model.tier.mode.unwrap().to_possible_value().unwrap().get_name(),
+            model
+                .tier
+                .mode
+                .unwrap()
+                .to_possible_value()
+                .unwrap()
+                .get_name(),
             mode,
             "{what}"
         );
-        assert_eq!(model.tier.vram_expert_slots, slots.map(|s| s as usize), "{what}");
+        assert_eq!(
+            model.tier.vram_expert_slots,
+            slots.map(|s| s as usize),
+            "{what}"
+        );
         assert_eq!(model.tier.vram_slots, None, "{what}");
         assert_eq!(
             model.tier.min_free_vram_mib,
