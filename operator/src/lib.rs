@@ -6,16 +6,16 @@
 //!   ServiceMonitor, dashboard ConfigMap);
 //! - [`placement`]: which node fits (labels, GPU product, taints, free GPU and memory);
 //! - [`scrape`]: live figures for status from the server's `/metrics`;
-//! - [`metric_names`]: the server's metrics contract shared with the chart's dashboards
-//!   and alerts;
 //! - [`metrics`] and [`http`]: the operator's own `/metrics`, `/healthz`, `/readyz`;
 //! - [`run`]: watches, leader election and the controller loop used by `main`.
+//!
+//! The server's metric names, which [`scrape`] reads and the chart's dashboards and alerts
+//! query, are the contract crate [`glmflash_metric_names`], shared with glmflash-node.
 
 pub mod builders;
 pub mod controller;
 mod error;
 pub mod http;
-pub mod metric_names;
 pub mod metrics;
 pub mod placement;
 pub mod run;

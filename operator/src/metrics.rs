@@ -1,4 +1,4 @@
-//! The operator's own metrics (not the server's contract, see [`crate::metric_names`]).
+//! The operator's own metrics (not the server's contract, see [`glmflash_metric_names`]).
 
 use prometheus::{Histogram, HistogramOpts, IntCounter, IntCounterVec, IntGauge, Opts, Registry};
 

@@ -15,8 +15,6 @@ use hyper_util::client::legacy::Client;
 use hyper_util::client::legacy::connect::HttpConnector;
 use hyper_util::rt::TokioExecutor;
 
-use crate::metric_names;
-
 /// Fetches a `/metrics` page.
 pub trait Scrape: Send + Sync {
     /// The exposition text at `url`, or why it could not be read.
@@ -151,7 +149,7 @@ fn round(value: f64, digits: i32) -> f64 {
 pub fn live_figures(samples: &[Sample]) -> LiveFigures {
     let decode_tokens_per_second = samples
         .iter()
-        .find(|s| s.name == metric_names::DECODE_TOKENS_PER_SECOND)
+        .find(|s| s.name == glmflash_metric_names::DECODE_TOKENS_PER_SECOND)
         .map(|s| s.value)
         .filter(|v| v.is_finite())
         .map(|v| round(v, 1));
@@ -159,7 +157,7 @@ pub fn live_figures(samples: &[Sample]) -> LiveFigures {
     let mut per_tier: BTreeMap<String, f64> = BTreeMap::new();
     for s in samples
         .iter()
-        .filter(|s| s.name == metric_names::EXPERT_LOOKUPS_TOTAL)
+        .filter(|s| s.name == glmflash_metric_names::EXPERT_LOOKUPS_TOTAL)
         .filter(|s| s.value.is_finite() && s.value >= 0.0)
     {
         if let Some(tier) = s.labels.get("tier") {

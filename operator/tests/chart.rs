@@ -1,7 +1,7 @@
 //! The Helm chart, rendered by the real `helm` binary: it lints, every rendered object
 //! parses into its k8s-openapi type without dropping a field, RBAC is least-privilege,
 //! the CRD and alert rules are the checked-in files, and every metric the dashboard and
-//! alerts name exists (the server contract in `metric_names`, or the operator's own).
+//! alerts name exists (the server contract in `glmflash-metric-names`, or the operator's own).
 //!
 //! helm comes from `e2e/tools/get-helm.sh` (cached under ~/.cache/glmflash/helm), `$HELM`,
 //! or PATH. Without it these tests fail, unless GLMFLASH_SKIP_HELM=1 says to skip them.
@@ -370,9 +370,8 @@ fn dashboard_and_alerts_name_only_existing_metrics() {
         assert!(!names.is_empty(), "{expr} names no glmflash metric");
         for name in names {
             assert!(
-                glmflash_operator::metric_names::is_known_series(&name)
-                    || operator_metrics.contains(&name),
-                "{name} (in {expr}) is neither in metric_names.rs nor an operator metric"
+                glmflash_metric_names::is_known_series(&name) || operator_metrics.contains(&name),
+                "{name} (in {expr}) is neither in glmflash-metric-names nor an operator metric"
             );
         }
     }

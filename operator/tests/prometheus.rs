@@ -5,7 +5,7 @@
 //! query whose metrics the node exposes must return data; a query naming a contract metric
 //! the node does not export yet (the expert-tier, memory and store series, which come with
 //! the tiers on the server) must still evaluate, and is listed. Every metric a query names
-//! must be in the contract (`metric_names`) and every metric the node exports must be too.
+//! must be in the contract (`glmflash-metric-names`) and every metric the node exports must be too.
 //!
 //! Without `prometheus` on PATH the test fails, unless GLMFLASH_SKIP_PROMETHEUS=1.
 
@@ -18,8 +18,8 @@ use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::time::{Duration, Instant};
 
 use clap::Parser;
+use glmflash_metric_names as m;
 use glmflash_node::cli::{Cli, Command as NodeCommand};
-use glmflash_operator::metric_names as m;
 use glmflash_operator::scrape::{HttpScraper, Scrape};
 use serde_json::Value;
 

@@ -2,12 +2,21 @@
 //! `/v1/completions` (SSE streaming or not), `/health`, `/ready`, `/metrics`.
 //!
 //! [`app`] builds the router from an [`AppState`], so tests drive it with
-//! `tower::ServiceExt::oneshot` and no socket; [`serve`] binds it with graceful shutdown.
+//! `tower::ServiceExt::oneshot` and no socket; [`server`] binds it with graceful shutdown.
+//!
+//! A completion goes through `request` (the body and its validation), `grammar`
+//! (`response_format` and forced tool calls as a constraint), `handlers` (the endpoints),
+//! then `stream` (SSE) or `response` (one JSON object); [`parse`] splits chat output into
+//! reasoning, content and tool calls, and [`error`] gives every failure OpenAI's shape.
 
 pub mod error;
-pub mod openai;
+mod grammar;
+mod handlers;
 pub mod parse;
+mod request;
+mod response;
 pub mod server;
+mod stream;
 
 use crate::engine::scheduler::Engine;
 use crate::metrics::Metrics;
@@ -102,10 +111,10 @@ impl AppState {
 pub fn app(state: AppState) -> Router {
     let limit = state.0.config.max_body_bytes;
     let v1 = Router::new()
-        .route("/v1/models", get(openai::list_models))
-        .route("/v1/models/{model}", get(openai::get_model))
-        .route("/v1/chat/completions", post(openai::chat_completions))
-        .route("/v1/completions", post(openai::completions))
+        .route("/v1/models", get(handlers::list_models))
+        .route("/v1/models/{model}", get(handlers::get_model))
+        .route("/v1/chat/completions", post(handlers::chat_completions))
+        .route("/v1/completions", post(handlers::completions))
         .route_layer(middleware::from_fn_with_state(state.clone(), require_key));
     let metrics_route = if state.0.config.protect_metrics {
         Router::new()

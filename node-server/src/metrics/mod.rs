@@ -1,8 +1,8 @@
 //! The one metrics registry and every metric name (a contract: DESIGN.md "Metrics: one
 //! contract"; the operator's dashboard and alert rules read the same names).
 //!
-//! Each metric is registered once, here, under a name from the shared contract file
-//! (`operator/src/metric_names.rs`, included below); the API and the engine update them through
+//! Each metric is registered once, here, under a name from the shared contract crate
+//! (`glmflash-metric-names`, re-exported below); the API and the engine update them through
 //! [`Metrics`], and `/metrics` renders [`Metrics::render`].
 
 use prometheus::{
@@ -11,10 +11,8 @@ use prometheus::{
 };
 use std::sync::{Arc, Mutex};
 
-// The metric names: one contract file, shared with the operator and its dashboards.
-#[path = "../../../operator/src/metric_names.rs"]
-mod names;
-pub use names::*;
+// The metric names: one contract crate, shared with the operator and its dashboards.
+pub use glmflash_metric_names::*;
 
 /// The tier metrics, exposed once a tiered model is attached ([`Metrics::attach_tiers`]).
 pub const TIER_METRICS: [&str; 14] = [

@@ -1,10 +1,11 @@
 //! The glmflash server's metrics contract: every metric name the server exports and the
 //! Grafana dashboard, the alert rules and the operator's status read, in one place.
 //!
-//! This file has no dependencies on purpose: glmflash-node's `metrics` module includes it
-//! (`#[path]`) and registers each metric under exactly these names, and the operator reads
-//! them here. The chart's tests fail when a dashboard query or alert names a metric that is
-//! not listed here, and the Prometheus test when the server exports one that is not.
+//! A crate of its own with no dependencies, so that both sides can depend on it without
+//! depending on each other: glmflash-node's `metrics` module registers each metric under
+//! exactly these names, and the operator reads them here. The operator's chart tests fail
+//! when a dashboard query or alert names a metric that is not listed here, and its
+//! Prometheus test when the server exports one that is not.
 
 /// Requests, labels `endpoint` and `status`.
 pub const REQUESTS_TOTAL: &str = "glmflash_requests_total";

@@ -1,0 +1,182 @@
+//! The Jobs that write and remove the store on the node: pack-store (with the Hub
+//! download before it) and reclaim.
+
+use glmflash_crds::GlmFlashDeployment;
+use k8s_openapi::api::batch::v1::{Job, JobSpec};
+use k8s_openapi::api::core::v1::{Container, PodSpec, PodTemplateSpec};
+use k8s_openapi::apimachinery::pkg::apis::meta::v1::ObjectMeta;
+
+use super::pod::{
+    MODEL_MOUNT, STORE_MOUNT, host_path_volume, host_path_writer, mount, node_affinity, non_empty,
+    secret_volume, security_context,
+};
+use super::{
+    Component, NameOrEmpty, STORE_HASH_LABEL, labels, meta, model_dir, names, store_dir,
+    with_config_hash,
+};
+
+const TOKEN_MOUNT: &str = "/secrets/hf";
+const TERMINATION_LOG: &str = "/dev/termination-log";
+
+/// The pack-store Job for the given store hash, pinned to `node`.
+///
+/// With a Hub model an init container runs `glmflash-node download` into the host path
+/// first. pack-store is resumable and idempotent, so a retried pod continues where the
+/// last one stopped; `backoffLimit` bounds the retries. It reports the store size as JSON
+/// (`{"storeBytes": N}`) in its termination message, which the operator copies to status.
+pub fn pack_job(gfd: &GlmFlashDeployment, node: &str, store_hash: &str) -> Job {
+    let spec = &gfd.spec;
+    let image = spec.image.reference();
+    let pull = spec.image.pull_policy.as_str().to_string();
+    let hf = spec.model.hugging_face.as_ref();
+
+    let mut volumes = vec![
+        host_path_volume(
+            "model",
+            model_dir(spec),
+            if hf.is_some() {
+                "DirectoryOrCreate"
+            } else {
+                "Directory"
+            },
+        ),
+        host_path_volume("store", store_dir(spec), "DirectoryOrCreate"),
+    ];
+    let init_containers = hf.map(|hf| {
+        let mut args = vec![
+            "download".to_string(),
+            "--repo".into(),
+            hf.repo.clone(),
+            "--revision".into(),
+            hf.revision.clone(),
+            "--dir".into(),
+            MODEL_MOUNT.into(),
+        ];
+        let mut mounts = vec![mount("model", MODEL_MOUNT, false)];
+        if let Some(token) = &hf.token_secret {
+            args.extend(["--token-file".into(), format!("{TOKEN_MOUNT}/token")]);
+            volumes.push(secret_volume("hf-token", token, "token"));
+            mounts.push(mount("hf-token", TOKEN_MOUNT, true));
+        }
+        vec![Container {
+            name: "download".into(),
+            image: Some(image.clone()),
+            image_pull_policy: Some(pull.clone()),
+            args: Some(args),
+            volume_mounts: Some(mounts),
+            security_context: Some(security_context(false)),
+            ..Container::default()
+        }]
+    });
+
+    let mut pack_args = vec![
+        "pack-store".to_string(),
+        "--model".into(),
+        MODEL_MOUNT.into(),
+        "--store".into(),
+        STORE_MOUNT.into(),
+        "--report".into(),
+        TERMINATION_LOG.into(),
+    ];
+    if let Some(format) = spec.model.expert_format.as_arg() {
+        pack_args.extend(["--format".into(), format.into()]);
+    }
+    let pack = Container {
+        name: "pack-store".into(),
+        image: Some(image),
+        image_pull_policy: Some(pull),
+        args: Some(pack_args),
+        volume_mounts: Some(vec![
+            mount("model", MODEL_MOUNT, true),
+            mount("store", STORE_MOUNT, false),
+        ]),
+        termination_message_policy: Some("File".into()),
+        security_context: Some(security_context(false)),
+        ..Container::default()
+    };
+
+    let mut labels = labels(&gfd.name_any_or_empty(), Component::PackStore);
+    labels.insert(STORE_HASH_LABEL.into(), store_hash.into());
+    let mut metadata = meta(
+        gfd,
+        names::pack_job(&gfd.name_any_or_empty(), store_hash),
+        Component::PackStore,
+        true,
+    );
+    metadata.labels = Some(labels.clone());
+
+    with_config_hash(Job {
+        metadata,
+        spec: Some(JobSpec {
+            backoff_limit: Some(spec.store.pack_retries),
+            template: PodTemplateSpec {
+                metadata: Some(ObjectMeta {
+                    labels: Some(labels),
+                    ..ObjectMeta::default()
+                }),
+                spec: Some(PodSpec {
+                    restart_policy: Some("Never".into()),
+                    affinity: Some(node_affinity(node)),
+                    tolerations: non_empty(spec.placement.tolerations.clone()),
+                    init_containers,
+                    security_context: Some(host_path_writer()),
+                    containers: vec![pack],
+                    volumes: Some(volumes),
+                    ..PodSpec::default()
+                }),
+            },
+            ..JobSpec::default()
+        }),
+        status: None,
+    })
+}
+
+/// The Job that deletes `store/` and `hf/` under the host path on `node` (reclaim policy
+/// `Delete`). It is not owned by the deployment, so garbage collection cannot kill it half
+/// way; it removes itself after it finishes.
+pub fn reclaim_job(gfd: &GlmFlashDeployment, node: &str) -> Job {
+    let spec = &gfd.spec;
+    with_config_hash(Job {
+        metadata: meta(
+            gfd,
+            names::reclaim_job(&gfd.name_any_or_empty()),
+            Component::Reclaim,
+            false,
+        ),
+        spec: Some(JobSpec {
+            backoff_limit: Some(2),
+            ttl_seconds_after_finished: Some(600),
+            template: PodTemplateSpec {
+                metadata: Some(ObjectMeta {
+                    labels: Some(labels(&gfd.name_any_or_empty(), Component::Reclaim)),
+                    ..ObjectMeta::default()
+                }),
+                spec: Some(PodSpec {
+                    restart_policy: Some("Never".into()),
+                    affinity: Some(node_affinity(node)),
+                    tolerations: non_empty(spec.placement.tolerations.clone()),
+                    security_context: Some(host_path_writer()),
+                    containers: vec![Container {
+                        name: "reclaim".into(),
+                        image: Some(spec.image.reference()),
+                        image_pull_policy: Some(spec.image.pull_policy.as_str().into()),
+                        command: Some(vec!["/bin/sh".into(), "-c".into()]),
+                        // Only what the operator wrote: a nodePath model may live beside it.
+                        args: Some(vec!["rm -rf /reclaim/store /reclaim/hf".into()]),
+                        volume_mounts: Some(vec![mount("reclaim", "/reclaim", false)]),
+                        security_context: Some(security_context(false)),
+                        ..Container::default()
+                    }],
+                    volumes: Some(vec![host_path_volume(
+                        "reclaim",
+                        spec.store.host_path.clone(),
+                        "Directory",
+                    )]),
+                    ..PodSpec::default()
+                }),
+            },
+            ..JobSpec::default()
+        }),
+        status: None,
+    })
+}

@@ -1,0 +1,253 @@
+//! Pure builders for every object the operator owns. No client, no I/O: each function
+//! takes the `GlmFlashDeployment` (and the chosen node) and returns the object to apply,
+//! so the whole shape of a deployment is unit-tested field by field.
+//!
+//! This module holds what every object shares (names, labels, owner reference, config
+//! hash) and the store's place on the node; the objects are built by what they are:
+//! `job` (pack-store and reclaim Jobs), `deployment` (the server), `service` (API and
+//! metrics Services), `monitoring` (ServiceMonitor and dashboard ConfigMap), over `pod`
+//! (volumes, mounts, security and node affinity of every pod).
+//!
+//! Layout on the node (all under `spec.store.hostPath`):
+//! - `store/`: the packed expert store (`experts.bin` + `experts.json`), written by the
+//!   pack-store Job, mounted read-only into the server at `/store`;
+//! - `hf/<owner>--<name>/<revision>/`: a Hugging Face download, when the model comes from
+//!   the Hub; a `nodePath` model is mounted from where it is instead.
+//!
+//! Each object carries the annotation [`CONFIG_HASH`]: the hash of the object as built.
+//! The reconciler compares it with what is in the cluster and applies only on a
+//! difference, so a settled deployment reconciles without writes.
+
+use std::collections::BTreeMap;
+
+use glmflash_crds::{ExpertFormat, GlmFlashDeployment, GlmFlashDeploymentSpec};
+use k8s_openapi::apimachinery::pkg::apis::meta::v1::{ObjectMeta, OwnerReference};
+use kube::Resource;
+use serde::Serialize;
+use sha2::{Digest, Sha256};
+
+mod deployment;
+mod job;
+mod monitoring;
+mod pod;
+mod service;
+
+pub use deployment::{server_args, server_deployment};
+pub use job::{pack_job, reclaim_job};
+pub use monitoring::{
+    DASHBOARD_JSON, dashboard_config_map, service_monitor, service_monitor_resource,
+};
+pub use service::{api_service, metrics_service};
+
+/// The one field manager for every server-side apply.
+pub const FIELD_MANAGER: &str = "glmflash-operator";
+/// Annotation holding the hash of an owned object as built.
+pub const CONFIG_HASH: &str = "glmflash.io/config-hash";
+/// Label on pack-store Jobs: the hash of the store's inputs.
+pub const STORE_HASH_LABEL: &str = "glmflash.io/store-hash";
+
+const NAME_LABEL: &str = "app.kubernetes.io/name";
+const INSTANCE_LABEL: &str = "app.kubernetes.io/instance";
+const COMPONENT_LABEL: &str = "app.kubernetes.io/component";
+const MANAGED_BY_LABEL: &str = "app.kubernetes.io/managed-by";
+
+/// Which part of a deployment an object is.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Component {
+    /// The OpenAI server pod.
+    Server,
+    /// The pack-store Job.
+    PackStore,
+    /// The store cleanup Job.
+    Reclaim,
+    /// The metrics Service and ServiceMonitor.
+    Metrics,
+    /// The dashboard ConfigMap.
+    Dashboard,
+}
+
+impl Component {
+    fn as_str(self) -> &'static str {
+        match self {
+            Component::Server => "server",
+            Component::PackStore => "pack-store",
+            Component::Reclaim => "reclaim",
+            Component::Metrics => "metrics",
+            Component::Dashboard => "dashboard",
+        }
+    }
+}
+
+/// Names of the owned objects of one `GlmFlashDeployment`.
+pub mod names {
+    /// Server Deployment and OpenAI Service.
+    pub fn server(gfd: &str) -> String {
+        gfd.to_string()
+    }
+    /// Metrics Service and ServiceMonitor.
+    pub fn metrics(gfd: &str) -> String {
+        format!("{gfd}-metrics")
+    }
+    /// Pack-store Job for one store hash: a new hash is a new Job.
+    pub fn pack_job(gfd: &str, store_hash: &str) -> String {
+        format!("{gfd}-pack-{}", &store_hash[..10.min(store_hash.len())])
+    }
+    /// Store cleanup Job.
+    pub fn reclaim_job(gfd: &str) -> String {
+        format!("{gfd}-reclaim")
+    }
+    /// Dashboard ConfigMap.
+    pub fn dashboard(gfd: &str) -> String {
+        format!("{gfd}-dashboard")
+    }
+}
+
+/// Recommended labels for one component of one deployment.
+pub fn labels(gfd_name: &str, component: Component) -> BTreeMap<String, String> {
+    BTreeMap::from([
+        (NAME_LABEL.to_string(), "glmflash-node".to_string()),
+        (INSTANCE_LABEL.to_string(), gfd_name.to_string()),
+        (COMPONENT_LABEL.to_string(), component.as_str().to_string()),
+        (MANAGED_BY_LABEL.to_string(), FIELD_MANAGER.to_string()),
+    ])
+}
+
+/// Labels that select the server pod.
+pub fn server_selector(gfd_name: &str) -> BTreeMap<String, String> {
+    BTreeMap::from([
+        (NAME_LABEL.to_string(), "glmflash-node".to_string()),
+        (INSTANCE_LABEL.to_string(), gfd_name.to_string()),
+        (
+            COMPONENT_LABEL.to_string(),
+            Component::Server.as_str().to_string(),
+        ),
+    ])
+}
+
+/// Hex sha256 of any serializable value.
+pub fn sha256_hex(value: &impl Serialize) -> String {
+    let bytes = serde_json::to_vec(value).expect("builder values serialize");
+    Sha256::digest(&bytes)
+        .iter()
+        .map(|b| format!("{b:02x}"))
+        .collect()
+}
+
+/// Hash of everything the packed store depends on: a change re-runs pack-store, anything
+/// else (mode, server flags, memory) only rolls the server.
+pub fn store_hash(spec: &GlmFlashDeploymentSpec, node: &str) -> String {
+    #[derive(Serialize)]
+    struct StoreInputs<'a> {
+        node: &'a str,
+        repo: Option<&'a str>,
+        revision: Option<&'a str>,
+        node_path: Option<&'a str>,
+        expert_format: ExpertFormat,
+        host_path: &'a str,
+        image: String,
+    }
+    let hf = spec.model.hugging_face.as_ref();
+    let full = sha256_hex(&StoreInputs {
+        node,
+        repo: hf.map(|h| h.repo.as_str()),
+        revision: hf.map(|h| h.revision.as_str()),
+        node_path: spec.model.node_path.as_deref(),
+        expert_format: spec.model.expert_format,
+        host_path: &spec.store.host_path,
+        image: spec.image.reference(),
+    });
+    full[..16].to_string()
+}
+
+/// Host directory of the packed store.
+pub fn store_dir(spec: &GlmFlashDeploymentSpec) -> String {
+    format!("{}/store", spec.store.host_path.trim_end_matches('/'))
+}
+
+/// Host directory of the model weights.
+pub fn model_dir(spec: &GlmFlashDeploymentSpec) -> String {
+    match (&spec.model.node_path, &spec.model.hugging_face) {
+        (Some(path), _) => path.clone(),
+        (None, Some(hf)) => format!(
+            "{}/hf/{}/{}",
+            spec.store.host_path.trim_end_matches('/'),
+            hf.repo.replace('/', "--"),
+            hf.revision
+        ),
+        // Unreachable for a validated spec; a path that cannot exist keeps the builder total.
+        (None, None) => format!("{}/hf/unset", spec.store.host_path.trim_end_matches('/')),
+    }
+}
+
+/// In-cluster base URL of the OpenAI API.
+pub fn endpoint(gfd: &GlmFlashDeployment) -> String {
+    format!(
+        "http://{}.{}.svc:{}/v1",
+        names::server(&gfd.name_any_or_empty()),
+        gfd.namespace_or_default(),
+        gfd.spec.server.port
+    )
+}
+
+/// In-cluster URL of the server's `/metrics`.
+pub fn metrics_url(gfd: &GlmFlashDeployment) -> String {
+    format!(
+        "http://{}.{}.svc:{}/metrics",
+        names::metrics(&gfd.name_any_or_empty()),
+        gfd.namespace_or_default(),
+        gfd.spec.metrics.effective_port(&gfd.spec.server)
+    )
+}
+
+trait NameOrEmpty {
+    fn name_any_or_empty(&self) -> String;
+    fn namespace_or_default(&self) -> String;
+}
+
+impl NameOrEmpty for GlmFlashDeployment {
+    fn name_any_or_empty(&self) -> String {
+        self.meta().name.clone().unwrap_or_default()
+    }
+    fn namespace_or_default(&self) -> String {
+        self.meta()
+            .namespace
+            .clone()
+            .unwrap_or_else(|| "default".into())
+    }
+}
+
+fn owner_reference(gfd: &GlmFlashDeployment) -> Option<Vec<OwnerReference>> {
+    gfd.controller_owner_ref(&()).map(|o| vec![o])
+}
+
+fn meta(gfd: &GlmFlashDeployment, name: String, component: Component, owned: bool) -> ObjectMeta {
+    ObjectMeta {
+        name: Some(name),
+        namespace: Some(gfd.namespace_or_default()),
+        labels: Some(labels(&gfd.name_any_or_empty(), component)),
+        owner_references: if owned { owner_reference(gfd) } else { None },
+        ..ObjectMeta::default()
+    }
+}
+
+/// Stamps [`CONFIG_HASH`] on an object: the hash of the object without it.
+fn with_config_hash<K: Resource + Serialize>(mut obj: K) -> K {
+    let hash = sha256_hex(&obj);
+    obj.meta_mut()
+        .annotations
+        .get_or_insert_with(BTreeMap::new)
+        .insert(CONFIG_HASH.to_string(), hash);
+    obj
+}
+
+/// The config hash an object carries, if any.
+pub fn config_hash_of<K: Resource>(obj: &K) -> Option<&str> {
+    obj.meta()
+        .annotations
+        .as_ref()?
+        .get(CONFIG_HASH)
+        .map(String::as_str)
+}
+
+#[cfg(test)]
+mod tests;

@@ -1,0 +1,438 @@
+//! Every builder, field by field.
+
+use super::*;
+use crate::fixtures::gfd;
+use glmflash_crds::{Mode, SecretKeyRef};
+use k8s_openapi::api::apps::v1::Deployment;
+use k8s_openapi::api::core::v1::{Container, PodSpec};
+use k8s_openapi::apimachinery::pkg::api::resource::Quantity;
+use k8s_openapi::apimachinery::pkg::util::intstr::IntOrString;
+
+fn server_container(d: &Deployment) -> &Container {
+    &d.spec
+        .as_ref()
+        .unwrap()
+        .template
+        .spec
+        .as_ref()
+        .unwrap()
+        .containers[0]
+}
+
+fn pod_spec(d: &Deployment) -> &PodSpec {
+    d.spec.as_ref().unwrap().template.spec.as_ref().unwrap()
+}
+
+#[test]
+fn owned_objects_carry_owner_reference_labels_and_hash() {
+    let g = gfd();
+    let d = server_deployment(&g, "gpu-a", 1);
+    let owner = &d.metadata.owner_references.as_ref().unwrap()[0];
+    assert_eq!(owner.kind, "GlmFlashDeployment");
+    assert_eq!(owner.api_version, "glmflash.io/v1alpha1");
+    assert_eq!(owner.name, "glm");
+    assert_eq!(owner.uid, "0b5e0c4e-uid");
+    assert_eq!(owner.controller, Some(true));
+    assert_eq!(d.metadata.namespace.as_deref(), Some("ai"));
+    let labels = d.metadata.labels.as_ref().unwrap();
+    assert_eq!(labels["app.kubernetes.io/instance"], "glm");
+    assert_eq!(labels["app.kubernetes.io/managed-by"], "glmflash-operator");
+    assert_eq!(labels["app.kubernetes.io/component"], "server");
+    // The hash covers the object: change anything, the hash changes.
+    let mut other = gfd();
+    other.spec.server.max_batch_size = 4;
+    assert_ne!(
+        config_hash_of(&d),
+        config_hash_of(&server_deployment(&other, "gpu-a", 1))
+    );
+    assert_eq!(
+        config_hash_of(&d),
+        config_hash_of(&server_deployment(&gfd(), "gpu-a", 1))
+    );
+    for owned in [
+        api_service(&g).metadata,
+        metrics_service(&g).metadata,
+        pack_job(&g, "gpu-a", "0123456789abcdef").metadata,
+        dashboard_config_map(&g).metadata,
+        service_monitor(&g).metadata,
+    ] {
+        assert_eq!(
+            owned.owner_references.as_ref().unwrap()[0].uid,
+            "0b5e0c4e-uid"
+        );
+        assert!(
+            owned
+                .annotations
+                .as_ref()
+                .unwrap()
+                .contains_key(CONFIG_HASH)
+        );
+    }
+}
+
+#[test]
+fn server_deployment_field_by_field() {
+    let mut g = gfd();
+    g.spec.server.api_key_secret = Some(SecretKeyRef {
+        name: "api".into(),
+        key: "key".into(),
+    });
+    let d = server_deployment(&g, "gpu-a", 1);
+    let spec = d.spec.as_ref().unwrap();
+    assert_eq!(spec.replicas, Some(1));
+    assert_eq!(
+        spec.strategy.as_ref().unwrap().type_.as_deref(),
+        Some("Recreate")
+    );
+    assert_eq!(
+        spec.selector.match_labels.as_ref().unwrap(),
+        &server_selector("glm")
+    );
+    let template_labels = spec
+        .template
+        .metadata
+        .as_ref()
+        .unwrap()
+        .labels
+        .as_ref()
+        .unwrap();
+    for (k, v) in server_selector("glm") {
+        assert_eq!(template_labels[&k], v);
+    }
+
+    let c = server_container(&d);
+    assert_eq!(
+        c.image.as_deref(),
+        Some("ghcr.io/glmflash/glmflash-node:0.1.0")
+    );
+    assert_eq!(c.image_pull_policy.as_deref(), Some("IfNotPresent"));
+    assert_eq!(
+        c.args.as_ref().unwrap().join(" "),
+        "serve --model /models --store /store --mode nvme \
+         --host 0.0.0.0 --port 30000 --served-model-name glm-5.3-flash \
+         --context-length 131072 --max-batch-size 8 --chunk-size 8192 \
+         --vram-expert-slots 1376 --min-free-vram-mib 23000"
+    );
+    let limits = c.resources.as_ref().unwrap().limits.as_ref().unwrap();
+    assert_eq!(limits["memory"], Quantity("55Gi".into()));
+    assert_eq!(limits["nvidia.com/gpu"], Quantity("1".into()));
+    assert_eq!(
+        c.resources.as_ref().unwrap().requests.as_ref(),
+        Some(limits)
+    );
+    let caps = c
+        .security_context
+        .as_ref()
+        .unwrap()
+        .capabilities
+        .as_ref()
+        .unwrap();
+    assert_eq!(caps.add.as_deref(), Some(&["IPC_LOCK".to_string()][..]));
+    assert_eq!(caps.drop.as_deref(), Some(&["ALL".to_string()][..]));
+    assert_eq!(
+        c.security_context
+            .as_ref()
+            .unwrap()
+            .allow_privilege_escalation,
+        Some(false)
+    );
+    let env = &c.env.as_ref().unwrap()[0];
+    assert_eq!(env.name, "GLMFLASH_API_KEY");
+    let secret = env
+        .value_from
+        .as_ref()
+        .unwrap()
+        .secret_key_ref
+        .as_ref()
+        .unwrap();
+    assert_eq!((secret.name.as_str(), secret.key.as_str()), ("api", "key"));
+    let ports = c.ports.as_ref().unwrap();
+    assert_eq!(ports.len(), 1);
+    assert_eq!(ports[0].container_port, 30000);
+    assert_eq!(ports[0].name.as_deref(), Some("http"));
+
+    let startup = c.startup_probe.as_ref().unwrap();
+    assert_eq!(
+        startup.http_get.as_ref().unwrap().path.as_deref(),
+        Some("/health")
+    );
+    assert!(startup.period_seconds.unwrap() * startup.failure_threshold.unwrap() >= 1800);
+    let ready = c.readiness_probe.as_ref().unwrap();
+    assert_eq!(
+        ready.http_get.as_ref().unwrap().path.as_deref(),
+        Some("/ready")
+    );
+    let live = c.liveness_probe.as_ref().unwrap();
+    assert_eq!(
+        live.http_get.as_ref().unwrap().path.as_deref(),
+        Some("/health")
+    );
+
+    let mounts: Vec<(&str, &str, Option<bool>)> = c
+        .volume_mounts
+        .as_ref()
+        .unwrap()
+        .iter()
+        .map(|m| (m.name.as_str(), m.mount_path.as_str(), m.read_only))
+        .collect();
+    assert_eq!(
+        mounts,
+        [
+            ("model", "/models", Some(true)),
+            ("store", "/store", Some(true)),
+            ("dshm", "/dev/shm", Some(false)),
+        ]
+    );
+
+    let pod = pod_spec(&d);
+    let volumes = pod.volumes.as_ref().unwrap();
+    assert_eq!(
+        volumes[0].host_path.as_ref().unwrap().path,
+        "/mnt/nvme/glmflash/hf/turboderp--GLM-5.3-Flash-exl3/332ab457b709b7ba30dd9a448be5de03b80a7ac9"
+    );
+    assert_eq!(
+        volumes[1].host_path.as_ref().unwrap().path,
+        "/mnt/nvme/glmflash/store"
+    );
+    let shm = volumes[2].empty_dir.as_ref().unwrap();
+    assert_eq!(shm.medium.as_deref(), Some("Memory"));
+    assert_eq!(shm.size_limit, Some(Quantity("1Gi".into())));
+    let term = &pod
+        .affinity
+        .as_ref()
+        .unwrap()
+        .node_affinity
+        .as_ref()
+        .unwrap()
+        .required_during_scheduling_ignored_during_execution
+        .as_ref()
+        .unwrap()
+        .node_selector_terms[0];
+    let field = &term.match_fields.as_ref().unwrap()[0];
+    assert_eq!(
+        (
+            field.key.as_str(),
+            field.operator.as_str(),
+            field.values.as_deref()
+        ),
+        ("metadata.name", "In", Some(&["gpu-a".to_string()][..]))
+    );
+    assert!(pod.tolerations.is_none());
+}
+
+#[test]
+fn separate_metrics_port_and_other_modes_reach_the_args() {
+    let mut g = gfd();
+    g.spec.mode = Mode::NvmeExact;
+    g.spec.metrics.port = Some(9400);
+    g.spec.vram.expert_slots = None;
+    g.spec.model.hugging_face = None;
+    g.spec.model.node_path = Some("/data/glm53".into());
+    let d = server_deployment(&g, "gpu-a", 0);
+    assert_eq!(d.spec.as_ref().unwrap().replicas, Some(0));
+    let c = server_container(&d);
+    let args = c.args.as_ref().unwrap().join(" ");
+    assert!(args.contains("--mode nvme-exact"), "{args}");
+    assert!(args.ends_with("--metrics-port 9400"), "{args}");
+    assert!(!args.contains("--vram-expert-slots"), "{args}");
+    assert_eq!(c.ports.as_ref().unwrap()[1].container_port, 9400);
+    assert_eq!(
+        pod_spec(&d).volumes.as_ref().unwrap()[0]
+            .host_path
+            .as_ref()
+            .unwrap()
+            .path,
+        "/data/glm53"
+    );
+    let svc = metrics_service(&g);
+    let port = &svc.spec.as_ref().unwrap().ports.as_ref().unwrap()[0];
+    assert_eq!(port.port, 9400);
+    assert_eq!(
+        port.target_port,
+        Some(IntOrString::String("metrics".into()))
+    );
+    assert_eq!(metrics_url(&g), "http://glm-metrics.ai.svc:9400/metrics");
+}
+
+#[test]
+fn cpu_switch_drops_the_gpu_request_only() {
+    let mut g = gfd();
+    g.spec.placement.require_gpu = false;
+    let d = server_deployment(&g, "kind-worker", 1);
+    let limits = server_container(&d)
+        .resources
+        .as_ref()
+        .unwrap()
+        .limits
+        .clone()
+        .unwrap();
+    assert_eq!(limits.keys().collect::<Vec<_>>(), ["memory"]);
+}
+
+#[test]
+fn services_select_the_server() {
+    let g = gfd();
+    let api = api_service(&g);
+    assert_eq!(api.metadata.name.as_deref(), Some("glm"));
+    let spec = api.spec.as_ref().unwrap();
+    assert_eq!(spec.selector.as_ref().unwrap(), &server_selector("glm"));
+    let port = &spec.ports.as_ref().unwrap()[0];
+    assert_eq!((port.name.as_deref(), port.port), (Some("http"), 30000));
+    assert_eq!(port.target_port, Some(IntOrString::String("http".into())));
+    let metrics = metrics_service(&g);
+    assert_eq!(metrics.metadata.name.as_deref(), Some("glm-metrics"));
+    assert_eq!(
+        metrics.metadata.labels.as_ref().unwrap()["app.kubernetes.io/component"],
+        "metrics"
+    );
+    assert_eq!(endpoint(&g), "http://glm.ai.svc:30000/v1");
+}
+
+#[test]
+fn service_monitor_selects_the_metrics_service() {
+    let g = gfd();
+    let sm = service_monitor(&g);
+    let sm_json = serde_json::to_value(&sm).unwrap();
+    assert_eq!(sm_json["apiVersion"], "monitoring.coreos.com/v1");
+    assert_eq!(sm_json["kind"], "ServiceMonitor");
+    let selector = &sm_json["spec"]["selector"]["matchLabels"];
+    let svc_labels = metrics_service(&g).metadata.labels.unwrap();
+    for (k, v) in selector.as_object().unwrap() {
+        assert_eq!(svc_labels[k], v.as_str().unwrap(), "{k}");
+    }
+    assert_eq!(sm_json["spec"]["endpoints"][0]["port"], "metrics");
+    assert_eq!(sm_json["spec"]["endpoints"][0]["path"], "/metrics");
+}
+
+#[test]
+fn pack_job_downloads_then_packs_on_the_node() {
+    let mut g = gfd();
+    g.spec.model.hugging_face.as_mut().unwrap().token_secret = Some(SecretKeyRef {
+        name: "hf".into(),
+        key: "token".into(),
+    });
+    let job = pack_job(&g, "gpu-a", "0123456789abcdef");
+    assert_eq!(job.metadata.name.as_deref(), Some("glm-pack-0123456789"));
+    assert_eq!(
+        job.metadata.labels.as_ref().unwrap()[STORE_HASH_LABEL],
+        "0123456789abcdef"
+    );
+    let spec = job.spec.as_ref().unwrap();
+    assert_eq!(spec.backoff_limit, Some(2));
+    let pod = spec.template.spec.as_ref().unwrap();
+    assert_eq!(pod.restart_policy.as_deref(), Some("Never"));
+    // Writes the root-owned host path as root, with no capabilities (below).
+    let psc = pod.security_context.as_ref().unwrap();
+    assert_eq!((psc.run_as_user, psc.run_as_group), (Some(0), Some(0)));
+    let init = &pod.init_containers.as_ref().unwrap()[0];
+    assert_eq!(
+        init.args.as_ref().unwrap().join(" "),
+        "download --repo turboderp/GLM-5.3-Flash-exl3 --revision \
+         332ab457b709b7ba30dd9a448be5de03b80a7ac9 --dir /models --token-file /secrets/hf/token"
+    );
+    let pack = &pod.containers[0];
+    assert_eq!(
+        pack.args.as_ref().unwrap().join(" "),
+        "pack-store --model /models --store /store --report /dev/termination-log \
+         --format q4_k"
+    );
+    assert_eq!(pack.termination_message_policy.as_deref(), Some("File"));
+    // pack-store needs no GPU and no pinning.
+    assert!(pack.resources.is_none());
+    assert!(
+        pack.security_context
+            .as_ref()
+            .unwrap()
+            .capabilities
+            .as_ref()
+            .unwrap()
+            .add
+            .is_none()
+    );
+    let volumes = pod.volumes.as_ref().unwrap();
+    assert_eq!(
+        volumes[0].host_path.as_ref().unwrap().type_.as_deref(),
+        Some("DirectoryOrCreate")
+    );
+    assert_eq!(
+        volumes[1].host_path.as_ref().unwrap().path,
+        "/mnt/nvme/glmflash/store"
+    );
+    let token = volumes[2].secret.as_ref().unwrap();
+    assert_eq!(token.secret_name.as_deref(), Some("hf"));
+    assert_eq!(token.items.as_ref().unwrap()[0].path, "token");
+    let pack_mounts = pack.volume_mounts.as_ref().unwrap();
+    assert_eq!(pack_mounts[0].read_only, Some(true));
+    assert_eq!(pack_mounts[1].read_only, Some(false));
+}
+
+#[test]
+fn node_path_model_needs_no_download() {
+    let mut g = gfd();
+    g.spec.model.hugging_face = None;
+    g.spec.model.node_path = Some("/data/glm53".into());
+    let job = pack_job(&g, "gpu-a", "0123456789abcdef");
+    let pod = job.spec.as_ref().unwrap().template.spec.as_ref().unwrap();
+    assert!(pod.init_containers.is_none());
+    let model = &pod.volumes.as_ref().unwrap()[0];
+    assert_eq!(model.host_path.as_ref().unwrap().path, "/data/glm53");
+    assert_eq!(
+        model.host_path.as_ref().unwrap().type_.as_deref(),
+        Some("Directory")
+    );
+}
+
+#[test]
+fn store_hash_tracks_store_inputs_only() {
+    let g = gfd();
+    let base = store_hash(&g.spec, "gpu-a");
+    assert_eq!(base.len(), 16);
+    let mut server_only = g.spec.clone();
+    server_only.mode = Mode::Fast;
+    server_only.memory.limit = "200Gi".into();
+    server_only.server.max_batch_size = 1;
+    assert_eq!(store_hash(&server_only, "gpu-a"), base);
+    assert_ne!(store_hash(&g.spec, "gpu-b"), base);
+    let mut revision = g.spec.clone();
+    revision.model.hugging_face.as_mut().unwrap().revision = "other".into();
+    assert_ne!(store_hash(&revision, "gpu-a"), base);
+    let mut image = g.spec.clone();
+    image.image.tag = "0.2.0".into();
+    assert_ne!(store_hash(&image, "gpu-a"), base);
+}
+
+#[test]
+fn reclaim_job_is_unowned_pinned_and_scoped() {
+    let g = gfd();
+    let job = reclaim_job(&g, "gpu-a");
+    assert!(job.metadata.owner_references.is_none());
+    let spec = job.spec.as_ref().unwrap();
+    assert_eq!(spec.ttl_seconds_after_finished, Some(600));
+    let pod = spec.template.spec.as_ref().unwrap();
+    assert!(pod.affinity.is_some());
+    assert_eq!(pod.security_context.as_ref().unwrap().run_as_user, Some(0));
+    assert_eq!(
+        pod.containers[0].args.as_ref().unwrap()[0],
+        "rm -rf /reclaim/store /reclaim/hf"
+    );
+    assert_eq!(
+        pod.volumes.as_ref().unwrap()[0]
+            .host_path
+            .as_ref()
+            .unwrap()
+            .path,
+        "/mnt/nvme/glmflash"
+    );
+}
+
+#[test]
+fn dashboard_config_map_is_labelled_for_grafana() {
+    let cm = dashboard_config_map(&gfd());
+    assert_eq!(
+        cm.metadata.labels.as_ref().unwrap()["grafana_dashboard"],
+        "1"
+    );
+    let data = cm.data.as_ref().unwrap();
+    let json: serde_json::Value = serde_json::from_str(&data["glmflash-glm.json"]).unwrap();
+    assert_eq!(json["uid"], "glmflash-node");
+}
