@@ -197,3 +197,47 @@ fn byte_sizes_parse() {
     assert!(parse_bytes("55 parsecs").is_err());
     assert!(parse_bytes("GiB").is_err());
 }
+
+/// The plan reads an EXL3 checkpoint's formats from its `quantization_config`, and counts its
+/// experts' and linear weights' bytes as exllamav3 wrote them (trellis plus the f16 scales;
+/// the codebook markers are a few bytes a tensor).
+#[test]
+fn exl3_checkpoint_bytes_as_exllamav3_wrote_them() {
+    let dir = std::path::Path::new(env!("CARGO_MANIFEST_DIR"))
+        .join("../e2e/fixtures/exl3/exl3_mul1_3bpw");
+    let args = <args::PlanArgs as clap::FromArgMatches>::from_arg_matches(
+        &<args::PlanArgs as clap::Args>::augment_args(clap::Command::new("plan"))
+            .get_matches_from(["plan", "--model", dir.to_str().unwrap()]),
+    )
+    .unwrap();
+    let inputs = args.inputs().unwrap();
+    assert_eq!(inputs.experts, exl3(3.0));
+    assert_eq!(inputs.dense, exl3(3.0));
+    let ckpt = crate::model::checkpoint::Checkpoint::open(&dir).unwrap();
+    let on_disk = |prefix: &str| -> u64 {
+        ckpt.keys()
+            .into_iter()
+            .filter(|k| k.contains(prefix) && !k.ends_with(".mul1"))
+            .map(|k| ckpt.view(k).unwrap().bytes.len() as u64)
+            .sum()
+    };
+    let layer = inputs
+        .cfg
+        .mlp_kinds
+        .iter()
+        .position(|k| *k == crate::model::config::MlpKind::Moe)
+        .unwrap();
+    assert_eq!(
+        weights::expert_bytes(&inputs.cfg, inputs.experts),
+        on_disk(&format!("layers.{layer}.mlp.experts.0."))
+    );
+    let shared = weights::tensors(&inputs.cfg)
+        .into_iter()
+        .filter(|t| t.kind == Kind::SharedExperts && t.name.contains(&format!("layers.{layer}.")))
+        .map(|t| weights::tensor_bytes(&t, inputs.dense, inputs.head))
+        .sum::<u64>();
+    assert_eq!(
+        shared,
+        on_disk(&format!("layers.{layer}.mlp.shared_experts."))
+    );
+}
