@@ -301,7 +301,9 @@ fn model_sizes(
         experts: cfg.n_routed_experts,
         record_bytes,
         dense_bytes,
-        host_only_bytes: 0,
+        host_only_bytes: embedding_bytes(dir),
+        // The caches take what the free VRAM holds once the tiers are placed (the engine's
+        // cache budget); `--vram-reserve-mib` keeps room for them.
         cache_bytes: 0,
         gpu_workspace_bytes: crate::model::gpu::workspace_bytes(
             cfg,
@@ -331,6 +333,18 @@ fn check_vram_floor(cuda: &crate::backend::cuda::Cuda, floor_mib: u64) -> anyhow
 }
 
 /// Bytes of the checkpoint's safetensors files.
+/// Bytes of the checkpoint's embedding table: it stays in host memory (rows go up per token).
+fn embedding_bytes(dir: &std::path::Path) -> u64 {
+    crate::model::checkpoint::Checkpoint::open(dir)
+        .ok()
+        .and_then(|c| {
+            c.view("embed_tokens.weight")
+                .ok()
+                .map(|v| v.bytes.len() as u64)
+        })
+        .unwrap_or(0)
+}
+
 fn checkpoint_bytes(dir: &std::path::Path) -> u64 {
     std::fs::read_dir(dir)
         .into_iter()

@@ -311,6 +311,14 @@ mod tests {
         };
         let s = size_tiers(&model, &request(), &machine(Some(24_000 * MIB), None));
         assert_eq!(s.device_slots, 21);
+        // The embedding stays in host memory: its bytes are not held in VRAM (1,200 MiB
+        // gives back two slots a layer).
+        let model = ModelSizes {
+            host_only_bytes: 1_200 * MIB,
+            ..model
+        };
+        let s = size_tiers(&model, &request(), &machine(Some(24_000 * MIB), None));
+        assert_eq!(s.device_slots, 23);
         // Never more than the layer's experts, never negative.
         let one = ModelSizes {
             moe_layers: 1,
