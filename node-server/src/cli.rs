@@ -305,9 +305,9 @@ fn model_sizes(
         // The caches take what the free VRAM holds once the tiers are placed (the engine's
         // cache budget); `--vram-reserve-mib` keeps room for them.
         cache_bytes: 0,
-        gpu_workspace_bytes: crate::model::gpu::workspace_bytes(
+        gpu_workspace_bytes: crate::model::decoder::workspace_bytes(
             cfg,
-            crate::model::gpu::DEFAULT_GPU_CHUNK,
+            crate::model::decoder::DEFAULT_GPU_CHUNK,
             cfg.max_position_embeddings,
         ) as u64,
     })

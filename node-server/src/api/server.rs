@@ -66,7 +66,7 @@ pub struct ServeArgs {
     /// Prompt tokens per scheduler tick of the sequences on the GPU: the GPU forward's
     /// activations grow with it (about 0.7 MB a token at GLM-5.3-Flash's widths); VRAM
     /// sizing from free memory keeps room for the default.
-    #[arg(long, env = "GLMFLASH_GPU_CHUNK_SIZE", default_value_t = crate::model::gpu::DEFAULT_GPU_CHUNK)]
+    #[arg(long, env = "GLMFLASH_GPU_CHUNK_SIZE", default_value_t = crate::model::decoder::DEFAULT_GPU_CHUNK)]
     pub gpu_chunk_size: usize,
     /// Seconds to let in-flight requests finish after SIGTERM.
     #[arg(long, env = "GLMFLASH_SHUTDOWN_TIMEOUT", default_value_t = 30)]

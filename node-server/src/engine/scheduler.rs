@@ -14,7 +14,7 @@ use crate::engine::constraint::{Constraint, Grammars};
 use crate::engine::sampling::SamplingParams;
 use crate::metrics::Metrics;
 use crate::model::Model;
-use crate::model::gpu::{
+use crate::model::decoder::{
     DEFAULT_GPU_CHUNK, GROWTH_SLACK, GpuDecoder, MAX_ROWS, placed_device, workspace_bytes,
 };
 use crate::model::moe::ExpertProvider;

@@ -10,8 +10,8 @@ use super::scheduler::{
     EngineConfig, Event, FinishReason, Shared, TokenLogprob, find_stop, held_back, lock,
 };
 use crate::metrics::Metrics;
-use crate::model::gpu::{GpuDecoder, GpuSeq};
-use crate::model::{Model, SeqCache, Step};
+use crate::model::decoder::GpuDecoder;
+use crate::model::{Gpu, Model, SeqCache, Step};
 use crate::tokenizer::{StreamDecoder, TextCodec};
 use std::panic::AssertUnwindSafe;
 use std::sync::Arc;
@@ -48,7 +48,7 @@ pub(super) struct Seq {
 /// has come).
 enum Caches {
     Host(SeqCache),
-    Gpu(GpuSeq),
+    Gpu(SeqCache<Gpu>),
 }
 
 impl Caches {

@@ -8,49 +8,102 @@
 //! pool, so a choice never depends on how many pools exist.
 
 use super::config::Config;
+use super::device::{Device, DsaSpec, Host};
 use super::loader::{LoadError, Loader};
-use crate::backend::cpu::{Matrix, ops};
+use super::mla::MlaCache;
+use crate::backend::cpu::ops;
 
 pub(crate) const K_NORM_EPS: f32 = 1e-6;
 
-pub struct Indexer {
-    pub(crate) wq_b: Matrix,
-    pub(crate) wk: Matrix,
-    pub(crate) k_norm_weight: Vec<f32>,
-    pub(crate) k_norm_bias: Vec<f32>,
-    pub(crate) weights_proj: Matrix,
+pub struct Indexer<D: Device = Host> {
+    pub(crate) wq_b: D::Mat,
+    pub(crate) wk: D::Mat,
+    pub(crate) k_norm_weight: D::Buf,
+    pub(crate) k_norm_bias: D::Buf,
+    pub(crate) weights_proj: D::Mat,
     /// `[kpool, Di]`
-    pub(crate) ape: Vec<f32>,
-    pub(crate) gate: Matrix,
-    pub(crate) heads: usize,
-    pub(crate) dim: usize,
-    pub(crate) kpool: usize,
-    pub(crate) topk: usize,
-    pub(crate) select_tail: bool,
+    pub(crate) ape: D::Buf,
+    pub(crate) gate: D::Mat,
+    pub(crate) spec: DsaSpec,
 }
 
 /// What the indexer keeps per sequence: per-token keys and gate scores, and the keys of the
 /// pools completed so far.
-#[derive(Clone, Debug, Default, PartialEq)]
-pub struct IndexerCache {
+pub struct IndexerCache<D: Device = Host> {
     /// `[T, Di]`
-    pub keys: Vec<f32>,
+    pub keys: D::Grow,
     /// `[T, Di]`
-    pub gates: Vec<f32>,
+    pub gates: D::Grow,
     /// `[complete pools, Di]`
-    pub pool_keys: Vec<f32>,
+    pub pool_keys: D::Grow,
+}
+
+impl Default for IndexerCache {
+    fn default() -> Self {
+        IndexerCache {
+            keys: Vec::new(),
+            gates: Vec::new(),
+            pool_keys: Vec::new(),
+        }
+    }
+}
+
+impl Clone for IndexerCache {
+    fn clone(&self) -> Self {
+        IndexerCache {
+            keys: self.keys.clone(),
+            gates: self.gates.clone(),
+            pool_keys: self.pool_keys.clone(),
+        }
+    }
+}
+
+impl PartialEq for IndexerCache {
+    fn eq(&self, other: &Self) -> bool {
+        self.keys == other.keys && self.gates == other.gates && self.pool_keys == other.pool_keys
+    }
+}
+
+impl std::fmt::Debug for IndexerCache {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("IndexerCache")
+            .field("keys", &self.keys.len())
+            .field("pool_keys", &self.pool_keys.len())
+            .finish()
+    }
 }
 
 impl IndexerCache {
     pub fn bytes(&self) -> usize {
         (self.keys.len() + self.gates.len() + self.pool_keys.len()) * 4
     }
+
+    /// This cache on `dev`, with room for `spare_tokens` more tokens before it grows.
+    pub fn place<E: Device>(
+        &self,
+        dev: &E,
+        di: usize,
+        kpool: usize,
+        spare_tokens: usize,
+    ) -> anyhow::Result<IndexerCache<E>> {
+        let spare_pools = spare_tokens / kpool.max(1) + 1;
+        Ok(IndexerCache {
+            keys: dev.grow(&self.keys, spare_tokens * di)?,
+            gates: dev.grow(&self.gates, spare_tokens * di)?,
+            pool_keys: dev.grow(&self.pool_keys, spare_pools * di)?,
+        })
+    }
 }
 
-/// Projections of the new tokens the selection needs (all `[T, ..]`).
-pub struct IndexerInputs {
-    q: Vec<f32>,
-    weights: Vec<f32>,
+impl<D: Device> IndexerCache<D> {
+    /// This cache on the host.
+    pub fn to_host(&self, dev: &D) -> anyhow::Result<IndexerCache> {
+        Ok(IndexerCache {
+            keys: dev.grow_download(&self.keys)?,
+            gates: dev.grow_download(&self.gates)?,
+            pool_keys: dev.grow_download(&self.pool_keys)?,
+        })
+    }
 }
 
 impl Indexer {
@@ -64,87 +117,72 @@ impl Indexer {
             weights_proj: vb.matrix("weights_proj.weight", hi, d)?,
             ape: vb.f32s("index_kpool_compress_ape", &[cfg.index_kpool, di])?,
             gate: vb.matrix("index_kpool_compress_gate", di, d)?,
-            heads: hi,
-            dim: di,
-            kpool: cfg.index_kpool,
-            topk: cfg.index_topk,
-            select_tail: cfg.index_kpool_always_select_tail,
+            spec: DsaSpec {
+                heads: hi,
+                dim: di,
+                kpool: cfg.index_kpool,
+                topk: cfg.index_topk,
+                select_tail: cfg.index_kpool_always_select_tail,
+            },
         })
     }
 
-    /// Projects the new tokens (`x`: block input, `qr`: normalised q latent) and appends their
-    /// keys to each sequence's cache. Returns the query side for [`Indexer::select`].
-    pub fn prepare(
+    /// This block's weights on `dev`.
+    pub fn place<E: Device>(&self, dev: &E) -> anyhow::Result<Indexer<E>> {
+        Ok(Indexer {
+            wq_b: dev.matrix(&self.wq_b)?,
+            wk: dev.matrix(&self.wk)?,
+            k_norm_weight: dev.upload(&self.k_norm_weight)?,
+            k_norm_bias: dev.upload(&self.k_norm_bias)?,
+            weights_proj: dev.matrix(&self.weights_proj)?,
+            ape: dev.upload(&self.ape)?,
+            gate: dev.matrix(&self.gate)?,
+            spec: self.spec,
+        })
+    }
+}
+
+impl<D: Device> Indexer<D> {
+    /// The new tokens' selections per sequence (`x`: block input, `qr`: normalised q
+    /// latent; `spans[i]` sequence i's rows, its cache's token count its position): their
+    /// keys and gates join each sequence's cache (and the keys of the pools they complete),
+    /// then each token's pools are scored and chosen.
+    pub fn select(
         &self,
-        x: &[f32],
-        qr: &[f32],
-        tokens: usize,
-    ) -> (IndexerInputs, Vec<f32>, Vec<f32>) {
-        let mut keys = self.wk.matmul(x, tokens);
-        ops::layer_norm(
+        dev: &D,
+        x: &D::Buf,
+        qr: &D::Buf,
+        spans: &[(usize, usize)],
+        caches: &mut [&mut MlaCache<D>],
+    ) -> anyhow::Result<Vec<D::Sel>> {
+        let tokens: usize = spans.iter().map(|s| s.1).sum();
+        let (di, hi) = (self.spec.dim, self.spec.heads);
+        let mut keys = dev.matmul(&self.wk, x, tokens)?;
+        dev.layer_norm(
             &mut keys,
             &self.k_norm_weight,
             &self.k_norm_bias,
-            K_NORM_EPS,
-        );
-        let gates = self.gate.matmul(x, tokens);
-        let scale = (self.heads as f32).powf(-0.5);
-        let weights = self
-            .weights_proj
-            .matmul(x, tokens)
-            .into_iter()
-            .map(|w| w * scale)
-            .collect();
-        (
-            IndexerInputs {
-                q: self.wq_b.matmul(qr, tokens),
-                weights,
-            },
-            keys,
-            gates,
-        )
-    }
-
-    /// Appends new tokens' keys and gates, and computes the keys of pools they complete.
-    pub fn append(&self, cache: &mut IndexerCache, keys: &[f32], gates: &[f32]) {
-        let di = self.dim;
-        cache.keys.extend_from_slice(keys);
-        cache.gates.extend_from_slice(gates);
-        let tokens = cache.keys.len() / di;
-        let mut pool = cache.pool_keys.len() / di;
-        while (pool + 1) * self.kpool <= tokens {
-            let rows = pool * self.kpool * di..(pool + 1) * self.kpool * di;
-            let key = pool_key(
-                &cache.keys[rows.clone()],
-                &cache.gates[rows],
-                &self.ape,
-                di,
-                self.kpool,
-            );
-            cache.pool_keys.extend_from_slice(&key);
-            pool += 1;
-        }
-    }
-
-    /// The token positions query `row` of `inputs` (at absolute position `pos`) attends to,
-    /// ascending.
-    pub fn select(
-        &self,
-        inputs: &IndexerInputs,
-        row: usize,
-        pos: usize,
-        cache: &IndexerCache,
-    ) -> Vec<u32> {
-        let (di, hi) = (self.dim, self.heads);
-        let visible = pos + 1;
-        let candidates = (visible / self.kpool).min(cache.pool_keys.len() / di);
-        let scores = pool_scores(
-            &inputs.q[row * hi * di..(row + 1) * hi * di],
-            &inputs.weights[row * hi..(row + 1) * hi],
-            &cache.pool_keys[..candidates * di],
             di,
-        );
-        select_tokens(&scores, self.topk, self.kpool, visible, self.select_tail)
+            K_NORM_EPS,
+            tokens,
+        )?;
+        let gates = dev.matmul(&self.gate, x, tokens)?;
+        let mut weights = dev.matmul(&self.weights_proj, x, tokens)?;
+        dev.scale(&mut weights, (hi as f32).powf(-0.5), tokens * hi)?;
+        let q = dev.matmul(&self.wq_b, qr, tokens)?;
+
+        let mut out = Vec::with_capacity(spans.len());
+        for (&(first, len), cache) in spans.iter().zip(caches.iter_mut()) {
+            let Some(ic) = cache.indexer.as_mut() else {
+                anyhow::bail!("a full indexer layer's cache has no indexer state");
+            };
+            let past = D::grow_len(&ic.keys) / di;
+            dev.push(&mut ic.keys, &keys, first, len, di)?;
+            dev.push(&mut ic.gates, &gates, first, len, di)?;
+            dev.dsa_pools(self.spec, &self.ape, &ic.keys, &ic.gates, &mut ic.pool_keys)?;
+            out.push(dev.dsa_select(self.spec, &q, &weights, first, len, past, &ic.pool_keys)?);
+        }
+        Ok(out)
     }
 }
 

@@ -8,47 +8,55 @@
 
 use super::checkpoint::Checkpoint;
 use super::config::{AttnKind, Config, IndexerKind, MlpKind};
+use super::device::{Device, Host};
+use super::dsa::IndexerCache;
 use super::kda::{Kda, KdaMode, KdaState};
 use super::loader::{LoadError, Loader};
 use super::mhc::HyperConnection;
-use super::mla::{Mla, MlaCache, MlaPath, Selections};
+use super::mla::{Mla, MlaCache, MlaPath};
 use super::mlp::SwiGlu;
-use super::moe::{ExpertProvider, InMemoryExperts, Moe, Phase, Routing};
+use super::moe::{ExpertProvider, InMemoryExperts, Moe, Routing};
 use crate::backend::cpu::{Matrix, Placer, ops};
 use anyhow::{Context, bail};
 use std::path::Path;
 use std::sync::Arc;
 
-pub enum Attention {
-    Kda(Kda),
-    Mla(Mla),
+pub enum Attention<D: Device = Host> {
+    Kda(Kda<D>),
+    Mla(Mla<D>),
 }
 
-pub enum FeedForward {
-    Dense(SwiGlu),
-    Moe(Moe),
+pub enum FeedForward<D: Device = Host> {
+    Dense(SwiGlu<D>),
+    Moe(Moe<D>),
 }
 
-pub struct Layer {
-    pub(crate) attn_hc: HyperConnection,
-    pub(crate) ffn_hc: HyperConnection,
-    pub(crate) input_norm: Vec<f32>,
-    pub(crate) post_attention_norm: Vec<f32>,
-    pub attention: Attention,
-    pub feed_forward: FeedForward,
+pub struct Layer<D: Device = Host> {
+    pub(crate) attn_hc: HyperConnection<D>,
+    pub(crate) ffn_hc: HyperConnection<D>,
+    pub(crate) input_norm: D::Buf,
+    pub(crate) post_attention_norm: D::Buf,
+    pub attention: Attention<D>,
+    pub feed_forward: FeedForward<D>,
 }
 
-/// Per-layer cache of one sequence.
-#[derive(Clone, Debug, PartialEq)]
-pub enum LayerCache {
-    Kda(KdaState),
-    Mla(MlaCache),
+/// Every weight a forward reads but the embedding and the routed experts, on one device.
+pub struct Weights<D: Device = Host> {
+    pub layers: Vec<Layer<D>>,
+    pub(crate) norm: D::Buf,
+    pub(crate) lm_head: D::Mat,
 }
 
-/// Everything one sequence carries between forward calls.
-#[derive(Clone, Debug, PartialEq)]
-pub struct SeqCache {
-    pub layers: Vec<LayerCache>,
+/// Per-layer cache of one sequence, on the device its forward runs on.
+pub enum LayerCache<D: Device = Host> {
+    Kda(KdaState<D>),
+    Mla(MlaCache<D>),
+}
+
+/// Everything one sequence carries between forward calls, on the device its forward runs
+/// on.
+pub struct SeqCache<D: Device = Host> {
+    pub layers: Vec<LayerCache<D>>,
     /// Tokens processed so far.
     pub len: usize,
 }
@@ -65,15 +73,67 @@ impl SeqCache {
     }
 }
 
+impl Clone for SeqCache {
+    fn clone(&self) -> Self {
+        SeqCache {
+            layers: self
+                .layers
+                .iter()
+                .map(|l| match l {
+                    LayerCache::Kda(s) => LayerCache::Kda(s.clone()),
+                    LayerCache::Mla(c) => LayerCache::Mla(c.clone()),
+                })
+                .collect(),
+            len: self.len,
+        }
+    }
+}
+
+impl PartialEq for SeqCache {
+    fn eq(&self, other: &Self) -> bool {
+        self.len == other.len
+            && self.layers.len() == other.layers.len()
+            && self
+                .layers
+                .iter()
+                .zip(&other.layers)
+                .all(|(a, b)| match (a, b) {
+                    (LayerCache::Kda(a), LayerCache::Kda(b)) => a == b,
+                    (LayerCache::Mla(a), LayerCache::Mla(b)) => a == b,
+                    _ => false,
+                })
+    }
+}
+
+impl std::fmt::Debug for SeqCache {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("SeqCache")
+            .field("len", &self.len)
+            .field("layers", &self.layers.len())
+            .finish()
+    }
+}
+
+impl<D: Device> SeqCache<D> {
+    /// Tokens processed so far.
+    pub fn len(&self) -> usize {
+        self.len
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.len == 0
+    }
+}
+
 /// One sequence's share of a forward call.
-pub struct Step<'a> {
+pub struct Step<'a, D: Device = Host> {
     pub tokens: &'a [u32],
-    pub cache: &'a mut SeqCache,
+    pub cache: &'a mut SeqCache<D>,
     /// Logits for every new token (else only the last).
     pub all_logits: bool,
 }
 
-impl Step<'_> {
+impl<D: Device> Step<'_, D> {
     /// One new token onto a sequence that already has a cache: a decode step.
     pub fn is_decode(&self) -> bool {
         self.tokens.len() == 1 && self.cache.len > 0
@@ -107,9 +167,8 @@ impl Default for ForwardOptions {
 pub struct Model {
     pub cfg: Config,
     pub(crate) embed: Matrix,
-    pub layers: Vec<Layer>,
-    pub(crate) norm: Vec<f32>,
-    pub(crate) lm_head: Matrix,
+    /// The weights on the host (each matrix with its device copy, when placed).
+    pub weights: Weights,
     experts: Arc<dyn ExpertProvider>,
     pub options: ForwardOptions,
     /// Bytes of every weight but the routed experts, as stored in the checkpoint.
@@ -197,10 +256,12 @@ impl Model {
         Ok(Model {
             dense_bytes,
             embed_bytes: embed.storage_bytes(),
-            norm: vb.vector("norm.weight", d)?,
+            weights: Weights {
+                norm: vb.vector("norm.weight", d)?,
+                layers,
+                lm_head,
+            },
             embed,
-            layers,
-            lm_head,
             experts,
             options: ForwardOptions::default(),
             cfg,
@@ -213,9 +274,13 @@ impl Model {
                 .cfg
                 .attn_kinds
                 .iter()
-                .map(|k| match k {
+                .zip(&self.cfg.indexer_kinds)
+                .map(|(k, ix)| match k {
                     AttnKind::Kda => LayerCache::Kda(KdaState::new(&self.cfg)),
-                    AttnKind::Mla => LayerCache::Mla(MlaCache::default()),
+                    AttnKind::Mla => LayerCache::Mla(MlaCache {
+                        indexer: (*ix == IndexerKind::Full).then(IndexerCache::default),
+                        ..MlaCache::default()
+                    }),
                 })
                 .collect(),
             len: 0,
@@ -246,141 +311,14 @@ impl Model {
         self.embed_bytes
     }
 
-    /// Runs every step's new tokens through the model, appending to its cache. Returns, per
-    /// step, logits rows (`[new tokens or 1, vocab]`, flattened).
+    /// Runs every step's new tokens through the model on the host, appending to its cache.
+    /// Returns, per step, logits rows (`[new tokens or 1, vocab]`, flattened).
     pub fn forward(
         &self,
         steps: &mut [Step],
         hooks: Option<&dyn ForwardHooks>,
     ) -> anyhow::Result<Vec<Vec<f32>>> {
-        let spans = self.check_batch(steps)?;
-        let tokens = spans.last().map_or(0, |&(start, len)| start + len);
-        let phases: Vec<Phase> = steps
-            .iter()
-            .flat_map(|s| {
-                let phase = if s.is_decode() {
-                    Phase::Decode
-                } else {
-                    Phase::Prefill
-                };
-                std::iter::repeat_n(phase, s.tokens.len())
-            })
-            .collect();
-        let pass = Pass {
-            cfg: &self.cfg,
-            spans: &spans,
-            tokens,
-            phases: &phases,
-            options: self.options,
-            experts: self.experts.as_ref(),
-            hooks,
-        };
-        let mut streams = self.embed(steps, &pass);
-        let mut carried: Option<Vec<Selections>> = None;
-        for (li, layer) in self.layers.iter().enumerate() {
-            let next_moe = self
-                .layers
-                .iter()
-                .enumerate()
-                .skip(li + 1)
-                .find_map(|(i, l)| match &l.feed_forward {
-                    FeedForward::Moe(m) => Some((i, m)),
-                    FeedForward::Dense(_) => None,
-                });
-            streams = layer.forward(li, &pass, steps, streams, &mut carried, next_moe)?;
-        }
-        self.head(steps, &pass, &streams)
-    }
-
-    /// Checks each step of a batch (tokens to feed, ids in the vocabulary, a cache of this
-    /// model) and gives its rows in the batch: `(first row, tokens)` per step.
-    fn check_batch(&self, steps: &[Step]) -> anyhow::Result<Vec<(usize, usize)>> {
-        let cfg = &self.cfg;
-        let mut spans = Vec::with_capacity(steps.len());
-        let mut tokens = 0;
-        for (i, step) in steps.iter().enumerate() {
-            if step.tokens.is_empty() {
-                bail!("sequence {i} of the batch has no tokens to process");
-            }
-            if let Some(&bad) = step.tokens.iter().find(|&&t| t as usize >= cfg.vocab_size) {
-                bail!(
-                    "token id {bad} is outside the vocabulary (size {})",
-                    cfg.vocab_size
-                );
-            }
-            if step.cache.layers.len() != cfg.num_hidden_layers {
-                bail!("sequence {i}'s cache does not belong to this model");
-            }
-            spans.push((tokens, step.tokens.len()));
-            tokens += step.tokens.len();
-        }
-        Ok(spans)
-    }
-
-    /// The batch's tokens embedded, each row copied into the `hc_mult` residual streams
-    /// (`[tokens, n, d]`).
-    fn embed(&self, steps: &[Step], pass: &Pass) -> Vec<f32> {
-        let (d, n) = (self.cfg.hidden_size, self.cfg.hc_mult);
-        let mut embedded = Vec::with_capacity(pass.tokens * d);
-        for step in steps {
-            for &t in step.tokens {
-                embedded.extend(self.embed.row_f32(t as usize));
-            }
-        }
-        pass.tap("embed", &embedded, d);
-        let mut streams = Vec::with_capacity(pass.tokens * n * d);
-        for row in embedded.chunks_exact(d) {
-            for _ in 0..n {
-                streams.extend_from_slice(row);
-            }
-        }
-        streams
-    }
-
-    /// The stream mean, the final norm and the head on the rows whose logits each step
-    /// wants; advances the steps' caches. Logits per step, as [`Model::forward`] gives them.
-    fn head(
-        &self,
-        steps: &mut [Step],
-        pass: &Pass,
-        streams: &[f32],
-    ) -> anyhow::Result<Vec<Vec<f32>>> {
-        let cfg = &self.cfg;
-        let (d, n) = (cfg.hidden_size, cfg.hc_mult);
-        let spans = pass.spans;
-        // Rows whose logits are wanted.
-        let mut rows = Vec::new();
-        let mut counts = Vec::with_capacity(steps.len());
-        for (step, &(start, len)) in steps.iter().zip(spans) {
-            let first = if step.all_logits {
-                start
-            } else {
-                start + len - 1
-            };
-            rows.extend(first..start + len);
-            counts.push(start + len - first);
-        }
-        let mut h = Vec::with_capacity(rows.len() * d);
-        for &r in &rows {
-            let s = &streams[r * n * d..(r + 1) * n * d];
-            h.extend((0..d).map(|k| (0..n).map(|i| s[i * d + k]).sum::<f32>() / n as f32));
-        }
-        ops::rms_norm(&mut h, Some(&self.norm), d, cfg.rms_norm_eps);
-        pass.tap("norm", &h, d);
-        let logits = self.lm_head.matmul(&h, rows.len());
-        pass.tap("logits", &logits, cfg.vocab_size);
-
-        for (step, &(_, len)) in steps.iter_mut().zip(spans) {
-            step.cache.len += len;
-        }
-        let v = cfg.vocab_size;
-        let mut out = Vec::with_capacity(steps.len());
-        let mut at = 0;
-        for c in counts {
-            out.push(logits[at * v..(at + c) * v].to_vec());
-            at += c;
-        }
-        Ok(out)
+        self.forward_on(&Host, &self.weights, steps, hooks)
     }
 
     /// Prefills `prompt` into a fresh cache and returns the last logits and the cache.
@@ -476,142 +414,7 @@ fn is_routed_expert_key(key: &str) -> bool {
     key.contains(".mlp.experts.")
 }
 
-/// What every layer of one forward call shares: the batch's layout, the kernel forms, the
-/// experts and the hooks.
-struct Pass<'a> {
-    cfg: &'a Config,
-    /// `(first row, tokens)` of each step.
-    spans: &'a [(usize, usize)],
-    tokens: usize,
-    /// Each row's phase (decode picks or prefill), for the experts' statistics.
-    phases: &'a [Phase],
-    options: ForwardOptions,
-    experts: &'a dyn ExpertProvider,
-    hooks: Option<&'a dyn ForwardHooks>,
-}
-
-impl Pass<'_> {
-    fn tap(&self, name: &str, values: &[f32], width: usize) {
-        if let Some(h) = self.hooks {
-            h.tensor(name, values, width);
-        }
-    }
-}
-
 impl Layer {
-    /// One decoder layer on the batch's residual streams (`[tokens, n, d]`): the attention
-    /// sublayer, then the feed-forward sublayer, each inside its mHC collapse and expand.
-    /// `carried`: the last full indexer's selections (shared-indexer layers reuse them);
-    /// `next_moe`: the next MoE layer, whose experts this layer's input predicts.
-    fn forward(
-        &self,
-        li: usize,
-        pass: &Pass,
-        steps: &mut [Step],
-        streams: Vec<f32>,
-        carried: &mut Option<Vec<Selections>>,
-        next_moe: Option<(usize, &Moe)>,
-    ) -> anyhow::Result<Vec<f32>> {
-        let (d, tokens) = (pass.cfg.hidden_size, pass.tokens);
-        let name = |part: &str| format!("layers.{li}.{part}");
-
-        let (mut x, mix) = self.attn_hc.collapse(&streams, tokens);
-        pass.tap(&name("attn_hc.collapsed"), &x, d);
-        ops::rms_norm(&mut x, Some(&self.input_norm), d, pass.cfg.rms_norm_eps);
-        let y = self.attend(li, pass, steps, &x, carried);
-        pass.tap(&name("self_attn"), &y, d);
-        let streams = self.attn_hc.expand(&mix, &streams, &y, tokens);
-
-        let (mut x, mix) = self.ffn_hc.collapse(&streams, tokens);
-        pass.tap(&name("ffn_hc.collapsed"), &x, d);
-        ops::rms_norm(
-            &mut x,
-            Some(&self.post_attention_norm),
-            d,
-            pass.cfg.rms_norm_eps,
-        );
-        let y = self.feed(li, pass, &x, next_moe)?;
-        pass.tap(&name("mlp"), &y, d);
-        let streams = self.ffn_hc.expand(&mix, &streams, &y, tokens);
-        pass.tap(&format!("layers.{li}"), &streams, pass.cfg.hc_mult * d);
-        Ok(streams)
-    }
-
-    /// The attention sublayer on the normed input `x`: KDA on each step's state, or MLA with
-    /// the indexer on each step's cache.
-    fn attend(
-        &self,
-        li: usize,
-        pass: &Pass,
-        steps: &mut [Step],
-        x: &[f32],
-        carried: &mut Option<Vec<Selections>>,
-    ) -> Vec<f32> {
-        match &self.attention {
-            Attention::Kda(kda) => {
-                let mut states: Vec<&mut KdaState> = steps
-                    .iter_mut()
-                    .map(|s| match &mut s.cache.layers[li] {
-                        LayerCache::Kda(state) => state,
-                        LayerCache::Mla(_) => unreachable!("cache built from the same config"),
-                    })
-                    .collect();
-                kda.forward(x, pass.spans, &mut states, pass.options.kda)
-            }
-            Attention::Mla(mla) => {
-                let mut caches: Vec<&mut MlaCache> = steps
-                    .iter_mut()
-                    .map(|s| match &mut s.cache.layers[li] {
-                        LayerCache::Mla(c) => c,
-                        LayerCache::Kda(_) => unreachable!("cache built from the same config"),
-                    })
-                    .collect();
-                let (y, fresh) = mla.forward(
-                    x,
-                    pass.spans,
-                    &mut caches,
-                    carried.as_deref(),
-                    pass.options.mla,
-                );
-                if fresh.is_some() {
-                    *carried = fresh;
-                }
-                y
-            }
-        }
-    }
-
-    /// The feed-forward sublayer on the normed input `x`: the dense MLP, or the MoE (after
-    /// predicting the next MoE layer's picks from `x` when the experts read ahead).
-    fn feed(
-        &self,
-        li: usize,
-        pass: &Pass,
-        x: &[f32],
-        next_moe: Option<(usize, &Moe)>,
-    ) -> anyhow::Result<Vec<f32>> {
-        match &self.feed_forward {
-            FeedForward::Dense(mlp) => Ok(mlp.forward(x, pass.tokens)),
-            FeedForward::Moe(moe) => {
-                // Layer-ahead prediction: the next MoE layer's router on this layer's input,
-                // so its expert reads overlap this layer's compute.
-                if pass.experts.wants_prefetch()
-                    && let Some((next, next_moe)) = next_moe
-                {
-                    let predicted = next_moe.router.route(x, pass.tokens);
-                    pass.experts.prefetch(next, &predicted.ids);
-                }
-                let (y, routing) = moe
-                    .forward(li, x, pass.tokens, pass.phases, pass.experts)
-                    .with_context(|| format!("experts of layer {li}"))?;
-                if let Some(h) = pass.hooks {
-                    h.routing(li, &routing);
-                }
-                Ok(y)
-            }
-        }
-    }
-
     fn load(cfg: &Config, vb: Loader, i: usize) -> Result<Layer, LoadError> {
         let d = cfg.hidden_size;
         let attention = match cfg.attn_kinds[i] {
@@ -638,6 +441,40 @@ impl Layer {
             post_attention_norm: vb.vector("post_attention_layernorm.weight", d)?,
             attention,
             feed_forward,
+        })
+    }
+
+    /// This layer's weights on `dev`.
+    pub fn place<E: Device>(&self, dev: &E) -> anyhow::Result<Layer<E>> {
+        Ok(Layer {
+            attn_hc: self.attn_hc.place(dev)?,
+            ffn_hc: self.ffn_hc.place(dev)?,
+            input_norm: dev.upload(&self.input_norm)?,
+            post_attention_norm: dev.upload(&self.post_attention_norm)?,
+            attention: match &self.attention {
+                Attention::Kda(k) => Attention::Kda(k.place(dev)?),
+                Attention::Mla(m) => Attention::Mla(m.place(dev)?),
+            },
+            feed_forward: match &self.feed_forward {
+                FeedForward::Dense(mlp) => FeedForward::Dense(mlp.place(dev)?),
+                FeedForward::Moe(moe) => FeedForward::Moe(moe.place(dev)?),
+            },
+        })
+    }
+}
+
+impl Weights {
+    /// These weights on `dev`.
+    pub fn place<E: Device>(&self, dev: &E) -> anyhow::Result<Weights<E>> {
+        Ok(Weights {
+            layers: self
+                .layers
+                .iter()
+                .enumerate()
+                .map(|(i, l)| l.place(dev).with_context(|| format!("layer {i}")))
+                .collect::<anyhow::Result<_>>()?,
+            norm: dev.upload(&self.norm)?,
+            lm_head: dev.matrix(&self.lm_head)?,
         })
     }
 }

@@ -6,8 +6,9 @@
 //! computes the same thing with matrix products inside each chunk.
 
 use super::config::Config;
+use super::device::{Device, Host, KdaGates, KdaSpec};
 use super::loader::{LoadError, Loader};
-use crate::backend::cpu::{Matrix, ops};
+use crate::backend::cpu::ops;
 use rayon::prelude::*;
 
 /// Chunk length of the chunked prefill form (as the reference's).
@@ -17,58 +18,77 @@ pub(crate) const L2_EPS: f32 = 1e-6;
 
 /// The q, k and v projections: three matrices (transformers' layout), or one fused `[3C, D]`
 /// matrix with q|k|v along its outputs (exllamav3's `qkv_proj`).
-pub enum QkvProjection {
-    Split { q: Matrix, k: Matrix, v: Matrix },
-    Fused(Matrix),
+pub enum QkvProjection<D: Device = Host> {
+    Split { q: D::Mat, k: D::Mat, v: D::Mat },
+    Fused(D::Mat),
 }
 
-impl QkvProjection {
+impl<D: Device> QkvProjection<D> {
     /// `[tokens, 3C]`: each token's q|k|v.
-    fn apply(&self, x: &[f32], tokens: usize) -> Vec<f32> {
+    fn apply(&self, dev: &D, x: &D::Buf, tokens: usize) -> anyhow::Result<D::Buf> {
         match self {
-            QkvProjection::Fused(qkv) => qkv.matmul(x, tokens),
+            QkvProjection::Fused(qkv) => dev.matmul(qkv, x, tokens),
             QkvProjection::Split { q, k, v } => {
-                let parts = [q, k, v].map(|m| m.matmul(x, tokens));
-                let c = q.rows();
-                let mut qkv = vec![0f32; tokens * 3 * c];
-                for (t, row) in qkv.chunks_exact_mut(3 * c).enumerate() {
-                    for (dst, part) in row.chunks_exact_mut(c).zip(&parts) {
-                        dst.copy_from_slice(&part[t * c..(t + 1) * c]);
-                    }
-                }
-                qkv
+                let c = D::mat_rows(q);
+                let (q, k, v) = (
+                    dev.matmul(q, x, tokens)?,
+                    dev.matmul(k, x, tokens)?,
+                    dev.matmul(v, x, tokens)?,
+                );
+                dev.interleave3(&q, &k, &v, tokens, c)
             }
         }
     }
 }
 
-pub struct Kda {
-    pub(crate) qkv: QkvProjection,
+pub struct Kda<D: Device = Host> {
+    pub(crate) qkv: QkvProjection<D>,
     /// `[3C, K]`: depthwise conv taps over the concatenated q|k|v channels.
-    pub(crate) conv: Vec<f32>,
-    pub(crate) f_a: Matrix,
-    pub(crate) f_b: Matrix,
-    pub(crate) dt_bias: Vec<f32>,
-    pub(crate) a_log: Vec<f32>,
-    pub(crate) b_proj: Matrix,
-    pub(crate) g_a: Matrix,
-    pub(crate) g_b: Matrix,
-    pub(crate) o_norm: Vec<f32>,
-    pub(crate) o_proj: Matrix,
-    pub(crate) heads: usize,
-    pub(crate) head_dim: usize,
-    pub(crate) kernel: usize,
+    pub(crate) conv: D::Buf,
+    pub(crate) f_a: D::Mat,
+    pub(crate) f_b: D::Mat,
+    pub(crate) dt_bias: D::Buf,
+    pub(crate) a_log: D::Buf,
+    pub(crate) b_proj: D::Mat,
+    pub(crate) g_a: D::Mat,
+    pub(crate) g_b: D::Mat,
+    pub(crate) o_norm: D::Buf,
+    pub(crate) o_proj: D::Mat,
+    pub(crate) spec: KdaSpec,
     pub(crate) lower_bound: Option<f32>,
     pub(crate) eps: f32,
 }
 
 /// Per-sequence KDA state: the last `K - 1` conv inputs and the recurrent state.
-#[derive(Clone, Debug, PartialEq)]
-pub struct KdaState {
+pub struct KdaState<D: Device = Host> {
     /// `[(K - 1), 3C]`, oldest first.
-    pub conv: Vec<f32>,
+    pub conv: D::Buf,
     /// `[H, Dk, Dv]`
-    pub recurrent: Vec<f32>,
+    pub recurrent: D::Buf,
+}
+
+impl Clone for KdaState {
+    fn clone(&self) -> Self {
+        KdaState {
+            conv: self.conv.clone(),
+            recurrent: self.recurrent.clone(),
+        }
+    }
+}
+
+impl PartialEq for KdaState {
+    fn eq(&self, other: &Self) -> bool {
+        self.conv == other.conv && self.recurrent == other.recurrent
+    }
+}
+
+impl std::fmt::Debug for KdaState {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("KdaState")
+            .field("conv", &self.conv.len())
+            .field("recurrent", &self.recurrent.len())
+            .finish()
+    }
 }
 
 impl KdaState {
@@ -82,6 +102,27 @@ impl KdaState {
 
     pub fn bytes(&self) -> usize {
         (self.conv.len() + self.recurrent.len()) * 4
+    }
+
+    /// This state on `dev`.
+    pub fn place<E: Device>(&self, dev: &E) -> anyhow::Result<KdaState<E>> {
+        Ok(KdaState {
+            conv: dev.upload(&self.conv)?,
+            recurrent: dev.upload(&self.recurrent)?,
+        })
+    }
+}
+
+impl<D: Device> KdaState<D> {
+    /// This state on the host; `conv_len` values of conv state (a buffer on a device may
+    /// hold one unused value where a kernel of 1 keeps none).
+    pub fn to_host(&self, dev: &D, conv_len: usize) -> anyhow::Result<KdaState> {
+        let mut conv = dev.download(&self.conv)?;
+        conv.truncate(conv_len);
+        Ok(KdaState {
+            conv,
+            recurrent: dev.download(&self.recurrent)?,
+        })
     }
 }
 
@@ -137,89 +178,113 @@ impl Kda {
             g_b: vb.matrix("g_b_proj.weight", c, dh)?,
             o_norm: vb.vector("o_norm.weight", dh)?,
             o_proj: vb.matrix("o_proj.weight", d, c)?,
-            heads: h,
-            head_dim: dh,
-            kernel: k,
+            spec: KdaSpec {
+                heads: h,
+                head_dim: dh,
+                kernel: k,
+                l2_eps: L2_EPS,
+            },
             lower_bound: cfg.linear_lower_bound,
             eps: cfg.rms_norm_eps,
         })
     }
 
+    /// This block's weights on `dev`.
+    pub fn place<E: Device>(&self, dev: &E) -> anyhow::Result<Kda<E>> {
+        let m = |x| dev.matrix(x);
+        Ok(Kda {
+            qkv: match &self.qkv {
+                QkvProjection::Split { q, k, v } => QkvProjection::Split {
+                    q: m(q)?,
+                    k: m(k)?,
+                    v: m(v)?,
+                },
+                QkvProjection::Fused(qkv) => QkvProjection::Fused(m(qkv)?),
+            },
+            conv: dev.upload(&self.conv)?,
+            f_a: m(&self.f_a)?,
+            f_b: m(&self.f_b)?,
+            dt_bias: dev.upload(&self.dt_bias)?,
+            a_log: dev.upload(&self.a_log)?,
+            b_proj: m(&self.b_proj)?,
+            g_a: m(&self.g_a)?,
+            g_b: m(&self.g_b)?,
+            o_norm: dev.upload(&self.o_norm)?,
+            o_proj: m(&self.o_proj)?,
+            spec: self.spec,
+            lower_bound: self.lower_bound,
+            eps: self.eps,
+        })
+    }
+}
+
+impl<D: Device> Kda<D> {
     /// Runs the layer over `x` (`[T, D]`, all sequences' tokens); `spans[i]` is sequence i's
-    /// `(first row, rows)`, continuing from `states[i]`.
+    /// `(first row, rows)`, continuing from `states[i]`: the conv and the delta rule run over
+    /// a sequence's tokens in order.
     pub fn forward(
         &self,
-        x: &[f32],
+        dev: &D,
+        x: &D::Buf,
         spans: &[(usize, usize)],
-        states: &mut [&mut KdaState],
+        states: &mut [&mut KdaState<D>],
         mode: KdaMode,
-    ) -> Vec<f32> {
+    ) -> anyhow::Result<D::Buf> {
         let tokens: usize = spans.iter().map(|s| s.1).sum();
-        let c = self.heads * self.head_dim;
-        let qkv = self.qkv.apply(x, tokens);
-        let gate_log = self.forget_gate(x, tokens);
-        let beta: Vec<f32> = self
-            .b_proj
-            .matmul(x, tokens)
-            .into_iter()
-            .map(ops::sigmoid)
-            .collect();
-        let out_gate = self.g_b.matmul(&self.g_a.matmul(x, tokens), tokens);
+        let spec = self.spec;
+        let (c, dh) = (spec.channels(), spec.head_dim);
+        let qkv = self.qkv.apply(dev, x, tokens)?;
+        let mut g = dev.matmul(&self.f_b, &dev.matmul(&self.f_a, x, tokens)?, tokens)?;
+        let mut beta = dev.matmul(&self.b_proj, x, tokens)?;
+        let gates = KdaGates {
+            heads: spec.heads,
+            head_dim: dh,
+            lower_bound: self.lower_bound,
+        };
+        dev.kda_gates(gates, &mut g, &self.dt_bias, &self.a_log, &mut beta, tokens)?;
+        let out_gate = dev.matmul(&self.g_b, &dev.matmul(&self.g_a, x, tokens)?, tokens)?;
 
-        let mut core = vec![0f32; tokens * c];
-        for (&(start, len), state) in spans.iter().zip(states.iter_mut()) {
-            let mixed = conv_step(
-                &self.conv,
-                self.kernel,
-                &qkv[start * 3 * c..(start + len) * 3 * c],
-                len,
-                &mut state.conv,
-            );
-            let out = attend(
-                &mixed,
-                &gate_log[start * c..(start + len) * c],
-                &beta[start * self.heads..(start + len) * self.heads],
-                self.heads,
-                self.head_dim,
-                &mut state.recurrent,
+        let mut core = dev.zeros(tokens * c)?;
+        for (&(first, len), state) in spans.iter().zip(states.iter_mut()) {
+            let mixed = dev.kda_conv(spec, &self.conv, &qkv, first, len, &mut state.conv)?;
+            let out = dev.kda_delta(
+                spec,
                 mode,
-            );
-            core[start * c..(start + len) * c].copy_from_slice(&out);
+                &mixed,
+                &g,
+                &beta,
+                first,
+                len,
+                &mut state.recurrent,
+            )?;
+            dev.put_rows(&mut core, first, c, &out)?;
         }
-
         // Gated RMSNorm per head, then the output projection.
-        let dh = self.head_dim;
-        for (o, g) in core.chunks_exact_mut(dh).zip(out_gate.chunks_exact(dh)) {
-            ops::rms_norm(o, Some(&self.o_norm), dh, self.eps);
-            o.iter_mut()
-                .zip(g)
-                .for_each(|(o, g)| *o *= ops::sigmoid(*g));
-        }
-        self.o_proj.matmul(&core, tokens)
+        dev.gated_rms_norm(&mut core, &out_gate, &self.o_norm, dh, self.eps)?;
+        dev.matmul(&self.o_proj, &core, tokens)
     }
+}
 
-    /// The per-channel log decay `g` (`[T, C]`, <= 0).
-    fn forget_gate(&self, x: &[f32], tokens: usize) -> Vec<f32> {
-        let c = self.heads * self.head_dim;
-        let mut g = self.f_b.matmul(&self.f_a.matmul(x, tokens), tokens);
-        for t in 0..tokens {
-            for ch in 0..c {
-                let rate = self.a_log[ch / self.head_dim].exp();
-                let pre = g[t * c + ch] + self.dt_bias[ch];
-                g[t * c + ch] = match self.lower_bound {
-                    Some(bound) => bound * ops::sigmoid(rate * pre),
-                    None => {
-                        let softplus = if pre > 20.0 {
-                            pre
-                        } else {
-                            (1.0 + pre.exp()).ln()
-                        };
-                        -rate * softplus
-                    }
-                };
-            }
+/// The per-channel log decay `g` (`[rows, C]`, <= 0) from the forget gate's output, in place.
+pub(crate) fn gates(spec: KdaGates, g: &mut [f32], dt_bias: &[f32], a_log: &[f32], rows: usize) {
+    let dh = spec.head_dim;
+    let c = spec.heads * dh;
+    for t in 0..rows {
+        for ch in 0..c {
+            let rate = a_log[ch / dh].exp();
+            let pre = g[t * c + ch] + dt_bias[ch];
+            g[t * c + ch] = match spec.lower_bound {
+                Some(bound) => bound * ops::sigmoid(rate * pre),
+                None => {
+                    let softplus = if pre > 20.0 {
+                        pre
+                    } else {
+                        (1.0 + pre.exp()).ln()
+                    };
+                    -rate * softplus
+                }
+            };
         }
-        g
     }
 }
 

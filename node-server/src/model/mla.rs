@@ -6,40 +6,109 @@
 //! `score_j = (W_uk^T q) . c_j`, `o = W_uv (sum_j p_j c_j)`.
 
 use super::config::Config;
+use super::device::{Device, Host, MlaSpec};
 use super::dsa::{Indexer, IndexerCache};
 use super::loader::{LoadError, Loader};
 use crate::backend::AttnLayout;
 use crate::backend::cpu::{Matrix, ops};
 use rayon::prelude::*;
 
-pub struct Mla {
-    pub(crate) q_a: Matrix,
-    pub(crate) q_a_norm: Vec<f32>,
-    pub(crate) q_b: Matrix,
-    pub(crate) kv_a: Matrix,
-    pub(crate) kv_a_norm: Vec<f32>,
-    pub(crate) kv_b: Matrix,
-    pub(crate) o_proj: Matrix,
-    pub indexer: Option<Indexer>,
-    pub(crate) heads: usize,
-    pub(crate) nope: usize,
-    pub(crate) v_dim: usize,
-    pub(crate) rank: usize,
+pub struct Mla<D: Device = Host> {
+    pub(crate) q_a: D::Mat,
+    pub(crate) q_a_norm: D::Buf,
+    pub(crate) q_b: D::Mat,
+    pub(crate) kv_a: D::Mat,
+    pub(crate) kv_a_norm: D::Buf,
+    /// Read by rows as f32 (the absorbed path folds it into queries and outputs).
+    pub(crate) kv_b: D::Table,
+    pub(crate) o_proj: D::Mat,
+    pub indexer: Option<Indexer<D>>,
+    pub(crate) spec: MlaSpec,
     pub(crate) eps: f32,
 }
 
 /// Per-sequence MLA cache.
-#[derive(Clone, Debug, Default, PartialEq)]
-pub struct MlaCache {
+pub struct MlaCache<D: Device = Host> {
     /// `[T, kv_lora_rank]`
-    pub latents: Vec<f32>,
+    pub latents: D::Grow,
     /// Present on layers with a full indexer.
-    pub indexer: Option<IndexerCache>,
+    pub indexer: Option<IndexerCache<D>>,
+}
+
+impl Default for MlaCache {
+    fn default() -> Self {
+        MlaCache {
+            latents: Vec::new(),
+            indexer: None,
+        }
+    }
+}
+
+impl Clone for MlaCache {
+    fn clone(&self) -> Self {
+        MlaCache {
+            latents: self.latents.clone(),
+            indexer: self.indexer.clone(),
+        }
+    }
+}
+
+impl PartialEq for MlaCache {
+    fn eq(&self, other: &Self) -> bool {
+        self.latents == other.latents && self.indexer == other.indexer
+    }
+}
+
+impl std::fmt::Debug for MlaCache {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("MlaCache")
+            .field("latents", &self.latents.len())
+            .field("indexer", &self.indexer)
+            .finish()
+    }
 }
 
 impl MlaCache {
     pub fn bytes(&self) -> usize {
         self.latents.len() * 4 + self.indexer.as_ref().map_or(0, IndexerCache::bytes)
+    }
+
+    /// This cache on `dev`, with room for `spare_tokens` more tokens before it grows; an
+    /// indexer cache when `indexer` (a full indexer layer) holds `dim`-wide keys in pools of
+    /// `kpool`.
+    pub fn place<E: Device>(
+        &self,
+        dev: &E,
+        rank: usize,
+        indexer: Option<(usize, usize)>,
+        spare_tokens: usize,
+    ) -> anyhow::Result<MlaCache<E>> {
+        let empty = IndexerCache::default();
+        Ok(MlaCache {
+            latents: dev.grow(&self.latents, spare_tokens * rank)?,
+            indexer: match indexer {
+                Some((di, kpool)) => Some(self.indexer.as_ref().unwrap_or(&empty).place(
+                    dev,
+                    di,
+                    kpool,
+                    spare_tokens,
+                )?),
+                None => None,
+            },
+        })
+    }
+}
+
+impl<D: Device> MlaCache<D> {
+    /// This cache on the host.
+    pub fn to_host(&self, dev: &D) -> anyhow::Result<MlaCache> {
+        Ok(MlaCache {
+            latents: dev.grow_download(&self.latents)?,
+            indexer: match &self.indexer {
+                Some(ic) => Some(ic.to_host(dev)?),
+                None => None,
+            },
+        })
     }
 }
 
@@ -79,163 +148,170 @@ impl Mla {
             } else {
                 None
             },
-            heads: h,
-            nope,
-            v_dim: vd,
-            rank: r,
+            spec: MlaSpec {
+                heads: h,
+                nope,
+                v_dim: vd,
+                rank: r,
+            },
             eps: cfg.rms_norm_eps,
         })
     }
 
-    /// Runs attention for all sequences' new tokens. A full-indexer layer computes fresh
-    /// selections and returns them; a shared layer uses `carried` (the last full layer's).
+    /// This block's weights on `dev`.
+    pub fn place<E: Device>(&self, dev: &E) -> anyhow::Result<Mla<E>> {
+        Ok(Mla {
+            q_a: dev.matrix(&self.q_a)?,
+            q_a_norm: dev.upload(&self.q_a_norm)?,
+            q_b: dev.matrix(&self.q_b)?,
+            kv_a: dev.matrix(&self.kv_a)?,
+            kv_a_norm: dev.upload(&self.kv_a_norm)?,
+            kv_b: dev.table(&self.kv_b)?,
+            o_proj: dev.matrix(&self.o_proj)?,
+            indexer: self.indexer.as_ref().map(|ix| ix.place(dev)).transpose()?,
+            spec: self.spec,
+            eps: self.eps,
+        })
+    }
+}
+
+impl<D: Device> Mla<D> {
+    /// Runs attention for all sequences' new tokens (`spans[i]`: sequence i's rows of `x`;
+    /// `caches[i]` its cache, whose token count before this call is its position). A full
+    /// indexer layer replaces `carried` with its fresh selections; a shared layer uses the
+    /// last full layer's. A sequence's new latents join its cache before its queries attend,
+    /// and each query sees only what its selection (causal) holds.
     pub fn forward(
         &self,
-        x: &[f32],
+        dev: &D,
+        x: &D::Buf,
         spans: &[(usize, usize)],
-        caches: &mut [&mut MlaCache],
-        carried: Option<&[Selections]>,
+        caches: &mut [&mut MlaCache<D>],
+        carried: &mut Option<Vec<D::Sel>>,
         path: MlaPath,
-    ) -> (Vec<f32>, Option<Vec<Selections>>) {
+    ) -> anyhow::Result<D::Buf> {
         let tokens: usize = spans.iter().map(|s| s.1).sum();
-        let (h, nope, vd, r) = (self.heads, self.nope, self.v_dim, self.rank);
-        let mut qr = self.q_a.matmul(x, tokens);
-        ops::rms_norm(&mut qr, Some(&self.q_a_norm), self.q_a_norm.len(), self.eps);
-        let q = self.q_b.matmul(&qr, tokens);
-        let mut latent = self.kv_a.matmul(x, tokens);
-        ops::rms_norm(&mut latent, Some(&self.kv_a_norm), r, self.eps);
+        let MlaSpec {
+            heads: h,
+            v_dim: vd,
+            rank: r,
+            ..
+        } = self.spec;
+        let mut qr = dev.matmul(&self.q_a, x, tokens)?;
+        let q_rank = D::mat_rows(&self.q_a);
+        dev.rms_norm(&mut qr, Some(&self.q_a_norm), q_rank, self.eps)?;
+        let q = dev.matmul(&self.q_b, &qr, tokens)?;
+        let mut latent = dev.matmul(&self.kv_a, x, tokens)?;
+        dev.rms_norm(&mut latent, Some(&self.kv_a_norm), r, self.eps)?;
 
-        let fresh: Option<Vec<Selections>> = self.indexer.as_ref().map(|indexer| {
-            let (inputs, keys, gates) = indexer.prepare(x, &qr, tokens);
-            let di = keys.len() / tokens.max(1);
-            spans
-                .iter()
-                .zip(caches.iter_mut())
-                .map(|(&(start, len), cache)| {
-                    let ic = cache.indexer.get_or_insert_with(IndexerCache::default);
-                    let past = ic.keys.len() / di.max(1);
-                    indexer.append(
-                        ic,
-                        &keys[start * di..(start + len) * di],
-                        &gates[start * di..(start + len) * di],
-                    );
-                    (0..len)
-                        .map(|i| indexer.select(&inputs, start + i, past + i, ic))
-                        .collect()
-                })
-                .collect()
-        });
-        let selections: &[Selections] = fresh
-            .as_deref()
-            .or(carried)
-            .expect("config validation guarantees a full indexer layer before a shared one");
-
-        let mut attn = vec![0f32; tokens * h * vd];
-        for ((&(start, len), cache), sel) in spans.iter().zip(caches.iter_mut()).zip(selections) {
-            cache
-                .latents
-                .extend_from_slice(&latent[start * r..(start + len) * r]);
-            let past = cache.latents.len() / r - len;
-            let absorbed = match path {
-                MlaPath::Auto => len == 1,
-                MlaPath::Absorbed => true,
-                MlaPath::Expanded => false,
-            };
-            let q_span = &q[start * h * nope..(start + len) * h * nope];
-            let out = if absorbed {
-                self.attend_absorbed(q_span, len, &cache.latents, sel)
-            } else {
-                self.attend_expanded(q_span, len, past, &cache.latents, sel)
-            };
-            attn[start * h * vd..(start + len) * h * vd].copy_from_slice(&out);
+        if let Some(indexer) = &self.indexer {
+            *carried = Some(indexer.select(dev, x, &qr, spans, caches)?);
         }
-        (self.o_proj.matmul(&attn, tokens), fresh)
-    }
-
-    fn scale(&self) -> f32 {
-        (self.nope as f32).powf(-0.5)
-    }
-
-    /// Keys and values expanded from the latents: `k_nope`, `v` per token per head.
-    fn attend_expanded(
-        &self,
-        q: &[f32],
-        len: usize,
-        past: usize,
-        latents: &[f32],
-        sel: &Selections,
-    ) -> Vec<f32> {
-        let (h, nope, vd) = (self.heads, self.nope, self.v_dim);
-        let kv = self.kv_b.matmul(latents, past + len);
-        let layout = AttnLayout::expanded(h, nope, vd, self.scale());
-        sparse_attention(q, &kv, &layout, sel)
-    }
-
-    /// Weight-absorbed attention over the latents: `q_lat = W_uk^T q` per head, attention
-    /// over the latents, then `W_uv` on the weighted latent sum.
-    fn attend_absorbed(
-        &self,
-        q: &[f32],
-        len: usize,
-        latents: &[f32],
-        sel: &Selections,
-    ) -> Vec<f32> {
-        let (h, nope, vd, r) = (self.heads, self.nope, self.v_dim, self.rank);
-        let kv_rows = |head: usize, range: std::ops::Range<usize>| -> Vec<Vec<f32>> {
-            range
-                .map(|i| self.kv_b.row_f32(head * (nope + vd) + i))
-                .collect()
+        let Some(selections) = carried.as_ref() else {
+            anyhow::bail!("a shared indexer layer with no full indexer layer before it");
         };
-        let q_lat_per_head: Vec<Vec<f32>> = (0..h)
-            .into_par_iter()
-            .map(|head| {
-                let uk = kv_rows(head, 0..nope);
-                let mut q_lat = vec![0f32; len * r];
-                for (i, ql) in q_lat.chunks_exact_mut(r).enumerate() {
-                    let qh = &q[(i * h + head) * nope..(i * h + head + 1) * nope];
-                    for (qv, row) in qh.iter().zip(&uk) {
-                        ops::axpy(ql, *qv, row);
-                    }
-                }
-                q_lat
-            })
-            .collect();
-        let mut q_lat = vec![0f32; len * h * r];
-        for (head, ql) in q_lat_per_head.iter().enumerate() {
-            for i in 0..len {
-                q_lat[(i * h + head) * r..(i * h + head + 1) * r]
-                    .copy_from_slice(&ql[i * r..(i + 1) * r]);
-            }
+
+        let mut attn = dev.zeros(tokens * h * vd)?;
+        for ((&(first, len), cache), sel) in spans.iter().zip(caches.iter_mut()).zip(selections) {
+            dev.push(&mut cache.latents, &latent, first, len, r)?;
+            let out = dev.mla_attend(
+                self.spec,
+                path,
+                &self.kv_b,
+                &q,
+                first,
+                len,
+                &cache.latents,
+                sel,
+            )?;
+            dev.put_rows(&mut attn, first, h * vd, &out)?;
         }
-        let o_lat = sparse_attention(
-            &q_lat,
-            latents,
-            &AttnLayout::absorbed(h, r, self.scale()),
-            sel,
-        );
-        let per_head: Vec<Vec<f32>> = (0..h)
-            .into_par_iter()
-            .map(|head| {
-                let uv = kv_rows(head, nope..nope + vd);
-                let mut head_out = vec![0f32; len * vd];
-                for i in 0..len {
-                    let ol = &o_lat[(i * h + head) * r..(i * h + head + 1) * r];
-                    for (v, row) in uv.iter().enumerate() {
-                        head_out[i * vd + v] = ops::dot(row, ol);
-                    }
-                }
-                head_out
-            })
-            .collect();
-        let mut out = vec![0f32; len * h * vd];
-        for (head, ho) in per_head.iter().enumerate() {
-            for i in 0..len {
-                out[(i * h + head) * vd..(i * h + head + 1) * vd]
-                    .copy_from_slice(&ho[i * vd..(i + 1) * vd]);
-            }
-        }
-        out
+        dev.matmul(&self.o_proj, &attn, tokens)
     }
+}
+
+/// Keys and values expanded from the latents (`k_nope`, `v` per token per head), then
+/// attention of each query over its selection.
+pub(crate) fn attend_expanded(
+    spec: MlaSpec,
+    kv_b: &Matrix,
+    q: &[f32],
+    len: usize,
+    past: usize,
+    latents: &[f32],
+    sel: &Selections,
+) -> Vec<f32> {
+    let (h, nope, vd) = (spec.heads, spec.nope, spec.v_dim);
+    let kv = kv_b.matmul(latents, past + len);
+    let layout = AttnLayout::expanded(h, nope, vd, spec.scale());
+    sparse_attention(q, &kv, &layout, sel)
+}
+
+/// Weight-absorbed attention over the latents: `q_lat = W_uk^T q` per head, attention
+/// over the latents, then `W_uv` on the weighted latent sum.
+pub(crate) fn attend_absorbed(
+    spec: MlaSpec,
+    kv_b: &Matrix,
+    q: &[f32],
+    len: usize,
+    latents: &[f32],
+    sel: &Selections,
+) -> Vec<f32> {
+    let (h, nope, vd, r) = (spec.heads, spec.nope, spec.v_dim, spec.rank);
+    let kv_rows = |head: usize, range: std::ops::Range<usize>| -> Vec<Vec<f32>> {
+        range
+            .map(|i| kv_b.row_f32(head * (nope + vd) + i))
+            .collect()
+    };
+    let q_lat_per_head: Vec<Vec<f32>> = (0..h)
+        .into_par_iter()
+        .map(|head| {
+            let uk = kv_rows(head, 0..nope);
+            let mut q_lat = vec![0f32; len * r];
+            for (i, ql) in q_lat.chunks_exact_mut(r).enumerate() {
+                let qh = &q[(i * h + head) * nope..(i * h + head + 1) * nope];
+                for (qv, row) in qh.iter().zip(&uk) {
+                    ops::axpy(ql, *qv, row);
+                }
+            }
+            q_lat
+        })
+        .collect();
+    let mut q_lat = vec![0f32; len * h * r];
+    for (head, ql) in q_lat_per_head.iter().enumerate() {
+        for i in 0..len {
+            q_lat[(i * h + head) * r..(i * h + head + 1) * r]
+                .copy_from_slice(&ql[i * r..(i + 1) * r]);
+        }
+    }
+    let o_lat = sparse_attention(
+        &q_lat,
+        latents,
+        &AttnLayout::absorbed(h, r, spec.scale()),
+        sel,
+    );
+    let per_head: Vec<Vec<f32>> = (0..h)
+        .into_par_iter()
+        .map(|head| {
+            let uv = kv_rows(head, nope..nope + vd);
+            let mut head_out = vec![0f32; len * vd];
+            for i in 0..len {
+                let ol = &o_lat[(i * h + head) * r..(i * h + head + 1) * r];
+                for (v, row) in uv.iter().enumerate() {
+                    head_out[i * vd + v] = ops::dot(row, ol);
+                }
+            }
+            head_out
+        })
+        .collect();
+    let mut out = vec![0f32; len * h * vd];
+    for (head, ho) in per_head.iter().enumerate() {
+        for i in 0..len {
+            out[(i * h + head) * vd..(i * h + head + 1) * vd]
+                .copy_from_slice(&ho[i * vd..(i + 1) * vd]);
+        }
+    }
+    out
 }
 
 /// Softmax attention of every query row over its selected tokens only. `q` is

@@ -1,14 +1,25 @@
 //! Clamped SwiGLU: `down(silu(min(gate x, L)) * clamp(up x, -L, L))`. The dense layers, the
 //! shared expert and every routed expert are this block.
 
+use super::device::{Device, Host};
 use super::loader::{LoadError, Loader};
-use crate::backend::cpu::{Matrix, ops};
+use crate::backend::cpu::ops;
 
-pub struct SwiGlu {
-    pub gate: Matrix,
-    pub up: Matrix,
-    pub down: Matrix,
+pub struct SwiGlu<D: Device = Host> {
+    pub gate: D::Mat,
+    pub up: D::Mat,
+    pub down: D::Mat,
     pub limit: f32,
+}
+
+impl<D: Device> SwiGlu<D> {
+    /// `down(swiglu(gate x, up x))` for `tokens` rows on `dev`.
+    pub fn run(&self, dev: &D, x: &D::Buf, tokens: usize) -> anyhow::Result<D::Buf> {
+        let gate = dev.matmul(&self.gate, x, tokens)?;
+        let up = dev.matmul(&self.up, x, tokens)?;
+        let act = dev.swiglu(&gate, &up, self.limit)?;
+        dev.matmul(&self.down, &act, tokens)
+    }
 }
 
 impl SwiGlu {
@@ -21,6 +32,17 @@ impl SwiGlu {
         })
     }
 
+    /// This block's weights on `dev`.
+    pub fn place<E: Device>(&self, dev: &E) -> anyhow::Result<SwiGlu<E>> {
+        Ok(SwiGlu {
+            gate: dev.matrix(&self.gate)?,
+            up: dev.matrix(&self.up)?,
+            down: dev.matrix(&self.down)?,
+            limit: self.limit,
+        })
+    }
+
+    /// [`SwiGlu::run`] on the host (the routed experts' products).
     pub fn forward(&self, x: &[f32], tokens: usize) -> Vec<f32> {
         let gate = self.gate.matmul(x, tokens);
         let up = self.up.matmul(x, tokens);

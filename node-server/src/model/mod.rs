@@ -4,10 +4,12 @@
 pub mod checkpoint;
 pub mod config;
 pub mod convert;
+pub mod decoder;
+pub mod device;
 pub mod dsa;
 pub mod dump;
+mod forward;
 pub mod glm5;
-pub mod gpu;
 pub mod kda;
 pub mod loader;
 pub mod mhc;
@@ -16,4 +18,6 @@ pub mod mlp;
 pub mod moe;
 pub mod random;
 
+pub use decoder::{Decoder, GpuDecoder};
+pub use device::{Device, Gpu, Host};
 pub use glm5::{ForwardHooks, ForwardOptions, Model, ModelBuilder, SeqCache, Step};

@@ -5,6 +5,7 @@
 //! every pick (to count, predict and prefetch) before it computes anything.
 
 use super::config::Config;
+use super::device::{Device, Host, RouteSpec};
 use super::loader::{LoadError, Loader};
 use super::mlp::SwiGlu;
 use crate::backend::cpu::{Matrix, ops};
@@ -238,15 +239,10 @@ impl ExpertProvider for InMemoryExperts {
     }
 }
 
-pub struct Router {
-    pub(crate) weight: Matrix,
-    pub(crate) bias: Vec<f32>,
-    pub(crate) experts: usize,
-    pub(crate) top_k: usize,
-    pub(crate) groups: usize,
-    pub(crate) topk_groups: usize,
-    pub(crate) normalize: bool,
-    pub(crate) scale: f32,
+pub struct Router<D: Device = Host> {
+    pub(crate) weight: D::Mat,
+    pub(crate) bias: D::Buf,
+    pub(crate) spec: RouteSpec,
 }
 
 impl Router {
@@ -255,12 +251,14 @@ impl Router {
         Ok(Router {
             weight: vb.matrix("weight", e, cfg.hidden_size)?,
             bias: vb.vector("e_score_correction_bias", e)?,
-            experts: e,
-            top_k: cfg.num_experts_per_tok,
-            groups: cfg.n_group,
-            topk_groups: cfg.topk_group,
-            normalize: cfg.norm_topk_prob,
-            scale: cfg.routed_scaling_factor,
+            spec: RouteSpec {
+                experts: e,
+                k: cfg.num_experts_per_tok,
+                groups: cfg.n_group,
+                topk_groups: cfg.topk_group,
+                normalize: cfg.norm_topk_prob,
+                scale: cfg.routed_scaling_factor,
+            },
         })
     }
 
@@ -275,14 +273,16 @@ impl Router {
         scale: f32,
     ) -> Router {
         Router {
-            experts: weight.rows(),
+            spec: RouteSpec {
+                experts: weight.rows(),
+                k: top_k,
+                groups,
+                topk_groups,
+                normalize,
+                scale,
+            },
             weight,
             bias,
-            top_k,
-            groups,
-            topk_groups,
-            normalize,
-            scale,
         }
     }
 
@@ -290,58 +290,85 @@ impl Router {
         &self.bias
     }
 
-    /// Sigmoid scores; choice by score + bias within the best groups; weights from the scores.
-    pub fn route(&self, x: &[f32], tokens: usize) -> Routing {
-        let logits = self.weight.matmul(x, tokens);
-        self.choose(&logits, tokens)
-    }
-
     /// [`Router::route`] from the logits (`[tokens, experts]`).
     pub fn choose(&self, logits: &[f32], tokens: usize) -> Routing {
-        let (e, k) = (self.experts, self.top_k);
-        let per_group = e / self.groups;
-        let mut ids = Vec::with_capacity(tokens * k);
-        let mut weights = Vec::with_capacity(tokens * k);
-        for t in 0..tokens {
-            let scores: Vec<f32> = logits[t * e..(t + 1) * e]
-                .iter()
-                .map(|&l| ops::sigmoid(l))
-                .collect();
-            let mut choice: Vec<f32> = scores.iter().zip(&self.bias).map(|(s, b)| s + b).collect();
-            if self.groups > 1 {
-                let group_scores: Vec<f32> = choice
-                    .chunks_exact(per_group)
-                    .map(|g| ops::top_k(g, 2).iter().map(|&i| g[i]).sum())
-                    .collect();
-                let keep = ops::top_k(&group_scores, self.topk_groups);
-                for (g, chunk) in choice.chunks_exact_mut(per_group).enumerate() {
-                    if !keep.contains(&g) {
-                        chunk.iter_mut().for_each(|v| *v = f32::NEG_INFINITY);
-                    }
-                }
-            }
-            let picked = ops::top_k(&choice, k);
-            let mut w: Vec<f32> = picked.iter().map(|&i| scores[i]).collect();
-            if self.normalize {
-                let denom = w.iter().sum::<f32>() + 1e-20;
-                w.iter_mut().for_each(|v| *v /= denom);
-            }
-            w.iter_mut().for_each(|v| *v *= self.scale);
-            ids.extend(picked.iter().map(|&i| i as u32));
-            weights.extend(w);
-        }
+        let (ids, weights) = choose(self.spec, &self.bias, logits, tokens);
         Routing {
-            k,
+            k: self.spec.k,
             ids,
             weights,
             phases: Vec::new(),
         }
     }
+
+    /// This router's weights on `dev`.
+    pub fn place<E: Device>(&self, dev: &E) -> anyhow::Result<Router<E>> {
+        Ok(Router {
+            weight: dev.matrix(&self.weight)?,
+            bias: dev.upload(&self.bias)?,
+            spec: self.spec,
+        })
+    }
 }
 
-pub struct Moe {
-    pub router: Router,
-    pub shared: Option<SwiGlu>,
+impl<D: Device> Router<D> {
+    /// Sigmoid scores; choice by score + bias within the best groups; weights from the scores.
+    pub fn route(&self, dev: &D, x: &D::Buf, tokens: usize) -> anyhow::Result<Routing> {
+        let (ids, weights) = dev.route(&self.weight, &self.bias, self.spec, x, tokens)?;
+        Ok(Routing {
+            k: self.spec.k,
+            ids,
+            weights,
+            phases: Vec::new(),
+        })
+    }
+}
+
+/// The router's choice from its logits (`[tokens, experts]`), on the host: ids and weights.
+pub(crate) fn choose(
+    spec: RouteSpec,
+    bias: &[f32],
+    logits: &[f32],
+    tokens: usize,
+) -> (Vec<u32>, Vec<f32>) {
+    let (e, k) = (spec.experts, spec.k);
+    let per_group = e / spec.groups;
+    let mut ids = Vec::with_capacity(tokens * k);
+    let mut weights = Vec::with_capacity(tokens * k);
+    for t in 0..tokens {
+        let scores: Vec<f32> = logits[t * e..(t + 1) * e]
+            .iter()
+            .map(|&l| ops::sigmoid(l))
+            .collect();
+        let mut choice: Vec<f32> = scores.iter().zip(bias).map(|(s, b)| s + b).collect();
+        if spec.groups > 1 {
+            let group_scores: Vec<f32> = choice
+                .chunks_exact(per_group)
+                .map(|g| ops::top_k(g, 2).iter().map(|&i| g[i]).sum())
+                .collect();
+            let keep = ops::top_k(&group_scores, spec.topk_groups);
+            for (g, chunk) in choice.chunks_exact_mut(per_group).enumerate() {
+                if !keep.contains(&g) {
+                    chunk.iter_mut().for_each(|v| *v = f32::NEG_INFINITY);
+                }
+            }
+        }
+        let picked = ops::top_k(&choice, k);
+        let mut w: Vec<f32> = picked.iter().map(|&i| scores[i]).collect();
+        if spec.normalize {
+            let denom = w.iter().sum::<f32>() + 1e-20;
+            w.iter_mut().for_each(|v| *v /= denom);
+        }
+        w.iter_mut().for_each(|v| *v *= spec.scale);
+        ids.extend(picked.iter().map(|&i| i as u32));
+        weights.extend(w);
+    }
+    (ids, weights)
+}
+
+pub struct Moe<D: Device = Host> {
+    pub router: Router<D>,
+    pub shared: Option<SwiGlu<D>>,
     hidden: usize,
 }
 
@@ -364,24 +391,38 @@ impl Moe {
         })
     }
 
-    /// Routed experts (through `experts`) plus the shared expert; returns the output and the routing.
+    /// This block's weights on `dev` (the routed experts are the provider's).
+    pub fn place<E: Device>(&self, dev: &E) -> anyhow::Result<Moe<E>> {
+        Ok(Moe {
+            router: self.router.place(dev)?,
+            shared: self.shared.as_ref().map(|s| s.place(dev)).transpose()?,
+            hidden: self.hidden,
+        })
+    }
+}
+
+impl<D: Device> Moe<D> {
+    /// Routed experts (through `experts`) plus the shared expert; returns the output and the
+    /// routing.
     pub fn forward(
         &self,
+        dev: &D,
         layer: usize,
-        x: &[f32],
-        tokens: usize,
+        x: &D::Buf,
         phases: &[Phase],
         experts: &dyn ExpertProvider,
-    ) -> anyhow::Result<(Vec<f32>, Routing)> {
+    ) -> anyhow::Result<(D::Buf, Routing)> {
+        let tokens = phases.len();
         let routing = Routing {
             phases: phases.to_vec(),
-            ..self.router.route(x, tokens)
+            ..dev.timed("moe route", || self.router.route(dev, x, tokens))?
         };
-        let mut out = vec![0f32; tokens * self.hidden];
-        experts.forward(layer, x, &routing, &mut out)?;
+        let mut out = dev.timed("moe experts", || {
+            dev.experts(experts, layer, x, &routing, self.hidden)
+        })?;
         if let Some(shared) = &self.shared {
-            let s = shared.forward(x, tokens);
-            out.iter_mut().zip(&s).for_each(|(o, s)| *o += s);
+            let s = dev.timed("moe shared", || shared.run(dev, x, tokens))?;
+            dev.add(&mut out, &s, tokens * self.hidden)?;
         }
         Ok((out, routing))
     }

@@ -51,7 +51,7 @@ pub struct PlanArgs {
     #[arg(long, env = "GLMFLASH_MAX_BATCH_SIZE", default_value_t = 8)]
     pub batch: usize,
     /// Prompt-chunk rows of the GPU forward (its workspace grows with them).
-    #[arg(long, env = "GLMFLASH_GPU_CHUNK_SIZE", default_value_t = crate::model::gpu::DEFAULT_GPU_CHUNK)]
+    #[arg(long, env = "GLMFLASH_GPU_CHUNK_SIZE", default_value_t = crate::model::decoder::DEFAULT_GPU_CHUNK)]
     pub gpu_chunk_size: usize,
     /// GPU memory bandwidth, GB/s.
     #[arg(long, default_value_t = Bandwidths::RTX_3090_BOX.hbm)]

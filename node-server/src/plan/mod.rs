@@ -190,7 +190,8 @@ pub fn plan(inputs: &PlanInputs) -> Result<MemoryPlan, PlanError> {
         }
     }
     let cache = cache_bytes(cfg, inputs.context, inputs.batch);
-    let workspace = crate::model::gpu::workspace_bytes(cfg, inputs.chunk, inputs.context) as u64;
+    let workspace =
+        crate::model::decoder::workspace_bytes(cfg, inputs.chunk, inputs.context) as u64;
     let sizes = ModelSizes {
         moe_layers,
         experts,

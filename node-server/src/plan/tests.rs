@@ -22,7 +22,7 @@ fn seed_box(cfg: Config, experts: Storage, dense: Storage, head: Storage) -> Pla
         ram_reserve: 2048 * MIB,
         context: 131_072,
         batch: 8,
-        chunk: crate::model::gpu::DEFAULT_GPU_CHUNK,
+        chunk: crate::model::decoder::DEFAULT_GPU_CHUNK,
         bandwidths: Bandwidths::RTX_3090_BOX,
     }
 }

@@ -23,9 +23,10 @@ use super::common::{measure_read_bandwidth, set_router_bias};
 use crate::backend::cuda::Cuda;
 use crate::model::checkpoint::DType;
 use crate::model::config::Config;
+use crate::model::decoder::GpuDecoder;
 use crate::model::glm5::Step;
-use crate::model::gpu::{GpuDecoder, GpuSeq};
 use crate::model::moe::ExpertProvider;
+use crate::model::{Gpu, SeqCache};
 use crate::model::{Model, random};
 use crate::quant::Format;
 use crate::store::{ChecksumPolicy, ReaderOptions, StoreReader};
@@ -590,7 +591,7 @@ fn decode(
     let mut step = || -> anyhow::Result<()> {
         if let Some(g) = gpu {
             let tokens: Vec<u32> = gpu_seqs.iter().map(|(t, _)| *t).collect();
-            let mut seqs: Vec<&mut GpuSeq> = gpu_seqs.iter_mut().map(|(_, s)| s).collect();
+            let mut seqs: Vec<&mut SeqCache<Gpu>> = gpu_seqs.iter_mut().map(|(_, s)| s).collect();
             let out = g.step_batch(model, &mut seqs, &tokens)?;
             for ((next, _), logits) in gpu_seqs.iter_mut().zip(&out) {
                 *next = crate::backend::cpu::ops::argmax(logits) as u32;

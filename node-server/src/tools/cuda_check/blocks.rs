@@ -46,12 +46,13 @@ pub(super) fn check_mhc(
         for tokens in [1usize, 5] {
             let name = format!("mhc n{n} d{d} T={tokens}");
             let streams = randn(rng, tokens * n * d, 2.0);
-            let (want_x, want_mix) = hc.collapse(&streams, tokens);
+            let want_mix = hc.collapse(&Host, &streams, tokens)?;
+            let want_x = &want_mix.collapsed;
             let got = gpu_collapse(&streams, tokens)?;
             cases.push(case(
                 format!("{name} collapse"),
                 &got.collapsed,
-                &want_x,
+                want_x,
                 F32_BOUND,
             ));
             cases.push(case(
@@ -67,15 +68,15 @@ pub(super) fn check_mhc(
                 F32_BOUND,
             ));
             let y = randn(rng, tokens * d, 2.0);
-            let want = hc.expand(&want_mix, &streams, &y, tokens);
+            let want = hc.expand(&Host, &want_mix, &streams, &y, tokens)?;
             let got =
                 cuda.mhc_expand(spec, &want_mix.post, &want_mix.comb, &streams, &y, tokens)?;
             cases.push(case(format!("{name} expand"), &got, &want, F32_BOUND));
 
             let (mut cpu, mut gpu) = (streams.clone(), streams);
             for _ in 0..3 {
-                let (x, mix) = hc.collapse(&cpu, tokens);
-                cpu = hc.expand(&mix, &cpu, &x, tokens);
+                let mix = hc.collapse(&Host, &cpu, tokens)?;
+                cpu = hc.expand(&Host, &mix, &cpu, &mix.collapsed, tokens)?;
                 let c = gpu_collapse(&gpu, tokens)?;
                 gpu = cuda.mhc_expand(spec, &c.post, &c.comb, &gpu, &c.collapsed, tokens)?;
             }

@@ -17,15 +17,16 @@ use crate::backend::cuda::{
 };
 use crate::model::checkpoint::DType;
 use crate::model::config::Config;
+use crate::model::decoder::{CACHE_SPARE_TOKENS, GpuDecoder};
 use crate::model::dsa::{pool_key, pool_scores, select_tokens};
 use crate::model::glm5::{LayerCache, Model, SeqCache, Step};
-use crate::model::gpu::{CACHE_SPARE_TOKENS, GpuDecoder, GpuSeq};
 use crate::model::kda::{self, KdaMode};
 use crate::model::mhc::HyperConnection;
 use crate::model::mla::sparse_attention;
 use crate::model::mlp::{SwiGlu, swiglu};
 use crate::model::moe::{Router, Routing, combine_experts};
 use crate::model::random::{scaled_config, write_random_checkpoint};
+use crate::model::{Gpu, Host};
 use crate::quant::Format;
 use crate::tiers::vram::write_slot;
 use anyhow::Context;

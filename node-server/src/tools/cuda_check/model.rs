@@ -217,7 +217,7 @@ pub(super) fn decode_batch_cases(
         .map(|c| decoder.sequence(c))
         .collect::<anyhow::Result<Vec<_>>>()?;
     for step in 0..DECODE_STEPS / 2 {
-        let mut seqs: Vec<&mut GpuSeq> = gpu.iter_mut().collect();
+        let mut seqs: Vec<&mut SeqCache<Gpu>> = gpu.iter_mut().collect();
         let got = decoder.step_batch(model, &mut seqs, &next)?;
         for (i, (cache, got)) in cpu.iter_mut().zip(&got).enumerate() {
             let want = model.decode_step(next[i], cache)?;

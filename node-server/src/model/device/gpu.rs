@@ -1,0 +1,465 @@
+//! The GPU device: buffers in device memory, every op a launch of the CUDA backend's kernels
+//! (or cuBLAS). Only the tokens' embedding rows go up and logits and routing picks come down.
+
+use super::*;
+use crate::backend::AttnLayout;
+use crate::backend::cuda::Cuda;
+use crate::backend::cuda::attn::DeviceSelections;
+use crate::backend::cuda::matrix::CudaMatrix;
+use anyhow::bail;
+use cudarc::driver::CudaSlice;
+use std::collections::BTreeMap;
+use std::sync::{Arc, Mutex};
+
+type Buf = CudaSlice<f32>;
+
+/// Queries of one attention launch (its scratch holds a score per selected token of each
+/// query and head: 256 x 64 heads x 2,048 tokens is 128 MiB at the real widths).
+pub const ATTN_QUERIES: usize = 256;
+
+/// A growable buffer holds at most `1 + 1 / GROWTH_SLACK` times its values.
+pub const GROWTH_SLACK: usize = 4;
+
+/// One CUDA device, with an optional profile of the forward's phases.
+pub struct Gpu {
+    cuda: Arc<Cuda>,
+    /// Wall time per phase, each between two synchronisations; only with
+    /// `GLMFLASH_GPU_PROFILE` set (the synchronisations cost overlap).
+    profile: Option<Mutex<BTreeMap<&'static str, (f64, u64)>>>,
+}
+
+/// Device values that grow by appended rows (the caches of MLA layers).
+pub struct GrowBuf {
+    buf: Buf,
+    /// Values in use.
+    len: usize,
+}
+
+impl Gpu {
+    pub fn new(cuda: &Arc<Cuda>) -> Gpu {
+        Gpu {
+            cuda: cuda.clone(),
+            profile: std::env::var_os("GLMFLASH_GPU_PROFILE").map(|_| Default::default()),
+        }
+    }
+
+    pub fn cuda(&self) -> &Arc<Cuda> {
+        &self.cuda
+    }
+
+    /// The profile so far, (phase, seconds, times run), most time first; and resets it.
+    /// Empty unless `GLMFLASH_GPU_PROFILE` was set when the device was made.
+    pub fn take_profile(&self) -> Vec<(&'static str, f64, u64)> {
+        let Some(profile) = &self.profile else {
+            return Vec::new();
+        };
+        let p = std::mem::take(&mut *profile.lock().unwrap_or_else(|e| e.into_inner()));
+        let mut v: Vec<_> = p.into_iter().map(|(k, (s, n))| (k, s, n)).collect();
+        v.sort_by(|a, b| b.1.total_cmp(&a.1));
+        v
+    }
+
+    fn alloc(&self, n: usize) -> anyhow::Result<Buf> {
+        Ok(self.cuda.alloc_f32(n)?)
+    }
+}
+
+impl Device for Gpu {
+    type Buf = Buf;
+    type Mat = CudaMatrix;
+    type Table = Buf;
+    type Grow = GrowBuf;
+    type Sel = DeviceSelections;
+
+    fn matrix(&self, m: &Matrix) -> anyhow::Result<CudaMatrix> {
+        Ok(CudaMatrix::of(&self.cuda, m)?)
+    }
+
+    /// The f32 values `Matrix::row_f32` gives the host path.
+    fn table(&self, m: &Matrix) -> anyhow::Result<Buf> {
+        let values: Vec<f32> = (0..m.rows()).flat_map(|r| m.row_f32(r)).collect();
+        self.upload(&values)
+    }
+
+    fn mat_rows(m: &CudaMatrix) -> usize {
+        m.rows()
+    }
+
+    fn upload(&self, values: &[f32]) -> anyhow::Result<Buf> {
+        // cudarc cannot upload nothing (a conv of kernel 1 keeps no inputs).
+        if values.is_empty() {
+            return self.alloc(0);
+        }
+        Ok(self.cuda.upload(values)?)
+    }
+
+    fn download(&self, b: &Buf) -> anyhow::Result<Vec<f32>> {
+        Ok(self.cuda.download(b)?)
+    }
+
+    fn zeros(&self, n: usize) -> anyhow::Result<Buf> {
+        Ok(self.cuda.stream().alloc_zeros(n.max(1))?)
+    }
+
+    fn grow(&self, values: &[f32], spare: usize) -> anyhow::Result<GrowBuf> {
+        let mut padded = Vec::with_capacity(values.len() + spare.max(1));
+        padded.extend_from_slice(values);
+        padded.resize(values.len() + spare.max(1), 0.0);
+        Ok(GrowBuf {
+            buf: self.cuda.upload(&padded)?,
+            len: values.len(),
+        })
+    }
+
+    fn grow_download(&self, g: &GrowBuf) -> anyhow::Result<Vec<f32>> {
+        let mut v = self.cuda.download(&g.buf)?;
+        v.truncate(g.len);
+        Ok(v)
+    }
+
+    fn grow_len(g: &GrowBuf) -> usize {
+        g.len
+    }
+
+    /// Grows the buffer by a quarter (or to what is needed) when full: a cache holds at most
+    /// a quarter more than its values, which the engine's VRAM budget counts.
+    fn push(
+        &self,
+        g: &mut GrowBuf,
+        src: &Buf,
+        first: usize,
+        count: usize,
+        width: usize,
+    ) -> anyhow::Result<()> {
+        let (s, n) = (self.cuda.stream(), count * width);
+        if g.len + n > g.buf.len() {
+            let mut grown =
+                self.alloc((g.buf.len() + g.buf.len() / GROWTH_SLACK).max(g.len + n))?;
+            if g.len > 0 {
+                let mut dst = grown.slice_mut(..g.len);
+                s.memcpy_dtod(&g.buf.slice(..g.len), &mut dst)?;
+            }
+            g.buf = grown;
+        }
+        let mut dst = g.buf.slice_mut(g.len..g.len + n);
+        s.memcpy_dtod(&src.slice(first * width..first * width + n), &mut dst)?;
+        g.len += n;
+        Ok(())
+    }
+
+    fn rows(&self, src: &Buf, first: usize, count: usize, width: usize) -> anyhow::Result<Buf> {
+        let mut dst = self.alloc(count * width)?;
+        self.cuda
+            .stream()
+            .memcpy_dtod(&src.slice(first * width..(first + count) * width), &mut dst)?;
+        Ok(dst)
+    }
+
+    fn put_rows(&self, dst: &mut Buf, first: usize, width: usize, src: &Buf) -> anyhow::Result<()> {
+        let mut d = dst.slice_mut(first * width..first * width + src.len());
+        self.cuda.stream().memcpy_dtod(src, &mut d)?;
+        Ok(())
+    }
+
+    fn timed<T>(
+        &self,
+        name: &'static str,
+        f: impl FnOnce() -> anyhow::Result<T>,
+    ) -> anyhow::Result<T> {
+        let Some(profile) = &self.profile else {
+            return f();
+        };
+        self.cuda.synchronize()?;
+        let started = std::time::Instant::now();
+        let out = f()?;
+        self.cuda.synchronize()?;
+        let mut p = profile.lock().unwrap_or_else(|e| e.into_inner());
+        let e = p.entry(name).or_default();
+        e.0 += started.elapsed().as_secs_f64();
+        e.1 += 1;
+        Ok(out)
+    }
+
+    fn matmul(&self, w: &CudaMatrix, x: &Buf, n: usize) -> anyhow::Result<Buf> {
+        Ok(w.apply(x, n)?)
+    }
+
+    fn rms_norm(
+        &self,
+        x: &mut Buf,
+        weight: Option<&Buf>,
+        width: usize,
+        eps: f32,
+    ) -> anyhow::Result<()> {
+        Ok(self.cuda.rms_norm(x, weight, width, eps)?)
+    }
+
+    fn layer_norm(
+        &self,
+        x: &mut Buf,
+        weight: &Buf,
+        bias: &Buf,
+        width: usize,
+        eps: f32,
+        rows: usize,
+    ) -> anyhow::Result<()> {
+        Ok(self.cuda.layer_norm(x, weight, bias, width, eps, rows)?)
+    }
+
+    fn gated_rms_norm(
+        &self,
+        x: &mut Buf,
+        gate: &Buf,
+        weight: &Buf,
+        width: usize,
+        eps: f32,
+    ) -> anyhow::Result<()> {
+        Ok(self.cuda.gated_rms_norm(x, gate, weight, width, eps)?)
+    }
+
+    fn scale(&self, x: &mut Buf, s: f32, count: usize) -> anyhow::Result<()> {
+        Ok(self.cuda.scale_values(x, s, count)?)
+    }
+
+    fn add(&self, y: &mut Buf, x: &Buf, count: usize) -> anyhow::Result<()> {
+        Ok(self.cuda.add_values(y, x, count)?)
+    }
+
+    fn swiglu(&self, gate: &Buf, up: &Buf, limit: f32) -> anyhow::Result<Buf> {
+        let mut act = self.alloc(gate.len())?;
+        self.cuda.swiglu(gate, up, limit, &mut act)?;
+        Ok(act)
+    }
+
+    fn interleave3(&self, q: &Buf, k: &Buf, v: &Buf, n: usize, c: usize) -> anyhow::Result<Buf> {
+        let mut qkv = self.alloc(n * 3 * c)?;
+        let (q, k, v) = (q.slice(..n * c), k.slice(..n * c), v.slice(..n * c));
+        self.cuda.interleave3(&q, &k, &v, n, c, &mut qkv)?;
+        Ok(qkv)
+    }
+
+    fn mhc_collapse(
+        &self,
+        spec: MhcSpec,
+        logits: &Buf,
+        base: &Buf,
+        streams: &Buf,
+        t: usize,
+    ) -> anyhow::Result<MhcCollapse<Buf>> {
+        let (n, d) = (spec.streams, spec.hidden);
+        let mut out = MhcCollapse {
+            collapsed: self.alloc(t * d)?,
+            post: self.alloc(t * n)?,
+            comb: self.alloc(t * n * n)?,
+        };
+        self.cuda
+            .mhc_collapse_dev(spec, logits, base, streams, t, &mut out)?;
+        Ok(out)
+    }
+
+    fn mhc_expand(
+        &self,
+        spec: MhcSpec,
+        post: &Buf,
+        comb: &Buf,
+        streams: &Buf,
+        y: &Buf,
+        t: usize,
+    ) -> anyhow::Result<Buf> {
+        let mut out = self.alloc(t * spec.streams * spec.hidden)?;
+        self.cuda
+            .mhc_expand_dev(spec, post, comb, streams, y, t, &mut out)?;
+        Ok(out)
+    }
+
+    fn kda_gates(
+        &self,
+        spec: KdaGates,
+        g: &mut Buf,
+        dt_bias: &Buf,
+        a_log: &Buf,
+        beta: &mut Buf,
+        rows: usize,
+    ) -> anyhow::Result<()> {
+        Ok(self.cuda.kda_gates(spec, g, dt_bias, a_log, beta, rows)?)
+    }
+
+    fn kda_conv(
+        &self,
+        spec: KdaSpec,
+        taps: &Buf,
+        qkv: &Buf,
+        first: usize,
+        len: usize,
+        state: &mut Buf,
+    ) -> anyhow::Result<Buf> {
+        let w = 3 * spec.channels();
+        let part = self.rows(qkv, first, len, w)?;
+        let mut mixed = self.alloc(len * w)?;
+        self.cuda
+            .kda_conv_dev(spec, taps, &part, len, state, &mut mixed)?;
+        Ok(mixed)
+    }
+
+    fn kda_delta(
+        &self,
+        spec: KdaSpec,
+        mode: KdaMode,
+        mixed: &Buf,
+        g: &Buf,
+        beta: &Buf,
+        first: usize,
+        len: usize,
+        state: &mut Buf,
+    ) -> anyhow::Result<Buf> {
+        let (c, h) = (spec.channels(), spec.heads);
+        let gi = self.rows(g, first, len, c)?;
+        let bi = self.rows(beta, first, len, h)?;
+        let form = match mode {
+            KdaMode::Auto => spec.form_for(len),
+            KdaMode::Recurrent => crate::backend::cuda::KdaForm::Recurrent,
+        };
+        let mut out = self.alloc(len * c)?;
+        self.cuda
+            .kda_delta_dev(spec, form, mixed, &gi, &bi, len, state, &mut out)?;
+        Ok(out)
+    }
+
+    /// The absorbed path for every query (the expanded one has no kernels here), queries in
+    /// groups so the attention's scratch stays bounded on long prompt chunks.
+    fn mla_attend(
+        &self,
+        spec: MlaSpec,
+        path: MlaPath,
+        kv_b: &Buf,
+        q: &Buf,
+        first: usize,
+        len: usize,
+        latents: &GrowBuf,
+        sel: &DeviceSelections,
+    ) -> anyhow::Result<Buf> {
+        if path == MlaPath::Expanded {
+            bail!("the GPU runs MLA on the absorbed path only");
+        }
+        let cuda = &*self.cuda;
+        let MlaSpec {
+            heads: h,
+            nope,
+            v_dim: vd,
+            rank: r,
+        } = spec;
+        let layout = AttnLayout::absorbed(h, r, spec.scale());
+        let mut attn = self.alloc(len * h * vd)?;
+        for a in (0..len).step_by(ATTN_QUERIES) {
+            let m = ATTN_QUERIES.min(len - a);
+            let t0 = first + a;
+            let mut q_lat = self.alloc(m * h * r)?;
+            let qi = q.slice(t0 * h * nope..(t0 + m) * h * nope);
+            cuda.mla_absorb_q(&qi, kv_b, h, nope, vd, r, m, &mut q_lat)?;
+            let mut o_lat = self.alloc(m * h * r)?;
+            cuda.mla_sparse_attend_part_dev(
+                &q_lat,
+                &latents.buf,
+                &layout,
+                &sel.tokens,
+                &sel.offsets[a..=a + m],
+                &mut o_lat,
+            )?;
+            let mut dst = attn.slice_mut(a * h * vd..(a + m) * h * vd);
+            cuda.mla_absorb_out(&o_lat, kv_b, h, nope, vd, r, m, &mut dst)?;
+        }
+        Ok(attn)
+    }
+
+    fn dsa_pools(
+        &self,
+        spec: DsaSpec,
+        ape: &Buf,
+        keys: &GrowBuf,
+        gates: &GrowBuf,
+        pool_keys: &mut GrowBuf,
+    ) -> anyhow::Result<()> {
+        let (di, kpool) = (spec.dim, spec.kpool);
+        let pool = pool_keys.len / di;
+        let complete = (keys.len / di) / kpool;
+        if complete > pool {
+            let n = complete - pool;
+            let mut key = self.alloc(n * di)?;
+            self.cuda
+                .dsa_pool_keys_dev(&keys.buf, &gates.buf, ape, kpool, pool, n, &mut key)?;
+            self.push(pool_keys, &key, 0, n, di)?;
+        }
+        Ok(())
+    }
+
+    fn dsa_select(
+        &self,
+        spec: DsaSpec,
+        q: &Buf,
+        weights: &Buf,
+        first: usize,
+        len: usize,
+        pos: usize,
+        pool_keys: &GrowBuf,
+    ) -> anyhow::Result<DeviceSelections> {
+        let (di, hi) = (spec.dim, spec.heads);
+        let qi = self.rows(q, first, len, hi * di)?;
+        let wi = self.rows(weights, first, len, hi)?;
+        let at: Vec<usize> = (pos..pos + len).collect();
+        Ok(self
+            .cuda
+            .dsa_select_dev(&qi, &wi, &pool_keys.buf, pool_keys.len / di, spec, &at)?)
+    }
+
+    fn route(
+        &self,
+        weight: &CudaMatrix,
+        bias: &Buf,
+        spec: RouteSpec,
+        x: &Buf,
+        n: usize,
+    ) -> anyhow::Result<(Vec<u32>, Vec<f32>)> {
+        let logits = weight.apply(x, n)?;
+        Ok(self.cuda.route(&logits, bias, spec, n)?)
+    }
+
+    /// On the device rows when the provider computes on this GPU, else through host rows.
+    fn experts(
+        &self,
+        experts: &dyn ExpertProvider,
+        layer: usize,
+        x: &Buf,
+        routing: &Routing,
+        hidden: usize,
+    ) -> anyhow::Result<Buf> {
+        match experts.on_device() {
+            Some(dev) if Arc::ptr_eq(dev.device(), &self.cuda) => {
+                dev.forward_device(layer, x, routing)
+            }
+            _ => {
+                let b = routing.tokens();
+                let mut xh = self.cuda.download(x)?;
+                xh.truncate(b * hidden);
+                let mut out = vec![0f32; b * hidden];
+                experts.forward(layer, &xh, routing, &mut out)?;
+                self.upload(&out)
+            }
+        }
+    }
+
+    fn stream_mean(
+        &self,
+        streams: &Buf,
+        rows: &[usize],
+        n: usize,
+        d: usize,
+    ) -> anyhow::Result<Buf> {
+        let mut h = self.alloc(rows.len() * d)?;
+        for (i, &r) in rows.iter().enumerate() {
+            let src = streams.slice(r * n * d..(r + 1) * n * d);
+            self.cuda
+                .stream_mean(&src, n, d, &mut h.slice_mut(i * d..(i + 1) * d))?;
+        }
+        Ok(h)
+    }
+}
