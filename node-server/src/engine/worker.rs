@@ -263,8 +263,7 @@ impl Worker {
         let (mut host_budget, mut gpu_budget) =
             (self.config.chunk_size, self.config.gpu_chunk_size);
         let mut plan = BatchPlan::default();
-        let mut steps = Vec::new();
-        let (mut gpu_seqs, mut gpu_tokens) = (Vec::new(), Vec::new());
+        let (mut host_steps, mut gpu_steps) = (Vec::new(), Vec::new());
         for (i, s) in self.running.iter_mut().enumerate() {
             let Seq {
                 prompt,
@@ -288,14 +287,17 @@ impl Worker {
                 std::slice::from_ref(last)
             };
             match caches {
-                Caches::Gpu(g) => {
+                Caches::Gpu(cache) => {
                     plan.gpu.push((i, tokens.len()));
-                    gpu_seqs.push(g);
-                    gpu_tokens.push(tokens);
+                    gpu_steps.push(Step {
+                        tokens,
+                        cache,
+                        all_logits: false,
+                    });
                 }
                 Caches::Host(cache) => {
                     plan.host.push((i, tokens.len()));
-                    steps.push(Step {
+                    host_steps.push(Step {
                         tokens,
                         cache,
                         all_logits: false,
@@ -303,18 +305,18 @@ impl Worker {
                 }
             }
         }
+        // One forward per device the batch's caches live on.
         let mut out = BatchOutput::default();
         let model = &self.model;
-        if !steps.is_empty() {
+        if !host_steps.is_empty() {
             let result =
-                std::panic::catch_unwind(AssertUnwindSafe(|| model.forward(&mut steps, None)));
+                std::panic::catch_unwind(AssertUnwindSafe(|| model.forward(&mut host_steps, None)));
             out.collect(plan.host, result);
         }
-        if let (Some(decoder), false) = (&self.decoder, gpu_seqs.is_empty()) {
+        if let (Some(decoder), false) = (&self.decoder, gpu_steps.is_empty()) {
             let started = Instant::now();
-            let result = std::panic::catch_unwind(AssertUnwindSafe(|| {
-                decoder.forward(model, &mut gpu_seqs, &gpu_tokens)
-            }));
+            let result =
+                std::panic::catch_unwind(AssertUnwindSafe(|| decoder.run(model, &mut gpu_steps)));
             self.metrics
                 .gpu_forward
                 .observe(started.elapsed().as_secs_f64());

@@ -114,7 +114,18 @@ impl<D: Device> Decoder<D> {
                 all_logits: false,
             })
             .collect();
-        model.forward_on(&self.dev, &self.weights, &mut steps, None)
+        self.run(model, &mut steps)
+    }
+
+    /// Runs `steps` (each a sequence's tokens on its cache on this device) through
+    /// [`Model::forward_on`] with these weights.
+    pub fn run(&self, model: &Model, steps: &mut [Step<D>]) -> anyhow::Result<Vec<Vec<f32>>> {
+        if model.weights.layers.len() != self.weights.layers.len()
+            || model.cfg.hidden_size != self.cfg.hidden_size
+        {
+            bail!("the model is not the one this decoder was made from");
+        }
+        model.forward_on(&self.dev, &self.weights, steps, None)
     }
 
     /// A sequence's caches on this device, from its host cache (empty for a new sequence,

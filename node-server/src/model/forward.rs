@@ -61,6 +61,9 @@ impl Model {
         if w.layers.len() != self.cfg.num_hidden_layers {
             bail!("the weights are not this model's");
         }
+        if steps.is_empty() {
+            return Ok(Vec::new());
+        }
         let spans = self.check_batch(steps)?;
         let tokens = spans.last().map_or(0, |&(start, len)| start + len);
         let phases: Vec<Phase> = steps
@@ -111,9 +114,6 @@ impl Model {
         let cfg = &self.cfg;
         let mut spans = Vec::with_capacity(steps.len());
         let mut tokens = 0;
-        if steps.is_empty() {
-            bail!("a batch of no sequences");
-        }
         for (i, step) in steps.iter().enumerate() {
             if step.tokens.is_empty() {
                 bail!("sequence {i} of the batch has no tokens to process");

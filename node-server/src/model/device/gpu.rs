@@ -117,6 +117,31 @@ impl Device for Gpu {
         Ok(v)
     }
 
+    fn selections(&self, sel: &[Vec<u32>]) -> anyhow::Result<DeviceSelections> {
+        let mut offsets = vec![0usize];
+        for s in sel {
+            offsets.push(offsets[offsets.len() - 1] + s.len());
+        }
+        let mut flat: Vec<u32> = sel.iter().flatten().copied().collect();
+        // cudarc cannot upload nothing.
+        if flat.is_empty() {
+            flat.push(0);
+        }
+        Ok(DeviceSelections {
+            tokens: self.cuda.upload(&flat)?,
+            offsets,
+        })
+    }
+
+    fn selections_download(&self, sel: &DeviceSelections) -> anyhow::Result<Vec<Vec<u32>>> {
+        let flat: Vec<u32> = self.cuda.download(&sel.tokens)?;
+        Ok(sel
+            .offsets
+            .windows(2)
+            .map(|w| flat[w[0]..w[1]].to_vec())
+            .collect())
+    }
+
     fn grow_len(g: &GrowBuf) -> usize {
         g.len
     }

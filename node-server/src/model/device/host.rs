@@ -60,6 +60,14 @@ impl Device for Host {
         Ok(g.clone())
     }
 
+    fn selections(&self, sel: &[Vec<u32>]) -> anyhow::Result<mla::Selections> {
+        Ok(sel.to_vec())
+    }
+
+    fn selections_download(&self, sel: &mla::Selections) -> anyhow::Result<Vec<Vec<u32>>> {
+        Ok(sel.clone())
+    }
+
     fn grow_len(g: &Vec<f32>) -> usize {
         g.len()
     }

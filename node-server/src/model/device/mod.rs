@@ -81,6 +81,10 @@ pub trait Device: Send + Sync + Sized {
     fn grow(&self, values: &[f32], spare: usize) -> anyhow::Result<Self::Grow>;
     /// The values of a growable buffer on the host.
     fn grow_download(&self, g: &Self::Grow) -> anyhow::Result<Vec<f32>>;
+    /// Selections made on the host, on this device (checks feed both devices the same).
+    fn selections(&self, sel: &[Vec<u32>]) -> anyhow::Result<Self::Sel>;
+    /// Selections on the host.
+    fn selections_download(&self, sel: &Self::Sel) -> anyhow::Result<Vec<Vec<u32>>>;
     /// Values a growable buffer holds.
     fn grow_len(g: &Self::Grow) -> usize;
     /// Appends rows `first .. first + count` of `src` (`width` values each) to `g`.

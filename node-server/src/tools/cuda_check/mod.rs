@@ -5,6 +5,7 @@
 
 mod blocks;
 mod model;
+mod per_op;
 mod products;
 
 use crate::backend::AttnLayout;
@@ -48,14 +49,17 @@ pub struct CudaCheckArgs {
     #[arg(long, env = "GLMFLASH_CUDA_DEVICE", default_value_t = 0)]
     pub cuda_device: usize,
     /// Run only these groups of checks (comma-separated; default all): matvec, dense, moe,
-    /// small, router, mhc, kda, mla, dsa, decode.
+    /// ops, matvec, dense, moe, small, router, mhc, kda, mla, dsa, decode.
     #[arg(long, env = "GLMFLASH_CHECK_ONLY", value_delimiter = ',')]
     pub only: Vec<String>,
 }
 
-/// The groups of checks, in the order they run.
-const GROUPS: [&str; 10] = [
-    "matvec", "dense", "moe", "small", "router", "mhc", "kda", "mla", "dsa", "decode",
+/// The groups of checks, in the order they run: `ops` runs every op of the model's device
+/// interface on the host and the GPU; the others check kernels the interface does not reach
+/// one by one (each format's matvec, forced KDA forms, the expanded MLA layout, the fused
+/// MoE launches) and the whole model.
+const GROUPS: [&str; 11] = [
+    "ops", "matvec", "dense", "moe", "small", "router", "mhc", "kda", "mla", "dsa", "decode",
 ];
 
 /// One compared case.
@@ -131,6 +135,7 @@ pub fn run(args: &CudaCheckArgs) -> anyhow::Result<bool> {
         }
         let (cuda, rng, cases) = (&cuda, &mut rng, &mut cases);
         match group {
+            "ops" => per_op::check_ops(&Gpu::new(cuda), rng, args.wide, cases)?,
             "matvec" => check_matvec(cuda, rng, args.wide, cases)?,
             "dense" => check_dense(cuda, rng, cases)?,
             "moe" => check_moe(cuda, rng, args.wide, cases)?,
