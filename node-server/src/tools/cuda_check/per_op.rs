@@ -28,8 +28,8 @@ fn compare(
 }
 
 /// Every op of the interface on both devices.
-pub(super) fn check_ops(
-    gpu: &Gpu,
+pub(super) fn check_ops<G: Device>(
+    gpu: &G,
     rng: &mut ChaCha8Rng,
     wide: bool,
     cases: &mut Vec<Case>,
@@ -63,7 +63,11 @@ fn memory<D: Device>(d: &D, x: &[f32], width: usize) -> anyhow::Result<Vec<Vec<f
     ])
 }
 
-fn memory_ops(gpu: &Gpu, rng: &mut ChaCha8Rng, cases: &mut Vec<Case>) -> anyhow::Result<()> {
+fn memory_ops<G: Device>(
+    gpu: &G,
+    rng: &mut ChaCha8Rng,
+    cases: &mut Vec<Case>,
+) -> anyhow::Result<()> {
     let (rows, width) = (9, 77);
     let x = randn(rng, rows * width, 1.0);
     let (want, got) = (memory(&Host, &x, width)?, memory(gpu, &x, width)?);
@@ -82,8 +86,8 @@ fn matmul<D: Device>(d: &D, m: &Matrix, x: &[f32], n: usize) -> anyhow::Result<V
 
 /// Products of every storage format through `Device::matmul` (matvec kernels for a few
 /// rows, cuBLAS for f32 from 9 tokens, widened f16/bf16 tiles from 64).
-fn products(
-    gpu: &Gpu,
+fn products<G: Device>(
+    gpu: &G,
     rng: &mut ChaCha8Rng,
     wide: bool,
     cases: &mut Vec<Case>,
@@ -158,7 +162,11 @@ fn elementwise_on<D: Device>(d: &D, r: &Rows) -> anyhow::Result<Vec<Vec<f32>>> {
     Ok(out)
 }
 
-fn elementwise(gpu: &Gpu, rng: &mut ChaCha8Rng, cases: &mut Vec<Case>) -> anyhow::Result<()> {
+fn elementwise<G: Device>(
+    gpu: &G,
+    rng: &mut ChaCha8Rng,
+    cases: &mut Vec<Case>,
+) -> anyhow::Result<()> {
     let labels = [
         "rms_norm",
         "rms_norm weighted",
@@ -213,7 +221,7 @@ fn mhc_on<D: Device>(
     ])
 }
 
-fn mhc(gpu: &Gpu, rng: &mut ChaCha8Rng, cases: &mut Vec<Case>) -> anyhow::Result<()> {
+fn mhc<G: Device>(gpu: &G, rng: &mut ChaCha8Rng, cases: &mut Vec<Case>) -> anyhow::Result<()> {
     for (n, d) in [(4usize, 4096usize), (4, 100), (3, 257)] {
         let cfg = mhc_config(n, d)?;
         let width = (2 + n) * n;
@@ -291,7 +299,7 @@ fn kda_on<D: Device>(d: &D, k: &KdaCase) -> anyhow::Result<Vec<Vec<f32>>> {
     Ok(out)
 }
 
-fn kda(gpu: &Gpu, rng: &mut ChaCha8Rng, cases: &mut Vec<Case>) -> anyhow::Result<()> {
+fn kda<G: Device>(gpu: &G, rng: &mut ChaCha8Rng, cases: &mut Vec<Case>) -> anyhow::Result<()> {
     let modes = [
         (KdaMode::Recurrent, vec![1usize, 1, 7, 1, 130]),
         (KdaMode::Auto, vec![150, 1, 15, 16, 17, 1000]),
@@ -393,7 +401,7 @@ fn mla_on<D: Device>(
     Ok(vec![d.download(&out)?])
 }
 
-fn mla(gpu: &Gpu, rng: &mut ChaCha8Rng, cases: &mut Vec<Case>) -> anyhow::Result<()> {
+fn mla<G: Device>(gpu: &G, rng: &mut ChaCha8Rng, cases: &mut Vec<Case>) -> anyhow::Result<()> {
     // (heads, nope, v_dim, rank, cached tokens, new queries, kpool, topk, kv_b format)
     let shapes = [
         (
@@ -484,7 +492,7 @@ fn select_on<D: Device>(
     Ok(sel)
 }
 
-fn dsa(gpu: &Gpu, rng: &mut ChaCha8Rng, cases: &mut Vec<Case>) -> anyhow::Result<()> {
+fn dsa<G: Device>(gpu: &G, rng: &mut ChaCha8Rng, cases: &mut Vec<Case>) -> anyhow::Result<()> {
     // (heads, dim, kpool, topk, tokens, select_tail)
     let shapes = [
         (2usize, 20usize, 4usize, 16usize, 37usize, true),
@@ -569,7 +577,7 @@ fn route_on<D: Device>(
     Ok((routing.ids.clone(), vec![routing.weights, d.download(&y)?]))
 }
 
-fn routing(gpu: &Gpu, rng: &mut ChaCha8Rng, cases: &mut Vec<Case>) -> anyhow::Result<()> {
+fn routing<G: Device>(gpu: &G, rng: &mut ChaCha8Rng, cases: &mut Vec<Case>) -> anyhow::Result<()> {
     for (n_experts, groups, topk_groups, k, normalize) in [
         (16usize, 1usize, 1usize, 4usize, true),
         (64, 8, 4, 8, true),
@@ -613,4 +621,22 @@ fn routing(gpu: &Gpu, rng: &mut ChaCha8Rng, cases: &mut Vec<Case>) -> anyhow::Re
         );
     }
     Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// The harness itself, host against host: every case runs and every comparison holds
+    /// exactly (the GPU run needs a device: `cuda-check --only ops`).
+    #[test]
+    fn every_op_case_runs_host_against_host() {
+        let mut rng = ChaCha8Rng::seed_from_u64(5);
+        let mut cases = Vec::new();
+        check_ops(&Host, &mut rng, false, &mut cases).unwrap();
+        assert!(cases.len() > 200, "{} cases", cases.len());
+        for c in &cases {
+            assert!(c.finite && c.rel == 0.0, "{}: {}", c.name, c.rel);
+        }
+    }
 }
