@@ -48,13 +48,19 @@ __device__ __forceinline__ float exl3_value(u32 state) {
     }
 }
 
-// The eight weights this lane owns in the tile at `tile` (4 * halves u32 words), positions
-// 8 lane .. 8 lane + 7 in order.
-template <int CB>
-__device__ __forceinline__ void exl3_decode8(const u32* __restrict__ tile, int halves, int lane,
-                                             float w[8]) {
-    const int low = halves >> 1, half = halves & 1;
-    const int words = 4 * halves, bits = 32 * words;
+// The top 32 bits of (hi:lo) << shift (shift < 32).
+__device__ __forceinline__ u32 funnel_left(u32 lo, u32 hi, u32 shift) {
+    u32 r;
+    asm("shf.l.clamp.b32 %0, %1, %2, %3;" : "=r"(r) : "r"(lo), "r"(hi), "r"(shift));
+    return r;
+}
+
+// The eight weights this lane owns in the tile at `tile` (4 H u32 words, H = twice the bits
+// per weight), positions 8 lane .. 8 lane + 7 in order.
+template <int H, int CB>
+__device__ __forceinline__ void exl3_decode8(const u32* __restrict__ tile, int lane, float w[8]) {
+    constexpr int low = H >> 1, half = H & 1;
+    constexpr int words = 4 * H, bits = 32 * words;
     // Stream bit where the window of position 8 lane starts (16 bits before its end).
     const int end = (8 * lane + 1) * low + half * 4 * lane;
     const int start = (end - 16 + bits) % bits;
@@ -66,16 +72,13 @@ __device__ __forceinline__ void exl3_decode8(const u32* __restrict__ tile, int h
         if (at >= words) at -= words;
         a[i] = __ldg(tile + at);
     }
-    const unsigned long long v0 = ((unsigned long long)a[0] << 32) | a[1];
-    const unsigned long long v1 = ((unsigned long long)a[1] << 32) | a[2];
-    const unsigned long long v2 = ((unsigned long long)a[2] << 32) | a[3];
 #pragma unroll
     for (int j = 0; j < 8; j++) {
         // Offset of position j's window from position 0's (at most 31 + 7 * 8 + 4 bits).
         const int q = o + j * low + half * ((j + 1) >> 1);
-        const unsigned long long v = q < 32 ? v0 : (q < 64 ? v1 : v2);
-        const u32 state = (u32)(v >> (48 - (q & 31))) & 0xFFFFu;
-        w[j] = exl3_value<CB>(state);
+        const u32 hi = q < 32 ? a[0] : (q < 64 ? a[1] : a[2]);
+        const u32 lo = q < 32 ? a[1] : (q < 64 ? a[2] : a[3]);
+        w[j] = exl3_value<CB>(funnel_left(lo, hi, q & 31) >> 16);
     }
 }
 
@@ -123,15 +126,15 @@ extern "C" __global__ void exl3_rotate_output(const float* __restrict__ part, in
 
 // part[s, t, 16 nt .. 16 nt + 16] = xr[t, K slice s] What[K slice s, 16 nt .. 16 nt + 16] for
 // every token t. Grid (N / 16, splits), EXL3_GEMV_WARPS warps; slice s is k-tiles
-// [s * per, (s + 1) * per). Every block writes its outputs, an empty slice zeros.
-template <int CB>
-__device__ void exl3_gemv_strip(const u32* __restrict__ trellis, int halves, int k, int n,
-                                int per, const float* __restrict__ xr, int tokens,
-                                float* __restrict__ part) {
-    __shared__ float red[EXL3_GEMV_WARPS][TOK_TILE][16];
+// [s * per, (s + 1) * per). Every block writes its outputs, an empty slice zeros. `red` is
+// the block's shared scratch (declared by the kernel: one array for every instantiation).
+template <int H, int CB>
+__device__ void exl3_gemv_strip(const u32* __restrict__ trellis, int k, int n, int per,
+                                const float* __restrict__ xr, int tokens, float* __restrict__ part,
+                                float (*red)[TOK_TILE][16]) {
     const int lane = threadIdx.x & (WARP - 1), wid = threadIdx.x / WARP;
     const int nt = blockIdx.x, s = blockIdx.y;
-    const int k_tiles = k / 16, n_tiles = n / 16, tile_words = 4 * halves;
+    const int k_tiles = k / 16, n_tiles = n / 16, tile_words = 4 * H;
     const int kt0 = min(k_tiles, s * per), kt1 = min(k_tiles, kt0 + per);
     const int r0 = 2 * (lane & 3), c0 = lane >> 2;
     for (int t0 = 0; t0 < tokens; t0 += TOK_TILE) {
@@ -141,7 +144,7 @@ __device__ void exl3_gemv_strip(const u32* __restrict__ trellis, int halves, int
         for (int t = 0; t < TOK_TILE; t++) acc[t][0] = acc[t][1] = 0.0f;
         for (int kt = kt0 + wid; kt < kt1; kt += EXL3_GEMV_WARPS) {
             float w[8];
-            exl3_decode8<CB>(trellis + ((i64)kt * n_tiles + nt) * tile_words, halves, lane, w);
+            exl3_decode8<H, CB>(trellis + ((i64)kt * n_tiles + nt) * tile_words, lane, w);
             const float* xk = xr + (i64)t0 * k + 16 * kt + r0;
 #pragma unroll
             for (int t = 0; t < TOK_TILE; t++) {
@@ -186,32 +189,49 @@ __device__ void exl3_gemv_strip(const u32* __restrict__ trellis, int halves, int
     }
 }
 
-#define EXL3_DISPATCH_CODEBOOK(cb, CALL)       \
-    switch (cb) {                              \
-        case EXL3_INST3: CALL(EXL3_INST3); break; \
-        case EXL3_MCG: CALL(EXL3_MCG); break;   \
-        default: CALL(EXL3_MUL1); break;        \
+// Calls CALL(H, CB) with compile-time rate and codebook; half-integer rates exist for mul1
+// only (the host checks).
+#define EXL3_DISPATCH_CB(H, cb, CALL)                  \
+    switch (cb) {                                     \
+        case EXL3_INST3: CALL(H, EXL3_INST3); break;  \
+        case EXL3_MCG: CALL(H, EXL3_MCG); break;      \
+        default: CALL(H, EXL3_MUL1); break;           \
+    }
+#define EXL3_DISPATCH(halves, cb, CALL)               \
+    switch (halves) {                                 \
+        case 2: EXL3_DISPATCH_CB(2, cb, CALL) break;  \
+        case 3: CALL(3, EXL3_MUL1); break;            \
+        case 4: EXL3_DISPATCH_CB(4, cb, CALL) break;  \
+        case 5: CALL(5, EXL3_MUL1); break;            \
+        case 6: EXL3_DISPATCH_CB(6, cb, CALL) break;  \
+        case 7: CALL(7, EXL3_MUL1); break;            \
+        case 8: EXL3_DISPATCH_CB(8, cb, CALL) break;  \
+        case 10: EXL3_DISPATCH_CB(10, cb, CALL) break; \
+        case 12: EXL3_DISPATCH_CB(12, cb, CALL) break; \
+        case 14: EXL3_DISPATCH_CB(14, cb, CALL) break; \
+        default: EXL3_DISPATCH_CB(16, cb, CALL) break; \
     }
 
 // See `exl3_gemv_strip`. `halves` is twice the bits per weight (2..16).
 extern "C" __global__ void exl3_gemv(const u32* __restrict__ trellis, int halves, int codebook,
                                      int k, int n, int per, const float* __restrict__ xr,
                                      int tokens, float* __restrict__ part) {
-#define CALL(CB) exl3_gemv_strip<CB>(trellis, halves, k, n, per, xr, tokens, part)
-    EXL3_DISPATCH_CODEBOOK(codebook, CALL)
+    __shared__ float red[EXL3_GEMV_WARPS][TOK_TILE][16];
+#define CALL(H, CB) exl3_gemv_strip<H, CB>(trellis, k, n, per, xr, tokens, part, red)
+    EXL3_DISPATCH(halves, codebook, CALL)
 #undef CALL
 }
 
-template <int CB>
-__device__ void exl3_reconstruct_tile(const u32* __restrict__ trellis, int halves, int n,
-                                      int kt0, int kt1, float* __restrict__ out) {
+template <int H, int CB>
+__device__ void exl3_reconstruct_tile(const u32* __restrict__ trellis, int n, int kt0, int kt1,
+                                      float* __restrict__ out) {
     const int lane = threadIdx.x & (WARP - 1);
     const int n_tiles = n / 16;
     const i64 tile = (i64)blockIdx.x * (blockDim.x / WARP) + threadIdx.x / WARP;
     if (tile >= (i64)(kt1 - kt0) * n_tiles) return;
     const int kt = kt0 + (int)(tile / n_tiles), nt = (int)(tile % n_tiles);
     float w[8];
-    exl3_decode8<CB>(trellis + ((i64)kt * n_tiles + nt) * 4 * halves, halves, lane, w);
+    exl3_decode8<H, CB>(trellis + ((i64)kt * n_tiles + nt) * 4 * H, lane, w);
     const int r0 = 2 * (lane & 3), c0 = lane >> 2;
     float* o = out + (i64)(16 * (kt - kt0) + r0) * n + 16 * nt + c0;
 #pragma unroll
@@ -226,7 +246,7 @@ __device__ void exl3_reconstruct_tile(const u32* __restrict__ trellis, int halve
 extern "C" __global__ void exl3_reconstruct(const u32* __restrict__ trellis, int halves,
                                             int codebook, int n, int kt0, int kt1,
                                             float* __restrict__ out) {
-#define CALL(CB) exl3_reconstruct_tile<CB>(trellis, halves, n, kt0, kt1, out)
-    EXL3_DISPATCH_CODEBOOK(codebook, CALL)
+#define CALL(H, CB) exl3_reconstruct_tile<H, CB>(trellis, n, kt0, kt1, out)
+    EXL3_DISPATCH(halves, codebook, CALL)
 #undef CALL
 }
