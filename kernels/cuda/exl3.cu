@@ -25,7 +25,13 @@
 // 1 / sqrt(128) as the CPU rounds it.
 #define EXL3_HSCALE 0.08838835f
 // Warps of an `exl3_gemv` block: each takes every GEMV_WARPS-th tile of the block's slice.
+#ifndef EXL3_GEMV_WARPS
 #define EXL3_GEMV_WARPS 8
+#endif
+// Blocks of `exl3_gemv` an SM should hold at once (caps its registers per thread).
+#ifndef EXL3_GEMV_MIN_BLOCKS
+#define EXL3_GEMV_MIN_BLOCKS 1
+#endif
 
 __device__ __forceinline__ float round_f16(float v) {
     u16 h;
@@ -33,18 +39,26 @@ __device__ __forceinline__ float round_f16(float v) {
     return f16_to_f32(h);
 }
 
-// The weight codebook CB gives 16-bit `state`.
+// The weight codebook CB gives 16-bit `state`. Every step is exact up to the one rounding
+// to f16 that exllamav3 makes: mul1's value (1774 sum - 905216) / 2^18 is an f32 (the sum
+// made a float exactly by the 2^23 trick, then one fma); 3inst's and mcg's two f16 halves
+// add in f16, which rounds their exact sum once, as the f32 sum rounded to f16 does.
 template <int CB>
 __device__ __forceinline__ float exl3_value(u32 state) {
     if (CB == EXL3_MUL1) {
         const u32 y = state * 0x83DCD12Du;
         u32 sum;
         asm("dp4a.u32.u32 %0, %1, %2, %3;" : "=r"(sum) : "r"(y), "r"(0x01010101u), "r"(0u));
-        return round_f16((float)(1774 * (int)sum - 905216) * (1.0f / 262144.0f));
+        const float s = __uint_as_float(0x4B000000u | sum) - 8388608.0f;
+        return round_f16(fmaf(s, 1774.0f / 262144.0f, -905216.0f / 262144.0f));
     } else {
         u32 y = CB == EXL3_MCG ? state * 0xCBAC1FEDu : state * 89226354u + 64248484u;
         y = (y & 0x8FFF8FFFu) ^ 0x3B603B60u;
-        return round_f16(f16_to_f32((u16)(y & 0xFFFF)) + f16_to_f32((u16)(y >> 16)));
+        u16 h;
+        asm("{.reg .b16 lo, hi;\n\tmov.b32 {lo, hi}, %1;\n\tadd.rn.f16 %0, lo, hi;\n\t}"
+            : "=h"(h)
+            : "r"(y));
+        return f16_to_f32(h);
     }
 }
 
@@ -55,30 +69,46 @@ __device__ __forceinline__ u32 funnel_left(u32 lo, u32 hi, u32 shift) {
     return r;
 }
 
-// The eight weights this lane owns in the tile at `tile` (4 H u32 words, H = twice the bits
-// per weight), positions 8 lane .. 8 lane + 7 in order.
-template <int H, int CB>
-__device__ __forceinline__ void exl3_decode8(const u32* __restrict__ tile, int lane, float w[8]) {
-    constexpr int low = H >> 1, half = H & 1;
-    constexpr int words = 4 * H, bits = 32 * words;
-    // Stream bit where the window of position 8 lane starts (16 bits before its end).
+// Where a lane's bits lie in a tile of rate H (4 H u32 words, H twice the bits per weight):
+// the first of the four words holding the windows of its positions 8 lane .. 8 lane + 7, and
+// the first window's bit offset in that word.
+template <int H>
+__device__ __forceinline__ void exl3_lane_window(int lane, int& w0, int& o) {
+    constexpr int low = H >> 1, half = H & 1, bits = 128 * H;
+    // The window of position 8 lane starts 16 bits before its end.
     const int end = (8 * lane + 1) * low + half * 4 * lane;
     const int start = (end - 16 + bits) % bits;
-    const int w0 = start >> 5, o = start & 31;
-    u32 a[4];
+    w0 = start >> 5;
+    o = start & 31;
+}
+
+// The lane's four words of the tile at `tile`, wrapping around its end.
+template <int H>
+__device__ __forceinline__ void exl3_load4(const u32* __restrict__ tile, int w0, u32 a[4]) {
 #pragma unroll
     for (int i = 0; i < 4; i++) {
         int at = w0 + i;
-        if (at >= words) at -= words;
+        if (at >= 4 * H) at -= 4 * H;
         a[i] = __ldg(tile + at);
     }
+}
+
+// The lane's eight weights (positions 8 lane .. 8 lane + 7 in order) from its four words and
+// first window offset `o`.
+template <int H, int CB>
+__device__ __forceinline__ void exl3_decode_words(const u32 a[4], int o, float w[8]) {
+    constexpr int low = H >> 1, half = H & 1;
+    // b[i]: the 32 bits from the first window's start + 32 i, so that every window below sits
+    // at a compile-time offset (at most 7 * 8 + 4 bits; windows end by bit 76).
+    u32 b[3];
+#pragma unroll
+    for (int i = 0; i < 3; i++) b[i] = funnel_left(a[i + 1], a[i], o);
 #pragma unroll
     for (int j = 0; j < 8; j++) {
-        // Offset of position j's window from position 0's (at most 31 + 7 * 8 + 4 bits).
-        const int q = o + j * low + half * ((j + 1) >> 1);
-        const u32 hi = q < 32 ? a[0] : (q < 64 ? a[1] : a[2]);
-        const u32 lo = q < 32 ? a[1] : (q < 64 ? a[2] : a[3]);
-        w[j] = exl3_value<CB>(funnel_left(lo, hi, q & 31) >> 16);
+        const int d = j * low + half * ((j + 1) >> 1);
+        const u32 state = (d & 31) <= 16 ? (b[d >> 5] << (d & 31)) >> 16
+                                         : funnel_left(b[(d >> 5) + 1], b[d >> 5], d & 31) >> 16;
+        w[j] = exl3_value<CB>(state);
     }
 }
 
@@ -137,14 +167,26 @@ __device__ void exl3_gemv_strip(const u32* __restrict__ trellis, int k, int n, i
     const int k_tiles = k / 16, n_tiles = n / 16, tile_words = 4 * H;
     const int kt0 = min(k_tiles, s * per), kt1 = min(k_tiles, kt0 + per);
     const int r0 = 2 * (lane & 3), c0 = lane >> 2;
+    int w0, o;
+    exl3_lane_window<H>(lane, w0, o);
+    const u32* strip = trellis + (i64)nt * tile_words;
+    const i64 stride = (i64)n_tiles * tile_words;
     for (int t0 = 0; t0 < tokens; t0 += TOK_TILE) {
         const int nt_tok = min(TOK_TILE, tokens - t0);
         float acc[TOK_TILE][2];
 #pragma unroll
         for (int t = 0; t < TOK_TILE; t++) acc[t][0] = acc[t][1] = 0.0f;
+        // The next tile's words load while this one decodes.
+        u32 cur[4] = {0, 0, 0, 0};
+        if (kt0 + wid < kt1) exl3_load4<H>(strip + (kt0 + wid) * stride, w0, cur);
         for (int kt = kt0 + wid; kt < kt1; kt += EXL3_GEMV_WARPS) {
+            u32 next[4] = {0, 0, 0, 0};
+            if (kt + EXL3_GEMV_WARPS < kt1)
+                exl3_load4<H>(strip + (kt + EXL3_GEMV_WARPS) * stride, w0, next);
             float w[8];
-            exl3_decode8<H, CB>(trellis + ((i64)kt * n_tiles + nt) * tile_words, lane, w);
+            exl3_decode_words<H, CB>(cur, o, w);
+#pragma unroll
+            for (int i = 0; i < 4; i++) cur[i] = next[i];
             const float* xk = xr + (i64)t0 * k + 16 * kt + r0;
 #pragma unroll
             for (int t = 0; t < TOK_TILE; t++) {
@@ -213,7 +255,8 @@ __device__ void exl3_gemv_strip(const u32* __restrict__ trellis, int k, int n, i
     }
 
 // See `exl3_gemv_strip`. `halves` is twice the bits per weight (2..16).
-extern "C" __global__ void exl3_gemv(const u32* __restrict__ trellis, int halves, int codebook,
+extern "C" __global__ void __launch_bounds__(EXL3_GEMV_WARPS * WARP, EXL3_GEMV_MIN_BLOCKS)
+exl3_gemv(const u32* __restrict__ trellis, int halves, int codebook,
                                      int k, int n, int per, const float* __restrict__ xr,
                                      int tokens, float* __restrict__ part) {
     __shared__ float red[EXL3_GEMV_WARPS][TOK_TILE][16];
@@ -230,14 +273,18 @@ __device__ void exl3_reconstruct_tile(const u32* __restrict__ trellis, int n, in
     const i64 tile = (i64)blockIdx.x * (blockDim.x / WARP) + threadIdx.x / WARP;
     if (tile >= (i64)(kt1 - kt0) * n_tiles) return;
     const int kt = kt0 + (int)(tile / n_tiles), nt = (int)(tile % n_tiles);
+    int w0, o;
+    exl3_lane_window<H>(lane, w0, o);
+    u32 a[4];
+    exl3_load4<H>(trellis + ((i64)kt * n_tiles + nt) * 4 * H, w0, a);
     float w[8];
-    exl3_decode8<H, CB>(trellis + ((i64)kt * n_tiles + nt) * 4 * H, lane, w);
+    exl3_decode_words<H, CB>(a, o, w);
     const int r0 = 2 * (lane & 3), c0 = lane >> 2;
-    float* o = out + (i64)(16 * (kt - kt0) + r0) * n + 16 * nt + c0;
+    float* dst = out + (i64)(16 * (kt - kt0) + r0) * n + 16 * nt + c0;
 #pragma unroll
     for (int j = 0; j < 8; j++) {
         const int dr = (j & 1) + ((j & 2) ? 8 : 0), dc = (j & 4) ? 8 : 0;
-        o[(i64)dr * n + dc] = w[j];
+        dst[(i64)dr * n + dc] = w[j];
     }
 }
 
