@@ -25,13 +25,7 @@
 // 1 / sqrt(128) as the CPU rounds it.
 #define EXL3_HSCALE 0.08838835f
 // Warps of an `exl3_gemv` block: each takes every GEMV_WARPS-th tile of the block's slice.
-#ifndef EXL3_GEMV_WARPS
 #define EXL3_GEMV_WARPS 8
-#endif
-// Blocks of `exl3_gemv` an SM should hold at once (caps its registers per thread).
-#ifndef EXL3_GEMV_MIN_BLOCKS
-#define EXL3_GEMV_MIN_BLOCKS 1
-#endif
 
 __device__ __forceinline__ float round_f16(float v) {
     u16 h;
@@ -255,8 +249,7 @@ __device__ void exl3_gemv_strip(const u32* __restrict__ trellis, int k, int n, i
     }
 
 // See `exl3_gemv_strip`. `halves` is twice the bits per weight (2..16).
-extern "C" __global__ void __launch_bounds__(EXL3_GEMV_WARPS * WARP, EXL3_GEMV_MIN_BLOCKS)
-exl3_gemv(const u32* __restrict__ trellis, int halves, int codebook,
+extern "C" __global__ void exl3_gemv(const u32* __restrict__ trellis, int halves, int codebook,
                                      int k, int n, int per, const float* __restrict__ xr,
                                      int tokens, float* __restrict__ part) {
     __shared__ float red[EXL3_GEMV_WARPS][TOK_TILE][16];
