@@ -1,11 +1,14 @@
 //! EXL3 on the GPU against the CPU decoder, on random trellises of every rate (1 to 8 bits,
 //! 1.5, 2.5, 3.5) and codebook: the decoded weights bit for bit, and products through the
 //! GEMV (1-63 token rows) and through the decoded weights and cuBLAS (from 64), directly and
-//! as a placed matrix. With `--wide`, also the GEMV's speed at GLM-5.3-Flash expert shapes.
+//! as a placed matrix; and against exllamav3's own outputs where its fixture is at hand
+//! (`e2e/fixtures/exl3/tiles.safetensors`, from the repository root). With `--wide`, also the
+//! GEMV's speed at GLM-5.3-Flash expert shapes.
 
 use super::*;
 use crate::backend::cuda::Exl3Weights;
 use crate::quant::exl3::{Codebook, Exl3Linear, Kernel};
+use std::collections::BTreeMap;
 use std::time::Instant;
 
 /// Tile lengths (int16 words) of every rate EXL3 defines.
@@ -14,6 +17,11 @@ const CODEBOOKS: [Codebook; 3] = [Codebook::Inst3, Codebook::Mcg, Codebook::Mul1
 /// Both sides decode the same f16 weights and keep f32 activations; only the summation
 /// order differs.
 const EXL3_BOUND: f64 = 1e-4;
+/// exllamav3's fixture: tiles it reconstructed and `LinearEXL3` outputs (see e2e/exl3/README.md).
+const EXLLAMA_TILES: &str = "e2e/fixtures/exl3/tiles.safetensors";
+/// Rel. L2 between our f32 product and exllamav3's: it rounds the input, the rotated input,
+/// the product and the rotated output to f16, ~5e-4 from the float64 product itself.
+const VS_EXLLAMA: f64 = 1.5e-3;
 
 /// A layer of `k` inputs and `n` outputs with a random trellis of `len`-word tiles.
 fn random_linear(
@@ -98,6 +106,7 @@ pub(super) fn check_exl3(
         }
     }
     check_placed(cuda, rng, wide, cases)?;
+    check_exllamav3(cuda, cases)?;
     if wide {
         gemv_speed(cuda, rng)?;
     }
@@ -158,6 +167,103 @@ fn check_placed(
     Ok(())
 }
 
+/// `(shape, bytes)` of every tensor of a safetensors file, by name.
+type Tensors = BTreeMap<String, (Vec<usize>, Vec<u8>)>;
+
+fn read_tensors(path: &std::path::Path) -> anyhow::Result<Tensors> {
+    let data = std::fs::read(path).with_context(|| path.display().to_string())?;
+    let len = u64::from_le_bytes(data.get(..8).context("short file")?.try_into()?) as usize;
+    let header: BTreeMap<String, serde_json::Value> =
+        serde_json::from_slice(data.get(8..8 + len).context("short header")?)?;
+    let body = &data[8 + len..];
+    header
+        .into_iter()
+        .filter(|(k, _)| k != "__metadata__")
+        .map(|(k, v)| {
+            let at: Vec<usize> = serde_json::from_value(v["data_offsets"].clone())?;
+            let shape: Vec<usize> = serde_json::from_value(v["shape"].clone())?;
+            let bytes = body
+                .get(at[0]..at[1])
+                .context("tensor past the end")?
+                .to_vec();
+            Ok((k, (shape, bytes)))
+        })
+        .collect()
+}
+
+fn f16s(bytes: &[u8]) -> Vec<f32> {
+    bytes
+        .chunks_exact(2)
+        .map(|b| half::f16::from_le_bytes([b[0], b[1]]).to_f32())
+        .collect()
+}
+
+/// Every tile exllamav3 reconstructed, decoded on the GPU bit for bit, and its `LinearEXL3`
+/// outputs reproduced (GEMV for its 5 rows, and the decoded weights with cuBLAS).
+fn check_exllamav3(cuda: &Arc<Cuda>, cases: &mut Vec<Case>) -> anyhow::Result<()> {
+    let path = std::path::Path::new(EXLLAMA_TILES);
+    if !path.exists() {
+        println!(
+            "{EXLLAMA_TILES} not found (run from the repository root): exllamav3 cases skipped"
+        );
+        return Ok(());
+    }
+    let tiles = read_tensors(path)?;
+    for (name, (shape, trellis)) in tiles.iter().filter(|(k, _)| k.ends_with(".trellis")) {
+        let mut it = name.split('.').skip(1);
+        let (cb, tag) = (
+            it.next().context(name.clone())?,
+            it.next().context(name.clone())?,
+        );
+        let cb = Codebook::from_name(cb)?;
+        let p = format!("lin.{}.{tag}", cb.name());
+        let (suh, svh) = match (
+            tiles.get(&format!("{p}.suh")),
+            tiles.get(&format!("{p}.svh")),
+        ) {
+            (Some(suh), Some(svh)) => (f16s(&suh.1), f16s(&svh.1)),
+            _ => (vec![1.0; 16 * shape[0]], vec![1.0; 16 * shape[1]]),
+        };
+        let lin = Exl3Linear::new(shape, trellis, suh, svh, cb)?;
+        let w = Exl3Weights::upload(cuda, &lin)?;
+        let (k, n) = (lin.in_features(), lin.out_features());
+        let mut out = cuda.alloc_f32(k * n)?;
+        cuda.exl3_reconstruct(&w, 0, k / 16, &mut out)?;
+        let got = cuda.download(&out)?;
+        let want = &tiles[&format!("tile.{}.{tag}.reconstructed", cb.name())].1;
+        let same = f16s(want)
+            .iter()
+            .zip(&got)
+            .all(|(a, b)| a.to_bits() == b.to_bits());
+        cases.push(exact_case(
+            format!("{} reconstruct = exllamav3's", label(&lin)),
+            same,
+        ));
+        let Some((_, x)) = tiles.get(&format!("{p}.x")) else {
+            continue;
+        };
+        let x = f16s(x);
+        let rows = x.len() / k;
+        // exllamav3's 5 rows through the GEMV, and 13 copies of them (65 rows) through cuBLAS.
+        for copies in [1usize, 64usize.div_ceil(rows)] {
+            let xs: Vec<f32> = (0..copies).flat_map(|_| x.iter().copied()).collect();
+            let dxs = cuda.upload(&xs)?;
+            let mut dy = cuda.alloc_f32(copies * rows * n)?;
+            cuda.exl3_matmul(&w, &dxs, copies * rows, &mut dy)?;
+            let got = cuda.download(&dy)?;
+            let theirs = f16s(&tiles[&format!("{p}.y")].1);
+            let want: Vec<f32> = (0..copies).flat_map(|_| theirs.iter().copied()).collect();
+            cases.push(case(
+                format!("{} n={} vs exllamav3's y", label(&lin), copies * rows),
+                &got[..copies * rows * n],
+                &want,
+                VS_EXLLAMA,
+            ));
+        }
+    }
+    Ok(())
+}
+
 /// Prints the GEMV's time and trellis bytes read per second (whole product: both rotations
 /// included) at GLM-5.3-Flash expert shapes, against the device's copy bandwidth.
 fn gemv_speed(cuda: &Arc<Cuda>, rng: &mut ChaCha8Rng) -> anyhow::Result<()> {
@@ -204,4 +310,43 @@ fn gemv_speed(cuda: &Arc<Cuda>, rng: &mut ChaCha8Rng) -> anyhow::Result<()> {
     }
     cuda.set_poison(true);
     Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// The fixture parses into what `check_exllamav3` reads: 27 trellises with their
+    /// reconstructions, 15 of them with a `LinearEXL3` run of 5 rows; and the CPU's product on
+    /// them is within the bound the GPU's is held to.
+    #[test]
+    fn exllamav3_fixture_reads_as_the_gpu_check_expects() {
+        let path = std::path::Path::new(env!("CARGO_MANIFEST_DIR"))
+            .join("..")
+            .join(EXLLAMA_TILES);
+        let tiles = read_tensors(&path).unwrap();
+        let (mut trellises, mut runs) = (0, 0);
+        for (name, (shape, trellis)) in tiles.iter().filter(|(k, _)| k.ends_with(".trellis")) {
+            trellises += 1;
+            let base = name.trim_end_matches(".trellis");
+            assert_eq!(tiles[&format!("{base}.reconstructed")].0, [256, 128]);
+            let p = base.replacen("tile.", "lin.", 1);
+            let Some((_, x)) = tiles.get(&format!("{p}.x")) else {
+                continue;
+            };
+            runs += 1;
+            let cb = Codebook::from_name(name.split('.').nth(1).unwrap()).unwrap();
+            let (suh, svh) = (
+                f16s(&tiles[&format!("{p}.suh")].1),
+                f16s(&tiles[&format!("{p}.svh")].1),
+            );
+            let lin = Exl3Linear::new(shape, trellis, suh, svh, cb).unwrap();
+            let x = f16s(x);
+            assert_eq!(x.len(), 5 * 256);
+            let y = cpu_product(&lin, &x, 5).unwrap();
+            let err = rel_err(&y, &f16s(&tiles[&format!("{p}.y")].1));
+            assert!(err < VS_EXLLAMA, "{p}: {err:.2e}");
+        }
+        assert_eq!((trellises, runs), (27, 15));
+    }
 }
