@@ -16,6 +16,16 @@ pub const SOURCES: &[(&str, &str, &[&str])] = &[
         &["matvec", "matvec_split", "widen_f32"],
     ),
     (
+        "exl3.cu",
+        include_str!("../cuda/exl3.cu"),
+        &[
+            "exl3_rotate_input",
+            "exl3_rotate_output",
+            "exl3_gemv",
+            "exl3_reconstruct",
+        ],
+    ),
+    (
         "moe.cu",
         include_str!("../cuda/moe.cu"),
         &["moe_gate_up", "moe_down", "moe_combine"],

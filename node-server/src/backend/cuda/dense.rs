@@ -28,16 +28,7 @@ impl Cuda {
             return self.matvec(w, format, rows, cols, x, n, y);
         }
         check_product(w, format, rows, cols, x, n, y)?;
-        let blas = self
-            .blas
-            .get_or_init(|| {
-                CudaBlas::new(self.stream.clone())
-                    .map(std::sync::Mutex::new)
-                    .map_err(|e| format!("{e:?}"))
-            })
-            .as_ref()
-            .map_err(|e| CudaError::Unavailable(format!("cuBLAS could not start: {e}")))?;
-        let blas = blas.lock().unwrap_or_else(|e| e.into_inner());
+        let blas = self.blas()?;
         let tile = (WIDEN_TILE_VALUES / cols).clamp(1, rows);
         let mut widened = match format {
             Format::F32 => None,

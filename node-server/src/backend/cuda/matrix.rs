@@ -1,7 +1,8 @@
 //! Dense weight matrices on the GPU, in their own format; products through
-//! [`Cuda::matmul`] (the `matvec` kernel for few tokens, cuBLAS SGEMM for many).
+//! [`Cuda::matmul`] (the `matvec` kernel for few tokens, cuBLAS SGEMM for many), or for an
+//! EXL3 layer [`Cuda::exl3_matmul`] (its GEMV, or its weights decoded for cuBLAS).
 
-use super::{Cuda, CudaError};
+use super::{Cuda, CudaError, Exl3Weights};
 use crate::backend::cpu::{DeviceWeights, Matrix, Placer};
 use crate::quant::Format;
 use cudarc::driver::CudaSlice;
@@ -14,23 +15,35 @@ use std::sync::{Arc, Mutex};
 #[derive(Clone)]
 pub struct CudaMatrix {
     cuda: Arc<Cuda>,
-    w: Arc<CudaSlice<u8>>,
-    format: Format,
+    weights: DeviceData,
     rows: usize,
     cols: usize,
 }
 
+#[derive(Clone)]
+enum DeviceData {
+    /// Rows in one format.
+    Rows {
+        w: Arc<CudaSlice<u8>>,
+        format: Format,
+    },
+    /// An EXL3 layer (`cols` inputs, `rows` outputs).
+    Exl3(Arc<Exl3Weights>),
+}
+
 impl CudaMatrix {
     pub fn upload(cuda: &Arc<Cuda>, m: &Matrix) -> Result<CudaMatrix, CudaError> {
-        let (Some(format), Some(bytes)) = (m.format(), m.as_bytes()) else {
-            return Err(CudaError::Invalid(format!(
-                "{m:?}: EXL3 weights have no CUDA kernels"
-            )));
+        let weights = match (m.exl3(), m.format(), m.as_bytes()) {
+            (Some(lin), _, _) => DeviceData::Exl3(Arc::new(Exl3Weights::upload(cuda, lin)?)),
+            (None, Some(format), Some(bytes)) => DeviceData::Rows {
+                w: Arc::new(cuda.upload(&bytes)?),
+                format,
+            },
+            _ => return Err(CudaError::Invalid(format!("{m:?}: no device form"))),
         };
         Ok(CudaMatrix {
             cuda: cuda.clone(),
-            w: Arc::new(cuda.upload(&bytes)?),
-            format,
+            weights,
             rows: m.rows(),
             cols: m.cols(),
         })
@@ -62,8 +75,12 @@ impl CudaMatrix {
     /// `W x` for each of `n` token rows of `x` (`[n, cols]`, on this device): `[n, rows]`.
     pub fn apply(&self, x: &CudaSlice<f32>, n: usize) -> Result<CudaSlice<f32>, CudaError> {
         let mut y = self.cuda.alloc_f32(n * self.rows)?;
-        self.cuda
-            .matmul(&self.w, self.format, self.rows, self.cols, x, n, &mut y)?;
+        match &self.weights {
+            DeviceData::Rows { w, format } => self
+                .cuda
+                .matmul(w, *format, self.rows, self.cols, x, n, &mut y)?,
+            DeviceData::Exl3(w) => self.cuda.exl3_matmul(w, x, n, &mut y)?,
+        }
         Ok(y)
     }
 
@@ -83,7 +100,10 @@ impl DeviceWeights for CudaMatrix {
     }
 
     fn bytes(&self) -> usize {
-        self.w.len()
+        match &self.weights {
+            DeviceData::Rows { w, .. } => w.len(),
+            DeviceData::Exl3(w) => w.bytes(),
+        }
     }
 
     fn as_any(&self) -> &dyn std::any::Any {
@@ -125,8 +145,7 @@ impl CudaPlacer {
 
 impl Placer for CudaPlacer {
     fn place(&self, m: &Matrix) -> Option<Arc<dyn DeviceWeights>> {
-        // EXL3 matrices have no CUDA kernels: their products stay on the CPU.
-        if m.rows() * m.cols() < self.min_values || m.format().is_none() {
+        if m.rows() * m.cols() < self.min_values {
             return None;
         }
         match CudaMatrix::upload(&self.cuda, m) {

@@ -12,6 +12,7 @@ use crate::quant::Format;
 pub mod attn;
 mod dense;
 mod elementwise;
+mod exl3;
 pub mod matrix;
 mod moe;
 mod ops;
@@ -21,6 +22,7 @@ use cudarc::driver::{
 };
 use cudarc::nvrtc::{CompileOptions, Ptx};
 pub use elementwise::KdaGates;
+pub use exl3::Exl3Weights;
 pub use moe::{MoeLayout, MoeRun, MoeStep, RouteSpec, SlotArena};
 pub use ops::{KdaForm, KdaSpec, MhcCollapse, MhcSpec};
 use std::collections::HashMap;
@@ -280,6 +282,20 @@ impl Cuda {
 
     pub fn stream(&self) -> &Arc<CudaStream> {
         &self.stream
+    }
+
+    /// cuBLAS on the compute stream, started at its first use.
+    fn blas(&self) -> Result<std::sync::MutexGuard<'_, CudaBlas>, CudaError> {
+        let blas = self
+            .blas
+            .get_or_init(|| {
+                CudaBlas::new(self.stream.clone())
+                    .map(std::sync::Mutex::new)
+                    .map_err(|e| format!("{e:?}"))
+            })
+            .as_ref()
+            .map_err(|e| CudaError::Unavailable(format!("cuBLAS could not start: {e}")))?;
+        Ok(blas.lock().unwrap_or_else(|e| e.into_inner()))
     }
 
     fn kernel(&self, name: &str) -> &CudaFunction {

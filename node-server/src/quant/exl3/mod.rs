@@ -88,7 +88,8 @@ impl Rate {
         self.halves % 2 == 1
     }
 
-    fn halves(self) -> u8 {
+    /// Twice the bits per weight (2 to 16).
+    pub fn halves(self) -> u8 {
         self.halves
     }
 
@@ -288,6 +289,34 @@ impl Exl3Linear {
 
     pub fn codebook(&self) -> Codebook {
         self.codebook
+    }
+
+    /// The input scales `suh` (`K` values).
+    pub fn suh(&self) -> &[f32] {
+        &self.suh
+    }
+
+    /// The output scales `svh` (`N` values).
+    pub fn svh(&self) -> &[f32] {
+        &self.svh
+    }
+
+    pub fn bias(&self) -> Option<&[f32]> {
+        self.bias.as_deref()
+    }
+
+    /// The trellis as the checkpoint stores it (what a GPU decodes): int16
+    /// `[K/16, N/16, 16 * bits]` as little-endian bytes.
+    pub fn checkpoint_trellis(&self) -> Vec<u8> {
+        let (tile_bytes, stream) = (self.rate.tile_bytes(), self.rate.stream_bytes());
+        let tiles = self.k / 16 * self.n / 16;
+        let mut out = Vec::with_capacity(tiles * stream);
+        for tile in self.stream.chunks_exact(tile_bytes).take(tiles) {
+            for w in tile[trellis::WRAP..].chunks_exact(4) {
+                out.extend(u32::from_be_bytes([w[0], w[1], w[2], w[3]]).to_le_bytes());
+            }
+        }
+        out
     }
 
     /// The trellis as stored here (start and length in bytes, for pinning them in RAM).

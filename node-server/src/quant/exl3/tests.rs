@@ -298,3 +298,20 @@ fn dequantized_rows_give_the_same_product() {
         }
     }
 }
+
+#[test]
+fn checkpoint_trellis_gives_back_the_stored_words() {
+    for len in TILE_LENS {
+        let (k, n) = (128, 256);
+        let trellis = random_bytes(len as u64, k / 16 * n / 16 * len * 2);
+        let lin = Exl3Linear::new(
+            &[k / 16, n / 16, len],
+            &trellis,
+            vec![1.0; k],
+            vec![1.0; n],
+            Codebook::Mul1,
+        )
+        .unwrap();
+        assert_eq!(lin.checkpoint_trellis(), trellis, "tiles of {len} words");
+    }
+}

@@ -4,6 +4,7 @@
 //! exits non-zero on any failure. Needs a CUDA device.
 
 mod blocks;
+mod exl3;
 mod model;
 mod per_op;
 mod products;
@@ -32,6 +33,7 @@ use crate::quant::Format;
 use crate::tiers::vram::write_slot;
 use anyhow::Context;
 use blocks::{check_dsa, check_kda, check_mhc, check_mla};
+use exl3::check_exl3;
 use model::check_decode;
 use products::{check_dense, check_matvec, check_moe, check_router, check_small_ops};
 use rand::{Rng, SeedableRng};
@@ -49,7 +51,7 @@ pub struct CudaCheckArgs {
     #[arg(long, env = "GLMFLASH_CUDA_DEVICE", default_value_t = 0)]
     pub cuda_device: usize,
     /// Run only these groups of checks (comma-separated; default all): matvec, dense, moe,
-    /// ops, matvec, dense, moe, small, router, mhc, kda, mla, dsa, decode.
+    /// ops, matvec, dense, moe, small, router, mhc, kda, mla, dsa, decode, exl3.
     #[arg(long, env = "GLMFLASH_CHECK_ONLY", value_delimiter = ',')]
     pub only: Vec<String>,
 }
@@ -57,9 +59,10 @@ pub struct CudaCheckArgs {
 /// The groups of checks, in the order they run: `ops` runs every op of the model's device
 /// interface on the host and the GPU; the others check kernels the interface does not reach
 /// one by one (each format's matvec, forced KDA forms, the expanded MLA layout, the fused
-/// MoE launches) and the whole model.
-const GROUPS: [&str; 11] = [
+/// MoE launches, EXL3's decode and products against exllamav3's) and the whole model.
+const GROUPS: [&str; 12] = [
     "ops", "matvec", "dense", "moe", "small", "router", "mhc", "kda", "mla", "dsa", "decode",
+    "exl3",
 ];
 
 /// One compared case.
@@ -145,7 +148,8 @@ pub fn run(args: &CudaCheckArgs) -> anyhow::Result<bool> {
             "kda" => check_kda(cuda, rng, cases)?,
             "mla" => check_mla(cuda, rng, cases)?,
             "dsa" => check_dsa(cuda, rng, cases)?,
-            _ => check_decode(cuda, rng, cases)?,
+            "decode" => check_decode(cuda, rng, cases)?,
+            _ => check_exl3(cuda, rng, args.wide, cases)?,
         }
     }
     println!("{:<52} {:>12} {:>10}  result", "case", "rel err", "bound");

@@ -1,0 +1,292 @@
+// EXL3 (exllamav3) linear layers straight from the trellis: y = x W with
+// W = diag(suh) H What H diag(svh), H block-diagonal 128x128 orthonormal Hadamard. A product
+// is three launches: `exl3_rotate_input` (xr = (x * suh) H), `exl3_gemv` (partial sums of
+// xr What over slices of K, each tile decoded inside the dot) or `exl3_reconstruct` + cuBLAS
+// for many tokens, then `exl3_rotate_output` (sum of the slices, H, * svh, + bias).
+//
+// The trellis is as the checkpoint stores it: int16 [K/16, N/16, 16 * bits], tile (kt, nt)
+// at word (kt * N/16 + nt) * 8 * bits read as little-endian u32 words. Its bit stream reads
+// each word from bit 31 down; position p owns the next d(p) bits (bits, or at half-integer
+// rates floor(bits) on even and floor(bits) + 1 on odd p) and its 16-bit state is the 16
+// stream bits ending where its own end, wrapping around the tile. Position p = 8 g + j sits
+// at row 2 (g mod 4) + {0,1,8,9,0,1,8,9}[j], column g div 4 + {0,0,0,0,8,8,8,8}[j]: lane g
+// of a warp decodes positions 8 g .. 8 g + 7, two columns of four rows.
+//
+// Arithmetic mirrors the CPU decoder (node-server/src/quant/exl3): the decoded weights are
+// exllamav3's f16 values bit for bit, activations stay f32, the Hadamard butterfly runs in
+// the same order with the same scale.
+#include "common.cuh"
+
+// Codebooks; the numbers match the Rust `Codebook` discriminants.
+#define EXL3_INST3 0
+#define EXL3_MCG 1
+#define EXL3_MUL1 2
+
+// 1 / sqrt(128) as the CPU rounds it.
+#define EXL3_HSCALE 0.08838835f
+// Warps of an `exl3_gemv` block: each takes every GEMV_WARPS-th tile of the block's slice.
+#define EXL3_GEMV_WARPS 8
+
+__device__ __forceinline__ float round_f16(float v) {
+    u16 h;
+    asm("cvt.rn.f16.f32 %0, %1;" : "=h"(h) : "f"(v));
+    return f16_to_f32(h);
+}
+
+// The weight codebook CB gives 16-bit `state`. Every step is exact up to the one rounding
+// to f16 that exllamav3 makes: mul1's value (1774 sum - 905216) / 2^18 is an f32 (the sum
+// made a float exactly by the 2^23 trick, then one fma); 3inst's and mcg's two f16 halves
+// add in f16, which rounds their exact sum once, as the f32 sum rounded to f16 does.
+template <int CB>
+__device__ __forceinline__ float exl3_value(u32 state) {
+    if (CB == EXL3_MUL1) {
+        const u32 y = state * 0x83DCD12Du;
+        u32 sum;
+        asm("dp4a.u32.u32 %0, %1, %2, %3;" : "=r"(sum) : "r"(y), "r"(0x01010101u), "r"(0u));
+        const float s = __uint_as_float(0x4B000000u | sum) - 8388608.0f;
+        return round_f16(fmaf(s, 1774.0f / 262144.0f, -905216.0f / 262144.0f));
+    } else {
+        u32 y = CB == EXL3_MCG ? state * 0xCBAC1FEDu : state * 89226354u + 64248484u;
+        y = (y & 0x8FFF8FFFu) ^ 0x3B603B60u;
+        u16 h;
+        asm("{.reg .b16 lo, hi;\n\tmov.b32 {lo, hi}, %1;\n\tadd.rn.f16 %0, lo, hi;\n\t}"
+            : "=h"(h)
+            : "r"(y));
+        return f16_to_f32(h);
+    }
+}
+
+// The top 32 bits of (hi:lo) << shift (shift < 32).
+__device__ __forceinline__ u32 funnel_left(u32 lo, u32 hi, u32 shift) {
+    u32 r;
+    asm("shf.l.clamp.b32 %0, %1, %2, %3;" : "=r"(r) : "r"(lo), "r"(hi), "r"(shift));
+    return r;
+}
+
+// Where a lane's bits lie in a tile of rate H (4 H u32 words, H twice the bits per weight):
+// the first of the four words holding the windows of its positions 8 lane .. 8 lane + 7, and
+// the first window's bit offset in that word.
+template <int H>
+__device__ __forceinline__ void exl3_lane_window(int lane, int& w0, int& o) {
+    constexpr int low = H >> 1, half = H & 1, bits = 128 * H;
+    // The window of position 8 lane starts 16 bits before its end.
+    const int end = (8 * lane + 1) * low + half * 4 * lane;
+    const int start = (end - 16 + bits) % bits;
+    w0 = start >> 5;
+    o = start & 31;
+}
+
+// The lane's four words of the tile at `tile`, wrapping around its end.
+template <int H>
+__device__ __forceinline__ void exl3_load4(const u32* __restrict__ tile, int w0, u32 a[4]) {
+#pragma unroll
+    for (int i = 0; i < 4; i++) {
+        int at = w0 + i;
+        if (at >= 4 * H) at -= 4 * H;
+        a[i] = __ldg(tile + at);
+    }
+}
+
+// The lane's eight weights (positions 8 lane .. 8 lane + 7 in order) from its four words and
+// first window offset `o`.
+template <int H, int CB>
+__device__ __forceinline__ void exl3_decode_words(const u32 a[4], int o, float w[8]) {
+    constexpr int low = H >> 1, half = H & 1;
+    // b[i]: the 32 bits from the first window's start + 32 i, so that every window below sits
+    // at a compile-time offset (at most 7 * 8 + 4 bits; windows end by bit 76).
+    u32 b[3];
+#pragma unroll
+    for (int i = 0; i < 3; i++) b[i] = funnel_left(a[i + 1], a[i], o);
+#pragma unroll
+    for (int j = 0; j < 8; j++) {
+        const int d = j * low + half * ((j + 1) >> 1);
+        const u32 state = (d & 31) <= 16 ? (b[d >> 5] << (d & 31)) >> 16
+                                         : funnel_left(b[(d >> 5) + 1], b[d >> 5], d & 31) >> 16;
+        w[j] = exl3_value<CB>(state);
+    }
+}
+
+// xr[t, :] = (x[t, :] * suh) H for one 128-value block. Grid (K / 128, tokens), 128 threads.
+extern "C" __global__ void exl3_rotate_input(const float* __restrict__ x,
+                                             const float* __restrict__ suh, int k,
+                                             float* __restrict__ xr) {
+    __shared__ float v[128];
+    const int i = threadIdx.x;
+    const i64 at = (i64)blockIdx.y * k + blockIdx.x * 128 + i;
+    v[i] = x[at] * suh[blockIdx.x * 128 + i];
+    __syncthreads();
+    for (int h = 1; h < 128; h <<= 1) {
+        const float a = v[i], b = v[i ^ h];
+        __syncthreads();
+        v[i] = (i & h) ? b - a : a + b;
+        __syncthreads();
+    }
+    xr[at] = v[i] * EXL3_HSCALE;
+}
+
+// y[t, :] = (sum over s < splits of part[s, t, :]) H * svh + bias, for one 128-value block.
+// Grid (N / 128, tokens), 128 threads. part is [splits, tokens, n].
+extern "C" __global__ void exl3_rotate_output(const float* __restrict__ part, int splits,
+                                              int tokens, int n, const float* __restrict__ svh,
+                                              const float* __restrict__ bias, int has_bias,
+                                              float* __restrict__ y) {
+    __shared__ float v[128];
+    const int i = threadIdx.x, c = blockIdx.x * 128 + i;
+    const i64 at = (i64)blockIdx.y * n + c;
+    float acc = 0.0f;
+    for (int s = 0; s < splits; s++) acc += part[(i64)s * tokens * n + at];
+    v[i] = acc;
+    __syncthreads();
+    for (int h = 1; h < 128; h <<= 1) {
+        const float a = v[i], b = v[i ^ h];
+        __syncthreads();
+        v[i] = (i & h) ? b - a : a + b;
+        __syncthreads();
+    }
+    float out = v[i] * EXL3_HSCALE * svh[c];
+    if (has_bias) out += bias[c];
+    y[at] = out;
+}
+
+// part[s, t, 16 nt .. 16 nt + 16] = xr[t, K slice s] What[K slice s, 16 nt .. 16 nt + 16] for
+// every token t. Grid (N / 16, splits), EXL3_GEMV_WARPS warps; slice s is k-tiles
+// [s * per, (s + 1) * per). Every block writes its outputs, an empty slice zeros. `red` is
+// the block's shared scratch (declared by the kernel: one array for every instantiation).
+template <int H, int CB>
+__device__ void exl3_gemv_strip(const u32* __restrict__ trellis, int k, int n, int per,
+                                const float* __restrict__ xr, int tokens, float* __restrict__ part,
+                                float (*red)[TOK_TILE][16]) {
+    const int lane = threadIdx.x & (WARP - 1), wid = threadIdx.x / WARP;
+    const int nt = blockIdx.x, s = blockIdx.y;
+    const int k_tiles = k / 16, n_tiles = n / 16, tile_words = 4 * H;
+    const int kt0 = min(k_tiles, s * per), kt1 = min(k_tiles, kt0 + per);
+    const int r0 = 2 * (lane & 3), c0 = lane >> 2;
+    int w0, o;
+    exl3_lane_window<H>(lane, w0, o);
+    const u32* strip = trellis + (i64)nt * tile_words;
+    const i64 stride = (i64)n_tiles * tile_words;
+    for (int t0 = 0; t0 < tokens; t0 += TOK_TILE) {
+        const int nt_tok = min(TOK_TILE, tokens - t0);
+        float acc[TOK_TILE][2];
+#pragma unroll
+        for (int t = 0; t < TOK_TILE; t++) acc[t][0] = acc[t][1] = 0.0f;
+        // The next tile's words load while this one decodes.
+        u32 cur[4] = {0, 0, 0, 0};
+        if (kt0 + wid < kt1) exl3_load4<H>(strip + (kt0 + wid) * stride, w0, cur);
+        for (int kt = kt0 + wid; kt < kt1; kt += EXL3_GEMV_WARPS) {
+            u32 next[4] = {0, 0, 0, 0};
+            if (kt + EXL3_GEMV_WARPS < kt1)
+                exl3_load4<H>(strip + (kt + EXL3_GEMV_WARPS) * stride, w0, next);
+            float w[8];
+            exl3_decode_words<H, CB>(cur, o, w);
+#pragma unroll
+            for (int i = 0; i < 4; i++) cur[i] = next[i];
+            const float* xk = xr + (i64)t0 * k + 16 * kt + r0;
+#pragma unroll
+            for (int t = 0; t < TOK_TILE; t++) {
+                if (t < nt_tok) {
+                    const float2 a = __ldg((const float2*)(xk + (i64)t * k));
+                    const float2 b = __ldg((const float2*)(xk + (i64)t * k + 8));
+                    float c = acc[t][0], d = acc[t][1];
+                    c = fmaf(a.x, w[0], c);
+                    c = fmaf(a.y, w[1], c);
+                    c = fmaf(b.x, w[2], c);
+                    c = fmaf(b.y, w[3], c);
+                    d = fmaf(a.x, w[4], d);
+                    d = fmaf(a.y, w[5], d);
+                    d = fmaf(b.x, w[6], d);
+                    d = fmaf(b.y, w[7], d);
+                    acc[t][0] = c;
+                    acc[t][1] = d;
+                }
+            }
+        }
+        // Lanes 4 c0 .. 4 c0 + 3 hold columns c0 and c0 + 8 of different rows.
+#pragma unroll
+        for (int t = 0; t < TOK_TILE; t++) {
+#pragma unroll
+            for (int h = 0; h < 2; h++) {
+                float v = acc[t][h];
+                v += __shfl_xor_sync(0xffffffffu, v, 1);
+                v += __shfl_xor_sync(0xffffffffu, v, 2);
+                if ((lane & 3) == 0) red[wid][t][c0 + 8 * h] = v;
+            }
+        }
+        __syncthreads();
+        if (threadIdx.x < TOK_TILE * 16) {
+            const int t = threadIdx.x / 16, c = threadIdx.x % 16;
+            if (t < nt_tok) {
+                float v = 0.0f;
+                for (int i = 0; i < EXL3_GEMV_WARPS; i++) v += red[i][t][c];
+                part[((i64)s * tokens + t0 + t) * n + 16 * nt + c] = v;
+            }
+        }
+        __syncthreads();
+    }
+}
+
+// Calls CALL(H, CB) with compile-time rate and codebook; half-integer rates exist for mul1
+// only (the host checks).
+#define EXL3_DISPATCH_CB(H, cb, CALL)                  \
+    switch (cb) {                                     \
+        case EXL3_INST3: CALL(H, EXL3_INST3); break;  \
+        case EXL3_MCG: CALL(H, EXL3_MCG); break;      \
+        default: CALL(H, EXL3_MUL1); break;           \
+    }
+#define EXL3_DISPATCH(halves, cb, CALL)               \
+    switch (halves) {                                 \
+        case 2: EXL3_DISPATCH_CB(2, cb, CALL) break;  \
+        case 3: CALL(3, EXL3_MUL1); break;            \
+        case 4: EXL3_DISPATCH_CB(4, cb, CALL) break;  \
+        case 5: CALL(5, EXL3_MUL1); break;            \
+        case 6: EXL3_DISPATCH_CB(6, cb, CALL) break;  \
+        case 7: CALL(7, EXL3_MUL1); break;            \
+        case 8: EXL3_DISPATCH_CB(8, cb, CALL) break;  \
+        case 10: EXL3_DISPATCH_CB(10, cb, CALL) break; \
+        case 12: EXL3_DISPATCH_CB(12, cb, CALL) break; \
+        case 14: EXL3_DISPATCH_CB(14, cb, CALL) break; \
+        default: EXL3_DISPATCH_CB(16, cb, CALL) break; \
+    }
+
+// See `exl3_gemv_strip`. `halves` is twice the bits per weight (2..16).
+extern "C" __global__ void exl3_gemv(const u32* __restrict__ trellis, int halves, int codebook,
+                                     int k, int n, int per, const float* __restrict__ xr,
+                                     int tokens, float* __restrict__ part) {
+    __shared__ float red[EXL3_GEMV_WARPS][TOK_TILE][16];
+#define CALL(H, CB) exl3_gemv_strip<H, CB>(trellis, k, n, per, xr, tokens, part, red)
+    EXL3_DISPATCH(halves, codebook, CALL)
+#undef CALL
+}
+
+template <int H, int CB>
+__device__ void exl3_reconstruct_tile(const u32* __restrict__ trellis, int n, int kt0, int kt1,
+                                      float* __restrict__ out) {
+    const int lane = threadIdx.x & (WARP - 1);
+    const int n_tiles = n / 16;
+    const i64 tile = (i64)blockIdx.x * (blockDim.x / WARP) + threadIdx.x / WARP;
+    if (tile >= (i64)(kt1 - kt0) * n_tiles) return;
+    const int kt = kt0 + (int)(tile / n_tiles), nt = (int)(tile % n_tiles);
+    int w0, o;
+    exl3_lane_window<H>(lane, w0, o);
+    u32 a[4];
+    exl3_load4<H>(trellis + ((i64)kt * n_tiles + nt) * 4 * H, w0, a);
+    float w[8];
+    exl3_decode_words<H, CB>(a, o, w);
+    const int r0 = 2 * (lane & 3), c0 = lane >> 2;
+    float* dst = out + (i64)(16 * (kt - kt0) + r0) * n + 16 * nt + c0;
+#pragma unroll
+    for (int j = 0; j < 8; j++) {
+        const int dr = (j & 1) + ((j & 2) ? 8 : 0), dc = (j & 4) ? 8 : 0;
+        dst[(i64)dr * n + dc] = w[j];
+    }
+}
+
+// out[(r - 16 kt0) * N + c] = What[r, c] for rows r of k-tiles kt0 .. kt1: the decoded
+// weights in f32 (each an f16 value), for cuBLAS. A warp per tile.
+extern "C" __global__ void exl3_reconstruct(const u32* __restrict__ trellis, int halves,
+                                            int codebook, int n, int kt0, int kt1,
+                                            float* __restrict__ out) {
+#define CALL(H, CB) exl3_reconstruct_tile<H, CB>(trellis, n, kt0, kt1, out)
+    EXL3_DISPATCH(halves, codebook, CALL)
+#undef CALL
+}

@@ -1,0 +1,283 @@
+//! EXL3 layers on the GPU, computed from the trellis as the checkpoint stores it (see
+//! kernels/cuda/exl3.cu). A product `y = x W` is the input rotation (`x * suh`, Hadamard),
+//! `xr What`, and the output rotation (Hadamard, `* svh`, `+ bias`). For fewer than
+//! [`WIDEN_MIN_TOKENS`] token rows `xr What` is the GEMV that decodes each tile inside the dot,
+//! its K split into slices so a narrow layer still fills the GPU (the slices are summed in
+//! order by the output rotation, so results repeat bit for bit); from there `What` is decoded
+//! to f32 [`WIDEN_TILE_VALUES`] at a time and multiplied by cuBLAS SGEMM, as f16/bf16 weights
+//! are widened.
+
+use super::*;
+use crate::quant::exl3::Exl3Linear;
+
+/// Blocks the GEMV aims for (a few per SM of the largest GPUs): N/16 strips times the K slices.
+const GEMV_BLOCKS: usize = 512;
+/// Threads of a GEMV block: `EXL3_GEMV_WARPS` warps.
+const GEMV_THREADS: u32 = 256;
+/// Warps of an `exl3_reconstruct` block (a tile each).
+const RECONSTRUCT_WARPS: u32 = 8;
+/// Rows and columns of one Hadamard block (a rotation launch's block).
+const HADAMARD: usize = 128;
+/// Token rows of one product: a rotation launch has a row of blocks per token.
+const MAX_GRID_Y: usize = 65_535;
+
+/// An EXL3 layer's tensors on one GPU: `K` inputs, `N` outputs.
+pub struct Exl3Weights {
+    /// int16 `[K/16, N/16, 16 * bits]`, as in the checkpoint.
+    trellis: CudaSlice<u8>,
+    suh: CudaSlice<f32>,
+    svh: CudaSlice<f32>,
+    /// `N` values, or one unread zero when the layer has none.
+    bias: CudaSlice<f32>,
+    has_bias: bool,
+    k: usize,
+    n: usize,
+    /// Twice the bits per weight.
+    halves: i32,
+    /// The codebook's number (`EXL3_*` in exl3.cu).
+    codebook: i32,
+}
+
+impl Exl3Weights {
+    pub fn upload(cuda: &Cuda, lin: &Exl3Linear) -> Result<Exl3Weights, CudaError> {
+        Ok(Exl3Weights {
+            trellis: cuda.upload(&lin.checkpoint_trellis())?,
+            suh: cuda.upload(lin.suh())?,
+            svh: cuda.upload(lin.svh())?,
+            bias: cuda.upload(lin.bias().unwrap_or(&[0.0]))?,
+            has_bias: lin.bias().is_some(),
+            k: lin.in_features(),
+            n: lin.out_features(),
+            halves: i32::from(lin.rate().halves()),
+            codebook: lin.codebook() as i32,
+        })
+    }
+
+    /// Inputs `K`.
+    pub fn in_features(&self) -> usize {
+        self.k
+    }
+
+    /// Outputs `N`.
+    pub fn out_features(&self) -> usize {
+        self.n
+    }
+
+    /// Device bytes: the trellis and the f32 scales and bias.
+    pub fn bytes(&self) -> usize {
+        self.trellis.len() + 4 * (self.k + self.n + self.bias.len())
+    }
+}
+
+impl Cuda {
+    /// `y[t] = x[t] W` for `n` token rows of `x` (`[n, K]`) into `y` (`[n, N]`), device buffers.
+    pub fn exl3_matmul(
+        &self,
+        w: &Exl3Weights,
+        x: &CudaSlice<f32>,
+        n: usize,
+        y: &mut CudaSlice<f32>,
+    ) -> Result<(), CudaError> {
+        let (k, out) = (w.k, w.n);
+        if x.len() < n * k || y.len() < n * out || n > MAX_GRID_Y {
+            return Err(CudaError::Invalid(format!(
+                "exl3 product {k}x{out} of {n} rows: x {} of {}, y {} of {}",
+                x.len(),
+                n * k,
+                y.len(),
+                n * out
+            )));
+        }
+        if n == 0 {
+            return Ok(());
+        }
+        let mut xr = self.alloc_f32(n * k)?;
+        let (k_i, cfg) = (k as i32, rotation_config(k, n));
+        let mut b = self.stream.launch_builder(self.kernel("exl3_rotate_input"));
+        b.arg(x).arg(&w.suh).arg(&k_i).arg(&mut xr);
+        // SAFETY: x and xr hold n rows of K values (checked above), suh K; one block per
+        // 128 values of a row.
+        unsafe { b.launch(cfg) }?;
+        let (part, splits) = if n < WIDEN_MIN_TOKENS {
+            self.exl3_gemv(w, &xr, n)?
+        } else {
+            (self.exl3_gemm(w, &xr, n)?, 1)
+        };
+        let (splits_i, n_i, out_i, has_bias) =
+            (splits as i32, n as i32, out as i32, w.has_bias as i32);
+        let mut b = self
+            .stream
+            .launch_builder(self.kernel("exl3_rotate_output"));
+        b.arg(&part)
+            .arg(&splits_i)
+            .arg(&n_i)
+            .arg(&out_i)
+            .arg(&w.svh)
+            .arg(&w.bias)
+            .arg(&has_bias)
+            .arg(y);
+        // SAFETY: part holds splits x n x N values, y n x N, svh and the bias N (or the kernel
+        // does not read the bias); one block per 128 outputs of a row.
+        unsafe { b.launch(rotation_config(out, n)) }?;
+        Ok(())
+    }
+
+    /// Partial products `[splits, n, N]` of the rotated input `xr` and `What` over `splits`
+    /// slices of K, by the GEMV.
+    fn exl3_gemv(
+        &self,
+        w: &Exl3Weights,
+        xr: &CudaSlice<f32>,
+        n: usize,
+    ) -> Result<(CudaSlice<f32>, usize), CudaError> {
+        let (k_tiles, n_tiles) = (w.k / 16, w.n / 16);
+        // Every warp of a block gets at least one tile of its slice.
+        let max_splits = (k_tiles / (GEMV_THREADS as usize / 32)).max(1);
+        let splits = GEMV_BLOCKS.div_ceil(n_tiles).clamp(1, max_splits);
+        let per = k_tiles.div_ceil(splits);
+        let mut part = self.alloc_f32(splits * n * w.n)?;
+        let (k_i, n_i, per_i, tokens) = (w.k as i32, w.n as i32, per as i32, n as i32);
+        let mut b = self.stream.launch_builder(self.kernel("exl3_gemv"));
+        b.arg(&w.trellis)
+            .arg(&w.halves)
+            .arg(&w.codebook)
+            .arg(&k_i)
+            .arg(&n_i)
+            .arg(&per_i)
+            .arg(xr)
+            .arg(&tokens)
+            .arg(&mut part);
+        let cfg = LaunchConfig {
+            grid_dim: (n_tiles as u32, splits as u32, 1),
+            block_dim: (GEMV_THREADS, 1, 1),
+            shared_mem_bytes: 0,
+        };
+        // SAFETY: the trellis holds K/16 x N/16 tiles of 4 * halves words (as uploaded), xr n
+        // rows of K, part splits x n x N values; the grid is one block per (strip, slice).
+        unsafe { b.launch(cfg) }?;
+        Ok((part, splits))
+    }
+
+    /// `xr What` (`[n, N]`): `What` decoded to f32 a slice of K-tiles at a time, each slice
+    /// multiplied by cuBLAS SGEMM and accumulated.
+    fn exl3_gemm(
+        &self,
+        w: &Exl3Weights,
+        xr: &CudaSlice<f32>,
+        n: usize,
+    ) -> Result<CudaSlice<f32>, CudaError> {
+        let (k, out) = (w.k, w.n);
+        let tiles_per_slice = (WIDEN_TILE_VALUES / out / 16).clamp(1, k / 16);
+        let mut widened = self.alloc_f32(16 * tiles_per_slice * out)?;
+        let mut z = self.alloc_f32(n * out)?;
+        for kt0 in (0..k / 16).step_by(tiles_per_slice) {
+            let kt1 = (kt0 + tiles_per_slice).min(k / 16);
+            self.exl3_reconstruct(w, kt0, kt1, &mut widened)?;
+            let rows = 16 * (kt1 - kt0);
+            // Column-major, z^T [N, n] = What_slice^T [N, rows] xr_slice^T [rows, n]: the
+            // slice's row-major [rows, N] is its transpose column-major (lda = N), xr's rows
+            // from column 16 kt0 are columns of ldb = K.
+            let cfg = GemmConfig {
+                transa: cublasOperation_t::CUBLAS_OP_N,
+                transb: cublasOperation_t::CUBLAS_OP_N,
+                m: out as i32,
+                n: n as i32,
+                k: rows as i32,
+                alpha: 1.0f32,
+                lda: out as i32,
+                ldb: k as i32,
+                beta: if kt0 == 0 { 0.0f32 } else { 1.0f32 },
+                ldc: out as i32,
+            };
+            let a = widened.slice(..rows * out);
+            let b = xr.slice(16 * kt0..n * k);
+            let blas = self.blas()?;
+            // SAFETY: A holds rows x N values, B from 16 kt0 covers (n - 1) K + rows values,
+            // z holds n x N, as cfg says.
+            unsafe { blas.gemm(cfg, &a, &b, &mut z) }
+                .map_err(|e| CudaError::Invalid(format!("cuBLAS SGEMM: {e:?}")))?;
+        }
+        Ok(z)
+    }
+
+    /// Rows `16 kt0 .. 16 kt1` of `What` (row-major, `N` wide) into `out`: the decoded weights
+    /// before rotation and scaling, each an f16 value, as the CPU's `reconstruct` gives them.
+    pub fn exl3_reconstruct(
+        &self,
+        w: &Exl3Weights,
+        kt0: usize,
+        kt1: usize,
+        out: &mut CudaSlice<f32>,
+    ) -> Result<(), CudaError> {
+        if kt0 > kt1 || kt1 > w.k / 16 || out.len() < 16 * (kt1 - kt0) * w.n {
+            return Err(CudaError::Invalid(format!(
+                "exl3 reconstruct of k-tiles {kt0}..{kt1} of {}x{} into {} values",
+                w.k,
+                w.n,
+                out.len()
+            )));
+        }
+        let tiles = (kt1 - kt0) * (w.n / 16);
+        if tiles == 0 {
+            return Ok(());
+        }
+        let (n_i, kt0_i, kt1_i) = (w.n as i32, kt0 as i32, kt1 as i32);
+        let mut b = self.stream.launch_builder(self.kernel("exl3_reconstruct"));
+        b.arg(&w.trellis)
+            .arg(&w.halves)
+            .arg(&w.codebook)
+            .arg(&n_i)
+            .arg(&kt0_i)
+            .arg(&kt1_i)
+            .arg(out);
+        let cfg = LaunchConfig {
+            grid_dim: ((tiles as u32).div_ceil(RECONSTRUCT_WARPS), 1, 1),
+            block_dim: (32 * RECONSTRUCT_WARPS, 1, 1),
+            shared_mem_bytes: 0,
+        };
+        // SAFETY: a warp per tile of k-tiles kt0..kt1 (the kernel skips warps past them), out
+        // holds their 16 (kt1 - kt0) rows of N values (checked above).
+        unsafe { b.launch(cfg) }?;
+        Ok(())
+    }
+}
+
+/// A rotation launch over `n` rows of `width` values: a block of 128 threads per Hadamard
+/// block of a row.
+fn rotation_config(width: usize, n: usize) -> LaunchConfig {
+    LaunchConfig {
+        grid_dim: ((width / HADAMARD) as u32, n as u32, 1),
+        block_dim: (HADAMARD as u32, 1, 1),
+        shared_mem_bytes: 0,
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::quant::exl3::Codebook;
+
+    fn source() -> &'static str {
+        glmflash_kernels::SOURCES
+            .iter()
+            .find(|(name, _, _)| *name == "exl3.cu")
+            .map(|(_, src, _)| *src)
+            .expect("exl3.cu is listed")
+    }
+
+    /// The numbers the kernels dispatch on are the ones the wrapper passes.
+    #[test]
+    fn codebook_numbers_and_block_size_match_the_kernels() {
+        let src = source();
+        for (cb, name) in [
+            (Codebook::Inst3, "EXL3_INST3"),
+            (Codebook::Mcg, "EXL3_MCG"),
+            (Codebook::Mul1, "EXL3_MUL1"),
+        ] {
+            let define = format!("#define {name} {}\n", cb as i32);
+            assert!(src.contains(&define), "exl3.cu lacks `{}`", define.trim());
+        }
+        let warps = format!("#define EXL3_GEMV_WARPS {}\n", GEMV_THREADS / 32);
+        assert!(src.contains(&warps), "exl3.cu lacks `{}`", warps.trim());
+    }
+}
