@@ -417,6 +417,51 @@ pub fn open_model(dir: &Path) -> Result<(Vec<u8>, Config, Checkpoint), StoreErro
 mod tests {
     use super::*;
 
+    /// Row-format parts read and write as before EXL3 records existed; an exl3 part carries
+    /// its rate and codebook, and one without them is refused.
+    #[test]
+    fn parts_serialize_their_format() {
+        let rows = Part {
+            format: PartFormat::Rows(Format::Q4K),
+            rows: 2,
+            cols: 256,
+            offset: 0,
+            length: 288,
+        };
+        let json = serde_json::to_value(&rows).unwrap();
+        assert_eq!(
+            json,
+            serde_json::json!({"format": "q4_k", "rows": 2, "cols": 256, "offset": 0, "length": 288})
+        );
+        assert_eq!(serde_json::from_value::<Part>(json).unwrap(), rows);
+        let exl3 = Part {
+            format: PartFormat::Exl3 {
+                rate: Rate::from_bits(2.5).unwrap(),
+                codebook: Codebook::Mul1,
+            },
+            rows: 128,
+            cols: 256,
+            offset: 288,
+            length: Exl3Linear::stored_len(256, 128, Rate::from_bits(2.5).unwrap()),
+        };
+        let json = serde_json::to_value(&exl3).unwrap();
+        assert_eq!(
+            (&json["format"], &json["bits"], &json["codebook"]),
+            (&"exl3".into(), &2.5.into(), &"mul1".into())
+        );
+        assert_eq!(
+            exl3.expected_length().unwrap(),
+            128 * 256 * 5 / 16 + 2 * (128 + 256)
+        );
+        assert_eq!(serde_json::from_value::<Part>(json).unwrap(), exl3);
+        let bad = serde_json::json!({"format": "exl3", "bits": 3.0, "rows": 128, "cols": 128, "offset": 0, "length": 1});
+        let err = serde_json::from_value::<Part>(bad).unwrap_err().to_string();
+        assert!(err.contains("needs `bits` and `codebook`"), "{err}");
+        let bad = serde_json::json!({"format": "exl3", "bits": 3.3, "codebook": "mul1", "rows": 128, "cols": 128, "offset": 0, "length": 1});
+        let err = serde_json::from_value::<Part>(bad).unwrap_err().to_string();
+        assert!(err.contains("not an EXL3 rate"), "{err}");
+    }
+
     #[test]
     fn expert_keys_map_to_their_record() {
         let moe = [1, 2];
