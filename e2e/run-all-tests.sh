@@ -71,6 +71,19 @@ for mode in fast exact nvme nvme-exact; do
   echo "mode $mode: identical"
 done
 
+step "the exllamav3-made EXL3 fixture: exl3 records, verify-store, every mode bit for bit"
+exl3=e2e/fixtures/exl3/exl3_mul1_3bpw
+$node pack-store --model "$exl3" --store "$store_tmp/exl3-store" 2>/dev/null
+grep -q '"format": "exl3"' "$store_tmp/exl3-store/experts.json" || { echo "the EXL3 store's manifest does not say exl3"; exit 1; }
+$node verify-store --model "$exl3" --store "$store_tmp/exl3-store" 2>/dev/null
+exl3_base="$($node logits --model "$exl3" --tokens 0,1,4,100,200,255 --greedy 8 2>/dev/null)"
+[ -n "$exl3_base" ] || { echo "no untiered EXL3 logits"; exit 1; }
+for mode in fast exact nvme nvme-exact; do
+  got="$($node logits --model "$exl3" --store "$store_tmp/exl3-store" --mode "$mode" --vram-slots 1 --ram-slots 1 --tokens 0,1,4,100,200,255 --greedy 8 2>/dev/null)"
+  [ "$got" = "$exl3_base" ] || { echo "EXL3 mode $mode differs from the untiered engine"; exit 1; }
+  echo "EXL3 mode $mode: identical"
+done
+
 step "RAM tier sized from the memory limit; pinning refused (no CAP_IPC_LOCK, memlock 64 KiB) still serves"
 log="$($node --log-format json logits --model "$store_tmp/model" --store "$store_tmp/store" --mode nvme \
   --vram-slots 1 --ram-budget-mib 64 --tokens 0,1,4,100,200,300 --greedy 8 2>&1 >/dev/null)"

@@ -121,7 +121,9 @@ pub struct ModelSource {
     pub node_path: Option<String>,
     /// Weight format of the routed experts in the packed store: the pack-store Job quantizes
     /// a bf16 checkpoint's experts to it (`q4_k`: 4.5 bits per weight, about 172 GB of store
-    /// for the real model), or keeps them as the checkpoint stores them (`checkpoint`).
+    /// for the real model), keeps an EXL3 checkpoint's experts as they are (`exl3`: about
+    /// 114.6 GB at 3 bits per weight), or keeps them as the checkpoint stores them
+    /// (`checkpoint`).
     #[serde(default)]
     pub expert_format: ExpertFormat,
 }
@@ -172,6 +174,9 @@ pub enum ExpertFormat {
     /// bfloat16.
     #[serde(rename = "bf16")]
     Bf16,
+    /// An EXL3 (exllamav3) checkpoint's trellises as they are; needs an EXL3 checkpoint.
+    #[serde(rename = "exl3")]
+    Exl3,
     /// As the checkpoint stores them (a checkpoint converted with `convert-experts`).
     #[serde(rename = "checkpoint")]
     Checkpoint,
@@ -184,6 +189,7 @@ impl ExpertFormat {
             ExpertFormat::Q4K => Some("q4_k"),
             ExpertFormat::Q8_0 => Some("q8_0"),
             ExpertFormat::Bf16 => Some("bf16"),
+            ExpertFormat::Exl3 => Some("exl3"),
             ExpertFormat::Checkpoint => None,
         }
     }

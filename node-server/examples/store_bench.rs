@@ -9,8 +9,8 @@
 
 use glmflash_node::quant::Format;
 use glmflash_node::store::{
-    self, ALIGN, ChecksumPolicy, EngineChoice, Manifest, Part, Parts, ReaderOptions, RecordEntry,
-    StoreReader,
+    self, ALIGN, ChecksumPolicy, EngineChoice, Manifest, Part, PartFormat, Parts, ReaderOptions,
+    RecordEntry, StoreReader,
 };
 use sha2::{Digest, Sha256};
 use std::io::Write;
@@ -119,7 +119,7 @@ fn build_store(dir: &Path, gib: f64) -> anyhow::Result<Manifest> {
     let (rows, cols) = (512, 1024);
     let len = rows * cols * 2;
     let part = |offset, rows, cols| Part {
-        format: Format::Bf16,
+        format: PartFormat::Rows(Format::Bf16),
         rows,
         cols,
         offset,
@@ -168,6 +168,7 @@ fn build_store(dir: &Path, gib: f64) -> anyhow::Result<Manifest> {
         alignment: ALIGN,
         experts_per_layer: experts,
         layers,
+        layer_parts: Default::default(),
         parts,
         records,
     };

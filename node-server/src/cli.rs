@@ -137,11 +137,13 @@ pub enum Command {
         /// (the operator passes the pod's termination-message path and copies it to status).
         #[arg(long, env = "GLMFLASH_PACK_REPORT")]
         report: Option<PathBuf>,
-        /// Weight format of the records: bf16, q8_0 or q4_k (default: as the checkpoint
-        /// stores the experts). Quantizing packs a bf16 checkpoint's experts at 4.5 bits per
-        /// weight (q4_k) or 8.5 (q8_0), the same bytes `convert-experts` writes.
-        #[arg(long, env = "GLMFLASH_PACK_FORMAT", value_parser = parse_format)]
-        format: Option<crate::quant::Format>,
+        /// Weight format of the records: exl3, bf16, q8_0 or q4_k (default: as the
+        /// checkpoint stores the experts; exl3 for an EXL3 checkpoint, whose trellis, suh and
+        /// svh are kept byte for byte). Quantizing packs a bf16 checkpoint's experts at 4.5
+        /// bits per weight (q4_k) or 8.5 (q8_0), the same bytes `convert-experts` writes; an
+        /// EXL3 checkpoint's experts can be converted to those too.
+        #[arg(long, env = "GLMFLASH_PACK_FORMAT", value_parser = crate::store::RecordFormat::parse)]
+        format: Option<crate::store::RecordFormat>,
     },
     /// Check every record of an expert store (sha256 with O_DIRECT reads); with --model also the
     /// model fingerprint and a byte compare of a sample against the source.
@@ -311,10 +313,6 @@ fn model_sizes(
             cfg.max_position_embeddings,
         ) as u64,
     })
-}
-
-fn parse_format(s: &str) -> Result<crate::quant::Format, String> {
-    crate::quant::Format::from_name(s).map_err(|e| e.to_string())
 }
 
 /// Refuses a GPU with less free VRAM than `floor_mib`, printing the numbers.

@@ -7,8 +7,8 @@ use glmflash_node::model::loader::Loader;
 use glmflash_node::model::moe::load_expert;
 use glmflash_node::model::random::{scaled_config, write_random_checkpoint};
 use glmflash_node::store::{
-    self, ChecksumPolicy, EngineChoice, Manifest, PackOptions, PackOutcome, ReadErrorKind,
-    ReaderOptions, StoreError, StoreReader, VerifyOptions,
+    self, ChecksumPolicy, EngineChoice, Manifest, PackOptions, PackOutcome, PartFormat,
+    ReadErrorKind, ReaderOptions, RecordFormat, StoreError, StoreReader, VerifyOptions,
 };
 use glmflash_node::tiers::source::expert_from_record;
 use std::os::unix::fs::FileExt;
@@ -159,7 +159,10 @@ fn a_quantized_checkpoint_packs_in_its_serving_format() {
     .unwrap();
     store::pack_store(&q4k, &f.store, &quiet()).unwrap();
     let m = Manifest::load(&f.store).unwrap();
-    assert_eq!(m.parts.gate.format, glmflash_node::quant::Format::Q4K);
+    assert_eq!(
+        m.parts.gate.format,
+        PartFormat::Rows(glmflash_node::quant::Format::Q4K)
+    );
     assert_records_match(&f, &q4k, glmflash_node::quant::Format::Q4K);
 }
 
@@ -197,19 +200,24 @@ fn packing_with_a_format_quantizes_as_convert_experts_does() {
     let q4k = f.model.with_file_name("model-q4k");
     glmflash_node::model::convert::convert_experts(&f.model, &q4k, Format::Q4K, |_, _| {}).unwrap();
     let opts = PackOptions {
-        format: Some(Format::Q4K),
+        format: Some(RecordFormat::Rows(Format::Q4K)),
         ..quiet()
     };
     let report = store::pack_store(&f.model, &f.store, &opts).unwrap();
     assert_eq!(report.outcome, PackOutcome::Packed);
     assert_eq!(report.verify.expect("verified").compared, 48);
     let m = Manifest::load(&f.store).unwrap();
-    assert!(m.parts.all().iter().all(|p| p.format == Format::Q4K));
+    assert!(
+        m.parts
+            .all()
+            .iter()
+            .all(|p| p.format == PartFormat::Rows(Format::Q4K))
+    );
     assert_records_match(&f, &q4k, Format::Q4K);
     let again = store::pack_store(&f.model, &f.store, &opts).unwrap();
     assert_eq!(again.outcome, PackOutcome::AlreadyComplete);
     let other = PackOptions {
-        format: Some(Format::Q8_0),
+        format: Some(RecordFormat::Rows(Format::Q8_0)),
         ..quiet()
     };
     let err = store::pack_store(&f.model, &f.store, &other)

@@ -163,6 +163,24 @@ fn node_path_model_needs_no_download() {
     assert_mounted(&pod.containers[0], &model, false);
 }
 
+/// Every `model.expertFormat` reaches pack-store as a `--format` the node accepts (or none
+/// for `checkpoint`), `exl3` included.
+#[test]
+fn every_expert_format_parses_with_the_node_cli() {
+    for name in ["q4_k", "q8_0", "bf16", "exl3", "checkpoint"] {
+        let mut g = example();
+        g.spec.model.expert_format = serde_json::from_value(json!(name)).unwrap();
+        let pod = pod(&pack_job(&g, "gpu-a", "0123456789abcdef"));
+        let Command::PackStore { format, .. } = parse(&pod.containers[0]) else {
+            panic!("not pack-store");
+        };
+        assert_eq!(
+            format.map(|f| f.name()),
+            (name != "checkpoint").then_some(name)
+        );
+    }
+}
+
 #[test]
 fn server_container_parses_with_the_node_cli_in_every_mode() {
     for (mode, slots, metrics_port, api_key) in [

@@ -31,6 +31,19 @@ pub fn quant_metadata_key(tensor_key: &str) -> String {
     format!("glmflash.quant.{tensor_key}")
 }
 
+/// The on-disk tensors of one EXL3 linear layer.
+pub struct Exl3Tensors<'a> {
+    /// int16 `[in/16, out/16, 16 * bits]`.
+    pub trellis: TensorView<'a>,
+    /// Input sign x scale (`in` values).
+    pub suh: TensorView<'a>,
+    /// Output sign x scale (`out` values).
+    pub svh: TensorView<'a>,
+    pub bias: Option<TensorView<'a>>,
+    /// Named by the marker tensor present (`mcg`, `mul1`; neither: 3INST).
+    pub codebook: Codebook,
+}
+
 #[derive(Clone, Copy)]
 pub struct Loader<'a> {
     ckpt: &'a Checkpoint,
@@ -134,8 +147,8 @@ impl<'a> Loader<'a> {
     }
 
     fn host_matrix(&self, name: &str, rows: usize, cols: usize) -> Result<Matrix, LoadError> {
-        if let Some(base) = self.exl3_base(name) {
-            return self.exl3_matrix(base, rows, cols);
+        if let Some(tensors) = self.exl3_tensors(name, rows, cols)? {
+            return self.exl3_matrix(tensors);
         }
         let full = self.name(name);
         let view = self.ckpt.view(&full)?;
@@ -175,9 +188,18 @@ impl<'a> Loader<'a> {
         })
     }
 
-    /// The EXL3 layer `base` as the `rows x cols` matrix `W^T` (`cols` inputs, `rows`
-    /// outputs; exllamav3's padding of other sizes to multiples of 128 is not supported).
-    fn exl3_matrix(&self, base: &str, rows: usize, cols: usize) -> Result<Matrix, LoadError> {
+    /// The tensors of weight `name` (`rows` outputs, `cols` inputs) when it is stored as an
+    /// EXL3 layer, as they are on disk, checked against that shape; `None` when it is not
+    /// EXL3 (exllamav3's padding of other sizes to multiples of 128 is not supported).
+    pub fn exl3_tensors(
+        &self,
+        name: &str,
+        rows: usize,
+        cols: usize,
+    ) -> Result<Option<Exl3Tensors<'a>>, LoadError> {
+        let Some(base) = self.exl3_base(name) else {
+            return Ok(None);
+        };
         let part = |p: &str| self.name(&format!("{base}.{p}"));
         let trellis = self.ckpt.view(&part("trellis"))?;
         let invalid = |message: String| LoadError::Invalid {
@@ -210,13 +232,38 @@ impl<'a> Loader<'a> {
                 return Err(invalid("has both an mcg and a mul1 codebook marker".into()));
             }
         };
-        let suh = self.ckpt.tensor(&part("suh"), &[cols])?.to_f32()?;
-        let svh = self.ckpt.tensor(&part("svh"), &[rows])?.to_f32()?;
-        let mut linear = Exl3Linear::new(trellis.shape, trellis.bytes, suh, svh, codebook)
-            .map_err(|e| invalid(e.to_string()))?;
-        if self.ckpt.contains(&part("bias")) {
-            let bias = self.ckpt.tensor(&part("bias"), &[rows])?.to_f32()?;
-            linear = linear.with_bias(bias).map_err(|e| invalid(e.to_string()))?;
+        let bias = if self.ckpt.contains(&part("bias")) {
+            Some(self.ckpt.tensor(&part("bias"), &[rows])?)
+        } else {
+            None
+        };
+        Ok(Some(Exl3Tensors {
+            suh: self.ckpt.tensor(&part("suh"), &[cols])?,
+            svh: self.ckpt.tensor(&part("svh"), &[rows])?,
+            trellis,
+            bias,
+            codebook,
+        }))
+    }
+
+    /// The EXL3 layer as the matrix `W^T` (`out_features x in_features`).
+    fn exl3_matrix(&self, t: Exl3Tensors<'_>) -> Result<Matrix, LoadError> {
+        let invalid = |message: String| LoadError::Invalid {
+            key: t.trellis.key.to_string(),
+            message,
+        };
+        let mut linear = Exl3Linear::new(
+            t.trellis.shape,
+            t.trellis.bytes,
+            t.suh.to_f32()?,
+            t.svh.to_f32()?,
+            t.codebook,
+        )
+        .map_err(|e| invalid(e.to_string()))?;
+        if let Some(bias) = t.bias {
+            linear = linear
+                .with_bias(bias.to_f32()?)
+                .map_err(|e| invalid(e.to_string()))?;
         }
         Ok(Matrix::from_exl3(linear))
     }

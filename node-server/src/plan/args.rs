@@ -119,10 +119,11 @@ fn declared(dir: &Path) -> anyhow::Result<Declared> {
         ))
     };
     let config = read("config.json")?.unwrap_or_default();
-    let quant = match config.get("quantization_config") {
-        Some(q) => Some(q.clone()),
-        None => read("quantization_config.json")?,
-    };
+    let listed = read("quantization_config.json")?;
+    let quant = config
+        .get("quantization_config")
+        .cloned()
+        .or(listed.clone());
     if let Some(q) =
         quant.filter(|q| q.get("quant_method").and_then(|m| m.as_str()) == Some("exl3"))
     {
@@ -131,10 +132,11 @@ fn declared(dir: &Path) -> anyhow::Result<Declared> {
             .and_then(|b| b.as_f64())
             .context("quantization_config: exl3 without a numeric `bits`")?;
         let head = q.get("head_bits").and_then(|b| b.as_f64()).unwrap_or(6.0);
+        let experts = listed.as_ref().and_then(expert_bits).unwrap_or(bits);
         return Ok(Declared {
             dense: Some(Storage::Exl3 { bits }),
             head: Some(Storage::Exl3 { bits: head }),
-            experts: Some(Storage::Exl3 { bits }),
+            experts: Some(Storage::Exl3 { bits: experts }),
         });
     }
     let dtype = crate::model::checkpoint::Checkpoint::open(dir)
@@ -147,6 +149,19 @@ fn declared(dir: &Path) -> anyhow::Result<Declared> {
         head: storage,
         experts: storage,
     })
+}
+
+/// The highest rate of the routed experts in `quantization_config.json`'s `tensor_storage`
+/// (exllamav3 lists every quantized module with its `bits_per_weight`): the store sizes every
+/// record for its largest layer, and a checkpoint's average `bits` is no rate a trellis has.
+fn expert_bits(listed: &serde_json::Value) -> Option<f64> {
+    listed
+        .get("tensor_storage")?
+        .as_object()?
+        .iter()
+        .filter(|(module, _)| module.contains(".mlp.experts."))
+        .filter_map(|(_, m)| m.get("bits_per_weight")?.as_f64())
+        .reduce(f64::max)
 }
 
 impl PlanArgs {

@@ -16,6 +16,7 @@ use super::StoreError;
 use crate::model::checkpoint::{Checkpoint, TensorView};
 use crate::model::config::{Config, MlpKind};
 use crate::quant::Format;
+use crate::quant::exl3::{Codebook, Exl3Linear, Rate};
 use rayon::prelude::*;
 use serde::{Deserialize, Serialize};
 use sha2::{Digest, Sha256};
@@ -27,15 +28,112 @@ pub const MANIFEST: &str = "experts.json";
 pub const DATA: &str = "experts.bin";
 pub const JOURNAL: &str = "experts.json.partial";
 
-/// Where one weight sits inside a record.
+/// How one weight of a record is encoded.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum PartFormat {
+    /// `rows` rows in a row format, concatenated (`Matrix::to_bytes`).
+    Rows(Format),
+    /// An EXL3 linear of `cols` inputs and `rows` outputs exactly as its checkpoint stores
+    /// it: the trellis (int16 `[cols/16, rows/16, 16 * bits]`), then the f16 `suh` (`cols`)
+    /// and `svh` (`rows`). The codebook marker tensors are empty: the manifest names the
+    /// codebook, the rate follows from the length.
+    Exl3 { rate: Rate, codebook: Codebook },
+}
+
+impl PartFormat {
+    /// `q4_k`, ..., or `exl3` followed by its rate and codebook (`exl3 3 bpw mul1`).
+    pub fn describe(self) -> String {
+        match self {
+            PartFormat::Rows(f) => f.name().to_string(),
+            PartFormat::Exl3 { rate, codebook } => format!("exl3 {rate} bpw {codebook}"),
+        }
+    }
+}
+
+/// Where one weight sits inside a record. In the manifest: `"format"` is a row format's
+/// name or `"exl3"`, which adds `"bits"` and `"codebook"`.
 #[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(try_from = "PartJson", into = "PartJson")]
 pub struct Part {
-    pub format: Format,
+    pub format: PartFormat,
     pub rows: usize,
     pub cols: usize,
     /// Byte offset inside the record.
     pub offset: usize,
     pub length: usize,
+}
+
+#[derive(Serialize, Deserialize)]
+struct PartJson {
+    format: String,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    bits: Option<f32>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    codebook: Option<String>,
+    rows: usize,
+    cols: usize,
+    offset: usize,
+    length: usize,
+}
+
+impl TryFrom<PartJson> for Part {
+    type Error = String;
+
+    fn try_from(j: PartJson) -> Result<Part, String> {
+        let format = if j.format == "exl3" {
+            let (Some(bits), Some(codebook)) = (j.bits, j.codebook) else {
+                return Err("an exl3 part needs `bits` and `codebook`".into());
+            };
+            PartFormat::Exl3 {
+                rate: Rate::from_bits(bits).map_err(|e| e.to_string())?,
+                codebook: Codebook::from_name(&codebook).map_err(|e| e.to_string())?,
+            }
+        } else {
+            PartFormat::Rows(Format::from_name(&j.format).map_err(|e| e.to_string())?)
+        };
+        Ok(Part {
+            format,
+            rows: j.rows,
+            cols: j.cols,
+            offset: j.offset,
+            length: j.length,
+        })
+    }
+}
+
+impl From<Part> for PartJson {
+    fn from(p: Part) -> PartJson {
+        let (format, bits, codebook) = match p.format {
+            PartFormat::Rows(f) => (f.name().to_string(), None, None),
+            PartFormat::Exl3 { rate, codebook } => (
+                "exl3".to_string(),
+                Some(rate.bits()),
+                Some(codebook.name().to_string()),
+            ),
+        };
+        PartJson {
+            format,
+            bits,
+            codebook,
+            rows: p.rows,
+            cols: p.cols,
+            offset: p.offset,
+            length: p.length,
+        }
+    }
+}
+
+impl Part {
+    /// Bytes a weight of this part's shape takes in its format.
+    pub fn expected_length(&self) -> Result<usize, String> {
+        match self.format {
+            PartFormat::Rows(f) => f
+                .row_bytes(self.cols)
+                .map(|b| b * self.rows)
+                .map_err(|e| e.to_string()),
+            PartFormat::Exl3 { rate, .. } => Ok(Exl3Linear::stored_len(self.cols, self.rows, rate)),
+        }
+    }
 }
 
 /// Gate, up and down, in record order.
@@ -79,7 +177,12 @@ pub struct Manifest {
     pub experts_per_layer: usize,
     /// The MoE layers, ascending.
     pub layers: Vec<usize>,
+    /// The records' layout (of the first MoE layer, and of every layer not in `layer_parts`).
     pub parts: Parts,
+    /// MoE layers whose records are laid out otherwise: an EXL3 checkpoint may hold some
+    /// layers' experts at another rate. `record_size` fits the largest layout.
+    #[serde(default, skip_serializing_if = "BTreeMap::is_empty")]
+    pub layer_parts: BTreeMap<usize, Parts>,
     /// In (layer, expert) order; record `i` is at `i * record_size`.
     pub records: Vec<RecordEntry>,
 }
@@ -115,11 +218,33 @@ impl Manifest {
                 self.record_size, self.alignment
             ));
         }
-        if self.parts.length() > self.record_size {
-            return Err("parts run past the record size".into());
+        for (&layer, parts) in &self.layer_parts {
+            if self.layers.binary_search(&layer).is_err() {
+                return Err(format!(
+                    "layer_parts names layer {layer}, which is no MoE layer"
+                ));
+            }
+            check_parts(parts, self.record_size).map_err(|e| format!("layer {layer}: {e}"))?;
+        }
+        check_parts(&self.parts, self.record_size)?;
+        if self.experts_per_layer == 0
+            || self.records.len() != self.layers.len() * self.experts_per_layer
+        {
+            return Err("record count is not layers x experts".into());
         }
         for (i, r) in self.records.iter().enumerate() {
-            if r.offset != (i * self.record_size) as u64 || r.length != self.parts.length() {
+            let key = (
+                self.layers[i / self.experts_per_layer],
+                i % self.experts_per_layer,
+            );
+            if (r.layer, r.expert) != key {
+                return Err(format!(
+                    "record {i} is layer {}, expert {}; the (layer, expert) order puts layer {}, expert {} there",
+                    r.layer, r.expert, key.0, key.1
+                ));
+            }
+            let length = self.parts_of(r.layer).length();
+            if r.offset != (i * self.record_size) as u64 || r.length != length {
                 return Err(format!(
                     "record {i} (layer {}, expert {}) has offset {} / length {}, expected {} / {}",
                     r.layer,
@@ -127,14 +252,16 @@ impl Manifest {
                     r.offset,
                     r.length,
                     i * self.record_size,
-                    self.parts.length()
+                    length
                 ));
             }
         }
-        if self.records.len() != self.layers.len() * self.experts_per_layer {
-            return Err("record count is not layers x experts".into());
-        }
         Ok(())
+    }
+
+    /// The layout of `layer`'s records.
+    pub fn parts_of(&self, layer: usize) -> &Parts {
+        self.layer_parts.get(&layer).unwrap_or(&self.parts)
     }
 
     /// Index of `(layer, expert)`'s record.
@@ -149,6 +276,26 @@ impl Manifest {
     pub fn data_bytes(&self) -> u64 {
         (self.records.len() * self.record_size) as u64
     }
+}
+
+/// Each part's length fits its format and shape, and the record fits `record_size`.
+fn check_parts(parts: &Parts, record_size: usize) -> Result<(), String> {
+    for (name, p) in ["gate", "up", "down"].into_iter().zip(parts.all()) {
+        let expected = p.expected_length()?;
+        if p.length != expected {
+            return Err(format!(
+                "{name} part ({}x{} {}) is {} bytes, its format needs {expected}",
+                p.rows,
+                p.cols,
+                p.format.describe(),
+                p.length
+            ));
+        }
+    }
+    if parts.length() > record_size {
+        return Err("parts run past the record size".into());
+    }
+    Ok(())
 }
 
 pub fn hex(bytes: &[u8]) -> String {
@@ -269,6 +416,51 @@ pub fn open_model(dir: &Path) -> Result<(Vec<u8>, Config, Checkpoint), StoreErro
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// Row-format parts read and write as before EXL3 records existed; an exl3 part carries
+    /// its rate and codebook, and one without them is refused.
+    #[test]
+    fn parts_serialize_their_format() {
+        let rows = Part {
+            format: PartFormat::Rows(Format::Q4K),
+            rows: 2,
+            cols: 256,
+            offset: 0,
+            length: 288,
+        };
+        let json = serde_json::to_value(&rows).unwrap();
+        assert_eq!(
+            json,
+            serde_json::json!({"format": "q4_k", "rows": 2, "cols": 256, "offset": 0, "length": 288})
+        );
+        assert_eq!(serde_json::from_value::<Part>(json).unwrap(), rows);
+        let exl3 = Part {
+            format: PartFormat::Exl3 {
+                rate: Rate::from_bits(2.5).unwrap(),
+                codebook: Codebook::Mul1,
+            },
+            rows: 128,
+            cols: 256,
+            offset: 288,
+            length: Exl3Linear::stored_len(256, 128, Rate::from_bits(2.5).unwrap()),
+        };
+        let json = serde_json::to_value(&exl3).unwrap();
+        assert_eq!(
+            (&json["format"], &json["bits"], &json["codebook"]),
+            (&"exl3".into(), &2.5.into(), &"mul1".into())
+        );
+        assert_eq!(
+            exl3.expected_length().unwrap(),
+            128 * 256 * 5 / 16 + 2 * (128 + 256)
+        );
+        assert_eq!(serde_json::from_value::<Part>(json).unwrap(), exl3);
+        let bad = serde_json::json!({"format": "exl3", "bits": 3.0, "rows": 128, "cols": 128, "offset": 0, "length": 1});
+        let err = serde_json::from_value::<Part>(bad).unwrap_err().to_string();
+        assert!(err.contains("needs `bits` and `codebook`"), "{err}");
+        let bad = serde_json::json!({"format": "exl3", "bits": 3.3, "codebook": "mul1", "rows": 128, "cols": 128, "offset": 0, "length": 1});
+        let err = serde_json::from_value::<Part>(bad).unwrap_err().to_string();
+        assert!(err.contains("not an EXL3 rate"), "{err}");
+    }
 
     #[test]
     fn expert_keys_map_to_their_record() {

@@ -1,9 +1,12 @@
 //! The packed expert store: every routed expert of every MoE layer as one 4 KiB-aligned
 //! record in `experts.bin`, described by `experts.json`.
 //!
-//! * A record is `gate | up | down`, each exactly `Matrix::to_bytes()` in the checkpoint's
-//!   serving format (so `Matrix::from_bytes` rebuilds it bit for bit), zero-padded to
-//!   `record_size`, the same for every record. Record `i` of the (layer, expert) order is at
+//! * A record is `gate | up | down`, zero-padded to `record_size`, the same for every
+//!   record. Each weight is either rows in a row format, exactly `Matrix::to_bytes()` (so
+//!   `Matrix::from_bytes` rebuilds it bit for bit), or for an EXL3 checkpoint the layer's
+//!   trellis, `suh` and `svh` exactly as the checkpoint stores them (the manifest names
+//!   rate and codebook); see [`PartFormat`]. The tiers decode records, the store only
+//!   moves bytes. Record `i` of the (layer, expert) order is at
 //!   byte `i * record_size`, so one O_DIRECT request reads one expert.
 //! * [`pack_store`] writes the store with O_DIRECT in one pass over the source, keeping a
 //!   journal (`experts.json.partial`) so a killed run resumes where its last synced batch
@@ -20,11 +23,12 @@ pub mod manifest;
 mod pack;
 mod random;
 mod reader;
+mod records;
 mod verify;
 
 pub use aligned::{ALIGN, AlignedBuf};
 pub use manifest::{
-    DATA, JOURNAL, MANIFEST, Manifest, Part, Parts, RecordEntry, model_fingerprint,
+    DATA, JOURNAL, MANIFEST, Manifest, Part, PartFormat, Parts, RecordEntry, model_fingerprint,
     quick_fingerprint,
 };
 pub use pack::{PackOptions, PackOutcome, PackReport, pack_store};
@@ -32,6 +36,7 @@ pub use random::{rebind_random_store, write_random_store};
 pub use reader::{
     ChecksumPolicy, EngineChoice, ReadError, ReadErrorKind, ReaderOptions, RecordBuf, StoreReader,
 };
+pub use records::RecordFormat;
 pub use verify::{VerifyOptions, VerifyReport, verify_store};
 
 use crate::model::checkpoint::CheckpointError;

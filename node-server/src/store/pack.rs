@@ -16,10 +16,10 @@ use super::manifest::{
     self, DATA, FORMAT_VERSION, JOURNAL, MANIFEST, Manifest, Part, Parts, RecordEntry,
     expert_owner, moe_layers, sha256_hex,
 };
+use super::records::{RecordFormat, Weight, expert_weights, resolve_format};
 use super::verify::{VerifyOptions, VerifyReport, verify_opened};
 use super::{ALIGN, StoreError};
 use crate::model::loader::Loader;
-use crate::model::moe::load_expert;
 use indicatif::{ProgressBar, ProgressDrawTarget, ProgressStyle};
 use rayon::prelude::*;
 use serde::{Deserialize, Serialize};
@@ -46,9 +46,10 @@ pub struct PackOptions {
     /// Test hook: skip the free-space check (to hit a real ENOSPC).
     #[doc(hidden)]
     pub skip_space_check: bool,
-    /// Weight format of the records; `None` keeps the checkpoint's. Converting quantizes each
-    /// expert as it is packed (deterministically, as `convert-experts` does).
-    pub format: Option<crate::quant::Format>,
+    /// Weight format of the records; `None` keeps the checkpoint's (`exl3` for an EXL3
+    /// checkpoint). A row format other than the checkpoint's converts each expert as it is
+    /// packed (deterministically, as `convert-experts` does).
+    pub format: Option<RecordFormat>,
 }
 
 impl Default for PackOptions {
@@ -94,6 +95,8 @@ struct JournalHeader {
     record_size: usize,
     records: usize,
     parts: Parts,
+    #[serde(default, skip_serializing_if = "BTreeMap::is_empty")]
+    layer_parts: BTreeMap<usize, Parts>,
 }
 
 #[derive(Serialize, Deserialize, Clone)]
@@ -102,47 +105,6 @@ struct JournalRecord {
     sha256: String,
     /// Content hashes of the source tensors this record owns (for the full fingerprint).
     tensors: BTreeMap<String, String>,
-}
-
-/// The expert with every weight in `format` (unchanged when `None` or already so).
-pub(crate) fn in_format(
-    x: crate::model::mlp::SwiGlu,
-    format: Option<crate::quant::Format>,
-) -> Result<crate::model::mlp::SwiGlu, StoreError> {
-    let Some(f) = format else {
-        return Ok(x);
-    };
-    let convert = |m: crate::backend::cpu::Matrix, what: &str| {
-        if m.format() == Some(f) {
-            return Ok(m);
-        }
-        m.convert(f).map_err(|e| {
-            StoreError::Other(format!(
-                "converting an expert's {what} ({}x{}) to {}: {e}",
-                m.rows(),
-                m.cols(),
-                f.name()
-            ))
-        })
-    };
-    Ok(crate::model::mlp::SwiGlu {
-        gate: convert(x.gate, "gate")?,
-        up: convert(x.up, "up")?,
-        down: convert(x.down, "down")?,
-        limit: x.limit,
-    })
-}
-
-/// The row format and bytes of an expert's matrix; an EXL3 matrix has none (a `--format`
-/// converts it).
-pub(crate) fn stored_rows(
-    m: &crate::backend::cpu::Matrix,
-) -> Result<(crate::quant::Format, Vec<u8>), StoreError> {
-    m.format().zip(m.to_bytes()).ok_or_else(|| {
-        StoreError::Other(format!(
-            "{m:?}: EXL3 experts have no row format the store holds; pack them with a --format to convert them"
-        ))
-    })
 }
 
 fn io_err(path: &Path) -> impl FnOnce(std::io::Error) -> StoreError + '_ {
@@ -177,34 +139,25 @@ pub fn pack_store(
         .iter()
         .map(|&l| (l, loader.pp(&format!("layers.{l}.mlp.experts"))))
         .collect();
-    let build = |l: usize, e: usize| -> Result<[Vec<u8>; 3], StoreError> {
-        let x = in_format(load_expert(&cfg, layer_loaders[&l], e)?, opts.format)?;
-        Ok([
-            stored_rows(&x.gate)?.1,
-            stored_rows(&x.up)?.1,
-            stored_rows(&x.down)?.1,
-        ])
-    };
-    let parts = {
-        let x = in_format(
-            load_expert(&cfg, layer_loaders[&layers[0]], 0)?,
-            opts.format,
-        )?;
-        let part = |m: &crate::backend::cpu::Matrix, offset: usize| {
-            Ok::<_, StoreError>(Part {
-                format: stored_rows(m)?.0,
-                rows: m.rows(),
-                cols: m.cols(),
-                offset,
-                length: m.storage_bytes(),
-            })
-        };
-        let gate = part(&x.gate, 0)?;
-        let up = part(&x.up, gate.length)?;
-        let down = part(&x.down, gate.length + up.length)?;
-        Parts { gate, up, down }
-    };
-    let record_size = align_up(parts.length());
+    let format = resolve_format(&cfg, layer_loaders[&layers[0]], opts.format)?;
+    let build = |l: usize, e: usize| expert_weights(&cfg, layer_loaders[&l], e, format);
+    // Each layer's layout from its first expert: an EXL3 checkpoint may hold some layers'
+    // experts at another rate. Records are all the largest layout's size.
+    let layouts: BTreeMap<usize, Parts> = layers
+        .iter()
+        .map(|&l| Ok((l, layout(&build(l, 0)?))))
+        .collect::<Result<_, StoreError>>()?;
+    let parts = layouts[&layers[0]].clone();
+    let layer_parts: BTreeMap<usize, Parts> = layouts
+        .iter()
+        .filter(|(_, p)| **p != parts)
+        .map(|(&l, p)| (l, p.clone()))
+        .collect();
+    let record_size = layouts
+        .values()
+        .map(|p| align_up(p.length()))
+        .max()
+        .unwrap_or(ALIGN);
     let total = keys.len();
     let total_bytes = (total * record_size) as u64;
 
@@ -232,14 +185,14 @@ pub fn pack_store(
                 model_fingerprint: quick,
             });
         }
-        if existing.parts != parts {
+        if existing.parts != parts || existing.layer_parts != layer_parts {
             return Err(StoreError::Other(format!(
                 "store {} holds {} records ({} bytes each); this run asks for {} records ({} bytes): \
                  pack into another directory or remove this one",
                 store.display(),
-                existing.parts.gate.format.name(),
+                existing.parts.gate.format.describe(),
                 existing.record_size,
-                parts.gate.format.name(),
+                parts.gate.format.describe(),
                 record_size
             )));
         }
@@ -263,6 +216,7 @@ pub fn pack_store(
         record_size,
         records: total,
         parts: parts.clone(),
+        layer_parts: layer_parts.clone(),
     };
     let file = open_direct(&data_path, true).map_err(|e| match e {
         DirectOpenError::Unsupported => StoreError::NoDirectIo {
@@ -273,7 +227,8 @@ pub fn pack_store(
             source,
         },
     })?;
-    let done = resume_point(&journal_path, &header, &file, store)?;
+    let lengths: Vec<usize> = keys.iter().map(|(l, _)| layouts[l].length()).collect();
+    let done = resume_point(&journal_path, &header, &lengths, &file, store)?;
     let from = done.len();
 
     if !opts.skip_space_check {
@@ -324,25 +279,25 @@ pub fn pack_store(
             .into_par_iter()
             .map(|i| {
                 let (l, e) = keys[i];
-                let [gate, up, down] = build(l, e)?;
-                for (bytes, part, name) in [
-                    (&gate, &parts.gate, "gate"),
-                    (&up, &parts.up, "up"),
-                    (&down, &parts.down, "down"),
-                ] {
-                    if bytes.len() != part.length {
-                        return Err(StoreError::Other(format!(
-                            "layer {l}, expert {e}: {name} is {} bytes, expert 0 of layer {} had {}; every expert must share one layout",
-                            bytes.len(),
-                            layers[0],
-                            part.length
-                        )));
-                    }
+                let weights = build(l, e)?;
+                let want = &layouts[&l];
+                if layout(&weights) != *want {
+                    let describe = |p: &Parts| {
+                        p.all()
+                            .map(|p| format!("{}x{} {}", p.rows, p.cols, p.format.describe()))
+                            .join(", ")
+                    };
+                    return Err(StoreError::Other(format!(
+                        "layer {l}, expert {e} is laid out as {}, expert 0 of that layer as {}; \
+                         the experts of one layer must share one record layout",
+                        describe(&layout(&weights)),
+                        describe(want)
+                    )));
                 }
-                let mut record = Vec::with_capacity(parts.length());
-                record.extend_from_slice(&gate);
-                record.extend_from_slice(&up);
-                record.extend_from_slice(&down);
+                let mut record = Vec::with_capacity(want.length());
+                for w in &weights {
+                    record.extend_from_slice(&w.bytes);
+                }
                 let mut tensors = BTreeMap::new();
                 for key in owned.get(&(l, e)).into_iter().flatten() {
                     let view = manifest::raw_view(&ckpt, key)?;
@@ -411,6 +366,7 @@ pub fn pack_store(
         experts_per_layer: experts,
         layers,
         parts,
+        layer_parts,
         records: records
             .iter()
             .map(|r| {
@@ -419,7 +375,7 @@ pub fn pack_store(
                     layer,
                     expert,
                     offset: (r.i * record_size) as u64,
-                    length: header.parts.length(),
+                    length: lengths[r.i],
                     sha256: r.sha256.clone(),
                 }
             })
@@ -464,6 +420,21 @@ pub fn pack_store(
     })
 }
 
+/// Where an expert's gate, up and down sit in its record, and their formats and shapes.
+fn layout(weights: &[Weight; 3]) -> Parts {
+    let part = |w: &Weight, offset: usize| Part {
+        format: w.format,
+        rows: w.rows,
+        cols: w.cols,
+        offset,
+        length: w.bytes.len(),
+    };
+    let gate = part(&weights[0], 0);
+    let up = part(&weights[1], gate.length);
+    let down = part(&weights[2], gate.length + up.length);
+    Parts { gate, up, down }
+}
+
 fn journal_error(path: &Path, e: std::io::Error, record: usize, total: usize) -> StoreError {
     if e.raw_os_error() == Some(libc::ENOSPC) {
         StoreError::DiskFull {
@@ -484,6 +455,7 @@ fn journal_error(path: &Path, e: std::io::Error, record: usize, total: usize) ->
 fn resume_point(
     journal: &Path,
     header: &JournalHeader,
+    lengths: &[usize],
     file: &File,
     store: &Path,
 ) -> Result<Vec<JournalRecord>, StoreError> {
@@ -528,7 +500,7 @@ fn resume_point(
             |buf, r| {
                 let offset = (r.i * header.record_size) as u64;
                 file.read_exact_at(buf.as_mut_slice(), offset).is_ok()
-                    && sha256_hex(&buf.as_slice()[..header.parts.length()]) == r.sha256
+                    && sha256_hex(&buf.as_slice()[..lengths[r.i]]) == r.sha256
             },
         )
         .collect();

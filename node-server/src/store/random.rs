@@ -9,7 +9,9 @@
 //! expert tensors to hash): it is set to the quick one, so `verify-store` checks the records'
 //! sha256 but `verify-store --model` refuses the store.
 
-use super::manifest::{self, DATA, FORMAT_VERSION, MANIFEST, Manifest, Part, Parts, RecordEntry};
+use super::manifest::{
+    self, DATA, FORMAT_VERSION, MANIFEST, Manifest, Part, PartFormat, Parts, RecordEntry,
+};
 use super::{ALIGN, AlignedBuf, StoreError};
 use crate::model::config::Config;
 use crate::quant::Format;
@@ -45,7 +47,7 @@ pub fn write_random_store(
             .row_bytes(cols)
             .map_err(|e| StoreError::Other(format!("{} rows of {cols}: {e}", format.name())))?;
         Ok(Part {
-            format,
+            format: PartFormat::Rows(format),
             rows,
             cols,
             offset,
@@ -90,7 +92,12 @@ pub fn write_random_store(
                     seed ^ (index as u64).wrapping_mul(0x9E37_79B9_7F4A_7C15),
                 );
                 for p in parts.all() {
-                    random_blocks(&mut bytes[p.offset..p.offset + p.length], p, &mut rng);
+                    random_blocks(
+                        &mut bytes[p.offset..p.offset + p.length],
+                        format,
+                        p.cols,
+                        &mut rng,
+                    );
                 }
                 bytes[parts.length()..].fill(0);
                 let sha256 = manifest::sha256_hex(&bytes[..parts.length()]);
@@ -119,6 +126,7 @@ pub fn write_random_store(
         experts_per_layer: experts,
         layers,
         parts,
+        layer_parts: Default::default(),
         records,
     };
     let text = serde_json::to_string(&m).map_err(|e| StoreError::Other(e.to_string()))?;
@@ -143,11 +151,11 @@ pub fn rebind_random_store(model: &Path, store: &Path) -> Result<(), StoreError>
     })
 }
 
-/// Fills `out` (whole rows of `part`) with random blocks whose values have std about
+/// Fills `out` (whole rows of `cols` values in `format`) with random blocks whose values have std about
 /// `1/sqrt(cols)`.
-fn random_blocks(out: &mut [u8], part: &Part, rng: &mut ChaCha8Rng) {
-    let std = 1.0 / (part.cols as f32).sqrt();
-    match part.format {
+fn random_blocks(out: &mut [u8], format: Format, cols: usize, rng: &mut ChaCha8Rng) {
+    let std = 1.0 / (cols as f32).sqrt();
+    match format {
         Format::Q4K => {
             // Block: d (f16), dmin (f16), 12 bytes of 6-bit scales and mins, 128 bytes of
             // nibbles. With scale, min uniform in 0..64 and q in 0..16, a value d*sc*q - dmin*m
@@ -170,10 +178,10 @@ fn random_blocks(out: &mut [u8], part: &Part, rng: &mut ChaCha8Rng) {
         }
         Format::F32 | Format::F16 | Format::Bf16 => {
             let bound = std * 3f32.sqrt();
-            let width = part.format.block_bytes();
+            let width = format.block_bytes();
             for v in out.chunks_exact_mut(width) {
                 let x = (rng.next_u32() as f32 / u32::MAX as f32 * 2.0 - 1.0) * bound;
-                match part.format {
+                match format {
                     Format::F32 => v.copy_from_slice(&x.to_le_bytes()),
                     Format::F16 => v.copy_from_slice(&half::f16::from_f32(x).to_le_bytes()),
                     _ => v.copy_from_slice(&half::bf16::from_f32(x).to_le_bytes()),

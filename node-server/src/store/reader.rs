@@ -162,7 +162,8 @@ impl Shared {
 pub struct StoreReader {
     dir: PathBuf,
     manifest: Arc<Manifest>,
-    parts: Arc<Parts>,
+    /// Each MoE layer's record layout.
+    layouts: HashMap<usize, Arc<Parts>>,
     engine: Box<dyn Engine>,
     in_flight: Mutex<HashMap<usize, Arc<Shared>>>,
     reads: AtomicU64,
@@ -230,7 +231,11 @@ impl StoreReader {
         );
         Ok(StoreReader {
             dir: dir.to_path_buf(),
-            parts: Arc::new(manifest.parts.clone()),
+            layouts: manifest
+                .layers
+                .iter()
+                .map(|&l| (l, Arc::new(manifest.parts_of(l).clone())))
+                .collect(),
             manifest: Arc::new(manifest),
             engine,
             in_flight: Mutex::new(HashMap::new()),
@@ -412,7 +417,7 @@ impl StoreReader {
             layer: entry.layer,
             expert: entry.expert,
             length: entry.length,
-            parts: Arc::clone(&self.parts),
+            parts: Arc::clone(&self.layouts[&entry.layer]),
         }))
     }
 }

@@ -2,12 +2,13 @@
 //! its full fingerprint plus a byte compare of a sample of records against the source.
 
 use super::StoreError;
+use super::manifest::PartFormat;
 use super::manifest::{self, Manifest};
 use super::reader::{ChecksumPolicy, ReaderOptions, StoreReader};
+use super::records::{RecordFormat, expert_weights};
 use crate::model::checkpoint::Checkpoint;
 use crate::model::config::Config;
 use crate::model::loader::Loader;
-use crate::model::moe::load_expert;
 use indicatif::{ProgressBar, ProgressDrawTarget, ProgressStyle};
 use std::path::Path;
 use std::time::Instant;
@@ -125,27 +126,26 @@ pub(super) fn verify_opened(
     let mut compared = 0;
     if let Some((cfg, ckpt)) = source {
         let loader = Loader::new(ckpt);
+        let record_format = match manifest.parts.gate.format {
+            PartFormat::Rows(f) => RecordFormat::Rows(f),
+            PartFormat::Exl3 { .. } => RecordFormat::Exl3,
+        };
         let n = keys.len();
         let take = opts.sample.min(n);
         for s in 0..take {
             let (layer, expert) = keys[s * n / take];
             let record = reader.read(layer, expert)?;
-            // Records may hold the weights in another format than the checkpoint (pack-store
-            // --format): convert the source the same way.
-            let x = super::pack::in_format(
-                load_expert(
-                    cfg,
-                    loader.pp(&format!("layers.{layer}.mlp.experts")),
-                    expert,
-                )?,
-                Some(manifest.parts.gate.format),
-            )?;
-            let want = [
-                super::pack::stored_rows(&x.gate)?.1,
-                super::pack::stored_rows(&x.up)?.1,
-                super::pack::stored_rows(&x.down)?.1,
-            ]
-            .concat();
+            // Records hold the weights as the manifest says (pack-store --format, or EXL3
+            // as the checkpoint stores it): build the source's bytes the same way.
+            let want: Vec<u8> = expert_weights(
+                cfg,
+                loader.pp(&format!("layers.{layer}.mlp.experts")),
+                expert,
+                Some(record_format),
+            )?
+            .into_iter()
+            .flat_map(|w| w.bytes)
+            .collect();
             let got = record.bytes();
             if got != want.as_slice() {
                 let byte = got

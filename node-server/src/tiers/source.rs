@@ -6,7 +6,8 @@ use crate::model::checkpoint::Checkpoint;
 use crate::model::config::Config;
 use crate::model::loader::Loader;
 use crate::model::mlp::SwiGlu;
-use crate::store::RecordBuf;
+use crate::quant::exl3::Exl3Linear;
+use crate::store::{Part, PartFormat, RecordBuf};
 use anyhow::Context;
 
 /// Where experts come from on a miss: the packed store (or, untiered, the checkpoint).
@@ -120,16 +121,23 @@ impl ExpertSource for StoreSource {
 }
 
 /// The expert a store record holds, with the model's SwiGLU clamp `limit`: gate, up and down
-/// as matrices, their bytes copied out of the record.
+/// as matrices, their bytes copied out of the record (rows as they are; an EXL3 weight into
+/// the layout its fused products read).
 pub fn expert_from_record(record: &RecordBuf, limit: f32) -> anyhow::Result<SwiGlu> {
     let bytes = record.bytes();
-    let matrix = |p: &crate::store::Part| {
-        Matrix::from_bytes(
-            p.rows,
-            p.cols,
-            p.format,
-            page_padded(&bytes[p.offset..p.offset + p.length]),
-        )
+    let matrix = |p: &Part| {
+        let stored = &bytes[p.offset..p.offset + p.length];
+        match p.format {
+            PartFormat::Rows(format) => Ok(Matrix::from_bytes(
+                p.rows,
+                p.cols,
+                format,
+                page_padded(stored),
+            )?),
+            PartFormat::Exl3 { rate, codebook } => Ok::<_, anyhow::Error>(Matrix::from_exl3(
+                Exl3Linear::from_stored(p.cols, p.rows, rate, codebook, stored)?,
+            )),
+        }
         .with_context(|| {
             format!(
                 "record of layer {}, expert {}",

@@ -30,7 +30,11 @@ pub fn layout_of(expert: &SwiGlu) -> anyhow::Result<MoeLayout> {
         );
     }
     let (Some(gate), Some(down)) = (expert.gate.format(), expert.down.format()) else {
-        bail!("{:?}: EXL3 experts have no CUDA kernels", expert.gate);
+        bail!(
+            "{:?}: the GPU has no kernels for EXL3 experts yet; serve them on the CPU \
+             (--device cpu, any mode), or pack a store with --format q4_k for the GPU",
+            expert.gate
+        );
     };
     Ok(MoeLayout::new(hidden, inter, gate, down)?)
 }

@@ -80,8 +80,27 @@ impl Rate {
         })
     }
 
+    /// The rate of `bits` bits per weight (1 to 8, or 1.5, 2.5, 3.5).
+    pub fn from_bits(bits: f32) -> Result<Rate, Exl3Error> {
+        let words = bits * 16.0;
+        if words.fract() != 0.0 || !(0.0..=256.0).contains(&words) {
+            return Err(Exl3Error::Bits { bits });
+        }
+        Rate::from_tile_len(words as usize)
+    }
+
     pub fn bits(self) -> f32 {
         f32::from(self.halves) / 2.0
+    }
+
+    /// Int16 words of one tile (the trellis's last dimension).
+    pub fn tile_words(self) -> usize {
+        8 * usize::from(self.halves)
+    }
+
+    /// Bytes of the trellis of a layer of `k` inputs and `n` outputs as a checkpoint stores it.
+    pub fn trellis_bytes(self, k: usize, n: usize) -> usize {
+        k / 16 * (n / 16) * self.stream_bytes()
     }
 
     pub fn is_half(self) -> bool {
@@ -125,6 +144,8 @@ pub enum Exl3Error {
         *words as f32 / 16.0
     )]
     Rate { words: usize },
+    #[error("{bits} bits per weight is not an EXL3 rate (1 to 8, or 1.5, 2.5, 3.5)")]
+    Bits { bits: f32 },
     #[error("EXL3 half-integer rate {rate} needs the mul1 codebook, not {codebook}")]
     HalfRateCodebook { rate: Rate, codebook: Codebook },
     #[error("EXL3 trellis shape {shape:?}: {reason}")]
@@ -257,6 +278,52 @@ impl Exl3Linear {
             svh,
             bias: None,
         })
+    }
+
+    /// A layer of `k` inputs and `n` outputs from its bytes as a checkpoint stores them, one
+    /// after the other: the trellis (int16, `[k/16, n/16, 16 * bits]`), then `suh` (`k` f16
+    /// values) and `svh` (`n` f16 values), all little-endian.
+    pub fn from_stored(
+        k: usize,
+        n: usize,
+        rate: Rate,
+        codebook: Codebook,
+        bytes: &[u8],
+    ) -> Result<Exl3Linear, Exl3Error> {
+        let trellis = rate.trellis_bytes(k, n);
+        let expected = Exl3Linear::stored_len(k, n, rate);
+        if bytes.len() != expected {
+            return Err(Exl3Error::Length {
+                what: "stored layer",
+                unit: "bytes",
+                expected,
+                got: bytes.len(),
+            });
+        }
+        let f16s = |b: &[u8]| {
+            let mut v = vec![0f32; b.len() / 2];
+            super::dequantize_row(super::Format::F16, b, &mut v).expect("two bytes a value");
+            v
+        };
+        let (trellis, scales) = bytes.split_at(trellis);
+        let (suh, svh) = scales.split_at(2 * k);
+        Exl3Linear::new(
+            &[k / 16, n / 16, rate.tile_words()],
+            trellis,
+            f16s(suh),
+            f16s(svh),
+            codebook,
+        )
+    }
+
+    /// Bytes of a layer without bias as [`Exl3Linear::from_stored`] reads it.
+    pub fn stored_len(k: usize, n: usize, rate: Rate) -> usize {
+        rate.trellis_bytes(k, n) + 2 * (k + n)
+    }
+
+    /// Whether the layer adds an output bias.
+    pub fn has_bias(&self) -> bool {
+        self.bias.is_some()
     }
 
     /// The layer with an output bias of `N` values.
