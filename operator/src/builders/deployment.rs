@@ -56,9 +56,15 @@ pub fn server_args(spec: &GlmFlashDeploymentSpec) -> Vec<String> {
     args
 }
 
-/// The server Deployment on `node`: one replica (zero while the store is being rebuilt),
-/// `Recreate` so two servers never share the GPU.
-pub fn server_deployment(gfd: &GlmFlashDeployment, node: &str, replicas: i32) -> Deployment {
+/// The server Deployment on `node`, reading the store of `store_hash`: one replica (zero
+/// while the store is being rebuilt or the object is deleted), `Recreate` so two servers
+/// never share the GPU.
+pub fn server_deployment(
+    gfd: &GlmFlashDeployment,
+    node: &str,
+    store_hash: &str,
+    replicas: i32,
+) -> Deployment {
     let spec = &gfd.spec;
     let name = gfd.name_any_or_empty();
     let selector = server_selector(&name);
@@ -165,7 +171,7 @@ pub fn server_deployment(gfd: &GlmFlashDeployment, node: &str, replicas: i32) ->
                     termination_grace_period_seconds: Some(60),
                     volumes: Some(vec![
                         host_path_volume("model", model_dir(spec), "Directory"),
-                        host_path_volume("store", store_dir(spec), "Directory"),
+                        host_path_volume("store", store_dir(gfd, store_hash), "Directory"),
                         Volume {
                             name: "dshm".into(),
                             empty_dir: Some(EmptyDirVolumeSource {
