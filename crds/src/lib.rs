@@ -556,6 +556,10 @@ pub struct LiveFigures {
     /// Share of expert lookups served by each tier (`vram`, `ram`, `nvme`), 0..1.
     #[serde(default, skip_serializing_if = "BTreeMap::is_empty")]
     pub hit_rate: BTreeMap<String, f64>,
+    /// `glmflash_pin_failures_total`: RAM-tier memory the kernel refused to lock; above
+    /// zero the RAM tier runs unpinned (slower uploads, pages may be swapped).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub pin_failures: Option<u64>,
 }
 
 /// Lifecycle phase.

@@ -11,8 +11,10 @@ use std::time::Duration;
 
 use futures::StreamExt;
 use glmflash_crds::GlmFlashDeployment;
+use jiff::Timestamp;
 use k8s_openapi::api::apps::v1::Deployment;
 use k8s_openapi::api::batch::v1::Job;
+use k8s_openapi::api::coordination::v1::Lease;
 use k8s_openapi::api::core::v1::{Node, Service};
 use kube::api::{Api, ListParams};
 use kube::runtime::events::{Recorder, Reporter};
@@ -26,6 +28,20 @@ use crate::builders::FIELD_MANAGER;
 use crate::controller::{self as reconciler, Context, MONITORING_GROUP};
 use crate::http::Health;
 use crate::scrape::HttpScraper;
+
+/// Leader Lease duration: a replica that cannot renew for this long steps down.
+const LEASE_SECONDS: i64 = 15;
+/// How often the leader reads its Lease back.
+const LEASE_CHECK: Duration = Duration::from_secs(5);
+
+/// Whether `lease` names `identity` as holder.
+fn held_by(lease: &Lease, identity: &str) -> bool {
+    lease
+        .spec
+        .as_ref()
+        .and_then(|s| s.holder_identity.as_deref())
+        == Some(identity)
+}
 
 /// What `main` parsed.
 #[derive(Debug, Clone)]
@@ -140,10 +156,11 @@ pub async fn run(client: Client, settings: Settings, health: Arc<Health>) -> any
         return Ok(());
     }
 
+    let leases: Api<Lease> = Api::namespaced(client.clone(), &settings.lease_namespace);
     let manager = LeaseManagerBuilder::new(client, &settings.lease_name)
         .with_namespace(&settings.lease_namespace)
         .with_identity(&settings.identity)
-        .with_duration(15)
+        .with_duration(LEASE_SECONDS as u64)
         .with_grace(5)
         .build()
         .await?;
@@ -162,6 +179,24 @@ pub async fn run(client: Client, settings: Settings, health: Arc<Health>) -> any
             }
         }
     };
+    // The lease manager retries renewals through an API outage and keeps saying "leader"
+    // while the Lease expires and another replica takes it: step down on our own once
+    // the Lease could not be read as ours for its whole duration.
+    let unrenewed = async {
+        let mut last_held = Timestamp::now();
+        loop {
+            tokio::time::sleep(LEASE_CHECK).await;
+            let now = Timestamp::now();
+            match leases.get(&settings.lease_name).await {
+                Ok(lease) if held_by(&lease, &settings.identity) => last_held = now,
+                Ok(_) => break,
+                Err(e) => debug!(error = %e, "could not read the leader lease"),
+            }
+            if now.duration_since(last_held) > jiff::SignedDuration::from_secs(LEASE_SECONDS) {
+                break;
+            }
+        }
+    };
     // On a normal stop the Lease is not released: it expires after its 15 s duration and
     // the other replica takes over.
     let result = tokio::select! {
@@ -174,7 +209,29 @@ pub async fn run(client: Client, settings: Settings, health: Arc<Health>) -> any
             error!("lost the leader lease; exiting so a restart rejoins as a follower");
             Err(anyhow::anyhow!("lost the leader lease"))
         }
+        () = unrenewed => {
+            health.metrics.leader.set(0);
+            error!("the leader lease was not ours for its whole duration (API unreachable?); exiting");
+            Err(anyhow::anyhow!("leader lease not renewed"))
+        }
     };
     lease_task.abort();
     result
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn the_lease_is_held_only_under_our_identity() {
+        let lease: Lease = serde_json::from_value(serde_json::json!({
+            "metadata": {"name": "glmflash-operator"},
+            "spec": {"holderIdentity": "pod-a", "leaseDurationSeconds": 15}
+        }))
+        .unwrap();
+        assert!(held_by(&lease, "pod-a"));
+        assert!(!held_by(&lease, "pod-b"));
+        assert!(!held_by(&Lease::default(), "pod-a"));
+    }
 }

@@ -12,8 +12,8 @@ use k8s_openapi::apimachinery::pkg::apis::meta::v1::{LabelSelector, ObjectMeta};
 use k8s_openapi::apimachinery::pkg::util::intstr::IntOrString;
 
 use super::pod::{
-    MODEL_MOUNT, STORE_MOUNT, host_path_volume, mount, node_affinity, non_empty, quantity,
-    security_context,
+    MODEL_MOUNT, STORE_MOUNT, host_path_volume, mount, node_affinity, non_empty, pinning_server,
+    quantity, security_context,
 };
 use super::{
     Component, NameOrEmpty, labels, meta, model_dir, names, server_selector, store_dir,
@@ -166,6 +166,7 @@ pub fn server_deployment(
                 spec: Some(PodSpec {
                     affinity: Some(node_affinity(node)),
                     tolerations: non_empty(spec.placement.tolerations.clone()),
+                    security_context: Some(pinning_server()),
                     containers: vec![container],
                     // Long enough to drain in-flight requests and unpin the RAM tier.
                     termination_grace_period_seconds: Some(60),

@@ -131,6 +131,12 @@ fn server_deployment_field_by_field() {
         .unwrap();
     assert_eq!(caps.add.as_deref(), Some(&["IPC_LOCK".to_string()][..]));
     assert_eq!(caps.drop.as_deref(), Some(&["ALL".to_string()][..]));
+    // IPC_LOCK reaches the effective set only of a root process (issue 15 item 9).
+    let psc = pod_spec(&d).security_context.as_ref().unwrap();
+    assert_eq!(
+        (psc.run_as_user, psc.run_as_non_root),
+        (Some(0), Some(false))
+    );
     assert_eq!(
         c.security_context
             .as_ref()

@@ -467,6 +467,13 @@ pub(super) async fn server(
                 old.live.clone()
             }
         };
+        if live
+            .as_ref()
+            .and_then(|l| l.pin_failures)
+            .is_some_and(|n| n > 0)
+        {
+            notes.push("the RAM tier is not pinned (the kernel refused mlock; see status.live.pinFailures)");
+        }
         let mut message = format!("serving {endpoint}");
         for note in &notes {
             message.push_str("; ");

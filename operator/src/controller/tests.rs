@@ -526,6 +526,11 @@ async fn service_monitor_without_the_api_is_named_in_ready() {
     g.spec.metrics.service_monitor = true;
     let (ctx, _, handle) = context(Ok(SERVER_PAGE), false);
     let mut steps = settled_reads(&g);
+    // Asked for, so the API is looked for again (the Prometheus operator may be new).
+    steps.insert(
+        4,
+        Step::get("/apis").json(json!({"kind": "APIGroupList", "apiVersion": "v1", "groups": []})),
+    );
     steps.push(Step::apply(GFD_STATUS));
     let (_, seen) = run(ctx, handle, g, steps).await;
     let status = status_written(&seen).unwrap();
