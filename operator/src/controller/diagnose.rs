@@ -30,7 +30,7 @@ fn one_pod(pod: &Pod) -> Option<Cond> {
             && c.status == "False"
             && c.reason.as_deref() == Some("Unschedulable")
     }) {
-        return Some(Cond::no(
+        return Some(Cond::trouble(
             "Unschedulable",
             format!(
                 "pod {name} cannot be scheduled: {}",
@@ -52,15 +52,15 @@ fn waiting(pod: &str, c: &ContainerStatus) -> Option<Cond> {
     let message = waiting.message.as_deref().unwrap_or("no message");
     let what = format!("pod {pod} container {}: {reason}: {message}", c.name);
     if IMAGE_REASONS.contains(&reason) {
-        Some(Cond::no("ImagePullFailed", what))
+        Some(Cond::trouble("ImagePullFailed", what))
     } else if reason == "CreateContainerConfigError" && message.contains("not found") {
         // A Secret or ConfigMap the pod refers to is absent (apiKeySecret, tokenSecret).
-        Some(Cond::no("ReferenceMissing", what))
+        Some(Cond::trouble("ReferenceMissing", what))
     } else if matches!(
         reason,
         "CreateContainerConfigError" | "CreateContainerError"
     ) {
-        Some(Cond::no("ContainerConfigError", what))
+        Some(Cond::trouble("ContainerConfigError", what))
     } else if reason == "CrashLoopBackOff" {
         let last = c
             .last_state
@@ -74,7 +74,7 @@ fn waiting(pod: &str, c: &ContainerStatus) -> Option<Cond> {
                 )
             })
             .unwrap_or_default();
-        Some(Cond::no("CrashLoopBackOff", format!("{what}{last}")))
+        Some(Cond::trouble("CrashLoopBackOff", format!("{what}{last}")))
     } else {
         None
     }
@@ -89,7 +89,7 @@ pub(super) fn deployment_trouble(deployment: &Deployment) -> Option<Cond> {
         .iter()
         .flatten()
         .find(|c| c.type_ == "ReplicaFailure" && c.status == "True")?;
-    Some(Cond::no(
+    Some(Cond::trouble(
         "PodCreateFailed",
         format!(
             "the server's pod cannot be created: {}",
@@ -104,7 +104,7 @@ pub(super) fn failed_create(events: &[Event], what: &str) -> Option<Cond> {
         .iter()
         .filter(|e| e.reason.as_deref() == Some("FailedCreate"))
         .max_by_key(|e| e.last_timestamp.as_ref().map(|t| t.0))?;
-    Some(Cond::no(
+    Some(Cond::trouble(
         "PodCreateFailed",
         format!(
             "{what} cannot create its pod: {}",
