@@ -257,13 +257,13 @@ fn a_negative_quantity_gets_one_message_naming_its_field() {
     value["spec"]["memory"]["limit"] = json!("-16Gi");
     assert_eq!(
         errors_of(value),
-        ["memory.limit must be a quantity of at least 16Gi"]
+        ["spec.memory.limit: memory.limit must be a quantity of at least 16Gi"]
     );
     let mut value = example();
     value["spec"]["memory"]["shmSize"] = json!("-1Gi");
     assert_eq!(
         errors_of(value),
-        ["memory.shmSize must be a quantity of at least 1Mi, such as 1Gi"]
+        ["spec.memory.shmSize: memory.shmSize must be a quantity of at least 1Mi, such as 1Gi"]
     );
 }
 
