@@ -912,6 +912,21 @@ mod hardening {
         })
     }
 
+    /// Item 10: with `requireGpu: false` the node is not said to have a free GPU.
+    #[tokio::test]
+    async fn without_a_gpu_request_no_free_gpu_is_claimed() {
+        let mut g = gfd_with_finalizer();
+        g.spec.placement.require_gpu = false;
+        let (ctx, _, handle) = context(Ok(SERVER_PAGE), false);
+        let (result, seen) = run_auto(ctx, handle, g).await;
+        result.unwrap();
+        let status = status_written(&seen).unwrap();
+        assert_eq!(
+            cond(&status, condition::NODE_SELECTED).2,
+            "node gpu-a matches and has memory for the cap"
+        );
+    }
+
     /// Item 1: q4_k -> q8_0 -> back to q4_k while the q8_0 Job runs. The old, Complete
     /// q4_k Job says nothing about the store (the q8_0 Job pruned it): both Jobs are
     /// stopped, and only then is q4_k packed again.
