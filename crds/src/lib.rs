@@ -268,7 +268,8 @@ impl Default for Placement {
 /// Memory of the server pod.
 #[derive(KubeSchema, Deserialize, Serialize, Clone, Debug, PartialEq)]
 #[x_kube(
-    validation = Rule::new("!isQuantity(self.limit) || !isQuantity(self.shmSize) || quantity(self.shmSize).isLessThan(quantity(self.limit))")
+    // Only once each field is valid on its own, so a bad value gets its own message first.
+    validation = Rule::new("!isQuantity(self.limit) || !isQuantity(self.shmSize) || quantity(self.limit).compareTo(quantity('16Gi')) < 0 || quantity(self.shmSize).compareTo(quantity('1Mi')) < 0 || quantity(self.shmSize).isLessThan(quantity(self.limit))")
         .message("memory.shmSize must be smaller than memory.limit"),
 )]
 #[serde(rename_all = "camelCase")]
@@ -277,9 +278,9 @@ pub struct MemorySpec {
     #[x_kube(validation = Rule::new("isQuantity(self) && quantity(self).compareTo(quantity('16Gi')) >= 0").message("memory.limit must be a quantity of at least 16Gi"))]
     #[schemars(length(max = 32))]
     pub limit: String,
-    /// Size of the memory-backed `/dev/shm`.
+    /// Size of the memory-backed `/dev/shm`: at least 1Mi, less than `limit`.
     #[serde(default = "default_shm_size")]
-    #[x_kube(validation = Rule::new("isQuantity(self)").message("memory.shmSize must be a quantity such as 1Gi"))]
+    #[x_kube(validation = Rule::new("isQuantity(self) && quantity(self).compareTo(quantity('1Mi')) >= 0").message("memory.shmSize must be a quantity of at least 1Mi, such as 1Gi"))]
     #[schemars(length(max = 32))]
     pub shm_size: String,
 }
@@ -431,6 +432,10 @@ pub struct MetricsSpec {
     /// Create a ServiceMonitor (needs the monitoring.coreos.com API).
     #[serde(default)]
     pub service_monitor: bool,
+    /// Extra labels on the ServiceMonitor, for a Prometheus whose `serviceMonitorSelector`
+    /// wants them (e.g. `release: kube-prometheus-stack`).
+    #[serde(default, skip_serializing_if = "BTreeMap::is_empty")]
+    pub service_monitor_labels: BTreeMap<String, String>,
     /// Create a Grafana dashboard ConfigMap (label `grafana_dashboard: "1"`) for this server.
     #[serde(default)]
     pub dashboards: bool,
@@ -557,6 +562,10 @@ pub struct LiveFigures {
     /// Share of expert lookups served by each tier (`vram`, `ram`, `nvme`), 0..1.
     #[serde(default, skip_serializing_if = "BTreeMap::is_empty")]
     pub hit_rate: BTreeMap<String, f64>,
+    /// `glmflash_pin_failures_total`: RAM-tier memory the kernel refused to lock; above
+    /// zero the RAM tier runs unpinned (slower uploads, pages may be swapped).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub pin_failures: Option<u64>,
 }
 
 /// Lifecycle phase.
@@ -572,7 +581,8 @@ pub enum Phase {
     Starting,
     /// The server is ready.
     Running,
-    /// The pack-store Job failed after its retries.
+    /// Stuck until something changes: the pack-store Job failed after its retries, or the
+    /// cluster refused an object or its pods (see Ready).
     Failed,
     /// The object is being deleted.
     Deleting,
@@ -664,6 +674,27 @@ pub fn crd_yaml() -> String {
     // Keys sorted at every level: the same YAML whether or not another crate in the build
     // turns on serde_json's `preserve_order` (which `cargo test --workspace` unifies in).
     let mut crd = serde_json::to_value(GlmFlashDeployment::crd()).expect("a CRD is JSON");
+    drop_unknown_formats(&mut crd);
     crd.sort_all_objects();
     serde_yaml::to_string(&crd).expect("a CRD serializes to YAML")
+}
+
+/// Removes the `format`s schemars writes for unsigned integers (`uint32`, `uint64`): the
+/// API server knows only `int32` and `int64` and warns about the rest on every install.
+/// The ranges (`minimum`) still say the values are unsigned.
+fn drop_unknown_formats(value: &mut serde_json::Value) {
+    match value {
+        serde_json::Value::Object(map) => {
+            if map
+                .get("format")
+                .and_then(|f| f.as_str())
+                .is_some_and(|f| f.starts_with("uint"))
+            {
+                map.remove("format");
+            }
+            map.values_mut().for_each(drop_unknown_formats);
+        }
+        serde_json::Value::Array(items) => items.iter_mut().for_each(drop_unknown_formats),
+        _ => {}
+    }
 }

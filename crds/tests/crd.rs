@@ -187,6 +187,16 @@ fn each_cel_rule_rejects_its_mistake() {
             "shmSize must be smaller",
         ),
         (
+            "negative shm",
+            |v| v["spec"]["memory"]["shmSize"] = json!("-1Gi"),
+            "memory.shmSize must be a quantity of at least 1Mi",
+        ),
+        (
+            "zero shm",
+            |v| v["spec"]["memory"]["shmSize"] = json!("0"),
+            "memory.shmSize must be a quantity of at least 1Mi",
+        ),
+        (
             "chunk over context",
             |v| v["spec"]["server"]["prefillChunk"] = json!(262144),
             "prefillChunk must not exceed",
@@ -236,5 +246,32 @@ fn checks_cel_cannot_express() {
     assert!(
         errors.iter().any(|e| e.contains("placement.nodeName")),
         "{errors:?}"
+    );
+}
+
+/// A negative cap or shm size is named by its own rule alone, not first as "shmSize must
+/// be smaller than limit" (issue 15).
+#[test]
+fn a_negative_quantity_gets_one_message_naming_its_field() {
+    let mut value = example();
+    value["spec"]["memory"]["limit"] = json!("-16Gi");
+    assert_eq!(
+        errors_of(value),
+        ["spec.memory.limit: memory.limit must be a quantity of at least 16Gi"]
+    );
+    let mut value = example();
+    value["spec"]["memory"]["shmSize"] = json!("-1Gi");
+    assert_eq!(
+        errors_of(value),
+        ["spec.memory.shmSize: memory.shmSize must be a quantity of at least 1Mi, such as 1Gi"]
+    );
+}
+
+#[test]
+fn crd_has_no_formats_the_api_server_warns_about() {
+    let yaml = glmflash_crds::crd_yaml();
+    assert!(
+        !yaml.contains("format: uint"),
+        "unsigned formats left in the CRD"
     );
 }

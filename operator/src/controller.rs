@@ -12,38 +12,48 @@
 //!    (`ServerReady`), then live figures from the server's `/metrics`.
 //!
 //! Writes are server-side applies with one field manager, made only when the object in
-//! the cluster differs from the one built (its config-hash annotation), and status is
-//! written only when it changes: a settled deployment reconciles with reads only. An Event
-//! is published on every phase change. What the stages decided becomes status in `status`.
+//! the cluster no longer holds every field of the one built (so a `kubectl scale` or edit
+//! of an owned object, whose watch brings a reconcile, is reverted), and status is
+//! written only when it changes: a settled deployment reconciles with reads only. An
+//! Event is published on every phase change and on new trouble. An object the API server
+//! refuses (a 4xx other than a conflict) is a `Failed` status with its message, not an
+//! error loop. What the stages decided becomes status in `status`; why pods do not run
+//! comes from `diagnose`; deletion is in `deletion`.
 
 use std::collections::HashMap;
 use std::fmt::Debug;
 use std::ops::ControlFlow;
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
-use glmflash_crds::{GlmFlashDeployment, ReclaimPolicy};
+use glmflash_crds::GlmFlashDeployment;
 use jiff::Timestamp;
 use k8s_openapi::api::batch::v1::Job;
 use kube::api::{Api, Patch, PatchParams};
 use kube::runtime::controller::Action;
-use kube::runtime::events::{Event, EventType, Recorder};
+use kube::runtime::events::Recorder;
 use kube::runtime::finalizer::{Event as Finalizer, finalizer};
-use kube::{Client, Resource, ResourceExt};
+use kube::{Client, Resource, ResourceExt, discovery};
 use serde::Serialize;
 use serde::de::DeserializeOwned;
 use tracing::{info, warn};
 
-use crate::builders::{self, FIELD_MANAGER, names};
+use crate::builders::{self, FIELD_MANAGER};
 use crate::metrics::Metrics;
 use crate::scrape::Scrape;
 use crate::{Error, Result};
 
+mod deletion;
+mod diagnose;
 mod stages;
 mod status;
 
 /// Finalizer that runs store cleanup before the object goes away.
 pub const FINALIZER: &str = "glmflash.io/cleanup";
+
+/// The Prometheus operator's API group.
+pub const MONITORING_GROUP: &str = "monitoring.coreos.com";
 
 /// How often a running deployment is looked at again to refresh live figures.
 pub const RUNNING_REQUEUE: Duration = Duration::from_secs(60);
@@ -61,8 +71,9 @@ pub struct Context {
     pub metrics: Arc<Metrics>,
     /// Reads the servers' `/metrics`.
     pub scraper: Arc<dyn Scrape>,
-    /// Whether the cluster serves monitoring.coreos.com/v1 (found at startup).
-    pub service_monitor_api: bool,
+    /// Whether the cluster serves monitoring.coreos.com (found at startup, and looked for
+    /// again while a spec asks for a ServiceMonitor and it was missing).
+    service_monitor_api: AtomicBool,
     /// Consecutive failures per object, for the error backoff.
     failures: Mutex<HashMap<String, u32>>,
 }
@@ -81,9 +92,24 @@ impl Context {
             recorder,
             metrics,
             scraper,
-            service_monitor_api,
+            service_monitor_api: AtomicBool::new(service_monitor_api),
             failures: Mutex::new(HashMap::new()),
         }
+    }
+
+    /// Whether ServiceMonitors can be applied; when `wanted` and not known yet, the API
+    /// is looked for again (the Prometheus operator may have been installed since).
+    async fn service_monitor_api(&self, wanted: bool) -> bool {
+        if !self.service_monitor_api.load(Ordering::Relaxed)
+            && wanted
+            && discovery::group(&self.client, MONITORING_GROUP)
+                .await
+                .is_ok()
+        {
+            info!("the monitoring.coreos.com API is now served");
+            self.service_monitor_api.store(true, Ordering::Relaxed);
+        }
+        self.service_monitor_api.load(Ordering::Relaxed)
     }
 
     fn record_failure(&self, key: String) -> u32 {
@@ -117,10 +143,20 @@ pub async fn reconcile(gfd: Arc<GlmFlashDeployment>, ctx: Arc<Context>) -> Resul
         .ok_or(Error::MissingField("metadata.namespace"))?;
     let api: Api<GlmFlashDeployment> = Api::namespaced(ctx.client.clone(), &ns);
     let object_key = key(&gfd);
+    if gfd.meta().deletion_timestamp.is_some()
+        && gfd.finalizers().iter().any(|f| f == FINALIZER)
+        && let Some(action) = deletion::pending(&gfd, &ctx).await?
+    {
+        ctx.clear_failures(&object_key);
+        return Ok(action);
+    }
     let action = finalizer(&api, FINALIZER, gfd, |event| async {
         match event {
             Finalizer::Apply(gfd) => apply(&gfd, &ctx).await,
-            Finalizer::Cleanup(gfd) => cleanup(&gfd, &ctx).await,
+            Finalizer::Cleanup(gfd) => {
+                info!(object = %key(&gfd), "deleted");
+                Ok(Action::await_change())
+            }
         }
     })
     .await
@@ -133,6 +169,7 @@ pub async fn reconcile(gfd: Arc<GlmFlashDeployment>, ctx: Arc<Context>) -> Resul
 pub fn error_policy(gfd: Arc<GlmFlashDeployment>, error: &Error, ctx: Arc<Context>) -> Action {
     let failures = ctx.record_failure(key(&gfd));
     let delay = backoff(failures);
+    // The one log line of a failed reconcile (the controller's stream logs none).
     warn!(object = %key(&gfd), %error, failures, ?delay, "reconcile failed");
     ctx.metrics
         .failures
@@ -156,7 +193,10 @@ where
         .clone()
         .ok_or(Error::MissingField("metadata.name"))?;
     if let Some(existing) = api.get_opt(&name).await?
-        && builders::config_hash_of(&existing) == builders::config_hash_of(&desired)
+        && builders::holds(
+            &serde_json::to_value(&existing)?,
+            &serde_json::to_value(&desired)?,
+        )
     {
         return Ok(existing);
     }
@@ -223,67 +263,20 @@ async fn apply(gfd: &GlmFlashDeployment, ctx: &Context) -> Result<Action> {
             ControlFlow::Continue(placed) => placed,
             ControlFlow::Break(stop) => break 'stages stop,
         };
-        let stored = match stages::store(gfd, ctx, &ns, &old, &placed).await? {
-            ControlFlow::Continue(stored) => stored,
-            ControlFlow::Break(stop) => break 'stages stop,
+        let stored = match stages::store(gfd, ctx, &ns, &old, &placed).await {
+            Ok(ControlFlow::Continue(stored)) => stored,
+            Ok(ControlFlow::Break(stop)) => break 'stages stop,
+            Err(e) => break 'stages status::refused(e, &placed, None)?,
         };
-        stages::server(gfd, ctx, &ns, &old, placed, stored).await?
+        match stages::server(gfd, ctx, &ns, &old, placed.clone(), stored.clone()).await {
+            Ok(stop) => stop,
+            Err(e) => status::refused(e, &placed, Some(&stored))?,
+        }
     };
+    let warn = outcome.ready.warn;
     let next = status::next_status(&old, gfd.metadata.generation, outcome, now);
-    status::write_status(gfd, ctx, next).await?;
+    status::write_status(gfd, ctx, next, warn).await?;
     Ok(action)
-}
-
-/// Deletion: owned objects go by owner references; the store goes only when the reclaim
-/// policy says so, through a Job on its node that deletion waits for.
-async fn cleanup(gfd: &GlmFlashDeployment, ctx: &Context) -> Result<Action> {
-    let node = gfd.status.as_ref().and_then(|s| s.node.clone());
-    let (ReclaimPolicy::Delete, Some(node)) = (gfd.spec.store.reclaim_policy, node) else {
-        info!(object = %key(gfd), "deleted; store retained");
-        return Ok(Action::await_change());
-    };
-    let ns = gfd
-        .namespace()
-        .ok_or(Error::MissingField("metadata.namespace"))?;
-    let jobs: Api<Job> = Api::namespaced(ctx.client.clone(), &ns);
-    let job_name = names::reclaim_job(&gfd.name_any());
-    let job = match jobs.get_opt(&job_name).await? {
-        Some(job) => job,
-        None => {
-            let desired = builders::reclaim_job(gfd, &node);
-            jobs.patch(&job_name, &apply_params(), &Patch::Apply(&desired))
-                .await?;
-            return Err(Error::ReclaimPending(job_name));
-        }
-    };
-    match job_state(&job) {
-        JobState::Running => Err(Error::ReclaimPending(job_name)),
-        JobState::Complete => {
-            info!(object = %key(gfd), %node, "store reclaimed");
-            Ok(Action::await_change())
-        }
-        JobState::Failed(why) => {
-            // Never block deletion on a node that cannot be cleaned: say where the bytes are.
-            let note = format!(
-                "store reclaim failed ({why}); remove {} on node {node} by hand",
-                gfd.spec.store.host_path
-            );
-            warn!(object = %key(gfd), %note);
-            ctx.recorder
-                .publish(
-                    &Event {
-                        type_: EventType::Warning,
-                        reason: "ReclaimFailed".into(),
-                        note: Some(note),
-                        action: "Cleanup".into(),
-                        secondary: None,
-                    },
-                    &gfd.object_ref(&()),
-                )
-                .await?;
-            Ok(Action::await_change())
-        }
-    }
 }
 
 #[cfg(test)]

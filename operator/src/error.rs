@@ -13,9 +13,6 @@ pub enum Error {
     /// An object arrived without a field the API always sets.
     #[error("object is missing {0}")]
     MissingField(&'static str),
-    /// The store reclaim Job has not finished; deletion waits for it.
-    #[error("store reclaim job {0} has not finished")]
-    ReclaimPending(String),
     /// Serializing an object failed.
     #[error("serialize: {0}")]
     Serialize(#[from] serde_json::Error),
@@ -26,13 +23,8 @@ pub type Result<T, E = Error> = std::result::Result<T, E>;
 
 impl Error {
     /// Every value [`Error::metric_label`] returns.
-    pub const METRIC_LABELS: [&'static str; 5] = [
-        "kube",
-        "finalizer",
-        "missing_field",
-        "reclaim_pending",
-        "serialize",
-    ];
+    pub const METRIC_LABELS: [&'static str; 4] =
+        ["kube", "finalizer", "missing_field", "serialize"];
 
     /// A bounded label for the errors metric.
     pub fn metric_label(&self) -> &'static str {
@@ -44,7 +36,6 @@ impl Error {
                 _ => "finalizer",
             },
             Error::MissingField(_) => "missing_field",
-            Error::ReclaimPending(_) => "reclaim_pending",
             Error::Serialize(_) => "serialize",
         }
     }

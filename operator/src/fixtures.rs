@@ -347,7 +347,13 @@ pub async fn run_auto(
                     "NodeList",
                     vec![serde_json::to_value(gpu_node("gpu-a", "251Gi", "1")).unwrap()],
                 )),
-                ("GET", p) if p.ends_with("/pods") => Reply::Json(list("PodList", vec![])),
+                ("GET", p)
+                    if ["/pods", "/jobs", "/events", "/glmflashdeployments"]
+                        .iter()
+                        .any(|end| p.ends_with(end)) =>
+                {
+                    Reply::Json(list("List", vec![]))
+                }
                 ("GET", _) => Reply::NotFound,
                 _ => Reply::Echo,
             };

@@ -1,13 +1,21 @@
-//! Choosing the node: pure functions over Nodes and Pods, so every rule is unit-tested.
+//! Choosing the node: pure functions over Nodes, Pods and the other objects' status, so
+//! every rule is unit-tested.
 //!
-//! A node fits when it matches the spec (name, selector labels, GPU product label,
-//! schedulable, taints tolerated) and has room: a free `nvidia.com/gpu` and allocatable
-//! memory for `memory.limit` after the requests of the pods already there. Pods of the
-//! deployment being placed do not count against it, so re-placing a running deployment
-//! finds its own node still free. Among fitting nodes the first by name wins, so the
-//! choice is deterministic.
+//! A node fits when it matches the spec (name, selector labels, GPU product label), is
+//! open (schedulable, taints tolerated) and has room: a free `nvidia.com/gpu` and
+//! allocatable memory for `memory.limit` after what is already taken there. Taken means
+//! the requests of the live pods on the node, and for every other `GlmFlashDeployment`
+//! whose status names the node, its GPU and memory cap: an object holds its node from the
+//! moment it is placed, before its server pod exists, so two objects never pick the same
+//! GPU. The pods of the deployment being placed, and the server pods of those objects, do
+//! not count twice. Among fitting nodes the first by name wins, so the choice is
+//! deterministic.
+//!
+//! A placed deployment stays where it is while the node matches its spec: a cordon or a
+//! new taint closes the node to new placements only ([`closed`]), and moving is decided by
+//! the reconciler (node gone, or no pod of ours left on a closed node).
 
-use glmflash_crds::{GPU_PRODUCT_LABEL, GPU_RESOURCE, GlmFlashDeploymentSpec};
+use glmflash_crds::{GPU_PRODUCT_LABEL, GPU_RESOURCE, GlmFlashDeployment, GlmFlashDeploymentSpec};
 use k8s_openapi::api::core::v1::{Node, Pod, Taint, Toleration};
 
 use crate::builders;
@@ -43,8 +51,9 @@ pub fn parse_quantity(s: &str) -> Option<f64> {
     (value.is_finite() && value >= 0.0).then_some(value * factor)
 }
 
-/// Why `node` can never host the spec, whatever runs on it; `None` when it matches.
-pub fn mismatch(spec: &GlmFlashDeploymentSpec, node: &Node) -> Option<String> {
+/// Why `node` can never host the spec, whatever runs on it: name, labels, GPU product;
+/// `None` when it matches.
+pub fn spec_mismatch(spec: &GlmFlashDeploymentSpec, node: &Node) -> Option<String> {
     let name = node.metadata.name.as_deref().unwrap_or_default();
     let labels = node.metadata.labels.clone().unwrap_or_default();
     if let Some(wanted) = &spec.placement.node_name
@@ -64,23 +73,28 @@ pub fn mismatch(spec: &GlmFlashDeploymentSpec, node: &Node) -> Option<String> {
     {
         return Some(format!("label {GPU_PRODUCT_LABEL}={product} missing"));
     }
+    None
+}
+
+/// Why `node` takes no new pods of the spec (cordoned, or a taint not tolerated); pods
+/// already there keep running.
+pub fn closed(spec: &GlmFlashDeploymentSpec, node: &Node) -> Option<String> {
     let node_spec = node.spec.clone().unwrap_or_default();
     if node_spec.unschedulable == Some(true) {
         return Some("unschedulable (cordoned)".into());
     }
-    if let Some(taint) = node_spec
+    node_spec
         .taints
         .unwrap_or_default()
         .iter()
         .filter(|t| t.effect == "NoSchedule" || t.effect == "NoExecute")
         .find(|t| !tolerated(t, &spec.placement.tolerations))
-    {
-        return Some(format!(
-            "taint {}:{} not tolerated",
-            taint.key, taint.effect
-        ));
-    }
-    None
+        .map(|taint| format!("taint {}:{} not tolerated", taint.key, taint.effect))
+}
+
+/// Why a new placement cannot use `node`: [`spec_mismatch`], then [`closed`].
+pub fn mismatch(spec: &GlmFlashDeploymentSpec, node: &Node) -> Option<String> {
+    spec_mismatch(spec, node).or_else(|| closed(spec, node))
 }
 
 fn tolerated(taint: &Taint, tolerations: &[Toleration]) -> bool {
@@ -122,26 +136,84 @@ pub struct Owner<'a> {
     pub namespace: &'a str,
 }
 
-fn is_own(pod: &Pod, owner: Owner<'_>) -> bool {
-    let own = builders::labels(owner.name, builders::Component::Server);
+/// What another object holds on a node because its status names the node.
+#[derive(Clone, Debug, PartialEq)]
+pub struct Reservation {
+    /// Object name.
+    pub name: String,
+    /// Object namespace.
+    pub namespace: String,
+    /// Whether it holds one `nvidia.com/gpu`.
+    pub gpu: bool,
+    /// Its memory cap in bytes.
+    pub memory: f64,
+}
+
+/// The reservations on `node` of every object but the owner.
+pub fn reservations(
+    objects: &[GlmFlashDeployment],
+    node: &str,
+    owner: Owner<'_>,
+) -> Vec<Reservation> {
+    objects
+        .iter()
+        .filter(|o| o.status.as_ref().and_then(|s| s.node.as_deref()) == Some(node))
+        .filter(|o| {
+            (o.metadata.name.as_deref(), o.metadata.namespace.as_deref())
+                != (Some(owner.name), Some(owner.namespace))
+        })
+        .map(|o| Reservation {
+            name: o.metadata.name.clone().unwrap_or_default(),
+            namespace: o.metadata.namespace.clone().unwrap_or_default(),
+            gpu: o.spec.placement.require_gpu,
+            memory: parse_quantity(&o.spec.memory.limit).unwrap_or(0.0),
+        })
+        .collect()
+}
+
+/// Whether `pod` belongs to the object `name` in `namespace` (any of its components).
+fn belongs_to(pod: &Pod, name: &str, namespace: &str) -> bool {
+    let own = builders::labels(name, builders::Component::Server);
     let labels = pod.metadata.labels.clone().unwrap_or_default();
-    pod.metadata.namespace.as_deref() == Some(owner.namespace)
+    pod.metadata.namespace.as_deref() == Some(namespace)
         && ["app.kubernetes.io/instance", "app.kubernetes.io/managed-by"]
             .iter()
             .all(|k| labels.get(*k) == own.get(*k))
 }
 
-/// Requests of `resource` by the live pods bound to `node`, not counting the owner's.
-fn requested(pods: &[Pod], node: &str, resource: &str, owner: Owner<'_>) -> f64 {
+fn is_live(pod: &Pod) -> bool {
+    !matches!(
+        pod.status.as_ref().and_then(|s| s.phase.as_deref()),
+        Some("Succeeded" | "Failed")
+    )
+}
+
+/// Whether a pod of the owner that has not failed (an evicted pod has) is on `node`.
+pub fn owner_has_pod_on(pods: &[Pod], node: &str, owner: Owner<'_>) -> bool {
     pods.iter()
         .filter(|p| p.spec.as_ref().and_then(|s| s.node_name.as_deref()) == Some(node))
+        .filter(|p| p.status.as_ref().and_then(|s| s.phase.as_deref()) != Some("Failed"))
+        .any(|p| belongs_to(p, owner.name, owner.namespace))
+}
+
+/// Requests of `resource` by the live pods bound to `node`, not counting the owner's nor
+/// those of objects whose reservation counts instead.
+fn requested(
+    pods: &[Pod],
+    node: &str,
+    resource: &str,
+    owner: Owner<'_>,
+    reserved: &[Reservation],
+) -> f64 {
+    pods.iter()
+        .filter(|p| p.spec.as_ref().and_then(|s| s.node_name.as_deref()) == Some(node))
+        .filter(|p| is_live(p))
+        .filter(|p| !belongs_to(p, owner.name, owner.namespace))
         .filter(|p| {
-            !matches!(
-                p.status.as_ref().and_then(|s| s.phase.as_deref()),
-                Some("Succeeded" | "Failed")
-            )
+            !reserved
+                .iter()
+                .any(|r| belongs_to(p, &r.name, &r.namespace))
         })
-        .filter(|p| !is_own(p, owner))
         .flat_map(|p| p.spec.iter().flat_map(|s| s.containers.iter()))
         .filter_map(|c| {
             let r = c.resources.as_ref()?;
@@ -161,15 +233,28 @@ pub fn no_room(
     node: &Node,
     pods: &[Pod],
     owner: Owner<'_>,
+    reserved: &[Reservation],
 ) -> Option<String> {
     let name = node.metadata.name.as_deref().unwrap_or_default();
     let gpus = allocatable(node, GPU_RESOURCE);
-    let gpus_used = requested(pods, name, GPU_RESOURCE, owner);
+    let gpus_reserved = reserved.iter().filter(|r| r.gpu).count() as f64;
+    let gpus_used = requested(pods, name, GPU_RESOURCE, owner, reserved) + gpus_reserved;
     if spec.placement.require_gpu && gpus - gpus_used < 1.0 {
-        return Some(format!("{gpus_used} of {gpus} {GPU_RESOURCE} in use"));
+        let mut why = format!("{gpus_used} of {gpus} {GPU_RESOURCE} in use");
+        if gpus_reserved > 0.0 {
+            let holders: Vec<String> = reserved
+                .iter()
+                .filter(|r| r.gpu)
+                .map(|r| format!("{}/{}", r.namespace, r.name))
+                .collect();
+            why.push_str(&format!(" (held by {})", holders.join(", ")));
+        }
+        return Some(why);
     }
     let cap = parse_quantity(&spec.memory.limit).unwrap_or(f64::INFINITY);
-    let memory_free = allocatable(node, "memory") - requested(pods, name, "memory", owner);
+    let memory_free = allocatable(node, "memory")
+        - requested(pods, name, "memory", owner, reserved)
+        - reserved.iter().map(|r| r.memory).sum::<f64>();
     if memory_free < cap {
         return Some(format!(
             "{:.1} GiB allocatable memory free, memory.limit needs {:.1} GiB",
@@ -304,26 +389,78 @@ mod tests {
     fn room_counts_other_live_pods_but_not_our_own() {
         let spec = gfd().spec;
         let node = gpu_node("a", "64Gi", "1");
-        assert_eq!(no_room(&spec, &node, &[], OWNER), None);
+        assert_eq!(no_room(&spec, &node, &[], OWNER, &[]), None);
         let other = pod("team", "a", json!({}), "1", "1Gi", "Running");
         assert_eq!(
-            no_room(&spec, &node, &[other], OWNER),
+            no_room(&spec, &node, &[other], OWNER, &[]),
             Some("1 of 1 nvidia.com/gpu in use".into())
         );
         let done = pod("team", "a", json!({}), "1", "1Gi", "Succeeded");
-        assert_eq!(no_room(&spec, &node, &[done], OWNER), None);
+        assert_eq!(no_room(&spec, &node, &[done], OWNER, &[]), None);
         let elsewhere = pod("team", "b", json!({}), "1", "1Gi", "Running");
-        assert_eq!(no_room(&spec, &node, &[elsewhere], OWNER), None);
+        assert_eq!(no_room(&spec, &node, &[elsewhere], OWNER, &[]), None);
         let ours_labels = json!({"app.kubernetes.io/instance": "glm", "app.kubernetes.io/managed-by": "glmflash-operator"});
         let ours = pod("ai", "a", ours_labels.clone(), "1", "55Gi", "Running");
-        assert_eq!(no_room(&spec, &node, &[ours], OWNER), None);
+        assert_eq!(no_room(&spec, &node, &[ours], OWNER, &[]), None);
         let same_name_other_ns = pod("other", "a", ours_labels, "1", "1Gi", "Running");
-        assert!(no_room(&spec, &node, &[same_name_other_ns], OWNER).is_some());
+        assert!(no_room(&spec, &node, &[same_name_other_ns], OWNER, &[]).is_some());
         let memory_hog = pod("team", "a", json!({}), "0", "20Gi", "Running");
         assert_eq!(
-            no_room(&spec, &node, &[memory_hog], OWNER),
+            no_room(&spec, &node, &[memory_hog], OWNER, &[]),
             Some("44.0 GiB allocatable memory free, memory.limit needs 55.0 GiB".into())
         );
+    }
+
+    #[test]
+    fn another_objects_status_holds_its_gpu_and_memory_before_its_pod_exists() {
+        let spec = gfd().spec;
+        let node = gpu_node("a", "251Gi", "1");
+        let mut other = gfd();
+        other.metadata.name = Some("other".into());
+        other.status = Some(glmflash_crds::GlmFlashDeploymentStatus {
+            node: Some("a".into()),
+            ..Default::default()
+        });
+        let mut me = gfd();
+        me.status = other.status.clone();
+        let reserved = reservations(&[other.clone(), me], "a", OWNER);
+        assert_eq!(reserved.len(), 1, "the owner's own status holds nothing");
+        assert_eq!(
+            no_room(&spec, &node, &[], OWNER, &reserved),
+            Some("1 of 1 nvidia.com/gpu in use (held by ai/other)".into())
+        );
+        // Its server pod, once it exists, does not count a second time.
+        let labels = json!({"app.kubernetes.io/instance": "other", "app.kubernetes.io/managed-by": "glmflash-operator"});
+        let its_pod = pod("ai", "a", labels, "1", "55Gi", "Running");
+        let two_gpus = gpu_node("a", "251Gi", "2");
+        assert_eq!(
+            no_room(&spec, &two_gpus, &[its_pod], OWNER, &reserved),
+            None
+        );
+        // Memory caps add up too.
+        let small = gpu_node("a", "100Gi", "2");
+        assert_eq!(
+            no_room(&spec, &small, &[], OWNER, &reserved),
+            Some("45.0 GiB allocatable memory free, memory.limit needs 55.0 GiB".into())
+        );
+        assert!(reservations(&[other], "b", OWNER).is_empty());
+    }
+
+    #[test]
+    fn a_cordon_closes_the_node_but_does_not_unmatch_it() {
+        let spec = gfd().spec;
+        let mut node = gpu_node("a", "251Gi", "1");
+        node.spec.as_mut().unwrap().unschedulable = Some(true);
+        assert_eq!(spec_mismatch(&spec, &node), None);
+        assert_eq!(
+            closed(&spec, &node),
+            Some("unschedulable (cordoned)".into())
+        );
+        let labels = json!({"app.kubernetes.io/instance": "glm", "app.kubernetes.io/managed-by": "glmflash-operator"});
+        let running = pod("ai", "a", labels.clone(), "1", "55Gi", "Running");
+        assert!(owner_has_pod_on(&[running], "a", OWNER));
+        let evicted = pod("ai", "a", labels, "1", "55Gi", "Failed");
+        assert!(!owner_has_pod_on(&[evicted], "a", OWNER));
     }
 
     #[test]
@@ -332,7 +469,7 @@ mod tests {
         spec.placement.require_gpu = false;
         let node = cpu_node("kind-worker");
         assert_eq!(mismatch(&spec, &node), None);
-        assert_eq!(no_room(&spec, &node, &[], OWNER), None);
+        assert_eq!(no_room(&spec, &node, &[], OWNER, &[]), None);
     }
 
     #[test]

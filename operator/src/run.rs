@@ -11,20 +11,37 @@ use std::time::Duration;
 
 use futures::StreamExt;
 use glmflash_crds::GlmFlashDeployment;
+use jiff::Timestamp;
 use k8s_openapi::api::apps::v1::Deployment;
 use k8s_openapi::api::batch::v1::Job;
-use k8s_openapi::api::core::v1::Service;
+use k8s_openapi::api::coordination::v1::Lease;
+use k8s_openapi::api::core::v1::{Node, Service};
 use kube::api::{Api, ListParams};
 use kube::runtime::events::{Recorder, Reporter};
-use kube::runtime::{Controller, watcher};
-use kube::{Client, discovery};
+use kube::runtime::reflector::ObjectRef;
+use kube::runtime::{Controller, controller, watcher};
+use kube::{Client, ResourceExt, discovery};
 use kube_lease_manager::LeaseManagerBuilder;
-use tracing::{error, info, warn};
+use tracing::{debug, error, info};
 
 use crate::builders::FIELD_MANAGER;
-use crate::controller::{self, Context};
+use crate::controller::{self as reconciler, Context, MONITORING_GROUP};
 use crate::http::Health;
 use crate::scrape::HttpScraper;
+
+/// Leader Lease duration: a replica that cannot renew for this long steps down.
+const LEASE_SECONDS: i64 = 15;
+/// How often the leader reads its Lease back.
+const LEASE_CHECK: Duration = Duration::from_secs(5);
+
+/// Whether `lease` names `identity` as holder.
+fn held_by(lease: &Lease, identity: &str) -> bool {
+    lease
+        .spec
+        .as_ref()
+        .and_then(|s| s.holder_identity.as_deref())
+        == Some(identity)
+}
 
 /// What `main` parsed.
 #[derive(Debug, Clone)]
@@ -52,9 +69,7 @@ pub async fn run(client: Client, settings: Settings, health: Arc<Health>) -> any
             "cannot list GlmFlashDeployments ({e}); is the CRD installed (crds/glmflash.io_glmflashdeployments.yaml)?"
         );
     }
-    let service_monitor_api = discovery::group(&client, "monitoring.coreos.com")
-        .await
-        .is_ok();
+    let service_monitor_api = discovery::group(&client, MONITORING_GROUP).await.is_ok();
     info!(service_monitor_api, "startup checks passed");
     health.ready.store(true, Ordering::Relaxed);
 
@@ -73,6 +88,11 @@ pub async fn run(client: Client, settings: Settings, health: Arc<Health>) -> any
     ));
 
     let owned = watcher::Config::default().labels("app.kubernetes.io/managed-by=glmflash-operator");
+    // Reclaim Jobs are not owned (garbage collection must not stop them half way): they
+    // are watched by their labels, for the object being deleted.
+    let reclaim = watcher::Config::default().labels(
+        "app.kubernetes.io/managed-by=glmflash-operator,app.kubernetes.io/component=reclaim",
+    );
     let (jobs, deployments, services): (Api<Job>, Api<Deployment>, Api<Service>) =
         match &settings.watch_namespace {
             Some(ns) => (
@@ -87,15 +107,46 @@ pub async fn run(client: Client, settings: Settings, health: Arc<Health>) -> any
             ),
         };
     let controller = Controller::new(gfds, watcher::Config::default().any_semantic())
-        .owns(jobs, owned.clone())
+        // One reconcile at a time: placement reads the nodes other objects hold from their
+        // status, which a concurrent reconcile may not have written yet.
+        .with_config(controller::Config::default().concurrency(1));
+    let store = controller.store();
+    let controller = controller
+        .owns(jobs.clone(), owned.clone())
         .owns(deployments, owned.clone())
         .owns(services, owned)
+        .watches(jobs, reclaim, |job| {
+            let name = job.labels().get("app.kubernetes.io/instance")?.clone();
+            Some(ObjectRef::new(&name).within(job.namespace()?.as_str()))
+        })
+        // A node that changes (ready, uncordoned, labelled, gone) may be where a pending
+        // deployment fits, or where a placed one lives.
+        .watches(
+            Api::<Node>::all(client.clone()),
+            watcher::Config::default(),
+            move |node| {
+                let name = node.name_any();
+                store
+                    .state()
+                    .into_iter()
+                    .filter(
+                        |g| match g.status.as_ref().and_then(|s| s.node.as_deref()) {
+                            Some(placed) => placed == name,
+                            None => true,
+                        },
+                    )
+                    .map(|g| ObjectRef::from_obj(g.as_ref()))
+                    .collect::<Vec<_>>()
+            },
+        )
         .shutdown_on_signal()
-        .run(controller::reconcile, controller::error_policy, ctx)
+        .run(reconciler::reconcile, reconciler::error_policy, ctx)
         .for_each(|result| async move {
+            // A failed reconcile was logged by the error policy; an object deleted while
+            // queued is no news.
             match result {
-                Ok((object, _)) => info!(%object.name, ns = ?object.namespace, "reconciled"),
-                Err(e) => warn!(error = %e, "reconcile failed"),
+                Ok((object, _)) => debug!(%object.name, ns = ?object.namespace, "reconciled"),
+                Err(e) => debug!(error = %e, "reconcile not run"),
             }
         });
 
@@ -105,10 +156,11 @@ pub async fn run(client: Client, settings: Settings, health: Arc<Health>) -> any
         return Ok(());
     }
 
+    let leases: Api<Lease> = Api::namespaced(client.clone(), &settings.lease_namespace);
     let manager = LeaseManagerBuilder::new(client, &settings.lease_name)
         .with_namespace(&settings.lease_namespace)
         .with_identity(&settings.identity)
-        .with_duration(15)
+        .with_duration(LEASE_SECONDS as u64)
         .with_grace(5)
         .build()
         .await?;
@@ -127,6 +179,24 @@ pub async fn run(client: Client, settings: Settings, health: Arc<Health>) -> any
             }
         }
     };
+    // The lease manager retries renewals through an API outage and keeps saying "leader"
+    // while the Lease expires and another replica takes it: step down on our own once
+    // the Lease could not be read as ours for its whole duration.
+    let unrenewed = async {
+        let mut last_held = Timestamp::now();
+        loop {
+            tokio::time::sleep(LEASE_CHECK).await;
+            let now = Timestamp::now();
+            match leases.get(&settings.lease_name).await {
+                Ok(lease) if held_by(&lease, &settings.identity) => last_held = now,
+                Ok(_) => break,
+                Err(e) => debug!(error = %e, "could not read the leader lease"),
+            }
+            if now.duration_since(last_held) > jiff::SignedDuration::from_secs(LEASE_SECONDS) {
+                break;
+            }
+        }
+    };
     // On a normal stop the Lease is not released: it expires after its 15 s duration and
     // the other replica takes over.
     let result = tokio::select! {
@@ -139,7 +209,29 @@ pub async fn run(client: Client, settings: Settings, health: Arc<Health>) -> any
             error!("lost the leader lease; exiting so a restart rejoins as a follower");
             Err(anyhow::anyhow!("lost the leader lease"))
         }
+        () = unrenewed => {
+            health.metrics.leader.set(0);
+            error!("the leader lease was not ours for its whole duration (API unreachable?); exiting");
+            Err(anyhow::anyhow!("leader lease not renewed"))
+        }
     };
     lease_task.abort();
     result
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn the_lease_is_held_only_under_our_identity() {
+        let lease: Lease = serde_json::from_value(serde_json::json!({
+            "metadata": {"name": "glmflash-operator"},
+            "spec": {"holderIdentity": "pod-a", "leaseDurationSeconds": 15}
+        }))
+        .unwrap();
+        assert!(held_by(&lease, "pod-a"));
+        assert!(!held_by(&lease, "pod-b"));
+        assert!(!held_by(&Lease::default(), "pod-a"));
+    }
 }

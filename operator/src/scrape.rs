@@ -173,9 +173,16 @@ pub fn live_figures(samples: &[Sample]) -> LiveFigures {
     } else {
         BTreeMap::new()
     };
+    let pin_failures = samples
+        .iter()
+        .filter(|s| s.name == glmflash_metric_names::PIN_FAILURES_TOTAL)
+        .filter(|s| s.value.is_finite() && s.value >= 0.0)
+        .map(|s| s.value as u64)
+        .reduce(|a, b| a + b);
     LiveFigures {
         decode_tokens_per_second,
         hit_rate,
+        pin_failures,
     }
 }
 
@@ -215,6 +222,13 @@ glmflash_requests_total{endpoint="/v1/chat/completions",status="200",note="a \"q
         assert_eq!(figures.hit_rate["vram"], 0.8);
         assert_eq!(figures.hit_rate["ram"], 0.15);
         assert_eq!(figures.hit_rate["nvme"], 0.05);
+    }
+
+    #[test]
+    fn refused_pinning_is_counted() {
+        let figures = live_figures(&parse_exposition("glmflash_pin_failures_total 3\n"));
+        assert_eq!(figures.pin_failures, Some(3));
+        assert_eq!(live_figures(&parse_exposition(PAGE)).pin_failures, None);
     }
 
     #[test]

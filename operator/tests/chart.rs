@@ -185,7 +185,8 @@ fn rbac_is_exact_and_nodes_are_read_only() {
             "configmaps".into(),
             v(&["get", "create", "patch", "delete"]),
         ),
-        ("".into(), "nodes".into(), v(&["get", "list"])),
+        ("".into(), "events".into(), v(&["list"])),
+        ("".into(), "nodes".into(), v(&["get", "list", "watch"])),
         ("".into(), "pods".into(), v(&["list"])),
         (
             "".into(),
@@ -200,7 +201,7 @@ fn rbac_is_exact_and_nodes_are_read_only() {
         (
             "batch".into(),
             "jobs".into(),
-            v(&["get", "list", "watch", "create", "patch"]),
+            v(&["get", "list", "watch", "create", "patch", "delete"]),
         ),
         (
             "events.k8s.io".into(),

@@ -96,7 +96,12 @@ fn pack_job_containers_parse_with_the_node_cli() {
         Some(serde_json::from_value(json!({"name": "hf", "key": "token"})).unwrap());
     let pod = pod(&pack_job(&g, "gpu-a", "0123456789abcdef"));
 
-    let download = &pod.init_containers.as_ref().unwrap()[0];
+    let download = pod
+        .init_containers
+        .iter()
+        .flatten()
+        .find(|c| c.name == "download")
+        .expect("a download init container");
     let Command::Download(d) = parse(download) else {
         panic!("the init container does not run download");
     };
@@ -156,7 +161,12 @@ fn node_path_model_needs_no_download() {
     g.spec.model.hugging_face = None;
     g.spec.model.node_path = Some("/mnt/models/glm".into());
     let pod = pod(&pack_job(&g, "gpu-a", "0123456789abcdef"));
-    assert!(pod.init_containers.is_none());
+    assert!(
+        !pod.init_containers
+            .iter()
+            .flatten()
+            .any(|c| c.name == "download")
+    );
     let Command::PackStore { model, .. } = parse(&pod.containers[0]) else {
         panic!("not pack-store");
     };
@@ -199,7 +209,7 @@ fn server_container_parses_with_the_node_cli_in_every_mode() {
         }
         g.spec = serde_json::from_value(spec).unwrap();
 
-        let d = server_deployment(&g, "gpu-a", 1);
+        let d = server_deployment(&g, "gpu-a", "0123456789abcdef", 1);
         let c = &d.spec.unwrap().template.spec.unwrap().containers[0];
         let Command::Serve { model, serve } = parse(c) else {
             panic!("the server container does not run serve");
@@ -260,7 +270,7 @@ fn server_container_parses_with_the_node_cli_in_every_mode() {
 #[test]
 fn the_parse_check_catches_a_flag_the_node_lacks() {
     let g = example();
-    let d = server_deployment(&g, "gpu-a", 1);
+    let d = server_deployment(&g, "gpu-a", "0123456789abcdef", 1);
     let mut c = d.spec.unwrap().template.spec.unwrap().containers[0].clone();
     c.args.as_mut().unwrap().push("--min-free-vram-mib".into());
     c.args.as_mut().unwrap().push("23000".into());

@@ -12,8 +12,8 @@ use k8s_openapi::apimachinery::pkg::apis::meta::v1::{LabelSelector, ObjectMeta};
 use k8s_openapi::apimachinery::pkg::util::intstr::IntOrString;
 
 use super::pod::{
-    MODEL_MOUNT, STORE_MOUNT, host_path_volume, mount, node_affinity, non_empty, quantity,
-    security_context,
+    MODEL_MOUNT, STORE_MOUNT, host_path_volume, mount, node_affinity, non_empty, pinning_server,
+    quantity, security_context,
 };
 use super::{
     Component, NameOrEmpty, labels, meta, model_dir, names, server_selector, store_dir,
@@ -56,9 +56,15 @@ pub fn server_args(spec: &GlmFlashDeploymentSpec) -> Vec<String> {
     args
 }
 
-/// The server Deployment on `node`: one replica (zero while the store is being rebuilt),
-/// `Recreate` so two servers never share the GPU.
-pub fn server_deployment(gfd: &GlmFlashDeployment, node: &str, replicas: i32) -> Deployment {
+/// The server Deployment on `node`, reading the store of `store_hash`: one replica (zero
+/// while the store is being rebuilt or the object is deleted), `Recreate` so two servers
+/// never share the GPU.
+pub fn server_deployment(
+    gfd: &GlmFlashDeployment,
+    node: &str,
+    store_hash: &str,
+    replicas: i32,
+) -> Deployment {
     let spec = &gfd.spec;
     let name = gfd.name_any_or_empty();
     let selector = server_selector(&name);
@@ -160,12 +166,13 @@ pub fn server_deployment(gfd: &GlmFlashDeployment, node: &str, replicas: i32) ->
                 spec: Some(PodSpec {
                     affinity: Some(node_affinity(node)),
                     tolerations: non_empty(spec.placement.tolerations.clone()),
+                    security_context: Some(pinning_server()),
                     containers: vec![container],
                     // Long enough to drain in-flight requests and unpin the RAM tier.
                     termination_grace_period_seconds: Some(60),
                     volumes: Some(vec![
                         host_path_volume("model", model_dir(spec), "Directory"),
-                        host_path_volume("store", store_dir(spec), "Directory"),
+                        host_path_volume("store", store_dir(gfd, store_hash), "Directory"),
                         Volume {
                             name: "dshm".into(),
                             empty_dir: Some(EmptyDirVolumeSource {

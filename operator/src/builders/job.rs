@@ -12,10 +12,13 @@ use super::pod::{
 };
 use super::{
     Component, NameOrEmpty, STORE_HASH_LABEL, labels, meta, model_dir, names, store_dir,
-    with_config_hash,
+    stores_dir, with_config_hash,
 };
 
 const TOKEN_MOUNT: &str = "/secrets/hf";
+const STORES_MOUNT: &str = "/stores";
+/// How long a reclaim Job may run before it counts as failed and deletion goes on.
+pub const RECLAIM_DEADLINE_SECONDS: i64 = 600;
 const TERMINATION_LOG: &str = "/dev/termination-log";
 
 /// The pack-store Job for the given store hash, pinned to `node`.
@@ -40,9 +43,27 @@ pub fn pack_job(gfd: &GlmFlashDeployment, node: &str, store_hash: &str) -> Job {
                 "Directory"
             },
         ),
-        host_path_volume("store", store_dir(spec), "DirectoryOrCreate"),
+        host_path_volume("store", store_dir(gfd, store_hash), "DirectoryOrCreate"),
+        host_path_volume("stores", stores_dir(gfd), "DirectoryOrCreate"),
     ];
-    let init_containers = hf.map(|hf| {
+    // Stores of this object's earlier inputs go first: disk holds one store per object,
+    // and only this object's own directory is touched.
+    let prune = Container {
+        name: "prune".into(),
+        image: Some(image.clone()),
+        image_pull_policy: Some(pull.clone()),
+        command: Some(vec!["/bin/sh".into(), "-c".into()]),
+        args: Some(vec![
+            r#"for d in /stores/*; do [ "$d" = "/stores/$1" ] || rm -rf -- "$d"; done"#.into(),
+            "prune".into(),
+            store_hash.into(),
+        ]),
+        volume_mounts: Some(vec![mount("stores", STORES_MOUNT, false)]),
+        security_context: Some(security_context(false)),
+        ..Container::default()
+    };
+    let mut init_containers = vec![prune];
+    init_containers.extend(hf.map(|hf| {
         let mut args = vec![
             "download".to_string(),
             "--repo".into(),
@@ -58,7 +79,7 @@ pub fn pack_job(gfd: &GlmFlashDeployment, node: &str, store_hash: &str) -> Job {
             volumes.push(secret_volume("hf-token", token, "token"));
             mounts.push(mount("hf-token", TOKEN_MOUNT, true));
         }
-        vec![Container {
+        Container {
             name: "download".into(),
             image: Some(image.clone()),
             image_pull_policy: Some(pull.clone()),
@@ -66,8 +87,8 @@ pub fn pack_job(gfd: &GlmFlashDeployment, node: &str, store_hash: &str) -> Job {
             volume_mounts: Some(mounts),
             security_context: Some(security_context(false)),
             ..Container::default()
-        }]
-    });
+        }
+    }));
 
     let mut pack_args = vec![
         "pack-store".to_string(),
@@ -118,7 +139,7 @@ pub fn pack_job(gfd: &GlmFlashDeployment, node: &str, store_hash: &str) -> Job {
                     restart_policy: Some("Never".into()),
                     affinity: Some(node_affinity(node)),
                     tolerations: non_empty(spec.placement.tolerations.clone()),
-                    init_containers,
+                    init_containers: Some(init_containers),
                     security_context: Some(host_path_writer()),
                     containers: vec![pack],
                     volumes: Some(volumes),
@@ -131,11 +152,31 @@ pub fn pack_job(gfd: &GlmFlashDeployment, node: &str, store_hash: &str) -> Job {
     })
 }
 
-/// The Job that deletes `store/` and `hf/` under the host path on `node` (reclaim policy
-/// `Delete`). It is not owned by the deployment, so garbage collection cannot kill it half
-/// way; it removes itself after it finishes.
-pub fn reclaim_job(gfd: &GlmFlashDeployment, node: &str) -> Job {
+/// The Job that deletes this object's stores on `node` (reclaim policy `Delete`), and its
+/// Hub download when `with_download` (no other object on the node reads it). It is not
+/// owned by the deployment, so garbage collection cannot kill it half way; it has a
+/// deadline, and removes itself after it finishes.
+pub fn reclaim_job(gfd: &GlmFlashDeployment, node: &str, with_download: bool) -> Job {
     let spec = &gfd.spec;
+    let root = spec.store.host_path.trim_end_matches('/');
+    // Only what the operator wrote: a nodePath model may live beside it. Paths are relative
+    // to the host path mounted at /reclaim, and handed to rm as arguments, not to a shell.
+    let mut paths = vec![stores_dir(gfd)];
+    let download_is_ours = spec
+        .model
+        .hugging_face
+        .as_ref()
+        .is_some_and(|hf| !hf.revision.split('/').any(|c| c == ".." || c == "."));
+    if with_download && download_is_ours {
+        paths.push(model_dir(spec));
+    }
+    let mut args = vec!["-rf".to_string(), "--".into()];
+    args.extend(
+        paths
+            .iter()
+            .filter_map(|p| p.strip_prefix(root))
+            .map(|rel| format!("/reclaim{rel}")),
+    );
     with_config_hash(Job {
         metadata: meta(
             gfd,
@@ -145,6 +186,7 @@ pub fn reclaim_job(gfd: &GlmFlashDeployment, node: &str) -> Job {
         ),
         spec: Some(JobSpec {
             backoff_limit: Some(2),
+            active_deadline_seconds: Some(RECLAIM_DEADLINE_SECONDS),
             ttl_seconds_after_finished: Some(600),
             template: PodTemplateSpec {
                 metadata: Some(ObjectMeta {
@@ -160,9 +202,8 @@ pub fn reclaim_job(gfd: &GlmFlashDeployment, node: &str) -> Job {
                         name: "reclaim".into(),
                         image: Some(spec.image.reference()),
                         image_pull_policy: Some(spec.image.pull_policy.as_str().into()),
-                        command: Some(vec!["/bin/sh".into(), "-c".into()]),
-                        // Only what the operator wrote: a nodePath model may live beside it.
-                        args: Some(vec!["rm -rf /reclaim/store /reclaim/hf".into()]),
+                        command: Some(vec!["rm".into()]),
+                        args: Some(args),
                         volume_mounts: Some(vec![mount("reclaim", "/reclaim", false)]),
                         security_context: Some(security_context(false)),
                         ..Container::default()

@@ -9,10 +9,14 @@
 //! (volumes, mounts, security and node affinity of every pod).
 //!
 //! Layout on the node (all under `spec.store.hostPath`):
-//! - `store/`: the packed expert store (`experts.bin` + `experts.json`), written by the
-//!   pack-store Job, mounted read-only into the server at `/store`;
+//! - `stores/<namespace>/<name>/<store hash>/`: the packed expert store (`experts.bin` +
+//!   `experts.json`) of one object built from one set of inputs, written by the pack-store
+//!   Job of that hash and mounted read-only into the server at `/store`. The path says
+//!   what the store holds, so a server can only ever mount the store of its own object
+//!   and inputs; a pack-store Job first removes the object's stores of other hashes;
 //! - `hf/<owner>--<name>/<revision>/`: a Hugging Face download, when the model comes from
-//!   the Hub; a `nodePath` model is mounted from where it is instead.
+//!   the Hub, shared by the objects on the node that name the same revision; a `nodePath`
+//!   model is mounted from where it is instead.
 //!
 //! Each object carries the annotation [`CONFIG_HASH`]: the hash of the object as built.
 //! The reconciler compares it with what is in the cluster and applies only on a
@@ -33,7 +37,7 @@ mod pod;
 mod service;
 
 pub use deployment::{server_args, server_deployment};
-pub use job::{pack_job, reclaim_job};
+pub use job::{RECLAIM_DEADLINE_SECONDS, pack_job, reclaim_job};
 pub use monitoring::{
     DASHBOARD_JSON, dashboard_config_map, service_monitor, service_monitor_resource,
 };
@@ -112,6 +116,16 @@ pub fn labels(gfd_name: &str, component: Component) -> BTreeMap<String, String> 
     ])
 }
 
+/// Label selector (as a query string) for the objects of one component of a deployment.
+pub fn selector(gfd_name: &str, component: Component) -> String {
+    let labels = labels(gfd_name, component);
+    [INSTANCE_LABEL, COMPONENT_LABEL, MANAGED_BY_LABEL]
+        .iter()
+        .map(|k| format!("{k}={}", labels[*k]))
+        .collect::<Vec<_>>()
+        .join(",")
+}
+
 /// Labels that select the server pod.
 pub fn server_selector(gfd_name: &str) -> BTreeMap<String, String> {
     BTreeMap::from([
@@ -145,6 +159,9 @@ pub fn store_hash(spec: &GlmFlashDeploymentSpec, node: &str) -> String {
         expert_format: ExpertFormat,
         host_path: &'a str,
         image: String,
+        /// Bumped when the store's place on the node changes, so each store is rebuilt
+        /// where the new layout puts it.
+        layout: u32,
     }
     let hf = spec.model.hugging_face.as_ref();
     let full = sha256_hex(&StoreInputs {
@@ -155,13 +172,24 @@ pub fn store_hash(spec: &GlmFlashDeploymentSpec, node: &str) -> String {
         expert_format: spec.model.expert_format,
         host_path: &spec.store.host_path,
         image: spec.image.reference(),
+        layout: 2,
     });
     full[..16].to_string()
 }
 
-/// Host directory of the packed store.
-pub fn store_dir(spec: &GlmFlashDeploymentSpec) -> String {
-    format!("{}/store", spec.store.host_path.trim_end_matches('/'))
+/// Host directory holding every store of one object, one subdirectory per store hash.
+pub fn stores_dir(gfd: &GlmFlashDeployment) -> String {
+    format!(
+        "{}/stores/{}/{}",
+        gfd.spec.store.host_path.trim_end_matches('/'),
+        gfd.namespace_or_default(),
+        gfd.name_any_or_empty()
+    )
+}
+
+/// Host directory of the packed store built from the inputs with hash `store_hash`.
+pub fn store_dir(gfd: &GlmFlashDeployment, store_hash: &str) -> String {
+    format!("{}/{store_hash}", stores_dir(gfd))
 }
 
 /// Host directory of the model weights.
@@ -238,6 +266,30 @@ fn with_config_hash<K: Resource + Serialize>(mut obj: K) -> K {
         .get_or_insert_with(BTreeMap::new)
         .insert(CONFIG_HASH.to_string(), hash);
     obj
+}
+
+/// Whether `existing` (as read from the cluster) holds every field of `desired` (as built)
+/// with the same value: fields the API server adds (defaults, status, bookkeeping) do not
+/// count, anything the operator sets and someone changed (replicas, resources, args) does.
+/// Quantities compare by value, as the API server may rewrite `0.5Gi` as `512Mi`.
+pub fn holds(existing: &serde_json::Value, desired: &serde_json::Value) -> bool {
+    use serde_json::Value;
+    match (existing, desired) {
+        (Value::Object(e), Value::Object(d)) => d
+            .iter()
+            .all(|(k, dv)| dv.is_null() || e.get(k).is_some_and(|ev| holds(ev, dv))),
+        (Value::Array(e), Value::Array(d)) => {
+            e.len() == d.len() && e.iter().zip(d).all(|(ev, dv)| holds(ev, dv))
+        }
+        (Value::String(e), Value::String(d)) => {
+            e == d
+                || matches!(
+                    (crate::placement::parse_quantity(e), crate::placement::parse_quantity(d)),
+                    (Some(a), Some(b)) if a == b
+                )
+        }
+        (e, d) => e == d,
+    }
 }
 
 /// The config hash an object carries, if any.

@@ -23,11 +23,15 @@ pub fn service_monitor_resource() -> ApiResource {
     }
 }
 
-/// A ServiceMonitor scraping the metrics Service.
+/// A ServiceMonitor scraping the metrics Service, with `metrics.serviceMonitorLabels`
+/// beside the operator's own labels (which win on a clash: the operator selects by them).
 pub fn service_monitor(gfd: &GlmFlashDeployment) -> DynamicObject {
     let name = gfd.name_any_or_empty();
     let mut obj = DynamicObject::new(&names::metrics(&name), &service_monitor_resource());
     obj.metadata = meta(gfd, names::metrics(&name), Component::Metrics, true);
+    let mut all = gfd.spec.metrics.service_monitor_labels.clone();
+    all.extend(obj.metadata.labels.take().unwrap_or_default());
+    obj.metadata.labels = Some(all);
     obj.data = serde_json::json!({
         "spec": {
             "selector": { "matchLabels": labels(&name, Component::Metrics) },

@@ -90,6 +90,17 @@ pub(super) fn host_path_writer() -> PodSecurityContext {
     }
 }
 
+/// Pod security of the server: uid 0 so that the one capability it is given, `IPC_LOCK`,
+/// is in its effective set. Container runtimes hand added capabilities to a non-root
+/// process only through ambient capabilities, which Kubernetes does not set, and a file
+/// capability on the binary would need `allowPrivilegeEscalation` (no_new_privs ignores
+/// it). Root here holds no other capability (no DAC override, chown or setuid): it reads
+/// the world-readable store and weights through read-only mounts and owns nothing on the
+/// node.
+pub(super) fn pinning_server() -> PodSecurityContext {
+    host_path_writer()
+}
+
 /// Capabilities of every pod we run: nothing but `IPC_LOCK` where pinning is needed.
 pub(super) fn security_context(ipc_lock: bool) -> SecurityContext {
     SecurityContext {

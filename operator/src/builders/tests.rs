@@ -8,6 +8,8 @@ use k8s_openapi::api::core::v1::{Container, PodSpec};
 use k8s_openapi::apimachinery::pkg::api::resource::Quantity;
 use k8s_openapi::apimachinery::pkg::util::intstr::IntOrString;
 
+const HASH: &str = "0123456789abcdef";
+
 fn server_container(d: &Deployment) -> &Container {
     &d.spec
         .as_ref()
@@ -26,7 +28,7 @@ fn pod_spec(d: &Deployment) -> &PodSpec {
 #[test]
 fn owned_objects_carry_owner_reference_labels_and_hash() {
     let g = gfd();
-    let d = server_deployment(&g, "gpu-a", 1);
+    let d = server_deployment(&g, "gpu-a", HASH, 1);
     let owner = &d.metadata.owner_references.as_ref().unwrap()[0];
     assert_eq!(owner.kind, "GlmFlashDeployment");
     assert_eq!(owner.api_version, "glmflash.io/v1alpha1");
@@ -43,11 +45,11 @@ fn owned_objects_carry_owner_reference_labels_and_hash() {
     other.spec.server.max_batch_size = 4;
     assert_ne!(
         config_hash_of(&d),
-        config_hash_of(&server_deployment(&other, "gpu-a", 1))
+        config_hash_of(&server_deployment(&other, "gpu-a", HASH, 1))
     );
     assert_eq!(
         config_hash_of(&d),
-        config_hash_of(&server_deployment(&gfd(), "gpu-a", 1))
+        config_hash_of(&server_deployment(&gfd(), "gpu-a", HASH, 1))
     );
     for owned in [
         api_service(&g).metadata,
@@ -77,7 +79,7 @@ fn server_deployment_field_by_field() {
         name: "api".into(),
         key: "key".into(),
     });
-    let d = server_deployment(&g, "gpu-a", 1);
+    let d = server_deployment(&g, "gpu-a", HASH, 1);
     let spec = d.spec.as_ref().unwrap();
     assert_eq!(spec.replicas, Some(1));
     assert_eq!(
@@ -129,6 +131,12 @@ fn server_deployment_field_by_field() {
         .unwrap();
     assert_eq!(caps.add.as_deref(), Some(&["IPC_LOCK".to_string()][..]));
     assert_eq!(caps.drop.as_deref(), Some(&["ALL".to_string()][..]));
+    // IPC_LOCK reaches the effective set only of a root process (issue 15 item 9).
+    let psc = pod_spec(&d).security_context.as_ref().unwrap();
+    assert_eq!(
+        (psc.run_as_user, psc.run_as_non_root),
+        (Some(0), Some(false))
+    );
     assert_eq!(
         c.security_context
             .as_ref()
@@ -192,7 +200,7 @@ fn server_deployment_field_by_field() {
     );
     assert_eq!(
         volumes[1].host_path.as_ref().unwrap().path,
-        "/mnt/nvme/glmflash/store"
+        "/mnt/nvme/glmflash/stores/ai/glm/0123456789abcdef"
     );
     let shm = volumes[2].empty_dir.as_ref().unwrap();
     assert_eq!(shm.medium.as_deref(), Some("Memory"));
@@ -228,7 +236,7 @@ fn separate_metrics_port_and_other_modes_reach_the_args() {
     g.spec.vram.expert_slots = None;
     g.spec.model.hugging_face = None;
     g.spec.model.node_path = Some("/data/glm53".into());
-    let d = server_deployment(&g, "gpu-a", 0);
+    let d = server_deployment(&g, "gpu-a", HASH, 0);
     assert_eq!(d.spec.as_ref().unwrap().replicas, Some(0));
     let c = server_container(&d);
     let args = c.args.as_ref().unwrap().join(" ");
@@ -258,7 +266,7 @@ fn separate_metrics_port_and_other_modes_reach_the_args() {
 fn cpu_switch_drops_the_gpu_request_only() {
     let mut g = gfd();
     g.spec.placement.require_gpu = false;
-    let d = server_deployment(&g, "kind-worker", 1);
+    let d = server_deployment(&g, "kind-worker", HASH, 1);
     let limits = server_container(&d)
         .resources
         .as_ref()
@@ -324,7 +332,18 @@ fn pack_job_downloads_then_packs_on_the_node() {
     // Writes the root-owned host path as root, with no capabilities (below).
     let psc = pod.security_context.as_ref().unwrap();
     assert_eq!((psc.run_as_user, psc.run_as_group), (Some(0), Some(0)));
-    let init = &pod.init_containers.as_ref().unwrap()[0];
+    let inits = pod.init_containers.as_ref().unwrap();
+    let prune = &inits[0];
+    assert_eq!(prune.name, "prune");
+    assert_eq!(
+        prune.args.as_ref().unwrap()[1..],
+        ["prune".to_string(), "0123456789abcdef".to_string()]
+    );
+    assert_eq!(
+        prune.volume_mounts.as_ref().unwrap()[0].mount_path,
+        "/stores"
+    );
+    let init = &inits[1];
     assert_eq!(
         init.args.as_ref().unwrap().join(" "),
         "download --repo turboderp/GLM-5.3-Flash-exl3 --revision \
@@ -356,9 +375,13 @@ fn pack_job_downloads_then_packs_on_the_node() {
     );
     assert_eq!(
         volumes[1].host_path.as_ref().unwrap().path,
-        "/mnt/nvme/glmflash/store"
+        "/mnt/nvme/glmflash/stores/ai/glm/0123456789abcdef"
     );
-    let token = volumes[2].secret.as_ref().unwrap();
+    assert_eq!(
+        volumes[2].host_path.as_ref().unwrap().path,
+        "/mnt/nvme/glmflash/stores/ai/glm"
+    );
+    let token = volumes[3].secret.as_ref().unwrap();
     assert_eq!(token.secret_name.as_deref(), Some("hf"));
     assert_eq!(token.items.as_ref().unwrap()[0].path, "token");
     let pack_mounts = pack.volume_mounts.as_ref().unwrap();
@@ -373,7 +396,13 @@ fn node_path_model_needs_no_download() {
     g.spec.model.node_path = Some("/data/glm53".into());
     let job = pack_job(&g, "gpu-a", "0123456789abcdef");
     let pod = job.spec.as_ref().unwrap().template.spec.as_ref().unwrap();
-    assert!(pod.init_containers.is_none());
+    let inits: Vec<_> = pod
+        .init_containers
+        .iter()
+        .flatten()
+        .map(|c| c.name.as_str())
+        .collect();
+    assert_eq!(inits, ["prune"]);
     let model = &pod.volumes.as_ref().unwrap()[0];
     assert_eq!(model.host_path.as_ref().unwrap().path, "/data/glm53");
     assert_eq!(
@@ -402,18 +431,26 @@ fn store_hash_tracks_store_inputs_only() {
 }
 
 #[test]
-fn reclaim_job_is_unowned_pinned_and_scoped() {
+fn reclaim_job_is_unowned_pinned_scoped_and_bounded() {
     let g = gfd();
-    let job = reclaim_job(&g, "gpu-a");
+    let job = reclaim_job(&g, "gpu-a", true);
     assert!(job.metadata.owner_references.is_none());
+    assert_eq!(
+        job.metadata.labels.as_ref().unwrap()["app.kubernetes.io/component"],
+        "reclaim"
+    );
     let spec = job.spec.as_ref().unwrap();
     assert_eq!(spec.ttl_seconds_after_finished, Some(600));
+    assert_eq!(spec.active_deadline_seconds, Some(RECLAIM_DEADLINE_SECONDS));
     let pod = spec.template.spec.as_ref().unwrap();
     assert!(pod.affinity.is_some());
     assert_eq!(pod.security_context.as_ref().unwrap().run_as_user, Some(0));
+    let c = &pod.containers[0];
+    assert_eq!(c.command.as_deref(), Some(&["rm".to_string()][..]));
     assert_eq!(
-        pod.containers[0].args.as_ref().unwrap()[0],
-        "rm -rf /reclaim/store /reclaim/hf"
+        c.args.as_ref().unwrap().join(" "),
+        "-rf -- /reclaim/stores/ai/glm \
+         /reclaim/hf/turboderp--GLM-5.3-Flash-exl3/332ab457b709b7ba30dd9a448be5de03b80a7ac9"
     );
     assert_eq!(
         pod.volumes.as_ref().unwrap()[0]
@@ -422,6 +459,89 @@ fn reclaim_job_is_unowned_pinned_and_scoped() {
             .unwrap()
             .path,
         "/mnt/nvme/glmflash"
+    );
+    // A download another object reads stays; so does anything a revision could escape to.
+    let kept = reclaim_job(&g, "gpu-a", false);
+    let args = |j: &k8s_openapi::api::batch::v1::Job| {
+        j.spec
+            .as_ref()
+            .unwrap()
+            .template
+            .spec
+            .as_ref()
+            .unwrap()
+            .containers[0]
+            .args
+            .clone()
+            .unwrap()
+            .join(" ")
+    };
+    assert_eq!(args(&kept), "-rf -- /reclaim/stores/ai/glm");
+    let mut escaping = gfd();
+    escaping.spec.model.hugging_face.as_mut().unwrap().revision = "../..".into();
+    assert_eq!(
+        args(&reclaim_job(&escaping, "gpu-a", true)),
+        "-rf -- /reclaim/stores/ai/glm"
+    );
+}
+
+#[test]
+fn each_object_and_each_input_hash_has_its_own_store() {
+    let a = gfd();
+    let mut b = gfd();
+    b.metadata.name = Some("glm-b".into());
+    assert_ne!(store_dir(&a, HASH), store_dir(&b, HASH));
+    assert_ne!(store_dir(&a, HASH), store_dir(&a, "fedcba9876543210"));
+    assert!(store_dir(&a, HASH).starts_with(&stores_dir(&a)));
+}
+
+#[test]
+fn holds_ignores_added_fields_and_sees_changed_ones() {
+    let desired = serde_json::json!({"spec": {"replicas": 1, "template": {"containers": [
+        {"name": "server", "resources": {"limits": {"memory": "0.5Gi"}}}]}}});
+    let mut existing = desired.clone();
+    existing["spec"]["progressDeadlineSeconds"] = serde_json::json!(600);
+    existing["status"] = serde_json::json!({"replicas": 1});
+    existing["spec"]["template"]["containers"][0]["resources"]["limits"]["memory"] =
+        serde_json::json!("512Mi");
+    assert!(holds(&existing, &desired));
+    let mut scaled = existing.clone();
+    scaled["spec"]["replicas"] = serde_json::json!(0);
+    assert!(!holds(&scaled, &desired));
+    let mut edited = existing.clone();
+    edited["spec"]["template"]["containers"][0]["resources"]["limits"]["memory"] =
+        serde_json::json!("300Gi");
+    assert!(!holds(&edited, &desired));
+    let mut more = existing;
+    more["spec"]["template"]["containers"]
+        .as_array_mut()
+        .unwrap()
+        .push(serde_json::json!({"name": "sidecar"}));
+    assert!(!holds(&more, &desired));
+}
+
+#[test]
+fn service_monitor_takes_extra_labels_but_keeps_its_own() {
+    let mut g = gfd();
+    g.spec.metrics.service_monitor_labels = BTreeMap::from([
+        ("release".to_string(), "kube-prometheus-stack".to_string()),
+        (
+            "app.kubernetes.io/instance".to_string(),
+            "hijack".to_string(),
+        ),
+    ]);
+    let sm = service_monitor(&g);
+    let labels = sm.metadata.labels.as_ref().unwrap();
+    assert_eq!(labels["release"], "kube-prometheus-stack");
+    assert_eq!(labels["app.kubernetes.io/instance"], "glm");
+}
+
+#[test]
+fn selector_names_instance_component_and_manager() {
+    assert_eq!(
+        selector("glm", Component::PackStore),
+        "app.kubernetes.io/instance=glm,app.kubernetes.io/component=pack-store,\
+         app.kubernetes.io/managed-by=glmflash-operator"
     );
 }
 

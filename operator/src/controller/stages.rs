@@ -4,22 +4,24 @@
 
 use std::ops::ControlFlow;
 
-use glmflash_crds::{GlmFlashDeployment, GlmFlashDeploymentStatus, Phase};
+use glmflash_crds::{
+    GlmFlashDeployment, GlmFlashDeploymentSpec, GlmFlashDeploymentStatus, Phase, condition,
+};
 use k8s_openapi::api::apps::v1::Deployment;
 use k8s_openapi::api::batch::v1::Job;
-use k8s_openapi::api::core::v1::{ConfigMap, Node, Pod, Service};
+use k8s_openapi::api::core::v1::{ConfigMap, Event as CoreEvent, Node, Pod, Service};
 use kube::ResourceExt;
-use kube::api::{Api, DynamicObject, ListParams, Patch};
+use kube::api::{Api, DeleteParams, DynamicObject, ListParams, Patch};
 use kube::runtime::controller::Action;
-use tracing::warn;
+use tracing::{info, warn};
 
 use super::status::{Cond, Outcome};
 use super::{
-    Context, JobState, RUNNING_REQUEUE, WAITING_REQUEUE, apply_params, ensure, job_state, key,
-    remove,
+    Context, JobState, RUNNING_REQUEUE, WAITING_REQUEUE, apply_params, diagnose, ensure, job_state,
+    key, remove,
 };
 use crate::Result;
-use crate::builders::{self, names};
+use crate::builders::{self, Component, names};
 use crate::placement::{self, Owner};
 use crate::scrape;
 
@@ -27,16 +29,18 @@ use crate::scrape;
 pub(super) type Stage<T> = ControlFlow<(Outcome, Action), T>;
 
 /// The node chosen, and the condition that says so.
+#[derive(Clone)]
 pub(super) struct Placed {
-    node: String,
-    node_selected: Cond,
+    pub(super) node: String,
+    pub(super) node_selected: Cond,
 }
 
 /// The store the server reads: the hash of its inputs, its size, and the condition.
+#[derive(Clone)]
 pub(super) struct Stored {
-    hash: String,
-    bytes: Option<u64>,
-    store_ready: Cond,
+    pub(super) hash: String,
+    pub(super) bytes: Option<u64>,
+    pub(super) store_ready: Cond,
 }
 
 /// Stage 1, validate: a bad spec stops the reconcile until the spec changes.
@@ -66,57 +70,75 @@ pub(super) fn validate(gfd: &GlmFlashDeployment, old: &GlmFlashDeploymentStatus)
     ControlFlow::Break((outcome, Action::await_change()))
 }
 
-/// Stage 2, place: the node in status while it still matches, else the first that fits;
-/// none fitting stops the reconcile until one might.
+fn fits(spec: &GlmFlashDeploymentSpec, node: &str) -> Cond {
+    let room = if spec.placement.require_gpu {
+        "a free GPU and memory for the cap"
+    } else {
+        "memory for the cap"
+    };
+    Cond::yes("NodeFits", format!("node {node} matches and has {room}"))
+}
+
+/// Stage 2, place: the node in status stays while it matches the spec, and, after a spec
+/// change, while it has room for it; a cordon or taint does not move a deployment whose
+/// pods still run there. Otherwise the first node that fits; none fitting stops the
+/// reconcile until one might.
 pub(super) async fn place(
     gfd: &GlmFlashDeployment,
     ctx: &Context,
     old: &GlmFlashDeploymentStatus,
 ) -> Result<Stage<Placed>> {
-    Ok(match fitting_node(gfd, ctx).await? {
-        Ok(node) => ControlFlow::Continue(Placed {
-            node_selected: Cond::yes(
-                "NodeFits",
-                format!("node {node} matches and has a free GPU and memory for the cap"),
-            ),
-            node,
-        }),
-        Err(why) => {
-            let outcome = Outcome {
-                phase: Phase::Pending,
-                node: None,
-                node_selected: Some(Cond::no("NoFittingNode", why.clone())),
-                store_ready: Some(Cond::no("WaitingForNode", "no node chosen yet")),
-                server_ready: Some(Cond::no("WaitingForNode", "no node chosen yet")),
-                ready: Cond::no("NoFittingNode", why),
-                endpoint: None,
-                store_hash: old.store_hash.clone(),
-                store_bytes: old.store_bytes,
-                live: None,
-            };
-            ControlFlow::Break((outcome, Action::requeue(WAITING_REQUEUE)))
-        }
-    })
-}
-
-/// The node to use, or why none fits.
-async fn fitting_node(gfd: &GlmFlashDeployment, ctx: &Context) -> Result<Result<String, String>> {
-    let nodes: Api<Node> = Api::all(ctx.client.clone());
     let spec = &gfd.spec;
-    if let Some(current) = gfd.status.as_ref().and_then(|s| s.node.as_ref())
-        && let Some(node) = nodes.get_opt(current).await?
-        && placement::mismatch(spec, &node).is_none()
-    {
-        return Ok(Ok(current.clone()));
-    }
-    let mut all = nodes.list(&ListParams::default()).await?.items;
-    all.sort_by(|a, b| a.metadata.name.cmp(&b.metadata.name));
-    let pods: Api<Pod> = Api::all(ctx.client.clone());
+    let nodes: Api<Node> = Api::all(ctx.client.clone());
     let (name, namespace) = (gfd.name_any(), gfd.namespace().unwrap_or_default());
     let owner = Owner {
         name: &name,
         namespace: &namespace,
     };
+    let mut leaving = None;
+    if let Some(current) = old.node.as_deref() {
+        match nodes.get_opt(current).await? {
+            None => leaving = Some(format!("node {current} is gone")),
+            Some(node) => match placement::spec_mismatch(spec, &node) {
+                Some(why) => leaving = Some(format!("node {current} no longer matches: {why}")),
+                None => {
+                    // Room is checked again after every spec change, and until it fits.
+                    let recheck = gfd.metadata.generation != old.observed_generation
+                        || old
+                            .conditions
+                            .iter()
+                            .any(|c| c.type_ == condition::NODE_SELECTED && c.status != "True");
+                    let closed = placement::closed(spec, &node);
+                    if !recheck && closed.is_none() {
+                        return Ok(ControlFlow::Continue(placed(spec, current)));
+                    }
+                    let pods = pods_on(ctx, current).await?;
+                    if recheck {
+                        let others = all_objects(ctx).await?;
+                        let reserved = placement::reservations(&others, current, owner);
+                        if let Some(why) = placement::no_room(spec, &node, &pods, owner, &reserved)
+                        {
+                            return Ok(ControlFlow::Break(too_small(old, current, why)));
+                        }
+                    }
+                    match closed {
+                        Some(why) if !placement::owner_has_pod_on(&pods, current, owner) => {
+                            leaving = Some(format!(
+                                "node {current} is {why} and no pod of this deployment runs there"
+                            ));
+                        }
+                        _ => return Ok(ControlFlow::Continue(placed(spec, current))),
+                    }
+                }
+            },
+        }
+    }
+    if let Some(why) = &leaving {
+        info!(object = %key(gfd), %why, "placing again");
+    }
+    let mut all = nodes.list(&ListParams::default()).await?.items;
+    all.sort_by(|a, b| a.metadata.name.cmp(&b.metadata.name));
+    let others = all_objects(ctx).await?;
     let mut reasons = Vec::new();
     for node in &all {
         let node_name = node.name_any();
@@ -124,21 +146,82 @@ async fn fitting_node(gfd: &GlmFlashDeployment, ctx: &Context) -> Result<Result<
             reasons.push(format!("{node_name}: {why}"));
             continue;
         }
-        let on_node = pods
-            .list(&ListParams::default().fields(&format!("spec.nodeName={node_name}")))
-            .await?
-            .items;
-        match placement::no_room(spec, node, &on_node, owner) {
+        let pods = pods_on(ctx, &node_name).await?;
+        let reserved = placement::reservations(&others, &node_name, owner);
+        match placement::no_room(spec, node, &pods, owner, &reserved) {
             Some(why) => reasons.push(format!("{node_name}: {why}")),
-            None => return Ok(Ok(node_name)),
+            None => return Ok(ControlFlow::Continue(placed(spec, &node_name))),
         }
     }
-    Ok(Err(placement::summarize(&reasons)))
+    let mut why = placement::summarize(&reasons);
+    if let Some(leaving) = leaving {
+        why = format!("{leaving}; {why}");
+    }
+    let outcome = Outcome {
+        phase: Phase::Pending,
+        node: None,
+        node_selected: Some(Cond::no("NoFittingNode", why.clone())),
+        store_ready: Some(Cond::no("WaitingForNode", "no node chosen yet")),
+        server_ready: Some(Cond::no("WaitingForNode", "no node chosen yet")),
+        ready: Cond::no("NoFittingNode", why),
+        endpoint: None,
+        store_hash: old.store_hash.clone(),
+        store_bytes: old.store_bytes,
+        live: None,
+    };
+    Ok(ControlFlow::Break((
+        outcome,
+        Action::requeue(WAITING_REQUEUE),
+    )))
 }
 
-/// Stage 3, store: a store whose input hash is in status is built; else the pack-store
-/// Job for the new hash, created if missing. While it runs or after it failed the
-/// reconcile stops there, with a server from an older store scaled to zero.
+fn placed(spec: &GlmFlashDeploymentSpec, node: &str) -> Placed {
+    Placed {
+        node: node.to_string(),
+        node_selected: fits(spec, node),
+    }
+}
+
+/// The spec no longer fits its node: say so, hold the node, and leave what runs there
+/// alone (rolling it would only leave an unschedulable pod).
+fn too_small(old: &GlmFlashDeploymentStatus, node: &str, why: String) -> (Outcome, Action) {
+    let message = format!("node {node} has no room for the spec: {why}");
+    let outcome = Outcome {
+        phase: Phase::Pending,
+        node: Some(node.to_string()),
+        node_selected: Some(Cond::no("NodeTooSmall", message.clone())),
+        store_ready: None,
+        server_ready: None,
+        ready: Cond::trouble(
+            "NodeTooSmall",
+            format!("{message}; the server keeps its previous spec"),
+        ),
+        endpoint: old.endpoint.clone(),
+        store_hash: old.store_hash.clone(),
+        store_bytes: old.store_bytes,
+        live: None,
+    };
+    (outcome, Action::requeue(WAITING_REQUEUE))
+}
+
+async fn pods_on(ctx: &Context, node: &str) -> Result<Vec<Pod>> {
+    let pods: Api<Pod> = Api::all(ctx.client.clone());
+    Ok(pods
+        .list(&ListParams::default().fields(&format!("spec.nodeName={node}")))
+        .await?
+        .items)
+}
+
+/// Every `GlmFlashDeployment` in the cluster, for the nodes their status holds.
+async fn all_objects(ctx: &Context) -> Result<Vec<GlmFlashDeployment>> {
+    let api: Api<GlmFlashDeployment> = Api::all(ctx.client.clone());
+    Ok(api.list(&ListParams::default()).await?.items)
+}
+
+/// Stage 3, store: a store whose input hash is in status is built. Else pack-store Jobs of
+/// other hashes are stopped and removed first (one writer per object), then the Job for
+/// the new hash is created if missing. While it runs or after it failed the reconcile
+/// stops there, with a server from an older store scaled to zero.
 pub(super) async fn store(
     gfd: &GlmFlashDeployment,
     ctx: &Context,
@@ -152,51 +235,100 @@ pub(super) async fn store(
     if old.store_hash.as_deref() != Some(hash.as_str()) {
         let jobs: Api<Job> = Api::namespaced(ctx.client.clone(), ns);
         let job_name = names::pack_job(&name, &hash);
-        let job = match jobs.get_opt(&job_name).await? {
-            Some(job) => job,
-            None => {
-                let desired = builders::pack_job(gfd, node, &hash);
-                jobs.patch(&job_name, &apply_params(), &Patch::Apply(&desired))
-                    .await?
+        let selector = builders::selector(&name, Component::PackStore);
+        let listed = jobs
+            .list(&ListParams::default().labels(&selector))
+            .await?
+            .items;
+        let (mut current, mut others): (Vec<Job>, Vec<Job>) = listed
+            .into_iter()
+            .partition(|j| j.name_any() == job_name && j.metadata.deletion_timestamp.is_none());
+        // A Job of other inputs started after ours removed our store when it began: ours
+        // must run again before its Complete means anything.
+        if let Some(ours) = current.first()
+            && others
+                .iter()
+                .any(|o| o.metadata.creation_timestamp >= ours.metadata.creation_timestamp)
+        {
+            others.append(&mut current);
+        }
+        let mut stopping = Vec::new();
+        for job in &others {
+            let this = job.name_any();
+            if job.metadata.deletion_timestamp.is_none() {
+                // Foreground: the Job is gone only once its pods are, so no two write.
+                jobs.delete(&this, &DeleteParams::foreground()).await?;
             }
-        };
-        let waiting = match job_state(&job) {
-            JobState::Complete => {
-                bytes = read_store_bytes(ctx, ns, &job_name).await?;
-                None
+            if job_state(job) == JobState::Running || this == job_name {
+                stopping.push(this);
             }
-            JobState::Running => Some((
+        }
+        let current = current.pop();
+        let waiting = if !stopping.is_empty() {
+            Some((
                 Phase::PackingStore,
                 Cond::no(
-                    "Packing",
-                    format!("pack-store Job {job_name} is running on {node}"),
-                ),
-                Action::requeue(WAITING_REQUEUE),
-            )),
-            JobState::Failed(why) => Some((
-                Phase::Failed,
-                Cond::no(
-                    "PackStoreFailed",
+                    "StoppingOldJob",
                     format!(
-                        "pack-store Job {job_name} failed after {} retries ({why}); fix the cause and delete the Job to retry",
-                        gfd.spec.store.pack_retries
+                        "waiting for pack-store Job {} to stop before {job_name} packs inputs {hash}",
+                        stopping.join(", ")
                     ),
                 ),
-                Action::await_change(),
-            )),
+                Action::requeue(WAITING_REQUEUE),
+            ))
+        } else {
+            let job = match current {
+                Some(job) => job,
+                None => {
+                    let desired = builders::pack_job(gfd, node, &hash);
+                    jobs.patch(&job_name, &apply_params(), &Patch::Apply(&desired))
+                        .await?
+                }
+            };
+            match job_state(&job) {
+                JobState::Complete => {
+                    bytes = read_store_bytes(ctx, ns, &job_name).await?;
+                    None
+                }
+                JobState::Running => {
+                    let trouble = job_trouble(ctx, ns, &job_name).await?;
+                    let packing = Cond::no(
+                        "Packing",
+                        format!("pack-store Job {job_name} is running on {node}"),
+                    );
+                    Some((
+                        Phase::PackingStore,
+                        trouble.unwrap_or(packing),
+                        Action::requeue(WAITING_REQUEUE),
+                    ))
+                }
+                JobState::Failed(why) => Some((
+                    Phase::Failed,
+                    Cond::trouble(
+                        "PackStoreFailed",
+                        format!(
+                            "pack-store Job {job_name} failed after {} retries ({why}); fix the cause and delete the Job to retry",
+                            gfd.spec.store.pack_retries
+                        ),
+                    ),
+                    Action::await_change(),
+                )),
+            }
         };
         if let Some((phase, store_ready, action)) = waiting {
-            // A server still running from an older store must not read it while it is rewritten.
+            // A server from an older store stops: it must not hold the GPU and memory
+            // the new one needs, nor serve the old inputs under the new spec.
             let deployments: Api<Deployment> = Api::namespaced(ctx.client.clone(), ns);
             if let Some(existing) = deployments.get_opt(&name).await?
                 && existing.spec.as_ref().and_then(|s| s.replicas) != Some(0)
             {
-                let scaled = builders::server_deployment(gfd, node, 0);
+                let serving = old.store_hash.as_deref().unwrap_or(&hash);
+                let scaled = builders::server_deployment(gfd, node, serving, 0);
                 deployments
                     .patch(&name, &apply_params(), &Patch::Apply(&scaled))
                     .await?;
             }
-            let ready = Cond::no(store_ready.reason, store_ready.message.clone());
+            let ready = store_ready.clone();
             let outcome = Outcome {
                 phase,
                 node: Some(node.clone()),
@@ -216,7 +348,7 @@ pub(super) async fn store(
         "StoreBuilt",
         format!(
             "store {} on {node} built from inputs {hash}",
-            builders::store_dir(&gfd.spec)
+            builders::store_dir(gfd, &hash)
         ),
     );
     Ok(ControlFlow::Continue(Stored {
@@ -224,6 +356,29 @@ pub(super) async fn store(
         bytes,
         store_ready,
     }))
+}
+
+/// Why a running pack-store Job makes no progress, if its pods or Events say.
+async fn job_trouble(ctx: &Context, ns: &str, job: &str) -> Result<Option<Cond>> {
+    let pods: Api<Pod> = Api::namespaced(ctx.client.clone(), ns);
+    let list = pods
+        .list(&ListParams::default().labels(&format!("batch.kubernetes.io/job-name={job}")))
+        .await?
+        .items;
+    if !list.is_empty() {
+        return Ok(diagnose::pod_trouble(&list));
+    }
+    let events: Api<CoreEvent> = Api::namespaced(ctx.client.clone(), ns);
+    let list = events
+        .list(&ListParams::default().fields(&format!(
+            "involvedObject.kind=Job,involvedObject.name={job},reason=FailedCreate"
+        )))
+        .await?
+        .items;
+    Ok(diagnose::failed_create(
+        &list,
+        &format!("pack-store Job {job}"),
+    ))
 }
 
 /// The store size pack-store wrote to its termination message (`{"storeBytes": N}`).
@@ -263,7 +418,7 @@ pub(super) async fn server(
     let deployments: Api<Deployment> = Api::namespaced(ctx.client.clone(), ns);
     let deployment = ensure(
         &deployments,
-        builders::server_deployment(gfd, &placed.node, 1),
+        builders::server_deployment(gfd, &placed.node, &stored.hash, 1),
     )
     .await?;
     let services: Api<Service> = Api::namespaced(ctx.client.clone(), ns);
@@ -271,7 +426,10 @@ pub(super) async fn server(
     ensure(&services, builders::metrics_service(gfd)).await?;
 
     let mut notes = Vec::new();
-    if ctx.service_monitor_api {
+    if ctx
+        .service_monitor_api(gfd.spec.metrics.service_monitor)
+        .await
+    {
         let monitors: Api<DynamicObject> = Api::namespaced_with(
             ctx.client.clone(),
             ns,
@@ -309,6 +467,13 @@ pub(super) async fn server(
                 old.live.clone()
             }
         };
+        if live
+            .as_ref()
+            .and_then(|l| l.pin_failures)
+            .is_some_and(|n| n > 0)
+        {
+            notes.push("the RAM tier is not pinned (the kernel refused mlock; see status.live.pinFailures)");
+        }
         let mut message = format!("serving {endpoint}");
         for note in &notes {
             message.push_str("; ");
@@ -322,13 +487,29 @@ pub(super) async fn server(
             Action::requeue(RUNNING_REQUEUE),
         )
     } else {
+        let trouble = match diagnose::deployment_trouble(&deployment) {
+            Some(trouble) => Some(trouble),
+            None => {
+                let pods: Api<Pod> = Api::namespaced(ctx.client.clone(), ns);
+                let selector = builders::selector(&name, Component::Server);
+                let list = pods.list(&ListParams::default().labels(&selector)).await?;
+                diagnose::pod_trouble(&list.items)
+            }
+        };
+        let (server_ready, ready) = match trouble {
+            Some(trouble) => (trouble.clone(), trouble),
+            None => (
+                Cond::no(
+                    "Starting",
+                    "the server is loading the model (startup probe pending)",
+                ),
+                Cond::no("Starting", "the server is loading the model"),
+            ),
+        };
         (
             Phase::Starting,
-            Cond::no(
-                "Starting",
-                "the server is loading the model (startup probe pending)",
-            ),
-            Cond::no("Starting", "the server is loading the model"),
+            server_ready,
+            ready,
             None,
             Action::requeue(WAITING_REQUEUE),
         )

@@ -6,17 +6,22 @@ use glmflash_crds::{GlmFlashDeployment, GlmFlashDeploymentStatus, LiveFigures, P
 use jiff::Timestamp;
 use k8s_openapi::apimachinery::pkg::apis::meta::v1::{Condition, Time};
 use kube::api::{Api, Patch};
+use kube::runtime::controller::Action;
 use kube::runtime::events::{Event, EventType};
 use kube::{Resource, ResourceExt};
 use tracing::info;
 
-use super::{Context, apply_params, key};
+use super::stages::{Placed, Stored};
+use super::{Context, RUNNING_REQUEUE, apply_params, key};
 use crate::{Error, Result};
 
 /// A condition as the reconciler decides it; times and generation are filled in later.
+/// `warn` marks trouble a person has to fix: as Ready, it is also published as a Warning
+/// Event when it is new.
 #[derive(Clone, Debug, PartialEq)]
 pub(super) struct Cond {
     ok: bool,
+    pub(super) warn: bool,
     pub(super) reason: &'static str,
     pub(super) message: String,
 }
@@ -25,6 +30,7 @@ impl Cond {
     pub(super) fn yes(reason: &'static str, message: impl Into<String>) -> Self {
         Self {
             ok: true,
+            warn: false,
             reason,
             message: message.into(),
         }
@@ -32,8 +38,15 @@ impl Cond {
     pub(super) fn no(reason: &'static str, message: impl Into<String>) -> Self {
         Self {
             ok: false,
+            warn: false,
             reason,
             message: message.into(),
+        }
+    }
+    pub(super) fn trouble(reason: &'static str, message: impl Into<String>) -> Self {
+        Self {
+            warn: true,
+            ..Self::no(reason, message)
         }
     }
 }
@@ -50,6 +63,46 @@ pub(super) struct Outcome {
     pub(super) store_hash: Option<String>,
     pub(super) store_bytes: Option<u64>,
     pub(super) live: Option<LiveFigures>,
+}
+
+/// What to report when the API server refused an object the reconcile applied (a 4xx
+/// other than not-found, conflict and throttling: invalid, forbidden, denied by a
+/// webhook): `Failed` with the server's message, looked at again after a while as the
+/// cause may be outside the spec (RBAC, a webhook). Any other error stays an error.
+pub(super) fn refused(
+    error: Error,
+    placed: &Placed,
+    stored: Option<&Stored>,
+) -> Result<(Outcome, Action)> {
+    let message = match &error {
+        Error::Kube(kube::Error::Api(status))
+            if (400..500).contains(&status.code) && ![404, 409, 429].contains(&status.code) =>
+        {
+            format!("the API server refused an object: {}", status.message)
+        }
+        _ => return Err(error),
+    };
+    let trouble = Cond::trouble("Refused", message);
+    let (store_ready, server_ready) = match stored {
+        Some(stored) => (stored.store_ready.clone(), trouble.clone()),
+        None => (
+            trouble.clone(),
+            Cond::no("WaitingForStore", "the store is not ready"),
+        ),
+    };
+    let outcome = Outcome {
+        phase: Phase::Failed,
+        node: Some(placed.node.clone()),
+        node_selected: Some(placed.node_selected.clone()),
+        store_ready: Some(store_ready),
+        server_ready: Some(server_ready),
+        ready: trouble,
+        endpoint: None,
+        store_hash: stored.map(|s| s.hash.clone()),
+        store_bytes: stored.and_then(|s| s.bytes),
+        live: None,
+    };
+    Ok((outcome, Action::requeue(RUNNING_REQUEUE)))
 }
 
 /// Builds the next status from the old one: conditions keep their transition time while
@@ -100,11 +153,13 @@ pub(super) fn next_status(
     }
 }
 
-/// Writes status if it changed and publishes an Event if the phase did.
+/// Writes status if it changed, and publishes an Event if the phase did, or if Ready is
+/// new trouble (`warn`) in the same phase.
 pub(super) async fn write_status(
     gfd: &GlmFlashDeployment,
     ctx: &Context,
     next: GlmFlashDeploymentStatus,
+    warn: bool,
 ) -> Result<()> {
     let old = gfd.status.clone().unwrap_or_default();
     if next == old {
@@ -121,12 +176,30 @@ pub(super) async fn write_status(
     });
     api.patch_status(&gfd.name_any(), &apply_params(), &Patch::Apply(&patch))
         .await?;
-    if next.phase != old.phase
-        && let Some(phase) = next.phase
-    {
-        let ready = next.conditions.iter().find(|c| c.type_ == condition::READY);
-        info!(object = %key(gfd), phase = phase.as_str(), "phase changed");
-        let warning = matches!(phase, Phase::Invalid | Phase::Failed | Phase::Pending);
+    let ready = |s: &GlmFlashDeploymentStatus| {
+        s.conditions
+            .iter()
+            .find(|c| c.type_ == condition::READY)
+            .map(|c| (c.reason.clone(), c.message.clone()))
+    };
+    let (old_ready, next_ready) = (ready(&old), ready(&next));
+    let reason = match next.phase {
+        Some(phase) if next.phase != old.phase => {
+            info!(object = %key(gfd), phase = phase.as_str(), "phase changed");
+            Some(phase.as_str().to_string())
+        }
+        // By reason: a message that changes while the trouble stays (a back-off) is no news.
+        _ if warn && next_ready.as_ref().map(|r| &r.0) != old_ready.as_ref().map(|r| &r.0) => {
+            next_ready.as_ref().map(|r| r.0.clone())
+        }
+        _ => None,
+    };
+    if let Some(reason) = reason {
+        let warning = warn
+            || matches!(
+                next.phase,
+                Some(Phase::Invalid | Phase::Failed | Phase::Pending)
+            );
         ctx.recorder
             .publish(
                 &Event {
@@ -135,8 +208,8 @@ pub(super) async fn write_status(
                     } else {
                         EventType::Normal
                     },
-                    reason: phase.as_str().to_string(),
-                    note: ready.map(|c| truncate(&c.message, 1000)),
+                    reason,
+                    note: next_ready.map(|(_, m)| truncate(&m, 1000)),
                     action: "Reconcile".into(),
                     secondary: None,
                 },
