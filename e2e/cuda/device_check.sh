@@ -4,6 +4,7 @@
 #   2. compute-sanitizer memcheck and racecheck over the kernel checks,
 #   3. the whole model with experts on the GPU against the CPU on every fixture, a
 #      the demo model with bf16, q4_k and q8_0 experts (logits + greedy), and against transformers,
+#   3b. exllamav3's EXL3 fixture: GPU vs CPU vs transformers, and every tier mode from exl3 records,
 #   4. the GPU metrics a serving process exports (all in VRAM, and tiered), and the server's
 #      greedy texts with GPU decode (batched) against the CPU's,
 #   5. the kernels' register/spill report for sm_90 (nvcc -Xptxas -v).
@@ -16,7 +17,7 @@ OUT="${1:-${OUT:-/tmp/device-out}}"
 mkdir -p "$OUT"
 fail=0
 step() { echo; echo "== $*"; }
-# ONLY=serve,speed runs those steps (kernels, sanitizer, model, tiers, serve, speed, ptxas;
+# ONLY=serve,speed runs those steps (kernels, sanitizer, model, tiers, exl3, serve, speed, ptxas;
 # tiers needs model). SANITIZE_ONLY=matvec,kda limits the sanitizer to those check groups.
 want() { [ -z "${ONLY:-}" ] || [[ ",$ONLY," == *",$1,"* ]]; }
 
@@ -92,6 +93,33 @@ for fmt in bf16 q4_k; do
   for args in "--mode nvme --store $store/s --vram-slots 2 --ram-slots 3" "--mode fast"; do
     "$BIN" logits --model "$model" --tokens $demo_tokens --greedy 24 --device cuda $args > "$work/t.json" 2>"$work/t.err" || { fail=1; tail -3 "$work/t.err"; }
     python3 e2e/cuda/compare_logits.py "$work/t.json" "$work/$fmt.cuda.json" --kl --name "$fmt ${args%% --store*} vs exact" || fail=1
+  done
+  rm -rf "$store"
+done
+
+fi
+
+if want exl3; then
+step "EXL3 (exllamav3's checkpoint): GPU vs CPU vs transformers; tiers on the GPU from exl3 records"
+tokens_of() { python3 -c "import json,sys;print(','.join(map(str,json.load(open(sys.argv[1]))['prompt'])))" "$1"; }
+for fx in e2e/fixtures/exl3/exl3_*; do
+  name=$(basename "$fx"); tok=$(tokens_of "$fx/reference.json")
+  "$BIN" logits --model "$fx" --tokens "$tok" --greedy 16 > "$work/$name.cpu.json" 2>/dev/null || fail=1
+  "$BIN" logits --model "$fx" --tokens "$tok" --greedy 16 --device cuda > "$work/$name.cuda.json" 2>"$work/$name.err" || { fail=1; tail -3 "$work/$name.err"; }
+  if grep -q "device product failed" "$work/$name.err"; then echo "$name: a device product failed"; fail=1; fi
+  grep -E "dense weights on the GPU|every routed expert in VRAM" "$work/$name.err" | sed 's/\x1b\[[0-9;]*m//g' | cut -c1-160
+  python3 e2e/cuda/compare_logits.py "$work/$name.cuda.json" "$work/$name.cpu.json" --reference "$fx/reference.json" --name "$name" || fail=1
+  store="$(mktemp -d -p "$PWD" .store.XXXX)"
+  "$BIN" pack-store --model "$fx" --store "$store/s" >/dev/null 2>&1 || { echo "pack-store $name failed"; fail=1; }
+  for args in "--mode nvme-exact --store $store/s --vram-slots 2 --ram-slots 3" \
+              "--mode nvme-exact --store $store/s --vram-slots 1 --ram-slots 1" \
+              "--mode exact"; do
+    "$BIN" logits --model "$fx" --tokens "$tok" --greedy 16 --device cuda $args > "$work/t.json" 2>"$work/t.err" || { fail=1; tail -3 "$work/t.err"; }
+    python3 e2e/cuda/compare_logits.py "$work/t.json" "$work/$name.cuda.json" --identical --name "$name ${args%% --store*}" || fail=1
+  done
+  for args in "--mode nvme --store $store/s --vram-slots 2 --ram-slots 3" "--mode fast"; do
+    "$BIN" logits --model "$fx" --tokens "$tok" --greedy 16 --device cuda $args > "$work/t.json" 2>"$work/t.err" || { fail=1; tail -3 "$work/t.err"; }
+    python3 e2e/cuda/compare_logits.py "$work/t.json" "$work/$name.cuda.json" --kl --name "$name ${args%% --store*} vs exact" || fail=1
   done
   rm -rf "$store"
 done

@@ -106,6 +106,20 @@ __device__ __forceinline__ void exl3_decode_words(const u32 a[4], int o, float w
     }
 }
 
+// The 128-wide Hadamard transform of the block's 128 values in `v` (shared; thread i wrote
+// v[i]), scaled by 1/sqrt(128): thread i gets its value. The butterfly's order and the scale
+// are the CPU's (node-server/src/quant/exl3/hadamard.rs), so results match it bit for bit.
+__device__ __forceinline__ float exl3_hadamard128(float* v, int i) {
+    __syncthreads();
+    for (int h = 1; h < 128; h <<= 1) {
+        const float a = v[i], b = v[i ^ h];
+        __syncthreads();
+        v[i] = (i & h) ? b - a : a + b;
+        __syncthreads();
+    }
+    return v[i] * EXL3_HSCALE;
+}
+
 // xr[t, :] = (x[t, :] * suh) H for one 128-value block. Grid (K / 128, tokens), 128 threads.
 extern "C" __global__ void exl3_rotate_input(const float* __restrict__ x,
                                              const float* __restrict__ suh, int k,
@@ -114,14 +128,7 @@ extern "C" __global__ void exl3_rotate_input(const float* __restrict__ x,
     const int i = threadIdx.x;
     const i64 at = (i64)blockIdx.y * k + blockIdx.x * 128 + i;
     v[i] = x[at] * suh[blockIdx.x * 128 + i];
-    __syncthreads();
-    for (int h = 1; h < 128; h <<= 1) {
-        const float a = v[i], b = v[i ^ h];
-        __syncthreads();
-        v[i] = (i & h) ? b - a : a + b;
-        __syncthreads();
-    }
-    xr[at] = v[i] * EXL3_HSCALE;
+    xr[at] = exl3_hadamard128(v, i);
 }
 
 // y[t, :] = (sum over s < splits of part[s, t, :]) H * svh + bias, for one 128-value block.
@@ -136,26 +143,20 @@ extern "C" __global__ void exl3_rotate_output(const float* __restrict__ part, in
     float acc = 0.0f;
     for (int s = 0; s < splits; s++) acc += part[(i64)s * tokens * n + at];
     v[i] = acc;
-    __syncthreads();
-    for (int h = 1; h < 128; h <<= 1) {
-        const float a = v[i], b = v[i ^ h];
-        __syncthreads();
-        v[i] = (i & h) ? b - a : a + b;
-        __syncthreads();
-    }
-    float out = v[i] * EXL3_HSCALE * svh[c];
+    float out = exl3_hadamard128(v, i) * svh[c];
     if (has_bias) out += bias[c];
     y[at] = out;
 }
 
-// part[s, t, 16 nt .. 16 nt + 16] = xr[t, K slice s] What[K slice s, 16 nt .. 16 nt + 16] for
-// every token t. Grid (N / 16, splits), EXL3_GEMV_WARPS warps; slice s is k-tiles
-// [s * per, (s + 1) * per). Every block writes its outputs, an empty slice zeros. `red` is
-// the block's shared scratch (declared by the kernel: one array for every instantiation).
+// part[s * slice + t * N + 16 nt .. + 16] = xr[t, K slice s] What[K slice s, 16 nt .. 16 nt + 16]
+// for every token t < tokens (xr rows K apart). The block's strip nt is blockIdx.x and its
+// slice s blockIdx.y; EXL3_GEMV_WARPS warps; slice s is k-tiles [s * per, (s + 1) * per).
+// Every block writes its outputs, an empty slice zeros. `red` is the block's shared scratch
+// (declared by the kernel: one array for every instantiation).
 template <int H, int CB>
 __device__ void exl3_gemv_strip(const u32* __restrict__ trellis, int k, int n, int per,
                                 const float* __restrict__ xr, int tokens, float* __restrict__ part,
-                                float (*red)[TOK_TILE][16]) {
+                                i64 slice, float (*red)[TOK_TILE][16]) {
     const int lane = threadIdx.x & (WARP - 1), wid = threadIdx.x / WARP;
     const int nt = blockIdx.x, s = blockIdx.y;
     const int k_tiles = k / 16, n_tiles = n / 16, tile_words = 4 * H;
@@ -218,7 +219,7 @@ __device__ void exl3_gemv_strip(const u32* __restrict__ trellis, int k, int n, i
             if (t < nt_tok) {
                 float v = 0.0f;
                 for (int i = 0; i < EXL3_GEMV_WARPS; i++) v += red[i][t][c];
-                part[((i64)s * tokens + t0 + t) * n + 16 * nt + c] = v;
+                part[(i64)s * slice + (i64)(t0 + t) * n + 16 * nt + c] = v;
             }
         }
         __syncthreads();
@@ -253,7 +254,8 @@ extern "C" __global__ void exl3_gemv(const u32* __restrict__ trellis, int halves
                                      int k, int n, int per, const float* __restrict__ xr,
                                      int tokens, float* __restrict__ part) {
     __shared__ float red[EXL3_GEMV_WARPS][TOK_TILE][16];
-#define CALL(H, CB) exl3_gemv_strip<H, CB>(trellis, k, n, per, xr, tokens, part, red)
+#define CALL(H, CB) \
+    exl3_gemv_strip<H, CB>(trellis, k, n, per, xr, tokens, part, (i64)tokens * n, red)
     EXL3_DISPATCH(halves, codebook, CALL)
 #undef CALL
 }
@@ -289,4 +291,99 @@ extern "C" __global__ void exl3_reconstruct(const u32* __restrict__ trellis, int
 #define CALL(H, CB) exl3_reconstruct_tile<H, CB>(trellis, n, kt0, kt1, out)
     EXL3_DISPATCH(halves, codebook, CALL)
 #undef CALL
+}
+
+// ---- Routed experts whose slots hold EXL3 layers (see node-server/src/backend/cuda/moe.rs).
+// A slot holds gate, up and down, each as its trellis, then suh and svh in f32, at byte
+// offsets the host passes. A step's picks are listed group by group (a group: the picks of
+// one slot); list entry i belongs to the slot at byte `entry_base[i]` of the arena. Products
+// run in the rotated basis: the input rotation per entry (its slot's suh), a grouped GEMV per
+// slot, then the output rotation per entry. Every entry's result depends only on its token
+// row and its slot's bytes, never on which other picks share the launch.
+
+// xr[z, i, :] = (x[row[i], :] * suh_z) H for entry i, z = 0 (gate) and 1 (up), suh_z at
+// entry_base[i] + suh_off_z. Grid (entries, K / 128, 2), 128 threads.
+extern "C" __global__ void exl3_moe_rotate_in(const u8* __restrict__ arena,
+                                              const i64* __restrict__ entry_base,
+                                              i64 suh_off0, i64 suh_off1,
+                                              const int* __restrict__ row,
+                                              const float* __restrict__ x, int k, int entries,
+                                              float* __restrict__ xr) {
+    __shared__ float v[128];
+    const int i = threadIdx.x, e = blockIdx.x, z = blockIdx.z, c = blockIdx.y * 128 + i;
+    const float* suh = (const float*)(arena + entry_base[e] + (z ? suh_off1 : suh_off0));
+    v[i] = x[(i64)row[e] * k + c] * suh[c];
+    xr[((i64)z * entries + e) * k + c] = exl3_hadamard128(v, i);
+}
+
+// The grouped GEMV: for group g = blockIdx.z mod groups and part z = blockIdx.z div groups,
+// part[z, s, start_g + t, :] = xr[z, start_g + t, K slice s] What_z (t < len_g), What_z's
+// trellis at group_base[g] + trellis_off_z. xr is [parts, entries, K], part [parts, splits,
+// entries, N]. Grid (N / 16, splits, groups * parts), EXL3_GEMV_WARPS warps.
+extern "C" __global__ void exl3_moe_gemv(const u8* __restrict__ arena, int halves, int codebook,
+                                         const i64* __restrict__ group_base,
+                                         const int* __restrict__ group_start,
+                                         const int* __restrict__ group_len, int groups,
+                                         i64 trellis_off0, i64 trellis_off1, int k, int n,
+                                         int per, const float* __restrict__ xr, int entries,
+                                         float* __restrict__ part) {
+    __shared__ float red[EXL3_GEMV_WARPS][TOK_TILE][16];
+    const int g = blockIdx.z % groups, z = blockIdx.z / groups;
+    const u32* trellis =
+        (const u32*)(arena + group_base[g] + (z ? trellis_off1 : trellis_off0));
+    const i64 slice = (i64)entries * n;
+    const float* x = xr + ((i64)z * entries + group_start[g]) * k;
+    float* out = part + (i64)z * gridDim.y * slice + (i64)group_start[g] * n;
+    const int len = group_len[g];
+#define CALL(H, CB) exl3_gemv_strip<H, CB>(trellis, k, n, per, x, len, out, slice, red)
+    EXL3_DISPATCH(halves, codebook, CALL)
+#undef CALL
+}
+
+// The activation between the products, and the down product's input rotation: for entry i
+// and 128-block c of inter, gate = (sum_s part[0, s, i]) H * svh_gate, up likewise from part
+// 1, a = silu(min(gate, L)) * clamp(up, -L, L), and xd[i, block c] = (a * suh_down) H.
+// Grid (entries, inter / 128), 128 threads.
+extern "C" __global__ void exl3_moe_act(const u8* __restrict__ arena,
+                                        const i64* __restrict__ entry_base, i64 svh_gate_off,
+                                        i64 svh_up_off, i64 suh_down_off,
+                                        const float* __restrict__ part, int splits, int entries,
+                                        int inter, float limit, float* __restrict__ xd) {
+    __shared__ float v[128];
+    const int i = threadIdx.x, e = blockIdx.x, c = blockIdx.y * 128 + i;
+    const u8* slot = arena + entry_base[e];
+    const i64 slice = (i64)entries * inter;
+    float sum[2];
+#pragma unroll
+    for (int z = 0; z < 2; z++) {
+        float acc = 0.0f;
+        for (int s = 0; s < splits; s++)
+            acc += part[((i64)z * splits + s) * slice + (i64)e * inter + c];
+        sum[z] = acc;
+    }
+    v[i] = sum[0];
+    const float gate = exl3_hadamard128(v, i) * ((const float*)(slot + svh_gate_off))[c];
+    __syncthreads();
+    v[i] = sum[1];
+    const float up = exl3_hadamard128(v, i) * ((const float*)(slot + svh_up_off))[c];
+    const float a = silu(fminf(gate, limit)) * fminf(fmaxf(up, -limit), limit);
+    __syncthreads();
+    v[i] = a * ((const float*)(slot + suh_down_off))[c];
+    xd[(i64)e * inter + c] = exl3_hadamard128(v, i);
+}
+
+// yp[pick[i], block c] = (sum_s part[s, i, block c]) H * svh_down for entry i. part is
+// [splits, entries, N]. Grid (entries, N / 128), 128 threads.
+extern "C" __global__ void exl3_moe_rotate_out(const u8* __restrict__ arena,
+                                               const i64* __restrict__ entry_base, i64 svh_off,
+                                               const float* __restrict__ part, int splits,
+                                               int entries, int n, const int* __restrict__ pick,
+                                               float* __restrict__ yp) {
+    __shared__ float v[128];
+    const int i = threadIdx.x, e = blockIdx.x, c = blockIdx.y * 128 + i;
+    float acc = 0.0f;
+    for (int s = 0; s < splits; s++) acc += part[((i64)s * entries + e) * n + c];
+    v[i] = acc;
+    const float* svh = (const float*)(arena + entry_base[e] + svh_off);
+    yp[(i64)pick[e] * n + c] = exl3_hadamard128(v, i) * svh[c];
 }

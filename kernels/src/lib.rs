@@ -23,6 +23,10 @@ pub const SOURCES: &[(&str, &str, &[&str])] = &[
             "exl3_rotate_output",
             "exl3_gemv",
             "exl3_reconstruct",
+            "exl3_moe_rotate_in",
+            "exl3_moe_gemv",
+            "exl3_moe_act",
+            "exl3_moe_rotate_out",
         ],
     ),
     (

@@ -6,7 +6,7 @@
 #![allow(unsafe_code)] // CUDA host registration of RAM residents; each block says why it holds
 
 use super::source::ExpertSource;
-use crate::backend::cuda::{Cuda, MoeLayout, MoeStep, SlotArena};
+use crate::backend::cuda::{Cuda, Exl3Form, MoeLayout, MoeStep, SlotArena, SlotFormat};
 use crate::model::mlp::SwiGlu;
 use crate::model::moe::{DeviceExperts, ExpertProvider, Routing};
 use anyhow::{Context, bail};
@@ -29,12 +29,27 @@ pub fn layout_of(expert: &SwiGlu) -> anyhow::Result<MoeLayout> {
             expert.down
         );
     }
+    if expert.gate.exl3().is_some() || expert.down.exl3().is_some() {
+        let form = |m: &crate::backend::cpu::Matrix| {
+            let lin = m.exl3().with_context(|| {
+                format!("{m:?}: an expert's matrices must all be EXL3 or all rows")
+            })?;
+            if lin.has_bias() {
+                bail!("{m:?}: routed experts have no bias; the EXL3 slots hold none");
+            }
+            Ok(Exl3Form {
+                rate: lin.rate(),
+                codebook: lin.codebook(),
+            })
+        };
+        let (gate, up) = (form(&expert.gate)?, form(&expert.up)?);
+        if gate != up {
+            bail!("gate {gate:?} and up {up:?} differ: an expert slot holds one form for both");
+        }
+        return Ok(MoeLayout::exl3(hidden, inter, gate, form(&expert.down)?)?);
+    }
     let (Some(gate), Some(down)) = (expert.gate.format(), expert.down.format()) else {
-        bail!(
-            "{:?}: the GPU has no kernels for EXL3 experts yet; serve them on the CPU \
-             (--device cpu, any mode), or pack a store with --format q4_k for the GPU",
-            expert.gate
-        );
+        bail!("{:?} has no row format", expert.gate);
     };
     Ok(MoeLayout::new(hidden, inter, gate, down)?)
 }
@@ -53,21 +68,32 @@ pub fn write_slot(
             arena.layout
         );
     }
+    let matrices = [&expert.gate, &expert.up, &expert.down];
+    if let SlotFormat::Exl3 { .. } = layout.format {
+        // The trellis in the checkpoint's order (the CPU keeps its own) and the scales as f32.
+        // A copy from these pageable buffers returns once the driver holds the bytes.
+        let f32s = |v: &[f32]| v.iter().flat_map(|x| x.to_le_bytes()).collect::<Vec<u8>>();
+        let pieces: Vec<Vec<u8>> = matrices
+            .iter()
+            .filter_map(|m| m.exl3())
+            .flat_map(|lin| [lin.checkpoint_trellis(), f32s(lin.suh()), f32s(lin.svh())])
+            .collect();
+        let refs: Vec<&[u8]> = pieces.iter().map(Vec::as_slice).collect();
+        arena.write(stream, slot, &refs)?;
+        return Ok(());
+    }
     // From the expert's own storage: a RAM resident registered with CUDA is copied by DMA
     // without a bounce buffer (asynchronously; see `CudaRegistrar` for the lifetime rule).
-    arena.write(
-        stream,
-        slot,
-        &rows(&expert.gate)?,
-        &rows(&expert.up)?,
-        &rows(&expert.down)?,
-    )?;
+    let rows = matrices
+        .iter()
+        .map(|m| {
+            m.as_bytes()
+                .with_context(|| format!("{m:?} has no row bytes"))
+        })
+        .collect::<anyhow::Result<Vec<_>>>()?;
+    let refs: Vec<&[u8]> = rows.iter().map(|r| r.as_ref()).collect();
+    arena.write(stream, slot, &refs)?;
     Ok(())
-}
-
-fn rows(m: &crate::backend::cpu::Matrix) -> anyhow::Result<std::borrow::Cow<'_, [u8]>> {
-    m.as_bytes()
-        .ok_or_else(|| anyhow::anyhow!("{m:?}: EXL3 experts have no CUDA kernels"))
 }
 
 /// Every routed expert in VRAM.

@@ -7,6 +7,7 @@
 //! to f32 [`WIDEN_TILE_VALUES`] at a time and multiplied by cuBLAS SGEMM, as f16/bf16 weights
 //! are widened.
 
+use super::moe::{Exl3Form, MoeRun, Part, PickGroups};
 use super::*;
 use crate::quant::exl3::Exl3Linear;
 
@@ -20,6 +21,9 @@ const RECONSTRUCT_WARPS: u32 = 8;
 const HADAMARD: usize = 128;
 /// Token rows of one product: a rotation launch has a row of blocks per token.
 const MAX_GRID_Y: usize = 65_535;
+/// Blocks an expert matrix's grouped GEMV aims for per slot (N/16 strips times K slices); a
+/// function of the shape alone, so a pick's sums never depend on what shares its launch.
+const MOE_GEMV_BLOCKS: usize = 256;
 
 /// An EXL3 layer's tensors on one GPU: `K` inputs, `N` outputs.
 pub struct Exl3Weights {
@@ -239,6 +243,188 @@ impl Cuda {
         // holds their 16 (kt1 - kt0) rows of N values (checked above).
         unsafe { b.launch(cfg) }?;
         Ok(())
+    }
+}
+
+impl Cuda {
+    /// [`Cuda::moe_picks`] for slots holding EXL3 layers (see `kernels/cuda/exl3.cu`): the
+    /// gate and up inputs rotated per pick, one grouped GEMV for both, the activation with the
+    /// down input's rotation, the down GEMV, and the output rotation into the pick's row.
+    pub(super) fn moe_exl3(
+        &self,
+        run: &mut MoeRun,
+        arena: &CudaSlice<u8>,
+        limit: f32,
+        groups: &PickGroups,
+        gate_up: Exl3Form,
+        down: Exl3Form,
+    ) -> Result<(), CudaError> {
+        let l = run.layout;
+        let (hidden, inter, entries) = (l.hidden, l.inter, groups.list.len());
+        let s = &self.stream;
+        let rows: Vec<i32> = groups.list.iter().map(|&p| p / run.k as i32).collect();
+        let (d_gbase, d_start, d_len, d_ebase, d_rows, d_list) = (
+            s.clone_htod(&groups.base)?,
+            s.clone_htod(&groups.start)?,
+            s.clone_htod(&groups.len)?,
+            s.clone_htod(&groups.entry_base())?,
+            s.clone_htod(&rows)?,
+            s.clone_htod(&groups.list)?,
+        );
+        let [(g_suh, _), (g_svh, _)] = l.exl3_scales(Part::GateUp, gate_up);
+        let [(d_suh, _), (d_svh, _)] = l.exl3_scales(Part::Down, down);
+        let (gate, up, dn) = (0i64, l.up_offset as i64, l.down_offset as i64);
+        let (hidden_i, inter_i, entries_i) = (hidden as i32, inter as i32, entries as i32);
+
+        let mut xr = self.alloc_f32(2 * entries * hidden)?;
+        let (suh_g, suh_u) = (gate + g_suh as i64, up + g_suh as i64);
+        let mut b = s.launch_builder(self.kernel("exl3_moe_rotate_in"));
+        b.arg(arena)
+            .arg(&d_ebase)
+            .arg(&suh_g)
+            .arg(&suh_u)
+            .arg(&d_rows)
+            .arg(&run.x)
+            .arg(&hidden_i)
+            .arg(&entries_i)
+            .arg(&mut xr);
+        // SAFETY: every entry's slot lies inside the arena (checked by `moe_picks`), its row
+        // below `tokens` (x holds them), xr holds 2 x entries x hidden values.
+        unsafe { b.launch(entry_config(entries, hidden, 2)) }?;
+
+        let part_gu = self.moe_gemv(
+            arena,
+            gate_up,
+            groups,
+            &d_gbase,
+            &d_start,
+            &d_len,
+            [gate, up],
+            hidden,
+            inter,
+            &xr,
+        )?;
+
+        let (svh_g, svh_u, suh_d) = (gate + g_svh as i64, up + g_svh as i64, dn + d_suh as i64);
+        let splits_gu = moe_splits(hidden, inter) as i32;
+        let mut b = s.launch_builder(self.kernel("exl3_moe_act"));
+        b.arg(arena)
+            .arg(&d_ebase)
+            .arg(&svh_g)
+            .arg(&svh_u)
+            .arg(&suh_d)
+            .arg(&part_gu)
+            .arg(&splits_gu)
+            .arg(&entries_i)
+            .arg(&inter_i)
+            .arg(&limit)
+            .arg(&mut run.act);
+        // SAFETY: part_gu holds 2 x splits x entries x inter values; act holds tokens x k
+        // rows of inter, at least one per entry.
+        unsafe { b.launch(entry_config(entries, inter, 1)) }?;
+
+        let part_d = self.moe_gemv(
+            arena,
+            down,
+            groups,
+            &d_gbase,
+            &d_start,
+            &d_len,
+            [dn, dn],
+            inter,
+            hidden,
+            &run.act,
+        )?;
+
+        let (svh_d, splits_d) = (dn + d_svh as i64, moe_splits(inter, hidden) as i32);
+        let mut b = s.launch_builder(self.kernel("exl3_moe_rotate_out"));
+        b.arg(arena)
+            .arg(&d_ebase)
+            .arg(&svh_d)
+            .arg(&part_d)
+            .arg(&splits_d)
+            .arg(&entries_i)
+            .arg(&hidden_i)
+            .arg(&d_list)
+            .arg(&mut run.yp);
+        // SAFETY: part_d holds splits x entries x hidden values; every pick index is below
+        // tokens x k, the rows of yp.
+        unsafe { b.launch(entry_config(entries, hidden, 1)) }?;
+        Ok(())
+    }
+
+    /// The grouped GEMV of `exl3_moe_gemv` over the slots of `groups`, for the matrices at
+    /// byte offsets `offsets` of each slot (gate and up, or down twice for one part): partial
+    /// products `[parts, splits, entries, n]` of the rotated inputs `xr` (`[parts, entries, k]`).
+    #[allow(clippy::too_many_arguments)]
+    fn moe_gemv(
+        &self,
+        arena: &CudaSlice<u8>,
+        form: Exl3Form,
+        groups: &PickGroups,
+        d_base: &CudaSlice<i64>,
+        d_start: &CudaSlice<i32>,
+        d_len: &CudaSlice<i32>,
+        offsets: [i64; 2],
+        k: usize,
+        n: usize,
+        xr: &CudaSlice<f32>,
+    ) -> Result<CudaSlice<f32>, CudaError> {
+        let parts = if offsets[0] == offsets[1] { 1 } else { 2 };
+        let (entries, n_groups) = (groups.list.len(), groups.start.len());
+        let splits = moe_splits(k, n);
+        let per = (k / 16).div_ceil(splits);
+        let mut part = self.alloc_f32(parts * splits * entries * n)?;
+        let (halves, codebook) = (i32::from(form.rate.halves()), form.codebook as i32);
+        let (groups_i, k_i, n_i, per_i, entries_i) = (
+            n_groups as i32,
+            k as i32,
+            n as i32,
+            per as i32,
+            entries as i32,
+        );
+        let mut b = self.stream.launch_builder(self.kernel("exl3_moe_gemv"));
+        b.arg(arena)
+            .arg(&halves)
+            .arg(&codebook)
+            .arg(d_base)
+            .arg(d_start)
+            .arg(d_len)
+            .arg(&groups_i)
+            .arg(&offsets[0])
+            .arg(&offsets[1])
+            .arg(&k_i)
+            .arg(&n_i)
+            .arg(&per_i)
+            .arg(xr)
+            .arg(&entries_i)
+            .arg(&mut part);
+        let cfg = LaunchConfig {
+            grid_dim: ((n / 16) as u32, splits as u32, (parts * n_groups) as u32),
+            block_dim: (GEMV_THREADS, 1, 1),
+            shared_mem_bytes: 0,
+        };
+        // SAFETY: every group's slot lies inside the arena and holds each matrix's trellis of
+        // K/16 x N/16 tiles at its offset (the layout's); xr holds parts x entries rows of K,
+        // part parts x splits x entries x N values; the grid is (strip, slice, group x part).
+        unsafe { b.launch(cfg) }?;
+        Ok(part)
+    }
+}
+
+/// K slices of an expert matrix's grouped GEMV (`k` inputs, `n` outputs).
+fn moe_splits(k: usize, n: usize) -> usize {
+    let max_splits = (k / 16 / (GEMV_THREADS as usize / 32)).max(1);
+    MOE_GEMV_BLOCKS.div_ceil(n / 16).clamp(1, max_splits)
+}
+
+/// A per-entry rotation launch: a block of 128 threads per entry and Hadamard block of its
+/// `width` values, `parts` times.
+fn entry_config(entries: usize, width: usize, parts: u32) -> LaunchConfig {
+    LaunchConfig {
+        grid_dim: (entries as u32, (width / HADAMARD) as u32, parts),
+        block_dim: (HADAMARD as u32, 1, 1),
+        shared_mem_bytes: 0,
     }
 }
 

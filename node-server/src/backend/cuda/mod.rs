@@ -23,7 +23,7 @@ use cudarc::driver::{
 use cudarc::nvrtc::{CompileOptions, Ptx};
 pub use elementwise::KdaGates;
 pub use exl3::Exl3Weights;
-pub use moe::{MoeLayout, MoeRun, MoeStep, RouteSpec, SlotArena};
+pub use moe::{Exl3Form, MoeLayout, MoeRun, MoeStep, RouteSpec, SlotArena, SlotFormat};
 pub use ops::{KdaForm, KdaSpec, MhcCollapse, MhcSpec};
 use std::collections::HashMap;
 use std::path::{Path, PathBuf};

@@ -2,6 +2,7 @@
 //! slots, and the slot arena they read.
 
 use super::*;
+use crate::quant::exl3::{Codebook, Rate};
 
 impl Cuda {
     /// The router's choice from its logits (`[tokens, experts]`): ids and weights `[tokens, k]`.
@@ -171,31 +172,38 @@ impl Cuda {
             });
             members[g].push(p as i32);
         }
-        let base: Vec<i64> = slot_of_group
-            .iter()
-            .map(|&s| (s as usize * layout.slot_bytes) as i64)
-            .collect();
-        let mut start = Vec::with_capacity(members.len());
-        let mut len = Vec::with_capacity(members.len());
-        let mut list = Vec::with_capacity(picks.len());
-        for m in &members {
-            start.push(list.len() as i32);
-            len.push(m.len() as i32);
-            list.extend_from_slice(m);
+        let groups = PickGroups::new(&members, &slot_of_group, layout.slot_bytes);
+        match layout.format {
+            SlotFormat::Rows { gate_up, down } => {
+                self.moe_rows(run, arena, limit, &groups, gate_up, down)
+            }
+            SlotFormat::Exl3 { gate_up, down } => {
+                self.moe_exl3(run, arena, limit, &groups, gate_up, down)
+            }
         }
+    }
+
+    /// [`Cuda::moe_picks`] for slots holding rows (`kernels/cuda/moe.cu`).
+    fn moe_rows(
+        &self,
+        run: &mut MoeRun,
+        arena: &CudaSlice<u8>,
+        limit: f32,
+        groups: &PickGroups,
+        gate_up: Format,
+        down: Format,
+    ) -> Result<(), CudaError> {
+        let layout = run.layout;
         let s = &self.stream;
         let (d_base, d_start, d_len, d_list) = (
-            s.clone_htod(&base)?,
-            s.clone_htod(&start)?,
-            s.clone_htod(&len)?,
-            s.clone_htod(&list)?,
+            s.clone_htod(&groups.base)?,
+            s.clone_htod(&groups.start)?,
+            s.clone_htod(&groups.len)?,
+            s.clone_htod(&groups.list)?,
         );
         let (hidden, inter) = (layout.hidden, layout.inter);
-        let groups = members.len() as u32;
-        let (gate_fmt, down_fmt) = (
-            kernel_format_id(layout.gate_up),
-            kernel_format_id(layout.down),
-        );
+        let n_groups = groups.start.len() as u32;
+        let (gate_fmt, down_fmt) = (kernel_format_id(gate_up), kernel_format_id(down));
         let (up_off, down_off) = (layout.up_offset as i64, layout.down_offset as i64);
         let (inter_i, hidden_i, k_i) = (inter as i32, hidden as i32, run.k as i32);
 
@@ -215,7 +223,7 @@ impl Cuda {
             .arg(&mut run.act);
         // SAFETY: every slot was checked to lie inside the arena and every pick index below
         // `tokens * k` (the rows of act and yp); the grid covers `inter` rows of each group.
-        unsafe { b.launch(rows_config(inter, groups)) }?;
+        unsafe { b.launch(rows_config(inter, n_groups)) }?;
 
         let mut b = s.launch_builder(self.kernel("moe_down"));
         b.arg(arena)
@@ -230,7 +238,7 @@ impl Cuda {
             .arg(&run.act)
             .arg(&mut run.yp);
         // SAFETY: as above, for `hidden` rows of the down projection.
-        unsafe { b.launch(rows_config(hidden, groups)) }?;
+        unsafe { b.launch(rows_config(hidden, n_groups)) }?;
         Ok(())
     }
 
@@ -292,14 +300,55 @@ impl Cuda {
     }
 }
 
+/// A launch's picks grouped by slot: group g is the slot at byte `base[g]` of the arena, its
+/// picks `list[start[g] .. start[g] + len[g]]` (pick indices `t * k + j`).
+pub(super) struct PickGroups {
+    pub base: Vec<i64>,
+    pub start: Vec<i32>,
+    pub len: Vec<i32>,
+    pub list: Vec<i32>,
+}
+
+impl PickGroups {
+    fn new(members: &[Vec<i32>], slots: &[u32], slot_bytes: usize) -> PickGroups {
+        let mut g = PickGroups {
+            base: slots
+                .iter()
+                .map(|&s| (s as usize * slot_bytes) as i64)
+                .collect(),
+            start: Vec::with_capacity(members.len()),
+            len: Vec::with_capacity(members.len()),
+            list: Vec::new(),
+        };
+        for m in members {
+            g.start.push(g.list.len() as i32);
+            g.len.push(m.len() as i32);
+            g.list.extend_from_slice(m);
+        }
+        g
+    }
+
+    /// The slot's byte offset of each entry of `list`.
+    pub fn entry_base(&self) -> Vec<i64> {
+        let mut out = Vec::with_capacity(self.list.len());
+        for (&b, &n) in self.base.iter().zip(&self.len) {
+            out.extend(std::iter::repeat_n(b, n as usize));
+        }
+        out
+    }
+}
+
 /// A routed-expert step in progress (see [`Cuda::moe_begin`]).
 pub struct MoeRun {
-    layout: MoeLayout,
+    pub(super) layout: MoeLayout,
     tokens: usize,
-    k: usize,
-    x: CudaSlice<f32>,
-    yp: CudaSlice<f32>,
-    act: CudaSlice<f32>,
+    pub(super) k: usize,
+    /// Token rows `[tokens, hidden]`.
+    pub(super) x: CudaSlice<f32>,
+    /// Per-pick outputs `[tokens * k, hidden]`.
+    pub(super) yp: CudaSlice<f32>,
+    /// Per-pick activations `[tokens * k, inter]` (an EXL3 step: the down input, rotated).
+    pub(super) act: CudaSlice<f32>,
 }
 
 /// Router settings for [`Cuda::route`].
@@ -313,15 +362,29 @@ pub struct RouteSpec {
     pub scale: f32,
 }
 
+/// How an expert slot stores gate, up and down.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub enum SlotFormat {
+    /// Rows in one format each (gate and up share theirs).
+    Rows { gate_up: Format, down: Format },
+    /// EXL3 layers: each matrix's trellis as its checkpoint stores it, then its `suh` and
+    /// `svh` as f32, each part 256-byte aligned.
+    Exl3 { gate_up: Exl3Form, down: Exl3Form },
+}
+
+/// The rate and codebook of an EXL3 layer.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Exl3Form {
+    pub rate: Rate,
+    pub codebook: Codebook,
+}
+
 /// Where gate, up and down sit inside one expert slot, and their formats.
 #[derive(Clone, Copy, Debug, PartialEq)]
 pub struct MoeLayout {
     pub hidden: usize,
     pub inter: usize,
-    /// Format of gate and up (`[inter, hidden]` each).
-    pub gate_up: Format,
-    /// Format of down (`[hidden, inter]`).
-    pub down: Format,
+    pub format: SlotFormat,
     pub up_offset: usize,
     pub down_offset: usize,
     /// Bytes between slot starts (a multiple of 4 KiB).
@@ -329,7 +392,8 @@ pub struct MoeLayout {
 }
 
 impl MoeLayout {
-    /// Gate, up and down back to back, each 256-byte aligned, the slot rounded to 4 KiB.
+    /// Gate, up and down as rows, back to back, each 256-byte aligned, the slot rounded to
+    /// 4 KiB.
     pub fn new(
         hidden: usize,
         inter: usize,
@@ -337,28 +401,132 @@ impl MoeLayout {
         down: Format,
     ) -> Result<MoeLayout, CudaError> {
         let bad = |e: crate::quant::QuantError| CudaError::Invalid(e.to_string());
-        let gate_bytes = inter * gate_up.row_bytes(hidden).map_err(bad)?;
-        let down_bytes = hidden * down.row_bytes(inter).map_err(bad)?;
-        let up_offset = gate_bytes.next_multiple_of(256);
-        let down_offset = (up_offset + gate_bytes).next_multiple_of(256);
-        Ok(MoeLayout {
+        gate_up.row_bytes(hidden).map_err(bad)?;
+        down.row_bytes(inter).map_err(bad)?;
+        Ok(MoeLayout::place(
             hidden,
             inter,
-            gate_up,
-            down,
-            up_offset,
-            down_offset,
-            slot_bytes: (down_offset + down_bytes).next_multiple_of(4096),
-        })
+            SlotFormat::Rows { gate_up, down },
+        ))
     }
 
-    /// Bytes of gate (and of up).
-    pub fn gate_bytes(&self) -> usize {
-        self.inter * self.gate_up.row_bytes(self.hidden).unwrap_or(0)
+    /// Gate, up and down as EXL3 layers (`hidden` and `inter` multiples of 128).
+    pub fn exl3(
+        hidden: usize,
+        inter: usize,
+        gate_up: Exl3Form,
+        down: Exl3Form,
+    ) -> Result<MoeLayout, CudaError> {
+        if hidden == 0 || inter == 0 || hidden % 128 != 0 || inter % 128 != 0 {
+            return Err(CudaError::Invalid(format!(
+                "EXL3 experts of {hidden} x {inter}: both must be positive multiples of 128"
+            )));
+        }
+        for form in [gate_up, down] {
+            if form.rate.is_half() && form.codebook != Codebook::Mul1 {
+                return Err(CudaError::Invalid(format!(
+                    "EXL3 at {} bpw needs the mul1 codebook, not {}",
+                    form.rate, form.codebook
+                )));
+            }
+        }
+        Ok(MoeLayout::place(
+            hidden,
+            inter,
+            SlotFormat::Exl3 { gate_up, down },
+        ))
     }
 
-    pub fn down_bytes(&self) -> usize {
-        self.hidden * self.down.row_bytes(self.inter).unwrap_or(0)
+    fn place(hidden: usize, inter: usize, format: SlotFormat) -> MoeLayout {
+        let mut layout = MoeLayout {
+            hidden,
+            inter,
+            format,
+            up_offset: 0,
+            down_offset: 0,
+            slot_bytes: 0,
+        };
+        let gate_bytes = layout.matrix_bytes(Part::GateUp);
+        layout.up_offset = gate_bytes.next_multiple_of(256);
+        layout.down_offset = (layout.up_offset + gate_bytes).next_multiple_of(256);
+        layout.slot_bytes =
+            (layout.down_offset + layout.matrix_bytes(Part::Down)).next_multiple_of(4096);
+        layout
+    }
+
+    /// Bytes of gate (and of up) or of down, with their alignment padding inside.
+    fn matrix_bytes(&self, part: Part) -> usize {
+        let (rows, cols) = part.shape(self);
+        match self.format {
+            SlotFormat::Rows { gate_up, down } => {
+                rows * part.pick(gate_up, down).row_bytes(cols).unwrap_or(0)
+            }
+            SlotFormat::Exl3 { gate_up, down } => {
+                let [_, (svh, n)] = self.exl3_scales(part, part.pick(gate_up, down));
+                svh + 4 * n
+            }
+        }
+    }
+
+    /// Each stored piece of a slot as `(byte offset, bytes)`, in the order
+    /// [`SlotArena::write`] takes them: gate, up, down as rows; or per matrix its trellis,
+    /// `suh` and `svh` (f32) for EXL3.
+    pub fn pieces(&self) -> Vec<(usize, usize)> {
+        let bases = [0, self.up_offset, self.down_offset];
+        match self.format {
+            SlotFormat::Rows { .. } => [Part::GateUp, Part::GateUp, Part::Down]
+                .iter()
+                .zip(bases)
+                .map(|(&p, base)| (base, self.matrix_bytes(p)))
+                .collect(),
+            SlotFormat::Exl3 { gate_up, down } => [Part::GateUp, Part::GateUp, Part::Down]
+                .iter()
+                .zip(bases)
+                .flat_map(|(&p, base)| {
+                    let form = p.pick(gate_up, down);
+                    let [(suh, k), (svh, n)] = self.exl3_scales(p, form);
+                    [
+                        (base, form.rate.trellis_bytes(k, n)),
+                        (base + suh, 4 * k),
+                        (base + svh, 4 * n),
+                    ]
+                })
+                .collect(),
+        }
+    }
+
+    /// An EXL3 matrix's `suh` and `svh` as (offset from the matrix's start, values).
+    pub(super) fn exl3_scales(&self, part: Part, form: Exl3Form) -> [(usize, usize); 2] {
+        // EXL3 matrices are stored as `y = x W`: K inputs, N outputs.
+        let (n, k) = part.shape(self);
+        let suh = form.rate.trellis_bytes(k, n).next_multiple_of(256);
+        [(suh, k), ((suh + 4 * k).next_multiple_of(256), n)]
+    }
+}
+
+/// The two shapes of a slot's matrices.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(super) enum Part {
+    /// Gate or up: `[inter, hidden]`.
+    GateUp,
+    /// Down: `[hidden, inter]`.
+    Down,
+}
+
+impl Part {
+    /// (rows, cols) of the matrix `y = W x`.
+    pub(super) fn shape(self, l: &MoeLayout) -> (usize, usize) {
+        match self {
+            Part::GateUp => (l.inter, l.hidden),
+            Part::Down => (l.hidden, l.inter),
+        }
+    }
+
+    pub(super) fn pick<T>(self, gate_up: T, down: T) -> T {
+        match self {
+            Part::GateUp => gate_up,
+            Part::Down => down,
+        }
     }
 }
 
@@ -417,34 +585,121 @@ impl SlotArena {
         Ok(SlotArena { buf, layout, slots })
     }
 
-    /// Copies one expert's gate, up and down bytes into slot `slot`, on `stream` (the
-    /// kernel stream, or the copy stream for slots its user orders with events).
+    /// Copies one expert's pieces ([`MoeLayout::pieces`]: gate, up and down, or for EXL3
+    /// each one's trellis, `suh` and `svh`) into slot `slot`, on `stream` (the kernel stream,
+    /// or the copy stream for slots its user orders with events).
     pub fn write(
         &mut self,
         stream: &Arc<CudaStream>,
         slot: usize,
-        gate: &[u8],
-        up: &[u8],
-        down: &[u8],
+        pieces: &[&[u8]],
     ) -> Result<(), CudaError> {
-        let l = self.layout;
-        let gb = l.gate_bytes();
-        if slot >= self.slots || gate.len() != gb || up.len() != gb || down.len() != l.down_bytes()
-        {
+        let want = self.layout.pieces();
+        let fits = pieces.len() == want.len()
+            && pieces
+                .iter()
+                .zip(&want)
+                .all(|(p, (_, len))| p.len() == *len);
+        if slot >= self.slots || !fits {
+            let got: Vec<usize> = pieces.iter().map(|p| p.len()).collect();
+            let want: Vec<usize> = want.iter().map(|w| w.1).collect();
             return Err(CudaError::Invalid(format!(
-                "slot {slot} of {}: gate {} up {} down {} bytes, the layout wants {gb}, {gb}, {}",
-                self.slots,
-                gate.len(),
-                up.len(),
-                down.len(),
-                l.down_bytes()
+                "slot {slot} of {}: pieces of {got:?} bytes, the layout wants {want:?}",
+                self.slots
             )));
         }
-        let base = slot * l.slot_bytes;
-        for (off, bytes) in [(0, gate), (l.up_offset, up), (l.down_offset, down)] {
-            let mut dst = self.buf.slice_mut(base + off..base + off + bytes.len());
-            stream.memcpy_htod(bytes, &mut dst)?;
+        let base = slot * self.layout.slot_bytes;
+        for ((off, len), bytes) in want.into_iter().zip(pieces) {
+            let mut dst = self.buf.slice_mut(base + off..base + off + len);
+            stream.memcpy_htod(*bytes, &mut dst)?;
         }
         Ok(())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// An EXL3 slot's pieces are the checkpoint's trellis and f32 scales of each matrix,
+    /// 256-byte aligned (the kernels read them as u32 and f32), disjoint and inside the slot.
+    #[test]
+    fn exl3_pieces_are_aligned_disjoint_and_inside_the_slot() {
+        let form = |bits: f32, codebook| Exl3Form {
+            rate: Rate::from_bits(bits).expect("a rate"),
+            codebook,
+        };
+        let (hidden, inter) = (4096, 2048);
+        let l = MoeLayout::exl3(
+            hidden,
+            inter,
+            form(3.0, Codebook::Mul1),
+            form(2.5, Codebook::Mul1),
+        )
+        .expect("a layout");
+        let p = l.pieces();
+        let sizes: Vec<usize> = p.iter().map(|x| x.1).collect();
+        let (g3, d25) = (inter * hidden * 3 / 8, hidden * inter * 5 / 16);
+        assert_eq!(
+            sizes,
+            [
+                g3,
+                4 * hidden,
+                4 * inter,
+                g3,
+                4 * hidden,
+                4 * inter,
+                d25,
+                4 * inter,
+                4 * hidden
+            ]
+        );
+        assert_eq!(p[3].0, l.up_offset);
+        assert_eq!(p[6].0, l.down_offset);
+        for w in p.windows(2) {
+            assert!(w[0].0 + w[0].1 <= w[1].0, "{w:?} overlap");
+        }
+        assert!(p.iter().all(|(off, _)| off % 256 == 0));
+        let end = p.last().map(|(o, n)| o + n).unwrap_or(0);
+        assert!(end <= l.slot_bytes && l.slot_bytes - end < 4096 && l.slot_bytes % 4096 == 0);
+        // 3 bpw mul1 experts at GLM-5.3-Flash width: within 40 KiB of exllamav3's 9.47 MB
+        // (the scales are f32 here, f16 there).
+        let seed = MoeLayout::exl3(
+            hidden,
+            inter,
+            form(3.0, Codebook::Mul1),
+            form(3.0, Codebook::Mul1),
+        )
+        .expect("a layout");
+        let record = 3 * (hidden * inter * 3 / 8 + 2 * (hidden + inter));
+        assert!(seed.slot_bytes >= record && seed.slot_bytes - record < 40 << 10);
+        assert!(
+            MoeLayout::exl3(
+                100,
+                128,
+                form(3.0, Codebook::Mul1),
+                form(3.0, Codebook::Mul1)
+            )
+            .is_err()
+        );
+        assert!(
+            MoeLayout::exl3(
+                128,
+                128,
+                form(2.5, Codebook::Mcg),
+                form(3.0, Codebook::Mul1)
+            )
+            .is_err()
+        );
+    }
+
+    /// The rows layout is unchanged: gate, up and down back to back.
+    #[test]
+    fn rows_pieces_are_gate_up_down() {
+        let l = MoeLayout::new(512, 256, Format::Q4K, Format::Q8_0).expect("a layout");
+        let p = l.pieces();
+        let gate = 256 * Format::Q4K.row_bytes(512).unwrap();
+        let down = 512 * Format::Q8_0.row_bytes(256).unwrap();
+        assert_eq!(p, [(0, gate), (l.up_offset, gate), (l.down_offset, down)]);
     }
 }

@@ -24,7 +24,7 @@ const EXLLAMA_TILES: &str = "e2e/fixtures/exl3/tiles.safetensors";
 const VS_EXLLAMA: f64 = 1.5e-3;
 
 /// A layer of `k` inputs and `n` outputs with a random trellis of `len`-word tiles.
-fn random_linear(
+pub(super) fn random_linear(
     rng: &mut ChaCha8Rng,
     k: usize,
     n: usize,

@@ -15,7 +15,7 @@ use crate::backend::cpu::{Matrix, ops};
 use crate::backend::cuda::attn::DsaSpec;
 use crate::backend::cuda::matrix::CudaPlacer;
 use crate::backend::cuda::{
-    Cuda, KdaForm, KdaSpec, MhcCollapse, MhcSpec, MoeLayout, MoeStep, RouteSpec, SlotArena,
+    Cuda, KdaForm, KdaSpec, MhcCollapse, MhcSpec, MoeStep, RouteSpec, SlotArena,
 };
 use crate::model::checkpoint::DType;
 use crate::model::config::Config;

@@ -2,6 +2,7 @@
 //! and the router.
 
 use super::*;
+use crate::quant::exl3::Codebook;
 
 pub(super) fn check_matvec(
     cuda: &Cuda,
@@ -86,26 +87,31 @@ pub(super) fn check_moe(
         shapes.push((4096, 2048, 12, 8));
     }
     for (hidden, inter, experts, k) in shapes {
-        for (gu, down) in [
+        let rows = [
             (Format::F32, Format::F32),
             (Format::Bf16, Format::Bf16),
             (Format::F16, Format::F16),
             (Format::Q8_0, Format::Q8_0),
             (Format::Q4K, Format::Q4K),
             (Format::Q4K, Format::Q8_0),
-        ] {
+        ]
+        .map(|(gu, down)| ExpertForm::Rows(gu, down));
+        // EXL3 (tile words, codebook) of gate/up and of down: 3 bpw mul1 as the seed's
+        // checkpoint, a half rate, the other codebooks, and different rates per matrix.
+        let exl3 = [
+            ((48, Codebook::Mul1), (48, Codebook::Mul1)),
+            ((40, Codebook::Mul1), (56, Codebook::Mul1)),
+            ((32, Codebook::Mcg), (64, Codebook::Mcg)),
+            ((64, Codebook::Inst3), (32, Codebook::Inst3)),
+        ]
+        .map(|(gu, down)| ExpertForm::Exl3(gu, down));
+        for form in rows.into_iter().chain(exl3) {
             let limit = 7.0;
             let ex: Vec<SwiGlu> = (0..experts)
-                .map(|_| {
-                    Ok(SwiGlu {
-                        gate: random_matrix(rng, inter, hidden, gu)?,
-                        up: random_matrix(rng, inter, hidden, gu)?,
-                        down: random_matrix(rng, hidden, inter, down)?,
-                        limit,
-                    })
-                })
+                .map(|_| form.expert(rng, hidden, inter, limit))
                 .collect::<anyhow::Result<_>>()?;
-            let layout = MoeLayout::new(hidden, inter, gu, down)?;
+            let layout = crate::tiers::vram::layout_of(&ex[0])?;
+            let name = form.name();
             // Slots in reverse order, so slot and expert numbers differ.
             let mut arena = SlotArena::new(cuda, layout, experts)?;
             for (e, expert) in ex.iter().enumerate() {
@@ -133,11 +139,7 @@ pub(super) fn check_moe(
                 };
                 let got = cuda.moe(&arena.buf, &step, &x)?;
                 cases.push(case(
-                    format!(
-                        "moe {}/{} h{hidden} i{inter} T={tokens} k={k}",
-                        gu.name(),
-                        down.name()
-                    ),
+                    format!("moe {name} h{hidden} i{inter} T={tokens} k={k}"),
                     &got,
                     &want,
                     F32_BOUND,
@@ -159,11 +161,7 @@ pub(super) fn check_moe(
                 }
                 let mixed = cuda.moe_finish(run, &routing.weights)?;
                 cases.push(case(
-                    format!(
-                        "moe {}/{} T={tokens} half on the CPU lane",
-                        gu.name(),
-                        down.name()
-                    ),
+                    format!("moe {name} T={tokens} half on the CPU lane"),
                     &mixed,
                     &want,
                     F32_BOUND,
@@ -177,11 +175,7 @@ pub(super) fn check_moe(
                     .zip(&got)
                     .all(|(a, b)| a.to_bits() == b.to_bits());
                 cases.push(Case {
-                    name: format!(
-                        "moe {}/{} T={tokens} two launches: same bits",
-                        gu.name(),
-                        down.name()
-                    ),
+                    name: format!("moe {name} T={tokens} two launches: same bits"),
                     rel: if same_bits { 0.0 } else { f64::INFINITY },
                     bound: 0.0,
                     finite: split.iter().all(|v| v.is_finite()),
@@ -190,6 +184,55 @@ pub(super) fn check_moe(
         }
     }
     Ok(())
+}
+
+/// How a check's experts store their matrices: rows (gate/up, down formats), or EXL3 (tile
+/// words and codebook of gate/up, of down).
+#[derive(Clone, Copy)]
+enum ExpertForm {
+    Rows(Format, Format),
+    Exl3((usize, Codebook), (usize, Codebook)),
+}
+
+impl ExpertForm {
+    fn expert(
+        self,
+        rng: &mut ChaCha8Rng,
+        hidden: usize,
+        inter: usize,
+        limit: f32,
+    ) -> anyhow::Result<SwiGlu> {
+        Ok(match self {
+            ExpertForm::Rows(gu, down) => SwiGlu {
+                gate: random_matrix(rng, inter, hidden, gu)?,
+                up: random_matrix(rng, inter, hidden, gu)?,
+                down: random_matrix(rng, hidden, inter, down)?,
+                limit,
+            },
+            ExpertForm::Exl3((gl, gc), (dl, dc)) => {
+                let mut lin = |k, n, len, cb| -> anyhow::Result<Matrix> {
+                    Ok(Matrix::from_exl3(super::exl3::random_linear(
+                        rng, k, n, len, cb, false,
+                    )?))
+                };
+                SwiGlu {
+                    gate: lin(hidden, inter, gl, gc)?,
+                    up: lin(hidden, inter, gl, gc)?,
+                    down: lin(inter, hidden, dl, dc)?,
+                    limit,
+                }
+            }
+        })
+    }
+
+    fn name(self) -> String {
+        match self {
+            ExpertForm::Rows(gu, down) => format!("{}/{}", gu.name(), down.name()),
+            ExpertForm::Exl3((gl, gc), (dl, dc)) => {
+                format!("exl3 {}{gc}/{}{dc}", gl as f32 / 16.0, dl as f32 / 16.0)
+            }
+        }
+    }
 }
 
 /// `(pick index, arena slot)`.
