@@ -72,7 +72,7 @@ def cmd_exl3(args):
     model = Model.from_config(cfg)
     ctx = args.prompt_len + args.warmup + args.steps + 64
     cache = Cache(model, max_num_tokens=max(8192, 256 * ((max(batches) * ctx + 255) // 256 + 1)))
-    model.load("cuda:0", progressbar=False)
+    model.load(device="cuda:0", progressbar=False)
     tokenizer = Tokenizer.from_config(cfg)
     out["load_s"] = time.time() - t0
     out["vram_gib_after_load"] = torch.cuda.memory_allocated() / 2**30
