@@ -334,11 +334,12 @@ def tokenizer_json(vocab):
     }
 
 
-def byte_classes(tensors):
-    """Bytes of the routed experts, the embedding and the rest (what every decode step reads once),
-    and of one routed expert (gate + up + down with their suh/svh/markers)."""
+def byte_classes(tensors, tc):
+    """Bytes by class: routed experts, embedding, the rest (what every decode step reads once), one
+    routed expert (gate + up + down with their suh/svh/markers), lm_head, and per layer kind, so a
+    decode roofline can be scaled to the real model's 34 KDA + 11 MLA layers and 3 dense + 42 MoE MLPs."""
     routed = embed = 0
-    one_expert = {}
+    one_expert, per_layer = {}, {}
     for name, dtype, shape, _ in tensors:
         n = nbytes(dtype, shape)
         if ".mlp.experts." in name:
@@ -347,10 +348,29 @@ def byte_classes(tensors):
             one_expert[key] = one_expert.get(key, 0) + n
         elif "embed_tokens" in name:
             embed += n
+        elif ".layers." in name:
+            i = int(name.split(".layers.")[1].split(".")[0])
+            part = "mlp" if ".mlp." in name else "attn"  # norms and mHC go with attn
+            per_layer[(i, part)] = per_layer.get((i, part), 0) + n
     total = sum(nbytes(t[1], t[2]) for t in tensors)
+    head = sum(nbytes(t[1], t[2]) for t in tensors if t[0].startswith("lm_head."))
     sizes = set(one_expert.values())
+
+    def mean(pred, part):
+        v = [b for (i, p), b in per_layer.items() if p == part and pred(i)]
+        return sum(v) // max(len(v), 1)
+
+    kinds = {
+        "kda_attn": mean(lambda i: tc["layer_types"][i] == "linear_attention", "attn"),
+        "mla_full_attn": mean(lambda i: tc["layer_types"][i] != "linear_attention"
+                              and tc["indexer_types"][i] == "full", "attn"),
+        "mla_shared_attn": mean(lambda i: tc["layer_types"][i] != "linear_attention"
+                                and tc["indexer_types"][i] == "shared", "attn"),
+        "dense_mlp": mean(lambda i: tc["mlp_layer_types"][i] == "dense", "mlp"),
+        "moe_non_expert": mean(lambda i: tc["mlp_layer_types"][i] == "sparse", "mlp"),
+    }
     return dict(total=total, routed_experts=routed, embedding=embed, rest=total - routed - embed,
-                expert_bytes=max(sizes) if sizes else 0)
+                expert_bytes=max(sizes) if sizes else 0, lm_head=head, per_layer_kind=kinds)
 
 
 def main():
@@ -430,7 +450,7 @@ def main():
         with open(os.path.join(d, name), "w") as f:
             json.dump(doc, f, indent=2 if name != "tokenizer.json" else None, sort_keys=name == "config.json")
             f.write("\n")
-    bc = byte_classes(plan.tensors)
+    bc = byte_classes(plan.tensors, tc)
     moe = tc["mlp_layer_types"].count("sparse")
     bc.update(
         moe_layers=moe, top_k=args.top_k, experts=args.experts, layers=args.layers,
@@ -440,6 +460,12 @@ def main():
         decode_bytes_per_token=bc["rest"] + moe * args.top_k * bc["expert_bytes"],
         shards=[s[0] for s in shards],
     )
+    # The same per token at the real model's layer counts (45 layers: 34 KDA, 11 MLA of which 4
+    # full-indexer ones in "FSS" order, 3 dense + 42 MoE MLPs), for scaling measured step times.
+    k = bc["per_layer_kind"]
+    bc["decode_bytes_per_token_real_layers"] = (
+        bc["lm_head"] + 34 * k["kda_attn"] + 4 * k["mla_full_attn"] + 7 * k["mla_shared_attn"]
+        + 3 * k["dense_mlp"] + 42 * (k["moe_non_expert"] + args.top_k * bc["expert_bytes"]))
     with open(os.path.join(d, "bytes.json"), "w") as f:
         json.dump(bc, f, indent=1)
     secs = time.time() - t0
