@@ -25,7 +25,8 @@ itself converted; unquantized dtypes as a bf16 source gives them, see shared/ref
   * config.json (nested text_config as exllamav3 reads it, plus vision_config, image token ids and
     the quantization_config block), quantization_config.json (with tensor_storage),
     processor_config.json, generation_config.json, and tokenizer.json: a byte-level BPE whose
-    vocabulary has exactly `vocab` entries (256 byte symbols and fillers), so ids decode everywhere.
+    vocabulary has exactly `vocab` entries (the 128 ASCII bytes and ASCII fillers), so every id
+    decodes, to whole characters.
 No MTP layer (num_nextn_predict_layers 0: exllamav3 loads the MTP model only when asked) and no
 vision tensors (exllamav3 reads vision_config and processor_config.json when it builds the config,
 but loads the vision tower's tensors only for the vision component).
@@ -309,18 +310,13 @@ def work(job):
 
 
 def tokenizer_json(vocab):
-    """Byte-level BPE over the 256 byte symbols (GPT-2 byte->unicode map) plus fillers up to vocab,
-    no merges: every id has a piece."""
-    bs = list(range(ord("!"), ord("~") + 1)) + list(range(ord("¡"), ord("¬") + 1)) + \
-        list(range(ord("®"), ord("ÿ") + 1))
-    cs, n = bs[:], 0
-    for b in range(256):
-        if b not in bs:
-            bs.append(b)
-            cs.append(256 + n)
-            n += 1
-    v = {chr(c): b for b, c in zip(bs, cs)}
-    for i in range(256, vocab):
+    """Byte-level BPE, no merges: ids 0..127 are the ASCII bytes (GPT-2 byte->unicode map), the rest
+    ASCII fillers `<tN>`. Every id decodes to complete characters on its own, so a streaming
+    detokenizer never holds a token back (one SSE chunk per token) and every id has a piece."""
+    printable = set(range(ord("!"), ord("~") + 1))  # bytes the GPT-2 map leaves as themselves
+    others = [b for b in range(256) if b not in printable and not 0xA1 <= b <= 0xFF or b == 0xAD]
+    v = {(chr(b) if b in printable else chr(256 + others.index(b))): b for b in range(128)}
+    for i in range(128, vocab):
         v[f"<t{i}>"] = i
     assert len(v) == vocab
     return {

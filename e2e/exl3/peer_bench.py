@@ -140,7 +140,7 @@ def cmd_client(args):
     from urllib.parse import urlparse
 
     u = urlparse(args.url)
-    out = dict(engine="glmflash", decoder="GpuDecoder via serve", runs=[])
+    out = dict(engine="glmflash-serve", decoder="serve (GpuDecoder when serve_decoder_log says so)", runs=[])
 
     def stream(prompt, n, arrivals, errors):
         try:

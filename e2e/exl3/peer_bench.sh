@@ -132,7 +132,12 @@ bench_json=json.load(open('$W/bench.json'))), open('$OUT/glmflash_bench.json','w
       --out "$OUT/glmflash_serve.json" "${opts[@]}" --time-limit 90 > "$OUT/glmflash_client.log" 2>&1
     log "client rc=$?"; cat "$OUT/glmflash_client.log" | cut -c1-400
     kill $spid 2>/dev/null; sleep 2; kill -9 $spid 2>/dev/null
-    grep -iE "placement|vram|gpu decoder|warn" "$OUT/glmflash_serve.log" | sed 's/\x1b\[[0-9;]*m//g' | head -8
+    # Which decoder the engine chose ("sequences run on the GPU" = GpuDecoder; else the host forward).
+    local which; which=$(sed 's/\x1b\[[0-9;]*m//g' "$OUT/glmflash_serve.log" \
+      | grep -m1 -E "sequences run on the GPU|no GPU decoder|host forward" | cut -c1-300)
+    log "serve decoder: ${which:-not logged}"
+    python3 -c "import json,sys; p='$OUT/glmflash_serve.json'; d=json.load(open(p)); d['serve_decoder_log']=sys.argv[1]; \
+json.dump(d, open(p,'w'), indent=1)" "$which" 2>/dev/null
   fi
   summary
 }
