@@ -7,10 +7,11 @@
 
 `exl3` (GPU, exllamav3 importable): loads the model with everything on cuda:0, a Cache and its
 Generator (the way exllamav3's examples do), and for each batch size B enqueues B greedy jobs
-(ArgmaxSampler, no stop conditions, min_new_tokens = max_new_tokens = warmup + steps) with
+(ArgmaxSampler, no stop conditions, min_new_tokens = max_new_tokens = warmup + steps + 2) with
 distinct random prompts, calls `Generator.iterate()` until they finish, and times each call. The
 steady state is the calls after which every job had one more token (decode steps of the full
-batch): the first `warmup` of them are dropped, the next `steps` timed. Also records which MoE
+batch): the first `warmup` of them are dropped, the next `steps` timed (calls between them that
+added nothing count in the time). Also records which MoE
 path each sparse layer can take (`bc` = the fused bsz<=8 decode kernels, `support_fused`) and a
 cache-free forward's logits statistics (finite, spread) as a health check.
 
@@ -34,21 +35,15 @@ import time
 
 
 def steady(times, counts, batch, warmup, steps):
-    """Times and token counts after each call; the full-batch decode calls are those that add one
-    token to every job. Returns (tokens, seconds, calls) over `steps` such calls after `warmup`."""
+    """Times and token counts after each call; full-batch decode calls add one token to every job.
+    Returns (tokens, seconds, full calls) from the (warmup+1)-th full call through `steps` full
+    calls, any calls in between (that added nothing) included in the time."""
     full = [i for i in range(1, len(times)) if counts[i] - counts[i - 1] == batch]
     if len(full) < warmup + 2:
         return None
     sel = full[warmup:warmup + steps]
-    # consecutive full-batch calls only, so the window holds no prefill or partial calls
-    run = [sel[0]]
-    for i in sel[1:]:
-        if i != run[-1] + 1:
-            break
-        run.append(i)
-    first, last = run[0], run[-1]
-    secs = times[last] - times[first - 1]
-    return (counts[last] - counts[first - 1], secs, len(run))
+    first, last = sel[0], sel[-1]
+    return (counts[last] - counts[first - 1], times[last] - times[first - 1], len(sel))
 
 
 def cmd_exl3(args):
