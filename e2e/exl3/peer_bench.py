@@ -191,6 +191,10 @@ def cmd_client(args):
 def cmd_summary(args):
     bytes_ = json.load(open(os.path.join(args.model, "bytes.json")))
     res = dict(checkpoint=bytes_, engines={})
+    for name in ("gpu.txt", "glmflash_version.txt"):  # written beside the summary by peer_bench.sh
+        path = os.path.join(os.path.dirname(os.path.abspath(args.out)), name)
+        if os.path.exists(path):
+            res[name.split(".")[0]] = open(path).read().strip()
     for p in args.parts:
         try:
             doc = json.load(open(p))
