@@ -100,7 +100,9 @@ run() {
   cp "$ck/bytes.json" "$OUT/bytes.json" 2>/dev/null || { log "no checkpoint, stopping"; return 1; }
   local vocab; vocab=$(python3 -c "import json;print(json.load(open('$ck/bytes.json'))['vocab'])")
 
-  if ! skip exl3; then
+  if ! skip exl3 && [ ! -f "$REPO/.device/ext/exllamav3_ext.so" ] && [ ! -f "$W/build.done" ]; then
+    log "no exllamav3 extension (carry .device/ext or run build first): skipping the exllamav3 half"
+  elif ! skip exl3; then
     log "exllamav3 Generator: ${opts[*]}"
     timeout -k 10 "$(cap 300)" python3 e2e/exl3/peer_bench.py exl3 --model "$ck" --out "$OUT/exl3.json" "${opts[@]}" \
       --time-limit 90 > "$OUT/exl3.log" 2>&1
