@@ -76,15 +76,19 @@ __device__ __forceinline__ void exl3_lane_window(int lane, int& w0, int& o) {
     o = start & 31;
 }
 
-// The lane's four words of the tile at `tile`, wrapping around its end.
+// The tile's word indices holding a lane's bits: four from its first, wrapping around the
+// tile's 4 H words (computed once per lane: the loads then need no wrap test).
 template <int H>
-__device__ __forceinline__ void exl3_load4(const u32* __restrict__ tile, int w0, u32 a[4]) {
+__device__ __forceinline__ void exl3_lane_words(int w0, int idx[4]) {
 #pragma unroll
-    for (int i = 0; i < 4; i++) {
-        int at = w0 + i;
-        if (at >= 4 * H) at -= 4 * H;
-        a[i] = __ldg(tile + at);
-    }
+    for (int i = 0; i < 4; i++) idx[i] = w0 + i >= 4 * H ? w0 + i - 4 * H : w0 + i;
+}
+
+// The lane's four words of the tile at `tile` (indices from `exl3_lane_words`).
+__device__ __forceinline__ void exl3_load4(const u32* __restrict__ tile, const int idx[4],
+                                           u32 a[4]) {
+#pragma unroll
+    for (int i = 0; i < 4; i++) a[i] = __ldg(tile + idx[i]);
 }
 
 // The lane's eight weights (positions 8 lane .. 8 lane + 7 in order) from its four words and
@@ -149,43 +153,45 @@ extern "C" __global__ void exl3_rotate_output(const float* __restrict__ part, in
 }
 
 // part[s * slice + t * N + 16 nt .. + 16] = xr[t, K slice s] What[K slice s, 16 nt .. 16 nt + 16]
-// for every token t < tokens (xr rows K apart). The block's strip nt is blockIdx.x and its
-// slice s blockIdx.y; EXL3_GEMV_WARPS warps; slice s is k-tiles [s * per, (s + 1) * per).
-// Every block writes its outputs, an empty slice zeros. `red` is the block's shared scratch
-// (declared by the kernel: one array for every instantiation).
-template <int H, int CB>
-__device__ void exl3_gemv_strip(const u32* __restrict__ trellis, int k, int n, int per,
-                                const float* __restrict__ xr, int tokens, float* __restrict__ part,
-                                i64 slice, float (*red)[TOK_TILE][16]) {
+// for every token t < tokens (xr rows K apart), TT tokens a pass. The block's strip nt is
+// blockIdx.x and its slice s blockIdx.y; EXL3_GEMV_WARPS warps; slice s is k-tiles
+// [s * per, (s + 1) * per). Every block writes its outputs, an empty slice zeros. `red` is the
+// block's shared scratch (declared by the kernel: one array for every instantiation). A
+// token's sums take the same steps in the same order whatever TT and the other tokens are.
+template <int H, int CB, int TT>
+__device__ void exl3_gemv_pass(const u32* __restrict__ trellis, int k, int n, int per,
+                               const float* __restrict__ xr, int tokens, float* __restrict__ part,
+                               i64 slice, float (*red)[TOK_TILE][16]) {
     const int lane = threadIdx.x & (WARP - 1), wid = threadIdx.x / WARP;
     const int nt = blockIdx.x, s = blockIdx.y;
     const int k_tiles = k / 16, n_tiles = n / 16, tile_words = 4 * H;
     const int kt0 = min(k_tiles, s * per), kt1 = min(k_tiles, kt0 + per);
     const int r0 = 2 * (lane & 3), c0 = lane >> 2;
-    int w0, o;
+    int w0, o, idx[4];
     exl3_lane_window<H>(lane, w0, o);
+    exl3_lane_words<H>(w0, idx);
     const u32* strip = trellis + (i64)nt * tile_words;
     const i64 stride = (i64)n_tiles * tile_words;
-    for (int t0 = 0; t0 < tokens; t0 += TOK_TILE) {
-        const int nt_tok = min(TOK_TILE, tokens - t0);
-        float acc[TOK_TILE][2];
+    for (int t0 = 0; t0 < tokens; t0 += TT) {
+        const int nt_tok = min(TT, tokens - t0);
+        float acc[TT][2];
 #pragma unroll
-        for (int t = 0; t < TOK_TILE; t++) acc[t][0] = acc[t][1] = 0.0f;
+        for (int t = 0; t < TT; t++) acc[t][0] = acc[t][1] = 0.0f;
         // The next tile's words load while this one decodes.
         u32 cur[4] = {0, 0, 0, 0};
-        if (kt0 + wid < kt1) exl3_load4<H>(strip + (kt0 + wid) * stride, w0, cur);
+        if (kt0 + wid < kt1) exl3_load4(strip + (kt0 + wid) * stride, idx, cur);
         for (int kt = kt0 + wid; kt < kt1; kt += EXL3_GEMV_WARPS) {
             u32 next[4] = {0, 0, 0, 0};
             if (kt + EXL3_GEMV_WARPS < kt1)
-                exl3_load4<H>(strip + (kt + EXL3_GEMV_WARPS) * stride, w0, next);
+                exl3_load4(strip + (kt + EXL3_GEMV_WARPS) * stride, idx, next);
             float w[8];
             exl3_decode_words<H, CB>(cur, o, w);
 #pragma unroll
             for (int i = 0; i < 4; i++) cur[i] = next[i];
             const float* xk = xr + (i64)t0 * k + 16 * kt + r0;
 #pragma unroll
-            for (int t = 0; t < TOK_TILE; t++) {
-                if (t < nt_tok) {
+            for (int t = 0; t < TT; t++) {
+                if (TT == 1 || t < nt_tok) {
                     const float2 a = __ldg((const float2*)(xk + (i64)t * k));
                     const float2 b = __ldg((const float2*)(xk + (i64)t * k + 8));
                     float c = acc[t][0], d = acc[t][1];
@@ -204,7 +210,7 @@ __device__ void exl3_gemv_strip(const u32* __restrict__ trellis, int k, int n, i
         }
         // Lanes 4 c0 .. 4 c0 + 3 hold columns c0 and c0 + 8 of different rows.
 #pragma unroll
-        for (int t = 0; t < TOK_TILE; t++) {
+        for (int t = 0; t < TT; t++) {
 #pragma unroll
             for (int h = 0; h < 2; h++) {
                 float v = acc[t][h];
@@ -214,7 +220,7 @@ __device__ void exl3_gemv_strip(const u32* __restrict__ trellis, int k, int n, i
             }
         }
         __syncthreads();
-        if (threadIdx.x < TOK_TILE * 16) {
+        if (threadIdx.x < TT * 16) {
             const int t = threadIdx.x / 16, c = threadIdx.x % 16;
             if (t < nt_tok) {
                 float v = 0.0f;
@@ -224,6 +230,19 @@ __device__ void exl3_gemv_strip(const u32* __restrict__ trellis, int k, int n, i
         }
         __syncthreads();
     }
+}
+
+// `exl3_gemv_pass` with the pass width for `tokens`: one token (decode), up to four, or eight.
+template <int H, int CB>
+__device__ void exl3_gemv_strip(const u32* __restrict__ trellis, int k, int n, int per,
+                                const float* __restrict__ xr, int tokens, float* __restrict__ part,
+                                i64 slice, float (*red)[TOK_TILE][16]) {
+    if (tokens == 1)
+        exl3_gemv_pass<H, CB, 1>(trellis, k, n, per, xr, tokens, part, slice, red);
+    else if (tokens <= 4)
+        exl3_gemv_pass<H, CB, 4>(trellis, k, n, per, xr, tokens, part, slice, red);
+    else
+        exl3_gemv_pass<H, CB, TOK_TILE>(trellis, k, n, per, xr, tokens, part, slice, red);
 }
 
 // Calls CALL(H, CB) with compile-time rate and codebook; half-integer rates exist for mul1
@@ -268,10 +287,11 @@ __device__ void exl3_reconstruct_tile(const u32* __restrict__ trellis, int n, in
     const i64 tile = (i64)blockIdx.x * (blockDim.x / WARP) + threadIdx.x / WARP;
     if (tile >= (i64)(kt1 - kt0) * n_tiles) return;
     const int kt = kt0 + (int)(tile / n_tiles), nt = (int)(tile % n_tiles);
-    int w0, o;
+    int w0, o, idx[4];
     exl3_lane_window<H>(lane, w0, o);
+    exl3_lane_words<H>(w0, idx);
     u32 a[4];
-    exl3_load4<H>(trellis + ((i64)kt * n_tiles + nt) * 4 * H, w0, a);
+    exl3_load4(trellis + ((i64)kt * n_tiles + nt) * 4 * H, idx, a);
     float w[8];
     exl3_decode_words<H, CB>(a, o, w);
     const int r0 = 2 * (lane & 3), c0 = lane >> 2;

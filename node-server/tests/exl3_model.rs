@@ -1,7 +1,8 @@
-//! An EXL3 checkpoint through the normal loading path: the tiny glm5_next that exllamav3 1.6.5
-//! converted at mul1 3 bpw (`e2e/fixtures/exl3/exl3_mul1_3bpw`) against transformers' float32
-//! forward on its reconstructed weights (`reference.json`) and against exllamav3's own forward
-//! (`exllamav3_logits.json`); EXL3 matrices as CPU matrices; config errors.
+//! EXL3 checkpoints through the normal loading path: the tiny glm5_nexts that exllamav3 1.6.5
+//! converted (`e2e/fixtures/exl3/exl3_*`: mul1 at 2.5, 3 and 6 bpw, mcg at 2) against
+//! transformers' float32 forward on their reconstructed weights (`reference.json`) and against
+//! exllamav3's own forward (`exllamav3_logits.json`); EXL3 matrices as CPU matrices; config
+//! errors.
 
 use glmflash_node::backend::cpu::Matrix;
 use glmflash_node::model::checkpoint::{Checkpoint, DType, write_safetensors};
@@ -16,9 +17,18 @@ use std::path::PathBuf;
 /// same weights (ours decodes them from the trellis, the reference from exllamav3's
 /// reconstruction), so only summation order separates them.
 const REF_TOLERANCE: f32 = 1e-4;
-/// Rel. L2 of prefill logits allowed against exllamav3's forward, which runs in f16
-/// (0.0053 against the reference per the fixture's notes).
-const EXLLAMA_TOLERANCE: f64 = 0.02;
+/// Rel. L2 of prefill logits allowed against exllamav3's forward, which runs in f16: this
+/// much above its own spread against the reference (`vs_reference` in its file: 0.005-0.008
+/// where no router choice is close, 0.10 for the 2.5 bpw fixture, where exllamav3's f16
+/// activations pick another expert at a near-tied position).
+const EXLLAMA_MARGIN: f64 = 0.02;
+/// The fixtures exllamav3 converted, and the rate and codebook each was asked for.
+const FIXTURES: [(&str, f32, Codebook); 4] = [
+    ("exl3_mul1_3bpw", 3.0, Codebook::Mul1),
+    ("exl3_mul1_2p5bpw", 2.5, Codebook::Mul1),
+    ("exl3_mul1_6bpw", 6.0, Codebook::Mul1),
+    ("exl3_mcg_2bpw", 2.0, Codebook::Mcg),
+];
 
 #[derive(Deserialize)]
 struct Logits {
@@ -26,14 +36,27 @@ struct Logits {
     prefill_logits: Vec<Vec<f32>>,
     greedy: Vec<u32>,
     greedy_logits: Vec<Vec<f32>>,
+    /// exllamav3's file only: its forward against the reference.
+    vs_reference: Option<VsReference>,
+}
+
+#[derive(Deserialize)]
+struct VsReference {
+    prefill_rel_l2: f64,
+}
+
+fn fixture(name: &str) -> PathBuf {
+    PathBuf::from(env!("CARGO_MANIFEST_DIR"))
+        .join("../e2e/fixtures/exl3")
+        .join(name)
 }
 
 fn dir() -> PathBuf {
-    PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../e2e/fixtures/exl3/exl3_mul1_3bpw")
+    fixture(FIXTURES[0].0)
 }
 
-fn read(name: &str) -> Logits {
-    let text = std::fs::read_to_string(dir().join(name)).expect(name);
+fn read_in(dir: &std::path::Path, name: &str) -> Logits {
+    let text = std::fs::read_to_string(dir.join(name)).expect(name);
     serde_json::from_str(&text).expect(name)
 }
 
@@ -75,11 +98,25 @@ fn prefill_logits(model: &Model, tokens: &[u32]) -> Vec<f32> {
 }
 
 #[test]
-fn exl3_checkpoint_matches_reference_and_exllamav3() {
-    let model = Model::load(&dir()).unwrap_or_else(|e| panic!("{e:#}"));
-    let reference = read("reference.json");
-    let theirs = read("exllamav3_logits.json");
+fn exl3_checkpoints_match_reference_and_exllamav3() {
+    for (name, bits, codebook) in FIXTURES {
+        eprintln!("== {name}");
+        check_fixture(&fixture(name), bits, codebook);
+    }
+}
+
+fn check_fixture(dir: &std::path::Path, bits: f32, codebook: Codebook) {
+    let model = Model::load(dir).unwrap_or_else(|e| panic!("{}: {e:#}", dir.display()));
+    let reference = read_in(dir, "reference.json");
+    let theirs = read_in(dir, "exllamav3_logits.json");
     assert_eq!(reference.prompt, theirs.prompt);
+    // The checkpoint is at the rate and codebook it was converted for.
+    let q: Value = serde_json::from_str(
+        &std::fs::read_to_string(dir.join("quantization_config.json")).expect("quantization_config.json"),
+    )
+    .expect("quantization_config.json");
+    assert_eq!(q["bits"].as_f64(), Some(f64::from(bits)));
+    assert_eq!(q["codebook"].as_str(), Some(codebook.name()));
 
     let ours = prefill_logits(&model, &reference.prompt);
     let want = reference.prefill_logits.concat();
@@ -112,17 +149,26 @@ fn exl3_checkpoint_matches_reference_and_exllamav3() {
         .filter(|(a, b)| argmax(a) == argmax(b))
         .count();
     let greedy_spread = rel_l2(&logits.concat(), &theirs.greedy_logits.concat());
+    let theirs_vs_ref = theirs
+        .vs_reference
+        .as_ref()
+        .expect("exllamav3_logits.json has vs_reference")
+        .prefill_rel_l2;
     eprintln!(
-        "vs exllamav3: prefill rel L2 {spread:.4} (per position {}), argmax {argmax_agree}/{}, greedy ids equal {}, greedy logits rel L2 {greedy_spread:.4}",
+        "vs exllamav3: prefill rel L2 {spread:.4} (exllamav3 vs reference {theirs_vs_ref:.4}; per position {}), argmax {argmax_agree}/{}, greedy ids equal {}, greedy logits rel L2 {greedy_spread:.4}",
         per_position.join(" "),
         reference.prompt.len(),
         tokens == theirs.greedy
     );
     assert!(
-        spread < EXLLAMA_TOLERANCE,
-        "prefill rel L2 vs exllamav3 {spread:.4}"
+        spread < theirs_vs_ref + EXLLAMA_MARGIN,
+        "prefill rel L2 vs exllamav3 {spread:.4}, exllamav3 vs reference {theirs_vs_ref:.4}"
     );
-    assert_eq!(tokens, theirs.greedy, "greedy ids vs exllamav3");
+    // Where exllamav3's own greedy run follows the reference, ours (equal to the reference)
+    // follows exllamav3.
+    if theirs.greedy == reference.greedy {
+        assert_eq!(tokens, theirs.greedy, "greedy ids vs exllamav3");
+    }
 }
 
 #[test]
