@@ -1,5 +1,5 @@
 //! EXL3 checkpoints through the normal loading path: the tiny glm5_nexts that exllamav3 1.6.5
-//! converted (`e2e/fixtures/exl3/exl3_*`: mul1 at 2.5, 3 and 6 bpw, mcg at 2) against
+//! converted (`e2e/fixtures/exl3/exl3_*`: mul1 at 2.5, 3 and 6 bpw, mcg at 2, 3inst at 4) against
 //! transformers' float32 forward on their reconstructed weights (`reference.json`) and against
 //! exllamav3's own forward (`exllamav3_logits.json`); EXL3 matrices as CPU matrices; config
 //! errors.
@@ -23,11 +23,12 @@ const REF_TOLERANCE: f32 = 1e-4;
 /// activations pick another expert at a near-tied position).
 const EXLLAMA_MARGIN: f64 = 0.02;
 /// The fixtures exllamav3 converted, and the rate and codebook each was asked for.
-const FIXTURES: [(&str, f32, Codebook); 4] = [
+const FIXTURES: [(&str, f32, Codebook); 5] = [
     ("exl3_mul1_3bpw", 3.0, Codebook::Mul1),
     ("exl3_mul1_2p5bpw", 2.5, Codebook::Mul1),
     ("exl3_mul1_6bpw", 6.0, Codebook::Mul1),
     ("exl3_mcg_2bpw", 2.0, Codebook::Mcg),
+    ("exl3_3inst_4bpw", 4.0, Codebook::Inst3),
 ];
 
 #[derive(Deserialize)]
