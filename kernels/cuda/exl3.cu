@@ -177,34 +177,48 @@ __device__ void exl3_gemv_pass(const u32* __restrict__ trellis, int k, int n, in
         float acc[TT][2];
 #pragma unroll
         for (int t = 0; t < TT; t++) acc[t][0] = acc[t][1] = 0.0f;
-        // The next tile's words load while this one decodes.
-        u32 cur[4] = {0, 0, 0, 0};
-        if (kt0 + wid < kt1) exl3_load4(strip + (kt0 + wid) * stride, idx, cur);
-        for (int kt = kt0 + wid; kt < kt1; kt += EXL3_GEMV_WARPS) {
-            u32 next[4] = {0, 0, 0, 0};
-            if (kt + EXL3_GEMV_WARPS < kt1)
-                exl3_load4(strip + (kt + EXL3_GEMV_WARPS) * stride, idx, next);
-            float w[8];
-            exl3_decode_words<H, CB>(cur, o, w);
+        // Two tiles a step (kt and kt + EXL3_GEMV_WARPS), the next step's words loading
+        // while these decode; each token's sums still add the tiles in order.
+        constexpr int W = EXL3_GEMV_WARPS;
+        u32 cur[2][4] = {{0, 0, 0, 0}, {0, 0, 0, 0}};
 #pragma unroll
-            for (int i = 0; i < 4; i++) cur[i] = next[i];
-            const float* xk = xr + (i64)t0 * k + 16 * kt + r0;
+        for (int u = 0; u < 2; u++)
+            if (kt0 + wid + u * W < kt1) exl3_load4(strip + (kt0 + wid + u * W) * stride, idx, cur[u]);
+        for (int kt = kt0 + wid; kt < kt1; kt += 2 * W) {
+            u32 next[2][4] = {{0, 0, 0, 0}, {0, 0, 0, 0}};
 #pragma unroll
-            for (int t = 0; t < TT; t++) {
-                if (TT == 1 || t < nt_tok) {
-                    const float2 a = __ldg((const float2*)(xk + (i64)t * k));
-                    const float2 b = __ldg((const float2*)(xk + (i64)t * k + 8));
-                    float c = acc[t][0], d = acc[t][1];
-                    c = fmaf(a.x, w[0], c);
-                    c = fmaf(a.y, w[1], c);
-                    c = fmaf(b.x, w[2], c);
-                    c = fmaf(b.y, w[3], c);
-                    d = fmaf(a.x, w[4], d);
-                    d = fmaf(a.y, w[5], d);
-                    d = fmaf(b.x, w[6], d);
-                    d = fmaf(b.y, w[7], d);
-                    acc[t][0] = c;
-                    acc[t][1] = d;
+            for (int u = 0; u < 2; u++)
+                if (kt + (2 + u) * W < kt1)
+                    exl3_load4(strip + (kt + (2 + u) * W) * stride, idx, next[u]);
+            float w[2][8];
+            exl3_decode_words<H, CB>(cur[0], o, w[0]);
+            const bool second = kt + W < kt1;
+            if (second) exl3_decode_words<H, CB>(cur[1], o, w[1]);
+#pragma unroll
+            for (int u = 0; u < 2; u++)
+#pragma unroll
+                for (int i = 0; i < 4; i++) cur[u][i] = next[u][i];
+#pragma unroll
+            for (int u = 0; u < 2; u++) {
+                if (u == 1 && !second) break;
+                const float* xk = xr + (i64)t0 * k + 16 * (kt + u * W) + r0;
+#pragma unroll
+                for (int t = 0; t < TT; t++) {
+                    if (TT == 1 || t < nt_tok) {
+                        const float2 a = __ldg((const float2*)(xk + (i64)t * k));
+                        const float2 b = __ldg((const float2*)(xk + (i64)t * k + 8));
+                        float c = acc[t][0], d = acc[t][1];
+                        c = fmaf(a.x, w[u][0], c);
+                        c = fmaf(a.y, w[u][1], c);
+                        c = fmaf(b.x, w[u][2], c);
+                        c = fmaf(b.y, w[u][3], c);
+                        d = fmaf(a.x, w[u][4], d);
+                        d = fmaf(a.y, w[u][5], d);
+                        d = fmaf(b.x, w[u][6], d);
+                        d = fmaf(b.y, w[u][7], d);
+                        acc[t][0] = c;
+                        acc[t][1] = d;
+                    }
                 }
             }
         }
@@ -232,12 +246,13 @@ __device__ void exl3_gemv_pass(const u32* __restrict__ trellis, int k, int n, in
     }
 }
 
-// `exl3_gemv_pass` with the pass width for `tokens`: one token (decode), up to four, or eight.
-template <int H, int CB>
+// `exl3_gemv_pass` with the pass width for `tokens`: one (ONE; its own kernels, so that the
+// lean one-token pass is not given the registers of the eight-token one), up to four, or eight.
+template <int H, int CB, bool ONE>
 __device__ void exl3_gemv_strip(const u32* __restrict__ trellis, int k, int n, int per,
                                 const float* __restrict__ xr, int tokens, float* __restrict__ part,
                                 i64 slice, float (*red)[TOK_TILE][16]) {
-    if (tokens == 1)
+    if (ONE)
         exl3_gemv_pass<H, CB, 1>(trellis, k, n, per, xr, tokens, part, slice, red);
     else if (tokens <= 4)
         exl3_gemv_pass<H, CB, 4>(trellis, k, n, per, xr, tokens, part, slice, red);
@@ -268,15 +283,30 @@ __device__ void exl3_gemv_strip(const u32* __restrict__ trellis, int k, int n, i
         default: EXL3_DISPATCH_CB(16, cb, CALL) break; \
     }
 
-// See `exl3_gemv_strip`. `halves` is twice the bits per weight (2..16).
-extern "C" __global__ void exl3_gemv(const u32* __restrict__ trellis, int halves, int codebook,
-                                     int k, int n, int per, const float* __restrict__ xr,
-                                     int tokens, float* __restrict__ part) {
+// See `exl3_gemv_strip`. `halves` is twice the bits per weight (2..16). `exl3_gemv_one` takes
+// one token row, `exl3_gemv` more.
+template <bool ONE>
+__device__ void exl3_gemv_kernel(const u32* __restrict__ trellis, int halves, int codebook, int k,
+                                 int n, int per, const float* __restrict__ xr, int tokens,
+                                 float* __restrict__ part) {
     __shared__ float red[EXL3_GEMV_WARPS][TOK_TILE][16];
 #define CALL(H, CB) \
-    exl3_gemv_strip<H, CB>(trellis, k, n, per, xr, tokens, part, (i64)tokens * n, red)
+    exl3_gemv_strip<H, CB, ONE>(trellis, k, n, per, xr, tokens, part, (i64)tokens * n, red)
     EXL3_DISPATCH(halves, codebook, CALL)
 #undef CALL
+}
+
+extern "C" __global__ void __launch_bounds__(256, 2) exl3_gemv(const u32* __restrict__ trellis, int halves, int codebook,
+                                     int k, int n, int per, const float* __restrict__ xr,
+                                     int tokens, float* __restrict__ part) {
+    exl3_gemv_kernel<false>(trellis, halves, codebook, k, n, per, xr, tokens, part);
+}
+
+extern "C" __global__ void __launch_bounds__(256, 3) exl3_gemv_one(const u32* __restrict__ trellis, int halves,
+                                         int codebook, int k, int n, int per,
+                                         const float* __restrict__ xr, int tokens,
+                                         float* __restrict__ part) {
+    exl3_gemv_kernel<true>(trellis, halves, codebook, k, n, per, xr, tokens, part);
 }
 
 template <int H, int CB>
@@ -336,28 +366,48 @@ extern "C" __global__ void exl3_moe_rotate_in(const u8* __restrict__ arena,
     xr[((i64)z * entries + e) * k + c] = exl3_hadamard128(v, i);
 }
 
-// The grouped GEMV: for group g = blockIdx.z mod groups and part z = blockIdx.z div groups,
-// part[z, s, start_g + t, :] = xr[z, start_g + t, K slice s] What_z (t < len_g), What_z's
-// trellis at group_base[g] + trellis_off_z. xr is [parts, entries, K], part [parts, splits,
-// entries, N]. Grid (N / 16, splits, groups * parts), EXL3_GEMV_WARPS warps.
-extern "C" __global__ void exl3_moe_gemv(const u8* __restrict__ arena, int halves, int codebook,
-                                         const i64* __restrict__ group_base,
-                                         const int* __restrict__ group_start,
-                                         const int* __restrict__ group_len, int groups,
-                                         i64 trellis_off0, i64 trellis_off1, int k, int n,
-                                         int per, const float* __restrict__ xr, int entries,
-                                         float* __restrict__ part) {
+// The grouped GEMV over the groups `ids[0 .. count)`: for group g = ids[blockIdx.z mod count]
+// and part z = blockIdx.z div count, part[z, s, start_g + t, :] = xr[z, start_g + t, K slice s]
+// What_z (t < len_g), What_z's trellis at group_base[g] + trellis_off_z. xr is [parts,
+// entries, K], part [parts, splits, entries, N]. Grid (N / 16, splits, count * parts),
+// EXL3_GEMV_WARPS warps. `exl3_moe_gemv_one` takes groups of one pick, `exl3_moe_gemv` others.
+template <bool ONE>
+__device__ void exl3_moe_gemv_kernel(const u8* __restrict__ arena, int halves, int codebook,
+                                     const i64* __restrict__ group_base,
+                                     const int* __restrict__ group_start,
+                                     const int* __restrict__ group_len,
+                                     const int* __restrict__ ids, int count, i64 trellis_off0,
+                                     i64 trellis_off1, int k, int n, int per,
+                                     const float* __restrict__ xr, int entries,
+                                     float* __restrict__ part) {
     __shared__ float red[EXL3_GEMV_WARPS][TOK_TILE][16];
-    const int g = blockIdx.z % groups, z = blockIdx.z / groups;
+    const int g = ids[blockIdx.z % count], z = blockIdx.z / count;
     const u32* trellis =
         (const u32*)(arena + group_base[g] + (z ? trellis_off1 : trellis_off0));
     const i64 slice = (i64)entries * n;
     const float* x = xr + ((i64)z * entries + group_start[g]) * k;
     float* out = part + (i64)z * gridDim.y * slice + (i64)group_start[g] * n;
     const int len = group_len[g];
-#define CALL(H, CB) exl3_gemv_strip<H, CB>(trellis, k, n, per, x, len, out, slice, red)
+#define CALL(H, CB) exl3_gemv_strip<H, CB, ONE>(trellis, k, n, per, x, len, out, slice, red)
     EXL3_DISPATCH(halves, codebook, CALL)
 #undef CALL
+}
+
+#define EXL3_MOE_GEMV_ARGS                                                                     \
+    const u8 *__restrict__ arena, int halves, int codebook, const i64 *__restrict__ group_base, \
+        const int *__restrict__ group_start, const int *__restrict__ group_len,                \
+        const int *__restrict__ ids, int count, i64 trellis_off0, i64 trellis_off1, int k,      \
+        int n, int per, const float *__restrict__ xr, int entries, float *__restrict__ part
+#define EXL3_MOE_GEMV_CALL                                                                     \
+    arena, halves, codebook, group_base, group_start, group_len, ids, count, trellis_off0,    \
+        trellis_off1, k, n, per, xr, entries, part
+
+extern "C" __global__ void __launch_bounds__(256, 2) exl3_moe_gemv(EXL3_MOE_GEMV_ARGS) {
+    exl3_moe_gemv_kernel<false>(EXL3_MOE_GEMV_CALL);
+}
+
+extern "C" __global__ void __launch_bounds__(256, 3) exl3_moe_gemv_one(EXL3_MOE_GEMV_ARGS) {
+    exl3_moe_gemv_kernel<true>(EXL3_MOE_GEMV_CALL);
 }
 
 // The activation between the products, and the down product's input rotation: for entry i

@@ -113,7 +113,8 @@ fn check_fixture(dir: &std::path::Path, bits: f32, codebook: Codebook) {
     assert_eq!(reference.prompt, theirs.prompt);
     // The checkpoint is at the rate and codebook it was converted for.
     let q: Value = serde_json::from_str(
-        &std::fs::read_to_string(dir.join("quantization_config.json")).expect("quantization_config.json"),
+        &std::fs::read_to_string(dir.join("quantization_config.json"))
+            .expect("quantization_config.json"),
     )
     .expect("quantization_config.json");
     assert_eq!(q["bits"].as_f64(), Some(f64::from(bits)));

@@ -141,7 +141,8 @@ impl Cuda {
         let per = k_tiles.div_ceil(splits);
         let mut part = self.alloc_f32(splits * n * w.n)?;
         let (k_i, n_i, per_i, tokens) = (w.k as i32, w.n as i32, per as i32, n as i32);
-        let mut b = self.stream.launch_builder(self.kernel("exl3_gemv"));
+        let kernel = if n == 1 { "exl3_gemv_one" } else { "exl3_gemv" };
+        let mut b = self.stream.launch_builder(self.kernel(kernel));
         b.arg(&w.trellis)
             .arg(&w.halves)
             .arg(&w.codebook)
@@ -370,44 +371,50 @@ impl Cuda {
         n: usize,
         xr: &CudaSlice<f32>,
     ) -> Result<CudaSlice<f32>, CudaError> {
-        let parts = if offsets[0] == offsets[1] { 1 } else { 2 };
+        let parts: u32 = if offsets[0] == offsets[1] { 1 } else { 2 };
         let (entries, n_groups) = (groups.list.len(), groups.start.len());
         let splits = moe_splits(k, n);
         let per = (k / 16).div_ceil(splits);
-        let mut part = self.alloc_f32(parts * splits * entries * n)?;
+        let mut part = self.alloc_f32(parts as usize * splits * entries * n)?;
         let (halves, codebook) = (i32::from(form.rate.halves()), form.codebook as i32);
-        let (groups_i, k_i, n_i, per_i, entries_i) = (
-            n_groups as i32,
-            k as i32,
-            n as i32,
-            per as i32,
-            entries as i32,
-        );
-        let mut b = self.stream.launch_builder(self.kernel("exl3_moe_gemv"));
-        b.arg(arena)
-            .arg(&halves)
-            .arg(&codebook)
-            .arg(d_base)
-            .arg(d_start)
-            .arg(d_len)
-            .arg(&groups_i)
-            .arg(&offsets[0])
-            .arg(&offsets[1])
-            .arg(&k_i)
-            .arg(&n_i)
-            .arg(&per_i)
-            .arg(xr)
-            .arg(&entries_i)
-            .arg(&mut part);
-        let cfg = LaunchConfig {
-            grid_dim: ((n / 16) as u32, splits as u32, (parts * n_groups) as u32),
-            block_dim: (GEMV_THREADS, 1, 1),
-            shared_mem_bytes: 0,
-        };
-        // SAFETY: every group's slot lies inside the arena and holds each matrix's trellis of
-        // K/16 x N/16 tiles at its offset (the layout's); xr holds parts x entries rows of K,
-        // part parts x splits x entries x N values; the grid is (strip, slice, group x part).
-        unsafe { b.launch(cfg) }?;
+        let (k_i, n_i, per_i, entries_i) = (k as i32, n as i32, per as i32, entries as i32);
+        // Groups of one pick (every group of a one-token step) take the lean one-row kernel;
+        // a pick's sums are the same in either.
+        let (ones, more): (Vec<i32>, Vec<i32>) =
+            (0..n_groups as i32).partition(|&g| groups.len[g as usize] == 1);
+        for (kernel, ids) in [("exl3_moe_gemv_one", ones), ("exl3_moe_gemv", more)] {
+            if ids.is_empty() {
+                continue;
+            }
+            let (d_ids, count) = (self.stream.clone_htod(&ids)?, ids.len() as i32);
+            let mut b = self.stream.launch_builder(self.kernel(kernel));
+            b.arg(arena)
+                .arg(&halves)
+                .arg(&codebook)
+                .arg(d_base)
+                .arg(d_start)
+                .arg(d_len)
+                .arg(&d_ids)
+                .arg(&count)
+                .arg(&offsets[0])
+                .arg(&offsets[1])
+                .arg(&k_i)
+                .arg(&n_i)
+                .arg(&per_i)
+                .arg(xr)
+                .arg(&entries_i)
+                .arg(&mut part);
+            let cfg = LaunchConfig {
+                grid_dim: ((n / 16) as u32, splits as u32, parts * count as u32),
+                block_dim: (GEMV_THREADS, 1, 1),
+                shared_mem_bytes: 0,
+            };
+            // SAFETY: every listed group's slot lies inside the arena and holds each matrix's
+            // trellis of K/16 x N/16 tiles at its offset (the layout's); xr holds parts x
+            // entries rows of K, part parts x splits x entries x N values; the grid is (strip,
+            // slice, listed group x part).
+            unsafe { b.launch(cfg) }?;
+        }
         Ok(part)
     }
 }
