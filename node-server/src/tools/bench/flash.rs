@@ -719,8 +719,14 @@ mod tests {
         let b = budget(&args, 288, record).unwrap();
         let plan = budget_plan(&args.flash.flash_plan, record).unwrap();
         println!("{}\n{}", b.json, plan.table());
-        assert_eq!((plan.vram_bytes, plan.ram_limit_bytes), (24_576 << 20, Some(55 << 30)));
-        assert_eq!((plan.context, plan.batch, plan.moe_layers), (131_072, 8, 42));
+        assert_eq!(
+            (plan.vram_bytes, plan.ram_limit_bytes),
+            (24_576 << 20, Some(55 << 30))
+        );
+        assert_eq!(
+            (plan.context, plan.batch, plan.moe_layers),
+            (131_072, 8, 42)
+        );
         assert_eq!(plan.dense_format, "exl3:3.05");
         assert_eq!((b.vram_slots, b.ram_slots), (24, 63));
         assert_eq!(b.vram_slots, plan.vram_expert_slots_per_layer);
