@@ -54,6 +54,11 @@ pub const CHART_CRD_FILE: &str = "charts/glmflash/crds/glmflash.io_glmflashdeplo
     printcolumn(name = "Node", type_ = "string", json_path = ".status.node"),
     printcolumn(name = "Mode", type_ = "string", json_path = ".spec.mode"),
     printcolumn(
+        name = "VRAM experts",
+        type_ = "integer",
+        json_path = ".status.live.plan.vramExpertSlots"
+    ),
+    printcolumn(
         name = "Tok/s",
         type_ = "number",
         json_path = ".status.live.decodeTokensPerSecond"
@@ -566,6 +571,25 @@ pub struct LiveFigures {
     /// zero the RAM tier runs unpinned (slower uploads, pages may be swapped).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub pin_failures: Option<u64>,
+    /// The memory plan the server runs with, as it reports it (`glmflash_plan_*`): the same
+    /// numbers `glmflash-node plan` prints for that node's free VRAM and memory cap.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub plan: Option<PlanFigures>,
+}
+
+/// The server's memory plan: expert slots per tier (all MoE layers) and the store.
+#[derive(JsonSchema, Deserialize, Serialize, Clone, Debug, PartialEq, Default)]
+#[serde(rename_all = "camelCase")]
+pub struct PlanFigures {
+    /// Experts in VRAM slots (`glmflash_plan_expert_slots{tier="vram"}`).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub vram_expert_slots: Option<u64>,
+    /// Experts in pinned RAM slots (`glmflash_plan_expert_slots{tier="ram"}`).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub ram_expert_slots: Option<u64>,
+    /// Bytes of the packed store (`glmflash_plan_memory_bytes{kind="store"}`).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub store_bytes: Option<u64>,
 }
 
 /// Lifecycle phase.

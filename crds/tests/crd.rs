@@ -49,6 +49,7 @@ fn crd_names_scope_columns_and_subresources() {
             ("Phase", ".status.phase"),
             ("Node", ".status.node"),
             ("Mode", ".spec.mode"),
+            ("VRAM experts", ".status.live.plan.vramExpertSlots"),
             ("Tok/s", ".status.live.decodeTokensPerSecond"),
             ("Age", ".metadata.creationTimestamp"),
         ]

@@ -75,8 +75,19 @@ pub const EXPERT_STEP_SECONDS_TOTAL: &str = "glmflash_expert_step_seconds_total"
 /// logits' download, so it spans the device's work), histogram.
 pub const GPU_FORWARD_SECONDS: &str = "glmflash_gpu_forward_seconds";
 
+/// The memory plan the server runs with (`glmflash-node plan`'s numbers, worked out at
+/// start for this machine): expert slots by `tier` (`vram` | `ram` | `nvme`, as
+/// [`TIER_CAPACITY_EXPERTS`] counts them, `nvme` every record of the store), beside the actual
+/// capacity.
+pub const PLAN_EXPERT_SLOTS: &str = "glmflash_plan_expert_slots";
+/// The memory plan's bytes by `kind`: `vram_free` (when planned), `vram_weights`,
+/// `vram_cache`, `vram_workspace`, `vram_staging`, `vram_reserve`, `vram_experts`, `ram_limit`
+/// (the cap, when there is one), `ram_held`, `ram_reserve`, `ram_budget`, `ram_experts`,
+/// `store`; beside [`MEMORY_BYTES`], the actual figures.
+pub const PLAN_MEMORY_BYTES: &str = "glmflash_plan_memory_bytes";
+
 /// Every name above.
-pub const ALL: [&str; 28] = [
+pub const ALL: [&str; 30] = [
     EXPERT_LOOKUPS_TOTAL,
     TIER_RESIDENT_EXPERTS,
     TIER_CAPACITY_EXPERTS,
@@ -105,6 +116,8 @@ pub const ALL: [&str; 28] = [
     GPU_MOE_STEP_SECONDS,
     GPU_FORWARD_SECONDS,
     EXPERT_STEP_SECONDS_TOTAL,
+    PLAN_EXPERT_SLOTS,
+    PLAN_MEMORY_BYTES,
 ];
 
 /// Histograms: Prometheus exposes them as `<name>_bucket`, `_sum` and `_count`.

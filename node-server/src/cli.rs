@@ -6,8 +6,9 @@ use crate::backend::Device;
 use crate::demo;
 use crate::model::Model;
 use crate::model::config::Config;
+use crate::plan::{MemoryPlan, Shape};
 use crate::tiers::args::TierArgs;
-use crate::tiers::plan::{ModelSizes, Placement};
+use crate::tiers::plan::{MachineFacts, Placement};
 use crate::tiers::provider::TieredExperts;
 use crate::tiers::source::{CheckpointSource, ExpertSource, StoreSource};
 use crate::tiers::vram::VramExperts;
@@ -173,10 +174,12 @@ pub struct ModelArgs {
     pub device: crate::backend::DeviceArgs,
 }
 
-/// A loaded model and where its routed experts are served from.
+/// A loaded model, where its routed experts are served from, and the memory plan the tiers
+/// follow (tiered modes).
 pub struct Loaded {
     pub model: Model,
     pub experts: ServedExperts,
+    pub plan: Option<MemoryPlan>,
 }
 
 /// The routed experts as the placement put them (their metrics and summary differ).
@@ -207,9 +210,10 @@ impl ServedExperts {
 }
 
 impl ModelArgs {
-    /// The model with its experts placed as the flags ask: the placement is decided once
-    /// ([`TierArgs::plan`]) from the checkpoint's sizes and the machine, then followed.
-    pub fn load(&self) -> anyhow::Result<Loaded> {
+    /// The model with its experts placed as the flags ask: in a tiered mode the memory plan
+    /// ([`ModelArgs::memory_plan`], `plan`'s own arithmetic) is worked out once for `shape`
+    /// from the checkpoint, the store and the machine, logged, and followed.
+    pub fn load(&self, shape: Shape) -> anyhow::Result<Loaded> {
         crate::tiers::args::log_cpu_lane();
         let device = self.device.open()?;
         let cuda = match &device {
@@ -221,49 +225,92 @@ impl ModelArgs {
         };
         let cfg = Config::from_file(&self.model.join("config.json"))?;
         let source = self.expert_source(&cfg)?;
-        let sizes = model_sizes(&self.model, &cfg, source.as_deref())?;
-        let free_vram = cuda
-            .as_ref()
-            .map(|c| c.mem_info().map(|(free, _)| free as u64))
-            .transpose()?;
-        match (self.tier.plan(&sizes, free_vram), cuda) {
-            (Placement::Untiered, None) => Ok(Loaded {
-                model: Model::load(&self.model)?,
-                experts: ServedExperts::Host,
-            }),
+        let (placement, plan) = match (&source, self.tier.mode) {
+            (Some(source), Some(mode)) => {
+                let free_vram = cuda
+                    .as_ref()
+                    .map(|c| c.mem_info().map(|(free, _)| free as u64))
+                    .transpose()?;
+                let machine = MachineFacts::read(free_vram);
+                let plan =
+                    self.memory_plan(&cfg, mode, source.record_bytes() as u64, shape, &machine)?;
+                plan.log(&machine);
+                if !self.tier.no_pin {
+                    crate::tiers::plan::warn_if_unpinnable(&machine, plan.ram_expert_bytes());
+                }
+                let placement = self.tier.placement(
+                    plan.vram_expert_slots_per_layer,
+                    plan.ram_expert_slots_per_layer,
+                    cfg.n_routed_experts,
+                );
+                (placement, Some(plan))
+            }
+            _ => (Placement::Untiered, None),
+        };
+        let (tier_plan, cuda) = match (placement, cuda) {
+            (Placement::Untiered, None) => {
+                return Ok(Loaded {
+                    model: Model::load(&self.model)?,
+                    experts: ServedExperts::Host,
+                    plan,
+                });
+            }
             (Placement::Untiered, Some(cuda)) => {
                 let (model, vram) = crate::tiers::vram::load_model_on_gpu(&self.model, cuda)?;
-                Ok(Loaded {
+                return Ok(Loaded {
                     model,
                     experts: ServedExperts::Vram(vram),
-                })
+                    plan,
+                });
             }
-            (Placement::Tiered(plan), cuda) => {
-                let source = source.expect("a tiered placement has an expert source");
-                let moe = cfg.moe_layers();
-                let tiers = Arc::new(TieredExperts::new(
-                    source,
-                    cfg.hidden_size,
-                    cfg.n_routed_experts,
-                    &moe,
-                    &plan,
-                    cuda.clone(),
-                )?);
-                if plan.history.is_some() {
-                    tiers.open_history(&crate::store::quick_fingerprint(&self.model)?)?;
-                }
-                let model = match cuda {
-                    None => Model::builder().experts(tiers.clone()).load(&self.model)?,
-                    Some(cuda) => {
-                        crate::tiers::vram::load_dense_on_gpu(&self.model, tiers.clone(), cuda)?
-                    }
-                };
-                Ok(Loaded {
-                    model,
-                    experts: ServedExperts::Tiered(tiers),
-                })
-            }
+            (Placement::Tiered(tier_plan), cuda) => (tier_plan, cuda),
+        };
+        let source = source.expect("a tiered placement has an expert source");
+        let moe = cfg.moe_layers();
+        let tiers = Arc::new(TieredExperts::new(
+            source,
+            cfg.hidden_size,
+            cfg.n_routed_experts,
+            &moe,
+            &tier_plan,
+            cuda.clone(),
+        )?);
+        if tier_plan.history.is_some() {
+            tiers.open_history(&crate::store::quick_fingerprint(&self.model)?)?;
         }
+        let model = match cuda {
+            None => Model::builder().experts(tiers.clone()).load(&self.model)?,
+            Some(cuda) => crate::tiers::vram::load_dense_on_gpu(&self.model, tiers.clone(), cuda)?,
+        };
+        Ok(Loaded {
+            model,
+            experts: ServedExperts::Tiered(tiers),
+            plan,
+        })
+    }
+
+    /// The memory plan a tiered `mode` runs with on `machine`: `plan --model DIR --store
+    /// STORE`'s inputs for this checkpoint (its declared formats, the source's records) with
+    /// these flags' slot counts and reserves, through the same [`crate::plan::plan_with`].
+    /// Refuses, with the numbers, what the GPU or the memory cap cannot hold.
+    pub fn memory_plan(
+        &self,
+        cfg: &Config,
+        mode: crate::tiers::provider::Mode,
+        record_bytes: u64,
+        shape: Shape,
+        machine: &MachineFacts,
+    ) -> anyhow::Result<MemoryPlan> {
+        let request = self.tier.request();
+        let inputs = crate::plan::args::checkpoint_inputs(
+            &self.model,
+            cfg.clone(),
+            record_bytes,
+            shape,
+            machine,
+            &request,
+        )?;
+        Ok(crate::plan::plan_with(&inputs, &request, machine, mode)?)
     }
 
     /// Where a tiered placement reads experts from (the store, else the checkpoint); `None`
@@ -286,72 +333,26 @@ impl ModelArgs {
     }
 }
 
-/// The sizes the placement plan needs: records as `source` stores them (the checkpoint's
-/// bytes without one), the non-expert weights as the checkpoint stores them, and the GPU
-/// forward's workspace for a default prompt chunk.
-fn model_sizes(
-    dir: &std::path::Path,
-    cfg: &Config,
-    source: Option<&dyn ExpertSource>,
-) -> anyhow::Result<ModelSizes> {
-    let moe_layers = cfg.moe_layers().iter().filter(|&&m| m).count();
-    let record_bytes = source.map_or(0, |s| s.record_bytes() as u64);
-    let dense_bytes = checkpoint_bytes(dir)
-        .saturating_sub(moe_layers as u64 * cfg.n_routed_experts as u64 * record_bytes);
-    Ok(ModelSizes {
-        moe_layers,
-        experts: cfg.n_routed_experts,
-        record_bytes,
-        dense_bytes,
-        host_only_bytes: embedding_bytes(dir),
-        // The caches take what the free VRAM holds once the tiers are placed (the engine's
-        // cache budget); `--vram-reserve-mib` keeps room for them.
-        cache_bytes: 0,
-        gpu_workspace_bytes: crate::model::decoder::workspace_bytes(
-            cfg,
-            crate::model::decoder::DEFAULT_GPU_CHUNK,
-            cfg.max_position_embeddings,
-        ) as u64,
-    })
-}
-
 /// Refuses a GPU with less free VRAM than `floor_mib`, printing the numbers.
 fn check_vram_floor(cuda: &crate::backend::cuda::Cuda, floor_mib: u64) -> anyhow::Result<()> {
     let (free, total) = cuda.mem_info()?;
-    let free_mib = free as u64 >> 20;
-    if free_mib < floor_mib {
-        anyhow::bail!(
-            "{}: {free_mib} MiB of VRAM free (of {} MiB), below the floor of {floor_mib} MiB \
-             (--min-free-vram-mib); free the GPU of other processes or lower the floor",
-            cuda.describe(),
-            total >> 20
-        );
+    match vram_floor_problem(&cuda.describe(), free as u64, total as u64, floor_mib) {
+        Some(problem) => anyhow::bail!("{problem}"),
+        None => Ok(()),
     }
-    Ok(())
 }
 
-/// Bytes of the checkpoint's safetensors files.
-/// Bytes of the checkpoint's embedding table: it stays in host memory (rows go up per token).
-fn embedding_bytes(dir: &std::path::Path) -> u64 {
-    crate::model::checkpoint::Checkpoint::open(dir)
-        .ok()
-        .and_then(|c| {
-            c.view("embed_tokens.weight")
-                .ok()
-                .map(|v| v.bytes.len() as u64)
-        })
-        .unwrap_or(0)
-}
-
-fn checkpoint_bytes(dir: &std::path::Path) -> u64 {
-    std::fs::read_dir(dir)
-        .into_iter()
-        .flatten()
-        .flatten()
-        .filter(|e| e.path().extension().is_some_and(|x| x == "safetensors"))
-        .filter_map(|e| e.metadata().ok())
-        .map(|m| m.len())
-        .sum()
+/// What is wrong when `free` bytes of VRAM (of `total`) are below the floor of `floor_mib`
+/// (`--min-free-vram-mib`); `None` when they are not.
+pub fn vram_floor_problem(gpu: &str, free: u64, total: u64, floor_mib: u64) -> Option<String> {
+    let free_mib = free >> 20;
+    (free_mib < floor_mib).then(|| {
+        format!(
+            "{gpu}: {free_mib} MiB of VRAM free (of {} MiB), below the floor of {floor_mib} MiB \
+             (--min-free-vram-mib); free the GPU of other processes or lower the floor",
+            total >> 20
+        )
+    })
 }
 
 #[derive(Args)]

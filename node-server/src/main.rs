@@ -7,6 +7,7 @@ use glmflash_node::cli::{Cli, Command, GenerationArgs};
 use glmflash_node::engine::sampling::Sampler;
 use glmflash_node::model::dump::Dump;
 use glmflash_node::model::{Model, Step};
+use glmflash_node::plan::Shape;
 use glmflash_node::tokenizer::TextCodec;
 use glmflash_node::tools::{bench, cuda_check, gates};
 use glmflash_node::{demo, store};
@@ -61,15 +62,25 @@ fn run(command: Command) -> anyhow::Result<()> {
             demo::ensure_demo_model(&dir)?;
             server::serve(dir, serve, None)
         }
-        Command::Serve { model, serve } => server::serve(
-            model.model.clone(),
-            serve,
-            Some(Box::new(move |metrics| {
-                let loaded = model.load()?;
-                loaded.experts.attach_metrics(metrics)?;
-                Ok(loaded.model)
-            })),
-        ),
+        Command::Serve { model, serve } => {
+            let shape = Shape {
+                context: serve.context_length,
+                batch: serve.max_batch_size,
+                chunk: serve.gpu_chunk_size,
+            };
+            server::serve(
+                model.model.clone(),
+                serve,
+                Some(Box::new(move |metrics| {
+                    let loaded = model.load(shape)?;
+                    loaded.experts.attach_metrics(metrics)?;
+                    if let Some(plan) = &loaded.plan {
+                        metrics.set_plan(&plan.metrics())?;
+                    }
+                    Ok(loaded.model)
+                })),
+            )
+        }
         Command::MakeDemoModel { out, seed } => {
             demo::make_demo_model(&out, seed)?;
             eprintln!("demo model written to {}", out.display());
@@ -81,7 +92,7 @@ fn run(command: Command) -> anyhow::Result<()> {
             greedy,
             dump,
         } => {
-            let model = model.load()?.model;
+            let model = model.load(Shape::one_sequence())?.model;
             if let Some(path) = dump {
                 let hooks = Dump::default();
                 let mut cache = model.new_cache();
@@ -117,7 +128,7 @@ fn run(command: Command) -> anyhow::Result<()> {
             Ok(())
         }
         Command::Generate { model, generation } => {
-            let loaded = model.load()?;
+            let loaded = model.load(Shape::one_sequence())?;
             generate(&model.model, &loaded.model, &generation)?;
             loaded.model.experts().finish()
         }

@@ -8,7 +8,7 @@ use std::collections::BTreeMap;
 use std::time::Duration;
 
 use futures::future::BoxFuture;
-use glmflash_crds::LiveFigures;
+use glmflash_crds::{LiveFigures, PlanFigures};
 use http_body_util::{BodyExt, Empty, Limited};
 use hyper::body::Bytes;
 use hyper_util::client::legacy::Client;
@@ -183,7 +183,28 @@ pub fn live_figures(samples: &[Sample]) -> LiveFigures {
         decode_tokens_per_second,
         hit_rate,
         pin_failures,
+        plan: plan_figures(samples),
     }
+}
+
+/// The server's memory plan from its `glmflash_plan_*` gauges; `None` when it exports none
+/// (an untiered server plans no tiers).
+fn plan_figures(samples: &[Sample]) -> Option<PlanFigures> {
+    let gauge = |name: &str, label: &str, value: &str| {
+        samples
+            .iter()
+            .find(|s| s.name == name && s.labels.get(label).is_some_and(|v| v == value))
+            .map(|s| s.value)
+            .filter(|v| v.is_finite() && *v >= 0.0)
+            .map(|v| v as u64)
+    };
+    let slots = |tier| gauge(glmflash_metric_names::PLAN_EXPERT_SLOTS, "tier", tier);
+    let plan = PlanFigures {
+        vram_expert_slots: slots("vram"),
+        ram_expert_slots: slots("ram"),
+        store_bytes: gauge(glmflash_metric_names::PLAN_MEMORY_BYTES, "kind", "store"),
+    };
+    (plan != PlanFigures::default()).then_some(plan)
 }
 
 #[cfg(test)]
@@ -229,6 +250,25 @@ glmflash_requests_total{endpoint="/v1/chat/completions",status="200",note="a \"q
         let figures = live_figures(&parse_exposition("glmflash_pin_failures_total 3\n"));
         assert_eq!(figures.pin_failures, Some(3));
         assert_eq!(live_figures(&parse_exposition(PAGE)).pin_failures, None);
+    }
+
+    #[test]
+    fn the_servers_plan_is_read_from_its_gauges() {
+        let page = "glmflash_plan_expert_slots{tier=\"vram\"} 1008\n\
+                    glmflash_plan_expert_slots{tier=\"ram\"} 2646\n\
+                    glmflash_plan_expert_slots{tier=\"nvme\"} 12096\n\
+                    glmflash_plan_memory_bytes{kind=\"vram_cache\"} 5000\n\
+                    glmflash_plan_memory_bytes{kind=\"store\"} 171229298688\n";
+        let plan = live_figures(&parse_exposition(page)).plan.unwrap();
+        assert_eq!(
+            plan,
+            PlanFigures {
+                vram_expert_slots: Some(1008),
+                ram_expert_slots: Some(2646),
+                store_bytes: Some(171_229_298_688),
+            }
+        );
+        assert_eq!(live_figures(&parse_exposition(PAGE)).plan, None);
     }
 
     #[test]

@@ -32,6 +32,9 @@ pub const TIER_METRICS: [&str; 14] = [
     EXPERT_STEP_SECONDS_TOTAL,
 ];
 
+/// The memory plan's metrics, exposed once a plan is set ([`Metrics::set_plan`]).
+pub const PLAN_METRICS: [&str; 2] = [PLAN_EXPERT_SLOTS, PLAN_MEMORY_BYTES];
+
 /// Every name this module defines for every server.
 pub const ALL: [&str; 14] = [
     REQUESTS_TOTAL,
@@ -83,6 +86,15 @@ pub struct TierSnapshot {
     pub gpu_moe_step_seconds: f64,
     /// `(part, seconds)` of the tiered provider's steps (none without tiers).
     pub step_parts: Vec<(&'static str, f64)>,
+}
+
+/// The memory plan's figures, in the contract's label values.
+#[derive(Clone, Debug, Default, PartialEq)]
+pub struct PlanSnapshot {
+    /// `(tier, slots)`, all MoE layers.
+    pub expert_slots: Vec<(&'static str, u64)>,
+    /// `(kind, bytes)`.
+    pub memory: Vec<(&'static str, u64)>,
 }
 
 type TierSource = Box<dyn Fn() -> TierSnapshot + Send + Sync>;
@@ -194,6 +206,7 @@ impl prometheus::core::Collector for ReadSecondsCollector {
 
 pub struct Metrics {
     tiers: Mutex<Option<TierMetrics>>,
+    plan: Mutex<Option<(IntGaugeVec, IntGaugeVec)>>,
     registry: Registry,
     pub requests: IntCounterVec,
     pub running: IntGauge,
@@ -293,6 +306,7 @@ impl Metrics {
         }
         Metrics {
             tiers: Mutex::new(None),
+            plan: Mutex::new(None),
             registry,
             requests,
             running,
@@ -437,6 +451,40 @@ impl Metrics {
         Ok(())
     }
 
+    /// Sets the memory plan's gauges (registered at the first call).
+    pub fn set_plan(&self, plan: &PlanSnapshot) -> prometheus::Result<()> {
+        let mut slot = self.plan.lock().unwrap_or_else(|e| e.into_inner());
+        if slot.is_none() {
+            let slots = IntGaugeVec::new(
+                Opts::new(
+                    PLAN_EXPERT_SLOTS,
+                    "Expert slots the memory plan gives each tier (all MoE layers; nvme: the \
+                     store's records).",
+                ),
+                &["tier"],
+            )?;
+            let memory = IntGaugeVec::new(
+                Opts::new(
+                    PLAN_MEMORY_BYTES,
+                    "Bytes the memory plan counts, by kind (VRAM weights, caches, workspace, \
+                     staging, reserve, experts; RAM limit, held, reserve, budget, experts; store).",
+                ),
+                &["kind"],
+            )?;
+            self.registry.register(Box::new(slots.clone()))?;
+            self.registry.register(Box::new(memory.clone()))?;
+            *slot = Some((slots, memory));
+        }
+        let (slots, memory) = slot.as_ref().expect("registered above");
+        for &(tier, n) in &plan.expert_slots {
+            slots.with_label_values(&[tier]).set(n as i64);
+        }
+        for &(kind, bytes) in &plan.memory {
+            memory.with_label_values(&[kind]).set(bytes as i64);
+        }
+        Ok(())
+    }
+
     /// The Prometheus text exposition of every metric.
     pub fn render(&self) -> String {
         if let Some(t) = &*self.tiers.lock().unwrap_or_else(|e| e.into_inner()) {
@@ -466,8 +514,36 @@ mod tests {
             assert_eq!(text.matches(&type_line).count(), 1, "{name} in\n{text}");
         }
         assert!(text.contains(r#"glmflash_requests_total{endpoint="/v1/models",status="200"} 1"#));
-        for name in TIER_METRICS {
+        for name in TIER_METRICS.iter().chain(&PLAN_METRICS) {
             assert!(!text.contains(name), "{name} before any tiers are attached");
+        }
+    }
+
+    #[test]
+    fn plan_gauges_show_the_plan() {
+        let m = Metrics::new();
+        let plan = PlanSnapshot {
+            expert_slots: vec![("vram", 1554), ("ram", 3906), ("nvme", 12096)],
+            memory: vec![("vram_cache", 7 << 20), ("store", 1 << 40)],
+        };
+        m.set_plan(&plan).unwrap();
+        m.set_plan(&PlanSnapshot {
+            expert_slots: vec![("vram", 1512)],
+            ..plan
+        })
+        .unwrap();
+        let text = m.render();
+        for name in PLAN_METRICS {
+            let type_line = format!("# TYPE {name} gauge");
+            assert_eq!(text.matches(&type_line).count(), 1, "{name} in\n{text}");
+        }
+        for line in [
+            r#"glmflash_plan_expert_slots{tier="vram"} 1512"#,
+            r#"glmflash_plan_expert_slots{tier="nvme"} 12096"#,
+            r#"glmflash_plan_memory_bytes{kind="vram_cache"} 7340032"#,
+            r#"glmflash_plan_memory_bytes{kind="store"} 1099511627776"#,
+        ] {
+            assert!(text.contains(line), "{line} in\n{text}");
         }
     }
 

@@ -1,8 +1,10 @@
 //! `glmflash-node plan`: the memory plan for a model on a box, from flags.
 
 use super::weights::Storage;
-use super::{Bandwidths, GLM_5_3_FLASH_CONFIG, PlanInputs};
+use super::{Bandwidths, GLM_5_3_FLASH_CONFIG, PlanInputs, Shape};
 use crate::model::config::Config;
+use crate::tiers::plan::{MachineFacts, SlotRequest};
+use crate::tiers::source::ExpertSource;
 use anyhow::Context;
 use std::path::{Path, PathBuf};
 
@@ -16,6 +18,10 @@ pub struct PlanArgs {
     /// A config.json alone (no weights needed). Default, without --model: GLM-5.3-Flash's.
     #[arg(long, env = "GLMFLASH_PLAN_CONFIG")]
     pub config: Option<PathBuf>,
+    /// The packed expert store the server will read (with --model): records sized as it
+    /// holds them, as the server sizes its tiers.
+    #[arg(long, env = "GLMFLASH_STORE", requires = "model")]
+    pub store: Option<PathBuf>,
     /// The routed experts' format: f32, bf16, f16, q8_0, q4_k or exl3:BITS (e.g. exl3:3.05).
     /// Default: the checkpoint's, else exl3:3.05.
     #[arg(long, env = "GLMFLASH_EXPERT_FORMAT", value_parser = Storage::parse)]
@@ -151,6 +157,55 @@ fn declared(dir: &Path) -> anyhow::Result<Declared> {
     })
 }
 
+/// The formats flags ask for, else the checkpoint's, else GLM-5.3-Flash's EXL3 3.05 bpw;
+/// the head defaults to exllamav3's 6 bits for EXL3, else the dense format.
+fn formats(
+    found: Declared,
+    experts: Option<Storage>,
+    dense: Option<Storage>,
+    head: Option<Storage>,
+) -> (Storage, Storage, Storage) {
+    let experts = experts
+        .or(found.experts)
+        .unwrap_or(Storage::Exl3 { bits: 3.05 });
+    let dense = dense.or(found.dense).unwrap_or(experts);
+    let head = head.or(found.head).unwrap_or(match dense {
+        Storage::Exl3 { .. } => Storage::Exl3 { bits: 6.0 },
+        other => other,
+    });
+    (experts, dense, head)
+}
+
+/// The plan's inputs for the checkpoint in `dir` as the server runs it on `machine`: its
+/// declared formats (as `plan --model DIR` reads them), the records of the source it reads
+/// experts from, and the reserves of `request`.
+pub fn checkpoint_inputs(
+    dir: &Path,
+    cfg: Config,
+    record_bytes: u64,
+    shape: Shape,
+    machine: &MachineFacts,
+    request: &SlotRequest,
+) -> anyhow::Result<PlanInputs> {
+    let (experts, dense, head) = formats(declared(dir)?, None, None, None);
+    Ok(PlanInputs {
+        cfg,
+        dense,
+        head,
+        experts,
+        record_bytes: Some(record_bytes),
+        vram: machine.free_vram.unwrap_or(0),
+        vram_reserve: request.vram_reserve,
+        ram_limit: machine.memory.cgroup_limit,
+        ram_available: machine.memory.mem_available,
+        ram_reserve: request.ram_reserve,
+        context: shape.context,
+        batch: shape.batch,
+        chunk: shape.chunk,
+        bandwidths: Bandwidths::RTX_3090_BOX,
+    })
+}
+
 /// The highest rate of the routed experts in `quantization_config.json`'s `tensor_storage`
 /// (exllamav3 lists every quantized module with its `bits_per_weight`): the store sizes every
 /// record for its largest layer, and a checkpoint's average `bits` is no rate a trellis has.
@@ -189,20 +244,26 @@ impl PlanArgs {
                 },
             ),
         };
-        let experts = self
-            .expert_format
-            .or(found.experts)
-            .unwrap_or(Storage::Exl3 { bits: 3.05 });
-        let dense = self.dense_format.or(found.dense).unwrap_or(experts);
-        let head = self.head_format.or(found.head).unwrap_or(match dense {
-            Storage::Exl3 { .. } => Storage::Exl3 { bits: 6.0 },
-            other => other,
-        });
+        let record_bytes = match (&self.store, &self.model) {
+            (Some(store), Some(dir)) => Some(
+                crate::tiers::source::StoreSource::open(store, dir, &cfg)
+                    .with_context(|| format!("--store {}", store.display()))?
+                    .record_bytes() as u64,
+            ),
+            _ => None,
+        };
+        let (experts, dense, head) = formats(
+            found,
+            self.expert_format,
+            self.dense_format,
+            self.head_format,
+        );
         Ok(PlanInputs {
             cfg,
             dense,
             head,
             experts,
+            record_bytes,
             vram: self.vram_mib << 20,
             vram_reserve: self.vram_reserve_mib << 20,
             ram_limit: self.ram_limit,

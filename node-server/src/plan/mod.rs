@@ -3,15 +3,18 @@
 //! workspace, the expert slots of each tier, the store, and the bytes a decode token moves
 //! from each tier with the speed those bytes allow.
 //!
-//! The expert slots come from the same arithmetic the server sizes its tiers with
-//! ([`crate::tiers::plan::size_tiers`]), fed the box's numbers instead of the machine's.
+//! One sizing path: [`plan`] (the `plan` command, `bench --flash`, the operator's fit check)
+//! and the server (`serve`, `generate`, `logits` with `--mode`) both call [`plan_with`], the
+//! server with the machine it reads and its slot flags, the others with a box's numbers. The
+//! slot arithmetic inside is the tiers' own ([`crate::tiers::plan::size_tiers`]).
 
 pub mod args;
 pub mod weights;
 
 use crate::engine::cache::CacheLayout;
 use crate::model::config::Config;
-use crate::tiers::plan::{ModelSizes, STAGING_SLOTS, SlotRequest, size_tiers};
+use crate::tiers::plan::{MachineFacts, ModelSizes, STAGING_SLOTS, SlotRequest, size_tiers};
+use crate::tiers::provider::Mode;
 use crate::tiers::sizing::MemoryFacts;
 use std::collections::BTreeMap;
 use weights::{Kind, Storage};
@@ -53,6 +56,9 @@ pub struct PlanInputs {
     pub head: Storage,
     /// The routed experts' storage (their records in the store and the tiers).
     pub experts: Storage,
+    /// One record's bytes as a packed store holds them, when there is one (`--store`):
+    /// instead of the size `experts` gives.
+    pub record_bytes: Option<u64>,
     /// VRAM free when the server starts.
     pub vram: u64,
     /// VRAM left free beside everything counted (cuBLAS, fragmentation).
@@ -70,6 +76,28 @@ pub struct PlanInputs {
     /// Prompt-chunk rows of the GPU forward (its workspace).
     pub chunk: usize,
     pub bandwidths: Bandwidths,
+}
+
+/// The work the caches and the GPU workspace are sized for.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Shape {
+    /// Tokens of cache, shared by the batch (capped at the model's positions).
+    pub context: usize,
+    /// Sequences at once.
+    pub batch: usize,
+    /// Prompt-chunk rows of the GPU forward.
+    pub chunk: usize,
+}
+
+impl Shape {
+    /// One sequence up to the model's positions (`generate`, `logits`).
+    pub fn one_sequence() -> Shape {
+        Shape {
+            context: usize::MAX,
+            batch: 1,
+            chunk: crate::model::decoder::DEFAULT_GPU_CHUNK,
+        }
+    }
 }
 
 /// Bytes one decode token moves from a tier, and the time that takes.
@@ -107,6 +135,9 @@ pub struct MemoryPlan {
     pub vram_expert_slots_per_layer: usize,
     pub vram_expert_slots: usize,
     pub vram_expert_bytes: u64,
+    /// How the VRAM slots were chosen: "free-vram", "flag", "flag-total" or "cpu-default"
+    /// (no GPU: the device tier is CPU memory).
+    pub vram_basis: &'static str,
     /// RAM: what the process holds outside the RAM tier (the dense weights' host copies,
     /// the device residents' host copies).
     pub ram_held_bytes: u64,
@@ -115,6 +146,9 @@ pub struct MemoryPlan {
     pub ram_budget_bytes: u64,
     pub ram_expert_slots_per_layer: usize,
     pub ram_expert_slots: usize,
+    /// Where the RAM budget came from: "cgroup", "mem_available", "flag" (--ram-budget-mib),
+    /// "--ram-slots", or "mode" (fast / exact hold every expert).
+    pub ram_basis: &'static str,
     /// Routed experts in neither tier (read from the store when picked).
     pub store_only_experts: usize,
     pub store_bytes: u64,
@@ -166,15 +200,61 @@ pub fn cache_bytes(cfg: &Config, context: usize, batch: usize) -> u64 {
     (layout.fixed_bytes * batch.max(1) + tokens) as u64
 }
 
-/// Works the plan out; refuses (with the numbers) when the GPU or the memory cap cannot hold
-/// what must be there before any expert.
+impl PlanInputs {
+    /// The box these inputs describe, as the tiers' sizing reads a machine: the free VRAM,
+    /// the cap (else the available memory), nothing resident yet and no memlock limit.
+    pub fn machine(&self) -> MachineFacts {
+        MachineFacts {
+            free_vram: Some(self.vram),
+            memory: MemoryFacts {
+                cgroup_limit: self.ram_limit,
+                cgroup_source: self.ram_limit.map(|_| "--ram-limit".to_string()),
+                rss: 0,
+                memlock_soft: None,
+                memlock_hard: None,
+                mem_available: self.ram_available,
+            },
+        }
+    }
+
+    /// No slot flags: every tier sized from the box, with these inputs' reserves.
+    pub fn request(&self) -> SlotRequest {
+        SlotRequest {
+            device_slots: None,
+            device_slots_total: None,
+            ram_slots: None,
+            ram_budget: None,
+            ram_reserve: self.ram_reserve,
+            vram_reserve: self.vram_reserve,
+        }
+    }
+}
+
+/// Works the plan out for the box `inputs` describe, every tier sized from it (the tiered
+/// modes); refuses (with the numbers) when the GPU or the memory cap cannot hold what must be
+/// there before any expert.
 pub fn plan(inputs: &PlanInputs) -> Result<MemoryPlan, PlanError> {
+    plan_with(inputs, &inputs.request(), &inputs.machine(), Mode::Nvme)
+}
+
+/// The plan for `inputs`' model and shape on `machine` (free VRAM: `None` without a GPU,
+/// when the device tier is CPU memory), with the slots `request` asks for and `mode`'s
+/// placement (`fast` / `exact`: every expert in RAM). The reserves are `request`'s. A tier
+/// sized from the machine is refused when what it must hold first does not fit; one a flag
+/// sizes is not.
+pub fn plan_with(
+    inputs: &PlanInputs,
+    request: &SlotRequest,
+    machine: &MachineFacts,
+    mode: Mode,
+) -> Result<MemoryPlan, PlanError> {
     let cfg = &inputs.cfg;
     let moe_layers = cfg.moe_layers().iter().filter(|&&m| m).count();
     let experts = cfg.n_routed_experts;
-    let record_bytes = weights::expert_bytes(cfg, inputs.experts)
-        .div_ceil(crate::store::ALIGN as u64)
-        * crate::store::ALIGN as u64;
+    let record_bytes = inputs.record_bytes.unwrap_or_else(|| {
+        weights::expert_bytes(cfg, inputs.experts).div_ceil(crate::store::ALIGN as u64)
+            * crate::store::ALIGN as u64
+    });
     let mut by_kind: BTreeMap<&'static str, u64> = BTreeMap::new();
     let mut dense_bytes = 0;
     let mut host_only = 0;
@@ -189,9 +269,10 @@ pub fn plan(inputs: &PlanInputs) -> Result<MemoryPlan, PlanError> {
             host_only += bytes;
         }
     }
-    let cache = cache_bytes(cfg, inputs.context, inputs.batch);
-    let workspace =
-        crate::model::decoder::workspace_bytes(cfg, inputs.chunk, inputs.context) as u64;
+    // A sequence never holds more than the model's positions.
+    let context = inputs.context.min(cfg.max_position_embeddings);
+    let cache = cache_bytes(cfg, context, inputs.batch);
+    let workspace = crate::model::decoder::workspace_bytes(cfg, inputs.chunk, context) as u64;
     let sizes = ModelSizes {
         moe_layers,
         experts,
@@ -201,54 +282,48 @@ pub fn plan(inputs: &PlanInputs) -> Result<MemoryPlan, PlanError> {
         cache_bytes: cache,
         gpu_workspace_bytes: workspace,
     };
-    let held = sizes.vram_held(inputs.vram_reserve);
+    let held = sizes.vram_held(request.vram_reserve);
     let mib = |b: u64| b >> 20;
-    if held > inputs.vram {
+    let sized_from_vram = request.device_slots.is_none() && request.device_slots_total.is_none();
+    if let Some(vram) = machine.free_vram
+        && sized_from_vram
+        && mode.tiered()
+        && held > vram
+    {
         return Err(PlanError::Vram {
             need_mib: mib(held),
             weights_mib: mib(dense_bytes - host_only),
             cache_mib: mib(cache),
-            context: inputs.context,
+            context,
             batch: inputs.batch,
             workspace_mib: mib(workspace),
             staging_mib: mib(STAGING_SLOTS as u64 * record_bytes),
-            reserve_mib: mib(inputs.vram_reserve),
-            vram_mib: mib(inputs.vram),
+            reserve_mib: mib(request.vram_reserve),
+            vram_mib: mib(vram),
         });
     }
-    let request = SlotRequest {
-        device_slots: None,
-        device_slots_total: None,
-        ram_slots: None,
-        ram_budget: None,
-        ram_reserve: inputs.ram_reserve,
-        vram_reserve: inputs.vram_reserve,
-    };
-    let machine = crate::tiers::plan::MachineFacts {
-        free_vram: Some(inputs.vram),
-        memory: MemoryFacts {
-            cgroup_limit: inputs.ram_limit,
-            cgroup_source: inputs.ram_limit.map(|_| "--ram-limit".to_string()),
-            rss: 0,
-            memlock_soft: None,
-            memlock_hard: None,
-            mem_available: inputs.ram_available,
-        },
-    };
-    let sizing = size_tiers(&sizes, &request, &machine);
-    if let Some(limit) = inputs.ram_limit
-        && sizing.ram.held + inputs.ram_reserve > limit
+    let sizing = size_tiers(&sizes, request, machine);
+    let sized_from_cap = request.ram_slots.is_none() && request.ram_budget.is_none();
+    if let Some(limit) = machine.memory.cgroup_limit
+        && sized_from_cap
+        && sizing.ram.held + request.ram_reserve > limit
     {
         return Err(PlanError::Ram {
             held_mib: mib(sizing.ram.held),
-            reserve_mib: mib(inputs.ram_reserve),
+            reserve_mib: mib(request.ram_reserve),
             limit_mib: mib(limit),
         });
     }
-    let vram_slots = sizing.device_slots;
-    // The RAM tier holds experts the VRAM tier does not.
-    let ram_slots = sizing.ram_slots.min(experts - vram_slots);
-    let store_only = experts - vram_slots - ram_slots;
+    let (vram_slots, ram_slots) = if !mode.tiered() {
+        (0, experts)
+    } else if request.ram_slots.is_some() {
+        (sizing.device_slots, sizing.ram_slots)
+    } else {
+        // The RAM tier holds experts the VRAM tier does not.
+        let vram = sizing.device_slots;
+        (vram, sizing.ram_slots.min(experts - vram))
+    };
+    let store_only = experts.saturating_sub(vram_slots + ram_slots);
 
     // One decode token, uniform routing: each MoE layer's picks land in a tier in proportion
     // to its share of the layer's experts; the GPU reads every weight it keeps once; the CPU
@@ -284,7 +359,10 @@ pub fn plan(inputs: &PlanInputs) -> Result<MemoryPlan, PlanError> {
     Ok(MemoryPlan {
         dense_format: inputs.dense.name(),
         head_format: inputs.head.name(),
-        expert_format: inputs.experts.name(),
+        expert_format: match inputs.record_bytes {
+            Some(_) => "the store's records".to_string(),
+            None => inputs.experts.name(),
+        },
         moe_layers,
         experts_per_layer: experts,
         experts_per_token: cfg.num_experts_per_tok,
@@ -292,21 +370,27 @@ pub fn plan(inputs: &PlanInputs) -> Result<MemoryPlan, PlanError> {
         weights: by_kind,
         vram_weight_bytes: dense_bytes - host_only,
         cache_bytes: cache,
-        context: inputs.context,
+        context,
         batch: inputs.batch,
         workspace_bytes: workspace,
         staging_bytes: STAGING_SLOTS as u64 * record_bytes,
-        vram_reserve_bytes: inputs.vram_reserve,
-        vram_bytes: inputs.vram,
+        vram_reserve_bytes: request.vram_reserve,
+        vram_bytes: machine.free_vram.unwrap_or(0),
         vram_expert_slots_per_layer: vram_slots,
         vram_expert_slots: vram_slots * moe_layers,
         vram_expert_bytes: (vram_slots * moe_layers) as u64 * record_bytes,
+        vram_basis: sizing.device_basis,
         ram_held_bytes: sizing.ram.held,
-        ram_reserve_bytes: inputs.ram_reserve,
-        ram_limit_bytes: inputs.ram_limit,
+        ram_reserve_bytes: request.ram_reserve,
+        ram_limit_bytes: machine.memory.cgroup_limit,
         ram_budget_bytes: sizing.ram.budget,
         ram_expert_slots_per_layer: ram_slots,
         ram_expert_slots: ram_slots * moe_layers,
+        ram_basis: match (mode.tiered(), request.ram_slots) {
+            (false, _) => "mode",
+            (true, Some(_)) => "--ram-slots",
+            (true, None) => sizing.ram.basis,
+        },
         store_only_experts: store_only * moe_layers,
         store_bytes: (experts * moe_layers) as u64 * record_bytes,
         traffic,
@@ -316,6 +400,84 @@ pub fn plan(inputs: &PlanInputs) -> Result<MemoryPlan, PlanError> {
 }
 
 impl MemoryPlan {
+    /// Bytes of the RAM tier's slots (what pinning locks).
+    pub fn ram_expert_bytes(&self) -> u64 {
+        self.ram_expert_slots as u64 * self.record_bytes
+    }
+
+    /// The plan's figures for `/metrics` (`glmflash_plan_*`), in the tier metrics' terms.
+    pub fn metrics(&self) -> crate::metrics::PlanSnapshot {
+        let records = (self.moe_layers * self.experts_per_layer) as u64;
+        let mut memory = vec![
+            ("vram_weights", self.vram_weight_bytes),
+            ("vram_cache", self.cache_bytes),
+            ("vram_workspace", self.workspace_bytes),
+            ("vram_staging", self.staging_bytes),
+            ("vram_reserve", self.vram_reserve_bytes),
+            ("vram_experts", self.vram_expert_bytes),
+            ("ram_held", self.ram_held_bytes),
+            ("ram_reserve", self.ram_reserve_bytes),
+            ("ram_budget", self.ram_budget_bytes),
+            ("ram_experts", self.ram_expert_bytes()),
+            ("store", self.store_bytes),
+        ];
+        // No GPU: no free VRAM was planned against.
+        if self.vram_bytes > 0 {
+            memory.push(("vram_free", self.vram_bytes));
+        }
+        memory.extend(self.ram_limit_bytes.map(|b| ("ram_limit", b)));
+        crate::metrics::PlanSnapshot {
+            expert_slots: vec![
+                ("vram", self.vram_expert_slots as u64),
+                ("ram", self.ram_expert_slots as u64),
+                ("nvme", records),
+            ],
+            memory,
+        }
+    }
+
+    /// Logs the plan the server runs with: a line per tier with the numbers behind its
+    /// slots, and the whole plan as JSON (the fields of `plan --json`).
+    pub fn log(&self, machine: &MachineFacts) {
+        let mib = |b: u64| b >> 20;
+        if machine.free_vram.is_some() {
+            tracing::info!(
+                free_mib = mib(self.vram_bytes),
+                weights_mib = mib(self.vram_weight_bytes),
+                cache_mib = mib(self.cache_bytes),
+                workspace_mib = mib(self.workspace_bytes),
+                staging_mib = mib(self.staging_bytes),
+                reserve_mib = mib(self.vram_reserve_bytes),
+                record_kib = self.record_bytes >> 10,
+                moe_layers = self.moe_layers,
+                slots_per_layer = self.vram_expert_slots_per_layer,
+                basis = self.vram_basis,
+                "VRAM tier sized"
+            );
+        }
+        tracing::info!(
+            cgroup_limit_mib = self.ram_limit_bytes.map(mib),
+            cgroup_source = machine.memory.cgroup_source.as_deref().unwrap_or("none"),
+            held_mib = mib(self.ram_held_bytes),
+            reserve_mib = mib(self.ram_reserve_bytes),
+            budget_mib = mib(self.ram_budget_bytes),
+            budget_from = self.ram_basis,
+            record_bytes = self.record_bytes,
+            moe_layers = self.moe_layers,
+            ram_slots_per_layer = self.ram_expert_slots_per_layer,
+            memlock_limit_kib = machine.memory.memlock_soft.map(|b| b >> 10),
+            "RAM tier sized"
+        );
+        tracing::info!(
+            vram_expert_slots = self.vram_expert_slots,
+            ram_expert_slots = self.ram_expert_slots,
+            store_only_experts = self.store_only_experts,
+            store_bytes = self.store_bytes,
+            plan = %serde_json::to_string(self).unwrap_or_default(),
+            "memory plan"
+        );
+    }
+
     /// The plan as a table for people.
     pub fn table(&self) -> String {
         let mut out = String::new();

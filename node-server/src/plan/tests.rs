@@ -15,6 +15,7 @@ fn seed_box(cfg: Config, experts: Storage, dense: Storage, head: Storage) -> Pla
         dense,
         head,
         experts,
+        record_bytes: None,
         vram: 24_576 * MIB,
         vram_reserve: 512 * MIB,
         ram_limit: Some(55 * GIB),
@@ -130,12 +131,19 @@ fn sizing_rules() {
     );
     // A longer context takes VRAM from the experts, a bigger batch too (KDA states).
     let ctx = plan(&PlanInputs {
+        context: 32_768,
+        ..base.clone()
+    })
+    .unwrap();
+    assert!(ctx.cache_bytes < p0.cache_bytes);
+    assert!(ctx.vram_expert_slots > p0.vram_expert_slots);
+    // A sequence holds no more than the model's positions.
+    let past = plan(&PlanInputs {
         context: 262_144,
         ..base.clone()
     })
     .unwrap();
-    assert!(ctx.cache_bytes > p0.cache_bytes);
-    assert!(ctx.vram_expert_slots < p0.vram_expert_slots);
+    assert_eq!((past.context, past.cache_bytes), (131_072, p0.cache_bytes));
     let batch = plan(&PlanInputs {
         batch: 16,
         ..base.clone()

@@ -1,7 +1,7 @@
 //! Start-up of the tiers: the placement flags (turned into the plan), the CPU-lane feature
 //! check, and what the tiers report (the one-line summary printed at exit, the metrics).
 
-use super::plan::{self, ModelSizes, Placement, SlotRequest, TierPlan};
+use super::plan::{Placement, SlotRequest, TierPlan};
 use super::policy::PolicyKind;
 use super::provider::{Mode, Tier, TieredExperts};
 use super::sizing::MemoryFacts;
@@ -9,8 +9,8 @@ use std::path::PathBuf;
 use std::sync::atomic::Ordering;
 
 /// The placement flags: mode, slot counts or the budgets they are sized from, eviction,
-/// pinning, prefetch and the routing history. [`TierArgs::plan`] turns them into the one
-/// [`Placement`] value.
+/// pinning, prefetch and the routing history. With the memory plan's slots,
+/// [`TierArgs::placement`] turns them into the one [`Placement`] value.
 #[derive(clap::Args, Debug, Clone)]
 pub struct TierArgs {
     /// Expert residency: fast/exact (all experts in RAM) or nvme/nvme-exact (tiered).
@@ -29,11 +29,11 @@ pub struct TierArgs {
     /// 1,300 experts in VRAM"); instead of --vram-slots.
     #[arg(long, env = "GLMFLASH_VRAM_EXPERT_SLOTS")]
     pub vram_expert_slots: Option<usize>,
-    /// VRAM left free when the tier is sized from free VRAM, for the sequences' caches (the
-    /// GPU forward keeps them there) and cuBLAS (MiB). The GPU forward's activations for a
-    /// default prompt chunk (`--gpu-chunk-size`), estimated from the model's widths, are kept
-    /// free on top of this.
-    #[arg(long, env = "GLMFLASH_VRAM_RESERVE_MIB", default_value_t = 1024)]
+    /// VRAM left free when the tier is sized from free VRAM, beside what the memory plan
+    /// counts (the weights, the sequences' caches at the context length and batch size, the
+    /// GPU forward's workspace for a prompt chunk, the staging slots): for cuBLAS and
+    /// fragmentation (MiB). `plan` has the same flag and default.
+    #[arg(long, env = "GLMFLASH_VRAM_RESERVE_MIB", default_value_t = 512)]
     pub vram_reserve_mib: u64,
     /// Refuse to start on a GPU with less free VRAM than this (MiB; the seed refuses under
     /// 23,000 for the real model). 0: no floor.
@@ -68,28 +68,31 @@ pub struct TierArgs {
 }
 
 impl TierArgs {
-    /// The placement these flags ask for on a machine with `free_vram` (`None`: no GPU):
-    /// untiered without --mode; else the tiers sized by [`plan::decide`].
-    pub fn plan(&self, model: &ModelSizes, free_vram: Option<u64>) -> Placement {
-        let Some(mode) = self.mode else {
-            return Placement::Untiered;
-        };
-        let request = SlotRequest {
+    /// The slot counts and reserves these flags ask for (`None`: sized from the machine).
+    pub fn request(&self) -> SlotRequest {
+        SlotRequest {
             device_slots: self.vram_slots,
             device_slots_total: self.vram_expert_slots,
             ram_slots: self.ram_slots,
             ram_budget: self.ram_budget_mib.map(|m| m << 20),
             ram_reserve: self.ram_reserve_mib << 20,
             vram_reserve: self.vram_reserve_mib << 20,
+        }
+    }
+
+    /// The placement these flags ask for, with the slots per MoE layer the memory plan gave
+    /// (the `plan` module's `plan_with`): untiered without --mode.
+    pub fn placement(&self, device_slots: usize, ram_slots: usize, experts: usize) -> Placement {
+        let Some(mode) = self.mode else {
+            return Placement::Untiered;
         };
-        let sizing = plan::decide(mode, model, &request, free_vram, !self.no_pin);
         Placement::Tiered(TierPlan {
             prefetch: mode.tiered() && !self.no_prefetch,
             eviction: self.eviction,
             writeback_ring: self.writeback_ring,
             pin: !self.no_pin,
             history: self.history.clone(),
-            ..TierPlan::new(mode, sizing.device_slots, sizing.ram_slots, model.experts)
+            ..TierPlan::new(mode, device_slots, ram_slots, experts)
         })
     }
 }

@@ -1,10 +1,11 @@
 //! The expert placement plan: where every routed expert lives, which lane computes it, and
 //! how many slots each tier has. It is decided once at start, from the flags, the model's
-//! sizes and the machine (free VRAM, the cgroup limit), by [`decide`]; the tiers, the
-//! loaders and the benchmarks receive the value instead of re-deriving any of it.
+//! sizes and the machine (free VRAM, the cgroup limit); the tiers, the loaders and the
+//! benchmarks receive the value instead of re-deriving any of it.
 //!
-//! The arithmetic ([`size_tiers`]) is pure and unit-tested; [`decide`] reads the machine and
-//! logs the numbers it chose.
+//! The slot arithmetic ([`size_tiers`]) is pure and unit-tested; the memory plan
+//! (the `plan` module) calls it for the server and for `plan` alike, and [`MachineFacts::read`]
+//! reads the machine it is fed.
 
 use super::policy::PolicyKind;
 use super::provider::Mode;
@@ -190,65 +191,26 @@ pub fn size_tiers(model: &ModelSizes, request: &SlotRequest, machine: &MachineFa
     }
 }
 
-/// Reads the machine, sizes the tiers for `mode` and logs the numbers in one line per tier;
-/// warns (and says what to change) when the RAM tier cannot be pinned.
-pub fn decide(
-    mode: Mode,
-    model: &ModelSizes,
-    request: &SlotRequest,
-    free_vram: Option<u64>,
-    pin: bool,
-) -> Sizing {
-    let memlock_soft = sizing::raise_memlock();
-    let machine = MachineFacts {
-        free_vram,
-        memory: MemoryFacts::read(),
-    };
-    let sizing = size_tiers(model, request, &machine);
-    if let Some(free) = free_vram {
-        tracing::info!(
-            free_mib = free >> 20,
-            dense_mib = model.dense_bytes >> 20,
-            reserve_mib = request.vram_reserve >> 20,
-            workspace_mib = model.gpu_workspace_bytes >> 20,
-            record_kib = model.record_bytes >> 10,
-            moe_layers = model.moe_layers,
-            slots_per_layer = sizing.device_slots,
-            basis = sizing.device_basis,
-            "VRAM tier sized"
-        );
+impl MachineFacts {
+    /// Reads this machine with `free_vram` (`None`: no GPU), once RLIMIT_MEMLOCK's soft limit
+    /// is raised to its hard limit, so the facts hold the limit pinning will meet.
+    pub fn read(free_vram: Option<u64>) -> MachineFacts {
+        sizing::raise_memlock();
+        MachineFacts {
+            free_vram,
+            memory: MemoryFacts::read(),
+        }
     }
-    let ram_slots = if mode.tiered() {
-        sizing.ram_slots
-    } else {
-        model.experts
-    };
-    let ram = &sizing.ram;
-    tracing::info!(
-        cgroup_limit_mib = ram.limit.map(|b| b >> 20),
-        cgroup_source = ram.source.as_deref().unwrap_or("none"),
-        held_mib = ram.held >> 20,
-        reserve_mib = ram.reserve >> 20,
-        budget_mib = ram.budget >> 20,
-        budget_from = if request.ram_slots.is_some() {
-            "--ram-slots"
-        } else {
-            ram.basis
-        },
-        record_bytes = model.record_bytes,
-        moe_layers = model.moe_layers,
-        ram_slots_per_layer = ram_slots,
-        memlock_limit_kib = memlock_soft.map(|b| b >> 10),
-        "RAM tier sized"
-    );
-    let pinned = ram_slots as u64 * model.moe_layers as u64 * model.record_bytes;
-    if pin
-        && !sizing::has_ipc_lock()
-        && let Some(problem) = sizing::memlock_problem(pinned, memlock_soft)
+}
+
+/// Warns (saying what to change) when `pinned` bytes of RAM tier cannot be pinned under the
+/// memlock limit of `machine` and the process lacks CAP_IPC_LOCK.
+pub fn warn_if_unpinnable(machine: &MachineFacts, pinned: u64) {
+    if !sizing::has_ipc_lock()
+        && let Some(problem) = sizing::memlock_problem(pinned, machine.memory.memlock_soft)
     {
         tracing::warn!("{problem}");
     }
-    sizing
 }
 
 #[cfg(test)]

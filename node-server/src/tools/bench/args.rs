@@ -71,15 +71,13 @@ pub struct FlashBenchArgs {
     /// MoE layers of the random model (the real one has 42).
     #[arg(long, env = "GLMFLASH_BENCH_FLASH_LAYERS", default_value_t = 8)]
     pub flash_moe_layers: usize,
-    /// VRAM the 3090 box gives expert slots, in GB (the seed: about 1,300 experts).
-    #[arg(long, default_value_t = 12.4)]
-    pub vram_expert_gb: f64,
-    /// The 3090 box's memory cap for the server, in GiB (the seed's 55 GiB).
-    #[arg(long, default_value_t = 55.0)]
-    pub ram_cap_gib: f64,
-    /// MoE layers of the real model the budgets are spread over.
-    #[arg(long, default_value_t = 42)]
-    pub budget_layers: usize,
+    /// The box the budget is planned for: flags of `glmflash-node plan` (GLM-5.3-Flash's
+    /// config and a 24,576 MiB RTX 3090 with 131,072 tokens for 8 sequences unless they say
+    /// otherwise; `--expert-format q4_k` is added, the records this bench packs). Each MoE
+    /// layer here gets the VRAM and RAM slots a layer of the real model gets there. Default:
+    /// the seed's box, a 55 GiB cap, and the seed's EXL3 3.05 bpw non-expert weights.
+    #[arg(long, default_value = "--ram-limit 55GiB --dense-format exl3:3.05")]
+    pub flash_plan: String,
     /// Prompt length of the `prefill` run.
     #[arg(long, default_value_t = 8192)]
     pub flash_prefill: usize,

@@ -1,9 +1,10 @@
 //! `bench --flash --device cuda`: a random model at GLM-5.3-Flash width (the real MLA, KDA,
 //! DSA and expert shapes; 1 dense layer and `--flash-moe-layers` MoE layers instead of 3 +
-//! 42) with its experts in a q4_k packed store, measured under the RTX 3090 box's budget:
-//! VRAM expert slots worth `--vram-expert-gb` and a RAM tier of `--ram-cap-gib` minus the
-//! real model's non-expert memory, both spread over the real model's 42 MoE layers, so each
-//! layer here gets the slots a layer of the real model gets there.
+//! 42) with its experts in a q4_k packed store, measured under the RTX 3090 box's budget: the
+//! VRAM and RAM expert slots per layer of the memory plan for the real model (the shipped
+//! GLM-5.3-Flash config) on that box with these records, `glmflash-node plan` with
+//! `--flash-plan`'s flags and `--expert-format q4_k`, so each layer here gets the slots a
+//! layer of the real model gets there.
 //!
 //! Runs (`--flash-runs`): `budget` (nvme mode, CPU lane on, uniform routing), `prefill`
 //! (`--flash-prefill` tokens under the budget), `exact` (nvme-exact under the budget),
@@ -40,9 +41,6 @@ use std::path::Path;
 use std::sync::Arc;
 use std::sync::atomic::Ordering;
 use std::time::Instant;
-
-/// Hidden size and layer count of the real model, for the non-expert memory estimate.
-const REAL_LAYERS: usize = 45;
 
 pub fn run(args: &BenchArgs) -> anyhow::Result<()> {
     let cuda = match args.device.open()? {
@@ -177,36 +175,47 @@ struct Budget {
     json: Value,
 }
 
-fn budget(args: &BenchArgs, model: &Model, record: usize) -> Budget {
+/// The memory plan of the real model on the box `flash_plan` describes (flags of
+/// `glmflash-node plan`, the shipped GLM-5.3-Flash config unless they name another) with its
+/// experts in `record`-byte q4_k records: the plan command's own defaults and arithmetic.
+fn budget_plan(flash_plan: &str, record: usize) -> anyhow::Result<crate::plan::MemoryPlan> {
+    use clap::{Args, FromArgMatches};
+    let argv = ["plan"]
+        .into_iter()
+        .chain(flash_plan.split_whitespace())
+        .chain(["--expert-format", "q4_k"]);
+    let matches = crate::plan::args::PlanArgs::augment_args(clap::Command::new("plan"))
+        .try_get_matches_from(argv)
+        .context("--flash-plan")?;
+    let mut inputs = crate::plan::args::PlanArgs::from_arg_matches(&matches)?.inputs()?;
+    inputs.record_bytes = Some(record as u64);
+    Ok(crate::plan::plan(&inputs)?)
+}
+
+fn budget(args: &BenchArgs, experts: usize, record: usize) -> anyhow::Result<Budget> {
     let f = &args.flash;
-    let cfg = &model.cfg;
-    // The real model's non-expert weights: the embedding and head, plus this model's
-    // non-expert bytes per layer times the real layer count (all held in host memory).
-    let embed = model.embedding_bytes();
-    let dense = model.weight_bytes() - model.routed_expert_bytes();
-    let per_layer = dense.saturating_sub(2 * embed) / cfg.num_hidden_layers;
-    let non_expert = 2 * embed + per_layer * REAL_LAYERS;
-    let ram_bytes = (f.ram_cap_gib * (1u64 << 30) as f64 - non_expert as f64).max(0.0);
-    let vram_slots = (f.vram_expert_gb * 1e9 / f.budget_layers as f64 / record as f64) as usize;
-    // The device tier's residents keep a host copy within the same memory cap (as the
-    // server's RAM sizing counts them).
-    let ram_slots =
-        ((ram_bytes / f.budget_layers as f64 / record as f64) as usize).saturating_sub(vram_slots);
+    let plan = budget_plan(&f.flash_plan, record)?;
+    let (vram_slots, ram_slots) = (
+        plan.vram_expert_slots_per_layer,
+        plan.ram_expert_slots_per_layer,
+    );
     let json = json!({
+        "plan": format!("glmflash-node plan {} --expert-format q4_k", f.flash_plan),
         "record_bytes": record,
-        "vram_expert_gb": f.vram_expert_gb,
-        "ram_cap_gib": f.ram_cap_gib,
-        "real_non_expert_gib_estimate": non_expert as f64 / (1u64 << 30) as f64,
-        "budget_layers": f.budget_layers,
+        "plan_formats": [plan.dense_format, plan.head_format],
+        "plan_vram_expert_bytes": plan.vram_expert_bytes,
+        "plan_ram_budget_bytes": plan.ram_budget_bytes,
+        "plan_ram_held_bytes": plan.ram_held_bytes,
+        "budget_layers": plan.moe_layers,
         "vram_slots_per_layer": vram_slots,
         "ram_slots_per_layer": ram_slots,
-        "store_share": 1.0 - (vram_slots + ram_slots) as f64 / cfg.n_routed_experts as f64,
+        "store_share": 1.0 - (vram_slots + ram_slots) as f64 / experts as f64,
     });
-    Budget {
+    Ok(Budget {
         vram_slots,
         ram_slots,
         json,
-    }
+    })
 }
 
 fn measure_all(
@@ -235,7 +244,7 @@ fn measure_all(
         "dense model on the GPU in {:.1}s",
         started.elapsed().as_secs_f64()
     );
-    let budget = budget(args, &model, record);
+    let budget = budget(args, cfg.n_routed_experts, record)?;
     eprintln!("{}", budget.json);
     let mut results = Vec::new();
     let mut report = |r: Value| {
@@ -688,5 +697,42 @@ fn add_profile(r: &mut Value, gpu: Option<&GpuDecoder>, calls: usize) {
             .map(|(name, secs, _)| (name.to_string(), json!(secs * 1e3 / calls.max(1) as f64)))
             .collect::<serde_json::Map<_, _>>()
             .into();
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// The default budget is `plan --ram-limit 55GiB --dense-format exl3:3.05 --expert-format
+    /// q4_k` for GLM-5.3-Flash on the 3090 box: the seed's EXL3 non-expert weights, this
+    /// bench's q4_k records (BENCHMARKS.md quotes these slots).
+    #[test]
+    fn the_default_budget_is_the_plan_of_the_real_model_on_the_3090_box() {
+        use clap::Parser;
+        let crate::cli::Command::Bench(args) =
+            crate::cli::Cli::parse_from(["glmflash-node", "bench", "--flash"]).command
+        else {
+            unreachable!("bench parses to Command::Bench")
+        };
+        let record = 3 * 2048 * 16 * 144;
+        let b = budget(&args, 288, record).unwrap();
+        let plan = budget_plan(&args.flash.flash_plan, record).unwrap();
+        println!("{}\n{}", b.json, plan.table());
+        assert_eq!(
+            (plan.vram_bytes, plan.ram_limit_bytes),
+            (24_576 << 20, Some(55 << 30))
+        );
+        assert_eq!(
+            (plan.context, plan.batch, plan.moe_layers),
+            (131_072, 8, 42)
+        );
+        assert_eq!(plan.dense_format, "exl3:3.05");
+        assert_eq!((b.vram_slots, b.ram_slots), (24, 63));
+        assert_eq!(b.vram_slots, plan.vram_expert_slots_per_layer);
+        // Another box moves it: a bigger cap, more RAM slots.
+        let more = budget_plan("--ram-limit 64GiB --dense-format exl3:3.05", record).unwrap();
+        assert!(more.ram_expert_slots_per_layer > b.ram_slots);
+        assert!(budget_plan("--no-such-flag", record).is_err());
     }
 }

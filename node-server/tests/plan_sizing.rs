@@ -1,0 +1,290 @@
+//! One sizing path: the memory plan the server follows in a tiered mode (`serve`, `generate`,
+//! `logits`) is `glmflash-node plan`'s for the same checkpoint, store, box and shape; and the
+//! server's sizing rules (free VRAM, the cgroup cap, the flags, the modes, the floor) each move
+//! it as they say.
+
+use clap::Parser;
+use glmflash_node::cli::{Cli, Command, ModelArgs, vram_floor_problem};
+use glmflash_node::model::checkpoint::DType;
+use glmflash_node::model::config::Config;
+use glmflash_node::model::random::{scaled_config, write_random_checkpoint};
+use glmflash_node::plan::{MemoryPlan, Shape, plan};
+use glmflash_node::store::{self, PackOptions};
+use glmflash_node::tiers::plan::MachineFacts;
+use glmflash_node::tiers::sizing::MemoryFacts;
+use glmflash_node::tiers::source::{ExpertSource, StoreSource};
+use std::path::{Path, PathBuf};
+
+const MIB: u64 = 1 << 20;
+const GIB: u64 = 1 << 30;
+
+struct Fixture {
+    _tmp: tempfile::TempDir,
+    model: PathBuf,
+    store: PathBuf,
+    cfg: Config,
+    record: u64,
+}
+
+/// hidden 256, 4 layers (1 dense), 16 experts of width 256 in bf16, packed (O_DIRECT needs a
+/// disk filesystem: cargo's target dir).
+fn fixture() -> Fixture {
+    let tmp = tempfile::tempdir_in(env!("CARGO_TARGET_TMPDIR")).unwrap();
+    let model = tmp.path().join("model");
+    let store = tmp.path().join("store");
+    let cfg = write_random_checkpoint(
+        &model,
+        &scaled_config(64, 256, 4, 1, 16, 256, 2),
+        7,
+        DType::Bf16,
+    )
+    .unwrap();
+    let options = PackOptions {
+        progress: false,
+        ..PackOptions::default()
+    };
+    store::pack_store(&model, &store, &options).unwrap();
+    let record = StoreSource::open(&store, &model, &cfg)
+        .unwrap()
+        .record_bytes() as u64;
+    Fixture {
+        _tmp: tmp,
+        model,
+        store,
+        cfg,
+        record,
+    }
+}
+
+fn path(p: &Path) -> String {
+    p.display().to_string()
+}
+
+/// `glmflash-node plan --model M --store S ...` as the command parses and plans it.
+fn plan_command(f: &Fixture, extra: &[&str]) -> MemoryPlan {
+    let mut argv = vec![
+        "glmflash-node".to_string(),
+        "plan".into(),
+        "--model".into(),
+        path(&f.model),
+        "--store".into(),
+        path(&f.store),
+    ];
+    argv.extend(extra.iter().map(|s| s.to_string()));
+    let Command::Plan(args) = Cli::try_parse_from(argv).unwrap().command else {
+        unreachable!("plan parses to Command::Plan")
+    };
+    plan(&args.inputs().unwrap()).unwrap()
+}
+
+/// `glmflash-node serve --model M --store S ...`: its model flags and the shape it plans for.
+fn serve_command(f: &Fixture, extra: &[&str]) -> (ModelArgs, Shape) {
+    let mut argv = vec![
+        "glmflash-node".to_string(),
+        "serve".into(),
+        "--model".into(),
+        path(&f.model),
+        "--store".into(),
+        path(&f.store),
+    ];
+    argv.extend(extra.iter().map(|s| s.to_string()));
+    let Command::Serve { model, serve } = Cli::try_parse_from(argv).unwrap().command else {
+        unreachable!("serve parses to Command::Serve")
+    };
+    let shape = Shape {
+        context: serve.context_length,
+        batch: serve.max_batch_size,
+        chunk: serve.gpu_chunk_size,
+    };
+    (model, shape)
+}
+
+/// A machine with `vram` free (`None`: no GPU) and a cgroup cap, nothing resident.
+fn machine(vram: Option<u64>, cap: Option<u64>) -> MachineFacts {
+    MachineFacts {
+        free_vram: vram,
+        memory: MemoryFacts {
+            cgroup_limit: cap,
+            cgroup_source: cap.map(|_| "test".into()),
+            rss: 0,
+            memlock_soft: Some(64 << 10),
+            memlock_hard: Some(64 << 10),
+            mem_available: Some(64 * GIB),
+        },
+    }
+}
+
+fn server_plan(f: &Fixture, flags: &[&str], m: &MachineFacts) -> anyhow::Result<MemoryPlan> {
+    let (args, shape) = serve_command(f, flags);
+    let mode = args.tier.mode.expect("a tiered mode");
+    args.memory_plan(&f.cfg, mode, f.record, shape, m)
+}
+
+/// The test: for the same inputs the server's runtime sizing is `plan`'s, number for
+/// number, on boxes where each tier is cut short by its own limit.
+#[test]
+fn the_servers_sizing_is_plans_for_the_same_inputs() {
+    let f = fixture();
+    let shape = ["--context-length", "4096", "--max-batch-size", "2"];
+    let plan_shape = ["--context", "4096", "--batch", "2"];
+    // What the GPU holds before any slot, from an open box.
+    let open = plan_command(&f, &[&plan_shape[..], &["--vram-mib", "200000"]].concat());
+    assert_eq!(open.vram_expert_slots_per_layer, 16);
+    let before_slots = open.vram_weight_bytes
+        + open.cache_bytes
+        + open.workspace_bytes
+        + open.staging_bytes
+        + open.vram_reserve_bytes;
+    let layer_row = open.moe_layers as u64 * f.record;
+    for (vram_mib, ram_slots) in [(6u64, 4u64), (0, 9), (13, 3)] {
+        // Free VRAM `vram_mib` over what the GPU holds first (whole MiB, as `--vram-mib`
+        // takes it); a cap for `ram_slots` a layer beside what the process holds and the
+        // reserve.
+        let vram_mib = before_slots.div_ceil(MIB) + vram_mib;
+        let vram_slots = (vram_mib * MIB - before_slots) / layer_row;
+        let held = open.ram_held_bytes - 16 * layer_row + vram_slots * layer_row;
+        let cap = held + 2048 * MIB + ram_slots * layer_row + layer_row / 2;
+        let box_flags = [
+            "--vram-mib".to_string(),
+            vram_mib.to_string(),
+            "--ram-limit".into(),
+            cap.to_string(),
+        ];
+        let box_flags: Vec<&str> = box_flags.iter().map(String::as_str).collect();
+        let planned = plan_command(&f, &[&plan_shape[..], &box_flags].concat());
+        let server = server_plan(
+            &f,
+            &[&shape[..], &["--mode", "nvme"]].concat(),
+            &machine(Some(vram_mib * MIB), Some(cap)),
+        )
+        .unwrap();
+        assert_eq!(server, planned);
+        assert_eq!(
+            (
+                server.vram_expert_slots_per_layer as u64,
+                server.ram_expert_slots_per_layer as u64
+            ),
+            (vram_slots, ram_slots),
+            "{}",
+            server.table()
+        );
+        assert_eq!(
+            (server.vram_basis, server.ram_basis),
+            ("free-vram", "cgroup")
+        );
+        assert_eq!(server.record_bytes, f.record);
+        assert_eq!(server.store_bytes, 3 * 16 * f.record);
+    }
+}
+
+/// Flags win over the machine, `fast` / `exact` hold every expert in RAM, no GPU gives the
+/// CPU device tier its default, and the server refuses what cannot fit, with the numbers.
+#[test]
+fn the_servers_sizing_rules() {
+    let f = fixture();
+    let roomy = machine(Some(100 * GIB), Some(100 * GIB));
+    let flags = server_plan(
+        &f,
+        &["--mode", "nvme", "--vram-slots", "3", "--ram-slots", "20"],
+        &roomy,
+    )
+    .unwrap();
+    assert_eq!(
+        (
+            flags.vram_expert_slots_per_layer,
+            flags.ram_expert_slots_per_layer,
+            flags.vram_basis,
+            flags.ram_basis
+        ),
+        (3, 16, "flag", "--ram-slots")
+    );
+    let fast = server_plan(&f, &["--mode", "fast"], &roomy).unwrap();
+    assert_eq!(
+        (
+            fast.vram_expert_slots,
+            fast.ram_expert_slots,
+            fast.store_only_experts
+        ),
+        (0, 48, 0)
+    );
+    // No GPU: the device tier is CPU memory with its default slots, and no VRAM is refused.
+    let cpu = server_plan(
+        &f,
+        &["--mode", "nvme-exact"],
+        &machine(None, Some(100 * GIB)),
+    )
+    .unwrap();
+    assert_eq!(
+        (cpu.vram_expert_slots_per_layer, cpu.vram_basis),
+        (glmflash_node::tiers::plan::CPU_DEVICE_SLOTS, "cpu-default")
+    );
+    assert!(!cpu.metrics().memory.iter().any(|(k, _)| *k == "vram_free"));
+    // A card too small for the dense weights, caches and workspace: refused with the numbers.
+    let e = server_plan(&f, &["--mode", "nvme"], &machine(Some(64 * MIB), None))
+        .unwrap_err()
+        .to_string();
+    assert!(e.contains("GPU cannot hold") && e.contains("64 MiB"), "{e}");
+    // ... unless the slots are given: then the flags are followed.
+    assert!(
+        server_plan(
+            &f,
+            &["--mode", "nvme", "--vram-slots", "1"],
+            &machine(Some(64 * MIB), None)
+        )
+        .is_ok()
+    );
+    // A cap below the reserve: refused, unless a budget is given.
+    let e = server_plan(
+        &f,
+        &["--mode", "nvme"],
+        &machine(Some(100 * GIB), Some(GIB)),
+    )
+    .unwrap_err()
+    .to_string();
+    assert!(e.contains("memory cap") && e.contains("1024 MiB"), "{e}");
+    let budget = server_plan(
+        &f,
+        &["--mode", "nvme", "--ram-budget-mib", "8"],
+        &machine(Some(100 * GIB), Some(GIB)),
+    )
+    .unwrap();
+    assert_eq!(budget.ram_basis, "flag");
+    assert_eq!(
+        budget.ram_expert_slots_per_layer as u64,
+        (8 * MIB / f.record / 3).min(16 - budget.vram_expert_slots_per_layer as u64)
+    );
+}
+
+/// The RAM tier from a cgroup v2 tree on disk: the cap less what the process holds (its
+/// resident memory, the dense weights, the VRAM residents' host copies) less the reserve.
+#[test]
+fn the_ram_tier_is_sized_from_the_cgroup_limit() {
+    let f = fixture();
+    let cgroup = tempfile::tempdir().unwrap();
+    std::fs::write(cgroup.path().join("memory.max"), format!("{}\n", 3 * GIB)).unwrap();
+    let m = MachineFacts {
+        free_vram: None,
+        memory: MemoryFacts::read_at(cgroup.path()),
+    };
+    assert_eq!(m.memory.cgroup_limit, Some(3 * GIB));
+    let p = server_plan(&f, &["--mode", "nvme", "--vram-slots", "2"], &m).unwrap();
+    let dense: u64 = p.weights.values().sum();
+    let copies = 2 * 3 * f.record;
+    assert_eq!(p.ram_held_bytes, m.memory.rss + dense + copies);
+    assert_eq!(p.ram_budget_bytes, 3 * GIB - p.ram_held_bytes - 2048 * MIB);
+    assert_eq!(p.ram_limit_bytes, Some(3 * GIB));
+}
+
+#[test]
+fn the_vram_floor_refuses_with_the_numbers() {
+    assert_eq!(
+        vram_floor_problem("GPU 0", 23_500 * MIB, 24_576 * MIB, 23_000),
+        None
+    );
+    let e = vram_floor_problem("GPU 0", 20_000 * MIB, 24_576 * MIB, 23_000).unwrap();
+    assert!(
+        e.contains("20000 MiB of VRAM free (of 24576 MiB)") && e.contains("23000 MiB"),
+        "{e}"
+    );
+    assert_eq!(vram_floor_problem("GPU 0", 0, 24_576 * MIB, 0), None);
+}
