@@ -9,6 +9,9 @@
 
 /// Requests, labels `endpoint` and `status`.
 pub const REQUESTS_TOTAL: &str = "glmflash_requests_total";
+/// Sequences (one per choice) dropped because their client went away: a closed
+/// connection, waiting or running; they leave the queue and the batch and free their cache.
+pub const REQUESTS_CANCELLED_TOTAL: &str = "glmflash_requests_cancelled_total";
 /// Requests being decoded (admitted into the running batch).
 pub const RUNNING_REQUESTS: &str = "glmflash_running_requests";
 /// Requests queued for admission.
@@ -76,7 +79,7 @@ pub const EXPERT_STEP_SECONDS_TOTAL: &str = "glmflash_expert_step_seconds_total"
 pub const GPU_FORWARD_SECONDS: &str = "glmflash_gpu_forward_seconds";
 
 /// Every name above.
-pub const ALL: [&str; 28] = [
+pub const ALL: [&str; 29] = [
     EXPERT_LOOKUPS_TOTAL,
     TIER_RESIDENT_EXPERTS,
     TIER_CAPACITY_EXPERTS,
@@ -91,6 +94,7 @@ pub const ALL: [&str; 28] = [
     TIME_TO_FIRST_TOKEN_SECONDS,
     INTER_TOKEN_LATENCY_SECONDS,
     REQUESTS_TOTAL,
+    REQUESTS_CANCELLED_TOTAL,
     RUNNING_REQUESTS,
     WAITING_REQUESTS,
     KV_TOKENS_USED,
