@@ -13,7 +13,7 @@ the engine to drain (no running or waiting sequence, no cache held) and samples 
 server's RSS.
 
 Passes when no request got a 429 or a 5xx (or failed on the wire), every malformed body got
-a 400, `glmflash_requests_cancelled_total` counted the drops, and the RSS of every round
+a 400, `glmflash_requests_cancelled_total` counted (at least 90% of) the drops, and the RSS of every round
 after the first (the allocator warms up in the first) is within `--rss-tolerance` (5%) of
 the others. Prints one JSON line of figures at the end.
 """
@@ -166,8 +166,10 @@ def check(rounds, cancelled, args):
            if k not in ("malformed_400", "cancelled", "stream_ok", "chat_ok")}
     if bad:
         failures.append(f"unexpected outcomes: {bad}")
-    if total.get("cancelled", 0) and cancelled < 1:
-        failures.append("glmflash_requests_cancelled_total did not count the dropped streams")
+    # A dropped stream of 256 tokens may rarely finish before the server sees the close.
+    if cancelled < 0.9 * total.get("cancelled", 0):
+        failures.append(f"glmflash_requests_cancelled_total counted {cancelled:.0f} of "
+                        f"{total.get('cancelled', 0)} dropped streams")
     steady = [r["rss_mib"] for r in rounds[1:]] or [rounds[0]["rss_mib"]]
     spread = (max(steady) - min(steady)) / min(steady)
     if spread > args.rss_tolerance:

@@ -250,12 +250,11 @@ async fn closed_connections_cancel_streams_and_whole_responses() {
     .await;
 
     // Everyone after is served: the batch and the queue are whole again.
-    let done = tokio::task::spawn_blocking(move || {
-        (0..8)
-            .map(|_| open(addr, &chat(true, 4), "data: [DONE]"))
-            .count()
+    tokio::task::spawn_blocking(move || {
+        for _ in 0..8 {
+            open(addr, &chat(true, 4), "data: [DONE]");
+        }
     })
     .await
     .unwrap();
-    assert_eq!(done, 8);
 }

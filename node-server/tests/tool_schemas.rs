@@ -148,13 +148,15 @@ async fn forced_tool_call_arguments_obey_every_schema_keyword() {
     }
 }
 
-/// A string argument whose text reads as a number stays a string.
+/// A string argument whose text reads as a number or a boolean stays a string; one that
+/// may only be empty is.
 #[tokio::test]
 async fn string_arguments_stay_strings() {
     let app = server();
     let params = json!({"type": "object", "properties": {
-        "zip": {"type": "string", "pattern": "^[0-9]{4}$"}, "flag": {"enum": ["true", "false"]}},
-        "required": ["zip", "flag"]});
+        "zip": {"type": "string", "pattern": "^[0-9]{4}$"}, "flag": {"enum": ["true", "false"]},
+        "blank": {"type": "string", "maxLength": 0}},
+        "required": ["zip", "flag", "blank"]});
     for seed in 0..3 {
         let body = json!({"messages": [{"role": "user", "content": "Zip?"}],
             "tools": tools(params.clone(), false), "tool_choice": "required", "max_tokens": 60,
@@ -169,6 +171,7 @@ async fn string_arguments_stay_strings() {
             "{a}"
         );
         assert!(a["flag"] == "true" || a["flag"] == "false", "{a}");
+        assert_eq!(a["blank"], "", "{a}");
     }
 }
 

@@ -311,12 +311,16 @@ fn tool_call_grammar(
             let path = format!("{base}.parameters.properties.{k}");
             let value = if is_text_schema(schema) {
                 let terminal = format!("TEXT_{i}_{j}");
-                let (rule, may_be_empty) = text_terminal(schema, &path, strict)?;
-                rules.push(format!("{terminal}: {rule}"));
-                if may_be_empty {
-                    format!("{terminal}?")
-                } else {
-                    terminal
+                match text_terminal(schema, &path, strict)? {
+                    (None, _) => String::new(),
+                    (Some(rule), may_be_empty) => {
+                        rules.push(format!("{terminal}: {rule}"));
+                        if may_be_empty {
+                            format!("{terminal}?")
+                        } else {
+                            terminal
+                        }
+                    }
                 }
             } else {
                 let rule = format!("value_{i}_{j}");
@@ -347,8 +351,9 @@ fn tool_call_grammar(
     ))
 }
 
-/// The Lark terminal of a raw-text argument (and whether the value may be empty, which a
-/// terminal cannot match): its schema's `enum` or `const` as literals, else text of
+/// The Lark terminal of a raw-text argument (`None` when only the empty value is allowed)
+/// and whether the value may be empty, which a terminal cannot match: its schema's `enum`
+/// or `const` as literals, else text of
 /// `minLength` to `maxLength` characters (at most [`MAX_ARG_CHARS`] when unbounded) that
 /// matches `pattern`, and never holds a tool-call marker's text (the parser would end the
 /// value there). `format` is not enforced on raw text: refused when `strict`.
@@ -356,7 +361,7 @@ fn text_terminal(
     schema: Option<&Value>,
     path: &str,
     strict: bool,
-) -> Result<(String, bool), ApiError> {
+) -> Result<(Option<String>, bool), ApiError> {
     let get = |k: &str| schema.and_then(|s| s.get(k));
     let choices: Option<Vec<&str>> = match (get("const"), get("enum")) {
         (Some(c), _) => Some(c.as_str().into_iter().collect()),
@@ -378,10 +383,9 @@ fn text_terminal(
             .map(|c| lark_literal(c))
             .collect();
         if literals.is_empty() {
-            // Only the empty string: a terminal that never matches, made optional.
-            return Ok(("/[^\\s\\S]/".into(), true));
+            return Ok((None, true));
         }
-        return Ok((literals.join(" | "), may_be_empty));
+        return Ok((Some(literals.join(" | ")), may_be_empty));
     }
     if strict && get("format").is_some() {
         let field = format!("{path}.format");
@@ -410,6 +414,9 @@ fn text_terminal(
             format!("`{field}` ({min}) is greater than `maxLength` ({max})."),
         ));
     }
+    if max == 0 {
+        return Ok((None, true));
+    }
     let mut parts = vec![format!("/(?s:.{{{},{max}}})/", min.max(1))];
     if let Some(p) = get("pattern") {
         let field = format!("{path}.pattern");
@@ -419,7 +426,7 @@ fn text_terminal(
         parts.push(format!("/{}/", whole_value_regex(p, &field)?));
     }
     parts.push(r"~/(?s:.*<\/(?:arg_key|arg_value|tool_call)>.*)/".to_string());
-    Ok((parts.join(" & "), min == 0))
+    Ok((Some(parts.join(" & ")), min == 0))
 }
 
 /// A JSON Schema `pattern` (found anywhere in the value unless anchored by `^` / `$`) as a
