@@ -51,6 +51,10 @@ GLMFLASH_E2E_URL="http://127.0.0.1:$port" "$python" e2e/openai_client_test.py ||
 "$bin" gates --url "http://127.0.0.1:$port" --context-tokens 2048 --min-tok-s 5 \
   --speed-seconds 10 || { echo "gates failed against the demo model"; status=1; }
 
+# 64 clients, some dropping their streams, some sending malformed bodies: no 429, no 5xx,
+# RSS flat (a quick variant of e2e/soak.py, on a server of its own).
+"$python" e2e/soak.py --bin "$bin" --rounds 3 --requests 2 || { echo "soak failed"; status=1; }
+
 # /metrics on its own port.
 # (captured first: grep -q closing the pipe early would fail curl under pipefail)
 mtext="$(curl -sf "http://127.0.0.1:$mport/metrics" || true)"

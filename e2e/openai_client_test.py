@@ -139,6 +139,45 @@ def forced_tool_call():
 
 
 @test
+def forced_tool_call_obeys_the_parameter_schema():
+    # Issue 15 item 12: an enum string parameter was free text, so a small max_tokens ran
+    # out mid-value and no call came back; maxLength was ignored.
+    tools = [{"type": "function", "function": {"name": "get_weather", "strict": True, "parameters": {
+        "type": "object", "additionalProperties": False, "required": ["city", "note", "days"],
+        "properties": {"city": {"enum": ["Oslo", "Paris"]},
+                       "note": {"type": "string", "maxLength": 4, "pattern": "^[a-z]+$"},
+                       "days": {"type": "integer", "minimum": 1, "maximum": 5}}}}}]
+    for seed in range(4):
+        r = client.chat.completions.create(model=MODEL, messages=MESSAGES, tools=tools, seed=seed,
+                                           tool_choice="required", max_tokens=64)
+        assert r.choices[0].finish_reason == "tool_calls", r
+        args = json.loads(r.choices[0].message.tool_calls[0].function.arguments)
+        assert args["city"] in ("Oslo", "Paris"), args
+        assert isinstance(args["note"], str) and 1 <= len(args["note"]) <= 4, args
+        assert args["note"].isascii() and args["note"].isalpha() and args["note"].islower(), args
+        assert isinstance(args["days"], int) and 1 <= args["days"] <= 5, args
+
+
+@test
+def bad_tool_schema_names_the_field():
+    for params, field in [
+        ({"type": "object", "properties": {"city": {"type": "string", "pattern": "[a-"}}},
+         "tools[0].function.parameters.properties.city.pattern"),
+        ({"type": "object", "properties": {"ids": {"type": "array", "uniqueItems": True}}},
+         "tools[0].function.parameters.properties.ids.uniqueItems"),
+    ]:
+        tools = [{"type": "function", "function": {"name": "f", "strict": True, "parameters": params}}]
+        try:
+            client.chat.completions.create(model=MODEL, messages=MESSAGES, tools=tools,
+                                           tool_choice="required", max_tokens=8)
+            raise AssertionError(f"{field} accepted")
+        except openai.BadRequestError as e:
+            err = e.body if "message" in (e.body or {}) else e.body["error"]
+            assert err["param"] == field, err
+            assert field in err["message"], err
+
+
+@test
 def completions_non_streaming_and_streaming():
     r = client.completions.create(model=MODEL, prompt="The experts", max_tokens=8, temperature=0,
                                   extra_body={"ignore_eos": True})
@@ -361,6 +400,45 @@ def cancel_mid_stream_frees_the_cache():
     while True:
         m = metrics()
         if m["glmflash_running_requests"] == 0 and m["glmflash_kv_bytes_used"] == 0:
+            break
+        assert time.time() < deadline, m
+        time.sleep(0.05)
+
+
+@test
+def cancelled_streams_leave_the_queue():
+    # Issue 15 item 13: streams dropped after their first bytes kept their place in the queue
+    # and turned the next clients away with 429. 24 streams fill the batch (8) and the queue
+    # (16); all are dropped after the first chunk and 16 more (a full queue) come at once:
+    # none is refused.
+    before = metrics().get("glmflash_requests_cancelled_total")
+    assert before is not None, "no glmflash_requests_cancelled_total"
+
+    def drop_after_first_chunk(results, i):
+        try:
+            stream = client.chat.completions.create(
+                model=MODEL, messages=MESSAGES, max_tokens=100000, stream=True,
+                extra_body={"ignore_eos": True})
+            next(iter(stream))
+            stream.close()
+            results[i] = "ok"
+        except Exception as e:  # noqa: BLE001 - recorded and asserted on
+            results[i] = repr(e)
+
+    dropped = {}
+    threads = [threading.Thread(target=drop_after_first_chunk, args=(dropped, i)) for i in range(24)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert sorted(set(dropped.values())) == ["ok"], dropped
+    results = {}
+    run_streams(16, 4, results, threading.Barrier(16))
+    assert sorted(set(results.values())) == ["ok"], results
+    deadline = time.time() + 30
+    while True:
+        m = metrics()
+        if m["glmflash_requests_cancelled_total"] - before >= 24 and m["glmflash_running_requests"] == 0:
             break
         assert time.time() < deadline, m
         time.sleep(0.05)

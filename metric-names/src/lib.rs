@@ -9,6 +9,9 @@
 
 /// Requests, labels `endpoint` and `status`.
 pub const REQUESTS_TOTAL: &str = "glmflash_requests_total";
+/// Sequences (one per choice) dropped because their client went away: a closed
+/// connection, waiting or running; they leave the queue and the batch and free their cache.
+pub const REQUESTS_CANCELLED_TOTAL: &str = "glmflash_requests_cancelled_total";
 /// Requests being decoded (admitted into the running batch).
 pub const RUNNING_REQUESTS: &str = "glmflash_running_requests";
 /// Requests queued for admission.
@@ -87,7 +90,7 @@ pub const PLAN_EXPERT_SLOTS: &str = "glmflash_plan_expert_slots";
 pub const PLAN_MEMORY_BYTES: &str = "glmflash_plan_memory_bytes";
 
 /// Every name above.
-pub const ALL: [&str; 30] = [
+pub const ALL: [&str; 31] = [
     EXPERT_LOOKUPS_TOTAL,
     TIER_RESIDENT_EXPERTS,
     TIER_CAPACITY_EXPERTS,
@@ -102,6 +105,7 @@ pub const ALL: [&str; 30] = [
     TIME_TO_FIRST_TOKEN_SECONDS,
     INTER_TOKEN_LATENCY_SECONDS,
     REQUESTS_TOTAL,
+    REQUESTS_CANCELLED_TOTAL,
     RUNNING_REQUESTS,
     WAITING_REQUESTS,
     KV_TOKENS_USED,

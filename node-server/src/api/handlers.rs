@@ -2,7 +2,7 @@
 //! completion handler checks the request, turns it into one engine request per choice,
 //! submits them, and answers with a stream or a whole response.
 
-use super::grammar::{chat_grammar, constrain, tool_choice};
+use super::grammar::{chat_grammar, check_tools, constrain, tool_choice};
 use super::parse::opens_reasoning;
 use super::request::{
     ChatRequest, CompletionRequest, MAX_TOP_LOGPROBS, Validated, budget, check_messages,
@@ -92,6 +92,9 @@ pub(super) async fn chat_completions(
     check_model(&state, req.model.as_deref())?;
     let messages = check_messages(&req.messages)?;
     let choice = tool_choice(req.tool_choice.as_ref(), req.tools.as_deref())?;
+    if let Some(tools) = req.tools.as_deref() {
+        check_tools(tools, engine.grammars().ok().map(|g| &**g))?;
+    }
     let top_logprobs = match (req.logprobs, req.top_logprobs) {
         (Some(true), k) => Some(int("top_logprobs", k.unwrap_or(0), 0, MAX_TOP_LOGPROBS)? as usize),
         (_, Some(_)) => {

@@ -2,10 +2,11 @@
 //! ids, the envelope's [`Meta`], usage, and log-probabilities in each endpoint's shape.
 
 use super::ApiError;
-use super::parse::{Piece, parse_all};
+use super::parse::{ArgFormats, Piece, parse_all};
 use crate::engine::scheduler::{Event, FinishReason, TokenLogprob};
 use axum::response::{IntoResponse, Response};
 use serde_json::{Map, Value, json};
+use std::sync::Arc;
 use tokio::sync::mpsc::UnboundedReceiver;
 
 /// What every response object (or chunk) of one request carries.
@@ -120,12 +121,12 @@ pub(super) fn completion_logprobs(lps: &[TokenLogprob], offset: &mut usize) -> V
 }
 
 /// The `chat.completion` object once every choice finished: each choice's text parsed
-/// into reasoning, content and tool calls (`parse_tools`; `in_reasoning`: the prompt left
-/// `<think>` open).
+/// into reasoning, content and tool calls (`tools`: their argument formats when calls are
+/// parsed; `in_reasoning`: the prompt left `<think>` open).
 pub(super) async fn chat_response(
     meta: Meta,
     rxs: Vec<UnboundedReceiver<Event>>,
-    parse_tools: bool,
+    tools: Option<Arc<ArgFormats>>,
     in_reasoning: bool,
     logprobs: bool,
     prompt_tokens: usize,
@@ -137,7 +138,7 @@ pub(super) async fn chat_response(
         let c = r?;
         completion_tokens += c.completion_tokens;
         let (mut reasoning, mut content, mut calls) = (String::new(), String::new(), Vec::new());
-        for p in parse_all(&c.text, parse_tools, in_reasoning) {
+        for p in parse_all(&c.text, tools.clone(), in_reasoning) {
             match p {
                 Piece::Reasoning(s) => reasoning.push_str(&s),
                 Piece::Content(s) => content.push_str(&s),

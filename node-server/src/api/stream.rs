@@ -3,7 +3,7 @@
 //! asked) and `data: [DONE]`.
 
 use super::ApiError;
-use super::parse::{ChatParser, Piece};
+use super::parse::{ArgFormats, ChatParser, Piece};
 use super::request::StreamOptions;
 use super::response::{Meta, chat_logprobs, completion_logprobs, new_id, usage};
 use crate::engine::scheduler::{Event, FinishReason};
@@ -12,6 +12,7 @@ use axum::response::{IntoResponse, Response};
 use futures::stream::{self, BoxStream, StreamExt};
 use serde_json::{Value, json};
 use std::convert::Infallible;
+use std::sync::Arc;
 use tokio::sync::mpsc::UnboundedReceiver;
 
 /// What differs between the chat and completions streams: how one choice's text becomes
@@ -27,11 +28,11 @@ pub(super) enum Choices {
 }
 
 impl Choices {
-    /// `n` chat choices; `parse_tools` and `in_reasoning` as for [`ChatParser::new`].
-    pub(super) fn chat(n: usize, parse_tools: bool, in_reasoning: bool) -> Choices {
+    /// `n` chat choices; `tools` and `in_reasoning` as for [`ChatParser::new`].
+    pub(super) fn chat(n: usize, tools: Option<Arc<ArgFormats>>, in_reasoning: bool) -> Choices {
         Choices::Chat {
             parsers: (0..n)
-                .map(|_| ChatParser::new(parse_tools, in_reasoning))
+                .map(|_| ChatParser::new(tools.clone(), in_reasoning))
                 .collect(),
             tool_calls: vec![0; n],
         }

@@ -137,6 +137,24 @@ pub(super) struct Queue {
     pub(super) shutdown: bool,
 }
 
+impl Queue {
+    /// Drops the waiting sequences whose client went away (their receiver is gone) and
+    /// counts them.
+    pub(super) fn drop_cancelled(&mut self, metrics: &Metrics) {
+        let before = self.waiting.len();
+        self.waiting.retain(|p| !p.tx.is_closed());
+        let gone = before - self.waiting.len();
+        if gone > 0 {
+            metrics.cancelled.inc_by(gone as u64);
+            metrics.waiting.set(self.waiting.len() as i64);
+            tracing::debug!(
+                sequences = gone,
+                "waiting sequences cancelled by their clients"
+            );
+        }
+    }
+}
+
 pub(super) struct Shared {
     pub(super) queue: Mutex<Queue>,
     pub(super) cv: Condvar,
@@ -156,6 +174,7 @@ pub struct Engine {
     grammars: std::sync::OnceLock<Result<Arc<Grammars>, String>>,
     /// The model's routed experts, settled by [`Engine::finish`].
     experts: Arc<dyn ExpertProvider>,
+    metrics: Arc<Metrics>,
 }
 
 impl Engine {
@@ -216,7 +235,7 @@ impl Engine {
             model,
             codec: codec.clone(),
             config: config.clone(),
-            metrics,
+            metrics: metrics.clone(),
             shared: shared.clone(),
             layout,
             capacity,
@@ -239,6 +258,7 @@ impl Engine {
             context_limited_by_cache,
             grammars: std::sync::OnceLock::new(),
             experts,
+            metrics,
         }
     }
 
@@ -255,7 +275,10 @@ impl Engine {
             .map_err(String::as_str)
     }
 
-    /// Queues sequences (all or none); each gets its own event channel.
+    /// Queues sequences (all or none); each gets its own event channel. Dropping a
+    /// receiver cancels its sequence: it leaves the queue here or at the engine's next
+    /// tick, and the batch at that tick. Sequences whose clients went away never count
+    /// against `max_waiting`.
     pub fn submit(
         &self,
         reqs: Vec<GenRequest>,
@@ -264,6 +287,7 @@ impl Engine {
         if q.shutdown {
             return Err(SubmitError::ShuttingDown);
         }
+        q.drop_cancelled(&self.metrics);
         if q.waiting.len() + reqs.len() > self.config.max_waiting {
             return Err(SubmitError::QueueFull(self.config.max_waiting));
         }

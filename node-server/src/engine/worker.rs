@@ -174,8 +174,8 @@ impl Worker {
     fn admit(&mut self) -> bool {
         let mut q = lock(&self.shared.queue);
         loop {
-            q.waiting.retain(|p| !p.tx.is_closed());
-            self.running.retain(|s| !s.tx.is_closed());
+            q.drop_cancelled(&self.metrics);
+            drop_cancelled(&mut self.running, &self.metrics);
             if !self.running.is_empty() || !q.waiting.is_empty() {
                 break;
             }
@@ -389,6 +389,21 @@ impl Worker {
             self.window_start = Instant::now();
             self.window_tokens = 0;
         }
+    }
+}
+
+/// Drops the running sequences whose client went away (their receiver is gone): their
+/// caches are freed and their tokens no longer computed.
+fn drop_cancelled(running: &mut Vec<Seq>, metrics: &Metrics) {
+    let before = running.len();
+    running.retain(|s| !s.tx.is_closed());
+    let gone = before - running.len();
+    if gone > 0 {
+        metrics.cancelled.inc_by(gone as u64);
+        tracing::debug!(
+            sequences = gone,
+            "running sequences cancelled by their clients"
+        );
     }
 }
 

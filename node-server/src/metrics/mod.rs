@@ -36,8 +36,9 @@ pub const TIER_METRICS: [&str; 14] = [
 pub const PLAN_METRICS: [&str; 2] = [PLAN_EXPERT_SLOTS, PLAN_MEMORY_BYTES];
 
 /// Every name this module defines for every server.
-pub const ALL: [&str; 14] = [
+pub const ALL: [&str; 15] = [
     REQUESTS_TOTAL,
+    REQUESTS_CANCELLED_TOTAL,
     RUNNING_REQUESTS,
     WAITING_REQUESTS,
     TIME_TO_FIRST_TOKEN_SECONDS,
@@ -209,6 +210,7 @@ pub struct Metrics {
     plan: Mutex<Option<(IntGaugeVec, IntGaugeVec)>>,
     registry: Registry,
     pub requests: IntCounterVec,
+    pub cancelled: IntCounter,
     pub running: IntGauge,
     pub waiting: IntGauge,
     pub ttft: Histogram,
@@ -237,6 +239,11 @@ impl Metrics {
         let requests = IntCounterVec::new(
             Opts::new(REQUESTS_TOTAL, "Requests by endpoint and HTTP status."),
             &["endpoint", "status"],
+        )
+        .expect("valid metric");
+        let cancelled = IntCounter::new(
+            REQUESTS_CANCELLED_TOTAL,
+            "Sequences dropped because their client went away (waiting or running).",
         )
         .expect("valid metric");
         let running = IntGauge::new(RUNNING_REQUESTS, "Sequences in the running batch.")
@@ -288,6 +295,7 @@ impl Metrics {
         let ready = IntGauge::new(SERVER_READY, "1 once the model is loaded.").expect("valid");
         for c in [
             Box::new(requests.clone()) as Box<dyn prometheus::core::Collector>,
+            Box::new(cancelled.clone()),
             Box::new(running.clone()),
             Box::new(waiting.clone()),
             Box::new(ttft.clone()),
@@ -309,6 +317,7 @@ impl Metrics {
             plan: Mutex::new(None),
             registry,
             requests,
+            cancelled,
             running,
             waiting,
             ttft,
