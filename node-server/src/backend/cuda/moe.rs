@@ -417,7 +417,7 @@ impl MoeLayout {
         gate_up: Exl3Form,
         down: Exl3Form,
     ) -> Result<MoeLayout, CudaError> {
-        if hidden == 0 || inter == 0 || hidden % 128 != 0 || inter % 128 != 0 {
+        if hidden == 0 || inter == 0 || !hidden.is_multiple_of(128) || !inter.is_multiple_of(128) {
             return Err(CudaError::Invalid(format!(
                 "EXL3 experts of {hidden} x {inter}: both must be positive multiples of 128"
             )));
@@ -661,7 +661,9 @@ mod tests {
         }
         assert!(p.iter().all(|(off, _)| off % 256 == 0));
         let end = p.last().map(|(o, n)| o + n).unwrap_or(0);
-        assert!(end <= l.slot_bytes && l.slot_bytes - end < 4096 && l.slot_bytes % 4096 == 0);
+        assert!(
+            end <= l.slot_bytes && l.slot_bytes - end < 4096 && l.slot_bytes.is_multiple_of(4096)
+        );
         // 3 bpw mul1 experts at GLM-5.3-Flash width: within 40 KiB of exllamav3's 9.47 MB
         // (the scales are f32 here, f16 there).
         let seed = MoeLayout::exl3(
