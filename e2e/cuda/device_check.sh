@@ -182,7 +182,7 @@ step "speed: the same random model on the CPU (16 cores) and on the GPU"
 for dev in cpu cuda; do
   "$BIN" bench --device $dev --hidden 2048 --layers 4 --experts 32 --expert-width 512 --top-k 8 \
     --expert-format q4_k --prompt-tokens 512 --decode-tokens 64 > "$OUT/bench_$dev.json" 2>"$work/bench_$dev.err" || { fail=1; tail -3 "$work/bench_$dev.err"; }
-  python3 -c "import json,sys;d=json.load(open(sys.argv[1]));print(sys.argv[2], {k:d[k] for k in ('device','prefill_tok_s','decode_tok_s','decode_bytes_per_token','read_bandwidth_gb_s','decode_roofline_ratio')})" "$OUT/bench_$dev.json" $dev || fail=1
+  python3 -c "import json,sys;d=json.load(open(sys.argv[1]));print(sys.argv[2], {k:d[k] for k in ('device','decoder','prefill_tok_s','read_bandwidth_gb_s')}, d['decode'])" "$OUT/bench_$dev.json" $dev || fail=1
 done
 
 fi

@@ -205,10 +205,9 @@ def cmd_summary(args):
             res.setdefault("missing", []).append(f"{p}: {e}")
             continue
         name = doc.get("engine", os.path.basename(p))
-        if "bench_json" in doc:  # glmflash `bench --model`: the host decoder, one stream
-            b = doc["bench_json"]
-            doc["runs"] = [dict(batch=1, tok_s=b.get("decode_tok_s"), ms_per_step=1e3 / b["decode_tok_s"]
-                                if b.get("decode_tok_s") else None)]
+        if "bench_json" in doc:  # glmflash `bench --model`: one decode run per batch size
+            doc["runs"] = [dict(batch=r["streams"], tok_s=r["tok_s"], ms_per_step=r["ms_per_step"])
+                           for r in doc["bench_json"].get("decode", [])]
         res["engines"][name] = doc
     table = []
     per_tok = bytes_["decode_bytes_per_token"]

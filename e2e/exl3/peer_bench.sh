@@ -10,8 +10,13 @@
 #                                                still-warm machine resumes waiting for the same build
 #   bash e2e/exl3/peer_bench.sh run              checkpoint (make_random_exl3.py --flash), exllamav3's
 #                                                Generator at each batch size, glmflash `bench --model`
-#                                                (host decoder, 1 stream) and `serve` + streaming client
+#                                                (GpuDecoder in-process, each batch size; with GLMFLASH_GPU_PROFILE
+#                                                set, its phase profile) and `serve` + streaming client
 #                                                (GpuDecoder, each batch size), then a summary
+#   bash e2e/exl3/peer_bench.sh profile          checkpoint, then where glmflash's decode time goes: `bench --model`
+#                                                plain and with GLMFLASH_GPU_PROFILE (phases), every kernel's
+#                                                duration under ncu (ncu.csv), and the CPU lane's EXL3 products
+#                                                on all cores if $EXL3_TEST (the `exl3` test binary) is there
 #   bash e2e/exl3/peer_bench.sh all              build, then run if the budget leaves time
 #
 # Needs (repo-relative): .whl/exl3/*.whl (see README), the glmflash binary at $BIN (default
@@ -84,12 +89,8 @@ build() {
     && log "extension saved: $(stat -c %s "$so") bytes -> $OUT/ext.so.gz.part* (cat | gunzip > .device/ext/exllamav3_ext.so)"
 }
 
-run() {
+checkpoint() {
   local ck=$W/ck_flash L=${LAYERS:-8} E=${EXPERTS:-64}
-  local opts=(--batches "${BATCHES:-1,4}" --prompt-len "${PROMPT:-32}" --warmup "${WARMUP:-16}" --steps "${STEPS:-128}")
-  nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader | tee "$OUT/gpu.txt"
-  python3 -c "import torch; print('torch', torch.__version__, 'cuda', torch.version.cuda)" | tee -a "$OUT/gpu.txt"
-  install_wheels || log "wheel install FAILED: the exllamav3 half will fail"
   local args="${PRESET:---flash} --layers $L --experts $E"
   if [ "$(cat "$ck/.args" 2>/dev/null)" = "$args" ]; then log "checkpoint reused: $ck"; else
     log "checkpoint: make_random_exl3.py $args"
@@ -97,7 +98,45 @@ run() {
       && echo "$args" > "$ck/.args"
     log "checkpoint rc=$?: $(tail -1 "$OUT/make_ckpt.log")"
   fi
-  cp "$ck/bytes.json" "$OUT/bytes.json" 2>/dev/null || { log "no checkpoint, stopping"; return 1; }
+  cp "$ck/bytes.json" "$OUT/bytes.json" 2>/dev/null || { log "no checkpoint"; return 1; }
+}
+
+profile() {
+  local ck=$W/ck_flash
+  nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader | tee "$OUT/gpu.txt"
+  checkpoint || return 1
+  [ -x "$BIN" ] || { log "no glmflash binary at $BIN"; return 1; }
+  local b=(bench --model "$ck" --device cuda --prompt-tokens "${PROMPT:-32}" --streams "${BATCHES:-1,4}")
+  log "bench --model (plain)"
+  timeout -k 10 "$(cap 150)" "$BIN" "${b[@]}" --decode-tokens "${STEPS:-128}" > "$OUT/bench.json" 2> "$OUT/bench.log"
+  log "rc=$?"; python3 -c "import json;[print(r) for r in json.load(open('$OUT/bench.json'))['decode']]"
+  log "bench --model, GLMFLASH_GPU_PROFILE=1"
+  GLMFLASH_GPU_PROFILE=1 timeout -k 10 "$(cap 150)" "$BIN" "${b[@]}" --decode-tokens 32 > "$OUT/bench_profile.json" 2> "$OUT/bench_profile.log"
+  log "rc=$?"; python3 -c "import json;[print(r) for r in json.load(open('$OUT/bench_profile.json'))['decode']]"
+  if command -v ncu >/dev/null; then
+    log "ncu: every kernel's duration (prompt 8, 1 stream, 2 + 6 decode steps)"
+    timeout -k 10 "$(cap 240)" ncu --clock-control none --metrics gpu__time_duration.sum --csv --print-units base \
+      "$BIN" bench --model "$ck" --device cuda --prompt-tokens 8 --streams 1 --decode-tokens 6 \
+      > "$OUT/ncu.csv" 2> "$OUT/ncu.log"
+    log "ncu rc=$?: $(grep -c gpu__time_duration "$OUT/ncu.csv") kernels"; gzip -f "$OUT/ncu.csv"
+  fi
+  if [ -x "${EXL3_TEST:-}" ]; then
+    for t in 1 4 16; do
+      log "CPU lane, RAYON_NUM_THREADS=$t"
+      RAYON_NUM_THREADS=$t timeout "$(cap 120)" "$EXL3_TEST" one_row_product_throughput --ignored --nocapture 2>&1 \
+        | grep -E "bpw|test result" | tee -a "$OUT/cpu_lane.txt"
+    done
+  fi
+  ls -la "$OUT"
+}
+
+run() {
+  local ck=$W/ck_flash
+  local opts=(--batches "${BATCHES:-1,4}" --prompt-len "${PROMPT:-32}" --warmup "${WARMUP:-16}" --steps "${STEPS:-128}")
+  nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader | tee "$OUT/gpu.txt"
+  python3 -c "import torch; print('torch', torch.__version__, 'cuda', torch.version.cuda)" | tee -a "$OUT/gpu.txt"
+  install_wheels || log "wheel install FAILED: the exllamav3 half will fail"
+  checkpoint || return 1
   local vocab; vocab=$(python3 -c "import json;print(json.load(open('$ck/bytes.json'))['vocab'])")
 
   if ! skip exl3 && [ ! -f "$REPO/.device/ext/exllamav3_ext.so" ] && [ ! -f "$W/build.done" ]; then
@@ -112,11 +151,12 @@ run() {
   if ! skip glmflash; then
     [ -x "$BIN" ] || { log "no glmflash binary at $BIN: skipping its half"; summary; return 1; }
     "$BIN" --version | tee "$OUT/glmflash_version.txt"
-    log "glmflash bench --model (host decoder, 1 stream, all experts in VRAM)"
+    log "glmflash bench --model (GpuDecoder in-process, all experts in VRAM)"
     timeout -k 10 "$(cap 200)" "$BIN" bench --model "$ck" --device "${DEVICE:-cuda}" --prompt-tokens "${PROMPT:-32}" \
+      --streams "${BATCHES:-1,4}" \
       --decode-tokens "${STEPS:-128}" > "$W/bench.json" 2> "$OUT/glmflash_bench.log"
     log "glmflash bench rc=$?"; tail -3 "$OUT/glmflash_bench.log" | cut -c1-300
-    python3 -c "import json,sys; json.dump(dict(engine='glmflash-host', decoder='Model::decode_step (bench --model)', \
+    python3 -c "import json,sys; json.dump(dict(engine='glmflash-bench', decoder='GpuDecoder (bench --model)', \
 bench_json=json.load(open('$W/bench.json'))), open('$OUT/glmflash_bench.json','w'), indent=1)" 2>/dev/null
 
     log "glmflash serve (GpuDecoder) + streaming client"
@@ -153,9 +193,10 @@ summary() {
 case $MODE in
   build) build "${2:-540}" ;;
   run) run ;;
+  profile) profile ;;
   all)
     build "${2:-540}" || exit 1
     if [ "$(left)" -lt 200 ]; then log "built; $(left)s left: run the measurements in a separate call (run)"; exit 0; fi
     run ;;
-  *) echo "usage: $0 build [WAIT_S] | run | all" >&2; exit 2 ;;
+  *) echo "usage: $0 build [WAIT_S] | run | profile | all" >&2; exit 2 ;;
 esac

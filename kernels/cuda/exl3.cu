@@ -26,6 +26,9 @@
 #define EXL3_HSCALE 0.08838835f
 // Warps of an `exl3_gemv` block: each takes every GEMV_WARPS-th tile of the block's slice.
 #define EXL3_GEMV_WARPS 8
+// Tiles a warp keeps in flight, and the words of a ring slot (a tile at 8 bpw: 4 x 16).
+#define EXL3_RING 8
+#define EXL3_RING_WORDS 64
 
 __device__ __forceinline__ float round_f16(float v) {
     u16 h;
@@ -101,12 +104,34 @@ __device__ __forceinline__ void exl3_decode_words(const u32 a[4], int o, float w
     u32 b[3];
 #pragma unroll
     for (int i = 0; i < 3; i++) b[i] = funnel_left(a[i + 1], a[i], o);
+    u32 state[8];
 #pragma unroll
     for (int j = 0; j < 8; j++) {
         const int d = j * low + half * ((j + 1) >> 1);
-        const u32 state = (d & 31) <= 16 ? (b[d >> 5] << (d & 31)) >> 16
-                                         : funnel_left(b[(d >> 5) + 1], b[d >> 5], d & 31) >> 16;
-        w[j] = exl3_value<CB>(state);
+        state[j] = (d & 31) <= 16 ? (b[d >> 5] << (d & 31)) >> 16
+                                  : funnel_left(b[(d >> 5) + 1], b[d >> 5], d & 31) >> 16;
+    }
+    if (CB == EXL3_MUL1) {
+        // Two weights an f16x2 fma, exact as `exl3_value` is: the byte sum s < 1024 sits in
+        // the f16 1024 + s (dp4a adds it to 0x6400), and (1024 + s) 1774/2^18 - 10.3828125
+        // (both constants exact in f16) is the exact (1774 s - 905216) / 2^18, rounded to f16
+        // once by the fma.
+#pragma unroll
+        for (int j = 0; j < 8; j += 2) {
+            u32 lo, hi, h2;
+            asm("dp4a.u32.u32 %0, %1, %2, %3;"
+                : "=r"(lo) : "r"(state[j] * 0x83DCD12Du), "r"(0x01010101u), "r"(0x6400u));
+            asm("dp4a.u32.u32 %0, %1, %2, %3;"
+                : "=r"(hi) : "r"(state[j + 1] * 0x83DCD12Du), "r"(0x01010101u), "r"(0x6400u));
+            asm("{\n\t.reg .b32 p;\n\tprmt.b32 p, %1, %2, 0x5410;\n\t"
+                "fma.rn.f16x2 %0, p, %3, %4;\n\t}"
+                : "=r"(h2) : "r"(lo), "r"(hi), "r"(0x1EEE1EEEu), "r"(0xC931C931u));
+            w[j] = f16_to_f32((u16)(h2 & 0xFFFFu));
+            w[j + 1] = f16_to_f32((u16)(h2 >> 16));
+        }
+    } else {
+#pragma unroll
+        for (int j = 0; j < 8; j++) w[j] = exl3_value<CB>(state[j]);
     }
 }
 
@@ -152,73 +177,97 @@ extern "C" __global__ void exl3_rotate_output(const float* __restrict__ part, in
     y[at] = out;
 }
 
+// Copies 16 bytes from global to shared memory without passing through registers
+// (sm_80+); completes at `exl3_cp_wait`. No memory clobbers: the callers order the ring's
+// shared reads against the copies with __syncwarp, which the compiler does not move loads
+// across.
+__device__ __forceinline__ void exl3_cp16(u32* dst, const u32* src) {
+    const u32 at = (u32)__cvta_generic_to_shared(dst);
+    asm volatile("cp.async.cg.shared.global [%0], [%1], 16;\n" ::"r"(at), "l"(src));
+}
+__device__ __forceinline__ void exl3_cp_commit() {
+    asm volatile("cp.async.commit_group;\n" ::);
+}
+// Waits until at most N of this thread's copy groups are still in flight.
+template <int N>
+__device__ __forceinline__ void exl3_cp_wait() {
+    asm volatile("cp.async.wait_group %0;\n" ::"n"(N));
+}
+
+// Issues the copy of tile `m` of the warp (at `src + m * step`, 16 H bytes: lanes 0 .. H - 1
+// one 16-byte chunk each) into ring slot `m mod EXL3_RING`, and commits a group (empty past
+// `count`, so that every lane's group count stays in step with m).
+template <int H>
+__device__ __forceinline__ void exl3_ring_fetch(u32 (*ring)[EXL3_RING_WORDS], const u32* src,
+                                                i64 step, int m, int count, int lane) {
+    if (m < count && lane < H) exl3_cp16(ring[m % EXL3_RING] + 4 * lane, src + m * step + 4 * lane);
+    exl3_cp_commit();
+}
+
 // part[s * slice + t * N + 16 nt .. + 16] = xr[t, K slice s] What[K slice s, 16 nt .. 16 nt + 16]
 // for every token t < tokens (xr rows K apart), TT tokens a pass. The block's strip nt is
 // blockIdx.x and its slice s blockIdx.y; EXL3_GEMV_WARPS warps; slice s is k-tiles
 // [s * per, (s + 1) * per). Every block writes its outputs, an empty slice zeros. `red` is the
-// block's shared scratch (declared by the kernel: one array for every instantiation). A
-// token's sums take the same steps in the same order whatever TT and the other tokens are.
+// block's shared scratch and `ring` this warp's tile ring (declared by the kernel: one array
+// for every instantiation). A token's sums take the same steps in the same order whatever TT
+// and the other tokens are.
+//
+// Warp w takes the slice's tiles w, w + W, w + 2 W, ... in order. Its next EXL3_RING tiles are
+// always in flight, copied global -> shared by cp.async: a tile is only 16 H bytes, so the
+// bytes a GPU keeps in flight (what sets a GEMV's speed once HBM latency dominates) come from
+// many tiles a warp, which registers could not hold.
 template <int H, int CB, int TT>
 __device__ void exl3_gemv_pass(const u32* __restrict__ trellis, int k, int n, int per,
                                const float* __restrict__ xr, int tokens, float* __restrict__ part,
-                               i64 slice, float (*red)[TOK_TILE][16]) {
+                               i64 slice, float (*red)[TOK_TILE][16],
+                               u32 (*ring)[EXL3_RING_WORDS]) {
     const int lane = threadIdx.x & (WARP - 1), wid = threadIdx.x / WARP;
     const int nt = blockIdx.x, s = blockIdx.y;
     const int k_tiles = k / 16, n_tiles = n / 16, tile_words = 4 * H;
     const int kt0 = min(k_tiles, s * per), kt1 = min(k_tiles, kt0 + per);
     const int r0 = 2 * (lane & 3), c0 = lane >> 2;
+    constexpr int W = EXL3_GEMV_WARPS;
     int w0, o, idx[4];
     exl3_lane_window<H>(lane, w0, o);
     exl3_lane_words<H>(w0, idx);
-    const u32* strip = trellis + (i64)nt * tile_words;
-    const i64 stride = (i64)n_tiles * tile_words;
+    const int first = kt0 + wid;
+    const int count = first < kt1 ? (kt1 - first + W - 1) / W : 0;
+    const i64 step = (i64)W * n_tiles * tile_words;
+    const u32* src = trellis + ((i64)first * n_tiles + nt) * tile_words;
     for (int t0 = 0; t0 < tokens; t0 += TT) {
         const int nt_tok = min(TT, tokens - t0);
         float acc[TT][2];
 #pragma unroll
         for (int t = 0; t < TT; t++) acc[t][0] = acc[t][1] = 0.0f;
-        // Two tiles a step (kt and kt + EXL3_GEMV_WARPS), the next step's words loading
-        // while these decode; each token's sums still add the tiles in order.
-        constexpr int W = EXL3_GEMV_WARPS;
-        u32 cur[2][4] = {{0, 0, 0, 0}, {0, 0, 0, 0}};
 #pragma unroll
-        for (int u = 0; u < 2; u++)
-            if (kt0 + wid + u * W < kt1) exl3_load4(strip + (kt0 + wid + u * W) * stride, idx, cur[u]);
-        for (int kt = kt0 + wid; kt < kt1; kt += 2 * W) {
-            u32 next[2][4] = {{0, 0, 0, 0}, {0, 0, 0, 0}};
+        for (int m = 0; m < EXL3_RING; m++) exl3_ring_fetch<H>(ring, src, step, m, count, lane);
+        for (int m = 0; m < count; m++) {
+            exl3_cp_wait<EXL3_RING - 1>();  // tile m has landed (this lane's part)
+            __syncwarp();                     // ... and every lane's
+            u32 a[4];
 #pragma unroll
-            for (int u = 0; u < 2; u++)
-                if (kt + (2 + u) * W < kt1)
-                    exl3_load4(strip + (kt + (2 + u) * W) * stride, idx, next[u]);
-            float w[2][8];
-            exl3_decode_words<H, CB>(cur[0], o, w[0]);
-            const bool second = kt + W < kt1;
-            if (second) exl3_decode_words<H, CB>(cur[1], o, w[1]);
+            for (int i = 0; i < 4; i++) a[i] = ring[m % EXL3_RING][idx[i]];
+            __syncwarp();  // all lanes have read the slot before it is refilled
+            exl3_ring_fetch<H>(ring, src, step, m + EXL3_RING, count, lane);
+            float w[8];
+            exl3_decode_words<H, CB>(a, o, w);
+            const float* xk = xr + (i64)t0 * k + 16 * (first + m * W) + r0;
 #pragma unroll
-            for (int u = 0; u < 2; u++)
-#pragma unroll
-                for (int i = 0; i < 4; i++) cur[u][i] = next[u][i];
-#pragma unroll
-            for (int u = 0; u < 2; u++) {
-                if (u == 1 && !second) break;
-                const float* xk = xr + (i64)t0 * k + 16 * (kt + u * W) + r0;
-#pragma unroll
-                for (int t = 0; t < TT; t++) {
-                    if (TT == 1 || t < nt_tok) {
-                        const float2 a = __ldg((const float2*)(xk + (i64)t * k));
-                        const float2 b = __ldg((const float2*)(xk + (i64)t * k + 8));
-                        float c = acc[t][0], d = acc[t][1];
-                        c = fmaf(a.x, w[u][0], c);
-                        c = fmaf(a.y, w[u][1], c);
-                        c = fmaf(b.x, w[u][2], c);
-                        c = fmaf(b.y, w[u][3], c);
-                        d = fmaf(a.x, w[u][4], d);
-                        d = fmaf(a.y, w[u][5], d);
-                        d = fmaf(b.x, w[u][6], d);
-                        d = fmaf(b.y, w[u][7], d);
-                        acc[t][0] = c;
-                        acc[t][1] = d;
-                    }
+            for (int t = 0; t < TT; t++) {
+                if (TT == 1 || t < nt_tok) {
+                    const float2 a2 = __ldg((const float2*)(xk + (i64)t * k));
+                    const float2 b2 = __ldg((const float2*)(xk + (i64)t * k + 8));
+                    float c = acc[t][0], d = acc[t][1];
+                    c = fmaf(a2.x, w[0], c);
+                    c = fmaf(a2.y, w[1], c);
+                    c = fmaf(b2.x, w[2], c);
+                    c = fmaf(b2.y, w[3], c);
+                    d = fmaf(a2.x, w[4], d);
+                    d = fmaf(a2.y, w[5], d);
+                    d = fmaf(b2.x, w[6], d);
+                    d = fmaf(b2.y, w[7], d);
+                    acc[t][0] = c;
+                    acc[t][1] = d;
                 }
             }
         }
@@ -251,13 +300,14 @@ __device__ void exl3_gemv_pass(const u32* __restrict__ trellis, int k, int n, in
 template <int H, int CB, bool ONE>
 __device__ void exl3_gemv_strip(const u32* __restrict__ trellis, int k, int n, int per,
                                 const float* __restrict__ xr, int tokens, float* __restrict__ part,
-                                i64 slice, float (*red)[TOK_TILE][16]) {
+                                i64 slice, float (*red)[TOK_TILE][16],
+                                u32 (*ring)[EXL3_RING_WORDS]) {
     if (ONE)
-        exl3_gemv_pass<H, CB, 1>(trellis, k, n, per, xr, tokens, part, slice, red);
+        exl3_gemv_pass<H, CB, 1>(trellis, k, n, per, xr, tokens, part, slice, red, ring);
     else if (tokens <= 4)
-        exl3_gemv_pass<H, CB, 4>(trellis, k, n, per, xr, tokens, part, slice, red);
+        exl3_gemv_pass<H, CB, 4>(trellis, k, n, per, xr, tokens, part, slice, red, ring);
     else
-        exl3_gemv_pass<H, CB, TOK_TILE>(trellis, k, n, per, xr, tokens, part, slice, red);
+        exl3_gemv_pass<H, CB, TOK_TILE>(trellis, k, n, per, xr, tokens, part, slice, red, ring);
 }
 
 // Calls CALL(H, CB) with compile-time rate and codebook; half-integer rates exist for mul1
@@ -290,8 +340,11 @@ __device__ void exl3_gemv_kernel(const u32* __restrict__ trellis, int halves, in
                                  int n, int per, const float* __restrict__ xr, int tokens,
                                  float* __restrict__ part) {
     __shared__ float red[EXL3_GEMV_WARPS][TOK_TILE][16];
-#define CALL(H, CB) \
-    exl3_gemv_strip<H, CB, ONE>(trellis, k, n, per, xr, tokens, part, (i64)tokens * n, red)
+    __shared__ __align__(16) u32 ring[EXL3_GEMV_WARPS][EXL3_RING][EXL3_RING_WORDS];
+    u32(*mine)[EXL3_RING_WORDS] = ring[threadIdx.x / WARP];
+#define CALL(H, CB)                                                                     \
+    exl3_gemv_strip<H, CB, ONE>(trellis, k, n, per, xr, tokens, part, (i64)tokens * n, red, \
+                                mine)
     EXL3_DISPATCH(halves, codebook, CALL)
 #undef CALL
 }
@@ -302,7 +355,7 @@ extern "C" __global__ void __launch_bounds__(256, 2) exl3_gemv(const u32* __rest
     exl3_gemv_kernel<false>(trellis, halves, codebook, k, n, per, xr, tokens, part);
 }
 
-extern "C" __global__ void __launch_bounds__(256, 3) exl3_gemv_one(const u32* __restrict__ trellis, int halves,
+extern "C" __global__ void __launch_bounds__(256, 4) exl3_gemv_one(const u32* __restrict__ trellis, int halves,
                                          int codebook, int k, int n, int per,
                                          const float* __restrict__ xr, int tokens,
                                          float* __restrict__ part) {
@@ -381,6 +434,7 @@ __device__ void exl3_moe_gemv_kernel(const u8* __restrict__ arena, int halves, i
                                      const float* __restrict__ xr, int entries,
                                      float* __restrict__ part) {
     __shared__ float red[EXL3_GEMV_WARPS][TOK_TILE][16];
+    __shared__ __align__(16) u32 ring[EXL3_GEMV_WARPS][EXL3_RING][EXL3_RING_WORDS];
     const int g = ids[blockIdx.z % count], z = blockIdx.z / count;
     const u32* trellis =
         (const u32*)(arena + group_base[g] + (z ? trellis_off1 : trellis_off0));
@@ -388,7 +442,8 @@ __device__ void exl3_moe_gemv_kernel(const u8* __restrict__ arena, int halves, i
     const float* x = xr + ((i64)z * entries + group_start[g]) * k;
     float* out = part + (i64)z * gridDim.y * slice + (i64)group_start[g] * n;
     const int len = group_len[g];
-#define CALL(H, CB) exl3_gemv_strip<H, CB, ONE>(trellis, k, n, per, x, len, out, slice, red)
+#define CALL(H, CB) \
+    exl3_gemv_strip<H, CB, ONE>(trellis, k, n, per, x, len, out, slice, red, ring[threadIdx.x / WARP])
     EXL3_DISPATCH(halves, codebook, CALL)
 #undef CALL
 }
@@ -406,7 +461,7 @@ extern "C" __global__ void __launch_bounds__(256, 2) exl3_moe_gemv(EXL3_MOE_GEMV
     exl3_moe_gemv_kernel<false>(EXL3_MOE_GEMV_CALL);
 }
 
-extern "C" __global__ void __launch_bounds__(256, 3) exl3_moe_gemv_one(EXL3_MOE_GEMV_ARGS) {
+extern "C" __global__ void __launch_bounds__(256, 4) exl3_moe_gemv_one(EXL3_MOE_GEMV_ARGS) {
     exl3_moe_gemv_kernel<true>(EXL3_MOE_GEMV_CALL);
 }
 

@@ -8,53 +8,67 @@
 // Most streams the kernels take (the model uses 4); the host checks.
 #define MHC_MAX_N 8
 
-// Weights of one token from its (2 + n) n logits `l`. Run by one thread: n is tiny. Plain
-// (unfused) products and sums in the CPU's order, so the weights match it closely.
+// Weights of one token from its (2 + n) n logits `l`, written to shared `pre`, `post` and
+// `comb`. Run by the block's first n * n threads together: thread (i, j) = (tid / n, tid % n)
+// owns comb[i][j], and pre/post[tid] for tid < n. Every sum still adds its n terms one by one
+// in the CPU's order (each thread of a row or column reads them all from shared memory), and
+// every product, sum and quotient is unfused, so the weights equal the one-thread version's;
+// the n * n entries of a Sinkhorn step run at once instead of one after another.
+// Ends with the weights visible to the whole block.
 __device__ void mhc_weights(const float* __restrict__ l, const float* __restrict__ base, float s0,
                             float s1, float s2, int n, float eps, int iters, float* pre,
                             float* post, float* comb) {
-    for (int i = 0; i < n; i++) pre[i] = sigmoid(__fadd_rn(__fmul_rn(l[i], s0), base[i])) + eps;
-    for (int i = 0; i < n; i++)
-        post[i] = 2.0f * sigmoid(__fadd_rn(__fmul_rn(l[n + i], s1), base[n + i]));
-    for (int i = 0; i < n; i++) {
-        float* row = comb + i * n;
-        const int at = 2 * n + i * n;
-        float mx = __int_as_float(0xff800000);  // -inf
-        for (int j = 0; j < n; j++) {
-            row[j] = __fadd_rn(__fmul_rn(l[at + j], s2), base[at + j]);
-            mx = fmaxf(mx, row[j]);
-        }
-        float sum = 0.0f;
-        for (int j = 0; j < n; j++) {
-            row[j] = expf(row[j] - mx);
-            sum += row[j];
-        }
-        for (int j = 0; j < n; j++) row[j] = row[j] / sum + eps;
+    const int tid = threadIdx.x, nn = n * n;
+    const bool own = tid < nn;
+    const int i = own ? tid / n : 0, j = own ? tid % n : 0;
+    if (tid < n) {
+        pre[tid] = sigmoid(__fadd_rn(__fmul_rn(l[tid], s0), base[tid])) + eps;
+        post[tid] = 2.0f * sigmoid(__fadd_rn(__fmul_rn(l[n + tid], s1), base[n + tid]));
     }
+    // Row softmax: every thread of row i computes the row's max and sum itself.
+    if (own) comb[tid] = __fadd_rn(__fmul_rn(l[2 * n + tid], s2), base[2 * n + tid]);
+    __syncthreads();
+    float v = 0.0f;
+    if (own) {
+        float mx = __int_as_float(0xff800000);  // -inf
+        for (int c = 0; c < n; c++) mx = fmaxf(mx, comb[i * n + c]);
+        float sum = 0.0f;
+        for (int c = 0; c < n; c++) sum += expf(comb[i * n + c] - mx);
+        v = expf(comb[tid] - mx) / sum + eps;
+    }
+    __syncthreads();
+    if (own) comb[tid] = v;
+    __syncthreads();
     // Sinkhorn: columns once, then (iters - 1) times rows then columns; each sum adds eps.
     for (int it = 0; it < (iters > 1 ? iters : 1); it++) {
         if (it > 0) {
-            for (int i = 0; i < n; i++) {
+            if (own) {
                 float sum = 0.0f;
-                for (int j = 0; j < n; j++) sum += comb[i * n + j];
+                for (int c = 0; c < n; c++) sum += comb[i * n + c];
                 sum += eps;
-                for (int j = 0; j < n; j++) comb[i * n + j] /= sum;
+                v = comb[tid] / sum;
             }
+            __syncthreads();
+            if (own) comb[tid] = v;
+            __syncthreads();
         }
-        for (int j = 0; j < n; j++) {
+        if (own) {
             float sum = 0.0f;
-            for (int i = 0; i < n; i++) sum += comb[i * n + j];
+            for (int r = 0; r < n; r++) sum += comb[r * n + j];
             sum += eps;
-            for (int i = 0; i < n; i++) comb[i * n + j] /= sum;
+            v = comb[tid] / sum;
         }
+        __syncthreads();
+        if (own) comb[tid] = v;
+        __syncthreads();
     }
 }
 
 // logits: [T, (2 + n) n]; base: [(2 + n) n]; streams: [T, n, d]. Writes collapsed [T, d],
 // post [T, n] and comb [T, n, n] (comb[t][i][m]: weight of input stream i in output m).
-// Grid (ceil(d / blockDim.x), T): every block derives its token's weights itself (a few
-// hundred flops), so one token's collapse spreads over many blocks; block x == 0 writes
-// post and comb.
+// Grid (ceil(d / blockDim.x), T), blockDim.x >= n * n: every block derives its token's weights
+// itself (a few hundred flops), so one token's collapse spreads over many blocks; block x == 0
+// writes post and comb.
 extern "C" __global__ void mhc_collapse(const float* __restrict__ logits,
                                         const float* __restrict__ base, float s0, float s1,
                                         float s2, int n, int d, float eps, int iters,
@@ -63,10 +77,8 @@ extern "C" __global__ void mhc_collapse(const float* __restrict__ logits,
                                         float* __restrict__ comb) {
     __shared__ float w_pre[MHC_MAX_N], w_post[MHC_MAX_N], w_comb[MHC_MAX_N * MHC_MAX_N];
     const int t = blockIdx.y;
-    if (threadIdx.x == 0)
-        mhc_weights(logits + (i64)t * (2 + n) * n, base, s0, s1, s2, n, eps, iters, w_pre, w_post,
-                    w_comb);
-    __syncthreads();
+    mhc_weights(logits + (i64)t * (2 + n) * n, base, s0, s1, s2, n, eps, iters, w_pre, w_post,
+                w_comb);
     if (blockIdx.x == 0) {
         for (int i = threadIdx.x; i < n; i += blockDim.x) post[(i64)t * n + i] = w_post[i];
         for (int i = threadIdx.x; i < n * n; i += blockDim.x)

@@ -10,6 +10,7 @@
 use super::moe::{Exl3Form, MoeRun, Part, PickGroups};
 use super::*;
 use crate::quant::exl3::Exl3Linear;
+use cudarc::driver::CudaView;
 
 /// Blocks the GEMV aims for (a few per SM of the largest GPUs): N/16 strips times the K slices.
 const GEMV_BLOCKS: usize = 512;
@@ -263,15 +264,9 @@ impl Cuda {
         let l = run.layout;
         let (hidden, inter, entries) = (l.hidden, l.inter, groups.list.len());
         let s = &self.stream;
-        let rows: Vec<i32> = groups.list.iter().map(|&p| p / run.k as i32).collect();
-        let (d_gbase, d_start, d_len, d_ebase, d_rows, d_list) = (
-            s.clone_htod(&groups.base)?,
-            s.clone_htod(&groups.start)?,
-            s.clone_htod(&groups.len)?,
-            s.clone_htod(&groups.entry_base())?,
-            s.clone_htod(&rows)?,
-            s.clone_htod(&groups.list)?,
-        );
+        let tables = GroupTables::upload(self, groups, run.k)?;
+        let d_ebase = tables.entry_base();
+        let (d_rows, d_list) = (tables.ints(Table::Rows), tables.ints(Table::List));
         let [(g_suh, _), (g_svh, _)] = l.exl3_scales(Part::GateUp, gate_up);
         let [(d_suh, _), (d_svh, _)] = l.exl3_scales(Part::Down, down);
         let (gate, up, dn) = (0i64, l.up_offset as i64, l.down_offset as i64);
@@ -293,18 +288,7 @@ impl Cuda {
         // below `tokens` (x holds them), xr holds 2 x entries x hidden values.
         unsafe { b.launch(entry_config(entries, hidden, 2)) }?;
 
-        let part_gu = self.moe_gemv(
-            arena,
-            gate_up,
-            groups,
-            &d_gbase,
-            &d_start,
-            &d_len,
-            [gate, up],
-            hidden,
-            inter,
-            &xr,
-        )?;
+        let part_gu = self.moe_gemv(arena, gate_up, &tables, [gate, up], hidden, inter, &xr)?;
 
         let (svh_g, svh_u, suh_d) = (gate + g_svh as i64, up + g_svh as i64, dn + d_suh as i64);
         let splits_gu = moe_splits(hidden, inter) as i32;
@@ -324,18 +308,7 @@ impl Cuda {
         // rows of inter, at least one per entry.
         unsafe { b.launch(entry_config(entries, inter, 1)) }?;
 
-        let part_d = self.moe_gemv(
-            arena,
-            down,
-            groups,
-            &d_gbase,
-            &d_start,
-            &d_len,
-            [dn, dn],
-            inter,
-            hidden,
-            &run.act,
-        )?;
+        let part_d = self.moe_gemv(arena, down, &tables, [dn, dn], inter, hidden, &run.act)?;
 
         let (svh_d, splits_d) = (dn + d_svh as i64, moe_splits(inter, hidden) as i32);
         let mut b = s.launch_builder(self.kernel("exl3_moe_rotate_out"));
@@ -354,25 +327,23 @@ impl Cuda {
         Ok(())
     }
 
-    /// The grouped GEMV of `exl3_moe_gemv` over the slots of `groups`, for the matrices at
-    /// byte offsets `offsets` of each slot (gate and up, or down twice for one part): partial
-    /// products `[parts, splits, entries, n]` of the rotated inputs `xr` (`[parts, entries, k]`).
+    /// The grouped GEMV of `exl3_moe_gemv` over the slots of `groups` (their tables on the
+    /// device), for the matrices at byte offsets `offsets` of each slot (gate and up, or down
+    /// twice for one part): partial products `[parts, splits, entries, n]` of the rotated
+    /// inputs `xr` (`[parts, entries, k]`).
     #[allow(clippy::too_many_arguments)]
     fn moe_gemv(
         &self,
         arena: &CudaSlice<u8>,
         form: Exl3Form,
-        groups: &PickGroups,
-        d_base: &CudaSlice<i64>,
-        d_start: &CudaSlice<i32>,
-        d_len: &CudaSlice<i32>,
+        tables: &GroupTables,
         offsets: [i64; 2],
         k: usize,
         n: usize,
         xr: &CudaSlice<f32>,
     ) -> Result<CudaSlice<f32>, CudaError> {
         let parts: u32 = if offsets[0] == offsets[1] { 1 } else { 2 };
-        let (entries, n_groups) = (groups.list.len(), groups.start.len());
+        let entries = tables.entries;
         let splits = moe_splits(k, n);
         let per = (k / 16).div_ceil(splits);
         let mut part = self.alloc_f32(parts as usize * splits * entries * n)?;
@@ -380,20 +351,26 @@ impl Cuda {
         let (k_i, n_i, per_i, entries_i) = (k as i32, n as i32, per as i32, entries as i32);
         // Groups of one pick (every group of a one-token step) take the lean one-row kernel;
         // a pick's sums are the same in either.
-        let (ones, more): (Vec<i32>, Vec<i32>) =
-            (0..n_groups as i32).partition(|&g| groups.len[g as usize] == 1);
-        for (kernel, ids) in [("exl3_moe_gemv_one", ones), ("exl3_moe_gemv", more)] {
-            if ids.is_empty() {
+        for (kernel, table) in [
+            ("exl3_moe_gemv_one", Table::Ones),
+            ("exl3_moe_gemv", Table::More),
+        ] {
+            let (d_ids, count) = (tables.ints(table), tables.len(table) as i32);
+            if count == 0 {
                 continue;
             }
-            let (d_ids, count) = (self.stream.clone_htod(&ids)?, ids.len() as i32);
+            let (d_base, d_start, d_len) = (
+                tables.base(),
+                tables.ints(Table::Start),
+                tables.ints(Table::Len),
+            );
             let mut b = self.stream.launch_builder(self.kernel(kernel));
             b.arg(arena)
                 .arg(&halves)
                 .arg(&codebook)
-                .arg(d_base)
-                .arg(d_start)
-                .arg(d_len)
+                .arg(&d_base)
+                .arg(&d_start)
+                .arg(&d_len)
                 .arg(&d_ids)
                 .arg(&count)
                 .arg(&offsets[0])
@@ -416,6 +393,84 @@ impl Cuda {
             unsafe { b.launch(cfg) }?;
         }
         Ok(part)
+    }
+}
+
+/// The int32 tables of [`GroupTables`], in the order they are stored.
+#[derive(Clone, Copy)]
+enum Table {
+    /// Each group's first entry.
+    Start,
+    /// Each group's entries.
+    Len,
+    /// Each entry's token row.
+    Rows,
+    /// Each entry's pick index.
+    List,
+    /// The groups of one entry.
+    Ones,
+    /// The groups of more.
+    More,
+}
+
+/// A step's pick groups on the device in two uploads: the int64 byte offsets (each group's
+/// slot, then each entry's) and the int32 tables of [`Table`].
+struct GroupTables {
+    longs: CudaSlice<i64>,
+    ints: CudaSlice<i32>,
+    /// Where each [`Table`] starts in `ints`, and the end of the last.
+    at: [usize; 7],
+    groups: usize,
+    entries: usize,
+}
+
+impl GroupTables {
+    fn upload(cuda: &Cuda, g: &PickGroups, k: usize) -> Result<GroupTables, CudaError> {
+        let mut longs = g.base.clone();
+        longs.extend(g.entry_base());
+        let rows = g.list.iter().map(|&p| p / k as i32);
+        let (ones, more): (Vec<i32>, Vec<i32>) =
+            (0..g.start.len() as i32).partition(|&i| g.len[i as usize] == 1);
+        let tables: [Vec<i32>; 6] = [
+            g.start.clone(),
+            g.len.clone(),
+            rows.collect(),
+            g.list.clone(),
+            ones,
+            more,
+        ];
+        let mut at = [0usize; 7];
+        for (i, t) in tables.iter().enumerate() {
+            at[i + 1] = at[i] + t.len();
+        }
+        let ints: Vec<i32> = tables.concat();
+        Ok(GroupTables {
+            longs: cuda.stream.clone_htod(&longs)?,
+            ints: cuda.stream.clone_htod(&ints)?,
+            at,
+            groups: g.start.len(),
+            entries: g.list.len(),
+        })
+    }
+
+    fn base(&self) -> CudaView<'_, i64> {
+        self.longs.slice(..self.groups)
+    }
+
+    fn entry_base(&self) -> CudaView<'_, i64> {
+        self.longs.slice(self.groups..self.groups + self.entries)
+    }
+
+    fn ints(&self, t: Table) -> CudaView<'_, i32> {
+        // An empty table still gets a one-value view (never read): a kernel argument needs
+        // a pointer.
+        let (a, b) = (self.at[t as usize], self.at[t as usize + 1]);
+        self.ints
+            .slice(a.min(self.ints.len() - 1)..b.max(a + 1).min(self.ints.len()))
+    }
+
+    fn len(&self, t: Table) -> usize {
+        self.at[t as usize + 1] - self.at[t as usize]
     }
 }
 

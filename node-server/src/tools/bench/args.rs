@@ -27,6 +27,10 @@ pub struct BenchArgs {
     pub prompt_tokens: usize,
     #[arg(long, default_value_t = 32)]
     pub decode_tokens: usize,
+    /// Sequences decoded together, comma-separated batch sizes (plain `bench`: one decode run
+    /// per size; with `--device cuda` the GPU decoder `serve` runs steps them as one batch).
+    #[arg(long, value_delimiter = ',', default_value = "1")]
+    pub streams: Vec<usize>,
     #[command(flatten)]
     pub device: crate::backend::DeviceArgs,
     #[command(flatten)]

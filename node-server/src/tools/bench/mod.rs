@@ -5,8 +5,8 @@
 
 mod args;
 mod common;
-mod cpu;
 mod flash;
+mod plain;
 mod tiered;
 
 pub use args::{BenchArgs, FlashBenchArgs, TierBenchArgs};
@@ -17,6 +17,6 @@ pub fn run(args: &BenchArgs) -> anyhow::Result<()> {
     } else if args.tiers.tiered {
         tiered::run(args)
     } else {
-        cpu::run(args)
+        plain::run(args)
     }
 }

@@ -50,8 +50,8 @@ pub struct CudaCheckArgs {
     pub wide: bool,
     #[arg(long, env = "GLMFLASH_CUDA_DEVICE", default_value_t = 0)]
     pub cuda_device: usize,
-    /// Run only these groups of checks (comma-separated; default all): matvec, dense, moe,
-    /// ops, matvec, dense, moe, small, router, mhc, kda, mla, dsa, decode, exl3.
+    /// Run only these groups of checks (comma-separated; default all): ops, matvec, dense,
+    /// moe, small, router, mhc, kda, mla, dsa, decode, exl3.
     #[arg(long, env = "GLMFLASH_CHECK_ONLY", value_delimiter = ',')]
     pub only: Vec<String>,
 }
