@@ -295,6 +295,98 @@ __device__ void exl3_gemv_pass(const u32* __restrict__ trellis, int k, int n, in
     }
 }
 
+// The same sums for passes of more than one token: two tiles a step in registers, the next
+// two loading meanwhile. Here each tile's x loads (TT rows) would wait behind the ring's warp
+// barriers, so wider passes keep this loop; a token's sums add the tiles in the same order with
+// the same steps as `exl3_gemv_pass`, so a pick's bits do not depend on the pass width.
+template <int H, int CB, int TT>
+__device__ void exl3_gemv_pass_pairs(const u32* __restrict__ trellis, int k, int n, int per,
+                               const float* __restrict__ xr, int tokens, float* __restrict__ part,
+                               i64 slice, float (*red)[TOK_TILE][16]) {
+    const int lane = threadIdx.x & (WARP - 1), wid = threadIdx.x / WARP;
+    const int nt = blockIdx.x, s = blockIdx.y;
+    const int k_tiles = k / 16, n_tiles = n / 16, tile_words = 4 * H;
+    const int kt0 = min(k_tiles, s * per), kt1 = min(k_tiles, kt0 + per);
+    const int r0 = 2 * (lane & 3), c0 = lane >> 2;
+    int w0, o, idx[4];
+    exl3_lane_window<H>(lane, w0, o);
+    exl3_lane_words<H>(w0, idx);
+    const u32* strip = trellis + (i64)nt * tile_words;
+    const i64 stride = (i64)n_tiles * tile_words;
+    for (int t0 = 0; t0 < tokens; t0 += TT) {
+        const int nt_tok = min(TT, tokens - t0);
+        float acc[TT][2];
+#pragma unroll
+        for (int t = 0; t < TT; t++) acc[t][0] = acc[t][1] = 0.0f;
+        // Two tiles a step (kt and kt + EXL3_GEMV_WARPS), the next step's words loading
+        // while these decode; each token's sums still add the tiles in order.
+        constexpr int W = EXL3_GEMV_WARPS;
+        u32 cur[2][4] = {{0, 0, 0, 0}, {0, 0, 0, 0}};
+#pragma unroll
+        for (int u = 0; u < 2; u++)
+            if (kt0 + wid + u * W < kt1) exl3_load4(strip + (kt0 + wid + u * W) * stride, idx, cur[u]);
+        for (int kt = kt0 + wid; kt < kt1; kt += 2 * W) {
+            u32 next[2][4] = {{0, 0, 0, 0}, {0, 0, 0, 0}};
+#pragma unroll
+            for (int u = 0; u < 2; u++)
+                if (kt + (2 + u) * W < kt1)
+                    exl3_load4(strip + (kt + (2 + u) * W) * stride, idx, next[u]);
+            float w[2][8];
+            exl3_decode_words<H, CB>(cur[0], o, w[0]);
+            const bool second = kt + W < kt1;
+            if (second) exl3_decode_words<H, CB>(cur[1], o, w[1]);
+#pragma unroll
+            for (int u = 0; u < 2; u++)
+#pragma unroll
+                for (int i = 0; i < 4; i++) cur[u][i] = next[u][i];
+#pragma unroll
+            for (int u = 0; u < 2; u++) {
+                if (u == 1 && !second) break;
+                const float* xk = xr + (i64)t0 * k + 16 * (kt + u * W) + r0;
+#pragma unroll
+                for (int t = 0; t < TT; t++) {
+                    if (TT == 1 || t < nt_tok) {
+                        const float2 a = __ldg((const float2*)(xk + (i64)t * k));
+                        const float2 b = __ldg((const float2*)(xk + (i64)t * k + 8));
+                        float c = acc[t][0], d = acc[t][1];
+                        c = fmaf(a.x, w[u][0], c);
+                        c = fmaf(a.y, w[u][1], c);
+                        c = fmaf(b.x, w[u][2], c);
+                        c = fmaf(b.y, w[u][3], c);
+                        d = fmaf(a.x, w[u][4], d);
+                        d = fmaf(a.y, w[u][5], d);
+                        d = fmaf(b.x, w[u][6], d);
+                        d = fmaf(b.y, w[u][7], d);
+                        acc[t][0] = c;
+                        acc[t][1] = d;
+                    }
+                }
+            }
+        }
+        // Lanes 4 c0 .. 4 c0 + 3 hold columns c0 and c0 + 8 of different rows.
+#pragma unroll
+        for (int t = 0; t < TT; t++) {
+#pragma unroll
+            for (int h = 0; h < 2; h++) {
+                float v = acc[t][h];
+                v += __shfl_xor_sync(0xffffffffu, v, 1);
+                v += __shfl_xor_sync(0xffffffffu, v, 2);
+                if ((lane & 3) == 0) red[wid][t][c0 + 8 * h] = v;
+            }
+        }
+        __syncthreads();
+        if (threadIdx.x < TT * 16) {
+            const int t = threadIdx.x / 16, c = threadIdx.x % 16;
+            if (t < nt_tok) {
+                float v = 0.0f;
+                for (int i = 0; i < EXL3_GEMV_WARPS; i++) v += red[i][t][c];
+                part[(i64)s * slice + (i64)(t0 + t) * n + 16 * nt + c] = v;
+            }
+        }
+        __syncthreads();
+    }
+}
+
 // `exl3_gemv_pass` with the pass width for `tokens`: one (ONE; its own kernels, so that the
 // lean one-token pass is not given the registers of the eight-token one), up to four, or eight.
 template <int H, int CB, bool ONE>
@@ -305,9 +397,9 @@ __device__ void exl3_gemv_strip(const u32* __restrict__ trellis, int k, int n, i
     if (ONE)
         exl3_gemv_pass<H, CB, 1>(trellis, k, n, per, xr, tokens, part, slice, red, ring);
     else if (tokens <= 4)
-        exl3_gemv_pass<H, CB, 4>(trellis, k, n, per, xr, tokens, part, slice, red, ring);
+        exl3_gemv_pass_pairs<H, CB, 4>(trellis, k, n, per, xr, tokens, part, slice, red);
     else
-        exl3_gemv_pass<H, CB, TOK_TILE>(trellis, k, n, per, xr, tokens, part, slice, red, ring);
+        exl3_gemv_pass_pairs<H, CB, TOK_TILE>(trellis, k, n, per, xr, tokens, part, slice, red);
 }
 
 // Calls CALL(H, CB) with compile-time rate and codebook; half-integer rates exist for mul1
