@@ -30,6 +30,20 @@ done
 export GLMFLASH_KERNEL_CACHE="${GLMFLASH_KERNEL_CACHE:-/tmp/glmflash-kernel-cache}"
 
 work="$(mktemp -d)"
+
+tokens_of() { python3 -c "import json,sys;print(','.join(map(str,json.load(open(sys.argv[1]))['prompt'])))" "$1"; }
+# A fixture's logits and 16 greedy tokens on the GPU against the CPU and its reference.json;
+# leaves $work/NAME.cpu.json and $work/NAME.cuda.json for later steps.
+check_fixture() {
+  local fx=$1 name tok
+  name=$(basename "$fx"); tok=$(tokens_of "$fx/reference.json")
+  "$BIN" logits --model "$fx" --tokens "$tok" --greedy 16 > "$work/$name.cpu.json" 2>/dev/null || fail=1
+  "$BIN" logits --model "$fx" --tokens "$tok" --greedy 16 --device cuda > "$work/$name.cuda.json" 2>"$work/$name.err" || { fail=1; tail -3 "$work/$name.err"; }
+  # A failing device product falls back to the CPU (and says so once): that must not pass.
+  if grep -q "device product failed" "$work/$name.err"; then echo "$name: a device product failed"; fail=1; fi
+  grep -E "dense weights on the GPU|every routed expert in VRAM" "$work/$name.err" | sed 's/\x1b\[[0-9;]*m//g' | cut -c1-160
+  python3 e2e/cuda/compare_logits.py "$work/$name.cuda.json" "$work/$name.cpu.json" --reference "$fx/reference.json" --name "$name" || fail=1
+}
 "$BIN" make-demo-model --out "$work/demo" >/dev/null 2>&1 || fail=1
 
 if want kernels; then
@@ -53,16 +67,7 @@ fi
 
 if want model || want tiers; then  # tiers compares against the model step's runs
 step "whole model: experts on the GPU vs the CPU"
-tokens_of() { python3 -c "import json,sys;print(','.join(map(str,json.load(open(sys.argv[1]))['prompt'])))" "$1"; }
-for fx in e2e/fixtures/tiny_*; do
-  name=$(basename "$fx"); tok=$(tokens_of "$fx/reference.json")
-  "$BIN" logits --model "$fx" --tokens "$tok" --greedy 16 > "$work/$name.cpu.json" 2>/dev/null || fail=1
-  "$BIN" logits --model "$fx" --tokens "$tok" --greedy 16 --device cuda > "$work/$name.cuda.json" 2>"$work/$name.err" || { fail=1; tail -3 "$work/$name.err"; }
-  # A failing device product falls back to the CPU (and says so once): that must not pass.
-  if grep -q "device product failed" "$work/$name.err"; then echo "$name: a device product failed"; fail=1; fi
-  grep -E "dense weights on the GPU|every routed expert in VRAM" "$work/$name.err" | sed 's/\x1b\[[0-9;]*m//g' | cut -c1-160
-  python3 e2e/cuda/compare_logits.py "$work/$name.cuda.json" "$work/$name.cpu.json" --reference "$fx/reference.json" --name "$name" || fail=1
-done
+for fx in e2e/fixtures/tiny_*; do check_fixture "$fx"; done
 demo_tokens=1,2,3,4,5,6,7,8,9,10,11,12,13,14,15,16,17,18,19,20
 for fmt in bf16 q4_k q8_0; do
   model="$work/demo"
@@ -101,14 +106,8 @@ fi
 
 if want exl3; then
 step "EXL3 (exllamav3's checkpoint): GPU vs CPU vs transformers; tiers on the GPU from exl3 records"
-tokens_of() { python3 -c "import json,sys;print(','.join(map(str,json.load(open(sys.argv[1]))['prompt'])))" "$1"; }
 for fx in e2e/fixtures/exl3/exl3_*; do
-  name=$(basename "$fx"); tok=$(tokens_of "$fx/reference.json")
-  "$BIN" logits --model "$fx" --tokens "$tok" --greedy 16 > "$work/$name.cpu.json" 2>/dev/null || fail=1
-  "$BIN" logits --model "$fx" --tokens "$tok" --greedy 16 --device cuda > "$work/$name.cuda.json" 2>"$work/$name.err" || { fail=1; tail -3 "$work/$name.err"; }
-  if grep -q "device product failed" "$work/$name.err"; then echo "$name: a device product failed"; fail=1; fi
-  grep -E "dense weights on the GPU|every routed expert in VRAM" "$work/$name.err" | sed 's/\x1b\[[0-9;]*m//g' | cut -c1-160
-  python3 e2e/cuda/compare_logits.py "$work/$name.cuda.json" "$work/$name.cpu.json" --reference "$fx/reference.json" --name "$name" || fail=1
+  check_fixture "$fx"; name=$(basename "$fx"); tok=$(tokens_of "$fx/reference.json")
   store="$(mktemp -d -p "$PWD" .store.XXXX)"
   "$BIN" pack-store --model "$fx" --store "$store/s" >/dev/null 2>&1 || { echo "pack-store $name failed"; fail=1; }
   for args in "--mode nvme-exact --store $store/s --vram-slots 2 --ram-slots 3" \
