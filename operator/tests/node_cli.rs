@@ -209,7 +209,7 @@ fn server_container_parses_with_the_node_cli_in_every_mode() {
         }
         g.spec = serde_json::from_value(spec).unwrap();
 
-        let d = server_deployment(&g, "gpu-a", "0123456789abcdef", 1);
+        let d = server_deployment(&g, 0, "gpu-a", "0123456789abcdef", 1);
         let c = &d.spec.unwrap().template.spec.unwrap().containers[0];
         let Command::Serve { model, serve } = parse(c) else {
             panic!("the server container does not run serve");
@@ -270,7 +270,7 @@ fn server_container_parses_with_the_node_cli_in_every_mode() {
 #[test]
 fn the_parse_check_catches_a_flag_the_node_lacks() {
     let g = example();
-    let d = server_deployment(&g, "gpu-a", "0123456789abcdef", 1);
+    let d = server_deployment(&g, 0, "gpu-a", "0123456789abcdef", 1);
     let mut c = d.spec.unwrap().template.spec.unwrap().containers[0].clone();
     c.args.as_mut().unwrap().push("--min-free-vram-mib".into());
     c.args.as_mut().unwrap().push("23000".into());
