@@ -217,6 +217,8 @@ fn server_container_parses_with_the_node_cli_in_every_mode() {
         let what = format!("mode {mode}");
         assert_mounted(c, &model.model, false);
         assert_mounted(c, model.store.as_ref().unwrap(), false);
+        // The server writes its routing history at exit onto the node, for the next start.
+        assert_mounted(c, model.tier.history.as_ref().unwrap(), true);
         assert_eq!(
             model
                 .tier

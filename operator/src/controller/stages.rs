@@ -127,12 +127,22 @@ pub(super) async fn place(
                     if recheck {
                         let others = all_objects(ctx).await?;
                         let reserved = placement::reservations(&others, current, owner);
-                        if let Some(why) = placement::no_room(spec, &node, &pods, owner, &reserved)
-                        {
-                            return Ok(ControlFlow::Break(too_small(old, current, why)));
+                        match placement::no_room(spec, &node, &pods, owner, &reserved) {
+                            // A waking replica whose GPU was taken meanwhile goes where
+                            // it can serve, at the cost of a store there.
+                            Some(why) if old.phase == Some(Phase::Hibernated) => {
+                                leaving = Some(format!(
+                                    "node {current} was taken while hibernated: {why}"
+                                ));
+                            }
+                            Some(why) => {
+                                return Ok(ControlFlow::Break(too_small(old, current, why)));
+                            }
+                            None => {}
                         }
                     }
                     match closed {
+                        _ if leaving.is_some() => {}
                         Some(why) if !placement::owner_has_pod_on(&pods, current, owner) => {
                             leaving = Some(format!(
                                 "node {current} is {why} and no pod of this deployment runs there"

@@ -135,7 +135,9 @@ async fn both_serving() -> GlmFlashDeployment {
             Step::get(NODE_B).json(to_json(&gpu_node("gpu-b", "251Gi", "1"))),
             pack_jobs(vec![complete_job(&g, "gpu-a"), complete_job(&g, "gpu-b")]),
             Step::get(NS_PODS)
-                .query(&format!("labelSelector=batch.kubernetes.io/job-name={job_b}"))
+                .query(&format!(
+                    "labelSelector=batch.kubernetes.io/job-name={job_b}"
+                ))
                 .json(list("PodList", vec![])),
             Step::get(DEPLOYMENT_R1).not_found(),
             Step::apply(DEPLOYMENT_R1),
@@ -296,7 +298,7 @@ async fn scaling_down_with_delete_reclaims_the_store_on_that_node() {
     let (result, seen) = run(ctx, handle, g.clone(), steps).await;
     assert_eq!(result.unwrap(), Action::requeue(WAITING_REQUEUE));
     assert_eq!(
-        seen[10].body,
+        seen[9].body,
         to_json(&builders::reclaim_job(&g, 1, "gpu-b", true))
     );
     let status = status_written(&seen).unwrap();
@@ -305,7 +307,8 @@ async fn scaling_down_with_delete_reclaims_the_store_on_that_node() {
     let g = with_status(g, status);
 
     let mut done = to_json(&builders::reclaim_job(&g, 1, "gpu-b", true));
-    done["status"] = json!({"succeeded": 1, "conditions": [{"type": "Complete", "status": "True"}]});
+    done["status"] =
+        json!({"succeeded": 1, "conditions": [{"type": "Complete", "status": "True"}]});
     let (ctx, _, handle) = context(Ok(SERVER_PAGE), false);
     let mut steps = running_reads;
     steps.extend([
@@ -354,7 +357,8 @@ async fn a_lost_node_is_replaced_elsewhere() {
         to_json(&builders::pack_job(&g, "gpu-c", &hash_on(&g, "gpu-c")))
     );
     // The old server, on the lost node's store, stops.
-    assert_eq!(seen[11].body, replica_server(&g, "gpu-b", 0));
+    let stopped = builders::server_deployment(&g, 1, "gpu-c", &hash_on(&g, "gpu-b"), 0);
+    assert_eq!(seen[11].body, to_json(&stopped));
     let status = status_written(&seen).unwrap();
     assert_eq!(replica(&status, 1).node, "gpu-c");
     assert_eq!(replica(&status, 1).phase, Phase::PackingStore);
@@ -365,8 +369,7 @@ async fn a_lost_node_is_replaced_elsewhere() {
 /// gone, phase Hibernated with no node held; the Services and stores stay.
 async fn hibernated() -> GlmFlashDeployment {
     let mut g = both_serving().await;
-    g.metadata.annotations =
-        Some([(HIBERNATE_ANNOTATION.to_string(), "true".to_string())].into());
+    g.metadata.annotations = Some([(HIBERNATE_ANNOTATION.to_string(), "true".to_string())].into());
     let (ctx, _, handle) = context(Ok(SERVER_PAGE), false);
     let steps = vec![
         Step::get(DEPLOYMENT).json(available(server(&g, 1))),
@@ -462,13 +465,14 @@ async fn waking_returns_to_the_same_nodes_without_packing() {
     assert_eq!(seen[16].body["reason"], "Starting");
 }
 
-/// Another object wanting gpu-a's GPU gets it while this one is hibernated, and the wake
-/// then says the node is taken instead of starting a server that cannot schedule.
+/// Another object took gpu-a's GPU while this one was hibernated: the wake goes to a
+/// node with room (gpu-c) and packs its store there, rather than wait for gpu-a; the
+/// replica scaled away while hibernated is drained.
 #[tokio::test]
-async fn a_wake_onto_a_taken_gpu_waits_and_says_why() {
+async fn a_wake_onto_a_taken_gpu_moves_elsewhere() {
     let mut g = hibernated().await;
     g.spec.replicas = 1;
-    g.spec.hibernate = false;
+    g.metadata.generation = Some(3);
     g.metadata.annotations = None;
     let mut other = gfd_with_finalizer();
     other.metadata.name = Some("other".into());
@@ -477,21 +481,37 @@ async fn a_wake_onto_a_taken_gpu_waits_and_says_why() {
         node: Some("gpu-a".into()),
         ..Default::default()
     });
+    let objects = vec![to_json(&g), to_json(&other)];
+    let job_c = names::pack_job("glm", &hash_on(&g, "gpu-c"));
+    let mut stopped = server(&g, 0);
+    stopped["status"] = json!({"replicas": 0});
     let (ctx, _, handle) = context(Ok(SERVER_PAGE), false);
-    let steps = vec![
-        Step::get(NODE_A).json(to_json(&gpu_node("gpu-a", "251Gi", "1"))),
-        pods_on("gpu-a"),
-        all_gfds(vec![to_json(&g), to_json(&other)]),
-        Step::get(DEPLOYMENT_R1).json(replica_server(&g, "gpu-b", 0)),
-        Step::delete(DEPLOYMENT_R1).json(deleted()),
-        Step::apply(GFD_STATUS),
-        Step::post(EVENTS),
-    ];
+    let steps = [
+        vec![
+            Step::get(NODE_A).json(to_json(&gpu_node("gpu-a", "251Gi", "1"))),
+            pods_on("gpu-a"),
+            all_gfds(objects.clone()),
+            Step::get(NODES).json(three_nodes("gpu-c")),
+            all_gfds(objects),
+            pods_on("gpu-a"),
+            pods_on("gpu-c"),
+            pack_jobs(vec![complete_job(&g, "gpu-a"), complete_job(&g, "gpu-b")]),
+            Step::apply(job_path(&job_c)),
+        ],
+        job_trouble_reads(&job_c).to_vec(),
+        vec![
+            Step::get(DEPLOYMENT).json(stopped),
+            Step::get(DEPLOYMENT_R1).json(replica_server(&g, "gpu-b", 0)),
+            Step::delete(DEPLOYMENT_R1).json(deleted()),
+            Step::apply(GFD_STATUS),
+            Step::post(EVENTS),
+        ],
+    ]
+    .concat();
     let (result, seen) = run(ctx, handle, g, steps).await;
     assert_eq!(result.unwrap(), Action::requeue(WAITING_REQUEUE));
     let status = status_written(&seen).unwrap();
-    assert_eq!(status.phase, Some(Phase::Pending));
-    let (_, reason, message) = cond(&status, condition::READY);
-    assert_eq!(reason, "NodeTooSmall");
-    assert!(message.contains("held by ai/other"), "{message}");
+    assert_eq!(status.phase, Some(Phase::PackingStore));
+    assert_eq!(status.node.as_deref(), Some("gpu-c"));
+    assert_eq!(replica(&status, 1).phase, Phase::Draining);
 }
