@@ -416,6 +416,34 @@ pub struct ServerSpec {
     /// Secret key holding the API key clients must send as a bearer token.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub api_key_secret: Option<SecretKeyRef>,
+    /// How the Service spreads requests over the replicas. Each replica's VRAM and RAM
+    /// tiers and KV cache are warm for what it served, so a conversation does best on one
+    /// replica: `ClientIP` keeps each client on one (Kubernetes can pin by client address
+    /// only; behind a proxy every request comes from the proxy's address).
+    #[serde(default)]
+    pub session_affinity: SessionAffinity,
+}
+
+/// Service session affinity across replicas.
+#[derive(JsonSchema, Deserialize, Serialize, Clone, Copy, Debug, PartialEq, Eq, Default)]
+pub enum SessionAffinity {
+    /// Every request to any ready replica.
+    #[default]
+    None,
+    /// A client's requests to one replica (for three hours of quiet, the Kubernetes
+    /// default), while it stays ready.
+    #[serde(rename = "ClientIP")]
+    ClientIp,
+}
+
+impl SessionAffinity {
+    /// The Service's `sessionAffinity` value.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            SessionAffinity::None => "None",
+            SessionAffinity::ClientIp => "ClientIP",
+        }
+    }
 }
 
 fn default_port() -> i32 {
@@ -443,6 +471,7 @@ impl Default for ServerSpec {
             max_batch_size: default_max_batch_size(),
             prefill_chunk: default_prefill_chunk(),
             api_key_secret: None,
+            session_affinity: SessionAffinity::default(),
         }
     }
 }

@@ -640,3 +640,22 @@ fn the_routing_history_lives_on_the_node_outside_the_store() {
         ("/history", Some(false))
     );
 }
+
+#[test]
+fn client_ip_affinity_keeps_a_client_on_one_replica() {
+    let mut g = gfd();
+    let plain = api_service(&g);
+    assert_eq!(plain.spec.as_ref().unwrap().session_affinity, None);
+    g.spec.server.session_affinity = glmflash_crds::SessionAffinity::ClientIp;
+    let sticky = api_service(&g);
+    assert_eq!(
+        sticky.spec.as_ref().unwrap().session_affinity.as_deref(),
+        Some("ClientIP")
+    );
+    assert_ne!(config_hash_of(&plain), config_hash_of(&sticky));
+    // The metrics Service is scraped, not balanced: no affinity there.
+    assert_eq!(
+        metrics_service(&g).spec.as_ref().unwrap().session_affinity,
+        None
+    );
+}
