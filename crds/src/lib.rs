@@ -1,5 +1,7 @@
-//! `GlmFlashDeployment` (`glmflash.io/v1alpha1`, short name `gfd`): one GLM-5.3-Flash
-//! server on one GPU node, with its packed expert store on that node's NVMe.
+//! `GlmFlashDeployment` (`glmflash.io/v1alpha1`, short name `gfd`): GLM-5.3-Flash servers,
+//! one per GPU node (`replicas` of them behind one Service), each with its packed expert
+//! store on that node's NVMe; `hibernate` stops them and releases the GPUs but keeps the
+//! stores and routing histories for a fast wake.
 //!
 //! The spec is what a user of the seed's `docker run` would have typed: model source, mode,
 //! the cgroup memory cap the RAM tier is sized from, VRAM expert slots, the store's host
@@ -30,6 +32,9 @@ pub const RTX_3090_PRODUCT: &str = "NVIDIA-GeForce-RTX-3090";
 pub const GPU_RESOURCE: &str = "nvidia.com/gpu";
 /// Routed experts in GLM-5.3-Flash: 42 MoE layers x 288 experts.
 pub const TOTAL_EXPERTS: u32 = 42 * 288;
+/// Annotation that hibernates an object like `spec.hibernate: true` (value `"true"`), for
+/// `kubectl annotate` and for the activator, which must not own the spec.
+pub const HIBERNATE_ANNOTATION: &str = "glmflash.io/hibernate";
 /// Where the generated CRD is checked in, relative to the workspace root.
 pub const CRD_FILE: &str = "crds/glmflash.io_glmflashdeployments.yaml";
 /// The chart's copy of the CRD (Helm installs `crds/` before templates).
@@ -51,6 +56,7 @@ pub const CHART_CRD_FILE: &str = "charts/glmflash/crds/glmflash.io_glmflashdeplo
     derive = "PartialEq",
     cel,
     printcolumn(name = "Phase", type_ = "string", json_path = ".status.phase"),
+    printcolumn(name = "Ready", type_ = "string", json_path = ".status.ready"),
     printcolumn(name = "Node", type_ = "string", json_path = ".status.node"),
     printcolumn(name = "Mode", type_ = "string", json_path = ".spec.mode"),
     printcolumn(
@@ -76,11 +82,22 @@ pub const CHART_CRD_FILE: &str = "charts/glmflash/crds/glmflash.io_glmflashdeplo
         "self.mode.startsWith('nvme') || !isQuantity(self.memory.limit) || quantity(self.memory.limit).compareTo(quantity('128Gi')) >= 0"
     )
     .message("modes fast and exact hold all 12,096 experts (117 GB) in RAM: memory.limit must be at least 128Gi; use mode nvme for smaller caps"),
+    validation = Rule::new("self.replicas == 1 || !has(self.placement.nodeName)")
+        .message("placement.nodeName pins one node and every replica needs its own: set replicas to 1 or use placement.nodeSelector"),
 )]
 #[serde(rename_all = "camelCase")]
 pub struct GlmFlashDeploymentSpec {
     /// Where the weights come from.
     pub model: ModelSource,
+    /// Servers, each on its own node with its own store, behind one Service.
+    #[serde(default = "default_replicas")]
+    #[schemars(range(min = 1, max = 64))]
+    pub replicas: i32,
+    /// Stop every server and release their GPUs, keeping the stores and routing histories
+    /// on the nodes; `false` wakes them (the annotation `glmflash.io/hibernate: "true"`
+    /// does the same without touching the spec).
+    #[serde(default)]
+    pub hibernate: bool,
     /// Serving mode: fast and exact keep every expert in RAM; nvme and nvme-exact tier
     /// experts across VRAM, pinned RAM and the NVMe store.
     #[serde(default)]
@@ -160,6 +177,10 @@ pub struct SecretKeyRef {
     #[serde(default = "default_secret_key")]
     #[schemars(length(min = 1, max = 253))]
     pub key: String,
+}
+
+fn default_replicas() -> i32 {
+    1
 }
 
 fn default_secret_key() -> String {
@@ -395,6 +416,34 @@ pub struct ServerSpec {
     /// Secret key holding the API key clients must send as a bearer token.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub api_key_secret: Option<SecretKeyRef>,
+    /// How the Service spreads requests over the replicas. Each replica's VRAM and RAM
+    /// tiers and KV cache are warm for what it served, so a conversation does best on one
+    /// replica: `ClientIP` keeps each client on one (Kubernetes can pin by client address
+    /// only; behind a proxy every request comes from the proxy's address).
+    #[serde(default)]
+    pub session_affinity: SessionAffinity,
+}
+
+/// Service session affinity across replicas.
+#[derive(JsonSchema, Deserialize, Serialize, Clone, Copy, Debug, PartialEq, Eq, Default)]
+pub enum SessionAffinity {
+    /// Every request to any ready replica.
+    #[default]
+    None,
+    /// A client's requests to one replica (for three hours of quiet, the Kubernetes
+    /// default), while it stays ready.
+    #[serde(rename = "ClientIP")]
+    ClientIp,
+}
+
+impl SessionAffinity {
+    /// The Service's `sessionAffinity` value.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            SessionAffinity::None => "None",
+            SessionAffinity::ClientIp => "ClientIP",
+        }
+    }
 }
 
 fn default_port() -> i32 {
@@ -422,6 +471,7 @@ impl Default for ServerSpec {
             max_batch_size: default_max_batch_size(),
             prefill_chunk: default_prefill_chunk(),
             api_key_secret: None,
+            session_affinity: SessionAffinity::default(),
         }
     }
 }
@@ -532,6 +582,9 @@ pub struct GlmFlashDeploymentStatus {
     /// Coarse lifecycle phase.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub phase: Option<Phase>,
+    /// Ready servers over desired ones, as `kubectl get` shows them (`1/2`).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub ready: Option<String>,
     /// NodeSelected, StoreReady, ServerReady and Ready, each with reason, message and
     /// observedGeneration.
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
@@ -539,21 +592,67 @@ pub struct GlmFlashDeploymentStatus {
     /// The metadata.generation this status describes.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub observed_generation: Option<i64>,
-    /// Node the store and server live on.
+    /// Node of the first replica (`replicas` lists them all).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub node: Option<String>,
     /// In-cluster base URL of the OpenAI API.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub endpoint: Option<String>,
-    /// Hash of the store's inputs that the current store was built from.
+    /// Hash of the first replica's store inputs, that its current store was built from.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub store_hash: Option<String>,
     /// Size of the packed store as reported by pack-store.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub store_bytes: Option<u64>,
-    /// Figures read from the server's `/metrics`.
+    /// Figures read from the first replica's `/metrics`.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub live: Option<LiveFigures>,
+    /// Every replica the operator placed, by index, including those still draining after
+    /// a scale-down and, while hibernated, where each will wake.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub replicas: Vec<ReplicaStatus>,
+}
+
+/// One replica: its node, where it is, and its server's figures.
+#[derive(JsonSchema, Deserialize, Serialize, Clone, Debug, PartialEq)]
+#[serde(rename_all = "camelCase")]
+pub struct ReplicaStatus {
+    /// Replica index, 0 to `spec.replicas - 1` (higher while draining).
+    pub index: u32,
+    /// Node its store and server live on.
+    pub node: String,
+    /// Where this replica is.
+    pub phase: Phase,
+    /// Why it is not serving, when it is not.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub message: Option<String>,
+    /// Hash of the store inputs its store on the node was built from.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub store_hash: Option<String>,
+    /// Size of its packed store.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub store_bytes: Option<u64>,
+    /// Figures read from its server's `/metrics`.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub live: Option<LiveFigures>,
+}
+
+impl GlmFlashDeploymentStatus {
+    /// The nodes whose GPU and memory cap this object holds: every replica's but a
+    /// hibernated one's (an object written before replicas existed holds `node`).
+    pub fn held_nodes(&self) -> Vec<&str> {
+        if self.replicas.is_empty() {
+            return match self.phase {
+                Some(Phase::Hibernated) => Vec::new(),
+                _ => self.node.as_deref().into_iter().collect(),
+            };
+        }
+        self.replicas
+            .iter()
+            .filter(|r| r.phase != Phase::Hibernated)
+            .map(|r| r.node.as_str())
+            .collect()
+    }
 }
 
 /// Live figures from the running server, rounded so that status changes only when they
@@ -610,6 +709,10 @@ pub enum Phase {
     Failed,
     /// The object is being deleted.
     Deleting,
+    /// A replica's server is stopping after a scale-down; it holds its node until gone.
+    Draining,
+    /// Servers stopped and GPUs released; the stores and routing histories stay.
+    Hibernated,
 }
 
 impl Phase {
@@ -623,6 +726,8 @@ impl Phase {
             Phase::Running => "Running",
             Phase::Failed => "Failed",
             Phase::Deleting => "Deleting",
+            Phase::Draining => "Draining",
+            Phase::Hibernated => "Hibernated",
         }
     }
 }
@@ -658,6 +763,17 @@ pub enum SpecError {
 }
 
 impl GlmFlashDeployment {
+    /// Whether the object asks to hibernate, by spec or by [`HIBERNATE_ANNOTATION`].
+    pub fn hibernating(&self) -> bool {
+        self.spec.hibernate
+            || self
+                .metadata
+                .annotations
+                .as_ref()
+                .and_then(|a| a.get(HIBERNATE_ANNOTATION))
+                .is_some_and(|v| v == "true")
+    }
+
     /// Every reason this object's spec cannot be served, CEL rules first. Empty means valid.
     pub fn validate(&self) -> Vec<SpecError> {
         let mut errors: Vec<SpecError> = match self.validate_cel() {

@@ -47,6 +47,7 @@ fn crd_names_scope_columns_and_subresources() {
         columns,
         [
             ("Phase", ".status.phase"),
+            ("Ready", ".status.ready"),
             ("Node", ".status.node"),
             ("Mode", ".spec.mode"),
             ("VRAM experts", ".status.live.plan.vramExpertSlots"),
@@ -127,7 +128,20 @@ fn minimal_object_gets_the_seed_defaults() {
     assert_eq!(s.placement.gpu_product, "NVIDIA-GeForce-RTX-3090");
     assert_eq!(s.memory.shm_size, "1Gi");
     assert_eq!(s.mode, Mode::Nvme);
+    assert_eq!(s.replicas, 1);
+    assert!(!s.hibernate && !gfd.hibernating());
     assert!(gfd.validate().is_empty(), "{:?}", gfd.validate());
+}
+
+#[test]
+fn the_annotation_hibernates_like_the_spec_field() {
+    let mut value = example();
+    value["metadata"]["annotations"] = json!({"glmflash.io/hibernate": "true"});
+    assert!(parse(value.clone()).hibernating());
+    value["metadata"]["annotations"] = json!({"glmflash.io/hibernate": "false"});
+    assert!(!parse(value.clone()).hibernating());
+    value["spec"]["hibernate"] = json!(true);
+    assert!(parse(value).hibernating());
 }
 
 /// Each mistake, applied to the valid example, and a fragment of the message it must give.
@@ -166,6 +180,14 @@ fn each_cel_rule_rejects_its_mistake() {
             "fast mode on 55Gi",
             |v| v["spec"]["mode"] = json!("fast"),
             "at least 128Gi",
+        ),
+        (
+            "two replicas pinned to one node",
+            |v| {
+                v["spec"]["replicas"] = json!(2);
+                v["spec"]["placement"] = json!({"nodeName": "gpu-a"});
+            },
+            "every replica needs its own",
         ),
         (
             "exact mode on 55Gi",

@@ -14,6 +14,11 @@
 #                             the OpenAI API through the Service
 #   GLMFLASH_E2E_NAMESPACE    namespace to use (default glmflash-e2e, created and deleted)
 #
+# Besides one object's life (placement, pack-store Job, server, drift, deletion) it scales
+# the object to one replica more than the cluster has nodes (each placed replica on its own
+# node, the last one saying why it has none) and back, and hibernates and wakes it by
+# annotation.
+#
 # The operator runs locally as the chart's service account (the chart's RBAC, applied from
 # `helm template`, with a token from `kubectl create token`), so a missing permission fails
 # here. On a cluster without a controller manager (a bare kube-apiserver + etcd: no Job
@@ -220,7 +225,52 @@ if kubectl -n "$ns" get deployment e2e >/dev/null 2>&1; then
   wait_for "hand-scaled server Deployment put back to 1 replica" 60 replicas_back
 fi
 
-# 4. Deletion: finalizer runs, owned objects are garbage collected.
+# 4. Replicas: a second replica never shares the first one's node, and the API server
+# refuses two replicas pinned to one node.
+pinned2="$(sed -e 's/^  name: glm$/  name: pinned2/' -e "s/^  namespace: default$/  namespace: $ns/" \
+  -e 's/^  replicas: 1$/  replicas: 2/' -e 's/^  placement:$/  placement:\n    nodeName: any/' \
+  "$repo/charts/glmflash/examples/glmflash-deployment.yaml")"
+if out="$(kubectl apply -f - <<<"$pinned2" 2>&1)"; then
+  fail "API server accepted two replicas on placement.nodeName: $out"
+elif grep -q "every replica needs its own" <<<"$out"; then
+  pass "CEL rule rejects two replicas pinned to one node"
+else
+  fail "unexpected rejection: $out"
+fi
+nodes_fit="$(kubectl get nodes -o name | wc -l)"
+replicas=$((nodes_fit + 1))
+kubectl -n "$ns" patch gfd e2e --type merge -p "{\"spec\":{\"replicas\":$replicas}}" >/dev/null
+ready_total() { [[ "$(jp '{.status.ready}')" == */"$replicas" ]]; }
+wait_for "status.ready counts $replicas desired replicas" 60 ready_total
+distinct_nodes() {
+  local placed
+  placed="$(jp '{range .status.replicas[*]}{.node}{"\n"}{end}' | sort)"
+  [[ -n "$placed" && "$(uniq <<<"$placed")" == "$placed" ]]
+}
+wait_for "every placed replica on its own node" 60 distinct_nodes
+short() { [[ "$(cond NodeSelected message)" == *"another replica of it runs there"* ]]; }
+wait_for "the replica with no node left says why" 120 short
+kubectl -n "$ns" patch gfd e2e --type merge -p '{"spec":{"replicas":1}}' >/dev/null
+one_left() { [[ "$(jp '{.status.ready}')" == */1 && "$(jp '{.status.replicas[*].index}')" == 0 ]]; }
+wait_for "scaled back to one replica" 180 one_left
+
+# 5. Hibernate by annotation: phase Hibernated, no server pod, nodes released; the wake
+# takes the object back out of it.
+kubectl -n "$ns" annotate gfd e2e glmflash.io/hibernate=true >/dev/null
+wait_for "phase Hibernated" 180 phase_is Hibernated
+if kubectl -n "$ns" get deployment e2e >/dev/null 2>&1; then
+  [[ "$(kubectl -n "$ns" get deployment e2e -o jsonpath='{.spec.replicas}')" == 0 ]] \
+    && pass "hibernated server scaled to zero" || fail "hibernated server still has replicas"
+fi
+[[ "$(jp '{.status.replicas[0].phase}')" == Hibernated ]] && pass "replica 0 Hibernated, node kept: $(jp '{.status.replicas[0].node}')" || fail "replica 0 is '$(jp '{.status.replicas[0].phase}')'"
+kubectl -n "$ns" annotate gfd e2e glmflash.io/hibernate- >/dev/null
+woken() { [[ "$(jp '{.status.phase}')" != Hibernated ]]; }
+wait_for "woken (phase $(jp '{.status.phase}'))" 120 woken
+if [[ "${GLMFLASH_E2E_FULL:-0}" == 1 ]]; then
+  wait_for "phase Running again after the wake" 1800 phase_is Running
+fi
+
+# 6. Deletion: finalizer runs, owned objects are garbage collected.
 kubectl -n "$ns" delete gfd e2e --wait=false >/dev/null
 wait_for "object deleted (finalizer released)" 120 object_gone
 if ((job_controller)); then

@@ -1,8 +1,9 @@
 //! The reconciler: `GlmFlashDeployment` -> node, pack-store Job, server Deployment,
 //! Services, and status.
 //!
-//! One reconcile walks the stages in order and stops at the first that is not done,
-//! writing status that says where it stopped (each stage is a function in `stages`):
+//! One reconcile walks the stages in order for each of `spec.replicas` replicas (each on
+//! its own node, `fleet`), and stops a replica at the first stage that is not done,
+//! writing status that says where each stopped (each stage is a function in `stages`):
 //! 1. validate: a bad spec gets `Ready=False, reason=InvalidSpec` and waits for a change;
 //! 2. place: keep the node in status while it still matches, else pick one with a free GPU
 //!    and memory for the cap (`NodeSelected`);
@@ -10,6 +11,10 @@
 //!    or after it failed, a server from an older store is scaled to zero;
 //! 4. server: Deployment, API and metrics Services, ServiceMonitor and dashboard as asked
 //!    (`ServerReady`), then live figures from the server's `/metrics`.
+//!
+//! Replicas past the count drain and go; a hibernating object (`spec.hibernate` or the
+//! `glmflash.io/hibernate` annotation) skips the stages: its servers are scaled to zero
+//! and its nodes released, its stores kept.
 //!
 //! Writes are server-side applies with one field manager, made only when the object in
 //! the cluster no longer holds every field of the one built (so a `kubectl scale` or edit
@@ -46,6 +51,7 @@ use crate::{Error, Result};
 
 mod deletion;
 mod diagnose;
+mod fleet;
 mod stages;
 mod status;
 
@@ -255,26 +261,17 @@ async fn apply(gfd: &GlmFlashDeployment, ctx: &Context) -> Result<Action> {
         .ok_or(Error::MissingField("metadata.namespace"))?;
     let old = gfd.status.clone().unwrap_or_default();
     let now = Timestamp::now();
-    let (outcome, action) = 'stages: {
-        if let ControlFlow::Break(stop) = stages::validate(gfd, &old) {
-            break 'stages stop;
+    let (outcome, action, replicas) = 'stages: {
+        if let ControlFlow::Break((outcome, action)) = stages::validate(gfd, &old) {
+            break 'stages (outcome, action, status::Replicas::unchanged(&old));
         }
-        let placed = match stages::place(gfd, ctx, &old).await? {
-            ControlFlow::Continue(placed) => placed,
-            ControlFlow::Break(stop) => break 'stages stop,
-        };
-        let stored = match stages::store(gfd, ctx, &ns, &old, &placed).await {
-            Ok(ControlFlow::Continue(stored)) => stored,
-            Ok(ControlFlow::Break(stop)) => break 'stages stop,
-            Err(e) => break 'stages status::refused(e, &placed, None)?,
-        };
-        match stages::server(gfd, ctx, &ns, &old, placed.clone(), stored.clone()).await {
-            Ok(stop) => stop,
-            Err(e) => status::refused(e, &placed, Some(&stored))?,
+        if gfd.hibernating() {
+            break 'stages fleet::hibernate(gfd, ctx, &ns, &old).await?;
         }
+        fleet::serve(gfd, ctx, &ns, &old).await?
     };
     let warn = outcome.ready.warn;
-    let next = status::next_status(&old, gfd.metadata.generation, outcome, now);
+    let next = status::next_status(&old, gfd.metadata.generation, outcome, replicas, now);
     status::write_status(gfd, ctx, next, warn).await?;
     Ok(action)
 }

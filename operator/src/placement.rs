@@ -5,9 +5,9 @@
 //! open (schedulable, taints tolerated) and has room: a free `nvidia.com/gpu` and
 //! allocatable memory for `memory.limit` after what is already taken there. Taken means
 //! the requests of the live pods on the node, and for every other `GlmFlashDeployment`
-//! whose status names the node, its GPU and memory cap: an object holds its node from the
-//! moment it is placed, before its server pod exists, so two objects never pick the same
-//! GPU. The pods of the deployment being placed, and the server pods of those objects, do
+//! whose status names the node for one of its replicas, its GPU and memory cap: an object
+//! holds its nodes from the moment they are placed, before its server pods exist, so two
+//! objects never pick the same GPU; a hibernated object holds none. The pods of the deployment being placed, and the server pods of those objects, do
 //! not count twice. Among fitting nodes the first by name wins, so the choice is
 //! deterministic.
 //!
@@ -157,7 +157,11 @@ pub fn reservations(
 ) -> Vec<Reservation> {
     objects
         .iter()
-        .filter(|o| o.status.as_ref().and_then(|s| s.node.as_deref()) == Some(node))
+        .filter(|o| {
+            o.status
+                .as_ref()
+                .is_some_and(|s| s.held_nodes().contains(&node))
+        })
         .filter(|o| {
             (o.metadata.name.as_deref(), o.metadata.namespace.as_deref())
                 != (Some(owner.name), Some(owner.namespace))
@@ -443,7 +447,37 @@ mod tests {
             no_room(&spec, &small, &[], OWNER, &reserved),
             Some("45.0 GiB allocatable memory free, memory.limit needs 55.0 GiB".into())
         );
-        assert!(reservations(&[other], "b", OWNER).is_empty());
+        assert!(reservations(&[other.clone()], "b", OWNER).is_empty());
+
+        // Every replica's node is held; a hibernated replica's is not.
+        let replica = |index, node: &str, phase| glmflash_crds::ReplicaStatus {
+            index,
+            node: node.into(),
+            phase,
+            message: None,
+            store_hash: None,
+            store_bytes: None,
+            live: None,
+        };
+        other.status = Some(glmflash_crds::GlmFlashDeploymentStatus {
+            node: Some("a".into()),
+            replicas: vec![
+                replica(0, "a", glmflash_crds::Phase::Running),
+                replica(1, "b", glmflash_crds::Phase::Starting),
+            ],
+            ..Default::default()
+        });
+        assert_eq!(reservations(&[other.clone()], "b", OWNER).len(), 1);
+        other.status.as_mut().unwrap().replicas[1].phase = glmflash_crds::Phase::Hibernated;
+        assert!(reservations(&[other.clone()], "b", OWNER).is_empty());
+        assert_eq!(reservations(&[other.clone()], "a", OWNER).len(), 1);
+        // An object from before replicas, hibernated, holds nothing either.
+        other.status = Some(glmflash_crds::GlmFlashDeploymentStatus {
+            node: Some("a".into()),
+            phase: Some(glmflash_crds::Phase::Hibernated),
+            ..Default::default()
+        });
+        assert!(reservations(&[other], "a", OWNER).is_empty());
     }
 
     #[test]

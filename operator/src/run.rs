@@ -129,12 +129,18 @@ pub async fn run(client: Client, settings: Settings, health: Arc<Health>) -> any
                 store
                     .state()
                     .into_iter()
-                    .filter(
-                        |g| match g.status.as_ref().and_then(|s| s.node.as_deref()) {
-                            Some(placed) => placed == name,
-                            None => true,
-                        },
-                    )
+                    .filter(|g| {
+                        // Placed replicas care about their own nodes; an object short of
+                        // placed replicas may fit on any.
+                        let status = g.status.clone().unwrap_or_default();
+                        let placed: Vec<&str> = if status.replicas.is_empty() {
+                            status.node.as_deref().into_iter().collect()
+                        } else {
+                            status.replicas.iter().map(|r| r.node.as_str()).collect()
+                        };
+                        placed.len() < usize::try_from(g.spec.replicas).unwrap_or(1)
+                            || placed.contains(&name.as_str())
+                    })
                     .map(|g| ObjectRef::from_obj(g.as_ref()))
                     .collect::<Vec<_>>()
             },

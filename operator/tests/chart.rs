@@ -196,7 +196,8 @@ fn rbac_is_exact_and_nodes_are_read_only() {
         (
             "apps".into(),
             "deployments".into(),
-            v(&["get", "list", "watch", "create", "patch"]),
+            // delete: a scale-down removes the last replicas' Deployments.
+            v(&["get", "list", "watch", "create", "patch", "delete"]),
         ),
         (
             "batch".into(),

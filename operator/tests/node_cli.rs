@@ -209,7 +209,7 @@ fn server_container_parses_with_the_node_cli_in_every_mode() {
         }
         g.spec = serde_json::from_value(spec).unwrap();
 
-        let d = server_deployment(&g, "gpu-a", "0123456789abcdef", 1);
+        let d = server_deployment(&g, 0, "gpu-a", "0123456789abcdef", 1);
         let c = &d.spec.unwrap().template.spec.unwrap().containers[0];
         let Command::Serve { model, serve } = parse(c) else {
             panic!("the server container does not run serve");
@@ -217,6 +217,8 @@ fn server_container_parses_with_the_node_cli_in_every_mode() {
         let what = format!("mode {mode}");
         assert_mounted(c, &model.model, false);
         assert_mounted(c, model.store.as_ref().unwrap(), false);
+        // The server writes its routing history at exit onto the node, for the next start.
+        assert_mounted(c, model.tier.history.as_ref().unwrap(), true);
         assert_eq!(
             model
                 .tier
@@ -270,7 +272,7 @@ fn server_container_parses_with_the_node_cli_in_every_mode() {
 #[test]
 fn the_parse_check_catches_a_flag_the_node_lacks() {
     let g = example();
-    let d = server_deployment(&g, "gpu-a", "0123456789abcdef", 1);
+    let d = server_deployment(&g, 0, "gpu-a", "0123456789abcdef", 1);
     let mut c = d.spec.unwrap().template.spec.unwrap().containers[0].clone();
     c.args.as_mut().unwrap().push("--min-free-vram-mib".into());
     c.args.as_mut().unwrap().push("23000".into());

@@ -12,12 +12,12 @@ use k8s_openapi::apimachinery::pkg::apis::meta::v1::{LabelSelector, ObjectMeta};
 use k8s_openapi::apimachinery::pkg::util::intstr::IntOrString;
 
 use super::pod::{
-    MODEL_MOUNT, STORE_MOUNT, host_path_volume, mount, node_affinity, non_empty, pinning_server,
-    quantity, security_context,
+    HISTORY_FILE, HISTORY_MOUNT, MODEL_MOUNT, STORE_MOUNT, host_path_volume, mount, node_affinity,
+    non_empty, pinning_server, quantity, security_context,
 };
 use super::{
-    Component, NameOrEmpty, labels, meta, model_dir, names, server_selector, store_dir,
-    with_config_hash,
+    Component, NameOrEmpty, REPLICA_LABEL, history_dir, labels, meta, model_dir, names,
+    server_selector, store_dir, with_config_hash,
 };
 
 /// glmflash-node `serve` arguments for the spec.
@@ -42,6 +42,8 @@ pub fn server_args(spec: &GlmFlashDeploymentSpec) -> Vec<String> {
         spec.server.max_batch_size.to_string(),
         "--chunk-size".into(),
         spec.server.prefill_chunk.to_string(),
+        "--history".into(),
+        format!("{HISTORY_MOUNT}/{HISTORY_FILE}"),
     ];
     if let Some(slots) = spec.vram.expert_slots {
         args.extend(["--vram-expert-slots".into(), slots.to_string()]);
@@ -56,18 +58,23 @@ pub fn server_args(spec: &GlmFlashDeploymentSpec) -> Vec<String> {
     args
 }
 
-/// The server Deployment on `node`, reading the store of `store_hash`: one replica (zero
-/// while the store is being rebuilt or the object is deleted), `Recreate` so two servers
-/// never share the GPU.
+/// The server Deployment of replica `index` on `node`, reading the store of `store_hash`:
+/// one pod (zero while the store is being rebuilt, while hibernated or while the object is
+/// deleted), `Recreate` so two servers never share the GPU. Each replica is its own
+/// Deployment because each is pinned to its own node and store.
 pub fn server_deployment(
     gfd: &GlmFlashDeployment,
+    index: u32,
     node: &str,
     store_hash: &str,
     replicas: i32,
 ) -> Deployment {
     let spec = &gfd.spec;
     let name = gfd.name_any_or_empty();
-    let selector = server_selector(&name);
+    let mut selector = server_selector(&name);
+    if index > 0 {
+        selector.insert(REPLICA_LABEL.into(), index.to_string());
+    }
 
     let mut pod_labels = labels(&name, Component::Server);
     pod_labels.extend(selector.clone());
@@ -137,6 +144,7 @@ pub fn server_deployment(
         volume_mounts: Some(vec![
             mount("model", MODEL_MOUNT, true),
             mount("store", STORE_MOUNT, true),
+            mount("history", HISTORY_MOUNT, false),
             mount("dshm", "/dev/shm", false),
         ]),
         // Loading 125 GB of weights and warming the tiers takes minutes: allow 30 of them.
@@ -147,7 +155,7 @@ pub fn server_deployment(
     };
 
     with_config_hash(Deployment {
-        metadata: meta(gfd, names::server(&name), Component::Server, true),
+        metadata: meta(gfd, names::replica(&name, index), Component::Server, true),
         spec: Some(DeploymentSpec {
             replicas: Some(replicas),
             selector: LabelSelector {
@@ -168,11 +176,13 @@ pub fn server_deployment(
                     tolerations: non_empty(spec.placement.tolerations.clone()),
                     security_context: Some(pinning_server()),
                     containers: vec![container],
-                    // Long enough to drain in-flight requests and unpin the RAM tier.
+                    // Long enough to drain in-flight requests, save the routing history
+                    // and unpin the RAM tier.
                     termination_grace_period_seconds: Some(60),
                     volumes: Some(vec![
                         host_path_volume("model", model_dir(spec), "Directory"),
                         host_path_volume("store", store_dir(gfd, store_hash), "Directory"),
+                        host_path_volume("history", history_dir(gfd), "DirectoryOrCreate"),
                         Volume {
                             name: "dshm".into(),
                             empty_dir: Some(EmptyDirVolumeSource {

@@ -11,8 +11,8 @@ use super::pod::{
     secret_volume, security_context,
 };
 use super::{
-    Component, NameOrEmpty, STORE_HASH_LABEL, labels, meta, model_dir, names, store_dir,
-    stores_dir, with_config_hash,
+    Component, NameOrEmpty, STORE_HASH_LABEL, history_dir, labels, meta, model_dir, names,
+    store_dir, stores_dir, with_config_hash,
 };
 
 const TOKEN_MOUNT: &str = "/secrets/hf";
@@ -152,16 +152,17 @@ pub fn pack_job(gfd: &GlmFlashDeployment, node: &str, store_hash: &str) -> Job {
     })
 }
 
-/// The Job that deletes this object's stores on `node` (reclaim policy `Delete`), and its
-/// Hub download when `with_download` (no other object on the node reads it). It is not
-/// owned by the deployment, so garbage collection cannot kill it half way; it has a
-/// deadline, and removes itself after it finishes.
-pub fn reclaim_job(gfd: &GlmFlashDeployment, node: &str, with_download: bool) -> Job {
+/// The Job that deletes this object's stores and routing history on `node` (reclaim
+/// policy `Delete`; `index` is the replica that was there), and its Hub download when
+/// `with_download` (no other object on the node reads it). It is not owned by the
+/// deployment, so garbage collection cannot kill it half way; it has a deadline, and
+/// removes itself after it finishes.
+pub fn reclaim_job(gfd: &GlmFlashDeployment, index: u32, node: &str, with_download: bool) -> Job {
     let spec = &gfd.spec;
     let root = spec.store.host_path.trim_end_matches('/');
     // Only what the operator wrote: a nodePath model may live beside it. Paths are relative
     // to the host path mounted at /reclaim, and handed to rm as arguments, not to a shell.
-    let mut paths = vec![stores_dir(gfd)];
+    let mut paths = vec![stores_dir(gfd), history_dir(gfd)];
     let download_is_ours = spec
         .model
         .hugging_face
@@ -180,7 +181,7 @@ pub fn reclaim_job(gfd: &GlmFlashDeployment, node: &str, with_download: bool) ->
     with_config_hash(Job {
         metadata: meta(
             gfd,
-            names::reclaim_job(&gfd.name_any_or_empty()),
+            names::reclaim_job(&gfd.name_any_or_empty(), index),
             Component::Reclaim,
             false,
         ),

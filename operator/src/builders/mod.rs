@@ -25,6 +25,8 @@
 use std::collections::BTreeMap;
 
 use glmflash_crds::{ExpertFormat, GlmFlashDeployment, GlmFlashDeploymentSpec};
+use k8s_openapi::api::batch::v1::Job;
+use k8s_openapi::api::core::v1::Pod;
 use k8s_openapi::apimachinery::pkg::apis::meta::v1::{ObjectMeta, OwnerReference};
 use kube::Resource;
 use serde::Serialize;
@@ -49,6 +51,10 @@ pub const FIELD_MANAGER: &str = "glmflash-operator";
 pub const CONFIG_HASH: &str = "glmflash.io/config-hash";
 /// Label on pack-store Jobs: the hash of the store's inputs.
 pub const STORE_HASH_LABEL: &str = "glmflash.io/store-hash";
+/// Label on the pods of replicas 1 and up: the replica index. Replica 0 has none, so the
+/// pods and selector of a server created before replicas existed stay as they were (a
+/// Deployment's selector cannot change).
+pub const REPLICA_LABEL: &str = "glmflash.io/replica";
 
 const NAME_LABEL: &str = "app.kubernetes.io/name";
 const INSTANCE_LABEL: &str = "app.kubernetes.io/instance";
@@ -84,9 +90,16 @@ impl Component {
 
 /// Names of the owned objects of one `GlmFlashDeployment`.
 pub mod names {
-    /// Server Deployment and OpenAI Service.
+    /// OpenAI Service, and the server Deployment of replica 0.
     pub fn server(gfd: &str) -> String {
         gfd.to_string()
+    }
+    /// Server Deployment of one replica.
+    pub fn replica(gfd: &str, index: u32) -> String {
+        match index {
+            0 => server(gfd),
+            i => format!("{gfd}-r{i}"),
+        }
     }
     /// Metrics Service and ServiceMonitor.
     pub fn metrics(gfd: &str) -> String {
@@ -96,9 +109,12 @@ pub mod names {
     pub fn pack_job(gfd: &str, store_hash: &str) -> String {
         format!("{gfd}-pack-{}", &store_hash[..10.min(store_hash.len())])
     }
-    /// Store cleanup Job.
-    pub fn reclaim_job(gfd: &str) -> String {
-        format!("{gfd}-reclaim")
+    /// Store cleanup Job of one replica's node.
+    pub fn reclaim_job(gfd: &str, index: u32) -> String {
+        match index {
+            0 => format!("{gfd}-reclaim"),
+            i => format!("{gfd}-reclaim-r{i}"),
+        }
     }
     /// Dashboard ConfigMap.
     pub fn dashboard(gfd: &str) -> String {
@@ -126,7 +142,15 @@ pub fn selector(gfd_name: &str, component: Component) -> String {
         .join(",")
 }
 
-/// Labels that select the server pod.
+/// The replica a server pod belongs to (replica 0's pods carry no [`REPLICA_LABEL`]).
+pub fn replica_of(labels: Option<&BTreeMap<String, String>>) -> u32 {
+    labels
+        .and_then(|l| l.get(REPLICA_LABEL))
+        .and_then(|v| v.parse().ok())
+        .unwrap_or(0)
+}
+
+/// Labels that select the server pods of every replica (the OpenAI Service's selector).
 pub fn server_selector(gfd_name: &str) -> BTreeMap<String, String> {
     BTreeMap::from([
         (NAME_LABEL.to_string(), "glmflash-node".to_string()),
@@ -192,6 +216,18 @@ pub fn store_dir(gfd: &GlmFlashDeployment, store_hash: &str) -> String {
     format!("{}/{store_hash}", stores_dir(gfd))
 }
 
+/// Host directory of this object's routing history on a node: outside the stores, so a
+/// repack keeps it (the server ignores a history of another model by its fingerprint),
+/// and written by the server on shutdown, so a wake or restart warm-starts the tiers.
+pub fn history_dir(gfd: &GlmFlashDeployment) -> String {
+    format!(
+        "{}/history/{}/{}",
+        gfd.spec.store.host_path.trim_end_matches('/'),
+        gfd.namespace_or_default(),
+        gfd.name_any_or_empty()
+    )
+}
+
 /// Host directory of the model weights.
 pub fn model_dir(spec: &GlmFlashDeploymentSpec) -> String {
     match (&spec.model.node_path, &spec.model.hugging_face) {
@@ -217,14 +253,55 @@ pub fn endpoint(gfd: &GlmFlashDeployment) -> String {
     )
 }
 
-/// In-cluster URL of the server's `/metrics`.
-pub fn metrics_url(gfd: &GlmFlashDeployment) -> String {
-    format!(
-        "http://{}.{}.svc:{}/metrics",
-        names::metrics(&gfd.name_any_or_empty()),
-        gfd.namespace_or_default(),
+/// URL of `/metrics` on the first ready pod among `pods` (one replica's): each replica's
+/// figures are its own, which the metrics Service, balancing over all, cannot give.
+pub fn pod_metrics_url(gfd: &GlmFlashDeployment, pods: &[Pod]) -> Option<String> {
+    let ready = |p: &&Pod| {
+        p.status
+            .as_ref()
+            .and_then(|s| s.conditions.as_ref())
+            .is_some_and(|c| c.iter().any(|c| c.type_ == "Ready" && c.status == "True"))
+    };
+    let ip = pods
+        .iter()
+        .filter(|p| p.metadata.deletion_timestamp.is_none())
+        .find(ready)?
+        .status
+        .as_ref()?
+        .pod_ip
+        .clone()?;
+    let host = if ip.contains(':') {
+        format!("[{ip}]")
+    } else {
+        ip
+    };
+    Some(format!(
+        "http://{host}:{}/metrics",
         gfd.spec.metrics.effective_port(&gfd.spec.server)
-    )
+    ))
+}
+
+/// The node a Job built here is pinned to (by [`pod::node_affinity`]).
+pub fn pinned_node(job: &Job) -> Option<String> {
+    job.spec
+        .as_ref()?
+        .template
+        .spec
+        .as_ref()?
+        .affinity
+        .as_ref()?
+        .node_affinity
+        .as_ref()?
+        .required_during_scheduling_ignored_during_execution
+        .as_ref()?
+        .node_selector_terms
+        .iter()
+        .flat_map(|t| t.match_fields.iter().flatten())
+        .find(|r| r.key == "metadata.name" && r.operator == "In")?
+        .values
+        .as_ref()?
+        .first()
+        .cloned()
 }
 
 trait NameOrEmpty {

@@ -13,6 +13,10 @@ use k8s_openapi::apimachinery::pkg::api::resource::Quantity;
 pub(super) const MODEL_MOUNT: &str = "/models";
 /// Where the packed store is mounted.
 pub(super) const STORE_MOUNT: &str = "/store";
+/// Where the server's routing history directory is mounted (read-write).
+pub(super) const HISTORY_MOUNT: &str = "/history";
+/// The routing history file the server loads at start and writes at exit.
+pub(super) const HISTORY_FILE: &str = "routing.json";
 
 /// Pins a pod to one node by name (the scheduler still accounts for its resources, unlike
 /// `spec.nodeName`).

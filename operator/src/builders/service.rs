@@ -1,22 +1,32 @@
 //! The Services in front of the server: the OpenAI API and `/metrics`.
 
-use glmflash_crds::GlmFlashDeployment;
+use glmflash_crds::{GlmFlashDeployment, SessionAffinity};
 use k8s_openapi::api::core::v1::{Service, ServicePort, ServiceSpec};
 use k8s_openapi::apimachinery::pkg::util::intstr::IntOrString;
 
 use super::{Component, NameOrEmpty, meta, names, server_selector, with_config_hash};
 
-/// The OpenAI API Service.
+/// The OpenAI API Service, over the ready pods of every replica.
 pub fn api_service(gfd: &GlmFlashDeployment) -> Service {
     let name = gfd.name_any_or_empty();
-    service(
+    let mut api = service(
         gfd,
         names::server(&name),
         Component::Server,
         "http",
         gfd.spec.server.port,
         "http",
-    )
+    );
+    // Only when asked: the field's absence keeps the hash of Services built before it.
+    let affinity = gfd.spec.server.session_affinity;
+    if affinity != SessionAffinity::None {
+        api.metadata.annotations = None;
+        if let Some(spec) = api.spec.as_mut() {
+            spec.session_affinity = Some(affinity.as_str().into());
+        }
+        api = with_config_hash(api);
+    }
+    api
 }
 
 /// The metrics Service, selected by the ServiceMonitor.

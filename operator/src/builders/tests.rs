@@ -28,7 +28,7 @@ fn pod_spec(d: &Deployment) -> &PodSpec {
 #[test]
 fn owned_objects_carry_owner_reference_labels_and_hash() {
     let g = gfd();
-    let d = server_deployment(&g, "gpu-a", HASH, 1);
+    let d = server_deployment(&g, 0, "gpu-a", HASH, 1);
     let owner = &d.metadata.owner_references.as_ref().unwrap()[0];
     assert_eq!(owner.kind, "GlmFlashDeployment");
     assert_eq!(owner.api_version, "glmflash.io/v1alpha1");
@@ -45,11 +45,11 @@ fn owned_objects_carry_owner_reference_labels_and_hash() {
     other.spec.server.max_batch_size = 4;
     assert_ne!(
         config_hash_of(&d),
-        config_hash_of(&server_deployment(&other, "gpu-a", HASH, 1))
+        config_hash_of(&server_deployment(&other, 0, "gpu-a", HASH, 1))
     );
     assert_eq!(
         config_hash_of(&d),
-        config_hash_of(&server_deployment(&gfd(), "gpu-a", HASH, 1))
+        config_hash_of(&server_deployment(&gfd(), 0, "gpu-a", HASH, 1))
     );
     for owned in [
         api_service(&g).metadata,
@@ -79,7 +79,7 @@ fn server_deployment_field_by_field() {
         name: "api".into(),
         key: "key".into(),
     });
-    let d = server_deployment(&g, "gpu-a", HASH, 1);
+    let d = server_deployment(&g, 0, "gpu-a", HASH, 1);
     let spec = d.spec.as_ref().unwrap();
     assert_eq!(spec.replicas, Some(1));
     assert_eq!(
@@ -113,6 +113,7 @@ fn server_deployment_field_by_field() {
         "serve --model /models --store /store --mode nvme \
          --host 0.0.0.0 --port 30000 --served-model-name glm-5.3-flash \
          --context-length 131072 --max-batch-size 8 --chunk-size 8192 \
+         --history /history/routing.json \
          --vram-expert-slots 1376 --min-free-vram-mib 23000"
     );
     let limits = c.resources.as_ref().unwrap().limits.as_ref().unwrap();
@@ -188,6 +189,7 @@ fn server_deployment_field_by_field() {
         [
             ("model", "/models", Some(true)),
             ("store", "/store", Some(true)),
+            ("history", "/history", Some(false)),
             ("dshm", "/dev/shm", Some(false)),
         ]
     );
@@ -202,7 +204,7 @@ fn server_deployment_field_by_field() {
         volumes[1].host_path.as_ref().unwrap().path,
         "/mnt/nvme/glmflash/stores/ai/glm/0123456789abcdef"
     );
-    let shm = volumes[2].empty_dir.as_ref().unwrap();
+    let shm = volumes[3].empty_dir.as_ref().unwrap();
     assert_eq!(shm.medium.as_deref(), Some("Memory"));
     assert_eq!(shm.size_limit, Some(Quantity("1Gi".into())));
     let term = &pod
@@ -236,7 +238,7 @@ fn separate_metrics_port_and_other_modes_reach_the_args() {
     g.spec.vram.expert_slots = None;
     g.spec.model.hugging_face = None;
     g.spec.model.node_path = Some("/data/glm53".into());
-    let d = server_deployment(&g, "gpu-a", HASH, 0);
+    let d = server_deployment(&g, 0, "gpu-a", HASH, 0);
     assert_eq!(d.spec.as_ref().unwrap().replicas, Some(0));
     let c = server_container(&d);
     let args = c.args.as_ref().unwrap().join(" ");
@@ -259,14 +261,29 @@ fn separate_metrics_port_and_other_modes_reach_the_args() {
         port.target_port,
         Some(IntOrString::String("metrics".into()))
     );
-    assert_eq!(metrics_url(&g), "http://glm-metrics.ai.svc:9400/metrics");
+    let pod = |ip: &str, ready: &str| -> k8s_openapi::api::core::v1::Pod {
+        serde_json::from_value(serde_json::json!({
+            "metadata": {"name": "p"},
+            "status": {"podIP": ip, "conditions": [{"type": "Ready", "status": ready}]}
+        }))
+        .unwrap()
+    };
+    assert_eq!(pod_metrics_url(&g, &[pod("10.0.0.7", "False")]), None);
+    assert_eq!(
+        pod_metrics_url(&g, &[pod("10.0.0.7", "False"), pod("10.0.0.8", "True")]).as_deref(),
+        Some("http://10.0.0.8:9400/metrics")
+    );
+    assert_eq!(
+        pod_metrics_url(&g, &[pod("fd00::8", "True")]).as_deref(),
+        Some("http://[fd00::8]:9400/metrics")
+    );
 }
 
 #[test]
 fn cpu_switch_drops_the_gpu_request_only() {
     let mut g = gfd();
     g.spec.placement.require_gpu = false;
-    let d = server_deployment(&g, "kind-worker", HASH, 1);
+    let d = server_deployment(&g, 0, "kind-worker", HASH, 1);
     let limits = server_container(&d)
         .resources
         .as_ref()
@@ -433,7 +450,7 @@ fn store_hash_tracks_store_inputs_only() {
 #[test]
 fn reclaim_job_is_unowned_pinned_scoped_and_bounded() {
     let g = gfd();
-    let job = reclaim_job(&g, "gpu-a", true);
+    let job = reclaim_job(&g, 0, "gpu-a", true);
     assert!(job.metadata.owner_references.is_none());
     assert_eq!(
         job.metadata.labels.as_ref().unwrap()["app.kubernetes.io/component"],
@@ -449,7 +466,7 @@ fn reclaim_job_is_unowned_pinned_scoped_and_bounded() {
     assert_eq!(c.command.as_deref(), Some(&["rm".to_string()][..]));
     assert_eq!(
         c.args.as_ref().unwrap().join(" "),
-        "-rf -- /reclaim/stores/ai/glm \
+        "-rf -- /reclaim/stores/ai/glm /reclaim/history/ai/glm \
          /reclaim/hf/turboderp--GLM-5.3-Flash-exl3/332ab457b709b7ba30dd9a448be5de03b80a7ac9"
     );
     assert_eq!(
@@ -461,7 +478,7 @@ fn reclaim_job_is_unowned_pinned_scoped_and_bounded() {
         "/mnt/nvme/glmflash"
     );
     // A download another object reads stays; so does anything a revision could escape to.
-    let kept = reclaim_job(&g, "gpu-a", false);
+    let kept = reclaim_job(&g, 0, "gpu-a", false);
     let args = |j: &k8s_openapi::api::batch::v1::Job| {
         j.spec
             .as_ref()
@@ -476,12 +493,15 @@ fn reclaim_job_is_unowned_pinned_scoped_and_bounded() {
             .unwrap()
             .join(" ")
     };
-    assert_eq!(args(&kept), "-rf -- /reclaim/stores/ai/glm");
+    assert_eq!(
+        args(&kept),
+        "-rf -- /reclaim/stores/ai/glm /reclaim/history/ai/glm"
+    );
     let mut escaping = gfd();
     escaping.spec.model.hugging_face.as_mut().unwrap().revision = "../..".into();
     assert_eq!(
-        args(&reclaim_job(&escaping, "gpu-a", true)),
-        "-rf -- /reclaim/stores/ai/glm"
+        args(&reclaim_job(&escaping, 0, "gpu-a", true)),
+        "-rf -- /reclaim/stores/ai/glm /reclaim/history/ai/glm"
     );
 }
 
@@ -555,4 +575,87 @@ fn dashboard_config_map_is_labelled_for_grafana() {
     let data = cm.data.as_ref().unwrap();
     let json: serde_json::Value = serde_json::from_str(&data["glmflash-glm.json"]).unwrap();
     assert_eq!(json["uid"], "glmflash-node");
+}
+
+#[test]
+fn replicas_after_the_first_get_their_own_name_selector_and_reclaim_job() {
+    let g = gfd();
+    let first = server_deployment(&g, 0, "gpu-a", HASH, 1);
+    let second = server_deployment(&g, 1, "gpu-b", HASH, 1);
+    assert_eq!(first.metadata.name.as_deref(), Some("glm"));
+    assert_eq!(second.metadata.name.as_deref(), Some("glm-r1"));
+    let selector = |d: &k8s_openapi::api::apps::v1::Deployment| {
+        d.spec
+            .as_ref()
+            .unwrap()
+            .selector
+            .match_labels
+            .clone()
+            .unwrap()
+    };
+    // Replica 0 keeps the selector of a server made before replicas existed.
+    assert_eq!(selector(&first), server_selector("glm"));
+    let mut own = server_selector("glm");
+    own.insert(REPLICA_LABEL.into(), "1".into());
+    assert_eq!(selector(&second), own);
+    let labels = second.spec.as_ref().unwrap().template.metadata.clone();
+    let labels = labels.unwrap().labels;
+    assert_eq!(replica_of(labels.as_ref()), 1);
+    // Every replica's pods match the one Service's selector.
+    for (k, v) in server_selector("glm") {
+        assert_eq!(labels.as_ref().unwrap()[&k], v);
+    }
+    assert_eq!(
+        reclaim_job(&g, 2, "gpu-c", false).metadata.name.as_deref(),
+        Some("glm-reclaim-r2")
+    );
+}
+
+#[test]
+fn the_routing_history_lives_on_the_node_outside_the_store() {
+    let g = gfd();
+    let d = server_deployment(&g, 0, "gpu-a", HASH, 1);
+    let history = pod_spec(&d)
+        .volumes
+        .as_ref()
+        .unwrap()
+        .iter()
+        .find(|v| v.name == "history")
+        .unwrap()
+        .host_path
+        .clone()
+        .unwrap();
+    assert_eq!(history.path, "/mnt/nvme/glmflash/history/ai/glm");
+    assert_eq!(history.type_.as_deref(), Some("DirectoryOrCreate"));
+    let mount = server_container(&d)
+        .volume_mounts
+        .as_ref()
+        .unwrap()
+        .iter()
+        .find(|m| m.name == "history")
+        .unwrap()
+        .clone();
+    assert_eq!(
+        (mount.mount_path.as_str(), mount.read_only),
+        ("/history", Some(false))
+    );
+}
+
+#[test]
+fn client_ip_affinity_keeps_a_client_on_one_replica() {
+    let mut g = gfd();
+    let plain = api_service(&g);
+    assert_eq!(plain.spec.as_ref().unwrap().session_affinity, None);
+    g.spec.server.session_affinity = glmflash_crds::SessionAffinity::ClientIp;
+    let sticky = api_service(&g);
+    assert_eq!(
+        sticky.spec.as_ref().unwrap().session_affinity.as_deref(),
+        Some("ClientIP")
+    );
+    assert_ne!(config_hash_of(&plain), config_hash_of(&sticky));
+    // The metrics Service is scraped, not balanced: no affinity there.
+    assert_eq!(
+        metrics_service(&g).spec.as_ref().unwrap().session_affinity,
+        None
+    );
 }

@@ -1,10 +1,10 @@
 //! Deletion. Owned objects go by owner references once the finalizer is removed; with
 //! reclaim policy `Retain` (or no node ever chosen) that happens at once. With `Delete`
-//! the store goes first, on its node, each step reported as phase `Deleting`:
-//! 1. the server is scaled to zero, so nothing reads the store while it is removed;
-//! 2. the reclaim Job removes the object's stores, and its Hub download unless another
-//!    object on the node names the same one; the Job's watch brings the next reconcile
-//!    and its deadline bounds the wait;
+//! the stores go first, on every replica's node, each step reported as phase `Deleting`:
+//! 1. the servers are scaled to zero, so nothing reads a store while it is removed;
+//! 2. a reclaim Job per node removes the object's stores and routing history, and its Hub
+//!    download unless another object on the node names the same one; the Jobs' watch
+//!    brings the next reconcile and their deadline bounds the wait;
 //! 3. once it is Complete, or Failed (a Warning Event says what to remove by hand), the
 //!    finalizer is removed.
 
@@ -18,6 +18,7 @@ use kube::runtime::events::{Event, EventType};
 use kube::{Resource, ResourceExt};
 use tracing::{info, warn};
 
+use super::fleet;
 use super::status::{self, Cond, Outcome};
 use super::{Context, JobState, WAITING_REQUEUE, apply_params, job_state, key};
 use crate::builders::{self, names};
@@ -26,80 +27,99 @@ use crate::{Error, Result};
 /// What is left to do before the finalizer may go: `Some` says when to look again.
 pub(super) async fn pending(gfd: &GlmFlashDeployment, ctx: &Context) -> Result<Option<Action>> {
     let old = gfd.status.clone().unwrap_or_default();
-    let (ReclaimPolicy::Delete, Some(node)) = (gfd.spec.store.reclaim_policy, old.node.clone())
-    else {
+    let placed = fleet::entries(&old);
+    if gfd.spec.store.reclaim_policy != ReclaimPolicy::Delete || placed.is_empty() {
         return Ok(None);
-    };
+    }
     let ns = gfd
         .namespace()
         .ok_or(Error::MissingField("metadata.namespace"))?;
     let name = gfd.name_any();
+    let nodes = placed
+        .iter()
+        .map(|e| e.node.as_str())
+        .collect::<Vec<_>>()
+        .join(", ");
     let waiting = 'steps: {
         let deployments: Api<Deployment> = Api::namespaced(ctx.client.clone(), &ns);
-        if let Some(server) = deployments.get_opt(&name).await? {
+        let (mut stopped, mut running) = (false, false);
+        for entry in &placed {
+            let server_name = names::replica(&name, entry.index);
+            let Some(server) = deployments.get_opt(&server_name).await? else {
+                continue;
+            };
             if server.spec.as_ref().and_then(|s| s.replicas) != Some(0) {
-                let hash = old
+                let hash = entry
                     .store_hash
                     .clone()
-                    .unwrap_or_else(|| builders::store_hash(&gfd.spec, &node));
-                let stopped = builders::server_deployment(gfd, &node, &hash, 0);
+                    .unwrap_or_else(|| builders::store_hash(&gfd.spec, &entry.node));
+                let zero = builders::server_deployment(gfd, entry.index, &entry.node, &hash, 0);
                 deployments
-                    .patch(&name, &apply_params(), &Patch::Apply(&stopped))
+                    .patch(&server_name, &apply_params(), &Patch::Apply(&zero))
                     .await?;
-                break 'steps Some("stopping the server before its store is removed".to_string());
+                stopped = true;
+            } else if server.status.as_ref().and_then(|s| s.replicas).unwrap_or(0) > 0 {
+                running = true;
             }
-            if server.status.as_ref().and_then(|s| s.replicas).unwrap_or(0) > 0 {
-                break 'steps Some("waiting for the server's pod to stop".to_string());
-            }
+        }
+        if stopped {
+            break 'steps Some("stopping the server before its store is removed".to_string());
+        }
+        if running {
+            break 'steps Some("waiting for the server's pod to stop".to_string());
         }
         let jobs: Api<Job> = Api::namespaced(ctx.client.clone(), &ns);
-        let job_name = names::reclaim_job(&name);
-        let Some(job) = jobs.get_opt(&job_name).await? else {
-            let with_download = !download_shared(gfd, ctx, &node).await?;
-            let desired = builders::reclaim_job(gfd, &node, with_download);
-            jobs.patch(&job_name, &apply_params(), &Patch::Apply(&desired))
-                .await?;
-            break 'steps Some(format!(
-                "reclaim Job {job_name} is removing the store on {node}"
-            ));
-        };
-        match job_state(&job) {
-            JobState::Running => Some(format!(
-                "reclaim Job {job_name} is removing the store on {node}"
-            )),
-            JobState::Complete => {
-                info!(object = %key(gfd), %node, "store reclaimed");
-                None
-            }
-            JobState::Failed(why) => {
-                // Never block deletion on a node that cannot be cleaned: say where the bytes are.
-                let note = format!(
-                    "store reclaim failed ({why}); remove {} on node {node} by hand",
-                    builders::stores_dir(gfd)
-                );
-                warn!(object = %key(gfd), %note);
-                ctx.recorder
-                    .publish(
-                        &Event {
-                            type_: EventType::Warning,
-                            reason: "ReclaimFailed".into(),
-                            note: Some(note),
-                            action: "Cleanup".into(),
-                            secondary: None,
-                        },
-                        &gfd.object_ref(&()),
-                    )
+        let mut removing = Vec::new();
+        for entry in &placed {
+            let node = &entry.node;
+            let job_name = names::reclaim_job(&name, entry.index);
+            let Some(job) = jobs.get_opt(&job_name).await? else {
+                let with_download = !download_shared(gfd, ctx, node).await?;
+                let desired = builders::reclaim_job(gfd, entry.index, node, with_download);
+                jobs.patch(&job_name, &apply_params(), &Patch::Apply(&desired))
                     .await?;
-                None
+                removing.push(job_name);
+                continue;
+            };
+            match job_state(&job) {
+                JobState::Running => removing.push(job_name),
+                JobState::Complete => info!(object = %key(gfd), %node, "store reclaimed"),
+                JobState::Failed(why) => {
+                    // Never block deletion on a node that cannot be cleaned: say where the
+                    // bytes are.
+                    let note = format!(
+                        "store reclaim failed ({why}); remove {} on node {node} by hand",
+                        builders::stores_dir(gfd)
+                    );
+                    warn!(object = %key(gfd), %note);
+                    ctx.recorder
+                        .publish(
+                            &Event {
+                                type_: EventType::Warning,
+                                reason: "ReclaimFailed".into(),
+                                note: Some(note),
+                                action: "Cleanup".into(),
+                                secondary: None,
+                            },
+                            &gfd.object_ref(&()),
+                        )
+                        .await?;
+                }
             }
         }
+        (!removing.is_empty()).then(|| {
+            format!(
+                "reclaim Job {} is removing the store on {nodes}",
+                removing.join(", ")
+            )
+        })
     };
     let Some(message) = waiting else {
         return Ok(None);
     };
     let outcome = Outcome {
         phase: Phase::Deleting,
-        node: Some(node),
+        node: old.node.clone(),
         node_selected: None,
         store_ready: None,
         server_ready: Some(Cond::no("Deleting", "the object is being deleted")),
@@ -109,14 +129,23 @@ pub(super) async fn pending(gfd: &GlmFlashDeployment, ctx: &Context) -> Result<O
         store_bytes: old.store_bytes,
         live: None,
     };
-    let next: GlmFlashDeploymentStatus =
-        status::next_status(&old, gfd.metadata.generation, outcome, Timestamp::now());
+    let next: GlmFlashDeploymentStatus = status::next_status(
+        &old,
+        gfd.metadata.generation,
+        outcome,
+        status::Replicas::unchanged(&old),
+        Timestamp::now(),
+    );
     status::write_status(gfd, ctx, next, false).await?;
     Ok(Some(Action::requeue(WAITING_REQUEUE)))
 }
 
 /// Whether another object on `node` reads the same Hub download, which must then stay.
-async fn download_shared(gfd: &GlmFlashDeployment, ctx: &Context, node: &str) -> Result<bool> {
+pub(super) async fn download_shared(
+    gfd: &GlmFlashDeployment,
+    ctx: &Context,
+    node: &str,
+) -> Result<bool> {
     if gfd.spec.model.hugging_face.is_none() {
         return Ok(false);
     }
@@ -131,7 +160,11 @@ async fn download_shared(gfd: &GlmFlashDeployment, ctx: &Context, node: &str) ->
         .items
         .iter()
         .filter(|o| o.metadata.uid != gfd.metadata.uid)
-        .filter(|o| o.status.as_ref().and_then(|s| s.node.as_deref()) == Some(node))
+        .filter(|o| {
+            o.status
+                .as_ref()
+                .is_some_and(|s| fleet::entries(s).iter().any(|e| e.node == node))
+        })
         .any(|o| {
             (
                 o.spec.store.host_path.trim_end_matches('/'),

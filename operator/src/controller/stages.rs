@@ -1,6 +1,7 @@
-//! The stages of one reconcile, in order. Each either hands the next stage what it
-//! decided or stops the reconcile with the [`Outcome`] to report and the [`Action`] that
-//! says when to look again; the last always stops.
+//! The stages of one replica's reconcile, in order. Each either hands the next stage what
+//! it decided or stops with the [`Outcome`] to report for that replica and the [`Action`]
+//! that says when to look again; the last always stops. `fleet` runs them for every
+//! replica and makes one status of what they say.
 
 use std::ops::ControlFlow;
 
@@ -27,6 +28,15 @@ use crate::scrape;
 
 /// What a stage returns: go on with `T`, or stop with what to report and when to look again.
 pub(super) type Stage<T> = ControlFlow<(Outcome, Action), T>;
+
+/// One replica as its stages see it: its index, what the old status says of it alone
+/// (as if the object had only this replica), and the nodes the object's other replicas
+/// hold, which it may not take (anti-affinity by node).
+pub(super) struct Replica {
+    pub(super) index: u32,
+    pub(super) old: GlmFlashDeploymentStatus,
+    pub(super) taken: Vec<String>,
+}
 
 /// The node chosen, and the condition that says so.
 #[derive(Clone)]
@@ -80,14 +90,15 @@ fn fits(spec: &GlmFlashDeploymentSpec, node: &str) -> Cond {
 }
 
 /// Stage 2, place: the node in status stays while it matches the spec, and, after a spec
-/// change, while it has room for it; a cordon or taint does not move a deployment whose
-/// pods still run there. Otherwise the first node that fits; none fitting stops the
-/// reconcile until one might.
+/// change or a wake, while it has room for it; a cordon or taint does not move a replica
+/// whose pod still runs there. Otherwise the first node that fits and holds no other
+/// replica; none fitting stops the replica until one might.
 pub(super) async fn place(
     gfd: &GlmFlashDeployment,
     ctx: &Context,
-    old: &GlmFlashDeploymentStatus,
+    replica: &Replica,
 ) -> Result<Stage<Placed>> {
+    let (old, taken) = (&replica.old, &replica.taken);
     let spec = &gfd.spec;
     let nodes: Api<Node> = Api::all(ctx.client.clone());
     let (name, namespace) = (gfd.name_any(), gfd.namespace().unwrap_or_default());
@@ -116,12 +127,22 @@ pub(super) async fn place(
                     if recheck {
                         let others = all_objects(ctx).await?;
                         let reserved = placement::reservations(&others, current, owner);
-                        if let Some(why) = placement::no_room(spec, &node, &pods, owner, &reserved)
-                        {
-                            return Ok(ControlFlow::Break(too_small(old, current, why)));
+                        match placement::no_room(spec, &node, &pods, owner, &reserved) {
+                            // A waking replica whose GPU was taken meanwhile goes where
+                            // it can serve, at the cost of a store there.
+                            Some(why) if old.phase == Some(Phase::Hibernated) => {
+                                leaving = Some(format!(
+                                    "node {current} was taken while hibernated: {why}"
+                                ));
+                            }
+                            Some(why) => {
+                                return Ok(ControlFlow::Break(too_small(old, current, why)));
+                            }
+                            None => {}
                         }
                     }
                     match closed {
+                        _ if leaving.is_some() => {}
                         Some(why) if !placement::owner_has_pod_on(&pods, current, owner) => {
                             leaving = Some(format!(
                                 "node {current} is {why} and no pod of this deployment runs there"
@@ -142,6 +163,10 @@ pub(super) async fn place(
     let mut reasons = Vec::new();
     for node in &all {
         let node_name = node.name_any();
+        if taken.contains(&node_name) {
+            reasons.push(format!("{node_name}: another replica of it runs there"));
+            continue;
+        }
         if let Some(why) = placement::mismatch(spec, node) {
             reasons.push(format!("{node_name}: {why}"));
             continue;
@@ -219,16 +244,20 @@ async fn all_objects(ctx: &Context) -> Result<Vec<GlmFlashDeployment>> {
 }
 
 /// Stage 3, store: a store whose input hash is in status is built. Else pack-store Jobs of
-/// other hashes are stopped and removed first (one writer per object), then the Job for
-/// the new hash is created if missing. While it runs or after it failed the reconcile
-/// stops there, with a server from an older store scaled to zero.
+/// other hashes on the node are stopped and removed first (one writer per object and
+/// node), then the Job for the new hash is created if missing; a Complete one means the
+/// node already holds that store (a replica that comes back to a node whose store was
+/// retained packs nothing). While it runs or after it failed the replica stops there, with
+/// a server from an older store scaled to zero. Jobs on other nodes belong to the other
+/// replicas, or are what a retained store on a node left behind.
 pub(super) async fn store(
     gfd: &GlmFlashDeployment,
     ctx: &Context,
     ns: &str,
-    old: &GlmFlashDeploymentStatus,
+    replica: &Replica,
     placed: &Placed,
 ) -> Result<Stage<Stored>> {
+    let old = &replica.old;
     let (name, node) = (gfd.name_any(), &placed.node);
     let hash = builders::store_hash(&gfd.spec, node);
     let mut bytes = old.store_bytes;
@@ -239,9 +268,10 @@ pub(super) async fn store(
         let listed = jobs
             .list(&ListParams::default().labels(&selector))
             .await?
-            .items;
-        let (mut current, mut others): (Vec<Job>, Vec<Job>) = listed
+            .items
             .into_iter()
+            .filter(|j| builders::pinned_node(j).as_deref() == Some(node.as_str()));
+        let (mut current, mut others): (Vec<Job>, Vec<Job>) = listed
             .partition(|j| j.name_any() == job_name && j.metadata.deletion_timestamp.is_none());
         // A Job of other inputs started after ours removed our store when it began: ours
         // must run again before its Complete means anything.
@@ -319,13 +349,14 @@ pub(super) async fn store(
             // A server from an older store stops: it must not hold the GPU and memory
             // the new one needs, nor serve the old inputs under the new spec.
             let deployments: Api<Deployment> = Api::namespaced(ctx.client.clone(), ns);
-            if let Some(existing) = deployments.get_opt(&name).await?
+            let server = names::replica(&name, replica.index);
+            if let Some(existing) = deployments.get_opt(&server).await?
                 && existing.spec.as_ref().and_then(|s| s.replicas) != Some(0)
             {
                 let serving = old.store_hash.as_deref().unwrap_or(&hash);
-                let scaled = builders::server_deployment(gfd, node, serving, 0);
+                let scaled = builders::server_deployment(gfd, replica.index, node, serving, 0);
                 deployments
-                    .patch(&name, &apply_params(), &Patch::Apply(&scaled))
+                    .patch(&server, &apply_params(), &Patch::Apply(&scaled))
                     .await?;
             }
             let ready = store_ready.clone();
@@ -403,24 +434,31 @@ async fn read_store_bytes(ctx: &Context, ns: &str, job: &str) -> Result<Option<u
         .map(|r| r.store_bytes))
 }
 
-/// Stage 4, server: the Deployment, the Services, and the ServiceMonitor and dashboard as
-/// the spec asks; once a replica is available, live figures from its `/metrics`. Always
-/// the last stage: it says what to report.
-pub(super) async fn server(
+/// Stage 4a, server: the replica's Deployment, on its node, reading its store.
+pub(super) async fn deploy(
     gfd: &GlmFlashDeployment,
     ctx: &Context,
     ns: &str,
-    old: &GlmFlashDeploymentStatus,
-    placed: Placed,
-    stored: Stored,
-) -> Result<(Outcome, Action)> {
-    let name = gfd.name_any();
+    replica: &Replica,
+    placed: &Placed,
+    stored: &Stored,
+) -> Result<Deployment> {
     let deployments: Api<Deployment> = Api::namespaced(ctx.client.clone(), ns);
-    let deployment = ensure(
+    ensure(
         &deployments,
-        builders::server_deployment(gfd, &placed.node, &stored.hash, 1),
+        builders::server_deployment(gfd, replica.index, &placed.node, &stored.hash, 1),
     )
-    .await?;
+    .await
+}
+
+/// Stage 4b, once for every replica: the API and metrics Services, and the ServiceMonitor
+/// and dashboard as the spec asks. Returns what Ready should note.
+pub(super) async fn front(
+    gfd: &GlmFlashDeployment,
+    ctx: &Context,
+    ns: &str,
+) -> Result<Vec<&'static str>> {
+    let name = gfd.name_any();
     let services: Api<Service> = Api::namespaced(ctx.client.clone(), ns);
     ensure(&services, builders::api_service(gfd)).await?;
     ensure(&services, builders::metrics_service(gfd)).await?;
@@ -451,7 +489,42 @@ pub(super) async fn server(
     } else {
         remove(&config_maps, &names::dashboard(&name)).await?;
     }
+    Ok(notes)
+}
 
+/// The server pods of one replica (replica 0's carry no replica label).
+async fn replica_pods(
+    gfd: &GlmFlashDeployment,
+    ctx: &Context,
+    ns: &str,
+    index: u32,
+) -> Result<Vec<Pod>> {
+    let pods: Api<Pod> = Api::namespaced(ctx.client.clone(), ns);
+    let selector = builders::selector(&gfd.name_any(), Component::Server);
+    let list = pods.list(&ListParams::default().labels(&selector)).await?;
+    Ok(list
+        .items
+        .into_iter()
+        .filter(|p| builders::replica_of(p.metadata.labels.as_ref()) == index)
+        .collect())
+}
+
+/// Stage 4c, the replica's server: once its pod is available, live figures from that
+/// pod's `/metrics` (each replica's tiers are its own); else why it does not run. Always
+/// the last stage: it says what to report.
+#[allow(clippy::too_many_arguments)]
+pub(super) async fn serving(
+    gfd: &GlmFlashDeployment,
+    ctx: &Context,
+    ns: &str,
+    replica: &Replica,
+    deployment: &Deployment,
+    placed: Placed,
+    stored: Stored,
+    notes: &[&str],
+) -> Result<(Outcome, Action)> {
+    let old = &replica.old;
+    let mut notes = notes.to_vec();
     let endpoint = builders::endpoint(gfd);
     let available = deployment
         .status
@@ -460,12 +533,16 @@ pub(super) async fn server(
         .and_then(|s| s.available_replicas)
         .unwrap_or(0);
     let (phase, server_ready, ready, live, action) = if available >= 1 {
-        let live = match ctx.scraper.fetch(builders::metrics_url(gfd)).await {
-            Ok(text) => Some(scrape::live_figures(&scrape::parse_exposition(&text))),
-            Err(why) => {
-                warn!(object = %key(gfd), %why, "could not read server metrics");
-                old.live.clone()
-            }
+        let pods = replica_pods(gfd, ctx, ns, replica.index).await?;
+        let live = match builders::pod_metrics_url(gfd, &pods) {
+            None => old.live.clone(),
+            Some(url) => match ctx.scraper.fetch(url).await {
+                Ok(text) => Some(scrape::live_figures(&scrape::parse_exposition(&text))),
+                Err(why) => {
+                    warn!(object = %key(gfd), replica = replica.index, %why, "could not read server metrics");
+                    old.live.clone()
+                }
+            },
         };
         if live
             .as_ref()
@@ -487,14 +564,9 @@ pub(super) async fn server(
             Action::requeue(RUNNING_REQUEUE),
         )
     } else {
-        let trouble = match diagnose::deployment_trouble(&deployment) {
+        let trouble = match diagnose::deployment_trouble(deployment) {
             Some(trouble) => Some(trouble),
-            None => {
-                let pods: Api<Pod> = Api::namespaced(ctx.client.clone(), ns);
-                let selector = builders::selector(&name, Component::Server);
-                let list = pods.list(&ListParams::default().labels(&selector)).await?;
-                diagnose::pod_trouble(&list.items)
-            }
+            None => diagnose::pod_trouble(&replica_pods(gfd, ctx, ns, replica.index).await?),
         };
         let (server_ready, ready) = match trouble {
             Some(trouble) => (trouble.clone(), trouble),

@@ -2,7 +2,9 @@
 //! their transition time while unchanged, status is written only when it changes, and a
 //! phase change publishes an Event.
 
-use glmflash_crds::{GlmFlashDeployment, GlmFlashDeploymentStatus, LiveFigures, Phase, condition};
+use glmflash_crds::{
+    GlmFlashDeployment, GlmFlashDeploymentStatus, LiveFigures, Phase, ReplicaStatus, condition,
+};
 use jiff::Timestamp;
 use k8s_openapi::apimachinery::pkg::apis::meta::v1::{Condition, Time};
 use kube::api::{Api, Patch};
@@ -20,7 +22,7 @@ use crate::{Error, Result};
 /// Event when it is new.
 #[derive(Clone, Debug, PartialEq)]
 pub(super) struct Cond {
-    ok: bool,
+    pub(super) ok: bool,
     pub(super) warn: bool,
     pub(super) reason: &'static str,
     pub(super) message: String,
@@ -65,24 +67,31 @@ pub(super) struct Outcome {
     pub(super) live: Option<LiveFigures>,
 }
 
-/// What to report when the API server refused an object the reconcile applied (a 4xx
-/// other than not-found, conflict and throttling: invalid, forbidden, denied by a
-/// webhook): `Failed` with the server's message, looked at again after a while as the
-/// cause may be outside the spec (RBAC, a webhook). Any other error stays an error.
-pub(super) fn refused(
-    error: Error,
-    placed: &Placed,
-    stored: Option<&Stored>,
-) -> Result<(Outcome, Action)> {
-    let message = match &error {
+/// The trouble to report when the API server refused an object the reconcile applied (a
+/// 4xx other than not-found, conflict and throttling: invalid, forbidden, denied by a
+/// webhook). Any other error stays an error.
+pub(super) fn refusal(error: Error) -> Result<Cond> {
+    match &error {
         Error::Kube(kube::Error::Api(status))
             if (400..500).contains(&status.code) && ![404, 409, 429].contains(&status.code) =>
         {
-            format!("the API server refused an object: {}", status.message)
+            Ok(Cond::trouble(
+                "Refused",
+                format!("the API server refused an object: {}", status.message),
+            ))
         }
-        _ => return Err(error),
-    };
-    let trouble = Cond::trouble("Refused", message);
+        _ => Err(error),
+    }
+}
+
+/// A replica whose object the API server refused ([`refusal`]): `Failed` with the
+/// server's message, looked at again after a while as the cause may be outside the spec
+/// (RBAC, a webhook).
+pub(super) fn refused(
+    trouble: Cond,
+    placed: &Placed,
+    stored: Option<&Stored>,
+) -> (Outcome, Action) {
     let (store_ready, server_ready) = match stored {
         Some(stored) => (stored.store_ready.clone(), trouble.clone()),
         None => (
@@ -102,7 +111,24 @@ pub(super) fn refused(
         store_bytes: stored.and_then(|s| s.bytes),
         live: None,
     };
-    Ok((outcome, Action::requeue(RUNNING_REQUEUE)))
+    (outcome, Action::requeue(RUNNING_REQUEUE))
+}
+
+/// What the replicas are: each one's status, and `ready/desired`.
+#[derive(Clone, Debug, Default, PartialEq)]
+pub(super) struct Replicas {
+    pub(super) each: Vec<ReplicaStatus>,
+    pub(super) ready: Option<String>,
+}
+
+impl Replicas {
+    /// As the old status has them (a reconcile that decided nothing about them).
+    pub(super) fn unchanged(old: &GlmFlashDeploymentStatus) -> Self {
+        Self {
+            each: old.replicas.clone(),
+            ready: old.ready.clone(),
+        }
+    }
 }
 
 /// Builds the next status from the old one: conditions keep their transition time while
@@ -111,6 +137,7 @@ pub(super) fn next_status(
     old: &GlmFlashDeploymentStatus,
     generation: Option<i64>,
     outcome: Outcome,
+    replicas: Replicas,
     now: Timestamp,
 ) -> GlmFlashDeploymentStatus {
     let mut conditions = Vec::new();
@@ -143,6 +170,8 @@ pub(super) fn next_status(
     }
     GlmFlashDeploymentStatus {
         phase: Some(outcome.phase),
+        ready: replicas.ready,
+        replicas: replicas.each,
         conditions,
         observed_generation: generation,
         node: outcome.node,

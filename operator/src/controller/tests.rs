@@ -72,7 +72,13 @@ fn deleted() -> Value {
 }
 
 fn server(g: &GlmFlashDeployment, replicas: i32) -> Value {
-    to_json(&builders::server_deployment(g, "gpu-a", &hash(g), replicas))
+    to_json(&builders::server_deployment(
+        g,
+        0,
+        "gpu-a",
+        &hash(g),
+        replicas,
+    ))
 }
 
 fn hash(gfd: &GlmFlashDeployment) -> String {
@@ -332,16 +338,41 @@ fn settled_reads(g: &GlmFlashDeployment) -> Vec<Step> {
     ]
 }
 
+/// [`settled_reads`] of an available server: its pods too, for the one to scrape.
+fn running_reads(g: &GlmFlashDeployment) -> Vec<Step> {
+    let mut steps = settled_reads(g);
+    steps.push(serving_pods());
+    steps
+}
+
+/// Replica 0's ready pod, whose `/metrics` is read.
+fn serving_pods() -> Step {
+    server_pods(vec![ready_pod("glm-7d9", None, "10.1.0.5")])
+}
+
+/// A ready server pod of replica `replica` (`None`: replica 0, which has no label).
+fn ready_pod(name: &str, replica: Option<u32>, ip: &str) -> Value {
+    let mut labels =
+        json!({"app.kubernetes.io/instance": "glm", "app.kubernetes.io/component": "server"});
+    if let Some(r) = replica {
+        labels[builders::REPLICA_LABEL] = json!(r.to_string());
+    }
+    json!({
+        "metadata": {"name": name, "namespace": NS, "labels": labels},
+        "status": {"podIP": ip, "conditions": [{"type": "Ready", "status": "True"}]}
+    })
+}
+
 async fn running() -> GlmFlashDeployment {
     let g = starting().await;
     let (ctx, scraper, handle) = context(Ok(SERVER_PAGE), false);
-    let mut steps = settled_reads(&g);
+    let mut steps = running_reads(&g);
     steps.extend([Step::apply(GFD_STATUS), Step::post(EVENTS)]);
     let (result, seen) = run(ctx, handle, g.clone(), steps).await;
     assert_eq!(result.unwrap(), Action::requeue(RUNNING_REQUEUE));
     assert_eq!(
         scraper.urls.lock().unwrap().as_slice(),
-        ["http://glm-metrics.ai.svc:30000/metrics"]
+        ["http://10.1.0.5:30000/metrics"]
     );
     let status = status_written(&seen).unwrap();
     assert_eq!(status.phase, Some(Phase::Running));
@@ -352,7 +383,7 @@ async fn running() -> GlmFlashDeployment {
     assert_eq!(live.hit_rate["vram"], 0.7);
     assert_eq!(live.hit_rate["ram"], 0.25);
     assert_eq!(live.hit_rate["nvme"], 0.05);
-    assert_eq!(seen[6].body["reason"], "Running");
+    assert_eq!(seen[7].body["reason"], "Running");
     with_status(g, status)
 }
 
@@ -360,7 +391,7 @@ async fn running() -> GlmFlashDeployment {
 async fn running_object_settles_with_no_writes() {
     let g = running().await;
     let (ctx, _, handle) = context(Ok(SERVER_PAGE), false);
-    let (result, seen) = run(ctx, handle, g.clone(), settled_reads(&g)).await;
+    let (result, seen) = run(ctx, handle, g.clone(), running_reads(&g)).await;
     assert_eq!(result.unwrap(), Action::requeue(RUNNING_REQUEUE));
     assert_no_writes(&seen);
 }
@@ -369,7 +400,7 @@ async fn running_object_settles_with_no_writes() {
 async fn unreadable_metrics_keep_the_last_figures() {
     let g = running().await;
     let (ctx, _, handle) = context(Err("connection refused"), false);
-    let (result, seen) = run(ctx, handle, g.clone(), settled_reads(&g)).await;
+    let (result, seen) = run(ctx, handle, g.clone(), running_reads(&g)).await;
     assert_eq!(result.unwrap(), Action::requeue(RUNNING_REQUEUE));
     assert_no_writes(&seen);
 }
@@ -470,7 +501,7 @@ async fn model_change_repacks_and_stops_the_old_server() {
     // The old server is stopped: its template still reads the old store.
     assert_eq!(
         seen[9].body,
-        to_json(&builders::server_deployment(&g, "gpu-a", &old_hash, 0))
+        to_json(&builders::server_deployment(&g, 0, "gpu-a", &old_hash, 0))
     );
     let status = status_written(&seen).unwrap();
     assert_eq!(status.phase, Some(Phase::PackingStore));
@@ -482,7 +513,7 @@ async fn service_monitor_applied_when_asked_and_the_api_exists() {
     let mut g = running().await;
     g.spec.metrics.service_monitor = true;
     let (ctx, _, handle) = context(Ok(SERVER_PAGE), true);
-    let mut steps = settled_reads(&g);
+    let mut steps = running_reads(&g);
     steps.insert(4, Step::get(MONITOR).not_found());
     steps.insert(5, Step::apply(MONITOR));
     let (result, seen) = run(ctx, handle, g.clone(), steps).await;
@@ -496,7 +527,7 @@ async fn dashboard_config_map_applied_when_asked() {
     g.spec.metrics.dashboards = true;
     let (ctx, _, handle) = context(Ok(SERVER_PAGE), false);
     let mut steps = settled_reads(&g);
-    steps.push(Step::apply(DASHBOARD_CM));
+    steps.extend([Step::apply(DASHBOARD_CM), serving_pods()]);
     let (result, seen) = run(ctx, handle, g.clone(), steps).await;
     assert_eq!(result.unwrap(), Action::requeue(RUNNING_REQUEUE));
     assert_eq!(seen[5].body, to_json(&builders::dashboard_config_map(&g)));
@@ -508,7 +539,7 @@ async fn service_monitor_turned_off_is_deleted() {
     let mut existing = to_json(&builders::service_monitor(&g));
     existing["metadata"]["uid"] = json!("sm-uid");
     let (ctx, _, handle) = context(Ok(SERVER_PAGE), true);
-    let mut steps = settled_reads(&g);
+    let mut steps = running_reads(&g);
     steps.insert(4, Step::get(MONITOR).json(existing));
     steps.insert(
         5,
@@ -525,7 +556,7 @@ async fn service_monitor_without_the_api_is_named_in_ready() {
     let mut g = running().await;
     g.spec.metrics.service_monitor = true;
     let (ctx, _, handle) = context(Ok(SERVER_PAGE), false);
-    let mut steps = settled_reads(&g);
+    let mut steps = running_reads(&g);
     // Asked for, so the API is looked for again (the Prometheus operator may be new).
     steps.insert(
         4,
@@ -646,7 +677,7 @@ async fn deletion_with_delete_stops_the_server_then_reclaims_and_waits() {
     let mut g = running().await;
     g.spec.store.reclaim_policy = glmflash_crds::ReclaimPolicy::Delete;
     let g = deleting(g);
-    let job = job_path(&names::reclaim_job("glm"));
+    let job = job_path(&names::reclaim_job("glm", 0));
 
     // 1. The server goes to zero first; status says Deleting, with an Event.
     let (ctx, _, handle) = context(Ok(SERVER_PAGE), false);
@@ -690,14 +721,14 @@ async fn deletion_with_delete_stops_the_server_then_reclaims_and_waits() {
     .await;
     assert_eq!(result.unwrap(), Action::requeue(WAITING_REQUEUE));
     let reclaim: Job = serde_json::from_value(seen[3].body.clone()).unwrap();
-    assert_eq!(reclaim, builders::reclaim_job(&g, "gpu-a", true));
+    assert_eq!(reclaim, builders::reclaim_job(&g, 0, "gpu-a", true));
     assert!(reclaim.metadata.owner_references.is_none());
     let status = status_written(&seen).unwrap();
     assert!(cond(&status, condition::READY).2.contains("reclaim Job"));
     let g = with_status(g, status);
 
     // 3. Complete: the finalizer goes.
-    let mut done = to_json(&builders::reclaim_job(&g, "gpu-a", true));
+    let mut done = to_json(&builders::reclaim_job(&g, 0, "gpu-a", true));
     done["status"] =
         json!({"succeeded": 1, "conditions": [{"type": "Complete", "status": "True"}]});
     let (ctx, _, handle) = context(Ok(SERVER_PAGE), false);
@@ -715,7 +746,7 @@ async fn deletion_with_delete_stops_the_server_then_reclaims_and_waits() {
     assert_eq!(result.unwrap(), Action::await_change());
 
     // Past its deadline the Job fails: a Warning says what to remove, and deletion ends.
-    let mut late = to_json(&builders::reclaim_job(&g, "gpu-a", true));
+    let mut late = to_json(&builders::reclaim_job(&g, 0, "gpu-a", true));
     late["status"] = json!({"failed": 1, "conditions": [{"type": "Failed", "status": "True",
         "reason": "DeadlineExceeded", "message": "Job was active longer than specified deadline"}]});
     let (ctx, _, handle) = context(Ok(SERVER_PAGE), false);
@@ -746,7 +777,7 @@ async fn deletion_keeps_a_download_another_object_on_the_node_reads() {
     let mut other = g.clone();
     other.metadata.name = Some("glm-2".into());
     other.metadata.uid = Some("other-uid".into());
-    let job = job_path(&names::reclaim_job("glm"));
+    let job = job_path(&names::reclaim_job("glm", 0));
     let mut stopped = server(&g, 0);
     stopped["status"] = json!({"replicas": 0});
     let (ctx, _, handle) = context(Ok(SERVER_PAGE), false);
@@ -765,7 +796,7 @@ async fn deletion_keeps_a_download_another_object_on_the_node_reads() {
     )
     .await;
     let reclaim: Job = serde_json::from_value(seen[3].body.clone()).unwrap();
-    assert_eq!(reclaim, builders::reclaim_job(&g, "gpu-a", false));
+    assert_eq!(reclaim, builders::reclaim_job(&g, 0, "gpu-a", false));
 }
 
 #[tokio::test]
@@ -939,6 +970,8 @@ mod hardening {
         let status = g.status.as_mut().unwrap();
         status.store_hash = None;
         status.phase = Some(Phase::PackingStore);
+        status.replicas[0].store_hash = None;
+        status.replicas[0].phase = Phase::PackingStore;
         g.metadata.generation = Some(3);
         let complete =
             json!({"succeeded": 1, "conditions": [{"type": "Complete", "status": "True"}]});
@@ -1137,7 +1170,7 @@ mod hardening {
         let g = running().await;
         let mut cordoned = gpu_node("gpu-a", "251Gi", "1");
         cordoned.spec.as_mut().unwrap().unschedulable = Some(true);
-        let mut steps = settled_reads(&g);
+        let mut steps = running_reads(&g);
         steps[0] = Step::get(NODE_A).json(to_json(&cordoned));
         steps.insert(
             1,
@@ -1181,11 +1214,11 @@ mod hardening {
                     )),
                     all_gfds(vec![to_json(&g)]),
                     no_pods_on("gpu-b"),
+                    // The Job of gpu-a's store stays: that store is retained there.
                     pack_jobs(vec![created(
                         job_with(&g, complete),
                         "2026-12-01T10:00:00Z",
                     )]),
-                    Step::delete(job_path(&names::pack_job("glm", &hash(&g)))).json(deleted()),
                     Step::apply(job_path(&job)),
                 ],
                 job_trouble_reads(&job).to_vec(),
@@ -1295,3 +1328,5 @@ mod hardening {
         assert_eq!(seen[6].body["type"], "Warning");
     }
 }
+
+mod fleet;
