@@ -16,7 +16,8 @@
 #                                                 e2e/peers/serve_bench.py, the agreement check on the
 #                                                 small model, then summary.py
 #
-# Needs (repo-relative): .peers/llama.cpp.tar.xz (pack_llamacpp.sh), the glmflash binary at $BIN
+# Needs (repo-relative): .peers/llama.cpp.tar.xz (pack_llamacpp.sh); optional .peers/llama-bin.tar.xz
+# (the bin/ an earlier `build` saved in $OUT: `run` then needs no build); the glmflash binary at $BIN
 # (default .device/glmflash-node, a release build with CUDA). python3 with torch and transformers
 # 5.x (llama.cpp's converter imports both; our scripts need numpy only).
 # Env: OUT (default ./peer_out), BUDGET_S (whole call, default 540), PEERS_WORK (/root/peersw),
@@ -84,6 +85,19 @@ build() {
     return 1
   fi
   log "llama.cpp built: $(ls "$LC/build/bin" | tr '\n' ' ')"
+  # Also hand the built bin/ back (carry it as .peers/llama-bin.tar.xz if the machine is lost before
+  # `run`: the libraries' rpath is $LC/build/bin, so keep PEERS_WORK the same).
+  timeout 45 bash -c "tar -C '$LC/build' -cf - bin | xz -T $THREADS -1 > '$W/llama-bin.tar.xz'" \
+    && split -b 15M -d "$W/llama-bin.tar.xz" "$OUT/llama-bin.tar.xz.part" \
+    && log "bin/ saved: $(stat -c %s "$W/llama-bin.tar.xz") bytes -> $OUT/llama-bin.tar.xz.part*"
+}
+
+# A carried build (.peers/llama-bin.tar.xz from an earlier `build`) instead of building here.
+unpack_carried() {
+  [ -f "$W/build.done" ] || [ ! -f .peers/llama-bin.tar.xz ] && return 0
+  log "using the carried llama.cpp build (.peers/llama-bin.tar.xz)"
+  rm -rf "$LC" && tar -xJf .peers/llama.cpp.tar.xz -C "$W" && mkdir -p "$LC/build" \
+    && tar -xJf .peers/llama-bin.tar.xz -C "$LC/build" && touch "$W/build.done"
 }
 
 # serve_one LABEL SERVE_ARGS...: start `serve` on the checkpoint, run serve_bench.py, stop it
@@ -111,9 +125,12 @@ serve_one() {
     tail -5 "$OUT/glmflash_serve_$label.log"
   fi
   kill $spid 2>/dev/null; sleep 2; kill -9 $spid 2>/dev/null
-  sed 's/\x1b\[[0-9;]*m//g' "$OUT/glmflash_serve_$label.log" \
-    | grep -m1 -E "sequences run on the GPU|no GPU decoder|host forward" | cut -c1-300 \
-    | sed 's/^/serve decoder: /'
+  # Which decoder serve chose ("sequences run on the GPU" = GpuDecoder; else the host forward).
+  local which; which=$(sed 's/\x1b\[[0-9;]*m//g' "$OUT/glmflash_serve_$label.log" \
+    | grep -m1 -E "sequences run on the GPU|no GPU decoder|host forward" | cut -c1-300)
+  log "serve ($label) decoder: ${which:-not logged}"
+  python3 -c "import json,sys; p=sys.argv[1]; d=json.load(open(p)); d['serve_decoder_log']=sys.argv[2]; \
+json.dump(d, open(p,'w'), indent=1)" "$OUT/glmflash_$label.json" "$which" 2>/dev/null
 }
 
 # llama_bench PLACEMENT [-ot ...]: llama-bench (decode tg128, prefill per PREFILL) and
@@ -136,6 +153,7 @@ llama_bench() {
 }
 
 run() {
+  unpack_carried
   [ -f "$W/build.done" ] || [ -f "$W/build.pid" ] || skip llama || { log "no llama.cpp build: run build first"; return 1; }
   if [ ! -f "$W/build.done" ] && ! skip llama; then build "$(cap 120)" || log "llama.cpp not built: its half is skipped"; fi
   { nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader 2>/dev/null; nproc; } | tee "$OUT/gpu.txt"
@@ -186,7 +204,7 @@ run() {
 
   if ! skip glmflash; then
     if [ -n "$cpid" ]; then log "waiting for convert-experts"; wait $cpid; fi
-    log "convert-experts: $( [ -f "$W/ck_q4k/.done" ] && echo done || echo FAILED): $(tail -1 "$OUT/glmflash_convert.log" | cut -c1-200)"
+    log "convert-experts: $( [ -f "$W/ck_q4k/.done" ] && echo done || echo FAILED): $(tail -1 "$OUT/glmflash_convert.log" 2>/dev/null | cut -c1-200)"
     if [ -f "$W/ck_q4k/.done" ]; then
       serve_one vram
       skip fast || serve_one fast --mode fast
@@ -207,7 +225,7 @@ agree() {
     || { log "llama_logits build FAILED"; tail -5 "$OUT/agree_build.log"; return; }
   python3 e2e/peers/make_checkpoint.py --small --out "$s" > /dev/null 2>&1 || { log "small checkpoint FAILED"; return; }
   # Q8_0 through llama-quantize, as users make it: the converter's own --outtype q8_0 also quantizes
-  # attn_k_b, which llama.cpp's CPU backend cannot multiply (no backend takes that MUL_MAT).
+  # attn_k_b, whose MUL_MAT llama.cpp's CPU backend refuses (the scheduler asserts).
   timeout "$(cap 90)" python3 e2e/peers/convert.py "$LC" "$s" --outtype f32 --outfile "$W/small-f32.gguf" --no-mtp \
     > "$OUT/agree_convert.log" 2>&1 || { log "convert f32 FAILED"; tail -3 "$OUT/agree_convert.log"; return; }
   "$LC/build/bin/llama-quantize" "$W/small-f32.gguf" "$W/small-q8_0.gguf" Q8_0 "$THREADS" > "$OUT/agree_quantize.log" 2>&1 \
