@@ -134,19 +134,27 @@ json.dump(d, open(p,'w'), indent=1)" "$OUT/glmflash_$label.json" "$which" 2>/dev
 }
 
 # llama_bench PLACEMENT [-ot ...]: llama-bench (decode tg128, prefill per PREFILL) and
-# llama-batched-bench (decode at 1 and 4 streams), every layer offloaded (-ngl 99)
+# llama-batched-bench (decode at 1 and 4 streams), every layer offloaded (-ngl 99). A CPU that
+# advertises AMX but faults on its tile instructions (SIGILL, rc 132: seen in a VM) kills the CPU
+# experts' repacked path; then both run again without repacking, and the log says so.
 llama_bench() {
   local placement=$1; shift
-  local pp=${PREFILL-512,8192}
-  log "llama-bench ($placement): -ngl 99 $* -p ${pp:-0} -n 128"
-  timeout -k 10 "$(cap 150)" "$LC/build/bin/llama-bench" -m "$W/m-Q4_K_M.gguf" -ngl 99 "$@" -t "$THREADS" \
-    -p "${pp:-0}" -n 128 -r 3 -o json > "$OUT/llama_bench_$placement.json" 2> "$OUT/llama_bench_$placement.log"
-  log "llama-bench ($placement) rc=$?"
+  local pp=${PREFILL-512,8192} rc norepack=()
+  for attempt in 1 2; do
+    log "llama-bench ($placement): -ngl 99 $* ${norepack[*]} -p ${pp:-0} -n 128"
+    timeout -k 10 "$(cap 150)" "$LC/build/bin/llama-bench" -m "$W/m-Q4_K_M.gguf" -ngl 99 "$@" "${norepack[@]}" \
+      -t "$THREADS" -p "${pp:-0}" -n 128 -r 3 -o json > "$OUT/llama_bench_$placement.json" 2> "$OUT/llama_bench_$placement.log"
+    rc=$?
+    log "llama-bench ($placement) rc=$rc"
+    [ $rc = 132 ] && [ $attempt = 1 ] && { norepack=(--repack 0); log "SIGILL: again with --repack 0"; continue; }
+    break
+  done
   python3 -c "import json,sys; [print('  n_prompt', r['n_prompt'], 'n_gen', r['n_gen'], 'tok/s', round(r['avg_ts'],1)) \
     for r in json.load(open(sys.argv[1]))]" "$OUT/llama_bench_$placement.json" 2>/dev/null || tail -5 "$OUT/llama_bench_$placement.log"
   if ! skip batched; then
-    timeout -k 10 "$(cap 120)" "$LC/build/bin/llama-batched-bench" -m "$W/m-Q4_K_M.gguf" -ngl 99 "$@" -t "$THREADS" \
-      -c 4096 -npp 32 -ntg 128 -npl "${BATCHES:-1,4}" --output-format jsonl \
+    [ ${#norepack[@]} -gt 0 ] && norepack=(--no-repack)
+    timeout -k 10 "$(cap 120)" "$LC/build/bin/llama-batched-bench" -m "$W/m-Q4_K_M.gguf" -ngl 99 "$@" "${norepack[@]}" \
+      -t "$THREADS" -c 4096 -npp 32 -ntg 128 -npl "${BATCHES:-1,4}" --output-format jsonl \
       > "$OUT/batched_$placement.jsonl" 2> "$OUT/batched_$placement.log"
     log "llama-batched-bench ($placement) rc=$?"; grep -o '"pl": [0-9]*.*"speed_tg": [0-9.]*' "$OUT/batched_$placement.jsonl"
   fi
@@ -157,7 +165,7 @@ run() {
   [ -f "$W/build.done" ] || [ -f "$W/build.pid" ] || skip llama || { log "no llama.cpp build: run build first"; return 1; }
   if [ ! -f "$W/build.done" ] && ! skip llama; then build "$(cap 120)" || log "llama.cpp not built: its half is skipped"; fi
   { nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader 2>/dev/null; nproc; } | tee "$OUT/gpu.txt"
-  { cat .peers/llama.cpp.version 2>/dev/null; "$BIN" --version 2>/dev/null; git log -1 --format='glmflash commit %h %cI' 2>/dev/null
+  { cat .peers/llama.cpp.version 2>/dev/null; nvcc --version 2>/dev/null | tail -1; "$BIN" --version 2>/dev/null; git log -1 --format='glmflash commit %h %cI' 2>/dev/null
     python3 -c "import torch, transformers; print('torch', torch.__version__, 'transformers', transformers.__version__)"; } \
     | tee "$OUT/versions.txt"
 
