@@ -180,7 +180,8 @@ run() {
   cp "$ck/bytes.json" "$OUT/checkpoint.json" 2>/dev/null || { log "no checkpoint, stopping"; return 1; }
   VOCAB=$(python3 -c "import json;print(json.load(open('$ck/bytes.json'))['vocab'])")
 
-  # Our q4_k conversion runs beside llama.cpp's (mostly single-threaded Python) converter.
+  # Our q4_k conversion (one thread, ~3 min at flash width) runs beside llama.cpp's converter and
+  # quantizer, never beside a timed run.
   local cpid=
   if ! skip glmflash && [ ! -f "$W/ck_q4k/.done" ]; then
     [ -x "$BIN" ] || { log "no glmflash binary at $BIN"; SKIP="${SKIP:-},glmflash"; }
@@ -204,6 +205,8 @@ run() {
       log "quantize rc=$?: $(grep -E 'model size|quant size' "$OUT/quantize.log" | tr '\n' ' ')"
       rm -f "$W/m-bf16.gguf"
     fi
+    # convert-experts is one thread, but no timed run may share the CPU with it.
+    if [ -n "$cpid" ]; then log "waiting for convert-experts before timing"; wait $cpid; cpid=; fi
     if [ -f "$W/m-Q4_K_M.gguf" ]; then
       llama_bench gpu
       llama_bench cpu -ot exps=CPU
