@@ -1,36 +1,19 @@
 //! The OpenAI API driven through `app(state)` with `oneshot` (no socket) on the demo model.
 
+mod common;
+
 use axum::Router;
 use axum::body::{Body, to_bytes};
 use axum::http::{Request, StatusCode};
-use glmflash_node::api::server::load_engine;
 use glmflash_node::api::{ApiConfig, AppState, app};
 use glmflash_node::engine::scheduler::EngineConfig;
 use glmflash_node::metrics::Metrics;
 use serde_json::{Value, json};
-use std::path::PathBuf;
-use std::sync::{Arc, OnceLock};
+use std::sync::Arc;
 use std::time::{Duration, Instant};
 use tower::ServiceExt;
 
-fn demo_dir() -> PathBuf {
-    static DIR: OnceLock<tempfile::TempDir> = OnceLock::new();
-    DIR.get_or_init(|| {
-        let d = tempfile::tempdir().unwrap();
-        glmflash_node::demo::make_demo_model(d.path(), glmflash_node::demo::DEFAULT_SEED).unwrap();
-        d
-    })
-    .path()
-    .to_path_buf()
-}
-
-fn server(engine: EngineConfig, api: ApiConfig) -> (Router, AppState) {
-    let metrics = Arc::new(Metrics::new());
-    let state = AppState::new(api, metrics.clone());
-    let e = load_engine(&demo_dir(), engine, metrics).unwrap();
-    state.set_engine(Arc::new(e));
-    (app(state.clone()), state)
-}
+use common::server;
 
 fn default_server() -> (Router, AppState) {
     server(EngineConfig::default(), ApiConfig::default())

@@ -2,37 +2,20 @@
 //! and the batch at once, frees its cache and is counted in
 //! `glmflash_requests_cancelled_total`; it never holds a place that turns others away (429).
 
+mod common;
+
 use axum::Router;
 use axum::body::{Body, to_bytes};
 use axum::http::{Request, StatusCode};
-use glmflash_node::api::server::load_engine;
-use glmflash_node::api::{ApiConfig, AppState, app};
+use glmflash_node::api::ApiConfig;
 use glmflash_node::engine::scheduler::EngineConfig;
-use glmflash_node::metrics::Metrics;
 use serde_json::json;
 use std::io::{Read, Write};
-use std::path::PathBuf;
-use std::sync::{Arc, OnceLock};
 use std::time::{Duration, Instant};
 use tower::ServiceExt;
 
-fn demo_dir() -> PathBuf {
-    static DIR: OnceLock<tempfile::TempDir> = OnceLock::new();
-    DIR.get_or_init(|| {
-        let d = tempfile::tempdir().unwrap();
-        glmflash_node::demo::make_demo_model(d.path(), glmflash_node::demo::DEFAULT_SEED).unwrap();
-        d
-    })
-    .path()
-    .to_path_buf()
-}
-
 fn server(engine: EngineConfig) -> Router {
-    let metrics = Arc::new(Metrics::new());
-    let state = AppState::new(ApiConfig::default(), metrics.clone());
-    let e = load_engine(&demo_dir(), engine, metrics).unwrap();
-    state.set_engine(Arc::new(e));
-    app(state)
+    common::server(engine, ApiConfig::default()).0
 }
 
 fn post(body: &str) -> Request<Body> {

@@ -3,35 +3,18 @@
 //! raw, the rest JSON) and read back into OpenAI `tool_calls` with their types; schemas the
 //! grammar cannot hold the output to are refused with a 400 naming the field.
 
+mod common;
+
 use axum::Router;
 use axum::body::{Body, to_bytes};
 use axum::http::{Request, StatusCode};
-use glmflash_node::api::server::load_engine;
-use glmflash_node::api::{ApiConfig, AppState, app};
+use glmflash_node::api::ApiConfig;
 use glmflash_node::engine::scheduler::EngineConfig;
-use glmflash_node::metrics::Metrics;
 use serde_json::{Value, json};
-use std::path::PathBuf;
-use std::sync::{Arc, OnceLock};
 use tower::ServiceExt;
 
-fn demo_dir() -> PathBuf {
-    static DIR: OnceLock<tempfile::TempDir> = OnceLock::new();
-    DIR.get_or_init(|| {
-        let d = tempfile::tempdir().unwrap();
-        glmflash_node::demo::make_demo_model(d.path(), glmflash_node::demo::DEFAULT_SEED).unwrap();
-        d
-    })
-    .path()
-    .to_path_buf()
-}
-
 fn server() -> Router {
-    let metrics = Arc::new(Metrics::new());
-    let state = AppState::new(ApiConfig::default(), metrics.clone());
-    let e = load_engine(&demo_dir(), EngineConfig::default(), metrics).unwrap();
-    state.set_engine(Arc::new(e));
-    app(state)
+    common::server(EngineConfig::default(), ApiConfig::default()).0
 }
 
 async fn send(app: &Router, body: &Value) -> (StatusCode, String) {
