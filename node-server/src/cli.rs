@@ -232,8 +232,7 @@ impl ModelArgs {
                     .map(|c| c.mem_info().map(|(free, _)| free as u64))
                     .transpose()?;
                 let machine = MachineFacts::read(free_vram);
-                let plan =
-                    self.memory_plan(&cfg, mode, source.record_bytes() as u64, shape, &machine)?;
+                let plan = self.memory_plan(&cfg, mode, source.as_ref(), shape, &machine)?;
                 plan.log(&machine);
                 if !self.tier.no_pin {
                     crate::tiers::plan::warn_if_unpinnable(&machine, plan.ram_expert_bytes());
@@ -290,14 +289,14 @@ impl ModelArgs {
     }
 
     /// The memory plan a tiered `mode` runs with on `machine`: `plan --model DIR --store
-    /// STORE`'s inputs for this checkpoint (its declared formats, the source's records) with
+    /// STORE`'s inputs for this checkpoint (its declared formats, the source's records and VRAM slots) with
     /// these flags' slot counts and reserves, through the same [`crate::plan::plan_with`].
     /// Refuses, with the numbers, what the GPU or the memory cap cannot hold.
     pub fn memory_plan(
         &self,
         cfg: &Config,
         mode: crate::tiers::provider::Mode,
-        record_bytes: u64,
+        source: &dyn ExpertSource,
         shape: Shape,
         machine: &MachineFacts,
     ) -> anyhow::Result<MemoryPlan> {
@@ -305,7 +304,7 @@ impl ModelArgs {
         let inputs = crate::plan::args::checkpoint_inputs(
             &self.model,
             cfg.clone(),
-            record_bytes,
+            source,
             shape,
             machine,
             &request,

@@ -1,7 +1,8 @@
 //! An EXL3 checkpoint's routed experts in the packed store: the tiny glm5_next that exllamav3
 //! 1.6.5 converted at mul1 3 bpw (`e2e/fixtures/exl3/exl3_mul1_3bpw`) packs as `exl3`
 //! records holding the checkpoint's trellis, suh and svh byte for byte; the tiers decode them
-//! into the same products as the checkpoint's experts; `plan` predicts the record size.
+//! into the same products as the checkpoint's experts; `plan` predicts the record size and
+//! the VRAM slot.
 
 use glmflash_node::model::checkpoint::Checkpoint;
 use glmflash_node::model::config::Config;
@@ -197,6 +198,11 @@ fn plan_predicts_the_exl3_record_and_formats_are_checked() {
         plan["store_bytes"],
         Manifest::load(&store_dir).unwrap().data_bytes()
     );
+    // Its VRAM slot is the VRAM tier's layout of a real record (f32 scales), not the record.
+    let source =
+        glmflash_node::tiers::source::StoreSource::open(&store_dir, &model(), &config()).unwrap();
+    let layout = glmflash_node::tiers::vram::source_layout(&source, &config()).unwrap();
+    assert_eq!(plan["vram_slot_bytes"], layout.slot_bytes as u64);
 
     let bf16 = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../e2e/fixtures/tiny_mixed");
     let err = store::pack_store(

@@ -117,7 +117,8 @@ fn machine(vram: Option<u64>, cap: Option<u64>) -> MachineFacts {
 fn server_plan(f: &Fixture, flags: &[&str], m: &MachineFacts) -> anyhow::Result<MemoryPlan> {
     let (args, shape) = serve_command(f, flags);
     let mode = args.tier.mode.expect("a tiered mode");
-    args.memory_plan(&f.cfg, mode, f.record, shape, m)
+    let source = StoreSource::open(&f.store, &f.model, &f.cfg).unwrap();
+    args.memory_plan(&f.cfg, mode, &source, shape, m)
 }
 
 /// The test: for the same inputs the server's runtime sizing is `plan`'s, number for

@@ -22,12 +22,13 @@ pub struct PlanArgs {
     /// holds them, as the server sizes its tiers.
     #[arg(long, env = "GLMFLASH_STORE", requires = "model")]
     pub store: Option<PathBuf>,
-    /// The routed experts' format: f32, bf16, f16, q8_0, q4_k or exl3:BITS (e.g. exl3:3.05).
-    /// Default: the checkpoint's, else exl3:3.05.
+    /// The routed experts' format: f32, bf16, f16, q8_0, q4_k or exl3:BITS (e.g. exl3:3). An
+    /// EXL3 average that is no trellis rate (exl3:3.05) gets VRAM slots of the rate above.
+    /// Default: the checkpoint's, else exl3:3 (GLM-5.3-Flash EXL3 3.05 bpw's experts).
     #[arg(long, env = "GLMFLASH_EXPERT_FORMAT", value_parser = Storage::parse)]
     pub expert_format: Option<Storage>,
     /// The other linear weights' format (same names). Default: the checkpoint's, else the
-    /// experts' format.
+    /// experts' format when given, else exl3:3.05.
     #[arg(long, env = "GLMFLASH_DENSE_FORMAT", value_parser = Storage::parse)]
     pub dense_format: Option<Storage>,
     /// The output projection's format. Default: exl3:6 for EXL3 (exllamav3's head bits),
@@ -157,18 +158,24 @@ fn declared(dir: &Path) -> anyhow::Result<Declared> {
     })
 }
 
-/// The formats flags ask for, else the checkpoint's, else GLM-5.3-Flash's EXL3 3.05 bpw;
-/// the head defaults to exllamav3's 6 bits for EXL3, else the dense format.
+/// The formats flags ask for, else the checkpoint's, else GLM-5.3-Flash's EXL3 3.05 bpw
+/// checkpoint's: experts at 3 bpw (a trellis has a whole or half-integer rate; the 3.05
+/// average comes from the higher-rate attention and shared experts), the rest at 3.05. The
+/// dense format defaults to the experts' when those are given; the head to exllamav3's 6
+/// bits for EXL3, else the dense format.
 fn formats(
     found: Declared,
     experts: Option<Storage>,
     dense: Option<Storage>,
     head: Option<Storage>,
 ) -> (Storage, Storage, Storage) {
-    let experts = experts
-        .or(found.experts)
-        .unwrap_or(Storage::Exl3 { bits: 3.05 });
-    let dense = dense.or(found.dense).unwrap_or(experts);
+    let (experts, dense) = match (experts.or(found.experts), dense.or(found.dense)) {
+        (Some(e), d) => (e, d.unwrap_or(e)),
+        (None, d) => (
+            Storage::Exl3 { bits: 3.0 },
+            d.unwrap_or(Storage::Exl3 { bits: 3.05 }),
+        ),
+    };
     let head = head.or(found.head).unwrap_or(match dense {
         Storage::Exl3 { .. } => Storage::Exl3 { bits: 6.0 },
         other => other,
@@ -177,23 +184,25 @@ fn formats(
 }
 
 /// The plan's inputs for the checkpoint in `dir` as the server runs it on `machine`: its
-/// declared formats (as `plan --model DIR` reads them), the records of the source it reads
-/// experts from, and the reserves of `request`.
+/// declared formats (as `plan --model DIR` reads them), the records and VRAM slots of the
+/// source it reads experts from, and the reserves of `request`.
 pub fn checkpoint_inputs(
     dir: &Path,
     cfg: Config,
-    record_bytes: u64,
+    source: &dyn ExpertSource,
     shape: Shape,
     machine: &MachineFacts,
     request: &SlotRequest,
 ) -> anyhow::Result<PlanInputs> {
     let (experts, dense, head) = formats(declared(dir)?, None, None, None);
+    let slot_bytes = crate::tiers::vram::source_layout(source, &cfg)?.slot_bytes as u64;
     Ok(PlanInputs {
         cfg,
         dense,
         head,
         experts,
-        record_bytes: Some(record_bytes),
+        record_bytes: Some(source.record_bytes() as u64),
+        slot_bytes: Some(slot_bytes),
         vram: machine.free_vram.unwrap_or(0),
         vram_reserve: request.vram_reserve,
         ram_limit: machine.memory.cgroup_limit,
@@ -244,13 +253,19 @@ impl PlanArgs {
                 },
             ),
         };
-        let record_bytes = match (&self.store, &self.model) {
-            (Some(store), Some(dir)) => Some(
-                crate::tiers::source::StoreSource::open(store, dir, &cfg)
-                    .with_context(|| format!("--store {}", store.display()))?
-                    .record_bytes() as u64,
-            ),
-            _ => None,
+        // A store's records, and the VRAM slots the tier lays them out in.
+        let (record_bytes, slot_bytes) = match (&self.store, &self.model) {
+            (Some(store), Some(dir)) => {
+                let source = crate::tiers::source::StoreSource::open(store, dir, &cfg)
+                    .with_context(|| format!("--store {}", store.display()))?;
+                let layout = crate::tiers::vram::source_layout(&source, &cfg)
+                    .with_context(|| format!("--store {}", store.display()))?;
+                (
+                    Some(source.record_bytes() as u64),
+                    Some(layout.slot_bytes as u64),
+                )
+            }
+            _ => (None, None),
         };
         let (experts, dense, head) = formats(
             found,
@@ -264,6 +279,7 @@ impl PlanArgs {
             head,
             experts,
             record_bytes,
+            slot_bytes,
             vram: self.vram_mib << 20,
             vram_reserve: self.vram_reserve_mib << 20,
             ram_limit: self.ram_limit,

@@ -59,6 +59,9 @@ pub struct PlanInputs {
     /// One record's bytes as a packed store holds them, when there is one (`--store`):
     /// instead of the size `experts` gives.
     pub record_bytes: Option<u64>,
+    /// One VRAM slot's bytes as the VRAM tier lays out the source's experts, when there is a
+    /// source (`--store`, the server): instead of the layout of `experts`.
+    pub slot_bytes: Option<u64>,
     /// VRAM free when the server starts.
     pub vram: u64,
     /// VRAM left free beside everything counted (cuBLAS, fragmentation).
@@ -118,8 +121,10 @@ pub struct MemoryPlan {
     pub moe_layers: usize,
     pub experts_per_layer: usize,
     pub experts_per_token: usize,
-    /// One routed expert's record (store-aligned).
+    /// One routed expert's record (store-aligned): a RAM slot, a host copy.
     pub record_bytes: u64,
+    /// One VRAM slot (a resident or a staging slot), as the VRAM tier lays out a record.
+    pub vram_slot_bytes: u64,
     /// Non-expert weights by kind.
     pub weights: BTreeMap<&'static str, u64>,
     /// VRAM: the weights the GPU keeps (all but the embedding).
@@ -255,6 +260,14 @@ pub fn plan_with(
         weights::expert_bytes(cfg, inputs.experts).div_ceil(crate::store::ALIGN as u64)
             * crate::store::ALIGN as u64
     });
+    let slot_bytes = match inputs.slot_bytes {
+        Some(b) => b,
+        None => {
+            weights::slot_layout(cfg, inputs.experts)
+                .map_err(PlanError::Config)?
+                .slot_bytes as u64
+        }
+    };
     let mut by_kind: BTreeMap<&'static str, u64> = BTreeMap::new();
     let mut dense_bytes = 0;
     let mut host_only = 0;
@@ -277,6 +290,7 @@ pub fn plan_with(
         moe_layers,
         experts,
         record_bytes,
+        slot_bytes,
         dense_bytes,
         host_only_bytes: host_only,
         cache_bytes: cache,
@@ -297,7 +311,7 @@ pub fn plan_with(
             context,
             batch: inputs.batch,
             workspace_mib: mib(workspace),
-            staging_mib: mib(STAGING_SLOTS as u64 * record_bytes),
+            staging_mib: mib(STAGING_SLOTS as u64 * slot_bytes),
             reserve_mib: mib(request.vram_reserve),
             vram_mib: mib(vram),
         });
@@ -331,7 +345,7 @@ pub fn plan_with(
     let picks = (moe_layers * cfg.num_experts_per_tok) as f64;
     let share = |slots: usize| picks * slots as f64 / experts.max(1) as f64;
     let bw = inputs.bandwidths;
-    let hbm_bytes = (dense_bytes - host_only) as f64 + share(vram_slots) * record_bytes as f64;
+    let hbm_bytes = (dense_bytes - host_only) as f64 + share(vram_slots) * slot_bytes as f64;
     let ram_bytes = share(ram_slots) * record_bytes as f64;
     let nvme_bytes = share(store_only) * record_bytes as f64;
     let h2d_bytes = if ram_slots + store_only > 0 {
@@ -367,18 +381,19 @@ pub fn plan_with(
         experts_per_layer: experts,
         experts_per_token: cfg.num_experts_per_tok,
         record_bytes,
+        vram_slot_bytes: slot_bytes,
         weights: by_kind,
         vram_weight_bytes: dense_bytes - host_only,
         cache_bytes: cache,
         context,
         batch: inputs.batch,
         workspace_bytes: workspace,
-        staging_bytes: STAGING_SLOTS as u64 * record_bytes,
+        staging_bytes: STAGING_SLOTS as u64 * slot_bytes,
         vram_reserve_bytes: request.vram_reserve,
         vram_bytes: machine.free_vram.unwrap_or(0),
         vram_expert_slots_per_layer: vram_slots,
         vram_expert_slots: vram_slots * moe_layers,
-        vram_expert_bytes: (vram_slots * moe_layers) as u64 * record_bytes,
+        vram_expert_bytes: (vram_slots * moe_layers) as u64 * slot_bytes,
         vram_basis: sizing.device_basis,
         ram_held_bytes: sizing.ram.held,
         ram_reserve_bytes: request.ram_reserve,
@@ -448,7 +463,7 @@ impl MemoryPlan {
                 workspace_mib = mib(self.workspace_bytes),
                 staging_mib = mib(self.staging_bytes),
                 reserve_mib = mib(self.vram_reserve_bytes),
-                record_kib = self.record_bytes >> 10,
+                slot_kib = self.vram_slot_bytes >> 10,
                 moe_layers = self.moe_layers,
                 slots_per_layer = self.vram_expert_slots_per_layer,
                 basis = self.vram_basis,
@@ -492,12 +507,13 @@ impl MemoryPlan {
             )
         };
         text(format!(
-            "formats: dense {}, head {}, experts {} ({:.2} MiB a record); {} MoE layers x {} \
-             experts, {} a token",
+            "formats: dense {}, head {}, experts {} ({:.2} MiB a record, {:.2} MiB a VRAM \
+             slot); {} MoE layers x {} experts, {} a token",
             self.dense_format,
             self.head_format,
             self.expert_format,
             self.record_bytes as f64 / (1 << 20) as f64,
+            self.vram_slot_bytes as f64 / (1 << 20) as f64,
             self.moe_layers,
             self.experts_per_layer,
             self.experts_per_token
@@ -514,7 +530,7 @@ impl MemoryPlan {
         ));
         text(row("prefill workspace".into(), self.workspace_bytes));
         text(row(
-            format!("staging: {STAGING_SLOTS} records"),
+            format!("staging: {STAGING_SLOTS} slots"),
             self.staging_bytes,
         ));
         text(row("reserve".into(), self.vram_reserve_bytes));

@@ -16,6 +16,7 @@ fn seed_box(cfg: Config, experts: Storage, dense: Storage, head: Storage) -> Pla
         head,
         experts,
         record_bytes: None,
+        slot_bytes: None,
         vram: 24_576 * MIB,
         vram_reserve: 512 * MIB,
         ram_limit: Some(55 * GIB),
@@ -54,20 +55,20 @@ fn shipped_config_is_glm_5_3_flash() {
     assert!((7.0e9..8.5e9).contains(&(other as f64)), "{other}");
 }
 
-/// The bar: GLM-5.3-Flash as EXL3 3.05 bpw (head at 6 bits) on the seed's box holds
+/// The bar: GLM-5.3-Flash as EXL3 3.05 bpw (experts at 3 bpw, head at 6 bits) on the seed's box holds
 /// at least 1,300 experts in VRAM (the seed's cap is 1,376).
 #[test]
 fn exl3_flash_on_a_3090_holds_the_seeds_vram_experts() {
-    let plan = plan(&seed_box(flash(), exl3(3.05), exl3(3.05), exl3(6.0))).unwrap();
+    let plan = plan(&seed_box(flash(), exl3(3.0), exl3(3.05), exl3(6.0))).unwrap();
     println!("{}", plan.table());
     assert!(plan.vram_expert_slots >= 1300, "{}", plan.vram_expert_slots);
     assert_eq!(
         plan.vram_expert_slots,
         plan.vram_expert_slots_per_layer * 42
     );
-    // A 3.05 bpw expert is about 9.6 MB (the seed's 9.47 MB at 3 bpw plus scales).
+    // A 3 bpw expert: 9,437,184 bytes of trellis and 36,864 of f16 scales.
     assert!(
-        (9_500_000..9_900_000).contains(&plan.record_bytes),
+        (9_474_048..9_478_144).contains(&plan.record_bytes),
         "{}",
         plan.record_bytes
     );
@@ -81,7 +82,7 @@ fn exl3_flash_on_a_3090_holds_the_seeds_vram_experts() {
         + plan.vram_expert_bytes;
     assert!(used <= plan.vram_bytes, "{used}");
     assert!(
-        plan.vram_bytes - used < 42 * plan.record_bytes,
+        plan.vram_bytes - used < 42 * plan.vram_slot_bytes,
         "a layer's slot left over"
     );
     // The RAM tier: the cap less what is held less the reserve.
@@ -96,11 +97,55 @@ fn exl3_flash_on_a_3090_holds_the_seeds_vram_experts() {
     );
 }
 
+/// A VRAM slot is the VRAM tier's layout of a record, not the record: an EXL3 slot holds its
+/// scales as f32 (9,510,912 bytes against a 9,474,048-byte record at 3 bpw), and the plan
+/// counts resident and staging slots at that size while the RAM tier keeps records.
+#[test]
+fn vram_slots_are_sized_by_the_vram_tiers_layout() {
+    use crate::backend::cuda::{Exl3Form, MoeLayout};
+    use crate::quant::exl3::{Codebook, Rate};
+    let p = plan(&seed_box(flash(), exl3(3.0), exl3(3.05), exl3(6.0))).unwrap();
+    assert_eq!(p.record_bytes, 9_474_048);
+    let form = |bits| Exl3Form {
+        rate: Rate::from_bits(bits).unwrap(),
+        codebook: Codebook::Mul1,
+    };
+    let layout = MoeLayout::exl3(4096, 2048, form(3.0), form(3.0)).unwrap();
+    assert_eq!(layout.slot_bytes, 9_510_912);
+    assert_eq!(p.vram_slot_bytes, 9_510_912);
+    assert_eq!(p.staging_bytes, 16 * 9_510_912);
+    assert_eq!(p.vram_expert_bytes, p.vram_expert_slots as u64 * 9_510_912);
+    let used = p.vram_weight_bytes
+        + p.cache_bytes
+        + p.workspace_bytes
+        + p.staging_bytes
+        + p.vram_reserve_bytes
+        + p.vram_expert_bytes;
+    assert!(used <= p.vram_bytes && p.vram_bytes - used < 42 * 9_510_912);
+    assert_eq!(
+        p.ram_budget_bytes / (42 * p.record_bytes),
+        p.ram_expert_slots_per_layer as u64
+    );
+    // An average rate gets the slot of the trellis rate above it (3.05 -> 3.5).
+    let avg = plan(&seed_box(flash(), exl3(3.05), exl3(3.05), exl3(6.0))).unwrap();
+    let up = MoeLayout::exl3(4096, 2048, form(3.5), form(3.5)).unwrap();
+    assert_eq!(avg.vram_slot_bytes, up.slot_bytes as u64);
+    // Rows: the slot is the rows' layout (q4_k experts are 4 KiB multiples already).
+    let q4 = plan(&seed_box(
+        flash(),
+        Storage::Rows(Format::Q4K),
+        exl3(3.05),
+        exl3(6.0),
+    ))
+    .unwrap();
+    assert_eq!(q4.vram_slot_bytes, q4.record_bytes);
+}
+
 /// A bf16 checkpoint converted to q4_k experts and q8_0 dense weights: bigger records, fewer
 /// slots, on the same box.
 #[test]
 fn q4k_experts_and_q8_dense_hold_fewer() {
-    let exl = plan(&seed_box(flash(), exl3(3.05), exl3(3.05), exl3(6.0))).unwrap();
+    let exl = plan(&seed_box(flash(), exl3(3.0), exl3(3.05), exl3(6.0))).unwrap();
     let q = Storage::Rows(Format::Q8_0);
     let q4 = plan(&seed_box(flash(), Storage::Rows(Format::Q4K), q, q)).unwrap();
     println!("{}", q4.table());
@@ -117,7 +162,7 @@ fn q4k_experts_and_q8_dense_hold_fewer() {
 /// Each input moves the plan the way its rule says.
 #[test]
 fn sizing_rules() {
-    let base = seed_box(flash(), exl3(3.05), exl3(3.05), exl3(6.0));
+    let base = seed_box(flash(), exl3(3.0), exl3(3.05), exl3(6.0));
     let p0 = plan(&base).unwrap();
     // More cap: the extra over whole records per layer goes to the RAM tier.
     let more = plan(&PlanInputs {
@@ -177,7 +222,7 @@ fn sizing_rules() {
 
 #[test]
 fn refuses_with_the_numbers() {
-    let base = seed_box(flash(), exl3(3.05), exl3(3.05), exl3(6.0));
+    let base = seed_box(flash(), exl3(3.0), exl3(3.05), exl3(6.0));
     let small = PlanInputs {
         vram: 4096 * MIB,
         ..base.clone()

@@ -3,8 +3,10 @@
 //! whether it is a linear layer's weight (stored in the checkpoint's dense or expert format)
 //! or a small tensor kept in f32 (norms, biases, convolutions, mHC, the router).
 
+use crate::backend::cuda::{Exl3Form, MoeLayout};
 use crate::model::config::{AttnKind, Config, IndexerKind, MlpKind};
 use crate::quant::Format;
+use crate::quant::exl3::{Codebook, Rate};
 
 /// What a tensor is part of, for the plan's table.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord, Hash, serde::Serialize)]
@@ -278,6 +280,30 @@ pub fn tensors(cfg: &Config) -> Vec<Tensor> {
 pub fn expert_bytes(cfg: &Config, storage: Storage) -> u64 {
     let (d, i) = (cfg.hidden_size, cfg.moe_intermediate_size);
     2 * storage.linear_bytes(i, d) + storage.linear_bytes(d, i)
+}
+
+/// The VRAM slot of a routed expert in `storage`, laid out by the VRAM tier's own
+/// [`MoeLayout`] (an EXL3 slot holds its scales as f32, so it is larger than its record). A
+/// trellis has a whole or half-integer rate: an average such as `exl3:3.05` gets the slot of
+/// the next rate up, the smallest that holds every expert of that average's lower rates.
+pub fn slot_layout(cfg: &Config, storage: Storage) -> Result<MoeLayout, String> {
+    let (d, i) = (cfg.hidden_size, cfg.moe_intermediate_size);
+    let layout = match storage {
+        Storage::Rows(f) => MoeLayout::new(d, i, f, f),
+        Storage::Exl3 { bits } => {
+            let halves = (bits * 2.0 - 1e-9).ceil() as usize;
+            let rate = (halves..=16)
+                .find_map(|h| Rate::from_tile_len(8 * h).ok())
+                .ok_or_else(|| format!("exl3:{bits}: no trellis rate holds it"))?;
+            // mul1 is the codebook every rate has; the codebook does not change the size.
+            let form = Exl3Form {
+                rate,
+                codebook: Codebook::Mul1,
+            };
+            MoeLayout::exl3(d, i, form, form)
+        }
+    };
+    layout.map_err(|e| format!("routed experts in {storage}: {e}"))
 }
 
 /// Bytes of a tensor: linear weights in `linear` storage (the head in `head`), the

@@ -84,8 +84,11 @@ impl TierPlan {
 pub struct ModelSizes {
     pub moe_layers: usize,
     pub experts: usize,
-    /// Bytes of one expert record as the source stores it.
+    /// Bytes of one expert record as the source stores it (a RAM slot, a host copy).
     pub record_bytes: u64,
+    /// Bytes of one VRAM slot (a resident or a staging slot), as the VRAM tier lays the
+    /// record out ([`crate::backend::cuda::MoeLayout`]).
+    pub slot_bytes: u64,
     /// Bytes of every weight but the routed experts, as the checkpoint stores them (the
     /// process holds them in host memory; all but `host_only_bytes` also go to the GPU).
     pub dense_bytes: u64,
@@ -106,7 +109,7 @@ impl ModelSizes {
         self.dense_bytes.saturating_sub(self.host_only_bytes)
             + self.cache_bytes
             + self.gpu_workspace_bytes
-            + STAGING_SLOTS as u64 * self.record_bytes
+            + STAGING_SLOTS as u64 * self.slot_bytes
             + reserve
     }
 }
@@ -163,7 +166,7 @@ pub fn size_tiers(model: &ModelSizes, request: &SlotRequest, machine: &MachineFa
         (None, None, Some(free)) => {
             let left = free.saturating_sub(model.vram_held(request.vram_reserve));
             (
-                (left / (model.record_bytes * layers).max(1)) as usize,
+                (left / (model.slot_bytes * layers).max(1)) as usize,
                 "free-vram",
             )
         }
@@ -249,6 +252,7 @@ mod tests {
             moe_layers: 42,
             experts: 288,
             record_bytes: 14 * MIB,
+            slot_bytes: 14 * MIB,
             dense_bytes: dense_mib * MIB,
             host_only_bytes: 0,
             cache_bytes: 0,

@@ -54,6 +54,20 @@ pub fn layout_of(expert: &SwiGlu) -> anyhow::Result<MoeLayout> {
     Ok(MoeLayout::new(hidden, inter, gate, down)?)
 }
 
+/// The slot layout of `source`'s experts, read from its first MoE layer's first expert: what
+/// the VRAM tier allocates its slots by, and so what the memory plan sizes them by.
+pub fn source_layout(
+    source: &dyn ExpertSource,
+    cfg: &crate::model::config::Config,
+) -> anyhow::Result<MoeLayout> {
+    let layer = cfg
+        .moe_layers()
+        .iter()
+        .position(|&m| m)
+        .context("the model has no MoE layer")?;
+    layout_of(&source.load(layer, 0)?)
+}
+
 /// Copies one expert into arena slot `slot` on `stream`, checking it has the arena's layout.
 pub fn write_slot(
     stream: &Arc<CudaStream>,
