@@ -98,6 +98,11 @@ pub enum Command {
         /// Target format: q4_k, q8_0, bf16, f16 or f32.
         #[arg(long, env = "GLMFLASH_EXPERT_FORMAT", default_value = "q4_k")]
         format: String,
+        /// Also the other linear weights (attention, KDA, shared experts, dense MLPs, the
+        /// head; not the embedding, norms, router or mHC) in this format: q8_0 or q4_k put a
+        /// bf16 checkpoint's non-expert weights in the VRAM a 24 GB card has (`plan` shows it).
+        #[arg(long, env = "GLMFLASH_DENSE_FORMAT")]
+        dense_format: Option<String>,
     },
     /// Run the acceptance gates (load, chat, reasoning, tools, context, speed) against a server.
     Gates(gates::GatesArgs),

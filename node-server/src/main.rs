@@ -132,13 +132,27 @@ fn run(command: Command) -> anyhow::Result<()> {
             generate(&model.model, &loaded.model, &generation)?;
             loaded.model.experts().finish()
         }
-        Command::ConvertExperts { model, out, format } => {
+        Command::ConvertExperts {
+            model,
+            out,
+            format,
+            dense_format,
+        } => {
             let format = glmflash_node::quant::Format::from_name(&format)?;
+            let dense_format = dense_format
+                .map(|f| glmflash_node::quant::Format::from_name(&f).context("--dense-format"))
+                .transpose()?;
+            let cfg = glmflash_node::model::config::Config::from_file(&model.join("config.json"))?;
+            let linear = glmflash_node::plan::weights::linear_names(&cfg);
             let started = Instant::now();
-            let report = glmflash_node::model::convert::convert_experts(
+            let report = glmflash_node::model::convert::convert(
                 &model,
                 &out,
                 format,
+                dense_format.map(|format| glmflash_node::model::convert::DenseConversion {
+                    format,
+                    linear: &linear,
+                }),
                 |done, total| {
                     if done == total || done % 64 == 0 {
                         eprint!("\rconverted {done}/{total} experts");

@@ -1,5 +1,7 @@
 //! `convert-experts`: rewrites a checkpoint with every routed expert's weights in a block
-//! format (e.g. q4_k), leaving all other tensors as they are.
+//! format (e.g. q4_k), and with `--dense-format` the other linear weights too (q8_0 or q4_k:
+//! what makes a bf16 checkpoint's non-expert weights fit a 24 GB card, and both the CPU and
+//! the GPU multiply those formats); every other tensor is left as it is.
 //!
 //! Output: one safetensors shard per decoder layer plus one for the rest, with
 //! `model.safetensors.index.json`; experts always in the original per-expert key layout.
@@ -26,11 +28,30 @@ pub struct ConvertReport {
 
 type Tensor = (String, DType, Vec<usize>, Vec<u8>);
 
+/// The non-expert linear weights to quantize, and their format.
+pub struct DenseConversion<'a> {
+    pub format: Format,
+    /// Their names under the checkpoint's text-model prefix (`layers.3.self_attn.o_proj.weight`,
+    /// `lm_head.weight`): the memory plan's inventory of linear weights.
+    pub linear: &'a std::collections::BTreeSet<String>,
+}
+
 /// Converts `src`'s routed experts to `format`, writing a complete checkpoint to `dst`.
 pub fn convert_experts(
     src: &Path,
     dst: &Path,
     format: Format,
+    progress: impl FnMut(usize, usize),
+) -> anyhow::Result<ConvertReport> {
+    convert(src, dst, format, None, progress)
+}
+
+/// As [`convert_experts`], and with `dense` its non-expert linear weights to that format.
+pub fn convert(
+    src: &Path,
+    dst: &Path,
+    format: Format,
+    dense: Option<DenseConversion<'_>>,
     mut progress: impl FnMut(usize, usize),
 ) -> anyhow::Result<ConvertReport> {
     if src.canonicalize().ok() == dst.canonicalize().ok() {
@@ -75,6 +96,7 @@ pub fn convert_experts(
     };
     // Non-expert tensors grouped by layer (None: embeddings, final norm, head), one shard each.
     let mut groups: BTreeMap<Option<usize>, Vec<Tensor>> = BTreeMap::new();
+    let mut metadata: BTreeMap<Option<usize>, BTreeMap<String, String>> = BTreeMap::new();
     for key in ckpt.keys() {
         if is_expert_key(key) {
             continue;
@@ -85,6 +107,21 @@ pub fn convert_experts(
             .nth(1)
             .and_then(|rest| rest.split('.').next())
             .and_then(|n| n.parse::<usize>().ok());
+        let relative = key.strip_prefix(prefix.as_str()).unwrap_or(key);
+        // A width that is not a block multiple stays as it is (the plan counts it so too).
+        if let Some(d) = dense.as_ref().filter(|d| d.linear.contains(relative))
+            && let [rows, cols] = view.shape[..]
+            && cols.is_multiple_of(d.format.block_values())
+        {
+            let m = vb.matrix(key, rows, cols)?;
+            let bytes = m
+                .encode(d.format)
+                .with_context(|| format!("quantizing {key} to {}", d.format.name()))?;
+            let tensors = groups.entry(layer).or_default();
+            let meta = metadata.entry(layer).or_default();
+            push_matrix(tensors, meta, key.to_string(), &m, d.format, bytes);
+            continue;
+        }
         groups.entry(layer).or_default().push((
             key.to_string(),
             view.dtype,
@@ -105,7 +142,7 @@ pub fn convert_experts(
     };
     let mut weight_map = serde_json::Map::new();
     for (shard, (group, mut tensors)) in groups.into_iter().enumerate() {
-        let mut metadata = BTreeMap::new();
+        let mut metadata = metadata.remove(&group).unwrap_or_default();
         if let Some(layer) = group.filter(|&l| moe_layer(l)) {
             let experts = vb.pp(&format!("layers.{layer}.mlp.experts"));
             for e in 0..cfg.n_routed_experts {
@@ -133,7 +170,11 @@ pub fn convert_experts(
         }
         super::checkpoint::write_safetensors(&dst.join(&file), &tensors, &metadata)?;
     }
-    let index = serde_json::json!({"metadata": {"glmflash.expert_format": format.name()}, "weight_map": weight_map});
+    let mut meta = serde_json::json!({"glmflash.expert_format": format.name()});
+    if let Some(d) = &dense {
+        meta["glmflash.dense_format"] = d.format.name().into();
+    }
+    let index = serde_json::json!({"metadata": meta, "weight_map": weight_map});
     std::fs::write(
         dst.join("model.safetensors.index.json"),
         serde_json::to_string_pretty(&index)?,

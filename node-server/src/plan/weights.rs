@@ -275,6 +275,21 @@ pub fn tensors(cfg: &Config) -> Vec<Tensor> {
     inv.out
 }
 
+/// The non-expert linear weights of `cfg` (the head included, the embedding not), named under
+/// the text model's prefix as a converter finds them (`layers.3.mlp.down_proj.weight`).
+pub fn linear_names(cfg: &Config) -> std::collections::BTreeSet<String> {
+    tensors(cfg)
+        .into_iter()
+        .filter(|t| t.linear && t.kind != Kind::RoutedExperts)
+        .map(|t| {
+            t.name
+                .strip_prefix("model.language_model.")
+                .map(String::from)
+                .unwrap_or(t.name)
+        })
+        .collect()
+}
+
 /// Bytes of one routed expert's record in `storage` (gate, up and down; the store rounds a
 /// record up to its alignment).
 pub fn expert_bytes(cfg: &Config, storage: Storage) -> u64 {
