@@ -740,10 +740,13 @@ pub mod condition {
     pub const STORE_READY: &str = "StoreReady";
     /// The server Deployment has a ready pod.
     pub const SERVER_READY: &str = "ServerReady";
+    /// The server's memory plan fits the node (False: it refused, with the numbers, and the
+    /// server is held at zero replicas until the spec changes).
+    pub const PLAN_FITS: &str = "PlanFits";
     /// All of the above; clients can use the endpoint.
     pub const READY: &str = "Ready";
     /// Every type, in the order they are written.
-    pub const ALL: [&str; 4] = [NODE_SELECTED, STORE_READY, SERVER_READY, READY];
+    pub const ALL: [&str; 5] = [NODE_SELECTED, STORE_READY, SERVER_READY, PLAN_FITS, READY];
 }
 
 /// Why a spec is rejected.

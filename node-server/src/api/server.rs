@@ -71,6 +71,12 @@ pub struct ServeArgs {
     /// Seconds to let in-flight requests finish after SIGTERM.
     #[arg(long, env = "GLMFLASH_SHUTDOWN_TIMEOUT", default_value_t = 30)]
     pub shutdown_timeout: u64,
+    /// When the memory plan refuses the box (the GPU or the memory cap cannot hold what must
+    /// be there before any expert), write `{"planRefused": "<why, with the numbers>"}` to
+    /// this file before exiting: the operator passes the pod's termination-message path and
+    /// stops the server instead of letting it restart.
+    #[arg(long, env = "GLMFLASH_TERMINATION_LOG")]
+    pub termination_log: Option<PathBuf>,
 }
 
 impl ServeArgs {
@@ -156,6 +162,17 @@ pub fn serve(dir: PathBuf, args: ServeArgs, load: Option<ModelLoader>) -> anyhow
     runtime.block_on(serve_async(dir, args, load))
 }
 
+/// Writes the memory plan's refusal in `e`, if that is why the model did not load, to `path`
+/// as `{"planRefused": "..."}` (what the operator reads from the termination message).
+fn report_refusal(path: &Path, e: &anyhow::Error) -> std::io::Result<bool> {
+    let Some(refusal) = e.downcast_ref::<crate::plan::PlanError>() else {
+        return Ok(false);
+    };
+    let json = serde_json::json!({ "planRefused": refusal.to_string() });
+    std::fs::write(path, json.to_string())?;
+    Ok(true)
+}
+
 async fn serve_async(
     dir: PathBuf,
     args: ServeArgs,
@@ -183,6 +200,7 @@ async fn serve_async(
     let failed = load_failed.clone();
     let loader_state = state.clone();
     let engine_config = args.engine_config();
+    let termination_log = args.termination_log.clone();
     let loader = tokio::task::spawn_blocking(move || {
         let loaded = match load {
             Some(load) => {
@@ -198,6 +216,11 @@ async fn serve_async(
             }
             Err(e) => {
                 tracing::error!(error = %format!("{e:#}"), "loading the model failed");
+                if let Some(path) = &termination_log
+                    && let Err(w) = report_refusal(path, &e)
+                {
+                    tracing::warn!(path = %path.display(), error = %w, "cannot write the refusal");
+                }
                 loader_state.set_load_error(format!("{e:#}"));
                 failed.notify_one();
             }
@@ -236,4 +259,34 @@ async fn serve_async(
     }
     tracing::info!("stopped");
     Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// A plan refusal, under any context, is written with its numbers; other load errors
+    /// are not (the operator must not read them as a plan that does not fit).
+    #[test]
+    fn only_a_plan_refusal_is_reported() {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("termination-log");
+        let refusal = crate::plan::PlanError::Ram {
+            held_mib: 18_000,
+            reserve_mib: 2048,
+            limit_mib: 16_384,
+        };
+        let e = anyhow::Error::new(refusal).context("loading /model");
+        assert!(report_refusal(&path, &e).unwrap());
+        let v: serde_json::Value =
+            serde_json::from_str(&std::fs::read_to_string(&path).unwrap()).unwrap();
+        let why = v["planRefused"].as_str().unwrap();
+        assert!(
+            why.contains("18000 MiB held") && why.contains("16384 MiB"),
+            "{why}"
+        );
+        std::fs::remove_file(&path).unwrap();
+        assert!(!report_refusal(&path, &anyhow::anyhow!("no such file")).unwrap());
+        assert!(!path.exists());
+    }
 }

@@ -12,8 +12,8 @@ use k8s_openapi::apimachinery::pkg::apis::meta::v1::{LabelSelector, ObjectMeta};
 use k8s_openapi::apimachinery::pkg::util::intstr::IntOrString;
 
 use super::pod::{
-    HISTORY_FILE, HISTORY_MOUNT, MODEL_MOUNT, STORE_MOUNT, host_path_volume, mount, node_affinity,
-    non_empty, pinning_server, quantity, security_context,
+    HISTORY_FILE, HISTORY_MOUNT, MODEL_MOUNT, STORE_MOUNT, TERMINATION_LOG, host_path_volume,
+    mount, node_affinity, non_empty, pinning_server, quantity, security_context,
 };
 use super::{
     Component, NameOrEmpty, REPLICA_LABEL, history_dir, labels, meta, model_dir, names,
@@ -55,6 +55,8 @@ pub fn server_args(spec: &GlmFlashDeploymentSpec) -> Vec<String> {
     if let Some(port) = spec.metrics.port {
         args.extend(["--metrics-port".into(), port.to_string()]);
     }
+    // A refusal of the memory plan becomes the termination message the operator reads.
+    args.extend(["--termination-log".into(), TERMINATION_LOG.into()]);
     args
 }
 

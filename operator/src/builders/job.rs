@@ -7,8 +7,8 @@ use k8s_openapi::api::core::v1::{Container, PodSpec, PodTemplateSpec};
 use k8s_openapi::apimachinery::pkg::apis::meta::v1::ObjectMeta;
 
 use super::pod::{
-    MODEL_MOUNT, STORE_MOUNT, host_path_volume, host_path_writer, mount, node_affinity, non_empty,
-    secret_volume, security_context,
+    MODEL_MOUNT, STORE_MOUNT, TERMINATION_LOG, host_path_volume, host_path_writer, mount,
+    node_affinity, non_empty, secret_volume, security_context,
 };
 use super::{
     Component, NameOrEmpty, STORE_HASH_LABEL, history_dir, labels, meta, model_dir, names,
@@ -19,7 +19,6 @@ const TOKEN_MOUNT: &str = "/secrets/hf";
 const STORES_MOUNT: &str = "/stores";
 /// How long a reclaim Job may run before it counts as failed and deletion goes on.
 pub const RECLAIM_DEADLINE_SECONDS: i64 = 600;
-const TERMINATION_LOG: &str = "/dev/termination-log";
 
 /// The pack-store Job for the given store hash, pinned to `node`.
 ///

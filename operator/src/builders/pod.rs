@@ -17,6 +17,9 @@ pub(super) const STORE_MOUNT: &str = "/store";
 pub(super) const HISTORY_MOUNT: &str = "/history";
 /// The routing history file the server loads at start and writes at exit.
 pub(super) const HISTORY_FILE: &str = "routing.json";
+/// The container's termination-message file (kube's default path; the policy is `File`):
+/// pack-store reports the store's size there, the server a refusal of its memory plan.
+pub(super) const TERMINATION_LOG: &str = "/dev/termination-log";
 
 /// Pins a pod to one node by name (the scheduler still accounts for its resources, unlike
 /// `spec.nodeName`).

@@ -123,6 +123,7 @@ pub(super) async fn pending(gfd: &GlmFlashDeployment, ctx: &Context) -> Result<O
         node_selected: None,
         store_ready: None,
         server_ready: Some(Cond::no("Deleting", "the object is being deleted")),
+        plan_fits: None,
         ready: Cond::no("Deleting", message),
         endpoint: None,
         store_hash: old.store_hash.clone(),

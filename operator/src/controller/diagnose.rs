@@ -17,6 +17,24 @@ const IMAGE_REASONS: [&str; 4] = [
     "ErrImageNeverPull",
 ];
 
+/// The memory plan's refusal a server container wrote to its termination message before it
+/// exited (`{"planRefused": "..."}`, `serve --termination-log`), now or on its last run.
+pub(super) fn plan_refusal(pods: &[Pod]) -> Option<String> {
+    #[derive(serde::Deserialize)]
+    #[serde(rename_all = "camelCase")]
+    struct Report {
+        plan_refused: String,
+    }
+    pods.iter()
+        .filter_map(|p| p.status.as_ref()?.container_statuses.as_ref())
+        .flatten()
+        .filter(|c| c.name == "server")
+        .flat_map(|c| [c.state.as_ref(), c.last_state.as_ref()])
+        .filter_map(|s| s?.terminated.as_ref()?.message.as_deref())
+        .find_map(|m| serde_json::from_str::<Report>(m).ok())
+        .map(|r| r.plan_refused)
+}
+
 /// The first thing among `pods` that keeps one from running, as a not-ready condition.
 pub(super) fn pod_trouble(pods: &[Pod]) -> Option<Cond> {
     pods.iter().find_map(one_pod)

@@ -117,6 +117,7 @@ pub(super) async fn serve(
                 .filter(|(j, _)| *j != slot)
                 .filter_map(|(_, n)| n.clone())
                 .collect(),
+            plan_refused: stages::plan_refused(old, gfd.metadata.generation),
         };
         let placed = match stages::place(gfd, ctx, &replica).await? {
             ControlFlow::Continue(placed) => placed,
@@ -329,6 +330,7 @@ pub(super) async fn hibernate(
         )),
         store_ready: None,
         server_ready: Some(Cond::no("Hibernated", message.clone())),
+        plan_fits: None,
         ready: Cond::no("Hibernated", message),
         endpoint: old.endpoint.clone(),
         store_hash: old.store_hash.clone(),
@@ -458,6 +460,11 @@ pub(super) fn combine(
         },
     };
     let endpoint = results.iter().find_map(|(_, o, _)| o.endpoint.clone());
+    // A refusal by any replica's plan is the object's; else what the replicas decided.
+    let plan_fits = results
+        .iter()
+        .filter_map(|(_, o, _)| o.plan_fits.clone())
+        .max_by_key(|c| !c.ok);
     let (_, first, _) = results.swap_remove(0);
     let outcome = Outcome {
         phase,
@@ -465,6 +472,7 @@ pub(super) fn combine(
         node_selected,
         store_ready,
         server_ready,
+        plan_fits,
         ready,
         endpoint,
         store_hash: first.store_hash,

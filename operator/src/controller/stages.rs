@@ -2,6 +2,16 @@
 //! it decided or stops with the [`Outcome`] to report for that replica and the [`Action`]
 //! that says when to look again; the last always stops. `fleet` runs them for every
 //! replica and makes one status of what they say.
+//!
+//! Whether the model fits the chosen node's GPU and memory cap is the server's own memory
+//! plan (`glmflash-node plan`'s arithmetic, run by `serve` on the real free VRAM, the pod's
+//! cgroup cap and the store's records), not a second estimate here: the operator cannot see
+//! a GPU's free memory or read the checkpoint. A server whose plan refuses writes
+//! `{"planRefused": "<why, with the numbers>"}` to its termination message
+//! (`--termination-log`) and exits; the server stage reads it from the pod, scales the
+//! Deployment to zero, and reports `PlanFits=False` (and Ready, with a Warning Event) until
+//! the spec changes. Placement ([`crate::placement`]) checks only what the cluster knows: a
+//! free GPU and allocatable memory for the cap.
 
 use std::ops::ControlFlow;
 
@@ -36,6 +46,8 @@ pub(super) struct Replica {
     pub(super) index: u32,
     pub(super) old: GlmFlashDeploymentStatus,
     pub(super) taken: Vec<String>,
+    /// The refusal this generation's servers got from their memory plan, if any.
+    pub(super) plan_refused: Option<Cond>,
 }
 
 /// The node chosen, and the condition that says so.
@@ -70,6 +82,7 @@ pub(super) fn validate(gfd: &GlmFlashDeployment, old: &GlmFlashDeploymentStatus)
         node_selected: None,
         store_ready: None,
         server_ready: None,
+        plan_fits: None,
         ready: Cond::no("InvalidSpec", message),
         endpoint: None,
         store_hash: old.store_hash.clone(),
@@ -188,6 +201,7 @@ pub(super) async fn place(
         node_selected: Some(Cond::no("NoFittingNode", why.clone())),
         store_ready: Some(Cond::no("WaitingForNode", "no node chosen yet")),
         server_ready: Some(Cond::no("WaitingForNode", "no node chosen yet")),
+        plan_fits: None,
         ready: Cond::no("NoFittingNode", why),
         endpoint: None,
         store_hash: old.store_hash.clone(),
@@ -217,6 +231,7 @@ fn too_small(old: &GlmFlashDeploymentStatus, node: &str, why: String) -> (Outcom
         node_selected: Some(Cond::no("NodeTooSmall", message.clone())),
         store_ready: None,
         server_ready: None,
+        plan_fits: None,
         ready: Cond::trouble(
             "NodeTooSmall",
             format!("{message}; the server keeps its previous spec"),
@@ -366,6 +381,7 @@ pub(super) async fn store(
                 node_selected: Some(placed.node_selected.clone()),
                 store_ready: Some(store_ready),
                 server_ready: Some(Cond::no("WaitingForStore", "the store is not ready")),
+                plan_fits: None,
                 ready,
                 endpoint: None,
                 store_hash: None,
@@ -444,9 +460,11 @@ pub(super) async fn deploy(
     stored: &Stored,
 ) -> Result<Deployment> {
     let deployments: Api<Deployment> = Api::namespaced(ctx.client.clone(), ns);
+    // A server whose plan refused this generation stays at zero until the spec changes.
+    let servers = if replica.plan_refused.is_some() { 0 } else { 1 };
     ensure(
         &deployments,
-        builders::server_deployment(gfd, replica.index, &placed.node, &stored.hash, 1),
+        builders::server_deployment(gfd, replica.index, &placed.node, &stored.hash, servers),
     )
     .await
 }
@@ -526,13 +544,16 @@ pub(super) async fn serving(
     let old = &replica.old;
     let mut notes = notes.to_vec();
     let endpoint = builders::endpoint(gfd);
+    if let Some(refusal) = &replica.plan_refused {
+        return Ok(plan_does_not_fit(&placed, stored, refusal.clone()));
+    }
     let available = deployment
         .status
         .as_ref()
         .filter(|s| s.observed_generation >= deployment.metadata.generation)
         .and_then(|s| s.available_replicas)
         .unwrap_or(0);
-    let (phase, server_ready, ready, live, action) = if available >= 1 {
+    let (phase, server_ready, plan_fits, ready, live, action) = if available >= 1 {
         let pods = replica_pods(gfd, ctx, ns, replica.index).await?;
         let live = match builders::pod_metrics_url(gfd, &pods) {
             None => old.live.clone(),
@@ -559,6 +580,10 @@ pub(super) async fn serving(
         (
             Phase::Running,
             Cond::yes("Available", format!("{available} server replica available")),
+            Some(Cond::yes(
+                "PlanFits",
+                format!("the server's memory plan fits node {}", placed.node),
+            )),
             Cond::yes("Serving", message),
             live,
             Action::requeue(RUNNING_REQUEUE),
@@ -566,7 +591,34 @@ pub(super) async fn serving(
     } else {
         let trouble = match diagnose::deployment_trouble(deployment) {
             Some(trouble) => Some(trouble),
-            None => diagnose::pod_trouble(&replica_pods(gfd, ctx, ns, replica.index).await?),
+            None => {
+                let pods = replica_pods(gfd, ctx, ns, replica.index).await?;
+                if let Some(why) = diagnose::plan_refusal(&pods) {
+                    // Restarting cannot help: stop the server until the spec changes.
+                    let deployments: Api<Deployment> = Api::namespaced(ctx.client.clone(), ns);
+                    let stopped = builders::server_deployment(
+                        gfd,
+                        replica.index,
+                        &placed.node,
+                        &stored.hash,
+                        0,
+                    );
+                    let server = names::replica(&gfd.name_any(), replica.index);
+                    deployments
+                        .patch(&server, &apply_params(), &Patch::Apply(&stopped))
+                        .await?;
+                    let refusal = Cond::trouble(
+                        "PlanDoesNotFit",
+                        format!(
+                            "the server's memory plan refuses node {}: {why}; the server is \
+                             stopped until the spec changes",
+                            placed.node
+                        ),
+                    );
+                    return Ok(plan_does_not_fit(&placed, stored, refusal));
+                }
+                diagnose::pod_trouble(&pods)
+            }
         };
         let (server_ready, ready) = match trouble {
             Some(trouble) => (trouble.clone(), trouble),
@@ -581,6 +633,7 @@ pub(super) async fn serving(
         (
             Phase::Starting,
             server_ready,
+            None,
             ready,
             None,
             Action::requeue(WAITING_REQUEUE),
@@ -592,6 +645,7 @@ pub(super) async fn serving(
         node_selected: Some(placed.node_selected),
         store_ready: Some(stored.store_ready),
         server_ready: Some(server_ready),
+        plan_fits,
         ready,
         endpoint: Some(endpoint),
         store_hash: Some(stored.hash),
@@ -599,4 +653,39 @@ pub(super) async fn serving(
         live,
     };
     Ok((outcome, action))
+}
+
+/// The refusal this generation's server already got from its memory plan (PlanFits False
+/// decided for this generation): the server stays at zero replicas until the spec changes.
+pub(super) fn plan_refused(
+    old: &GlmFlashDeploymentStatus,
+    generation: Option<i64>,
+) -> Option<Cond> {
+    old.conditions
+        .iter()
+        .find(|c| {
+            c.type_ == condition::PLAN_FITS
+                && c.status == "False"
+                && c.observed_generation == generation
+        })
+        .map(|c| Cond::trouble("PlanDoesNotFit", c.message.clone()))
+}
+
+/// The server's memory plan refused the node: Failed, with the plan's numbers in PlanFits,
+/// ServerReady and Ready, looked at again when the spec changes.
+fn plan_does_not_fit(placed: &Placed, stored: Stored, refusal: Cond) -> (Outcome, Action) {
+    let outcome = Outcome {
+        phase: Phase::Failed,
+        node: Some(placed.node.clone()),
+        node_selected: Some(placed.node_selected.clone()),
+        store_ready: Some(stored.store_ready),
+        server_ready: Some(refusal.clone()),
+        plan_fits: Some(refusal.clone()),
+        ready: refusal,
+        endpoint: None,
+        store_hash: Some(stored.hash),
+        store_bytes: stored.bytes,
+        live: None,
+    };
+    (outcome, Action::await_change())
 }

@@ -60,6 +60,8 @@ pub(super) struct Outcome {
     pub(super) node_selected: Option<Cond>,
     pub(super) store_ready: Option<Cond>,
     pub(super) server_ready: Option<Cond>,
+    /// Whether the server's memory plan fits (`None`: not known this time; kept).
+    pub(super) plan_fits: Option<Cond>,
     pub(super) ready: Cond,
     pub(super) endpoint: Option<String>,
     pub(super) store_hash: Option<String>,
@@ -105,6 +107,7 @@ pub(super) fn refused(
         node_selected: Some(placed.node_selected.clone()),
         store_ready: Some(store_ready),
         server_ready: Some(server_ready),
+        plan_fits: None,
         ready: trouble,
         endpoint: None,
         store_hash: stored.map(|s| s.hash.clone()),
@@ -145,6 +148,7 @@ pub(super) fn next_status(
         (condition::NODE_SELECTED, outcome.node_selected),
         (condition::STORE_READY, outcome.store_ready),
         (condition::SERVER_READY, outcome.server_ready),
+        (condition::PLAN_FITS, outcome.plan_fits),
         (condition::READY, Some(outcome.ready)),
     ];
     for (type_, cond) in decided {

@@ -830,6 +830,98 @@ fn backoff_doubles_and_caps() {
     assert_eq!(delays, [5, 10, 20, 40, 80, 160, 300, 300, 300]);
 }
 
+/// A server whose memory plan refuses the node (it wrote the refusal to its termination
+/// message and exited) is stopped, not left restarting: PlanFits, ServerReady and Ready say
+/// why with the plan's numbers, a Warning Event is published, the server stays at zero
+/// replicas while the spec is the same, and a spec change tries again.
+#[tokio::test]
+async fn a_server_whose_plan_refuses_the_node_is_stopped_with_the_numbers() {
+    let g = starting().await;
+    let why = "the GPU cannot hold the model: 26011 MiB needed before any expert slot \
+               (weights 3344, caches 19073 at 131072 tokens x 32 sequences, workspace 1566, \
+               staging 145, reserve 512) against 23000 MiB";
+    let crashed = json!({"metadata": {"name": "glm-abc", "namespace": NS},
+        "status": {"containerStatuses": [{"name": "server", "image": "i", "imageID": "",
+            "ready": false, "restartCount": 1,
+            "state": {"waiting": {"reason": "CrashLoopBackOff"}},
+            "lastState": {"terminated": {"exitCode": 1,
+                "message": json!({"planRefused": why}).to_string()}}}]}});
+    let mut steps = settled_reads(&g);
+    steps[1] = Step::get(DEPLOYMENT).json(server(&g, 1));
+    steps.extend([
+        server_pods(vec![crashed]),
+        Step::apply(DEPLOYMENT),
+        Step::apply(GFD_STATUS),
+        Step::post(EVENTS),
+    ]);
+    let (ctx, _, handle) = context(Ok(SERVER_PAGE), false);
+    let (result, seen) = run(ctx, handle, g.clone(), steps).await;
+    assert_eq!(result.unwrap(), Action::await_change());
+    assert_eq!(seen[6].body, server(&g, 0));
+    let status = status_written(&seen).unwrap();
+    assert_eq!(status.phase, Some(Phase::Failed));
+    for type_ in [
+        condition::PLAN_FITS,
+        condition::SERVER_READY,
+        condition::READY,
+    ] {
+        let (state, reason, message) = cond(&status, type_);
+        assert_eq!(
+            (state.as_str(), reason.as_str()),
+            ("False", "PlanDoesNotFit")
+        );
+        assert!(message.contains("refuses node gpu-a"), "{message}");
+        assert!(message.contains("26011 MiB needed"), "{message}");
+    }
+    assert_eq!(seen[8].body["type"], "Warning");
+    assert!(
+        seen[8].body["note"]
+            .as_str()
+            .is_some_and(|n| n.contains("against 23000 MiB")),
+        "{}",
+        seen[8].body
+    );
+
+    // Same spec: held at zero replicas, nothing written, no pod read.
+    let g = with_status(g, status);
+    let mut steps = settled_reads(&g);
+    steps[1] = Step::get(DEPLOYMENT).json(server(&g, 0));
+    let (ctx, _, handle) = context(Ok(SERVER_PAGE), false);
+    let (result, seen) = run(ctx, handle, g.clone(), steps).await;
+    assert_eq!(result.unwrap(), Action::await_change());
+    assert_no_writes(&seen);
+
+    // A smaller context: the server is started again.
+    let mut changed = g.clone();
+    changed.spec.server.context_length = 65_536;
+    changed.metadata.generation = Some(2);
+    let (ctx, _, handle) = context(Ok(SERVER_PAGE), false);
+    let (result, seen) = run(
+        ctx,
+        handle,
+        changed.clone(),
+        vec![
+            Step::get(NODE_A).json(to_json(&gpu_node("gpu-a", "251Gi", "1"))),
+            Step::get(ALL_PODS)
+                .query("fieldSelector=spec.nodeName=gpu-a")
+                .json(list("PodList", vec![])),
+            all_gfds(vec![to_json(&changed)]),
+            Step::get(DEPLOYMENT).json(server(&g, 0)),
+            Step::apply(DEPLOYMENT),
+            Step::get(API_SVC).json(to_json(&builders::api_service(&g))),
+            Step::get(METRICS_SVC).json(to_json(&builders::metrics_service(&g))),
+            Step::get(DASHBOARD_CM).not_found(),
+            server_pods(vec![]),
+            Step::apply(GFD_STATUS),
+            Step::post(EVENTS),
+        ],
+    )
+    .await;
+    assert_eq!(result.unwrap(), Action::requeue(WAITING_REQUEUE));
+    assert_eq!(seen[4].body, server(&changed, 1));
+    assert_eq!(status_written(&seen).unwrap().phase, Some(Phase::Starting));
+}
+
 mod properties {
     use super::*;
     use proptest::prelude::*;
