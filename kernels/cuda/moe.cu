@@ -9,13 +9,14 @@
 template <int FMT>
 __device__ void gate_up_rows(const u8* __restrict__ arena, const i64* __restrict__ group_base,
                              const int* __restrict__ group_start, const int* __restrict__ group_len,
-                             const int* __restrict__ pick_list, i64 up_off, int inter, int hidden,
+                             const int* __restrict__ pick_list, const int* __restrict__ counts,
+                             i64 up_off, int inter, int hidden,
                              int k, float limit, const float* __restrict__ x,
                              float* __restrict__ act) {
     const int warps = blockDim.x / WARP;
     const int r = blockIdx.x * warps + threadIdx.x / WARP;
     const int g = blockIdx.y;
-    if (r >= inter) return;
+    if (r >= inter || g >= counts[0] + counts[1]) return;
     const i64 rb = row_bytes(FMT, hidden);
     const u8* gate = arena + group_base[g] + (i64)r * rb;
     const u8* up = arena + group_base[g] + up_off + (i64)r * rb;
@@ -53,12 +54,13 @@ __device__ void gate_up_rows(const u8* __restrict__ arena, const i64* __restrict
 template <int FMT>
 __device__ void down_rows(const u8* __restrict__ arena, const i64* __restrict__ group_base,
                           const int* __restrict__ group_start, const int* __restrict__ group_len,
-                          const int* __restrict__ pick_list, i64 down_off, int hidden, int inter,
+                          const int* __restrict__ pick_list, const int* __restrict__ counts,
+                          i64 down_off, int hidden, int inter,
                           const float* __restrict__ act, float* __restrict__ yp) {
     const int warps = blockDim.x / WARP;
     const int r = blockIdx.x * warps + threadIdx.x / WARP;
     const int g = blockIdx.y;
-    if (r >= hidden) return;
+    if (r >= hidden || g >= counts[0] + counts[1]) return;
     const i64 rb = row_bytes(FMT, inter);
     const u8* down = arena + group_base[g] + down_off + (i64)r * rb;
     const int start = group_start[g], len = group_len[g];
@@ -87,33 +89,36 @@ __device__ void down_rows(const u8* __restrict__ arena, const i64* __restrict__ 
     }
 }
 
-// act[p, :] = silu(min(gate x_t, L)) * clamp(up x_t, -L, L) for every pick p of every group.
-// Grid: (ceil(inter / warps per block), groups).
+// act[p, :] = silu(min(gate x_t, L)) * clamp(up x_t, -L, L) for every pick p of every group
+// (`counts[0] + counts[1]` groups: the tables `moe_group` writes, or the host's).
+// Grid: (ceil(inter / warps per block), room for the groups).
 extern "C" __global__ void moe_gate_up(const u8* __restrict__ arena, int fmt,
                                        const i64* __restrict__ group_base,
                                        const int* __restrict__ group_start,
                                        const int* __restrict__ group_len,
-                                       const int* __restrict__ pick_list, i64 up_off, int inter,
+                                       const int* __restrict__ pick_list,
+                                       const int* __restrict__ counts, i64 up_off, int inter,
                                        int hidden, int k, float limit, const float* __restrict__ x,
                                        float* __restrict__ act) {
 #define CALL(F)                                                                              \
-    gate_up_rows<F>(arena, group_base, group_start, group_len, pick_list, up_off, inter, hidden, \
-                    k, limit, x, act)
+    gate_up_rows<F>(arena, group_base, group_start, group_len, pick_list, counts, up_off, inter, \
+                    hidden, k, limit, x, act)
     DISPATCH_FORMAT(fmt, CALL)
 #undef CALL
 }
 
-// yp[p, :] = down act[p, :]. Grid: (ceil(hidden / warps per block), groups).
+// yp[p, :] = down act[p, :]. Grid: (ceil(hidden / warps per block), room for the groups).
 extern "C" __global__ void moe_down(const u8* __restrict__ arena, int fmt,
                                     const i64* __restrict__ group_base,
                                     const int* __restrict__ group_start,
                                     const int* __restrict__ group_len,
-                                    const int* __restrict__ pick_list, i64 down_off, int hidden,
+                                    const int* __restrict__ pick_list,
+                                    const int* __restrict__ counts, i64 down_off, int hidden,
                                     int inter, const float* __restrict__ act,
                                     float* __restrict__ yp) {
 #define CALL(F)                                                                                \
-    down_rows<F>(arena, group_base, group_start, group_len, pick_list, down_off, hidden, inter, \
-                 act, yp)
+    down_rows<F>(arena, group_base, group_start, group_len, pick_list, counts, down_off, hidden, \
+                 inter, act, yp)
     DISPATCH_FORMAT(fmt, CALL)
 #undef CALL
 }
@@ -127,4 +132,89 @@ extern "C" __global__ void moe_combine(const float* __restrict__ yp, const float
     float acc = 0.0f;
     for (int j = 0; j < k; j++) acc += w[t * k + j] * yp[(t * k + j) * hidden + h];
     out[i] = acc;
+}
+
+// ---- Grouping on the device: the router's picks never come to the host.
+// The layout of the tables `moe_group` writes for `picks` picks and `cap` groups at most
+// (node-server/src/backend/cuda/exl3.rs `GroupTables` reads the same): int64 `longs` =
+// group_base[cap], entry_base[picks]; int32 `ints` = start[cap], len[cap], rows[picks],
+// list[picks], ones[cap], more[cap], counts[2] (groups of one pick, groups of more).
+#define MOE_GROUP_MAX 256
+
+// Groups picks `ids[0 .. picks)` (expert ids of `tokens * k` picks) by their slot
+// `slot_of[id]` as the host does: groups in order of first appearance, each group's picks in
+// pick order, the groups of one pick listed in `ones` and the others in `more`, in group
+// order. An id outside `0 .. experts` counts as expert 0 (the router writes -1 only for a
+// token whose scores are all NaN). One block of MOE_GROUP_MAX threads; picks <= MOE_GROUP_MAX.
+extern "C" __global__ void moe_group(const int* __restrict__ ids, const int* __restrict__ slot_of,
+                                     int experts, int picks, int k, i64 slot_bytes, int cap,
+                                     i64* __restrict__ longs, int* __restrict__ ints) {
+    __shared__ int slot[MOE_GROUP_MAX], first[MOE_GROUP_MAX], glen[MOE_GROUP_MAX],
+        gstart[MOE_GROUP_MAX];
+    const int i = threadIdx.x;
+    int* start = ints;
+    int* len = start + cap;
+    int* rows = len + cap;
+    int* list = rows + picks;
+    int* ones = list + picks;
+    int* more = ones + cap;
+    int* counts = more + cap;
+    if (i < picks) {
+        const int e = ids[i];
+        slot[i] = slot_of[(e >= 0 && e < experts) ? e : 0];
+    }
+    __syncthreads();
+    int rank = 0;
+    if (i < picks) {
+        int f = i;
+        for (int j = 0; j < i; j++)
+            if (slot[j] == slot[i]) {
+                if (f == i) f = j;
+                rank++;
+            }
+        first[i] = f;
+    }
+    __syncthreads();
+    const bool leads = i < picks && first[i] == i;
+    if (leads) {
+        int n = 0;
+        for (int j = i; j < picks; j++) n += slot[j] == slot[i];
+        glen[i] = n;
+    }
+    __syncthreads();
+    if (leads) {
+        int g = 0, s = 0, one = 0, many = 0;
+        for (int j = 0; j < i; j++)
+            if (first[j] == j) {
+                g++;
+                s += glen[j];
+                one += glen[j] == 1;
+                many += glen[j] > 1;
+            }
+        gstart[i] = s;
+        start[g] = s;
+        len[g] = glen[i];
+        longs[g] = (i64)slot[i] * slot_bytes;
+        if (glen[i] == 1)
+            ones[one] = g;
+        else
+            more[many] = g;
+    }
+    __syncthreads();
+    if (i < picks) {
+        const int at = gstart[first[i]] + rank;
+        list[at] = i;
+        rows[at] = i / k;
+        longs[cap + at] = (i64)slot[i] * slot_bytes;
+    }
+    if (i == 0) {
+        int one = 0, many = 0;
+        for (int j = 0; j < picks; j++)
+            if (first[j] == j) {
+                one += glen[j] == 1;
+                many += glen[j] > 1;
+            }
+        counts[0] = one;
+        counts[1] = many;
+    }
 }

@@ -19,6 +19,8 @@ extern "C" __global__ void route(const float* __restrict__ logits, const float* 
     __shared__ float gscore[MAX_EXPERTS];
     __shared__ int keep[MAX_EXPERTS];
     const int t = blockIdx.x;
+    // A pick no expert ranks for (scores all NaN) stays -1.
+    for (int j = threadIdx.x; j < k; j += blockDim.x) ids[(i64)t * k + j] = -1;
     for (int e = threadIdx.x; e < experts; e += blockDim.x) {
         const float s = sigmoid(logits[(i64)t * experts + e]);
         score[e] = s;

@@ -34,7 +34,7 @@ pub const SOURCES: &[(&str, &str, &[&str])] = &[
     (
         "moe.cu",
         include_str!("../cuda/moe.cu"),
-        &["moe_gate_up", "moe_down", "moe_combine"],
+        &["moe_gate_up", "moe_down", "moe_combine", "moe_group"],
     ),
     (
         "norm.cu",

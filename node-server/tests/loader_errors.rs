@@ -212,3 +212,65 @@ fn vocabulary_overflow_is_an_error_not_a_panic() {
         "{err}"
     );
 }
+
+/// The names the published checkpoints and the converters (transformers, llama.cpp's
+/// `Glm5NextModel`, exllamav3) use for the same fields parse to the same config: layer types
+/// `full_attention` and `deepseek_sparse_attention` for `indexed_attention`, the
+/// `linear_attn_config` dict for the flat `linear_*` fields, `index_topk_pattern` (a string of
+/// F/S or a list) for `indexer_types`.
+#[test]
+fn converters_field_names_parse_as_the_canonical_ones() {
+    let canonical = Config::from_json(&base_config()).unwrap();
+    let same = |edit: &dyn Fn(&mut serde_json::Map<String, Value>)| {
+        let mut cfg = base_config();
+        edit(cfg.as_object_mut().unwrap());
+        Config::from_json(&cfg).unwrap()
+    };
+    for spelling in ["full_attention", "deepseek_sparse_attention"] {
+        let cfg = same(&|m| {
+            let types = m["layer_types"].as_array().unwrap().iter();
+            let renamed: Vec<Value> = types
+                .map(|t| match t.as_str() {
+                    Some("indexed_attention") => json!(spelling),
+                    _ => t.clone(),
+                })
+                .collect();
+            m.insert("layer_types".into(), Value::Array(renamed));
+        });
+        assert_eq!(cfg, canonical, "layer type {spelling}");
+    }
+    let nested_linear = same(&|m| {
+        for k in [
+            "linear_head_dim",
+            "linear_num_heads",
+            "linear_conv_kernel_dim",
+            "linear_lower_bound",
+        ] {
+            m.remove(k);
+        }
+        m.insert(
+            "linear_attn_config".into(),
+            json!({"head_dim": 16, "num_heads": 2, "short_conv_kernel_size": 4,
+                   "gate_lower_bound": -5.0}),
+        );
+    });
+    assert_eq!(nested_linear, canonical, "linear_attn_config");
+    for pattern in [
+        json!("FFSFFS"),
+        json!(["full", "full", "shared", "full", "full", "shared"]),
+    ] {
+        let cfg = same(&|m| {
+            m.remove("indexer_types");
+            m.insert("index_topk_pattern".into(), pattern.clone());
+        });
+        assert_eq!(cfg, canonical, "index_topk_pattern {pattern}");
+    }
+    // A spelling none of them uses is refused with the field named.
+    let err = config_error(|c| c["layer_types"][1] = json!("sliding_attention"));
+    assert!(err.contains("layer_types[1]"), "{err}");
+    let err = config_error(|c| {
+        c.as_object_mut().unwrap().remove("indexer_types");
+        c["index_topk_pattern"] = json!("FX");
+    });
+    assert!(err.contains("index_topk_pattern[1]"), "{err}");
+}

@@ -46,6 +46,11 @@ impl Decoder<Gpu> {
     pub fn take_profile(&self) -> Vec<(&'static str, f64, u64)> {
         self.dev.take_profile()
     }
+
+    /// Seconds spent waiting for downloads so far (see [`Gpu::take_waited`]).
+    pub fn take_waited(&self) -> f64 {
+        self.dev.take_waited()
+    }
 }
 
 impl<D: Device> Decoder<D> {

@@ -347,9 +347,9 @@ impl<D: Device> Layer<D> {
                     pass.experts.prefetch(next, &predicted.ids);
                 }
                 let (y, routing) = moe
-                    .forward(dev, li, x, pass.phases, pass.experts)
+                    .forward(dev, li, x, pass.phases, pass.experts, pass.hooks.is_some())
                     .with_context(|| format!("experts of layer {li}"))?;
-                if let Some(h) = pass.hooks {
+                if let (Some(h), Some(routing)) = (pass.hooks, routing) {
                     h.routing(li, &routing);
                 }
                 Ok(y)

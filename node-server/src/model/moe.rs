@@ -109,6 +109,27 @@ pub trait DeviceExperts {
         x: &CudaSlice<f32>,
         routing: &Routing,
     ) -> anyhow::Result<CudaSlice<f32>>;
+
+    /// Whether [`DeviceExperts::forward_routed`] serves `layer` for `picks` picks: every
+    /// expert of the layer resident on the device, so no pick needs the host.
+    fn routes(&self, _layer: usize, _picks: usize) -> bool {
+        false
+    }
+
+    /// [`DeviceExperts::forward_device`] with the router's picks on the device (`ids` int32
+    /// and `weights`, `[tokens, k]`, as the router kernel wrote them; `phases` per token):
+    /// nothing waits for the host. Only where [`DeviceExperts::routes`] said so.
+    fn forward_routed(
+        &self,
+        layer: usize,
+        _x: &CudaSlice<f32>,
+        _ids: &CudaSlice<i32>,
+        _weights: &CudaSlice<f32>,
+        _phases: &[Phase],
+        _k: usize,
+    ) -> anyhow::Result<CudaSlice<f32>> {
+        anyhow::bail!("layer {layer}: this provider takes its picks on the host")
+    }
 }
 
 /// `(token, pick slot)` pairs routed to one expert.
@@ -402,8 +423,8 @@ impl Moe {
 }
 
 impl<D: Device> Moe<D> {
-    /// Routed experts (through `experts`) plus the shared expert; returns the output and the
-    /// routing.
+    /// Routed experts (through `experts`) plus the shared expert; returns the output and,
+    /// when `want_routing` or the picks came to the host anyway, the routing.
     pub fn forward(
         &self,
         dev: &D,
@@ -411,19 +432,31 @@ impl<D: Device> Moe<D> {
         x: &D::Buf,
         phases: &[Phase],
         experts: &dyn ExpertProvider,
-    ) -> anyhow::Result<(D::Buf, Routing)> {
+        want_routing: bool,
+    ) -> anyhow::Result<(D::Buf, Option<Routing>)> {
         let tokens = phases.len();
+        let shared = |dev: &D, mut out: D::Buf| -> anyhow::Result<D::Buf> {
+            if let Some(shared) = &self.shared {
+                let s = dev.timed("moe shared", || shared.run(dev, x, tokens))?;
+                dev.add(&mut out, &s, tokens * self.hidden)?;
+            }
+            Ok(out)
+        };
+        if !want_routing {
+            let routed = dev.timed("moe routed", || {
+                dev.routed_experts(&self.router, experts, layer, x, phases)
+            })?;
+            if let Some(out) = routed {
+                return Ok((shared(dev, out)?, None));
+            }
+        }
         let routing = Routing {
             phases: phases.to_vec(),
             ..dev.timed("moe route", || self.router.route(dev, x, tokens))?
         };
-        let mut out = dev.timed("moe experts", || {
+        let out = dev.timed("moe experts", || {
             dev.experts(experts, layer, x, &routing, self.hidden)
         })?;
-        if let Some(shared) = &self.shared {
-            let s = dev.timed("moe shared", || shared.run(dev, x, tokens))?;
-            dev.add(&mut out, &s, tokens * self.hidden)?;
-        }
-        Ok((out, routing))
+        Ok((shared(dev, out)?, Some(routing)))
     }
 }

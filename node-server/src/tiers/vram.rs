@@ -8,7 +8,7 @@
 use super::source::ExpertSource;
 use crate::backend::cuda::{Cuda, Exl3Form, MoeLayout, MoeStep, SlotArena, SlotFormat};
 use crate::model::mlp::SwiGlu;
-use crate::model::moe::{DeviceExperts, ExpertProvider, Routing};
+use crate::model::moe::{DeviceExperts, ExpertProvider, Phase, Routing};
 use anyhow::{Context, bail};
 use cudarc::driver::{CudaEvent, CudaSlice, CudaStream};
 use std::sync::{Arc, Mutex};
@@ -117,6 +117,10 @@ pub struct VramExperts {
     limit: f32,
     /// Slot of each (layer, expert); empty for dense layers.
     slots: Vec<Vec<u32>>,
+    /// The same on the device, layer after layer (for steps whose picks stay there), and
+    /// where each layer's row starts.
+    slot_table: CudaSlice<i32>,
+    slot_table_at: Vec<usize>,
     /// Picks served, by phase (prefill, decode).
     picks: [std::sync::atomic::AtomicU64; 2],
     /// Seconds of the last MoE step (f64 bits; each step ends with the result's download,
@@ -181,6 +185,13 @@ impl VramExperts {
             }
             slots.push(row);
         }
+        let mut slot_table_at = Vec::with_capacity(slots.len());
+        let mut flat: Vec<i32> = Vec::with_capacity(total);
+        for row in &slots {
+            slot_table_at.push(flat.len());
+            flat.extend(row.iter().map(|&s| s as i32));
+        }
+        let slot_table = cuda.upload(&flat)?;
         cuda.synchronize()?;
         tracing::info!(
             experts = total,
@@ -193,6 +204,8 @@ impl VramExperts {
             arena: Mutex::new(arena),
             limit: first.limit,
             slots,
+            slot_table,
+            slot_table_at,
             picks: Default::default(),
             step_seconds: Default::default(),
             loaded_bytes: need as u64,
@@ -240,11 +253,37 @@ impl VramExperts {
     }
 
     fn count_picks(&self, routing: &Routing) {
+        self.count_phases(&routing.phases, routing.tokens(), routing.k);
+    }
+
+    /// Counts `k` picks for each of `tokens` tokens by its phase (prefill where none given).
+    fn count_phases(&self, phases: &[Phase], tokens: usize, k: usize) {
         use std::sync::atomic::Ordering::Relaxed;
-        for t in 0..routing.tokens() {
-            let phase = routing.phase(t) == crate::model::moe::Phase::Decode;
-            self.picks[phase as usize].fetch_add(routing.k as u64, Relaxed);
+        for t in 0..tokens {
+            let decode = phases.get(t).copied().unwrap_or_default() == Phase::Decode;
+            self.picks[decode as usize].fetch_add(k as u64, Relaxed);
         }
+    }
+
+    /// Runs `step` for a MoE step, timing every STEP_SAMPLE-th between two synchronisations
+    /// for the step-time gauge (nothing else here waits for the device).
+    fn sampled<T>(&self, step: impl FnOnce() -> anyhow::Result<T>) -> anyhow::Result<T> {
+        use std::sync::atomic::Ordering::Relaxed;
+        let sampled = self
+            .device_steps
+            .fetch_add(1, Relaxed)
+            .is_multiple_of(STEP_SAMPLE);
+        if sampled {
+            self.cuda.synchronize()?;
+        }
+        let started = std::time::Instant::now();
+        let out = step()?;
+        if sampled {
+            self.cuda.synchronize()?;
+            let secs = started.elapsed().as_secs_f64();
+            self.step_seconds.store(secs.to_bits(), Relaxed);
+        }
+        Ok(out)
     }
 }
 
@@ -259,32 +298,58 @@ impl DeviceExperts for VramExperts {
         x: &CudaSlice<f32>,
         routing: &Routing,
     ) -> anyhow::Result<CudaSlice<f32>> {
-        use std::sync::atomic::Ordering::Relaxed;
         let arena = self.arena.lock().unwrap_or_else(|e| e.into_inner());
         let slots = self.slots_of(layer, routing)?;
-        // Nothing here waits for the device; every STEP_SAMPLE-th step is timed between
-        // two synchronisations for the step-time gauge.
-        let sampled = self
-            .device_steps
-            .fetch_add(1, Relaxed)
-            .is_multiple_of(STEP_SAMPLE);
-        if sampled {
-            self.cuda.synchronize()?;
-        }
-        let started = std::time::Instant::now();
-        let mut run = self
-            .cuda
-            .moe_begin_dev(arena.layout, routing.tokens(), routing.k, x)?;
-        let picks: Vec<(usize, u32)> = slots.iter().copied().enumerate().collect();
-        self.cuda
-            .moe_picks(&mut run, &arena.buf, self.limit, &picks)?;
-        let y = self.cuda.moe_combine(run, &routing.weights)?;
-        if sampled {
-            self.cuda.synchronize()?;
-            let secs = started.elapsed().as_secs_f64();
-            self.step_seconds.store(secs.to_bits(), Relaxed);
-        }
+        let y = self.sampled(|| {
+            let mut run = self
+                .cuda
+                .moe_begin_dev(arena.layout, routing.tokens(), routing.k, x)?;
+            let picks: Vec<(usize, u32)> = slots.iter().copied().enumerate().collect();
+            self.cuda
+                .moe_picks(&mut run, &arena.buf, self.limit, &picks)?;
+            Ok(self.cuda.moe_combine(run, &routing.weights)?)
+        })?;
         self.count_picks(routing);
+        Ok(y)
+    }
+
+    /// Every expert is here: any MoE layer's picks stay on the device when the step is
+    /// small enough for one grouping launch.
+    fn routes(&self, layer: usize, picks: usize) -> bool {
+        self.slots.get(layer).is_some_and(|row| !row.is_empty()) && Cuda::moe_routes(picks)
+    }
+
+    fn forward_routed(
+        &self,
+        layer: usize,
+        x: &CudaSlice<f32>,
+        ids: &CudaSlice<i32>,
+        weights: &CudaSlice<f32>,
+        phases: &[Phase],
+        k: usize,
+    ) -> anyhow::Result<CudaSlice<f32>> {
+        let arena = self.arena.lock().unwrap_or_else(|e| e.into_inner());
+        let experts = self.slots.get(layer).map_or(0, Vec::len);
+        if experts == 0 {
+            bail!("layer {layer} has no routed experts");
+        }
+        let at = self.slot_table_at[layer];
+        let slot_of = self.slot_table.slice(at..at + experts);
+        let tokens = phases.len();
+        let y = self.sampled(|| {
+            Ok(self.cuda.moe_routed(
+                &arena.buf,
+                arena.layout,
+                self.limit,
+                x,
+                ids,
+                weights,
+                &slot_of,
+                tokens,
+                k,
+            )?)
+        })?;
+        self.count_phases(phases, tokens, k);
         Ok(y)
     }
 }

@@ -7,10 +7,10 @@
 //! to f32 [`WIDEN_TILE_VALUES`] at a time and multiplied by cuBLAS SGEMM, as f16/bf16 weights
 //! are widened.
 
-use super::moe::{Exl3Form, MoeRun, Part, PickGroups};
+use super::groups::{GroupTables, Table};
+use super::moe::{Exl3Form, MoeRun, Part};
 use super::*;
 use crate::quant::exl3::Exl3Linear;
-use cudarc::driver::CudaView;
 
 /// Blocks the GEMV aims for (a few per SM of the largest GPUs): N/16 strips times the K slices.
 const GEMV_BLOCKS: usize = 512;
@@ -257,14 +257,13 @@ impl Cuda {
         run: &mut MoeRun,
         arena: &CudaSlice<u8>,
         limit: f32,
-        groups: &PickGroups,
+        tables: &GroupTables,
         gate_up: Exl3Form,
         down: Exl3Form,
     ) -> Result<(), CudaError> {
         let l = run.layout;
-        let (hidden, inter, entries) = (l.hidden, l.inter, groups.list.len());
+        let (hidden, inter, entries) = (l.hidden, l.inter, tables.entries);
         let s = &self.stream;
-        let tables = GroupTables::upload(self, groups, run.k)?;
         let d_ebase = tables.entry_base();
         let (d_rows, d_list) = (tables.ints(Table::Rows), tables.ints(Table::List));
         let [(g_suh, _), (g_svh, _)] = l.exl3_scales(Part::GateUp, gate_up);
@@ -288,7 +287,7 @@ impl Cuda {
         // below `tokens` (x holds them), xr holds 2 x entries x hidden values.
         unsafe { b.launch(entry_config(entries, hidden, 2)) }?;
 
-        let part_gu = self.moe_gemv(arena, gate_up, &tables, [gate, up], hidden, inter, &xr)?;
+        let part_gu = self.moe_gemv(arena, gate_up, tables, [gate, up], hidden, inter, &xr)?;
 
         let (svh_g, svh_u, suh_d) = (gate + g_svh as i64, up + g_svh as i64, dn + d_suh as i64);
         let splits_gu = moe_splits(hidden, inter) as i32;
@@ -308,7 +307,7 @@ impl Cuda {
         // rows of inter, at least one per entry.
         unsafe { b.launch(entry_config(entries, inter, 1)) }?;
 
-        let part_d = self.moe_gemv(arena, down, &tables, [dn, dn], inter, hidden, &run.act)?;
+        let part_d = self.moe_gemv(arena, down, tables, [dn, dn], inter, hidden, &run.act)?;
 
         let (svh_d, splits_d) = (dn + d_svh as i64, moe_splits(inter, hidden) as i32);
         let mut b = s.launch_builder(self.kernel("exl3_moe_rotate_out"));
@@ -355,10 +354,12 @@ impl Cuda {
             ("exl3_moe_gemv_one", Table::Ones),
             ("exl3_moe_gemv", Table::More),
         ] {
-            let (d_ids, count) = (tables.ints(table), tables.len(table) as i32);
-            if count == 0 {
+            let (d_ids, d_count, cap) =
+                (tables.ints(table), tables.count(table), tables.room(table));
+            if cap == 0 {
                 continue;
             }
+            let cap = cap as i32;
             let (d_base, d_start, d_len) = (
                 tables.base(),
                 tables.ints(Table::Start),
@@ -372,7 +373,8 @@ impl Cuda {
                 .arg(&d_start)
                 .arg(&d_len)
                 .arg(&d_ids)
-                .arg(&count)
+                .arg(&d_count)
+                .arg(&cap)
                 .arg(&offsets[0])
                 .arg(&offsets[1])
                 .arg(&k_i)
@@ -382,95 +384,17 @@ impl Cuda {
                 .arg(&entries_i)
                 .arg(&mut part);
             let cfg = LaunchConfig {
-                grid_dim: ((n / 16) as u32, splits as u32, parts * count as u32),
+                grid_dim: ((n / 16) as u32, splits as u32, parts * cap as u32),
                 block_dim: (GEMV_THREADS, 1, 1),
                 shared_mem_bytes: 0,
             };
             // SAFETY: every listed group's slot lies inside the arena and holds each matrix's
             // trellis of K/16 x N/16 tiles at its offset (the layout's); xr holds parts x
             // entries rows of K, part parts x splits x entries x N values; the grid is (strip,
-            // slice, listed group x part).
+            // slice, room for the listed groups x part), the table holding `cap` ids.
             unsafe { b.launch(cfg) }?;
         }
         Ok(part)
-    }
-}
-
-/// The int32 tables of [`GroupTables`], in the order they are stored.
-#[derive(Clone, Copy)]
-enum Table {
-    /// Each group's first entry.
-    Start,
-    /// Each group's entries.
-    Len,
-    /// Each entry's token row.
-    Rows,
-    /// Each entry's pick index.
-    List,
-    /// The groups of one entry.
-    Ones,
-    /// The groups of more.
-    More,
-}
-
-/// A step's pick groups on the device in two uploads: the int64 byte offsets (each group's
-/// slot, then each entry's) and the int32 tables of [`Table`].
-struct GroupTables {
-    longs: CudaSlice<i64>,
-    ints: CudaSlice<i32>,
-    /// Where each [`Table`] starts in `ints`, and the end of the last.
-    at: [usize; 7],
-    groups: usize,
-    entries: usize,
-}
-
-impl GroupTables {
-    fn upload(cuda: &Cuda, g: &PickGroups, k: usize) -> Result<GroupTables, CudaError> {
-        let mut longs = g.base.clone();
-        longs.extend(g.entry_base());
-        let rows = g.list.iter().map(|&p| p / k as i32);
-        let (ones, more): (Vec<i32>, Vec<i32>) =
-            (0..g.start.len() as i32).partition(|&i| g.len[i as usize] == 1);
-        let tables: [Vec<i32>; 6] = [
-            g.start.clone(),
-            g.len.clone(),
-            rows.collect(),
-            g.list.clone(),
-            ones,
-            more,
-        ];
-        let mut at = [0usize; 7];
-        for (i, t) in tables.iter().enumerate() {
-            at[i + 1] = at[i] + t.len();
-        }
-        let ints: Vec<i32> = tables.concat();
-        Ok(GroupTables {
-            longs: cuda.stream.clone_htod(&longs)?,
-            ints: cuda.stream.clone_htod(&ints)?,
-            at,
-            groups: g.start.len(),
-            entries: g.list.len(),
-        })
-    }
-
-    fn base(&self) -> CudaView<'_, i64> {
-        self.longs.slice(..self.groups)
-    }
-
-    fn entry_base(&self) -> CudaView<'_, i64> {
-        self.longs.slice(self.groups..self.groups + self.entries)
-    }
-
-    fn ints(&self, t: Table) -> CudaView<'_, i32> {
-        // An empty table still gets a one-value view (never read): a kernel argument needs
-        // a pointer.
-        let (a, b) = (self.at[t as usize], self.at[t as usize + 1]);
-        self.ints
-            .slice(a.min(self.ints.len() - 1)..b.max(a + 1).min(self.ints.len()))
-    }
-
-    fn len(&self, t: Table) -> usize {
-        self.at[t as usize + 1] - self.at[t as usize]
     }
 }
 

@@ -13,6 +13,7 @@ pub mod attn;
 mod dense;
 mod elementwise;
 mod exl3;
+mod groups;
 pub mod matrix;
 mod moe;
 mod ops;

@@ -1,8 +1,10 @@
 //! The router and the routed experts on the GPU: `route`, the fused MoE launches over expert
 //! slots, and the slot arena they read.
 
+use super::groups::{GROUP_MAX_PICKS, GroupTables, PickGroups, Table};
 use super::*;
 use crate::quant::exl3::{Codebook, Rate};
+use cudarc::driver::CudaView;
 
 impl Cuda {
     /// The router's choice from its logits (`[tokens, experts]`): ids and weights `[tokens, k]`.
@@ -13,6 +15,23 @@ impl Cuda {
         spec: RouteSpec,
         tokens: usize,
     ) -> Result<(Vec<u32>, Vec<f32>), CudaError> {
+        if tokens == 0 {
+            return Ok((Vec::new(), Vec::new()));
+        }
+        let (ids, weights) = self.route_dev(logits, bias, spec, tokens)?;
+        let ids = self.download(&ids)?.into_iter().map(|i| i as u32).collect();
+        Ok((ids, self.download(&weights)?))
+    }
+
+    /// [`Cuda::route`] leaving the ids (int32; -1 for a pick no expert ranked for, when a
+    /// token's scores are all NaN) and weights on the device.
+    pub fn route_dev(
+        &self,
+        logits: &CudaSlice<f32>,
+        bias: &CudaSlice<f32>,
+        spec: RouteSpec,
+        tokens: usize,
+    ) -> Result<(CudaSlice<i32>, CudaSlice<f32>), CudaError> {
         let RouteSpec {
             experts,
             groups,
@@ -27,15 +46,14 @@ impl Cuda {
             || k > experts
             || logits.len() < tokens * experts
             || bias.len() != experts
+            || tokens == 0
         {
             return Err(CudaError::Invalid(format!(
                 "route: {spec:?} for {tokens} tokens"
             )));
         }
-        if tokens == 0 {
-            return Ok((Vec::new(), Vec::new()));
-        }
-        let mut ids = self.stream.clone_htod(&vec![-1i32; tokens * k])?;
+        // SAFETY: the kernel writes all `k` ids and weights of every token.
+        let mut ids = unsafe { self.stream.alloc::<i32>(tokens * k) }?;
         let mut weights = self.alloc_f32(tokens * k)?;
         let (e, g, tg, k_i, norm) = (
             experts as i32,
@@ -62,8 +80,51 @@ impl Cuda {
         };
         // SAFETY: experts <= 1024 (the kernel's shared arrays), buffers sized above.
         unsafe { b.launch(cfg) }?;
-        let ids = self.download(&ids)?.into_iter().map(|i| i as u32).collect();
-        Ok((ids, self.download(&weights)?))
+        Ok((ids, weights))
+    }
+
+    /// The routed-expert step with the router's picks on the device (`ids`, `weights`:
+    /// `[tokens, k]` from [`Cuda::route_dev`]) and every expert of the layer in `arena`
+    /// (`slot_of`: each expert's slot): the picks are grouped by a launch, so nothing comes
+    /// to the host. Same bits as [`Cuda::moe_picks`] then [`Cuda::moe_combine`] on the same
+    /// picks. At most [`GROUP_MAX_PICKS`] picks.
+    #[allow(clippy::too_many_arguments)]
+    pub fn moe_routed(
+        &self,
+        arena: &CudaSlice<u8>,
+        layout: MoeLayout,
+        limit: f32,
+        x: &CudaSlice<f32>,
+        ids: &CudaSlice<i32>,
+        weights: &CudaSlice<f32>,
+        slot_of: &CudaView<'_, i32>,
+        tokens: usize,
+        k: usize,
+    ) -> Result<CudaSlice<f32>, CudaError> {
+        if weights.len() < tokens * k {
+            return Err(CudaError::Invalid(format!(
+                "moe step of {tokens} x {k} picks with {} weights",
+                weights.len()
+            )));
+        }
+        let tables = GroupTables::on_device(
+            self,
+            ids,
+            slot_of,
+            slot_of.len(),
+            tokens,
+            k,
+            layout.slot_bytes,
+        )?;
+        let mut run = self.moe_begin_dev(layout, tokens, k, x)?;
+        self.moe_grouped(&mut run, arena, limit, &tables)?;
+        self.moe_combine_dev(run, weights)
+    }
+
+    /// Whether [`Cuda::moe_routed`] takes a step of `picks` picks: one grouping launch
+    /// holds at most [`GROUP_MAX_PICKS`].
+    pub fn moe_routes(picks: usize) -> bool {
+        picks > 0 && picks <= GROUP_MAX_PICKS
     }
 
     /// The routed-expert step for expert records already in `arena`; see [`MoeStep`].
@@ -173,12 +234,24 @@ impl Cuda {
             members[g].push(p as i32);
         }
         let groups = PickGroups::new(&members, &slot_of_group, layout.slot_bytes);
-        match layout.format {
+        let tables = GroupTables::upload(self, &groups, run.k)?;
+        self.moe_grouped(run, arena, limit, &tables)
+    }
+
+    /// The picks of `tables` on the GPU, by the slots' format.
+    fn moe_grouped(
+        &self,
+        run: &mut MoeRun,
+        arena: &CudaSlice<u8>,
+        limit: f32,
+        tables: &GroupTables,
+    ) -> Result<(), CudaError> {
+        match run.layout.format {
             SlotFormat::Rows { gate_up, down } => {
-                self.moe_rows(run, arena, limit, &groups, gate_up, down)
+                self.moe_rows(run, arena, limit, tables, gate_up, down)
             }
             SlotFormat::Exl3 { gate_up, down } => {
-                self.moe_exl3(run, arena, limit, &groups, gate_up, down)
+                self.moe_exl3(run, arena, limit, tables, gate_up, down)
             }
         }
     }
@@ -189,20 +262,21 @@ impl Cuda {
         run: &mut MoeRun,
         arena: &CudaSlice<u8>,
         limit: f32,
-        groups: &PickGroups,
+        tables: &GroupTables,
         gate_up: Format,
         down: Format,
     ) -> Result<(), CudaError> {
         let layout = run.layout;
         let s = &self.stream;
-        let (d_base, d_start, d_len, d_list) = (
-            s.clone_htod(&groups.base)?,
-            s.clone_htod(&groups.start)?,
-            s.clone_htod(&groups.len)?,
-            s.clone_htod(&groups.list)?,
+        let (d_base, d_start, d_len, d_list, d_counts) = (
+            tables.base(),
+            tables.ints(Table::Start),
+            tables.ints(Table::Len),
+            tables.ints(Table::List),
+            tables.ints(Table::Counts),
         );
         let (hidden, inter) = (layout.hidden, layout.inter);
-        let n_groups = groups.start.len() as u32;
+        let room = tables.groups() as u32;
         let (gate_fmt, down_fmt) = (kernel_format_id(gate_up), kernel_format_id(down));
         let (up_off, down_off) = (layout.up_offset as i64, layout.down_offset as i64);
         let (inter_i, hidden_i, k_i) = (inter as i32, hidden as i32, run.k as i32);
@@ -214,6 +288,7 @@ impl Cuda {
             .arg(&d_start)
             .arg(&d_len)
             .arg(&d_list)
+            .arg(&d_counts)
             .arg(&up_off)
             .arg(&inter_i)
             .arg(&hidden_i)
@@ -221,9 +296,11 @@ impl Cuda {
             .arg(&limit)
             .arg(&run.x)
             .arg(&mut run.act);
-        // SAFETY: every slot was checked to lie inside the arena and every pick index below
-        // `tokens * k` (the rows of act and yp); the grid covers `inter` rows of each group.
-        unsafe { b.launch(rows_config(inter, n_groups)) }?;
+        // SAFETY: every slot was checked to lie inside the arena (host tables) or comes from
+        // the layer's slot table (device tables), every pick index below `tokens * k` (the
+        // rows of act and yp); the grid covers `inter` rows of each group the tables have
+        // room for, and blocks past the counted groups return.
+        unsafe { b.launch(rows_config(inter, room)) }?;
 
         let mut b = s.launch_builder(self.kernel("moe_down"));
         b.arg(arena)
@@ -232,13 +309,14 @@ impl Cuda {
             .arg(&d_start)
             .arg(&d_len)
             .arg(&d_list)
+            .arg(&d_counts)
             .arg(&down_off)
             .arg(&hidden_i)
             .arg(&inter_i)
             .arg(&run.act)
             .arg(&mut run.yp);
         // SAFETY: as above, for `hidden` rows of the down projection.
-        unsafe { b.launch(rows_config(hidden, n_groups)) }?;
+        unsafe { b.launch(rows_config(hidden, room)) }?;
         Ok(())
     }
 
@@ -276,20 +354,36 @@ impl Cuda {
 
     /// [`Cuda::moe_finish`] leaving the result on the device (`[tokens, hidden]`).
     pub fn moe_combine(&self, run: MoeRun, weights: &[f32]) -> Result<CudaSlice<f32>, CudaError> {
-        let (tokens, k, hidden) = (run.tokens, run.k, run.layout.hidden);
+        let (tokens, k) = (run.tokens, run.k);
         if weights.len() != tokens * k || tokens == 0 {
             return Err(CudaError::Invalid(format!(
                 "moe combine of {tokens} x {k} picks with {} weights",
                 weights.len()
             )));
         }
+        let d_w = self.stream.clone_htod(weights)?;
+        self.moe_combine_dev(run, &d_w)
+    }
+
+    /// [`Cuda::moe_combine`] with the weights on the device (`[tokens, k]`).
+    pub fn moe_combine_dev(
+        &self,
+        run: MoeRun,
+        d_w: &CudaSlice<f32>,
+    ) -> Result<CudaSlice<f32>, CudaError> {
+        let (tokens, k, hidden) = (run.tokens, run.k, run.layout.hidden);
+        if d_w.len() < tokens * k || tokens == 0 {
+            return Err(CudaError::Invalid(format!(
+                "moe combine of {tokens} x {k} picks with {} weights",
+                d_w.len()
+            )));
+        }
         let s = &self.stream;
-        let d_w = s.clone_htod(weights)?;
         let mut out = self.alloc_f32(tokens * hidden)?;
         let (tokens_i, k_i, hidden_i) = (tokens as i32, k as i32, hidden as i32);
         let mut b = s.launch_builder(self.kernel("moe_combine"));
         b.arg(&run.yp)
-            .arg(&d_w)
+            .arg(d_w)
             .arg(&tokens_i)
             .arg(&k_i)
             .arg(&hidden_i)
@@ -297,44 +391,6 @@ impl Cuda {
         // SAFETY: `tokens * hidden` outputs from `tokens * k` pick rows and weights.
         unsafe { b.launch(LaunchConfig::for_num_elems((tokens * hidden) as u32)) }?;
         Ok(out)
-    }
-}
-
-/// A launch's picks grouped by slot: group g is the slot at byte `base[g]` of the arena, its
-/// picks `list[start[g] .. start[g] + len[g]]` (pick indices `t * k + j`).
-pub(super) struct PickGroups {
-    pub base: Vec<i64>,
-    pub start: Vec<i32>,
-    pub len: Vec<i32>,
-    pub list: Vec<i32>,
-}
-
-impl PickGroups {
-    fn new(members: &[Vec<i32>], slots: &[u32], slot_bytes: usize) -> PickGroups {
-        let mut g = PickGroups {
-            base: slots
-                .iter()
-                .map(|&s| (s as usize * slot_bytes) as i64)
-                .collect(),
-            start: Vec::with_capacity(members.len()),
-            len: Vec::with_capacity(members.len()),
-            list: Vec::new(),
-        };
-        for m in members {
-            g.start.push(g.list.len() as i32);
-            g.len.push(m.len() as i32);
-            g.list.extend_from_slice(m);
-        }
-        g
-    }
-
-    /// The slot's byte offset of each entry of `list`.
-    pub fn entry_base(&self) -> Vec<i64> {
-        let mut out = Vec::with_capacity(self.list.len());
-        for (&b, &n) in self.base.iter().zip(&self.len) {
-            out.extend(std::iter::repeat_n(b, n as usize));
-        }
-        out
     }
 }
 

@@ -26,6 +26,9 @@ pub struct Gpu {
     /// Wall time per phase, each between two synchronisations; only with
     /// `GLMFLASH_GPU_PROFILE` set (the synchronisations cost overlap).
     profile: Option<Mutex<BTreeMap<&'static str, (f64, u64)>>>,
+    /// Nanoseconds the host spent in downloads (each waits for the work queued before it):
+    /// a step that spends none of its time here is bound by the host's launches.
+    waited_ns: std::sync::atomic::AtomicU64,
 }
 
 /// Device values that grow by appended rows (the caches of MLA layers).
@@ -40,6 +43,7 @@ impl Gpu {
         Gpu {
             cuda: cuda.clone(),
             profile: std::env::var_os("GLMFLASH_GPU_PROFILE").map(|_| Default::default()),
+            waited_ns: Default::default(),
         }
     }
 
@@ -57,6 +61,12 @@ impl Gpu {
         let mut v: Vec<_> = p.into_iter().map(|(k, (s, n))| (k, s, n)).collect();
         v.sort_by(|a, b| b.1.total_cmp(&a.1));
         v
+    }
+
+    /// Seconds spent in downloads since the last call (waiting for the device, and the copy).
+    pub fn take_waited(&self) -> f64 {
+        let ns = self.waited_ns.swap(0, std::sync::atomic::Ordering::Relaxed);
+        ns as f64 * 1e-9
     }
 
     fn alloc(&self, n: usize) -> anyhow::Result<Buf> {
@@ -94,7 +104,12 @@ impl Device for Gpu {
     }
 
     fn download(&self, b: &Buf) -> anyhow::Result<Vec<f32>> {
-        Ok(self.cuda.download(b)?)
+        let started = std::time::Instant::now();
+        let values = self.cuda.download(b)?;
+        let ns = started.elapsed().as_nanos() as u64;
+        self.waited_ns
+            .fetch_add(ns, std::sync::atomic::Ordering::Relaxed);
+        Ok(values)
     }
 
     fn zeros(&self, n: usize) -> anyhow::Result<Buf> {
@@ -470,6 +485,31 @@ impl Device for Gpu {
                 self.upload(&out)
             }
         }
+    }
+
+    /// On the device when the provider computes every pick of the layer on this GPU: the
+    /// router's ids and weights stay here, grouped by a launch (no host round trip).
+    fn routed_experts(
+        &self,
+        router: &crate::model::moe::Router<Self>,
+        experts: &dyn ExpertProvider,
+        layer: usize,
+        x: &Buf,
+        phases: &[crate::model::moe::Phase],
+    ) -> anyhow::Result<Option<Buf>> {
+        let n = phases.len();
+        let Some(dev) = experts.on_device() else {
+            return Ok(None);
+        };
+        let spec = router.spec;
+        if !Arc::ptr_eq(dev.device(), &self.cuda) || n == 0 || !dev.routes(layer, n * spec.k) {
+            return Ok(None);
+        }
+        let logits = router.weight.apply(x, n)?;
+        let (ids, weights) = self.cuda.route_dev(&logits, &router.bias, spec, n)?;
+        Ok(Some(dev.forward_routed(
+            layer, x, &ids, &weights, phases, spec.k,
+        )?))
     }
 
     fn stream_mean(

@@ -284,6 +284,20 @@ pub trait Device: Send + Sync + Sized {
         routing: &Routing,
         hidden: usize,
     ) -> anyhow::Result<Self::Buf>;
+    /// The router and the routed experts of `layer` with the picks never leaving this
+    /// device, when `experts` serves every pick of the layer here (see
+    /// [`crate::model::moe::DeviceExperts::routes`]); `None` when the picks must come to the
+    /// host ([`Device::route`] then [`Device::experts`]). Same bits either way.
+    fn routed_experts(
+        &self,
+        _router: &super::moe::Router<Self>,
+        _experts: &dyn ExpertProvider,
+        _layer: usize,
+        _x: &Self::Buf,
+        _phases: &[super::moe::Phase],
+    ) -> anyhow::Result<Option<Self::Buf>> {
+        Ok(None)
+    }
     /// `[rows.len(), d]`: the mean of the `n` streams of each listed row of `streams`.
     fn stream_mean(
         &self,

@@ -66,6 +66,9 @@ struct DecodeRun {
     steps: usize,
     secs: f64,
     profile: Vec<(&'static str, f64, u64)>,
+    /// Seconds of `secs` the host spent waiting in downloads (the logits'); the rest it spent
+    /// queueing work. GPU decoder only.
+    waited: Option<f64>,
 }
 
 /// Prefill seconds of one prompt, then each decode run.
@@ -106,6 +109,7 @@ fn time_gpu(
         step()?;
         step()?;
         g.take_profile();
+        g.take_waited();
         let started = Instant::now();
         for _ in 0..args.decode_tokens {
             step()?;
@@ -115,6 +119,7 @@ fn time_gpu(
             steps: args.decode_tokens,
             secs: started.elapsed().as_secs_f64(),
             profile: g.take_profile(),
+            waited: Some(g.take_waited()),
         });
     }
     Ok((prefill_s, runs))
@@ -155,6 +160,7 @@ fn time_host(model: &Model, args: &BenchArgs) -> anyhow::Result<(f64, Vec<Decode
             steps: args.decode_tokens,
             secs: started.elapsed().as_secs_f64(),
             profile: Vec::new(),
+            waited: None,
         });
     }
     Ok((prefill_s, runs))
@@ -215,6 +221,12 @@ fn measure(dir: &std::path::Path, args: &BenchArgs) -> anyhow::Result<Value> {
                 "roofline_tok_s": roofline,
                 "roofline_ratio": tok_s / roofline,
             });
+            if let Some(waited) = r.waited {
+                // Host-bound when the host rarely waits: the GPU drains the queue as fast as
+                // the host fills it.
+                v["host_queue_ms_per_step"] = json!((r.secs - waited) * 1e3 / r.steps as f64);
+                v["wait_ms_per_step"] = json!(waited * 1e3 / r.steps as f64);
+            }
             if !r.profile.is_empty() {
                 v["gpu_profile_ms_per_step"] = r
                     .profile

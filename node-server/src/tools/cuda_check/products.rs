@@ -166,24 +166,65 @@ pub(super) fn check_moe(
                     &want,
                     F32_BOUND,
                 ));
+                if Cuda::moe_routes(tokens * k) {
+                    // The picks grouped on the device, as a step whose router's ids never
+                    // come to the host: the host-grouped launch's bits.
+                    let ids: Vec<i32> = routing.ids.iter().map(|&e| e as i32).collect();
+                    let slot_of: Vec<i32> =
+                        (0..experts).map(|e| (experts - 1 - e) as i32).collect();
+                    let (d_ids, d_w, d_slots) = (
+                        cuda.upload(&ids)?,
+                        cuda.upload(&routing.weights)?,
+                        cuda.upload(&slot_of)?,
+                    );
+                    let d_x = cuda.upload(&x)?;
+                    let y = cuda.moe_routed(
+                        &arena.buf,
+                        layout,
+                        limit,
+                        &d_x,
+                        &d_ids,
+                        &d_w,
+                        &d_slots.slice(..),
+                        tokens,
+                        k,
+                    )?;
+                    let mut routed = cuda.download(&y)?;
+                    routed.truncate(tokens * hidden);
+                    cases.push(same_bits_case(
+                        format!("moe {name} T={tokens} grouped on the device: same bits"),
+                        &routed,
+                        &got,
+                    ));
+                }
                 let mut run = cuda.moe_begin(layout, tokens, k, &x)?;
                 cuda.moe_picks(&mut run, &arena.buf, limit, &odd)?;
                 cuda.moe_picks(&mut run, &arena.buf, limit, &even)?;
                 let split = cuda.moe_finish(run, &routing.weights)?;
-                let same_bits = split
-                    .iter()
-                    .zip(&got)
-                    .all(|(a, b)| a.to_bits() == b.to_bits());
-                cases.push(Case {
-                    name: format!("moe {name} T={tokens} two launches: same bits"),
-                    rel: if same_bits { 0.0 } else { f64::INFINITY },
-                    bound: 0.0,
-                    finite: split.iter().all(|v| v.is_finite()),
-                });
+                cases.push(same_bits_case(
+                    format!("moe {name} T={tokens} two launches: same bits"),
+                    &split,
+                    &got,
+                ));
             }
         }
     }
     Ok(())
+}
+
+/// A case that passes only when `got` has `want`'s bits.
+fn same_bits_case(name: String, got: &[f32], want: &[f32]) -> Case {
+    let same = got.len() == want.len()
+        && got
+            .iter()
+            .zip(want)
+            .all(|(a, b)| a.to_bits() == b.to_bits());
+    Case {
+        name,
+        rel: if same { 0.0 } else { f64::INFINITY },
+        bound: 0.0,
+        finite: got.iter().all(|v| v.is_finite()),
+    }
 }
 
 /// How a check's experts store their matrices: rows (gate/up, down formats), or EXL3 (tile
