@@ -67,56 +67,77 @@ pub fn run(args: &BenchArgs) -> anyhow::Result<()> {
 
 fn prepare_and_measure(root: &Path, cuda: &Arc<Cuda>, args: &BenchArgs) -> anyhow::Result<Value> {
     let flash = &args.flash;
-    let format = flash.flash_expert_format;
-    let (model_dir, store) = (root.join("model"), root.join("store"));
     let config = random::flash_config(1, flash.flash_moe_layers);
+    prepare(root, &config, flash.flash_expert_format)?;
+    let (model_dir, store) = (root.join("model"), root.join("store"));
+    // Uniform routing unless a run says otherwise (a kept store may come from a zipf run).
+    set_skew(&model_dir, &store, 0.0)?;
+    measure_all(&model_dir, &store, cuda, args)
+}
+
+/// What [`prepare`] found in the scratch root.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum Prepared {
+    /// The model and store of an earlier `--keep` call, as asked.
+    Kept,
+    /// The model kept, its store of another record format replaced.
+    NewStore,
+    Written,
+}
+
+/// The random model of `config` in `root/model` and its store of `format` records in
+/// `root/store`: kept from an earlier `--keep` call when the config matches and the store
+/// holds records of `format`; a store of another format is replaced, keeping the model.
+fn prepare(root: &Path, config: &Value, format: PartFormat) -> anyhow::Result<Prepared> {
+    let (model_dir, store) = (root.join("model"), root.join("store"));
     let model_kept = std::fs::read(model_dir.join("config.json"))
         .ok()
         .and_then(|b| serde_json::from_slice::<Value>(&b).ok())
-        .is_some_and(|c| c == config);
+        .is_some_and(|c| c == *config);
     let store_kept = model_kept
         && Manifest::load(&store).is_ok_and(|m| {
             m.layer_parts.is_empty() && m.parts.all().iter().all(|p| p.format == format)
         });
     if store_kept {
         eprintln!("reusing {}", root.display());
-    } else {
-        if model_kept {
-            eprintln!(
-                "reusing the model in {}; writing a store of {} records",
-                root.display(),
-                format.describe()
-            );
-            let _ = std::fs::remove_dir_all(&store);
-        } else {
-            let _ = std::fs::remove_dir_all(root);
-            let started = Instant::now();
-            random::write_random_dense_checkpoint(&model_dir, &config, 1, DType::Bf16)?;
-            eprintln!(
-                "dense checkpoint written in {:.1}s",
-                started.elapsed().as_secs_f64()
-            );
-        }
-        let started = Instant::now();
-        let step = std::sync::atomic::AtomicUsize::new(0);
-        let m = crate::store::write_random_store(&model_dir, &store, format, 7, &|n, total| {
-            let pct = n * 20 / total;
-            if step.fetch_max(pct, Ordering::Relaxed) < pct {
-                eprintln!("store: {n}/{total} records");
-            }
-        })?;
-        let secs = started.elapsed().as_secs_f64();
+        return Ok(Prepared::Kept);
+    }
+    if model_kept {
         eprintln!(
-            "store: {} records of {}, {:.1} GB in {secs:.1}s ({:.2} GB/s)",
-            m.records.len(),
-            format.describe(),
-            m.data_bytes() as f64 / 1e9,
-            m.data_bytes() as f64 / 1e9 / secs
+            "reusing the model in {}; writing a store of {} records",
+            root.display(),
+            format.describe()
+        );
+        let _ = std::fs::remove_dir_all(&store);
+    } else {
+        let _ = std::fs::remove_dir_all(root);
+        let started = Instant::now();
+        random::write_random_dense_checkpoint(&model_dir, config, 1, DType::Bf16)?;
+        eprintln!(
+            "dense checkpoint written in {:.1}s",
+            started.elapsed().as_secs_f64()
         );
     }
-    // Uniform routing unless a run says otherwise (a kept store may come from a zipf run).
-    set_skew(&model_dir, &store, 0.0)?;
-    measure_all(&model_dir, &store, cuda, args)
+    let started = Instant::now();
+    let step = std::sync::atomic::AtomicUsize::new(0);
+    let m = crate::store::write_random_store(&model_dir, &store, format, 7, &|n, total| {
+        let pct = n * 20 / total;
+        if step.fetch_max(pct, Ordering::Relaxed) < pct {
+            eprintln!("store: {n}/{total} records");
+        }
+    })?;
+    let secs = started.elapsed().as_secs_f64();
+    eprintln!(
+        "store: {} records of {}, {:.1} GB in {secs:.1}s ({:.2} GB/s)",
+        m.records.len(),
+        format.describe(),
+        m.data_bytes() as f64 / 1e9,
+        m.data_bytes() as f64 / 1e9 / secs
+    );
+    Ok(match model_kept {
+        true => Prepared::NewStore,
+        false => Prepared::Written,
+    })
 }
 
 fn set_skew(model_dir: &Path, store: &Path, skew: f32) -> anyhow::Result<()> {
@@ -756,6 +777,47 @@ mod tests {
         let cfg = Config::from_json(&random::flash_config(1, 1)).unwrap();
         let parts = crate::store::random_record_parts(&cfg, format).unwrap();
         parts.length().div_ceil(crate::store::ALIGN) * crate::store::ALIGN
+    }
+
+    /// A kept scratch is reused only with records of the asked format: another format
+    /// replaces the store (keeping the model), another config rewrites both.
+    #[test]
+    fn a_kept_scratch_is_reused_for_its_own_record_format_only() {
+        let tmp = tempfile::Builder::new()
+            .prefix("glmflash-flash-scratch")
+            .tempdir_in(std::env::var("CARGO_TARGET_TMPDIR").unwrap_or("/var/tmp".into()))
+            .unwrap();
+        let root = tmp.path().join("glmflash-bench-flash");
+        let config = random::scaled_config(64, 256, 2, 1, 3, 256, 2);
+        let q4k = PartFormat::Rows(Format::Q4K);
+        let exl3 = super::super::args::parse_record_format("exl3:3").unwrap();
+        let format_of = || {
+            Manifest::load(&root.join("store"))
+                .unwrap()
+                .parts
+                .gate
+                .format
+        };
+        let model_written = || {
+            std::fs::metadata(root.join("model/model.safetensors"))
+                .unwrap()
+                .modified()
+                .unwrap()
+        };
+        assert_eq!(prepare(&root, &config, q4k).unwrap(), Prepared::Written);
+        assert_eq!(format_of(), q4k);
+        let first = model_written();
+        assert_eq!(prepare(&root, &config, q4k).unwrap(), Prepared::Kept);
+        assert_eq!(prepare(&root, &config, exl3).unwrap(), Prepared::NewStore);
+        assert_eq!(format_of(), exl3);
+        assert_eq!(model_written(), first);
+        assert_eq!(prepare(&root, &config, exl3).unwrap(), Prepared::Kept);
+        let wider = random::scaled_config(64, 256, 2, 1, 4, 256, 2);
+        assert_eq!(prepare(&root, &wider, exl3).unwrap(), Prepared::Written);
+        assert_eq!(
+            Manifest::load(&root.join("store")).unwrap().records.len(),
+            4
+        );
     }
 
     /// The default budget is `plan --ram-limit 55GiB --dense-format exl3:3.05 --expert-format
