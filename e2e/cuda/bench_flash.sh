@@ -53,11 +53,11 @@ if command -v fio >/dev/null; then
 fi
 rc=0
 for fmt in $FORMATS; do
-  name=flash
-  [ "$fmt" = q4_k ] || name="flash-${fmt/:/-}"
+  # q4_k is the bench's default: no flag, so a binary from before the flag runs it too.
+  name=flash fmt_flag=()
+  [ "$fmt" = q4_k ] || { name="flash-${fmt/:/-}"; fmt_flag=(--flash-expert-format "$fmt"); }
   echo "== $fmt records -> $OUT/$name.json"
-  "$BIN" bench --flash --device cuda --scratch "$SCRATCH" --keep --flash-moe-layers "$layers" \
-    --flash-expert-format "$fmt" \
+  "$BIN" bench --flash --device cuda --scratch "$SCRATCH" --keep --flash-moe-layers "$layers" "${fmt_flag[@]}" \
     --flash-runs "$RUNS" --flash-prefill "${PREFILL:-8192}" --flash-decoders "${DECODERS:-host,gpu}" ${NO_PIN:+--flash-no-pin} --prompt-tokens 256 --warmup-tokens "${WARMUP:-8}" --decode-tokens "${DECODE:-24}" \
     > "$OUT/$name.json" 2> "$OUT/$name.log"
   r=$?
