@@ -3,12 +3,16 @@
 # bench_flash.sh) with $BIN_A then $BIN_B, sharing one kept random model and store, and
 # the decode and prefill figures of both in one table. For "no slowdown" claims of a change:
 # build the old commit and the new one, carry both, run this once.
-#   BIN_A=.device/glmflash-node-old BIN_B=.device/glmflash-node [LAYERS=1 RUNS=vram] e2e/cuda/ab_flash.sh [OUTDIR]
+#   BIN_A=.device/glmflash-node-old BIN_B=.device/glmflash-node [LAYERS=1 RUNS=vram FORMAT=exl3:3] e2e/cuda/ab_flash.sh [OUTDIR]
 set -uo pipefail
 cd "$(dirname "$0")/../.."
 OUT="${1:-${OUT:-/tmp/device-out}}"
 export LAYERS="${LAYERS:-1}" RUNS="${RUNS:-vram}" DECODERS="${DECODERS:-gpu}"
 export WARMUP="${WARMUP:-4}" DECODE="${DECODE:-16}"
+# One record format (bench_flash.sh's FORMATS, default q4_k), its results file as that names it.
+export FORMATS="${FORMAT:-q4_k}"
+name=flash
+[ "$FORMATS" = q4_k ] || name="flash-${FORMATS/:/-}"
 fail=0
 for side in A B; do
   bin_var="BIN_$side"
@@ -16,12 +20,12 @@ for side in A B; do
   echo "== $side: ${!bin_var}"
   BIN="${!bin_var}" e2e/cuda/bench_flash.sh "$OUT/$side" > "$OUT/$side/stdout.txt" 2>&1 || { fail=1; tail -5 "$OUT/$side/stdout.txt"; }
 done
-python3 - "$OUT" <<'PY'
+python3 - "$OUT" "$name" <<'PY'
 import json, sys, pathlib
-out = pathlib.Path(sys.argv[1])
+out, name = pathlib.Path(sys.argv[1]), sys.argv[2]
 def rows(side):
     try:
-        doc = json.loads((out / side / "flash.json").read_text())
+        doc = json.loads((out / side / f"{name}.json").read_text())
     except Exception as e:
         return {}
     runs = doc.get("runs", doc if isinstance(doc, list) else [])

@@ -361,3 +361,124 @@ fn layers_at_different_rates_pack_and_serve_bit_identically() {
     assert!(want.iter().flatten().all(|v| v.is_finite()));
     assert!(logits(&tiered) == want, "tiered logits differ");
 }
+
+/// A random EXL3 store (as `bench --flash --flash-expert-format exl3:3` writes at Flash width)
+/// at a small width: served through the tiers in every mode, down to one slot per tier, its
+/// logits are bit-identical to the untiered engine holding every record in memory; decode
+/// picks resident in RAM count as the CPU lane's in `fast` and `nvme`, computed in place from
+/// the trellis.
+#[test]
+fn a_random_exl3_store_serves_bit_identically_through_the_tiers() {
+    use glmflash_node::model::checkpoint::DType;
+    use glmflash_node::model::config::MlpKind;
+    use glmflash_node::model::moe::InMemoryExperts;
+    use glmflash_node::model::random::{scaled_config, write_random_dense_checkpoint};
+    use glmflash_node::model::{Model, Step};
+    use glmflash_node::tiers::plan::TierPlan;
+    use glmflash_node::tiers::provider::{Mode, Tier, TieredExperts};
+    use glmflash_node::tiers::source::{ExpertSource, StoreSource};
+    use std::sync::Arc;
+    use std::sync::atomic::Ordering;
+
+    let tmp = disk_tempdir();
+    let (dir, store_dir) = (tmp.path().join("model"), tmp.path().join("store"));
+    let cfg = write_random_dense_checkpoint(
+        &dir,
+        &scaled_config(96, 128, 4, 1, 8, 256, 2),
+        11,
+        DType::F32,
+    )
+    .unwrap();
+    let exl3 = PartFormat::Exl3 {
+        rate: Rate::from_bits(3.0).unwrap(),
+        codebook: Codebook::Mul1,
+    };
+    store::write_random_store(&dir, &store_dir, exl3, 5, &|_, _| {}).unwrap();
+    let moe: Vec<bool> = cfg.mlp_kinds.iter().map(|k| *k == MlpKind::Moe).collect();
+    let experts = cfg.n_routed_experts;
+    let source = || Arc::new(StoreSource::open(&store_dir, &dir, &cfg).unwrap());
+
+    let all = source();
+    let layers: Vec<Vec<_>> = moe
+        .iter()
+        .enumerate()
+        .map(|(l, &m)| match m {
+            true => (0..experts).map(|e| all.load(l, e).unwrap()).collect(),
+            false => Vec::new(),
+        })
+        .collect();
+    assert!(layers[1][0].gate.exl3().is_some() && layers[3][7].down.exl3().is_some());
+    let untiered = Model::builder()
+        .experts(Arc::new(InMemoryExperts::new(cfg.hidden_size, layers)))
+        .load(&dir)
+        .unwrap();
+
+    let prompt: Vec<u32> = (0..24)
+        .map(|t| (t * 37 + 3) % cfg.vocab_size as u32)
+        .collect();
+    // Prompt logits (every position), then 8 cached greedy decode steps.
+    let run = |model: &Model| {
+        let mut cache = model.new_cache();
+        let mut out = model
+            .forward(
+                &mut [Step {
+                    tokens: &prompt,
+                    cache: &mut cache,
+                    all_logits: true,
+                }],
+                None,
+            )
+            .unwrap();
+        for _ in 0..8 {
+            let last = out.last().unwrap();
+            let next = glmflash_node::backend::cpu::ops::argmax(
+                &last[last.len() - model.cfg.vocab_size..],
+            ) as u32;
+            out.extend(
+                model
+                    .forward(
+                        &mut [Step {
+                            tokens: &[next],
+                            cache: &mut cache,
+                            all_logits: false,
+                        }],
+                        None,
+                    )
+                    .unwrap(),
+            );
+        }
+        out
+    };
+    let want = run(&untiered);
+    assert!(want.iter().flatten().all(|v| v.is_finite()));
+    let spread = want[0].iter().fold(0f32, |m, v| m.max(v.abs()));
+    assert!(spread > 0.0, "logits are not flat");
+
+    for (mode, device, ram) in [
+        (Mode::NvmeExact, 1, 1),
+        (Mode::NvmeExact, 2, 3),
+        (Mode::Exact, 0, 0),
+        (Mode::Nvme, 1, 2),
+        (Mode::Fast, 0, 0),
+    ] {
+        let plan = TierPlan::new(mode, device, ram, experts);
+        let tiers = Arc::new(
+            TieredExperts::new(source(), cfg.hidden_size, experts, &moe, &plan, None).unwrap(),
+        );
+        let model = Model::builder().experts(tiers.clone()).load(&dir).unwrap();
+        assert!(
+            run(&model) == want,
+            "{mode:?} device {device} ram {ram}: logits differ from the untiered run"
+        );
+        if mode.tiered() {
+            assert!(tiers.stats.lookups(Tier::Store) > 0, "{mode:?}: store read");
+        } else {
+            assert_eq!(tiers.stats.lookups(Tier::Store), 0, "{mode:?}");
+        }
+        let cpu_lane = tiers.stats.cpu_lane.load(Ordering::Relaxed);
+        match mode {
+            Mode::Fast | Mode::Nvme => assert!(cpu_lane > 0, "{mode:?}: CPU-lane picks"),
+            Mode::Exact | Mode::NvmeExact => assert_eq!(cpu_lane, 0, "{mode:?}"),
+        }
+    }
+}

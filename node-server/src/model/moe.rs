@@ -202,10 +202,13 @@ impl InMemoryExperts {
                 layers.push(Vec::new());
             }
         }
-        Ok(InMemoryExperts {
-            hidden: cfg.hidden_size,
-            layers,
-        })
+        Ok(InMemoryExperts::new(cfg.hidden_size, layers))
+    }
+
+    /// These experts, `[layer][expert]` (empty for dense layers): ones read from elsewhere
+    /// than the checkpoint, such as every record of a packed store.
+    pub fn new(hidden: usize, layers: Vec<Vec<SwiGlu>>) -> InMemoryExperts {
+        InMemoryExperts { hidden, layers }
     }
 
     pub fn expert(&self, layer: usize, expert: usize) -> Option<&SwiGlu> {

@@ -1,6 +1,9 @@
 //! The flags of `bench` and its `--tiered` and `--flash` variants (one flag set: the
 //! variants share the model shape and token counts).
 
+use crate::plan::weights::Storage;
+use crate::quant::exl3::{Codebook, Rate};
+use crate::store::PartFormat;
 use std::path::PathBuf;
 
 #[derive(clap::Args, Debug, Clone)]
@@ -75,9 +78,20 @@ pub struct FlashBenchArgs {
     /// MoE layers of the random model (the real one has 42).
     #[arg(long, env = "GLMFLASH_BENCH_FLASH_LAYERS", default_value_t = 8)]
     pub flash_moe_layers: usize,
+    /// The random experts' records: `q4_k` (or another row format: q8_0, bf16, f16, f32),
+    /// or `exl3:RATE`, random trellises at that rate (1 to 8, or 1.5, 2.5, 3.5 bits per
+    /// weight; the mul1 codebook) with their suh and svh, as pack-store keeps an EXL3
+    /// checkpoint's experts. GLM-5.3-Flash EXL3 3.05 bpw's experts are exl3:3.
+    #[arg(
+        long,
+        env = "GLMFLASH_BENCH_FLASH_EXPERT_FORMAT",
+        default_value = "q4_k",
+        value_parser = parse_record_format
+    )]
+    pub flash_expert_format: PartFormat,
     /// The box the budget is planned for: flags of `glmflash-node plan` (GLM-5.3-Flash's
     /// config and a 24,576 MiB RTX 3090 with 131,072 tokens for 8 sequences unless they say
-    /// otherwise; `--expert-format q4_k` is added, the records this bench packs). Each MoE
+    /// otherwise; `--expert-format` is added, naming the records this bench packs). Each MoE
     /// layer here gets the VRAM and RAM slots a layer of the real model gets there. Default:
     /// the seed's box, a 55 GiB cap, and the seed's EXL3 3.05 bpw non-expert weights.
     #[arg(long, default_value = "--ram-limit 55GiB --dense-format exl3:3.05")]
@@ -100,4 +114,33 @@ pub struct FlashBenchArgs {
     /// pinning costs at admission.
     #[arg(long)]
     pub flash_no_pin: bool,
+}
+
+/// `--flash-expert-format`: a row format's name, or `exl3:RATE` at one trellis rate (an
+/// average such as exl3:3.05 is a checkpoint's, no record's).
+pub fn parse_record_format(s: &str) -> Result<PartFormat, String> {
+    match Storage::parse(s)? {
+        Storage::Rows(format) => Ok(PartFormat::Rows(format)),
+        Storage::Exl3 { bits } => {
+            let rate = Rate::from_bits(bits as f32).map_err(|e| {
+                format!(
+                    "{s:?}: {e}; a record holds trellises of one rate (Flash's experts: exl3:3)"
+                )
+            })?;
+            Ok(PartFormat::Exl3 {
+                rate,
+                codebook: Codebook::Mul1,
+            })
+        }
+    }
+}
+
+/// The `glmflash-node plan --expert-format` naming `format`'s records.
+pub fn plan_storage(format: PartFormat) -> Storage {
+    match format {
+        PartFormat::Rows(f) => Storage::Rows(f),
+        PartFormat::Exl3 { rate, .. } => Storage::Exl3 {
+            bits: f64::from(rate.bits()),
+        },
+    }
 }

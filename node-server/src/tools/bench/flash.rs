@@ -1,25 +1,33 @@
 //! `bench --flash --device cuda`: a random model at GLM-5.3-Flash width (the real MLA, KDA,
 //! DSA and expert shapes; 1 dense layer and `--flash-moe-layers` MoE layers instead of 3 +
-//! 42) with its experts in a q4_k packed store, measured under the RTX 3090 box's budget: the
-//! VRAM and RAM expert slots per layer of the memory plan for the real model (the shipped
-//! GLM-5.3-Flash config) on that box with these records, `glmflash-node plan` with
-//! `--flash-plan`'s flags and `--expert-format q4_k`, so each layer here gets the slots a
-//! layer of the real model gets there.
+//! 42) with its experts in a packed store of `--flash-expert-format` records (q4_k, or
+//! `exl3:RATE`: random trellises with their suh and svh, laid out as pack-store keeps an EXL3
+//! checkpoint's experts), measured under the RTX 3090 box's budget: the VRAM and RAM expert
+//! slots per layer of the memory plan for the real model (the shipped GLM-5.3-Flash config)
+//! on that box with these records, `glmflash-node plan` with `--flash-plan`'s flags and
+//! `--expert-format` naming them (q4_k, exl3:3), so each layer here gets the slots a layer of
+//! the real model gets there.
 //!
 //! Runs (`--flash-runs`): `budget` (nvme mode, CPU lane on, uniform routing), `prefill`
 //! (`--flash-prefill` tokens under the budget), `exact` (nvme-exact under the budget),
 //! `vram` (every expert in VRAM: the ceiling), `fast` (every expert in RAM, decode picks on
 //! the CPU lane), `zipf` (the budget with skewed routing). Decode runs with 1 and 4 streams,
 //! on each decoder `--flash-decoders` names (`host`: `Model::forward`; `gpu`: `GpuDecoder`).
+//! The CPU lane computes RAM residents in place in their own format (EXL3 from the trellis).
 //!
 //! Each result has hit rate and bytes per token per tier and a roofline ratio: the time the
 //! bytes of one step need at the bandwidths measured in the same run (HBM copy, pinned H2D,
 //! RAM read, store O_DIRECT at depth) over the measured step time, where the GPU's and the
 //! CPU lane's reads overlap and H2D and store reads add:
 //! `need = max(gpu bytes / HBM, cpu-lane bytes / RAM) + h2d bytes / H2D + store bytes / store`.
-//! Results print as JSON lines on stderr as they finish and as one JSON document at the end.
+//! Results print as JSON lines on stderr as they finish and as one JSON document at the end,
+//! whose `expert_format` names the records measured.
+//!
+//! With `--keep` the model and store stay in `--scratch` for the next call: both are reused
+//! when the config matches and the store holds records of the asked format; another format
+//! rewrites only the store.
 
-use super::args::BenchArgs;
+use super::args::{BenchArgs, plan_storage};
 use super::common::{measure_read_bandwidth, set_router_bias};
 use crate::backend::cuda::Cuda;
 use crate::model::checkpoint::DType;
@@ -29,8 +37,7 @@ use crate::model::glm5::Step;
 use crate::model::moe::ExpertProvider;
 use crate::model::{Gpu, SeqCache};
 use crate::model::{Model, random};
-use crate::quant::Format;
-use crate::store::{ChecksumPolicy, ReaderOptions, StoreReader};
+use crate::store::{ChecksumPolicy, Manifest, PartFormat, ReaderOptions, StoreReader};
 use crate::tiers::plan::TierPlan;
 use crate::tiers::provider::{Mode, Tier, TieredExperts};
 use crate::tiers::source::StoreSource;
@@ -60,43 +67,77 @@ pub fn run(args: &BenchArgs) -> anyhow::Result<()> {
 
 fn prepare_and_measure(root: &Path, cuda: &Arc<Cuda>, args: &BenchArgs) -> anyhow::Result<Value> {
     let flash = &args.flash;
-    let (model_dir, store) = (root.join("model"), root.join("store"));
     let config = random::flash_config(1, flash.flash_moe_layers);
-    let reusable = std::fs::read(model_dir.join("config.json"))
+    prepare(root, &config, flash.flash_expert_format)?;
+    let (model_dir, store) = (root.join("model"), root.join("store"));
+    // Uniform routing unless a run says otherwise (a kept store may come from a zipf run).
+    set_skew(&model_dir, &store, 0.0)?;
+    measure_all(&model_dir, &store, cuda, args)
+}
+
+/// What [`prepare`] found in the scratch root.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum Prepared {
+    /// The model and store of an earlier `--keep` call, as asked.
+    Kept,
+    /// The model kept, its store of another record format replaced.
+    NewStore,
+    Written,
+}
+
+/// The random model of `config` in `root/model` and its store of `format` records in
+/// `root/store`: kept from an earlier `--keep` call when the config matches and the store
+/// holds records of `format`; a store of another format is replaced, keeping the model.
+fn prepare(root: &Path, config: &Value, format: PartFormat) -> anyhow::Result<Prepared> {
+    let (model_dir, store) = (root.join("model"), root.join("store"));
+    let model_kept = std::fs::read(model_dir.join("config.json"))
         .ok()
         .and_then(|b| serde_json::from_slice::<Value>(&b).ok())
-        .is_some_and(|c| c == config)
-        && store.join(crate::store::MANIFEST).exists();
-    if reusable {
+        .is_some_and(|c| c == *config);
+    let store_kept = model_kept
+        && Manifest::load(&store).is_ok_and(|m| {
+            m.layer_parts.is_empty() && m.parts.all().iter().all(|p| p.format == format)
+        });
+    if store_kept {
         eprintln!("reusing {}", root.display());
+        return Ok(Prepared::Kept);
+    }
+    if model_kept {
+        eprintln!(
+            "reusing the model in {}; writing a store of {} records",
+            root.display(),
+            format.describe()
+        );
+        let _ = std::fs::remove_dir_all(&store);
     } else {
         let _ = std::fs::remove_dir_all(root);
         let started = Instant::now();
-        random::write_random_dense_checkpoint(&model_dir, &config, 1, DType::Bf16)?;
+        random::write_random_dense_checkpoint(&model_dir, config, 1, DType::Bf16)?;
         eprintln!(
             "dense checkpoint written in {:.1}s",
             started.elapsed().as_secs_f64()
         );
-        let started = Instant::now();
-        let step = std::sync::atomic::AtomicUsize::new(0);
-        let m =
-            crate::store::write_random_store(&model_dir, &store, Format::Q4K, 7, &|n, total| {
-                let pct = n * 20 / total;
-                if step.fetch_max(pct, Ordering::Relaxed) < pct {
-                    eprintln!("store: {n}/{total} records");
-                }
-            })?;
-        let secs = started.elapsed().as_secs_f64();
-        eprintln!(
-            "store: {} records, {:.1} GB in {secs:.1}s ({:.2} GB/s)",
-            m.records.len(),
-            m.data_bytes() as f64 / 1e9,
-            m.data_bytes() as f64 / 1e9 / secs
-        );
     }
-    // Uniform routing unless a run says otherwise (a kept store may come from a zipf run).
-    set_skew(&model_dir, &store, 0.0)?;
-    measure_all(&model_dir, &store, cuda, args)
+    let started = Instant::now();
+    let step = std::sync::atomic::AtomicUsize::new(0);
+    let m = crate::store::write_random_store(&model_dir, &store, format, 7, &|n, total| {
+        let pct = n * 20 / total;
+        if step.fetch_max(pct, Ordering::Relaxed) < pct {
+            eprintln!("store: {n}/{total} records");
+        }
+    })?;
+    let secs = started.elapsed().as_secs_f64();
+    eprintln!(
+        "store: {} records of {}, {:.1} GB in {secs:.1}s ({:.2} GB/s)",
+        m.records.len(),
+        format.describe(),
+        m.data_bytes() as f64 / 1e9,
+        m.data_bytes() as f64 / 1e9 / secs
+    );
+    Ok(match model_kept {
+        true => Prepared::NewStore,
+        false => Prepared::Written,
+    })
 }
 
 fn set_skew(model_dir: &Path, store: &Path, skew: f32) -> anyhow::Result<()> {
@@ -177,13 +218,19 @@ struct Budget {
 
 /// The memory plan of the real model on the box `flash_plan` describes (flags of
 /// `glmflash-node plan`, the shipped GLM-5.3-Flash config unless they name another) with its
-/// experts in `record`-byte q4_k records: the plan command's own defaults and arithmetic.
-fn budget_plan(flash_plan: &str, record: usize) -> anyhow::Result<crate::plan::MemoryPlan> {
+/// experts in `record`-byte records of `format`: the plan command's own defaults and
+/// arithmetic, its VRAM slots laid out as the VRAM tier lays out such a record.
+fn budget_plan(
+    flash_plan: &str,
+    format: PartFormat,
+    record: usize,
+) -> anyhow::Result<crate::plan::MemoryPlan> {
     use clap::{Args, FromArgMatches};
+    let expert_format = plan_storage(format).name();
     let argv = ["plan"]
         .into_iter()
         .chain(flash_plan.split_whitespace())
-        .chain(["--expert-format", "q4_k"]);
+        .chain(["--expert-format", expert_format.as_str()]);
     let matches = crate::plan::args::PlanArgs::augment_args(clap::Command::new("plan"))
         .try_get_matches_from(argv)
         .context("--flash-plan")?;
@@ -192,16 +239,26 @@ fn budget_plan(flash_plan: &str, record: usize) -> anyhow::Result<crate::plan::M
     Ok(crate::plan::plan(&inputs)?)
 }
 
-fn budget(args: &BenchArgs, experts: usize, record: usize) -> anyhow::Result<Budget> {
+fn budget(
+    args: &BenchArgs,
+    format: PartFormat,
+    experts: usize,
+    record: usize,
+) -> anyhow::Result<Budget> {
     let f = &args.flash;
-    let plan = budget_plan(&f.flash_plan, record)?;
+    let plan = budget_plan(&f.flash_plan, format, record)?;
     let (vram_slots, ram_slots) = (
         plan.vram_expert_slots_per_layer,
         plan.ram_expert_slots_per_layer,
     );
     let json = json!({
-        "plan": format!("glmflash-node plan {} --expert-format q4_k", f.flash_plan),
+        "plan": format!(
+            "glmflash-node plan {} --expert-format {}",
+            f.flash_plan,
+            plan_storage(format)
+        ),
         "record_bytes": record,
+        "vram_slot_bytes": plan.vram_slot_bytes,
         "plan_formats": [plan.dense_format, plan.head_format],
         "plan_vram_expert_bytes": plan.vram_expert_bytes,
         "plan_ram_budget_bytes": plan.ram_budget_bytes,
@@ -232,6 +289,7 @@ fn measure_all(
         }
     }
     let cfg = Config::from_file(&model_dir.join("config.json"))?;
+    let format = Manifest::load(store)?.parts.gate.format;
     let bw = measure_bandwidths(cuda, store, &cfg)?;
     eprintln!("{}", bw.json());
     let source = Arc::new(StoreSource::open(store, model_dir, &cfg)?);
@@ -244,7 +302,7 @@ fn measure_all(
         "dense model on the GPU in {:.1}s",
         started.elapsed().as_secs_f64()
     );
-    let budget = budget(args, cfg.n_routed_experts, record)?;
+    let budget = budget(args, format, cfg.n_routed_experts, record)?;
     eprintln!("{}", budget.json);
     let mut results = Vec::new();
     let mut report = |r: Value| {
@@ -370,7 +428,7 @@ fn measure_all(
         "moe_layers": cfg.moe_layers().iter().filter(|&&m| m).count(),
         "experts": cfg.n_routed_experts,
         "top_k": cfg.num_experts_per_tok,
-        "expert_format": "q4_k",
+        "expert_format": plan_storage(format).name(),
         "bandwidths": bw.json(),
         "budget": budget.json,
         "runs": results,
@@ -703,21 +761,77 @@ fn add_profile(r: &mut Value, gpu: Option<&GpuDecoder>, calls: usize) {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::quant::Format;
+
+    fn bench_args(extra: &[&str]) -> BenchArgs {
+        use clap::Parser;
+        let argv = ["glmflash-node", "bench", "--flash"].iter().chain(extra);
+        let crate::cli::Command::Bench(args) = crate::cli::Cli::parse_from(argv).command else {
+            unreachable!("bench parses to Command::Bench")
+        };
+        args
+    }
+
+    /// Bytes of one record of the random store at GLM-5.3-Flash width in `format`.
+    fn flash_record(format: PartFormat) -> usize {
+        let cfg = Config::from_json(&random::flash_config(1, 1)).unwrap();
+        let parts = crate::store::random_record_parts(&cfg, format).unwrap();
+        parts.length().div_ceil(crate::store::ALIGN) * crate::store::ALIGN
+    }
+
+    /// A kept scratch is reused only with records of the asked format: another format
+    /// replaces the store (keeping the model), another config rewrites both.
+    #[test]
+    fn a_kept_scratch_is_reused_for_its_own_record_format_only() {
+        let tmp = tempfile::Builder::new()
+            .prefix("glmflash-flash-scratch")
+            .tempdir_in(std::env::var("CARGO_TARGET_TMPDIR").unwrap_or("/var/tmp".into()))
+            .unwrap();
+        let root = tmp.path().join("glmflash-bench-flash");
+        let config = random::scaled_config(64, 256, 2, 1, 3, 256, 2);
+        let q4k = PartFormat::Rows(Format::Q4K);
+        let exl3 = super::super::args::parse_record_format("exl3:3").unwrap();
+        let format_of = || {
+            Manifest::load(&root.join("store"))
+                .unwrap()
+                .parts
+                .gate
+                .format
+        };
+        let model_written = || {
+            std::fs::metadata(root.join("model/model.safetensors"))
+                .unwrap()
+                .modified()
+                .unwrap()
+        };
+        assert_eq!(prepare(&root, &config, q4k).unwrap(), Prepared::Written);
+        assert_eq!(format_of(), q4k);
+        let first = model_written();
+        assert_eq!(prepare(&root, &config, q4k).unwrap(), Prepared::Kept);
+        assert_eq!(prepare(&root, &config, exl3).unwrap(), Prepared::NewStore);
+        assert_eq!(format_of(), exl3);
+        assert_eq!(model_written(), first);
+        assert_eq!(prepare(&root, &config, exl3).unwrap(), Prepared::Kept);
+        let wider = random::scaled_config(64, 256, 2, 1, 4, 256, 2);
+        assert_eq!(prepare(&root, &wider, exl3).unwrap(), Prepared::Written);
+        assert_eq!(
+            Manifest::load(&root.join("store")).unwrap().records.len(),
+            4
+        );
+    }
 
     /// The default budget is `plan --ram-limit 55GiB --dense-format exl3:3.05 --expert-format
     /// q4_k` for GLM-5.3-Flash on the 3090 box: the seed's EXL3 non-expert weights, this
     /// bench's q4_k records (BENCHMARKS.md quotes these slots).
     #[test]
     fn the_default_budget_is_the_plan_of_the_real_model_on_the_3090_box() {
-        use clap::Parser;
-        let crate::cli::Command::Bench(args) =
-            crate::cli::Cli::parse_from(["glmflash-node", "bench", "--flash"]).command
-        else {
-            unreachable!("bench parses to Command::Bench")
-        };
-        let record = 3 * 2048 * 16 * 144;
-        let b = budget(&args, 288, record).unwrap();
-        let plan = budget_plan(&args.flash.flash_plan, record).unwrap();
+        let args = bench_args(&[]);
+        let q4k = args.flash.flash_expert_format;
+        assert_eq!(q4k, PartFormat::Rows(Format::Q4K));
+        let record = flash_record(q4k);
+        assert_eq!(record, 3 * 2048 * 16 * 144);
+        let b = budget(&args, q4k, 288, record).unwrap();
+        let plan = budget_plan(&args.flash.flash_plan, q4k, record).unwrap();
         println!("{}\n{}", b.json, plan.table());
         assert_eq!(
             (plan.vram_bytes, plan.ram_limit_bytes),
@@ -730,9 +844,66 @@ mod tests {
         assert_eq!(plan.dense_format, "exl3:3.05");
         assert_eq!((b.vram_slots, b.ram_slots), (24, 63));
         assert_eq!(b.vram_slots, plan.vram_expert_slots_per_layer);
+        assert!(
+            b.json["plan"]
+                .as_str()
+                .unwrap()
+                .ends_with("--expert-format q4_k")
+        );
         // Another box moves it: a bigger cap, more RAM slots.
-        let more = budget_plan("--ram-limit 64GiB --dense-format exl3:3.05", record).unwrap();
+        let more = budget_plan("--ram-limit 64GiB --dense-format exl3:3.05", q4k, record).unwrap();
         assert!(more.ram_expert_slots_per_layer > b.ram_slots);
-        assert!(budget_plan("--no-such-flag", record).is_err());
+        assert!(budget_plan("--no-such-flag", q4k, record).is_err());
+    }
+
+    /// `--flash-expert-format exl3:3` plans the box with the real model's EXL3 experts:
+    /// records of a 3-bit trellis with f16 suh and svh per weight (two thirds of q4_k's), VRAM
+    /// slots as the VRAM tier lays them out (f32 scales), so every tier holds more experts.
+    #[test]
+    fn exl3_records_get_the_plan_of_exl3_experts_and_more_slots() {
+        let args = bench_args(&["--flash-expert-format", "exl3:3"]);
+        let exl3 = args.flash.flash_expert_format;
+        let PartFormat::Exl3 { rate, codebook } = exl3 else {
+            panic!("exl3:3 parses to EXL3 records, not {exl3:?}")
+        };
+        assert_eq!((rate.bits(), codebook.name()), (3.0, "mul1"));
+        let record = flash_record(exl3);
+        assert_eq!(record, 3 * (4096 * 2048 * 3 / 8 + 2 * (4096 + 2048)));
+        let q4k = PartFormat::Rows(Format::Q4K);
+        let b = budget(&args, exl3, 288, record).unwrap();
+        let plan = budget_plan(&args.flash.flash_plan, exl3, record).unwrap();
+        let q = budget(&args, q4k, 288, flash_record(q4k)).unwrap();
+        println!("{}\n{}\n{}", b.json, q.json, plan.table());
+        assert!(
+            b.json["plan"]
+                .as_str()
+                .unwrap()
+                .ends_with("--expert-format exl3:3")
+        );
+        // The VRAM slot is the VRAM tier's layout of these records (f32 scales).
+        let form = crate::backend::cuda::Exl3Form { rate, codebook };
+        let layout = crate::backend::cuda::MoeLayout::exl3(4096, 2048, form, form).unwrap();
+        assert_eq!(plan.vram_slot_bytes, layout.slot_bytes as u64);
+        assert!(plan.vram_slot_bytes >= record as u64);
+        assert!(
+            b.vram_slots > q.vram_slots,
+            "{} vs {}",
+            b.vram_slots,
+            q.vram_slots
+        );
+        assert!(
+            b.ram_slots > q.ram_slots,
+            "{} vs {}",
+            b.ram_slots,
+            q.ram_slots
+        );
+        assert!(b.json["store_share"].as_f64() < q.json["store_share"].as_f64());
+        // A record has one trellis rate: a checkpoint's average is refused, as is no format.
+        for bad in ["exl3:3.05", "exl3:9", "q5"] {
+            assert!(
+                super::super::args::parse_record_format(bad).is_err(),
+                "{bad}"
+            );
+        }
     }
 }
