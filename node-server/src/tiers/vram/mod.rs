@@ -1,17 +1,20 @@
 //! The VRAM expert tier: expert records in fixed-size slots of one device allocation,
 //! computed by the fused MoE kernels (`kernels/cuda/moe.cu`).
 //!
-//! [`VramExperts`] holds every routed expert in VRAM (the "all in VRAM" ceiling, and the
-//! untiered GPU run that `nvme-exact` must match bit for bit).
+//! [`VramExperts`] (in `all.rs`) holds every routed expert in VRAM (the "all in VRAM"
+//! ceiling, and the untiered GPU run that `nvme-exact` must match bit for bit).
 #![allow(unsafe_code)] // CUDA host registration of RAM residents; each block says why it holds
 
 use super::source::ExpertSource;
-use crate::backend::cuda::{Cuda, Exl3Form, MoeLayout, MoeStep, SlotArena, SlotFormat};
+use crate::backend::cuda::{Cuda, Exl3Form, MoeLayout, SlotArena, SlotFormat};
 use crate::model::mlp::SwiGlu;
-use crate::model::moe::{DeviceExperts, ExpertProvider, Phase, Routing};
+use crate::model::moe::Routing;
 use anyhow::{Context, bail};
 use cudarc::driver::{CudaEvent, CudaSlice, CudaStream};
 use std::sync::{Arc, Mutex};
+
+mod all;
+pub use all::{VramExperts, load_dense_on_gpu, load_model_on_gpu};
 
 /// The slot layout of an expert as loaded (its three matrices' formats and shapes).
 pub fn layout_of(expert: &SwiGlu) -> anyhow::Result<MoeLayout> {
@@ -110,327 +113,6 @@ pub fn write_slot(
     Ok(())
 }
 
-/// Every routed expert in VRAM.
-pub struct VramExperts {
-    cuda: Arc<Cuda>,
-    arena: Mutex<SlotArena>,
-    limit: f32,
-    /// Slot of each (layer, expert); empty for dense layers.
-    slots: Vec<Vec<u32>>,
-    /// The same on the device, layer after layer (for steps whose picks stay there), and
-    /// where each layer's row starts.
-    slot_table: CudaSlice<i32>,
-    slot_table_at: Vec<usize>,
-    /// Picks served, by phase (prefill, decode).
-    picks: [std::sync::atomic::AtomicU64; 2],
-    /// Seconds of the last MoE step (f64 bits; each step ends with the result's download,
-    /// so its wall time is the device time plus the copies).
-    step_seconds: std::sync::atomic::AtomicU64,
-    /// Bytes copied in at load.
-    loaded_bytes: u64,
-    /// Steps taken through [`DeviceExperts::forward_device`] (every STEP_SAMPLE-th is timed).
-    device_steps: std::sync::atomic::AtomicU64,
-}
-
-impl VramExperts {
-    /// Loads every expert of the MoE layers (`moe_layers[l]`) from `source` into one arena.
-    pub fn load_all(
-        cuda: Arc<Cuda>,
-        source: &dyn ExpertSource,
-        moe_layers: &[bool],
-        experts: usize,
-    ) -> anyhow::Result<VramExperts> {
-        let Some(first_layer) = moe_layers.iter().position(|&m| m) else {
-            bail!("the model has no MoE layer to put experts of in VRAM");
-        };
-        let first = source.load(first_layer, 0)?;
-        let layout = layout_of(&first)?;
-        let total = moe_layers.iter().filter(|&&m| m).count() * experts;
-        let need = total * layout.slot_bytes;
-        let (free, _) = cuda.mem_info()?;
-        if need > free {
-            bail!(
-                "all {total} experts need {} MiB of VRAM, {} MiB are free: use a tiered mode (--mode nvme) with fewer --vram-slots",
-                need >> 20,
-                free >> 20
-            );
-        }
-        let mut arena = SlotArena::new(&cuda, layout, total)?;
-        let mut slots = Vec::with_capacity(moe_layers.len());
-        let mut next = 0usize;
-        for (l, &moe) in moe_layers.iter().enumerate() {
-            if !moe {
-                slots.push(Vec::new());
-                continue;
-            }
-            let mut row = Vec::with_capacity(experts);
-            // Read a batch on all cores (store reads are checked and decoded on the CPU),
-            // then copy it in.
-            for batch in (0..experts).collect::<Vec<_>>().chunks(32) {
-                use rayon::prelude::*;
-                let loaded: Vec<_> = batch
-                    .par_iter()
-                    .map(|&e| {
-                        source
-                            .load(l, e)
-                            .with_context(|| format!("loading layer {l} expert {e}"))
-                    })
-                    .collect::<anyhow::Result<_>>()?;
-                for (&e, expert) in batch.iter().zip(&loaded) {
-                    write_slot(cuda.stream(), &mut arena, next, expert)
-                        .with_context(|| format!("layer {l} expert {e}"))?;
-                    row.push(next as u32);
-                    next += 1;
-                }
-            }
-            slots.push(row);
-        }
-        let mut slot_table_at = Vec::with_capacity(slots.len());
-        let mut flat: Vec<i32> = Vec::with_capacity(total);
-        for row in &slots {
-            slot_table_at.push(flat.len());
-            flat.extend(row.iter().map(|&s| s as i32));
-        }
-        let slot_table = cuda.upload(&flat)?;
-        cuda.synchronize()?;
-        tracing::info!(
-            experts = total,
-            slot_bytes = layout.slot_bytes,
-            mib = need >> 20,
-            "every routed expert in VRAM"
-        );
-        Ok(VramExperts {
-            cuda,
-            arena: Mutex::new(arena),
-            limit: first.limit,
-            slots,
-            slot_table,
-            slot_table_at,
-            picks: Default::default(),
-            step_seconds: Default::default(),
-            loaded_bytes: need as u64,
-            device_steps: Default::default(),
-        })
-    }
-
-    /// The metrics registry's view (read at each scrape): every lookup a VRAM hit, every
-    /// product on the GPU, the VRAM in use, the last step's time.
-    pub fn metrics_snapshot(&self) -> crate::metrics::TierSnapshot {
-        use std::sync::atomic::Ordering::Relaxed;
-        let (free, total) = self.cuda.mem_info().unwrap_or((0, 0));
-        let slots = self.slots.iter().map(Vec::len).sum::<usize>() as u64;
-        let [prefill, decode] = [&self.picks[0], &self.picks[1]].map(|c| c.load(Relaxed));
-        crate::metrics::TierSnapshot {
-            lookups: vec![("vram", "prefill", prefill), ("vram", "decode", decode)],
-            residency: vec![("vram", slots, slots)],
-            memory: vec![
-                ("vram_used", (total - free) as u64),
-                ("vram_total", total as u64),
-            ],
-            gpu_h2d_bytes: self.loaded_bytes,
-            expert_products: vec![("gpu", prefill + decode), ("cpu", 0)],
-            gpu_moe_step_seconds: f64::from_bits(self.step_seconds.load(Relaxed)),
-            ..Default::default()
-        }
-    }
-}
-
-impl VramExperts {
-    /// The arena slot of each pick of `routing` in `layer`.
-    fn slots_of(&self, layer: usize, routing: &Routing) -> anyhow::Result<Vec<u32>> {
-        let row = &self.slots[layer];
-        routing
-            .ids
-            .iter()
-            .map(|&e| row.get(e as usize).copied())
-            .collect::<Option<_>>()
-            .with_context(|| {
-                format!(
-                    "layer {layer} routes to an expert outside its {} experts",
-                    row.len()
-                )
-            })
-    }
-
-    fn count_picks(&self, routing: &Routing) {
-        self.count_phases(&routing.phases, routing.tokens(), routing.k);
-    }
-
-    /// Counts `k` picks for each of `tokens` tokens by its phase (prefill where none given).
-    fn count_phases(&self, phases: &[Phase], tokens: usize, k: usize) {
-        use std::sync::atomic::Ordering::Relaxed;
-        for t in 0..tokens {
-            let decode = phases.get(t).copied().unwrap_or_default() == Phase::Decode;
-            self.picks[decode as usize].fetch_add(k as u64, Relaxed);
-        }
-    }
-
-    /// Runs `step` for a MoE step, timing every STEP_SAMPLE-th between two synchronisations
-    /// for the step-time gauge (nothing else here waits for the device).
-    fn sampled<T>(&self, step: impl FnOnce() -> anyhow::Result<T>) -> anyhow::Result<T> {
-        use std::sync::atomic::Ordering::Relaxed;
-        let sampled = self
-            .device_steps
-            .fetch_add(1, Relaxed)
-            .is_multiple_of(STEP_SAMPLE);
-        if sampled {
-            self.cuda.synchronize()?;
-        }
-        let started = std::time::Instant::now();
-        let out = step()?;
-        if sampled {
-            self.cuda.synchronize()?;
-            let secs = started.elapsed().as_secs_f64();
-            self.step_seconds.store(secs.to_bits(), Relaxed);
-        }
-        Ok(out)
-    }
-}
-
-impl DeviceExperts for VramExperts {
-    fn device(&self) -> &Arc<Cuda> {
-        &self.cuda
-    }
-
-    fn forward_device(
-        &self,
-        layer: usize,
-        x: &CudaSlice<f32>,
-        routing: &Routing,
-    ) -> anyhow::Result<CudaSlice<f32>> {
-        let arena = self.arena.lock().unwrap_or_else(|e| e.into_inner());
-        let slots = self.slots_of(layer, routing)?;
-        let y = self.sampled(|| {
-            let mut run = self
-                .cuda
-                .moe_begin_dev(arena.layout, routing.tokens(), routing.k, x)?;
-            let picks: Vec<(usize, u32)> = slots.iter().copied().enumerate().collect();
-            self.cuda
-                .moe_picks(&mut run, &arena.buf, self.limit, &picks)?;
-            Ok(self.cuda.moe_combine(run, &routing.weights)?)
-        })?;
-        self.count_picks(routing);
-        Ok(y)
-    }
-
-    /// Every expert is here: any MoE layer's picks stay on the device when the step is
-    /// small enough for one grouping launch.
-    fn routes(&self, layer: usize, picks: usize) -> bool {
-        self.slots.get(layer).is_some_and(|row| !row.is_empty()) && Cuda::moe_routes(picks)
-    }
-
-    fn forward_routed(
-        &self,
-        layer: usize,
-        x: &CudaSlice<f32>,
-        ids: &CudaSlice<i32>,
-        weights: &CudaSlice<f32>,
-        phases: &[Phase],
-        k: usize,
-    ) -> anyhow::Result<CudaSlice<f32>> {
-        let arena = self.arena.lock().unwrap_or_else(|e| e.into_inner());
-        let experts = self.slots.get(layer).map_or(0, Vec::len);
-        if experts == 0 {
-            bail!("layer {layer} has no routed experts");
-        }
-        let at = self.slot_table_at[layer];
-        let slot_of = self.slot_table.slice(at..at + experts);
-        let tokens = phases.len();
-        let y = self.sampled(|| {
-            Ok(self.cuda.moe_routed(
-                &arena.buf,
-                arena.layout,
-                self.limit,
-                x,
-                ids,
-                weights,
-                &slot_of,
-                tokens,
-                k,
-            )?)
-        })?;
-        self.count_phases(phases, tokens, k);
-        Ok(y)
-    }
-}
-
-impl ExpertProvider for VramExperts {
-    fn forward(
-        &self,
-        layer: usize,
-        x: &[f32],
-        routing: &Routing,
-        out: &mut [f32],
-    ) -> anyhow::Result<()> {
-        let arena = self.arena.lock().unwrap_or_else(|e| e.into_inner());
-        let slots = self.slots_of(layer, routing)?;
-        let step = MoeStep {
-            layout: arena.layout,
-            tokens: routing.tokens(),
-            k: routing.k,
-            limit: self.limit,
-            slots: &slots,
-            weights: &routing.weights,
-        };
-        let started = std::time::Instant::now();
-        let y = self.cuda.moe(&arena.buf, &step, x)?;
-        let secs = started.elapsed().as_secs_f64();
-        self.step_seconds
-            .store(secs.to_bits(), std::sync::atomic::Ordering::Relaxed);
-        self.count_picks(routing);
-        out.iter_mut().zip(&y).for_each(|(o, v)| *o += v);
-        Ok(())
-    }
-
-    fn on_device(&self) -> Option<&dyn DeviceExperts> {
-        Some(self)
-    }
-
-    fn weight_bytes(&self) -> usize {
-        let arena = self.arena.lock().unwrap_or_else(|e| e.into_inner());
-        arena.slots * arena.layout.slot_bytes
-    }
-}
-
-/// The model in `dir` with every routed expert in VRAM and every dense weight on the GPU,
-/// and the experts' provider (for its metrics).
-pub fn load_model_on_gpu(
-    dir: &std::path::Path,
-    cuda: Arc<Cuda>,
-) -> anyhow::Result<(crate::model::Model, Arc<VramExperts>)> {
-    let cfg = crate::model::config::Config::from_file(&dir.join("config.json"))?;
-    let moe = cfg.moe_layers();
-    let source = super::source::CheckpointSource::open(dir)?;
-    let vram = Arc::new(VramExperts::load_all(
-        cuda.clone(),
-        &source,
-        &moe,
-        cfg.n_routed_experts,
-    )?);
-    Ok((load_dense_on_gpu(dir, vram.clone(), cuda)?, vram))
-}
-
-/// The model in `dir` with every dense weight on the GPU and routed experts from `experts`.
-pub fn load_dense_on_gpu(
-    dir: &std::path::Path,
-    experts: Arc<dyn ExpertProvider>,
-    cuda: Arc<Cuda>,
-) -> anyhow::Result<crate::model::Model> {
-    let placer = crate::backend::cuda::matrix::CudaPlacer::new(cuda, 1)?;
-    let model = crate::model::Model::builder()
-        .experts(experts)
-        .placer(&placer)
-        .load(dir)?;
-    if let Some(failure) = placer.failure() {
-        tracing::warn!(%failure, "some dense weights stay on the CPU");
-    }
-    tracing::info!(
-        dense_mib = placer.placed_bytes() >> 20,
-        "dense weights on the GPU"
-    );
-    Ok(model)
-}
-
 /// How [`GpuTier::compute`] may run a pick that is not in a device slot.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum Lane {
@@ -447,7 +129,6 @@ pub enum Lane {
 /// the stream synchronised first so no copy from it can still be in flight.
 /// A released resident's registered spans (pointer, length), and the expert owning them.
 type Released = (Vec<(usize, usize)>, Arc<SwiGlu>);
-
 pub struct CudaRegistrar {
     cuda: Arc<Cuda>,
     pending: Mutex<Vec<Released>>,
@@ -591,7 +272,7 @@ pub struct GpuStats {
 }
 
 /// Every this many MoE steps one is timed (synchronising the stream around it).
-const STEP_SAMPLE: u64 = 64;
+pub(super) const STEP_SAMPLE: u64 = 64;
 
 impl GpuTier {
     /// Slots for `per_layer` residents of each MoE layer plus `staging` slots, laid out for
