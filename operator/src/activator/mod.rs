@@ -123,11 +123,34 @@ pub async fn run(client: kube::Client, settings: Settings) -> anyhow::Result<()>
     let listener = tokio::net::TcpListener::bind(settings.listen).await?;
     tracing::info!(deployment = %settings.deployment, namespace = %settings.namespace, listen = %settings.listen, "activator listening");
     let watching = watch::backends(client, settings.namespace, settings.deployment, tx);
-    let serving = axum::serve(listener, app(activator)).into_future();
+    // On SIGTERM (a rollout) it stops accepting and finishes the requests it holds.
+    let serving = axum::serve(listener, app(activator))
+        .with_graceful_shutdown(terminated())
+        .into_future();
     tokio::select! {
         result = watching => result,
         result = serving => Ok(result?),
     }
+}
+
+/// SIGTERM or SIGINT.
+async fn terminated() {
+    let term = async {
+        match tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate()) {
+            Ok(mut term) => {
+                term.recv().await;
+            }
+            Err(e) => {
+                tracing::warn!(error = %e, "cannot listen for SIGTERM");
+                std::future::pending::<()>().await;
+            }
+        }
+    };
+    tokio::select! {
+        () = term => {}
+        _ = tokio::signal::ctrl_c() => {}
+    }
+    tracing::info!("activator stopping: finishing the requests it holds");
 }
 
 #[cfg(test)]
