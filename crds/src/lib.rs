@@ -17,9 +17,10 @@
 //!   condition instead of a crash loop.
 
 use std::collections::BTreeMap;
+use std::time::Duration;
 
 use k8s_openapi::api::core::v1::Toleration;
-use k8s_openapi::apimachinery::pkg::apis::meta::v1::Condition;
+use k8s_openapi::apimachinery::pkg::apis::meta::v1::{Condition, Time};
 use kube::{CustomResource, CustomResourceExt, KubeSchema};
 use schemars::JsonSchema;
 use serde::{Deserialize, Serialize};
@@ -98,6 +99,16 @@ pub struct GlmFlashDeploymentSpec {
     /// does the same without touching the spec).
     #[serde(default)]
     pub hibernate: bool,
+    /// Hibernate after this long without completion requests (`90s`, `30m`, `1h30m`; at
+    /// least `1m`; absent: never). The operator reads each server's request counters when
+    /// it looks at a running deployment (about once a minute) and, once no replica has
+    /// served or held a completion request for this long, sets the `glmflash.io/hibernate`
+    /// annotation; the activator (the chart's `activator.enabled`) removes it again on the
+    /// next request.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    #[x_kube(validation = Rule::new("self.matches('^([0-9]+h)?([0-9]+m)?([0-9]+s)?$') && self != '' && duration(self) >= duration('1m')").message("idleAfter must be a duration such as 90s, 30m or 1h30m, of at least 1m"))]
+    #[schemars(length(max = 32))]
+    pub idle_after: Option<String>,
     /// Serving mode: fast and exact keep every expert in RAM; nvme and nvme-exact tier
     /// experts across VRAM, pinned RAM and the NVMe store.
     #[serde(default)]
@@ -611,6 +622,10 @@ pub struct GlmFlashDeploymentStatus {
     /// a scale-down and, while hibernated, where each will wake.
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
     pub replicas: Vec<ReplicaStatus>,
+    /// When the operator last saw a replica serve or hold a completion request (or start
+    /// serving); `spec.idleAfter` counts from here.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub last_request_time: Option<Time>,
 }
 
 /// One replica: its node, where it is, and its server's figures.
@@ -674,6 +689,14 @@ pub struct LiveFigures {
     /// numbers `glmflash-node plan` prints for that node's free VRAM and memory cap.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub plan: Option<PlanFigures>,
+    /// Completion requests served since the server started (`glmflash_requests_total` of
+    /// `/v1/chat/completions` and `/v1/completions`; probes and scrapes do not count).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub requests: Option<u64>,
+    /// Requests decoding or queued now (`glmflash_running_requests` plus
+    /// `glmflash_waiting_requests`); absent when the last read of `/metrics` failed.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub active_requests: Option<u64>,
 }
 
 /// The server's memory plan: expert slots per tier (all MoE layers) and the store.
@@ -777,6 +800,12 @@ impl GlmFlashDeployment {
                 .is_some_and(|v| v == "true")
     }
 
+    /// `spec.idleAfter` as a duration; `None` when absent (or not a duration, which
+    /// [`GlmFlashDeployment::validate`] reports).
+    pub fn idle_after(&self) -> Option<Duration> {
+        self.spec.idle_after.as_deref().and_then(parse_duration)
+    }
+
     /// Every reason this object's spec cannot be served, CEL rules first. Empty means valid.
     pub fn validate(&self) -> Vec<SpecError> {
         let mut errors: Vec<SpecError> = match self.validate_cel() {
@@ -810,6 +839,35 @@ impl GlmFlashDeployment {
         }
         errors
     }
+}
+
+/// A duration written as hours, minutes and seconds, each optional but in that order
+/// (`90s`, `30m`, `1h30m`): the form `spec.idleAfter`'s CEL rule admits, also taken by the
+/// activator's `--wake-timeout`.
+pub fn parse_duration(text: &str) -> Option<Duration> {
+    let mut rest = text;
+    let mut seconds: u64 = 0;
+    let mut last_unit = 0;
+    if rest.is_empty() {
+        return None;
+    }
+    while !rest.is_empty() {
+        let digits = rest.find(|c: char| !c.is_ascii_digit())?;
+        let value: u64 = rest[..digits].parse().ok()?;
+        let (unit, scale) = match rest[digits..].chars().next()? {
+            'h' => (1, 3600),
+            'm' => (2, 60),
+            's' => (3, 1),
+            _ => return None,
+        };
+        if unit <= last_unit {
+            return None;
+        }
+        last_unit = unit;
+        seconds = seconds.checked_add(value.checked_mul(scale)?)?;
+        rest = &rest[digits + 1..];
+    }
+    Some(Duration::from_secs(seconds))
 }
 
 /// The CRD as YAML, exactly as checked in to [`CRD_FILE`] and the Helm chart.

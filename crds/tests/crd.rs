@@ -230,6 +230,21 @@ fn each_cel_rule_rejects_its_mistake() {
             "store.hostPath must be an absolute path",
         ),
         (
+            "idle under a minute",
+            |v| v["spec"]["idleAfter"] = json!("30s"),
+            "idleAfter must be a duration such as 90s, 30m or 1h30m, of at least 1m",
+        ),
+        (
+            "idle not a duration",
+            |v| v["spec"]["idleAfter"] = json!("ten minutes"),
+            "idleAfter must be a duration",
+        ),
+        (
+            "idle units out of order",
+            |v| v["spec"]["idleAfter"] = json!("30m1h"),
+            "idleAfter must be a duration",
+        ),
+        (
             "root store",
             |v| v["spec"]["store"]["hostPath"] = json!("/"),
             "store.hostPath must be an absolute path",
@@ -297,4 +312,24 @@ fn crd_has_no_formats_the_api_server_warns_about() {
         !yaml.contains("format: uint"),
         "unsigned formats left in the CRD"
     );
+}
+
+#[test]
+fn idle_after_is_a_duration_of_at_least_a_minute() {
+    use std::time::Duration;
+    for (text, seconds) in [("1m", 60), ("90s", 90), ("1h30m", 5400), ("2h0m5s", 7205)] {
+        let mut value = example();
+        value["spec"]["idleAfter"] = json!(text);
+        let gfd = parse(value.clone());
+        assert_eq!(gfd.validate(), Vec::<SpecError>::new(), "{text}");
+        assert_eq!(
+            gfd.idle_after(),
+            Some(Duration::from_secs(seconds)),
+            "{text}"
+        );
+    }
+    assert_eq!(parse(example()).idle_after(), None);
+    for bad in ["", "5", "m", "1x", "1m1h", "1s1s", "-1m", "1.5h"] {
+        assert_eq!(glmflash_crds::parse_duration(bad), None, "{bad:?}");
+    }
 }

@@ -14,7 +14,8 @@
 //!
 //! Replicas past the count drain and go; a hibernating object (`spec.hibernate` or the
 //! `glmflash.io/hibernate` annotation) skips the stages: its servers are scaled to zero
-//! and its nodes released, its stores kept.
+//! and its nodes released, its stores kept. One that served no request for
+//! `spec.idleAfter` gets that annotation (`idle`).
 //!
 //! Writes are server-side applies with one field manager, made only when the object in
 //! the cluster no longer holds every field of the one built (so a `kubectl scale` or edit
@@ -52,6 +53,7 @@ use crate::{Error, Result};
 mod deletion;
 mod diagnose;
 mod fleet;
+mod idle;
 mod stages;
 mod status;
 
@@ -272,7 +274,13 @@ async fn apply(gfd: &GlmFlashDeployment, ctx: &Context) -> Result<Action> {
     };
     let warn = outcome.ready.warn;
     let next = status::next_status(&old, gfd.metadata.generation, outcome, replicas, now);
+    let idle_since = idle::due(gfd, &next, now)
+        .then(|| next.last_request_time.clone())
+        .flatten();
     status::write_status(gfd, ctx, next, warn).await?;
+    if let Some(since) = idle_since {
+        idle::hibernate(gfd, ctx, &since).await?;
+    }
     Ok(action)
 }
 

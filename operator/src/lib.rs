@@ -7,11 +7,14 @@
 //! - [`placement`]: which node fits (labels, GPU product, taints, free GPU and memory);
 //! - [`scrape`]: live figures for status from the server's `/metrics`;
 //! - [`metrics`] and [`http`]: the operator's own `/metrics`, `/healthz`, `/readyz`;
-//! - [`run`]: watches, leader election and the controller loop used by `main`.
+//! - [`run`]: watches, leader election and the controller loop used by `main`;
+//! - [`activator`]: the `activator` subcommand, a proxy in front of one deployment that
+//!   wakes it on demand and keeps sessions on one replica.
 //!
 //! The server's metric names, which [`scrape`] reads and the chart's dashboards and alerts
 //! query, are the contract crate [`glmflash_metric_names`], shared with glmflash-node.
 
+pub mod activator;
 pub mod builders;
 pub mod controller;
 mod error;

@@ -1,11 +1,13 @@
-//! `glmflash-operator`: the GlmFlashDeployment controller. Logs are JSON lines on stderr
-//! (`RUST_LOG` filters); probes and metrics listen on `--http-addr`.
+//! `glmflash-operator`: the GlmFlashDeployment controller, or with `activator` the proxy
+//! that wakes one deployment on demand. Logs are JSON lines on stderr (`RUST_LOG`
+//! filters); the controller's probes and metrics listen on `--http-addr`.
 
 use std::net::SocketAddr;
 use std::sync::Arc;
 use std::sync::atomic::AtomicBool;
 
-use clap::Parser;
+use clap::{Parser, Subcommand};
+use glmflash_operator::activator;
 use glmflash_operator::http::{self, Health};
 use glmflash_operator::metrics::Metrics;
 use glmflash_operator::run::{Settings, run};
@@ -14,9 +16,24 @@ use tracing_subscriber::EnvFilter;
 #[derive(Parser, Debug)]
 #[command(
     version,
-    about = "Reconciles GlmFlashDeployment objects into glmflash-node servers"
+    about = "Reconciles GlmFlashDeployment objects into glmflash-node servers",
+    args_conflicts_with_subcommands = true
 )]
 struct Cli {
+    #[command(subcommand)]
+    command: Option<Command>,
+    #[command(flatten)]
+    controller: ControllerArgs,
+}
+
+#[derive(Subcommand, Debug)]
+enum Command {
+    /// Proxy one deployment's OpenAI API: wake it on demand, keep sessions on one replica.
+    Activator(activator::Settings),
+}
+
+#[derive(clap::Args, Debug)]
+struct ControllerArgs {
     /// Address of /metrics, /healthz and /readyz.
     #[arg(long, env = "GLMFLASH_HTTP_ADDR", default_value = "0.0.0.0:8080")]
     http_addr: SocketAddr,
@@ -47,6 +64,10 @@ async fn main() -> anyhow::Result<()> {
         .with_writer(std::io::stderr)
         .init();
     let cli = Cli::parse();
+    if let Some(Command::Activator(settings)) = cli.command {
+        return activator::run(kube::Client::try_default().await?, settings).await;
+    }
+    let cli = cli.controller;
 
     let health = Arc::new(Health {
         metrics: Arc::new(Metrics::default()),

@@ -173,18 +173,38 @@ pub fn live_figures(samples: &[Sample]) -> LiveFigures {
     } else {
         BTreeMap::new()
     };
-    let pin_failures = samples
-        .iter()
-        .filter(|s| s.name == glmflash_metric_names::PIN_FAILURES_TOTAL)
-        .filter(|s| s.value.is_finite() && s.value >= 0.0)
-        .map(|s| s.value as u64)
-        .reduce(|a, b| a + b);
+    let pin_failures = sum(samples, glmflash_metric_names::PIN_FAILURES_TOTAL, |_| true);
     LiveFigures {
         decode_tokens_per_second,
         hit_rate,
         pin_failures,
         plan: plan_figures(samples),
+        requests: sum(samples, glmflash_metric_names::REQUESTS_TOTAL, |s| {
+            s.labels
+                .get("endpoint")
+                .is_some_and(|e| COMPLETION_ENDPOINTS.contains(&e.as_str()))
+        }),
+        active_requests: [
+            glmflash_metric_names::RUNNING_REQUESTS,
+            glmflash_metric_names::WAITING_REQUESTS,
+        ]
+        .into_iter()
+        .filter_map(|name| sum(samples, name, |_| true))
+        .reduce(|a, b| a + b),
     }
+}
+
+/// The endpoints whose requests are work for the model: probes and scrapes are not, so
+/// they never keep a server from going idle.
+const COMPLETION_ENDPOINTS: [&str; 2] = ["/v1/chat/completions", "/v1/completions"];
+
+/// The sum of the samples of `name` that `keep` accepts; `None` when there are none.
+fn sum(samples: &[Sample], name: &str, keep: impl Fn(&Sample) -> bool) -> Option<u64> {
+    samples
+        .iter()
+        .filter(|s| s.name == name && s.value.is_finite() && s.value >= 0.0 && keep(s))
+        .map(|s| s.value as u64)
+        .reduce(|a, b| a + b)
 }
 
 /// The server's memory plan from its `glmflash_plan_*` gauges; `None` when it exports none
@@ -273,8 +293,24 @@ glmflash_requests_total{endpoint="/v1/chat/completions",status="200",note="a \"q
 
     #[test]
     fn no_lookups_means_no_hit_rates() {
-        let figures = live_figures(&parse_exposition("glmflash_running_requests 0\n"));
+        let figures = live_figures(&parse_exposition("glmflash_decode_tokens_total 0\n"));
         assert_eq!(figures, LiveFigures::default());
+    }
+
+    #[test]
+    fn completion_requests_count_and_probes_do_not() {
+        let page = "glmflash_requests_total{endpoint=\"/v1/chat/completions\",status=\"200\"} 5\n\
+                    glmflash_requests_total{endpoint=\"/v1/chat/completions\",status=\"400\"} 1\n\
+                    glmflash_requests_total{endpoint=\"/v1/completions\",status=\"200\"} 2\n\
+                    glmflash_requests_total{endpoint=\"/metrics\",status=\"200\"} 90\n\
+                    glmflash_requests_total{endpoint=\"/health\",status=\"200\"} 40\n\
+                    glmflash_running_requests 2\n\
+                    glmflash_waiting_requests 1\n";
+        let figures = live_figures(&parse_exposition(page));
+        assert_eq!(figures.requests, Some(8));
+        assert_eq!(figures.active_requests, Some(3));
+        let idle = live_figures(&parse_exposition("glmflash_running_requests 0\n"));
+        assert_eq!((idle.requests, idle.active_requests), (None, Some(0)));
     }
 
     #[tokio::test]

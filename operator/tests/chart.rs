@@ -75,6 +75,12 @@ fn render_all() -> Option<Vec<Value>> {
         "alerts.enabled=true",
         "--set",
         "metrics.serviceMonitor.enabled=true",
+        "--set",
+        "activator.enabled=true",
+        "--set",
+        "activator.deployment=glm",
+        "--set",
+        "activator.namespace=ai",
     ])?;
     let docs = serde_yaml::Deserializer::from_str(&text)
         .map(|d| {
@@ -87,6 +93,14 @@ fn render_all() -> Option<Vec<Value>> {
 
 fn of_kind<'a>(docs: &'a [Value], kind: &str) -> Vec<&'a Value> {
     docs.iter().filter(|d| d["kind"] == kind).collect()
+}
+
+/// The object of `kind` named `name`.
+fn named<'a>(docs: &'a [Value], kind: &str, name: &str) -> &'a Value {
+    of_kind(docs, kind)
+        .into_iter()
+        .find(|d| d["metadata"]["name"] == name)
+        .unwrap_or_else(|| panic!("no {kind} {name}"))
 }
 
 /// Typed round trip: a field the k8s-openapi type does not know would be lost.
@@ -119,10 +133,15 @@ fn every_rendered_object_parses_into_its_type() {
             "ConfigMap",
             "CustomResourceDefinition",
             "Deployment",
+            "Deployment",
             "PrometheusRule",
             "Role",
+            "Role",
+            "RoleBinding",
             "RoleBinding",
             "Service",
+            "Service",
+            "ServiceAccount",
             "ServiceAccount",
             "ServiceMonitor",
         ]
@@ -231,7 +250,8 @@ fn rbac_is_exact_and_nodes_are_read_only() {
         ),
     ];
     assert_eq!(rules, expected);
-    let lease: Role = serde_json::from_value(of_kind(&docs, "Role")[0].clone()).unwrap();
+    let lease: Role =
+        serde_json::from_value(named(&docs, "Role", "glmflash-operator-leader").clone()).unwrap();
     let lease_rule = &lease.rules.unwrap()[0];
     assert_eq!(
         lease_rule.resources.as_deref(),
@@ -243,7 +263,8 @@ fn rbac_is_exact_and_nodes_are_read_only() {
 #[test]
 fn operator_deployment_wires_probes_identity_and_hardening() {
     let Some(docs) = render_all() else { return };
-    let d: Deployment = serde_json::from_value(of_kind(&docs, "Deployment")[0].clone()).unwrap();
+    let d: Deployment =
+        serde_json::from_value(named(&docs, "Deployment", "glmflash-operator").clone()).unwrap();
     let spec = d.spec.unwrap();
     assert_eq!(spec.replicas, Some(2));
     let pod = spec.template.spec.unwrap();
@@ -284,6 +305,90 @@ fn operator_deployment_wires_probes_identity_and_hardening() {
     assert_eq!(sc.read_only_root_filesystem, Some(true));
     assert_eq!(sc.allow_privilege_escalation, Some(false));
     assert_eq!(pod.security_context.unwrap().run_as_non_root, Some(true));
+}
+
+#[test]
+fn activator_runs_the_operator_image_with_least_privilege_in_the_target_namespace() {
+    let Some(docs) = render_all() else { return };
+    let d: Deployment =
+        serde_json::from_value(named(&docs, "Deployment", "glmflash-activator").clone()).unwrap();
+    let spec = d.spec.unwrap();
+    let selector = spec.selector.match_labels.unwrap();
+    assert_eq!(selector["app.kubernetes.io/name"], "glmflash-activator");
+    let pod = spec.template.spec.unwrap();
+    assert_eq!(
+        pod.service_account_name.as_deref(),
+        Some("glmflash-activator")
+    );
+    let c = &pod.containers[0];
+    assert_eq!(c.args.as_deref(), Some(&["activator".to_string()][..]));
+    let env: Vec<(&str, &str)> = c
+        .env
+        .as_ref()
+        .unwrap()
+        .iter()
+        .filter_map(|e| Some((e.name.as_str(), e.value.as_deref()?)))
+        .collect();
+    for pair in [
+        ("GLMFLASH_ACTIVATOR_DEPLOYMENT", "glm"),
+        ("GLMFLASH_ACTIVATOR_NAMESPACE", "ai"),
+        ("GLMFLASH_ACTIVATOR_LISTEN", "0.0.0.0:8080"),
+        ("GLMFLASH_ACTIVATOR_WAKE_TIMEOUT", "300s"),
+        ("GLMFLASH_ACTIVATOR_MAX_BODY", "16777216"),
+    ] {
+        assert!(env.contains(&pair), "{pair:?} missing from {env:?}");
+    }
+    let sc = c.security_context.as_ref().unwrap();
+    assert_eq!(sc.read_only_root_filesystem, Some(true));
+    // The operator's Deployment must not select the activator's pods.
+    let operator: Deployment =
+        serde_json::from_value(named(&docs, "Deployment", "glmflash-operator").clone()).unwrap();
+    let operator_selector = operator.spec.unwrap().selector.match_labels.unwrap();
+    let labels = spec.template.metadata.unwrap().labels.unwrap();
+    assert!(
+        operator_selector
+            .iter()
+            .any(|(k, v)| labels.get(k) != Some(v))
+    );
+
+    let role: Role =
+        serde_json::from_value(named(&docs, "Role", "glmflash-activator").clone()).unwrap();
+    assert_eq!(role.metadata.namespace.as_deref(), Some("ai"));
+    let rules: Vec<(Vec<String>, Vec<String>, Vec<String>)> = role
+        .rules
+        .unwrap()
+        .into_iter()
+        .map(|r| {
+            (
+                r.api_groups.unwrap_or_default(),
+                r.resources.unwrap_or_default(),
+                r.verbs,
+            )
+        })
+        .collect();
+    let v = |items: &[&str]| items.iter().map(|s| s.to_string()).collect::<Vec<_>>();
+    assert_eq!(
+        rules,
+        [
+            (
+                v(&["glmflash.io"]),
+                v(&["glmflashdeployments"]),
+                v(&["get", "list", "watch", "patch"])
+            ),
+            (v(&[""]), v(&["pods"]), v(&["list", "watch"])),
+        ]
+    );
+    let binding: RoleBinding =
+        serde_json::from_value(named(&docs, "RoleBinding", "glmflash-activator").clone()).unwrap();
+    let subject = &binding.subjects.unwrap()[0];
+    assert_eq!(subject.name, "glmflash-activator");
+    assert_eq!(subject.namespace.as_deref(), Some("glmflash-system"));
+    let service: Service =
+        serde_json::from_value(named(&docs, "Service", "glmflash-activator").clone()).unwrap();
+    assert_eq!(
+        service.spec.unwrap().selector.unwrap()["app.kubernetes.io/name"],
+        "glmflash-activator"
+    );
 }
 
 fn alert_rules_file() -> Value {
@@ -418,6 +523,10 @@ fn default_values_need_no_prometheus_operator() {
     };
     assert!(!text.contains("kind: PrometheusRule"), "{text}");
     assert!(!text.contains("kind: ServiceMonitor"), "{text}");
+    assert!(
+        !text.contains("glmflash-activator"),
+        "the activator is opt-in"
+    );
     assert!(text.contains("kind: Deployment"));
     assert!(text.contains("grafana_dashboard: \"1\""));
 }

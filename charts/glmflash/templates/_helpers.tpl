@@ -31,3 +31,25 @@ app.kubernetes.io/instance: {{ .Release.Name }}
 {{- default "default" .Values.serviceAccount.name -}}
 {{- end -}}
 {{- end -}}
+
+{{/* The activator's name. */}}
+{{- define "glmflash.activatorName" -}}
+{{- if contains .Chart.Name .Release.Name -}}
+{{- printf "%s-activator" .Release.Name | trunc 63 | trimSuffix "-" -}}
+{{- else -}}
+{{- printf "%s-%s-activator" .Release.Name .Chart.Name | trunc 63 | trimSuffix "-" -}}
+{{- end -}}
+{{- end -}}
+
+{{/* The activator's selector labels: apart from the operator's, whose Deployment must not select its pods. */}}
+{{- define "glmflash.activatorSelectorLabels" -}}
+app.kubernetes.io/name: glmflash-activator
+app.kubernetes.io/instance: {{ .Release.Name }}
+{{- end -}}
+
+{{- define "glmflash.activatorLabels" -}}
+helm.sh/chart: {{ printf "%s-%s" .Chart.Name .Chart.Version | replace "+" "_" }}
+{{ include "glmflash.activatorSelectorLabels" . }}
+app.kubernetes.io/version: {{ .Chart.AppVersion | quote }}
+app.kubernetes.io/managed-by: {{ .Release.Service }}
+{{- end -}}

@@ -16,7 +16,8 @@
 use std::ops::ControlFlow;
 
 use glmflash_crds::{
-    GlmFlashDeployment, GlmFlashDeploymentSpec, GlmFlashDeploymentStatus, Phase, condition,
+    GlmFlashDeployment, GlmFlashDeploymentSpec, GlmFlashDeploymentStatus, LiveFigures, Phase,
+    condition,
 };
 use k8s_openapi::api::apps::v1::Deployment;
 use k8s_openapi::api::batch::v1::Job;
@@ -561,7 +562,11 @@ pub(super) async fn serving(
                 Ok(text) => Some(scrape::live_figures(&scrape::parse_exposition(&text))),
                 Err(why) => {
                     warn!(object = %key(gfd), replica = replica.index, %why, "could not read server metrics");
-                    old.live.clone()
+                    // The last figures stay, but whether it holds requests now is unknown.
+                    old.live.clone().map(|live| LiveFigures {
+                        active_requests: None,
+                        ..live
+                    })
                 }
             },
         };

@@ -173,6 +173,7 @@ pub(super) fn next_status(
         });
     }
     GlmFlashDeploymentStatus {
+        last_request_time: super::idle::last_request(old, &replicas.each, now),
         phase: Some(outcome.phase),
         ready: replicas.ready,
         replicas: replicas.each,

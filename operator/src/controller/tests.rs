@@ -1422,3 +1422,4 @@ mod hardening {
 }
 
 mod fleet;
+mod idle;
