@@ -67,12 +67,7 @@ pub const SOURCES: &[(&str, &str, &[&str])] = &[
     (
         "mla.cu",
         include_str!("../cuda/mla.cu"),
-        &[
-            "mla_sparse_attend",
-            "mla_absorb_q",
-            "mla_absorb_out",
-            "cache_store",
-        ],
+        &["mla_sparse_attend", "mla_absorb_q", "mla_absorb_out"],
     ),
     (
         "dsa.cu",

@@ -8,7 +8,8 @@
 
 use super::checkpoint::Checkpoint;
 use super::config::{AttnKind, Config, IndexerKind, MlpKind};
-use super::device::{CacheDtype, Device, Host};
+use super::device::{Device, Host};
+use super::dsa::IndexerCache;
 use super::kda::{Kda, KdaMode, KdaState};
 use super::loader::{LoadError, Loader};
 use super::mhc::HyperConnection;
@@ -147,14 +148,11 @@ pub trait ForwardHooks: Sync {
     fn routing(&self, _layer: usize, _routing: &Routing) {}
 }
 
-/// Which kernel forms a forward call uses (tests pin them to compare forms), and the dtype
-/// of the caches [`Model::new_cache`] makes (`--cache-dtype`).
+/// Which kernel forms a forward call uses (tests pin them to compare forms).
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct ForwardOptions {
     pub kda: KdaMode,
     pub mla: MlaPath,
-    /// How new caches store MLA latents and DSA indexer keys.
-    pub cache: CacheDtype,
 }
 
 impl Default for ForwardOptions {
@@ -162,7 +160,6 @@ impl Default for ForwardOptions {
         ForwardOptions {
             kda: KdaMode::Auto,
             mla: MlaPath::Auto,
-            cache: CacheDtype::F32,
         }
     }
 }
@@ -280,9 +277,10 @@ impl Model {
                 .zip(&self.cfg.indexer_kinds)
                 .map(|(k, ix)| match k {
                     AttnKind::Kda => LayerCache::Kda(KdaState::new(&self.cfg)),
-                    AttnKind::Mla => {
-                        LayerCache::Mla(MlaCache::new(self.options.cache, *ix == IndexerKind::Full))
-                    }
+                    AttnKind::Mla => LayerCache::Mla(MlaCache {
+                        indexer: (*ix == IndexerKind::Full).then(IndexerCache::default),
+                        ..MlaCache::default()
+                    }),
                 })
                 .collect(),
             len: 0,
