@@ -17,6 +17,9 @@ use glmflash_node::store::{
 use glmflash_node::tiers::source::expert_from_record;
 use std::path::PathBuf;
 
+#[path = "support/runs.rs"]
+mod runs;
+
 fn model() -> PathBuf {
     PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../e2e/fixtures/exl3/exl3_mul1_3bpw")
 }
@@ -304,8 +307,8 @@ fn plan_json(dir: &std::path::Path) -> serde_json::Value {
 /// run of the checkpoint.
 #[test]
 fn layers_at_different_rates_pack_and_serve_bit_identically() {
+    use glmflash_node::model::Model;
     use glmflash_node::model::config::MlpKind;
-    use glmflash_node::model::{Model, Step};
     use glmflash_node::tiers::plan::TierPlan;
     use glmflash_node::tiers::provider::{Mode, TieredExperts};
     use glmflash_node::tiers::source::StoreSource;
@@ -344,19 +347,7 @@ fn layers_at_different_rates_pack_and_serve_bit_identically() {
     let prompt: Vec<u32> = (0..20)
         .map(|t| (t * 31 + 5) % cfg.vocab_size as u32)
         .collect();
-    let logits = |model: &Model| {
-        let mut cache = model.new_cache();
-        model
-            .forward(
-                &mut [Step {
-                    tokens: &prompt,
-                    cache: &mut cache,
-                    all_logits: true,
-                }],
-                None,
-            )
-            .unwrap()
-    };
+    let logits = |model: &Model| runs::prompt_then_greedy(model, &prompt, 0);
     let want = logits(&untiered);
     assert!(want.iter().flatten().all(|v| v.is_finite()));
     assert!(logits(&tiered) == want, "tiered logits differ");
@@ -369,11 +360,11 @@ fn layers_at_different_rates_pack_and_serve_bit_identically() {
 /// the trellis.
 #[test]
 fn a_random_exl3_store_serves_bit_identically_through_the_tiers() {
+    use glmflash_node::model::Model;
     use glmflash_node::model::checkpoint::DType;
     use glmflash_node::model::config::MlpKind;
     use glmflash_node::model::moe::InMemoryExperts;
     use glmflash_node::model::random::{scaled_config, write_random_dense_checkpoint};
-    use glmflash_node::model::{Model, Step};
     use glmflash_node::tiers::plan::TierPlan;
     use glmflash_node::tiers::provider::{Mode, Tier, TieredExperts};
     use glmflash_node::tiers::source::{ExpertSource, StoreSource};
@@ -417,38 +408,7 @@ fn a_random_exl3_store_serves_bit_identically_through_the_tiers() {
         .map(|t| (t * 37 + 3) % cfg.vocab_size as u32)
         .collect();
     // Prompt logits (every position), then 8 cached greedy decode steps.
-    let run = |model: &Model| {
-        let mut cache = model.new_cache();
-        let mut out = model
-            .forward(
-                &mut [Step {
-                    tokens: &prompt,
-                    cache: &mut cache,
-                    all_logits: true,
-                }],
-                None,
-            )
-            .unwrap();
-        for _ in 0..8 {
-            let last = out.last().unwrap();
-            let next = glmflash_node::backend::cpu::ops::argmax(
-                &last[last.len() - model.cfg.vocab_size..],
-            ) as u32;
-            out.extend(
-                model
-                    .forward(
-                        &mut [Step {
-                            tokens: &[next],
-                            cache: &mut cache,
-                            all_logits: false,
-                        }],
-                        None,
-                    )
-                    .unwrap(),
-            );
-        }
-        out
-    };
+    let run = |model: &Model| runs::prompt_then_greedy(model, &prompt, 8);
     let want = run(&untiered);
     assert!(want.iter().flatten().all(|v| v.is_finite()));
     let spread = want[0].iter().fold(0f32, |m, v| m.max(v.abs()));

@@ -9,6 +9,9 @@ use glmflash_node::tiers::source::CheckpointSource;
 use std::path::PathBuf;
 use std::sync::Arc;
 
+#[path = "support/runs.rs"]
+mod runs;
+
 /// The tiers' plan with these slots per layer, aging period and prefetch (LFU, pinned).
 fn test_plan(
     mode: Mode,
@@ -41,36 +44,7 @@ fn fixture(name: &str) -> PathBuf {
 
 /// Prompt logits (all positions) then 12 cached greedy steps' logits.
 fn run(model: &Model, prompt: &[u32]) -> Vec<Vec<f32>> {
-    let mut cache = model.new_cache();
-    let mut out = model
-        .forward(
-            &mut [Step {
-                tokens: prompt,
-                cache: &mut cache,
-                all_logits: true,
-            }],
-            None,
-        )
-        .unwrap();
-    for _ in 0..12 {
-        let last = out.last().unwrap();
-        let next =
-            glmflash_node::backend::cpu::ops::argmax(&last[last.len() - model.cfg.vocab_size..])
-                as u32;
-        out.extend(
-            model
-                .forward(
-                    &mut [Step {
-                        tokens: &[next],
-                        cache: &mut cache,
-                        all_logits: false,
-                    }],
-                    None,
-                )
-                .unwrap(),
-        );
-    }
-    out
+    runs::prompt_then_greedy(model, prompt, 12)
 }
 
 #[test]
