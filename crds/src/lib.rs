@@ -424,6 +424,11 @@ pub struct ServerSpec {
     #[serde(default = "default_prefill_chunk")]
     #[schemars(range(min = 16, max = 1_048_576))]
     pub prefill_chunk: u32,
+    /// How the server caches its sequences' MLA latents and DSA indexer keys
+    /// (`--cache-dtype`): `f32`, or `bf16` / `f16` at half the bytes, which leaves VRAM for
+    /// more expert slots and moves the logits slightly (the node's BENCHMARKS.md).
+    #[serde(default)]
+    pub cache_dtype: CacheDtype,
     /// Secret key holding the API key clients must send as a bearer token.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub api_key_secret: Option<SecretKeyRef>,
@@ -433,6 +438,27 @@ pub struct ServerSpec {
     /// only; behind a proxy every request comes from the proxy's address).
     #[serde(default)]
     pub session_affinity: SessionAffinity,
+}
+
+/// How a server stores its sequence caches' values.
+#[derive(JsonSchema, Deserialize, Serialize, Clone, Copy, Debug, PartialEq, Eq, Default)]
+#[serde(rename_all = "lowercase")]
+pub enum CacheDtype {
+    #[default]
+    F32,
+    Bf16,
+    F16,
+}
+
+impl CacheDtype {
+    /// The value of `glmflash-node serve --cache-dtype`.
+    pub fn as_arg(self) -> &'static str {
+        match self {
+            CacheDtype::F32 => "f32",
+            CacheDtype::Bf16 => "bf16",
+            CacheDtype::F16 => "f16",
+        }
+    }
 }
 
 /// Service session affinity across replicas.
@@ -481,6 +507,7 @@ impl Default for ServerSpec {
             context_length: default_context_length(),
             max_batch_size: default_max_batch_size(),
             prefill_chunk: default_prefill_chunk(),
+            cache_dtype: CacheDtype::default(),
             api_key_secret: None,
             session_affinity: SessionAffinity::default(),
         }

@@ -17,8 +17,9 @@ OUT="${1:-${OUT:-/tmp/device-out}}"
 mkdir -p "$OUT"
 fail=0
 step() { echo; echo "== $*"; }
-# ONLY=serve,speed runs those steps (kernels, sanitizer, model, tiers, exl3, serve, speed, ptxas;
-# tiers needs model). SANITIZE_ONLY=matvec,kda limits the sanitizer to those check groups.
+# ONLY=serve,speed runs those steps (kernels, sanitizer, model, tiers, exl3, cache, serve, speed, ptxas;
+# tiers needs model). SANITIZE_ONLY=matvec,kda limits the sanitizer to those check groups,
+# CHECK_ONLY the kernels step.
 want() { [ -z "${ONLY:-}" ] || [[ ",$ONLY," == *",$1,"* ]]; }
 
 nvidia-smi --query-gpu=name,memory.total,driver_version,clocks.sm --format=csv,noheader
@@ -45,10 +46,11 @@ check_fixture() {
   python3 e2e/cuda/compare_logits.py "$work/$name.cuda.json" "$work/$name.cpu.json" --reference "$fx/reference.json" --name "$name" || fail=1
 }
 "$BIN" make-demo-model --out "$work/demo" >/dev/null 2>&1 || fail=1
+demo_tokens=1,2,3,4,5,6,7,8,9,10,11,12,13,14,15,16,17,18,19,20
 
 if want kernels; then
 step "kernels against the CPU backend (wide shapes)"
-"$BIN" cuda-check --wide 2>&1 | tee "$OUT/cuda_check.txt" | tail -n 200 || fail=1
+"$BIN" cuda-check --wide ${CHECK_ONLY:+--only "$CHECK_ONLY"} 2>&1 | tee "$OUT/cuda_check.txt" | tail -n 200 || fail=1
 grep -q " 0 failed" "$OUT/cuda_check.txt" || fail=1
 
 fi
@@ -68,7 +70,6 @@ fi
 if want model || want tiers; then  # tiers compares against the model step's runs
 step "whole model: experts on the GPU vs the CPU"
 for fx in e2e/fixtures/tiny_*; do check_fixture "$fx"; done
-demo_tokens=1,2,3,4,5,6,7,8,9,10,11,12,13,14,15,16,17,18,19,20
 for fmt in bf16 q4_k q8_0; do
   model="$work/demo"
   if [ $fmt != bf16 ]; then
@@ -121,6 +122,23 @@ for fx in e2e/fixtures/exl3/exl3_*; do
     python3 e2e/cuda/compare_logits.py "$work/t.json" "$work/$name.cuda.json" --kl --name "$name ${args%% --store*} vs exact" || fail=1
   done
   rm -rf "$store"
+done
+
+fi
+
+if want cache; then
+step "KV/pool caches stored as bf16 and f16: the GPU against the CPU at each dtype; q8_0 dense weights"
+"$BIN" convert-experts --model "$work/demo" --out "$work/demo_q8dense" --format q4_k --dense-format q8_0 >/dev/null 2>&1 \
+  || { echo "convert-experts --dense-format q8_0 failed"; fail=1; }
+for model in demo demo_q8dense; do
+  for dt in f32 bf16 f16; do
+    "$BIN" logits --model "$work/$model" --tokens $demo_tokens --greedy 24 --cache-dtype $dt > "$work/c.cpu.json" 2>/dev/null || fail=1
+    "$BIN" logits --model "$work/$model" --tokens $demo_tokens --greedy 24 --cache-dtype $dt --device cuda > "$work/c.cuda.json" 2>"$work/c.err" || { fail=1; tail -3 "$work/c.err"; }
+    if grep -q "device product failed" "$work/c.err"; then echo "$model $dt: a device product failed"; fail=1; fi
+    python3 e2e/cuda/compare_logits.py "$work/c.cuda.json" "$work/c.cpu.json" --name "$model, $dt caches" || fail=1
+    [ $dt = f32 ] && cp "$work/c.cpu.json" "$work/c.f32.json"
+    [ $dt = f32 ] || python3 e2e/cuda/compare_logits.py "$work/c.cpu.json" "$work/c.f32.json" --kl --name "$model $dt vs f32 (cpu)" || fail=1
+  done
 done
 
 fi

@@ -28,6 +28,14 @@ __device__ __forceinline__ float bf16_to_f32(u16 h) {
     return __uint_as_float(((u32)h) << 16);
 }
 
+// Value i of a sequence cache (MLA latents, DSA indexer keys) stored as FMT_F32, FMT_BF16 or
+// FMT_F16, widened to f32.
+__device__ __forceinline__ float cache_load(const u8* __restrict__ cache, i64 i, int fmt) {
+    if (fmt == FMT_F32) return ((const float*)cache)[i];
+    const u16 h = ((const u16*)cache)[i];
+    return fmt == FMT_BF16 ? bf16_to_f32(h) : f16_to_f32(h);
+}
+
 __device__ __forceinline__ u16 load_u16(const u8* p) {
     return (u16)p[0] | ((u16)p[1] << 8);
 }

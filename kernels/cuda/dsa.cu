@@ -7,10 +7,10 @@
 
 #define TOPK_THREADS 256
 
-// keys, gates: [tokens, di]; ape: [kpool, di]. out: [pools, di], the keys of pools
-// first_pool .. first_pool + pools. One thread per (pool, channel).
-extern "C" __global__ void dsa_pool_keys(const float* __restrict__ keys,
-                                         const float* __restrict__ gates,
+// keys, gates: [tokens, di] in format fmt (cache_load); ape: [kpool, di]. out: [pools, di],
+// the keys of pools first_pool .. first_pool + pools. One thread per (pool, channel).
+extern "C" __global__ void dsa_pool_keys(const u8* __restrict__ keys,
+                                         const u8* __restrict__ gates, int fmt,
                                          const float* __restrict__ ape, int di, int kpool,
                                          int first_pool, int pools, float* __restrict__ out) {
     const i64 t = (i64)blockIdx.x * blockDim.x + threadIdx.x;
@@ -19,44 +19,47 @@ extern "C" __global__ void dsa_pool_keys(const float* __restrict__ keys,
     const i64 tok0 = (i64)(first_pool + p) * kpool;
     float m = __int_as_float(0xff800000);
     for (int j = 0; j < kpool; j++)
-        m = fmaxf(m, __fadd_rn(gates[(tok0 + j) * di + c], ape[(i64)j * di + c]));
+        m = fmaxf(m, __fadd_rn(cache_load(gates, (tok0 + j) * di + c, fmt), ape[(i64)j * di + c]));
     float sum = 0.0f;
     for (int j = 0; j < kpool; j++) {
-        const float l = __fadd_rn(gates[(tok0 + j) * di + c], ape[(i64)j * di + c]);
+        const float l = __fadd_rn(cache_load(gates, (tok0 + j) * di + c, fmt), ape[(i64)j * di + c]);
         sum = __fadd_rn(sum, expf(__fsub_rn(l, m)));
     }
     float key = -0.0f;
     for (int j = 0; j < kpool; j++) {
-        const float l = __fadd_rn(gates[(tok0 + j) * di + c], ape[(i64)j * di + c]);
+        const float l = __fadd_rn(cache_load(gates, (tok0 + j) * di + c, fmt), ape[(i64)j * di + c]);
         const float w = __fdiv_rn(expf(__fsub_rn(l, m)), sum);
-        key = __fadd_rn(key, __fmul_rn(w, keys[(tok0 + j) * di + c]));
+        key = __fadd_rn(key, __fmul_rn(w, cache_load(keys, (tok0 + j) * di + c, fmt)));
     }
     out[t] = key;
 }
 
-// `ops::dot` exactly: eight strided partial sums, summed in order, plus the tail.
-__device__ float cpu_dot(const float* __restrict__ a, const float* __restrict__ b, int n) {
+// `ops::dot` exactly: eight strided partial sums, summed in order, plus the tail; b is the n
+// cache values from b0 on, in format fmt.
+__device__ float cpu_dot(const float* __restrict__ a, const u8* __restrict__ cache, i64 b0,
+                         int fmt, int n) {
     float acc[8] = {0.0f, 0.0f, 0.0f, 0.0f, 0.0f, 0.0f, 0.0f, 0.0f};
     const int chunks = n / 8;
     for (int ch = 0; ch < chunks; ch++) {
 #pragma unroll
         for (int l = 0; l < 8; l++)
-            acc[l] = __fadd_rn(acc[l], __fmul_rn(a[ch * 8 + l], b[ch * 8 + l]));
+            acc[l] = __fadd_rn(acc[l], __fmul_rn(a[ch * 8 + l], cache_load(cache, b0 + ch * 8 + l, fmt)));
     }
     float s = -0.0f;
 #pragma unroll
     for (int l = 0; l < 8; l++) s = __fadd_rn(s, acc[l]);
     float tail = -0.0f;
-    for (int i = chunks * 8; i < n; i++) tail = __fadd_rn(tail, __fmul_rn(a[i], b[i]));
+    for (int i = chunks * 8; i < n; i++)
+        tail = __fadd_rn(tail, __fmul_rn(a[i], cache_load(cache, b0 + i, fmt)));
     return __fadd_rn(s, tail);
 }
 
-// q: [queries, heads, di]; w: [queries, heads]; pool_keys: [pools, di]; candidates:
-// [queries], how many leading pools query b scores. scores: [queries, max_cand].
+// q: [queries, heads, di]; w: [queries, heads]; pool_keys: [pools, di] in format keys_fmt;
+// candidates: [queries], how many leading pools query b scores. scores: [queries, max_cand].
 // One warp per (pool, query): lane h computes head h's term, the terms are summed in head
 // order.
 extern "C" __global__ void dsa_scores(const float* __restrict__ q, const float* __restrict__ w,
-                                      const float* __restrict__ pool_keys,
+                                      const u8* __restrict__ pool_keys, int keys_fmt,
                                       const int* __restrict__ candidates, int heads, int di,
                                       float scale, int max_cand, float* __restrict__ scores) {
     const int warps = blockDim.x / WARP;
@@ -64,7 +67,7 @@ extern "C" __global__ void dsa_scores(const float* __restrict__ q, const float* 
     const int b = blockIdx.y;
     const int lane = threadIdx.x & (WARP - 1);
     if (p >= candidates[b]) return;  // uniform across the warp
-    const float* key = pool_keys + (i64)p * di;
+    const i64 key = (i64)p * di;
     const float* qb = q + (i64)b * heads * di;
     const float* wb = w + (i64)b * heads;
     float total = -0.0f;
@@ -72,7 +75,7 @@ extern "C" __global__ void dsa_scores(const float* __restrict__ q, const float* 
         const int h = h0 + lane;
         float term = 0.0f;
         if (h < heads) {
-            const float x = __fmul_rn(cpu_dot(qb + (i64)h * di, key, di), scale);
+            const float x = __fmul_rn(cpu_dot(qb + (i64)h * di, pool_keys, key, keys_fmt, di), scale);
             term = __fmul_rn(wb[h], x > 0.0f ? x : 0.0f);
         }
         const int n = min(WARP, heads - h0);

@@ -3,7 +3,8 @@
 // both key and value) and expanded prefill (per-head keys and values from kv_b): the caller
 // says where a token's key and value sit. Scores go to a per-row scratch row, the softmax and
 // the weighted sum follow in selection order, so results repeat bit for bit. Also the
-// weight absorption of queries and outputs on an f32 copy of kv_b.
+// weight absorption of queries and outputs on an f32 copy of kv_b, and the store of new rows
+// into a cache in its format.
 #include "common.cuh"
 
 #define ATTN_MAX_DK 1024
@@ -29,12 +30,40 @@ __device__ float attn_block_reduce(float v, bool is_max) {
     return total;
 }
 
+// f32 to bf16 rounded to nearest even, NaN kept quiet: `half`'s bf16::from_f32 bit for bit.
+__device__ __forceinline__ u16 f32_to_bf16_rn(float f) {
+    const u32 x = __float_as_uint(f);
+    if ((x & 0x7fffffffu) > 0x7f800000u) return (u16)((x >> 16) | 0x0040u);
+    const u32 round_bit = 0x8000u;
+    const u16 hi = (u16)(x >> 16);
+    return ((x & round_bit) != 0 && (x & (3u * round_bit - 1u)) != 0) ? (u16)(hi + 1) : hi;
+}
+
+// Rows pushed onto a sequence cache: src's n values become the cache's values at .. at + n,
+// f32 as they are, bf16 and f16 rounded to nearest even. One thread per value.
+extern "C" __global__ void cache_store(const float* __restrict__ src, u8* __restrict__ cache,
+                                       int fmt, i64 at, i64 n) {
+    const i64 i = (i64)blockIdx.x * blockDim.x + threadIdx.x;
+    if (i >= n) return;
+    const float v = src[i];
+    if (fmt == FMT_F32) {
+        ((float*)cache)[at + i] = v;
+    } else if (fmt == FMT_BF16) {
+        ((u16*)cache)[at + i] = f32_to_bf16_rn(v);
+    } else {
+        u16 h;
+        asm("cvt.rn.f16.f32 %0, %1;" : "=h"(h) : "f"(v));
+        ((u16*)cache)[at + i] = h;
+    }
+}
+
 // q: [queries * heads, dk] (row = query * heads + head). Token j's key for head h is dk
-// values at kv + j * stride + h * head_step + k_off, its value dv values at ... + v_off.
+// values at kv + j * stride + h * head_step + k_off, its value dv values at ... + v_off;
+// kv holds values of format kv_fmt (cache_load).
 // picks: query i's tokens are picks[sel_off[i] .. sel_off[i + 1]]. scratch:
 // [queries * heads, max_picks]. out: [queries * heads, dv]. blockDim a multiple of 32.
 extern "C" __global__ void mla_sparse_attend(const float* __restrict__ q,
-                                             const float* __restrict__ kv,
+                                             const u8* __restrict__ kv, int kv_fmt,
                                              const u32* __restrict__ picks,
                                              const int* __restrict__ sel_off, int heads, int dk,
                                              int dv, i64 stride, i64 head_step, i64 k_off,
@@ -54,9 +83,9 @@ extern "C" __global__ void mla_sparse_attend(const float* __restrict__ q,
     const i64 head_base = (i64)head * head_step;
     // One warp per selected token: its score.
     for (int j = wid; j < n; j += warps) {
-        const float* k = kv + (i64)picks[first + j] * stride + head_base + k_off;
+        const i64 k = (i64)picks[first + j] * stride + head_base + k_off;
         float acc = 0.0f;
-        for (int c = lane; c < dk; c += WARP) acc = fmaf(qs[c], k[c], acc);
+        for (int c = lane; c < dk; c += WARP) acc = fmaf(qs[c], cache_load(kv, k + c, kv_fmt), acc);
         acc = warp_sum(acc);
         if (lane == 0) sc[j] = acc * scale;
     }
@@ -80,8 +109,8 @@ extern "C" __global__ void mla_sparse_attend(const float* __restrict__ q,
     for (int c = tid; c < dv; c += blockDim.x) {
         float acc = 0.0f;
         for (int j = 0; j < n; j++) {
-            const float* v = kv + (i64)picks[first + j] * stride + head_base + v_off;
-            acc = __fadd_rn(acc, __fmul_rn(sc[j], v[c]));
+            const i64 v = (i64)picks[first + j] * stride + head_base + v_off;
+            acc = __fadd_rn(acc, __fmul_rn(sc[j], cache_load(kv, v + c, kv_fmt)));
         }
         out[(i64)row * dv + c] = acc;
     }

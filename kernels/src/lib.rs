@@ -67,7 +67,12 @@ pub const SOURCES: &[(&str, &str, &[&str])] = &[
     (
         "mla.cu",
         include_str!("../cuda/mla.cu"),
-        &["mla_sparse_attend", "mla_absorb_q", "mla_absorb_out"],
+        &[
+            "mla_sparse_attend",
+            "mla_absorb_q",
+            "mla_absorb_out",
+            "cache_store",
+        ],
     ),
     (
         "dsa.cu",

@@ -6,6 +6,7 @@ use crate::backend::Device;
 use crate::demo;
 use crate::model::Model;
 use crate::model::config::Config;
+use crate::model::device::CacheDtype;
 use crate::plan::{MemoryPlan, Shape};
 use crate::tiers::args::TierArgs;
 use crate::tiers::plan::{MachineFacts, Placement};
@@ -177,6 +178,12 @@ pub struct ModelArgs {
     pub tier: TierArgs,
     #[command(flatten)]
     pub device: crate::backend::DeviceArgs,
+    /// How the sequences' MLA latents and DSA indexer keys are cached, on the host and the
+    /// GPU: f32, or bf16 / f16 at half the bytes (rounded when stored, read back as f32;
+    /// BENCHMARKS.md states the logits' change). The cache budget and the memory plan count
+    /// the dtype's bytes.
+    #[arg(long, env = "GLMFLASH_CACHE_DTYPE", value_enum, default_value = "f32")]
+    pub cache_dtype: CacheDtype,
 }
 
 /// A loaded model, where its routed experts are served from, and the memory plan the tiers
@@ -217,8 +224,15 @@ impl ServedExperts {
 impl ModelArgs {
     /// The model with its experts placed as the flags ask: in a tiered mode the memory plan
     /// ([`ModelArgs::memory_plan`], `plan`'s own arithmetic) is worked out once for `shape`
-    /// from the checkpoint, the store and the machine, logged, and followed.
+    /// from the checkpoint, the store and the machine, logged, and followed. Its caches take
+    /// `--cache-dtype`.
     pub fn load(&self, shape: Shape) -> anyhow::Result<Loaded> {
+        let mut loaded = self.placed(shape)?;
+        loaded.model.options.cache = self.cache_dtype;
+        Ok(loaded)
+    }
+
+    fn placed(&self, shape: Shape) -> anyhow::Result<Loaded> {
         crate::tiers::args::log_cpu_lane();
         let device = self.device.open()?;
         let cuda = match &device {
@@ -311,6 +325,7 @@ impl ModelArgs {
             cfg.clone(),
             source,
             shape,
+            self.cache_dtype,
             machine,
             &request,
         )?;

@@ -227,6 +227,7 @@ fn kernel_forms_agree() {
         model.options = ForwardOptions {
             kda: KdaMode::Recurrent,
             mla: MlaPath::Absorbed,
+            ..ForwardOptions::default()
         };
         let other = all_logits(&model, &r.prompt);
         let err = rel_err(&other, &auto);

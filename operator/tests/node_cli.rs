@@ -193,17 +193,18 @@ fn every_expert_format_parses_with_the_node_cli() {
 
 #[test]
 fn server_container_parses_with_the_node_cli_in_every_mode() {
-    for (mode, slots, metrics_port, api_key) in [
-        ("nvme", Some(1376), None, true),
-        ("nvme-exact", None, Some(9400), false),
-        ("fast", None, None, false),
-        ("exact", Some(0), Some(9400), true),
+    for (mode, slots, metrics_port, api_key, cache_dtype) in [
+        ("nvme", Some(1376), None, true, "f32"),
+        ("nvme-exact", None, Some(9400), false, "bf16"),
+        ("fast", None, None, false, "f16"),
+        ("exact", Some(0), Some(9400), true, "bf16"),
     ] {
         let mut g = example();
         let mut spec = serde_json::to_value(&g.spec).unwrap();
         spec["mode"] = json!(mode);
         spec["vram"]["expertSlots"] = json!(slots);
         spec["metrics"]["port"] = json!(metrics_port);
+        spec["server"]["cacheDtype"] = json!(cache_dtype);
         if api_key {
             spec["server"]["apiKeySecret"] = json!({"name": "keys", "key": "key"});
         }
@@ -253,6 +254,12 @@ fn server_container_parses_with_the_node_cli_in_every_mode() {
             "{what}"
         );
         assert_eq!(serve.chunk_size as u64, s.prefill_chunk as u64, "{what}");
+        assert_eq!(s.cache_dtype.as_arg(), cache_dtype, "{what}");
+        assert_eq!(
+            model.cache_dtype.to_possible_value().unwrap().get_name(),
+            cache_dtype,
+            "{what}"
+        );
         assert_eq!(serve.metrics_port.map(i32::from), metrics_port, "{what}");
         let keys: Vec<String> = if api_key {
             vec![FROM_SECRET.into()]

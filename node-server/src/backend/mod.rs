@@ -18,6 +18,38 @@ pub enum DeviceChoice {
     Cuda,
 }
 
+/// How a sequence's growing caches (MLA latents; DSA indexer keys, gates and pool keys) hold
+/// a value: f32, or rounded to nearest-even bf16 / f16 when a row is pushed (half the bytes)
+/// and widened to f32 as attention and the indexer read it, their arithmetic staying f32.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, clap::ValueEnum, serde::Serialize)]
+#[serde(rename_all = "lowercase")]
+pub enum CacheDtype {
+    #[default]
+    F32,
+    Bf16,
+    F16,
+}
+
+impl CacheDtype {
+    pub const ALL: [CacheDtype; 3] = [CacheDtype::F32, CacheDtype::Bf16, CacheDtype::F16];
+
+    /// Bytes of one cached value.
+    pub fn bytes(self) -> usize {
+        match self {
+            CacheDtype::F32 => 4,
+            CacheDtype::Bf16 | CacheDtype::F16 => 2,
+        }
+    }
+
+    pub fn name(self) -> &'static str {
+        match self {
+            CacheDtype::F32 => "f32",
+            CacheDtype::Bf16 => "bf16",
+            CacheDtype::F16 => "f16",
+        }
+    }
+}
+
 /// Where products run: the CPU, or a CUDA device with its compiled kernels.
 #[derive(Clone, Debug)]
 pub enum Device {

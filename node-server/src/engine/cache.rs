@@ -1,6 +1,7 @@
 //! Cache accounting in bytes, per layer type, before a sequence is admitted.
 //!
-//! What one sequence's cache holds (f32 on this engine), layer by layer:
+//! What one sequence's cache holds, layer by layer (the KDA state in f32; the MLA and DSA
+//! caches in the cache dtype, `--cache-dtype`: 4 bytes a value for f32, 2 for bf16 / f16):
 //! - MLA: the normalised latent, `kv_lora_rank` per token (GLM-5.3-Flash attention is NoPE,
 //!   so there is no separate rope key: `qk_rope_head_dim` is 0 and the config refuses more);
 //! - MLA with a full DSA indexer: per token an indexer key and a gate score (`index_head_dim`
@@ -13,6 +14,7 @@
 //! max_tokens) against the budget, so admission never over-commits memory.
 
 use crate::model::config::{AttnKind, Config, IndexerKind};
+use crate::model::device::CacheDtype;
 
 const F32: usize = 4;
 
@@ -29,7 +31,9 @@ pub struct CacheLayout {
 }
 
 impl CacheLayout {
-    pub fn of(cfg: &Config) -> CacheLayout {
+    /// The layout of `cfg`'s caches with the MLA and DSA caches in `dtype`.
+    pub fn of(cfg: &Config, dtype: CacheDtype) -> CacheLayout {
+        let value = dtype.bytes();
         let kda_state = (cfg.linear_conv_kernel_dim.saturating_sub(1) * 3 * cfg.kda_dim()
             + cfg.linear_num_heads * cfg.linear_head_dim * cfg.linear_head_dim)
             * F32;
@@ -43,10 +47,10 @@ impl CacheLayout {
             match attn {
                 AttnKind::Kda => layout.fixed_bytes += kda_state,
                 AttnKind::Mla => {
-                    layout.token_bytes += cfg.kv_lora_rank * F32;
+                    layout.token_bytes += cfg.kv_lora_rank * value;
                     if *indexer == IndexerKind::Full {
-                        layout.token_bytes += 2 * cfg.index_head_dim * F32;
-                        layout.pool_bytes += cfg.index_head_dim * F32;
+                        layout.token_bytes += 2 * cfg.index_head_dim * value;
+                        layout.pool_bytes += cfg.index_head_dim * value;
                     }
                 }
             }
@@ -91,14 +95,28 @@ mod tests {
     use crate::model::{Model, Step};
 
     /// The accounting equals what the engine's cache really holds, token by token, across
-    /// pool boundaries, for every layer type of the real model's rhythm.
+    /// pool boundaries, for every layer type of the real model's rhythm and every cache dtype.
     #[test]
     fn accounted_bytes_equal_the_cache_the_model_fills() {
         let dir = tempfile::tempdir().unwrap();
         let cfg = scaled_config(64, 64, 8, 1, 4, 32, 2);
         write_random_checkpoint(dir.path(), &cfg, 3, DType::F32).unwrap();
-        let model = Model::load(dir.path()).unwrap();
-        let layout = CacheLayout::of(&model.cfg);
+        let mut model = Model::load(dir.path()).unwrap();
+        let f32_layout = CacheLayout::of(&model.cfg, CacheDtype::F32);
+        for dtype in CacheDtype::ALL {
+            model.options.cache = dtype;
+            let layout = CacheLayout::of(&model.cfg, dtype);
+            assert_eq!(layout.fixed_bytes, f32_layout.fixed_bytes, "{dtype:?}");
+            assert_eq!(
+                layout.token_bytes * 4,
+                f32_layout.token_bytes * dtype.bytes(),
+                "{dtype:?}"
+            );
+            fill_and_count(&model, &layout);
+        }
+    }
+
+    fn fill_and_count(model: &Model, layout: &CacheLayout) {
         assert!(layout.fixed_bytes > 0 && layout.token_bytes > 0 && layout.pool_bytes > 0);
         let mut cache = model.new_cache();
         let kpool = model.cfg.index_kpool;

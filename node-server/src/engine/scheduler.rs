@@ -193,7 +193,7 @@ impl Engine {
         config.gpu_chunk_size = config
             .gpu_chunk_size
             .clamp(1, MAX_ROWS.saturating_sub(config.max_batch_size).max(1));
-        let layout = CacheLayout::of(&model.cfg);
+        let layout = CacheLayout::of(&model.cfg, model.options.cache);
         let context = config
             .context_length
             .min(model.cfg.max_position_embeddings)

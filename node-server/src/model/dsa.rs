@@ -8,7 +8,7 @@
 //! pool, so a choice never depends on how many pools exist.
 
 use super::config::Config;
-use super::device::{Device, DsaSpec, Host};
+use super::device::{CacheDtype, CacheRows, Device, DsaSpec, Host};
 use super::loader::{LoadError, Loader};
 use super::mla::MlaCache;
 use crate::backend::cpu::ops;
@@ -38,12 +38,13 @@ pub struct IndexerCache<D: Device = Host> {
     pub pool_keys: D::Grow,
 }
 
-impl Default for IndexerCache {
-    fn default() -> Self {
+impl IndexerCache {
+    /// An empty cache in `dtype`.
+    pub fn new(dtype: CacheDtype) -> IndexerCache {
         IndexerCache {
-            keys: Vec::new(),
-            gates: Vec::new(),
-            pool_keys: Vec::new(),
+            keys: CacheRows::new(dtype),
+            gates: CacheRows::new(dtype),
+            pool_keys: CacheRows::new(dtype),
         }
     }
 }
@@ -75,7 +76,7 @@ impl std::fmt::Debug for IndexerCache {
 
 impl IndexerCache {
     pub fn bytes(&self) -> usize {
-        (self.keys.len() + self.gates.len() + self.pool_keys.len()) * 4
+        self.keys.bytes() + self.gates.bytes() + self.pool_keys.bytes()
     }
 
     /// This cache on `dev`, with room for `spare_tokens` more tokens before it grows.

@@ -8,8 +8,7 @@
 
 use super::checkpoint::Checkpoint;
 use super::config::{AttnKind, Config, IndexerKind, MlpKind};
-use super::device::{Device, Host};
-use super::dsa::IndexerCache;
+use super::device::{CacheDtype, Device, Host};
 use super::kda::{Kda, KdaMode, KdaState};
 use super::loader::{LoadError, Loader};
 use super::mhc::HyperConnection;
@@ -148,11 +147,14 @@ pub trait ForwardHooks: Sync {
     fn routing(&self, _layer: usize, _routing: &Routing) {}
 }
 
-/// Which kernel forms a forward call uses (tests pin them to compare forms).
+/// Which kernel forms a forward call uses (tests pin them to compare forms), and the dtype
+/// of the caches [`Model::new_cache`] makes (`--cache-dtype`).
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct ForwardOptions {
     pub kda: KdaMode,
     pub mla: MlaPath,
+    /// How new caches store MLA latents and DSA indexer keys.
+    pub cache: CacheDtype,
 }
 
 impl Default for ForwardOptions {
@@ -160,6 +162,7 @@ impl Default for ForwardOptions {
         ForwardOptions {
             kda: KdaMode::Auto,
             mla: MlaPath::Auto,
+            cache: CacheDtype::F32,
         }
     }
 }
@@ -277,10 +280,9 @@ impl Model {
                 .zip(&self.cfg.indexer_kinds)
                 .map(|(k, ix)| match k {
                     AttnKind::Kda => LayerCache::Kda(KdaState::new(&self.cfg)),
-                    AttnKind::Mla => LayerCache::Mla(MlaCache {
-                        indexer: (*ix == IndexerKind::Full).then(IndexerCache::default),
-                        ..MlaCache::default()
-                    }),
+                    AttnKind::Mla => {
+                        LayerCache::Mla(MlaCache::new(self.options.cache, *ix == IndexerKind::Full))
+                    }
                 })
                 .collect(),
             len: 0,

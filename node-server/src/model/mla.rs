@@ -6,7 +6,7 @@
 //! `score_j = (W_uk^T q) . c_j`, `o = W_uv (sum_j p_j c_j)`.
 
 use super::config::Config;
-use super::device::{Device, Host, MlaSpec};
+use super::device::{CacheDtype, CacheRows, Device, Host, MlaSpec};
 use super::dsa::{Indexer, IndexerCache};
 use super::loader::{LoadError, Loader};
 use crate::backend::AttnLayout;
@@ -35,11 +35,12 @@ pub struct MlaCache<D: Device = Host> {
     pub indexer: Option<IndexerCache<D>>,
 }
 
-impl Default for MlaCache {
-    fn default() -> Self {
+impl MlaCache {
+    /// An empty cache in `dtype`, with an indexer cache on a full indexer layer.
+    pub fn new(dtype: CacheDtype, full_indexer: bool) -> MlaCache {
         MlaCache {
-            latents: Vec::new(),
-            indexer: None,
+            latents: CacheRows::new(dtype),
+            indexer: full_indexer.then(|| IndexerCache::new(dtype)),
         }
     }
 }
@@ -70,7 +71,7 @@ impl std::fmt::Debug for MlaCache {
 
 impl MlaCache {
     pub fn bytes(&self) -> usize {
-        self.latents.len() * 4 + self.indexer.as_ref().map_or(0, IndexerCache::bytes)
+        self.latents.bytes() + self.indexer.as_ref().map_or(0, IndexerCache::bytes)
     }
 
     /// This cache on `dev`, with room for `spare_tokens` more tokens before it grows; an
@@ -83,7 +84,7 @@ impl MlaCache {
         indexer: Option<(usize, usize)>,
         spare_tokens: usize,
     ) -> anyhow::Result<MlaCache<E>> {
-        let empty = IndexerCache::default();
+        let empty = IndexerCache::new(self.latents.dtype());
         Ok(MlaCache {
             latents: dev.grow(&self.latents, spare_tokens * rank)?,
             indexer: match indexer {

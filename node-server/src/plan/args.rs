@@ -3,6 +3,7 @@
 use super::weights::Storage;
 use super::{Bandwidths, GLM_5_3_FLASH_CONFIG, PlanInputs, Shape};
 use crate::model::config::Config;
+use crate::model::device::CacheDtype;
 use crate::tiers::plan::{MachineFacts, SlotRequest};
 use crate::tiers::source::ExpertSource;
 use anyhow::Context;
@@ -57,6 +58,10 @@ pub struct PlanArgs {
     /// Sequences at once (each keeps its own KDA state).
     #[arg(long, env = "GLMFLASH_MAX_BATCH_SIZE", default_value_t = 8)]
     pub batch: usize,
+    /// How the MLA latents and DSA indexer keys are cached: f32, or bf16 / f16 at half the
+    /// bytes (the serving flag of the same name).
+    #[arg(long, env = "GLMFLASH_CACHE_DTYPE", value_enum, default_value = "f32")]
+    pub cache_dtype: CacheDtype,
     /// Prompt-chunk rows of the GPU forward (its workspace grows with them).
     #[arg(long, env = "GLMFLASH_GPU_CHUNK_SIZE", default_value_t = crate::model::decoder::DEFAULT_GPU_CHUNK)]
     pub gpu_chunk_size: usize,
@@ -185,12 +190,13 @@ fn formats(
 
 /// The plan's inputs for the checkpoint in `dir` as the server runs it on `machine`: its
 /// declared formats (as `plan --model DIR` reads them), the records and VRAM slots of the
-/// source it reads experts from, and the reserves of `request`.
+/// source it reads experts from, and the reserves of `request`; caches in `cache_dtype`.
 pub fn checkpoint_inputs(
     dir: &Path,
     cfg: Config,
     source: &dyn ExpertSource,
     shape: Shape,
+    cache_dtype: CacheDtype,
     machine: &MachineFacts,
     request: &SlotRequest,
 ) -> anyhow::Result<PlanInputs> {
@@ -210,6 +216,7 @@ pub fn checkpoint_inputs(
         ram_reserve: request.ram_reserve,
         context: shape.context,
         batch: shape.batch,
+        cache_dtype,
         chunk: shape.chunk,
         bandwidths: Bandwidths::RTX_3090_BOX,
     })
@@ -287,6 +294,7 @@ impl PlanArgs {
             ram_reserve: self.ram_reserve_mib << 20,
             context: self.context,
             batch: self.batch,
+            cache_dtype: self.cache_dtype,
             chunk: self.gpu_chunk_size,
             bandwidths: Bandwidths {
                 hbm: self.hbm_gbs,

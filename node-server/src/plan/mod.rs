@@ -13,6 +13,7 @@ pub mod weights;
 
 use crate::engine::cache::CacheLayout;
 use crate::model::config::Config;
+use crate::model::device::CacheDtype;
 use crate::tiers::plan::{MachineFacts, ModelSizes, STAGING_SLOTS, SlotRequest, size_tiers};
 use crate::tiers::provider::Mode;
 use crate::tiers::sizing::MemoryFacts;
@@ -76,6 +77,8 @@ pub struct PlanInputs {
     pub context: usize,
     /// Sequences at once (each with its own KDA state).
     pub batch: usize,
+    /// How the MLA and DSA caches store a value.
+    pub cache_dtype: CacheDtype,
     /// Prompt-chunk rows of the GPU forward (its workspace).
     pub chunk: usize,
     pub bandwidths: Bandwidths,
@@ -131,6 +134,8 @@ pub struct MemoryPlan {
     pub vram_weight_bytes: u64,
     /// VRAM: the caches at `context` tokens and `batch` sequences.
     pub cache_bytes: u64,
+    /// How the MLA and DSA caches store a value.
+    pub cache_dtype: CacheDtype,
     pub context: usize,
     pub batch: usize,
     pub workspace_bytes: u64,
@@ -198,9 +203,10 @@ pub enum PlanError {
     Config(String),
 }
 
-/// Bytes of the caches of `batch` sequences sharing `context` tokens.
-pub fn cache_bytes(cfg: &Config, context: usize, batch: usize) -> u64 {
-    let layout = CacheLayout::of(cfg);
+/// Bytes of the caches of `batch` sequences sharing `context` tokens, the MLA and DSA caches
+/// in `dtype`.
+pub fn cache_bytes(cfg: &Config, context: usize, batch: usize, dtype: CacheDtype) -> u64 {
+    let layout = CacheLayout::of(cfg, dtype);
     let tokens = layout.bytes_for(context) - layout.fixed_bytes;
     (layout.fixed_bytes * batch.max(1) + tokens) as u64
 }
@@ -284,7 +290,7 @@ pub fn plan_with(
     }
     // A sequence never holds more than the model's positions.
     let context = inputs.context.min(cfg.max_position_embeddings);
-    let cache = cache_bytes(cfg, context, inputs.batch);
+    let cache = cache_bytes(cfg, context, inputs.batch, inputs.cache_dtype);
     let workspace = crate::model::decoder::workspace_bytes(cfg, inputs.chunk, context) as u64;
     let sizes = ModelSizes {
         moe_layers,
@@ -385,6 +391,7 @@ pub fn plan_with(
         weights: by_kind,
         vram_weight_bytes: dense_bytes - host_only,
         cache_bytes: cache,
+        cache_dtype: inputs.cache_dtype,
         context,
         batch: inputs.batch,
         workspace_bytes: workspace,
@@ -525,7 +532,12 @@ impl MemoryPlan {
             }
         }
         text(row(
-            format!("caches: {} tokens, {} sequences", self.context, self.batch),
+            format!(
+                "caches: {} tokens, {} sequences, {}",
+                self.context,
+                self.batch,
+                self.cache_dtype.name()
+            ),
             self.cache_bytes,
         ));
         text(row("prefill workspace".into(), self.workspace_bytes));

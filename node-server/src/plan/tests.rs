@@ -24,6 +24,7 @@ fn seed_box(cfg: Config, experts: Storage, dense: Storage, head: Storage) -> Pla
         ram_reserve: 2048 * MIB,
         context: 131_072,
         batch: 8,
+        cache_dtype: CacheDtype::F32,
         chunk: crate::model::decoder::DEFAULT_GPU_CHUNK,
         bandwidths: Bandwidths::RTX_3090_BOX,
     }
@@ -196,8 +197,29 @@ fn sizing_rules() {
     .unwrap();
     assert_eq!(
         batch.cache_bytes - p0.cache_bytes,
-        8 * crate::engine::cache::CacheLayout::of(&base.cfg).fixed_bytes as u64
+        8 * crate::engine::cache::CacheLayout::of(&base.cfg, CacheDtype::F32).fixed_bytes as u64
     );
+    // A 2-byte cache dtype halves the tokens' share of the caches (the KDA states stay f32)
+    // and gives the VRAM it frees to expert slots.
+    let fixed =
+        8 * crate::engine::cache::CacheLayout::of(&base.cfg, CacheDtype::F32).fixed_bytes as u64;
+    for dtype in [CacheDtype::Bf16, CacheDtype::F16] {
+        let compact = plan(&PlanInputs {
+            cache_dtype: dtype,
+            ..base.clone()
+        })
+        .unwrap();
+        assert_eq!(
+            2 * (compact.cache_bytes - fixed),
+            p0.cache_bytes - fixed,
+            "{dtype:?}"
+        );
+        assert!(
+            compact.vram_expert_slots > p0.vram_expert_slots,
+            "{dtype:?}"
+        );
+        assert!(compact.table().contains(dtype.name()));
+    }
     // No cap: the available memory is the base.
     let open = plan(&PlanInputs {
         ram_limit: None,

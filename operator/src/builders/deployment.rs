@@ -42,6 +42,8 @@ pub fn server_args(spec: &GlmFlashDeploymentSpec) -> Vec<String> {
         spec.server.max_batch_size.to_string(),
         "--chunk-size".into(),
         spec.server.prefill_chunk.to_string(),
+        "--cache-dtype".into(),
+        spec.server.cache_dtype.as_arg().into(),
         "--history".into(),
         format!("{HISTORY_MOUNT}/{HISTORY_FILE}"),
     ];

@@ -112,7 +112,7 @@ fn server_deployment_field_by_field() {
         c.args.as_ref().unwrap().join(" "),
         "serve --model /models --store /store --mode nvme \
          --host 0.0.0.0 --port 30000 --served-model-name glm-5.3-flash \
-         --context-length 131072 --max-batch-size 8 --chunk-size 8192 \
+         --context-length 131072 --max-batch-size 8 --chunk-size 8192 --cache-dtype f32 \
          --history /history/routing.json \
          --vram-expert-slots 1376 --min-free-vram-mib 23000 \
          --termination-log /dev/termination-log"

@@ -5,9 +5,10 @@
 //! Each op has a host-slice entry (upload, launch, download) for checks and the CPU-side
 //! callers, and a `_dev` entry on device buffers for callers that keep the cache on the GPU.
 
-use super::{Cuda, CudaError};
-use crate::backend::AttnLayout;
-use cudarc::driver::{CudaSlice, LaunchConfig, PushKernelArg};
+use super::{Cuda, CudaError, kernel_format_id};
+use crate::backend::{AttnLayout, CacheDtype};
+use crate::quant::Format;
+use cudarc::driver::{CudaSlice, CudaView, LaunchConfig, PushKernelArg};
 
 /// Threads per block of the attention and top-k kernels.
 const ATTN_BLOCK: u32 = 256;
@@ -22,6 +23,18 @@ pub struct DsaSpec {
     pub kpool: usize,
     pub topk: usize,
     pub select_tail: bool,
+}
+
+/// A sequence cache on the device: its bytes and the dtype they hold.
+pub type CacheBytes<'a> = (&'a CudaSlice<u8>, CacheDtype);
+
+/// The kernels' format id of a cache dtype (`FMT_*` in common.cuh).
+fn cache_format(dtype: CacheDtype) -> i32 {
+    kernel_format_id(match dtype {
+        CacheDtype::F32 => Format::F32,
+        CacheDtype::Bf16 => Format::Bf16,
+        CacheDtype::F16 => Format::F16,
+    })
 }
 
 /// Token selections on the device: query `i`'s tokens are `tokens[offsets[i]..offsets[i + 1]]`.
@@ -55,24 +68,26 @@ impl Cuda {
             )));
         }
         let d_q = self.upload(q)?;
-        let d_kv = self.upload(kv)?;
+        let d_kv = self.upload_f32_bytes(kv)?;
         let d_sel = DeviceSelections {
             tokens: self.stream.clone_htod(&flat_or_one(flat))?,
             offsets,
         };
         let mut out = self.alloc_f32(queries * layout.heads * layout.dv)?;
-        self.mla_sparse_attend_dev(&d_q, &d_kv, layout, &d_sel, &mut out)?;
+        let kv = (&d_kv, CacheDtype::F32);
+        self.mla_sparse_attend_dev(&d_q, kv, layout, &d_sel, &mut out)?;
         let mut y = self.download(&out)?;
         y.truncate(queries * layout.heads * layout.dv);
         Ok(y)
     }
 
-    /// [`Cuda::mla_sparse_attend`] on device buffers; `out` holds `[queries, heads, dv]`.
-    /// The selected tokens must lie inside `kv` (the caller's selections guarantee it).
+    /// [`Cuda::mla_sparse_attend`] on device buffers, `kv` in its dtype; `out` holds
+    /// `[queries, heads, dv]`. The selected tokens must lie inside `kv` (the caller's
+    /// selections guarantee it).
     pub fn mla_sparse_attend_dev(
         &self,
         q: &CudaSlice<f32>,
-        kv: &CudaSlice<f32>,
+        kv: CacheBytes,
         layout: &AttnLayout,
         sel: &DeviceSelections,
         out: &mut CudaSlice<f32>,
@@ -86,7 +101,7 @@ impl Cuda {
     pub fn mla_sparse_attend_part_dev(
         &self,
         q: &CudaSlice<f32>,
-        kv: &CudaSlice<f32>,
+        (kv, kv_dtype): CacheBytes,
         layout: &AttnLayout,
         tokens: &CudaSlice<u32>,
         offsets: &[usize],
@@ -122,6 +137,7 @@ impl Cuda {
             return Ok(());
         }
         let max_picks = offsets.windows(2).map(|w| w[1] - w[0]).max().unwrap_or(0);
+        let kv_fmt = cache_format(kv_dtype);
         let offsets_i: Vec<i32> = offsets.iter().map(|&o| o as i32).collect();
         let d_off = self.stream.clone_htod(&offsets_i)?;
         let mut scratch = self.alloc_f32(rows * max_picks)?;
@@ -131,6 +147,7 @@ impl Cuda {
         let mut b = self.stream.launch_builder(self.kernel("mla_sparse_attend"));
         b.arg(q)
             .arg(kv)
+            .arg(&kv_fmt)
             .arg(tokens)
             .arg(&d_off)
             .arg(&heads_i)
@@ -168,20 +185,20 @@ impl Cuda {
         pools: usize,
     ) -> Result<Vec<f32>, CudaError> {
         let di = ape.len() / kpool.max(1);
-        let (dk, dg, da) = (self.upload(keys)?, self.upload(gates)?, self.upload(ape)?);
+        let (dk, dg) = (self.upload_f32_bytes(keys)?, self.upload_f32_bytes(gates)?);
+        let da = self.upload(ape)?;
         let mut out = self.alloc_f32(pools * di)?;
-        self.dsa_pool_keys_dev(&dk, &dg, &da, kpool, first_pool, pools, &mut out)?;
+        let cache = (&dk, &dg, CacheDtype::F32);
+        self.dsa_pool_keys_dev(cache, &da, kpool, first_pool, pools, &mut out)?;
         let mut y = self.download(&out)?;
         y.truncate(pools * di);
         Ok(y)
     }
 
-    /// [`Cuda::dsa_pool_keys`] on device buffers.
-    #[allow(clippy::too_many_arguments)]
+    /// [`Cuda::dsa_pool_keys`] on device buffers, `keys` and `gates` in one dtype.
     pub fn dsa_pool_keys_dev(
         &self,
-        keys: &CudaSlice<f32>,
-        gates: &CudaSlice<f32>,
+        (keys, gates, dtype): (&CudaSlice<u8>, &CudaSlice<u8>, CacheDtype),
         ape: &CudaSlice<f32>,
         kpool: usize,
         first_pool: usize,
@@ -189,7 +206,7 @@ impl Cuda {
         out: &mut CudaSlice<f32>,
     ) -> Result<(), CudaError> {
         let di = ape.len() / kpool.max(1);
-        let need = (first_pool + pools) * kpool * di;
+        let need = (first_pool + pools) * kpool * di * dtype.bytes();
         if kpool == 0
             || di * kpool != ape.len()
             || keys.len() < need
@@ -197,8 +214,8 @@ impl Cuda {
             || out.len() < pools * di
         {
             return Err(CudaError::Invalid(format!(
-                "dsa_pool_keys of pools {first_pool}..+{pools} (kpool {kpool}, ape {}): keys {}, \
-                 gates {}, out {}",
+                "dsa_pool_keys of pools {first_pool}..+{pools} (kpool {kpool}, ape {}): key bytes \
+                 {}, gate bytes {}, out {}",
                 ape.len(),
                 keys.len(),
                 gates.len(),
@@ -210,9 +227,11 @@ impl Cuda {
         }
         let (di_i, kpool_i, first_i, pools_i) =
             (di as i32, kpool as i32, first_pool as i32, pools as i32);
+        let fmt = cache_format(dtype);
         let mut b = self.stream.launch_builder(self.kernel("dsa_pool_keys"));
         b.arg(keys)
             .arg(gates)
+            .arg(&fmt)
             .arg(ape)
             .arg(&di_i)
             .arg(&kpool_i)
@@ -239,10 +258,11 @@ impl Cuda {
         let (dq, dw, dk) = (
             self.upload(q)?,
             self.upload(weights)?,
-            self.upload(&flat_or_one(pool_keys.to_vec()))?,
+            self.upload_f32_bytes(&flat_or_one(pool_keys.to_vec()))?,
         );
         let pools = pool_keys.len() / spec.dim.max(1);
-        let sel = self.dsa_select_dev(&dq, &dw, &dk, pools, spec, positions)?;
+        let keys = (&dk, CacheDtype::F32);
+        let sel = self.dsa_select_dev(&dq, &dw, keys, pools, spec, positions)?;
         let flat = self.download(&sel.tokens)?;
         Ok(sel
             .offsets
@@ -251,12 +271,13 @@ impl Cuda {
             .collect())
     }
 
-    /// [`Cuda::dsa_select`] on device buffers; `pools` of `pool_keys` are complete.
+    /// [`Cuda::dsa_select`] on device buffers, `pool_keys` in its dtype; `pools` of them
+    /// are complete.
     pub fn dsa_select_dev(
         &self,
         q: &CudaSlice<f32>,
         weights: &CudaSlice<f32>,
-        pool_keys: &CudaSlice<f32>,
+        (pool_keys, keys_dtype): CacheBytes,
         pools: usize,
         spec: DsaSpec,
         positions: &[usize],
@@ -272,11 +293,11 @@ impl Cuda {
         if kpool == 0
             || q.len() < queries * heads * dim
             || weights.len() < queries * heads
-            || pool_keys.len() < pools * dim
+            || pool_keys.len() < pools * dim * keys_dtype.bytes()
         {
             return Err(CudaError::Invalid(format!(
                 "dsa_select {spec:?} for {queries} queries over {pools} pools: q {}, weights {}, \
-                 pool keys {}",
+                 pool key bytes {}",
                 q.len(),
                 weights.len(),
                 pool_keys.len()
@@ -312,11 +333,13 @@ impl Cuda {
         let mut scores = self.alloc_f32(queries * max_cand)?;
         let (heads_i, dim_i, max_i) = (heads as i32, dim as i32, max_cand as i32);
         let scale = (dim as f32).powf(-0.5);
+        let keys_fmt = cache_format(keys_dtype);
         if max_cand > 0 {
             let mut b = s.launch_builder(self.kernel("dsa_scores"));
             b.arg(q)
                 .arg(weights)
                 .arg(pool_keys)
+                .arg(&keys_fmt)
                 .arg(&d_cand)
                 .arg(&heads_i)
                 .arg(&dim_i)
@@ -353,6 +376,44 @@ impl Cuda {
         // [offsets[b], offsets[b + 1]) computed above with the kernel's own formula.
         unsafe { b.launch(cfg) }?;
         Ok(DeviceSelections { tokens, offsets })
+    }
+}
+
+impl Cuda {
+    /// f32 values as the bytes of an f32 cache.
+    fn upload_f32_bytes(&self, values: &[f32]) -> Result<CudaSlice<u8>, CudaError> {
+        let bytes: Vec<u8> = flat_or_one(values.iter().flat_map(|v| v.to_le_bytes()).collect());
+        self.upload(&bytes)
+    }
+
+    /// Stores `src`'s values in `cache` (values of `dtype`) from value `at` on: f32 bit for
+    /// bit, bf16 and f16 rounded to nearest even as `half`'s `from_f32` rounds on the host.
+    pub fn cache_store(
+        &self,
+        src: &CudaView<f32>,
+        cache: &mut CudaSlice<u8>,
+        dtype: CacheDtype,
+        at: usize,
+        n: usize,
+    ) -> Result<(), CudaError> {
+        if src.len() < n || cache.len() < (at + n) * dtype.bytes() {
+            return Err(CudaError::Invalid(format!(
+                "cache_store of {n} values at {at} ({}): {} sources, {} cache bytes",
+                dtype.name(),
+                src.len(),
+                cache.len()
+            )));
+        }
+        if n == 0 {
+            return Ok(());
+        }
+        let (at_l, n_l, fmt) = (at as i64, n as i64, cache_format(dtype));
+        let mut b = self.stream.launch_builder(self.kernel("cache_store"));
+        b.arg(src).arg(cache).arg(&fmt).arg(&at_l).arg(&n_l);
+        // SAFETY: one thread per value; src holds n values and the cache room for values
+        // at .. at + n of its dtype (checked above).
+        unsafe { b.launch(LaunchConfig::for_num_elems(n as u32)) }?;
+        Ok(())
     }
 }
 

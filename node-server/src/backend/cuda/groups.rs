@@ -195,6 +195,11 @@ impl GroupTables {
             .slice(a.min(self.ints.len() - 1)..b.max(a + 1).min(self.ints.len()))
     }
 
+    /// Groups the tables have room for (the grid of a launch over every group).
+    pub(super) fn groups(&self) -> usize {
+        self.groups
+    }
+
     /// The count of groups `Ones` or `More` lists, on the device.
     pub(super) fn count(&self, t: Table) -> CudaView<'_, i32> {
         let i = self.at[Table::Counts as usize] + matches!(t, Table::More) as usize;

@@ -1,7 +1,7 @@
 //! The router and the routed experts on the GPU: `route`, the fused MoE launches over expert
 //! slots, and the slot arena they read.
 
-use super::groups::{GROUP_MAX_PICKS, GroupTables, PickGroups};
+use super::groups::{GROUP_MAX_PICKS, GroupTables, PickGroups, Table};
 use super::*;
 use crate::quant::exl3::{Codebook, Rate};
 use cudarc::driver::CudaView;
@@ -87,7 +87,7 @@ impl Cuda {
     /// `[tokens, k]` from [`Cuda::route_dev`]) and every expert of the layer in `arena`
     /// (`slot_of`: each expert's slot): the picks are grouped by a launch, so nothing comes
     /// to the host. Same bits as [`Cuda::moe_picks`] then [`Cuda::moe_combine`] on the same
-    /// picks. EXL3 slots, at most [`GROUP_MAX_PICKS`] picks.
+    /// picks. At most [`GROUP_MAX_PICKS`] picks.
     #[allow(clippy::too_many_arguments)]
     pub fn moe_routed(
         &self,
@@ -101,13 +101,6 @@ impl Cuda {
         tokens: usize,
         k: usize,
     ) -> Result<CudaSlice<f32>, CudaError> {
-        // The rows kernels take the host's tables only: grouping on the device for rows
-        // slots waits for its check on a GPU.
-        let SlotFormat::Exl3 { gate_up, down } = layout.format else {
-            return Err(CudaError::Invalid(
-                "grouping picks on the device takes EXL3 slots".into(),
-            ));
-        };
         if weights.len() < tokens * k {
             return Err(CudaError::Invalid(format!(
                 "moe step of {tokens} x {k} picks with {} weights",
@@ -124,14 +117,14 @@ impl Cuda {
             layout.slot_bytes,
         )?;
         let mut run = self.moe_begin_dev(layout, tokens, k, x)?;
-        self.moe_exl3(&mut run, arena, limit, &tables, gate_up, down)?;
+        self.moe_grouped(&mut run, arena, limit, &tables)?;
         self.moe_combine_dev(run, weights)
     }
 
-    /// Whether [`Cuda::moe_routed`] takes a step of `picks` picks over slots of `layout`:
-    /// EXL3 slots, and one grouping launch holds at most [`GROUP_MAX_PICKS`].
-    pub fn moe_routes(layout: &MoeLayout, picks: usize) -> bool {
-        matches!(layout.format, SlotFormat::Exl3 { .. }) && picks > 0 && picks <= GROUP_MAX_PICKS
+    /// Whether [`Cuda::moe_routed`] takes a step of `picks` picks: one grouping launch
+    /// holds at most [`GROUP_MAX_PICKS`].
+    pub fn moe_routes(picks: usize) -> bool {
+        picks > 0 && picks <= GROUP_MAX_PICKS
     }
 
     /// The routed-expert step for expert records already in `arena`; see [`MoeStep`].
@@ -241,13 +234,24 @@ impl Cuda {
             members[g].push(p as i32);
         }
         let groups = PickGroups::new(&members, &slot_of_group, layout.slot_bytes);
-        match layout.format {
+        let tables = GroupTables::upload(self, &groups, run.k)?;
+        self.moe_grouped(run, arena, limit, &tables)
+    }
+
+    /// The picks of `tables` on the GPU, by the slots' format.
+    fn moe_grouped(
+        &self,
+        run: &mut MoeRun,
+        arena: &CudaSlice<u8>,
+        limit: f32,
+        tables: &GroupTables,
+    ) -> Result<(), CudaError> {
+        match run.layout.format {
             SlotFormat::Rows { gate_up, down } => {
-                self.moe_rows(run, arena, limit, &groups, gate_up, down)
+                self.moe_rows(run, arena, limit, tables, gate_up, down)
             }
             SlotFormat::Exl3 { gate_up, down } => {
-                let tables = GroupTables::upload(self, &groups, run.k)?;
-                self.moe_exl3(run, arena, limit, &tables, gate_up, down)
+                self.moe_exl3(run, arena, limit, tables, gate_up, down)
             }
         }
     }
@@ -258,20 +262,21 @@ impl Cuda {
         run: &mut MoeRun,
         arena: &CudaSlice<u8>,
         limit: f32,
-        groups: &PickGroups,
+        tables: &GroupTables,
         gate_up: Format,
         down: Format,
     ) -> Result<(), CudaError> {
         let layout = run.layout;
         let s = &self.stream;
-        let (d_base, d_start, d_len, d_list) = (
-            s.clone_htod(&groups.base)?,
-            s.clone_htod(&groups.start)?,
-            s.clone_htod(&groups.len)?,
-            s.clone_htod(&groups.list)?,
+        let (d_base, d_start, d_len, d_list, d_counts) = (
+            tables.base(),
+            tables.ints(Table::Start),
+            tables.ints(Table::Len),
+            tables.ints(Table::List),
+            tables.ints(Table::Counts),
         );
         let (hidden, inter) = (layout.hidden, layout.inter);
-        let n_groups = groups.start.len() as u32;
+        let room = tables.groups() as u32;
         let (gate_fmt, down_fmt) = (kernel_format_id(gate_up), kernel_format_id(down));
         let (up_off, down_off) = (layout.up_offset as i64, layout.down_offset as i64);
         let (inter_i, hidden_i, k_i) = (inter as i32, hidden as i32, run.k as i32);
@@ -283,6 +288,7 @@ impl Cuda {
             .arg(&d_start)
             .arg(&d_len)
             .arg(&d_list)
+            .arg(&d_counts)
             .arg(&up_off)
             .arg(&inter_i)
             .arg(&hidden_i)
@@ -290,9 +296,11 @@ impl Cuda {
             .arg(&limit)
             .arg(&run.x)
             .arg(&mut run.act);
-        // SAFETY: every slot was checked to lie inside the arena and every pick index below
-        // `tokens * k` (the rows of act and yp); the grid covers `inter` rows of each group.
-        unsafe { b.launch(rows_config(inter, n_groups)) }?;
+        // SAFETY: every slot was checked to lie inside the arena (host tables) or comes from
+        // the layer's slot table (device tables), every pick index below `tokens * k` (the
+        // rows of act and yp); the grid covers `inter` rows of each group the tables have
+        // room for, and blocks past the counted groups return.
+        unsafe { b.launch(rows_config(inter, room)) }?;
 
         let mut b = s.launch_builder(self.kernel("moe_down"));
         b.arg(arena)
@@ -301,13 +309,14 @@ impl Cuda {
             .arg(&d_start)
             .arg(&d_len)
             .arg(&d_list)
+            .arg(&d_counts)
             .arg(&down_off)
             .arg(&hidden_i)
             .arg(&inter_i)
             .arg(&run.act)
             .arg(&mut run.yp);
         // SAFETY: as above, for `hidden` rows of the down projection.
-        unsafe { b.launch(rows_config(hidden, n_groups)) }?;
+        unsafe { b.launch(rows_config(hidden, room)) }?;
         Ok(())
     }
 

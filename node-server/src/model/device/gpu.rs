@@ -31,11 +31,21 @@ pub struct Gpu {
     waited_ns: std::sync::atomic::AtomicU64,
 }
 
-/// Device values that grow by appended rows (the caches of MLA layers).
+/// Device values that grow by appended rows (the caches of MLA layers), as bytes of their
+/// dtype (the bytes [`CacheRows::to_le_bytes`] gives): pushes round f32 rows to it, the
+/// attention and indexer kernels widen it back.
 pub struct GrowBuf {
-    buf: Buf,
+    buf: CudaSlice<u8>,
+    dtype: CacheDtype,
     /// Values in use.
     len: usize,
+}
+
+impl GrowBuf {
+    /// Values the buffer has room for.
+    fn capacity(&self) -> usize {
+        self.buf.len() / self.dtype.bytes()
+    }
 }
 
 impl Gpu {
@@ -116,20 +126,23 @@ impl Device for Gpu {
         Ok(self.cuda.stream().alloc_zeros(n.max(1))?)
     }
 
-    fn grow(&self, values: &[f32], spare: usize) -> anyhow::Result<GrowBuf> {
-        let mut padded = Vec::with_capacity(values.len() + spare.max(1));
-        padded.extend_from_slice(values);
-        padded.resize(values.len() + spare.max(1), 0.0);
+    fn grow(&self, values: &CacheRows, spare: usize) -> anyhow::Result<GrowBuf> {
+        let dtype = values.dtype();
+        let mut padded = values.to_le_bytes();
+        padded.resize((values.len() + spare.max(1)) * dtype.bytes(), 0);
         Ok(GrowBuf {
             buf: self.cuda.upload(&padded)?,
+            dtype,
             len: values.len(),
         })
     }
 
-    fn grow_download(&self, g: &GrowBuf) -> anyhow::Result<Vec<f32>> {
-        let mut v = self.cuda.download(&g.buf)?;
-        v.truncate(g.len);
-        Ok(v)
+    fn grow_download(&self, g: &GrowBuf) -> anyhow::Result<CacheRows> {
+        let bytes = self.cuda.download(&g.buf)?;
+        Ok(CacheRows::from_le_bytes(
+            g.dtype,
+            &bytes[..g.len * g.dtype.bytes()],
+        ))
     }
 
     fn selections(&self, sel: &[Vec<u32>]) -> anyhow::Result<DeviceSelections> {
@@ -171,18 +184,20 @@ impl Device for Gpu {
         count: usize,
         width: usize,
     ) -> anyhow::Result<()> {
-        let (s, n) = (self.cuda.stream(), count * width);
-        if g.len + n > g.buf.len() {
-            let mut grown =
-                self.alloc((g.buf.len() + g.buf.len() / GROWTH_SLACK).max(g.len + n))?;
+        let (s, n, size) = (self.cuda.stream(), count * width, g.dtype.bytes());
+        if g.len + n > g.capacity() {
+            let cap = g.capacity();
+            let values = (cap + cap / GROWTH_SLACK).max(g.len + n);
+            let mut grown = s.alloc_zeros::<u8>(values * size)?;
             if g.len > 0 {
-                let mut dst = grown.slice_mut(..g.len);
-                s.memcpy_dtod(&g.buf.slice(..g.len), &mut dst)?;
+                let mut dst = grown.slice_mut(..g.len * size);
+                s.memcpy_dtod(&g.buf.slice(..g.len * size), &mut dst)?;
             }
             g.buf = grown;
         }
-        let mut dst = g.buf.slice_mut(g.len..g.len + n);
-        s.memcpy_dtod(&src.slice(first * width..first * width + n), &mut dst)?;
+        let rows = src.slice(first * width..first * width + n);
+        self.cuda
+            .cache_store(&rows, &mut g.buf, g.dtype, g.len, n)?;
         g.len += n;
         Ok(())
     }
@@ -399,7 +414,7 @@ impl Device for Gpu {
             let mut o_lat = self.alloc(m * h * r)?;
             cuda.mla_sparse_attend_part_dev(
                 &q_lat,
-                &latents.buf,
+                (&latents.buf, latents.dtype),
                 &layout,
                 &sel.tokens,
                 &sel.offsets[a..=a + m],
@@ -425,8 +440,12 @@ impl Device for Gpu {
         if complete > pool {
             let n = complete - pool;
             let mut key = self.alloc(n * di)?;
+            if (keys.dtype, gates.dtype) != (pool_keys.dtype, pool_keys.dtype) {
+                bail!("the indexer's caches differ in dtype");
+            }
+            let cache = (&keys.buf, &gates.buf, keys.dtype);
             self.cuda
-                .dsa_pool_keys_dev(&keys.buf, &gates.buf, ape, kpool, pool, n, &mut key)?;
+                .dsa_pool_keys_dev(cache, ape, kpool, pool, n, &mut key)?;
             self.push(pool_keys, &key, 0, n, di)?;
         }
         Ok(())
@@ -446,9 +465,14 @@ impl Device for Gpu {
         let qi = self.rows(q, first, len, hi * di)?;
         let wi = self.rows(weights, first, len, hi)?;
         let at: Vec<usize> = (pos..pos + len).collect();
-        Ok(self
-            .cuda
-            .dsa_select_dev(&qi, &wi, &pool_keys.buf, pool_keys.len / di, spec, &at)?)
+        Ok(self.cuda.dsa_select_dev(
+            &qi,
+            &wi,
+            (&pool_keys.buf, pool_keys.dtype),
+            pool_keys.len / di,
+            spec,
+            &at,
+        )?)
     }
 
     fn route(

@@ -1,5 +1,6 @@
-//! The host device: buffers are `Vec<f32>` in RAM, weights the CPU backend's [`Matrix`],
-//! every op the CPU reference the GPU is checked against.
+//! The host device: buffers are `Vec<f32>` in RAM (caches [`CacheRows`] in their dtype),
+//! weights the CPU backend's [`Matrix`], every op the CPU reference the GPU is checked
+//! against.
 
 use super::*;
 use crate::backend::cpu::ops;
@@ -17,7 +18,7 @@ impl Device for Host {
     type Buf = Vec<f32>;
     type Mat = Matrix;
     type Table = Matrix;
-    type Grow = Vec<f32>;
+    type Grow = CacheRows;
     type Sel = mla::Selections;
 
     fn matrix(&self, m: &Matrix) -> anyhow::Result<Matrix> {
@@ -52,11 +53,11 @@ impl Device for Host {
         Ok(vec![0f32; n])
     }
 
-    fn grow(&self, values: &[f32], _spare: usize) -> anyhow::Result<Vec<f32>> {
-        Ok(values.to_vec())
+    fn grow(&self, values: &CacheRows, _spare: usize) -> anyhow::Result<CacheRows> {
+        Ok(values.clone())
     }
 
-    fn grow_download(&self, g: &Vec<f32>) -> anyhow::Result<Vec<f32>> {
+    fn grow_download(&self, g: &CacheRows) -> anyhow::Result<CacheRows> {
         Ok(g.clone())
     }
 
@@ -68,19 +69,19 @@ impl Device for Host {
         Ok(sel.clone())
     }
 
-    fn grow_len(g: &Vec<f32>) -> usize {
+    fn grow_len(g: &CacheRows) -> usize {
         g.len()
     }
 
     fn push(
         &self,
-        g: &mut Vec<f32>,
+        g: &mut CacheRows,
         src: &Vec<f32>,
         first: usize,
         count: usize,
         width: usize,
     ) -> anyhow::Result<()> {
-        g.extend_from_slice(&src[span(first, count, width)]);
+        g.push(&src[span(first, count, width)]);
         Ok(())
     }
 
@@ -271,9 +272,10 @@ impl Device for Host {
         q: &Vec<f32>,
         first: usize,
         len: usize,
-        latents: &Vec<f32>,
+        latents: &CacheRows,
         sel: &mla::Selections,
     ) -> anyhow::Result<Vec<f32>> {
+        let latents = latents.to_f32();
         let q_span = &q[span(first, len, spec.heads * spec.nope)];
         let absorbed = match path {
             MlaPath::Auto => len == 1,
@@ -281,10 +283,10 @@ impl Device for Host {
             MlaPath::Expanded => false,
         };
         Ok(if absorbed {
-            mla::attend_absorbed(spec, kv_b, q_span, len, latents, sel)
+            mla::attend_absorbed(spec, kv_b, q_span, len, &latents, sel)
         } else {
             let past = latents.len() / spec.rank - len;
-            mla::attend_expanded(spec, kv_b, q_span, len, past, latents, sel)
+            mla::attend_expanded(spec, kv_b, q_span, len, past, &latents, sel)
         })
     }
 
@@ -292,17 +294,17 @@ impl Device for Host {
         &self,
         spec: DsaSpec,
         ape: &Vec<f32>,
-        keys: &Vec<f32>,
-        gates: &Vec<f32>,
-        pool_keys: &mut Vec<f32>,
+        keys: &CacheRows,
+        gates: &CacheRows,
+        pool_keys: &mut CacheRows,
     ) -> anyhow::Result<()> {
         let (di, kpool) = (spec.dim, spec.kpool);
         let tokens = keys.len() / di;
         let mut pool = pool_keys.len() / di;
         while (pool + 1) * kpool <= tokens {
             let rows = pool * kpool * di..(pool + 1) * kpool * di;
-            let key = dsa::pool_key(&keys[rows.clone()], &gates[rows], ape, di, kpool);
-            pool_keys.extend_from_slice(&key);
+            let (k, g) = (keys.f32s(rows.clone()), gates.f32s(rows));
+            pool_keys.push(&dsa::pool_key(&k, &g, ape, di, kpool));
             pool += 1;
         }
         Ok(())
@@ -316,9 +318,10 @@ impl Device for Host {
         first: usize,
         len: usize,
         pos: usize,
-        pool_keys: &Vec<f32>,
+        pool_keys: &CacheRows,
     ) -> anyhow::Result<mla::Selections> {
         let (di, hi) = (spec.dim, spec.heads);
+        let pool_keys = pool_keys.to_f32();
         Ok((0..len)
             .map(|i| {
                 let row = first + i;

@@ -11,11 +11,14 @@
 //!
 //! `tests/per_op` runs every op on both devices on fresh random inputs (`cuda-check`).
 
+mod cache_rows;
 mod gpu;
 mod host;
 
+pub use crate::backend::CacheDtype;
 pub use crate::backend::cuda::attn::DsaSpec;
 pub use crate::backend::cuda::{KdaGates, KdaSpec, MhcCollapse, MhcSpec, RouteSpec};
+pub use cache_rows::CacheRows;
 pub use gpu::{ATTN_QUERIES, GROWTH_SLACK, Gpu, GrowBuf};
 pub use host::Host;
 
@@ -50,7 +53,8 @@ pub trait Device: Send + Sync + Sized {
     type Mat: Send + Sync;
     /// A matrix the ops read by rows as f32 (MLA's `kv_b`).
     type Table: Send + Sync;
-    /// f32 values that grow by appended rows (the MLA and indexer caches).
+    /// Values that grow by appended rows (the MLA and indexer caches), stored in a
+    /// [`CacheDtype`]: f32 rows are rounded to it when pushed and widened back when read.
     type Grow: Send + Sync;
     /// The token selections of one sequence's new tokens.
     type Sel: Send + Sync;
@@ -77,17 +81,19 @@ pub trait Device: Send + Sync + Sized {
     }
     /// `n` zeros.
     fn zeros(&self, n: usize) -> anyhow::Result<Self::Buf>;
-    /// A growable buffer holding `values`, with room for `spare` more before it grows.
-    fn grow(&self, values: &[f32], spare: usize) -> anyhow::Result<Self::Grow>;
-    /// The values of a growable buffer on the host.
-    fn grow_download(&self, g: &Self::Grow) -> anyhow::Result<Vec<f32>>;
+    /// A growable buffer holding `values` in their dtype, with room for `spare` more values
+    /// before it grows.
+    fn grow(&self, values: &CacheRows, spare: usize) -> anyhow::Result<Self::Grow>;
+    /// The values of a growable buffer on the host, in their dtype.
+    fn grow_download(&self, g: &Self::Grow) -> anyhow::Result<CacheRows>;
     /// Selections made on the host, on this device (checks feed both devices the same).
     fn selections(&self, sel: &[Vec<u32>]) -> anyhow::Result<Self::Sel>;
     /// Selections on the host.
     fn selections_download(&self, sel: &Self::Sel) -> anyhow::Result<Vec<Vec<u32>>>;
     /// Values a growable buffer holds.
     fn grow_len(g: &Self::Grow) -> usize;
-    /// Appends rows `first .. first + count` of `src` (`width` values each) to `g`.
+    /// Appends rows `first .. first + count` of `src` (`width` values each) to `g`, rounded to
+    /// its dtype.
     fn push(
         &self,
         g: &mut Self::Grow,

@@ -214,12 +214,10 @@ impl DeviceExperts for VramExperts {
         Ok(y)
     }
 
-    /// Every expert is here: any MoE layer's picks stay on the device when the slots' format
-    /// groups there (EXL3) and the step is small enough for one grouping launch.
+    /// Every expert is here: any MoE layer's picks stay on the device when the step is
+    /// small enough for one grouping launch.
     fn routes(&self, layer: usize, picks: usize) -> bool {
-        let arena = self.arena.lock().unwrap_or_else(|e| e.into_inner());
-        self.slots.get(layer).is_some_and(|row| !row.is_empty())
-            && Cuda::moe_routes(&arena.layout, picks)
+        self.slots.get(layer).is_some_and(|row| !row.is_empty()) && Cuda::moe_routes(picks)
     }
 
     fn forward_routed(

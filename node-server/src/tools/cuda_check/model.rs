@@ -172,15 +172,15 @@ pub(super) fn compare_caches(what: &str, gpu: &SeqCache, cpu: &SeqCache, cases: 
             (LayerCache::Mla(g), LayerCache::Mla(w)) => {
                 cases.push(case(
                     format!("{label} mla latents"),
-                    &g.latents,
-                    &w.latents,
+                    &g.latents.to_f32(),
+                    &w.latents.to_f32(),
                     DECODE_BOUND,
                 ));
                 match (&g.indexer, &w.indexer) {
                     (Some(g), Some(w)) => cases.push(case(
                         format!("{label} indexer pool keys"),
-                        &g.pool_keys,
-                        &w.pool_keys,
+                        &g.pool_keys.to_f32(),
+                        &w.pool_keys.to_f32(),
                         DECODE_BOUND,
                     )),
                     (g, w) => cases.push(exact_case(

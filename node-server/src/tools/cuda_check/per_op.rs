@@ -5,7 +5,7 @@
 //! on the GPU are poisoned (NaN) before each launch, so an unwritten value fails.
 
 use super::*;
-use crate::model::device::{Device, DsaSpec, KdaGates, KdaSpec, MlaSpec};
+use crate::model::device::{CacheDtype, CacheRows, Device, DsaSpec, KdaGates, KdaSpec, MlaSpec};
 use crate::model::mla::MlaPath;
 use crate::model::moe::{ExpertProvider, Routing};
 
@@ -51,16 +51,27 @@ fn memory<D: Device>(d: &D, x: &[f32], width: usize) -> anyhow::Result<Vec<Vec<f
     let mid = d.rows(&b, 1, rows_n - 2, width)?;
     let mut z = d.zeros(x.len())?;
     d.put_rows(&mut z, 2, width, &mid)?;
-    let mut g = d.grow(&x[..width], 1)?;
-    // Grows past its room twice.
-    d.push(&mut g, &b, 0, rows_n, width)?;
-    d.push(&mut g, &b, rows_n - 3, 3, width)?;
     Ok(vec![
         d.download(&b)?,
         d.download(&mid)?,
         d.download(&z)?[..x.len()].to_vec(),
-        d.grow_download(&g)?,
     ])
+}
+
+/// A growable buffer of `dtype` made from `x`'s first row, then grown by pushes.
+fn grow_push<D: Device>(
+    d: &D,
+    x: &[f32],
+    width: usize,
+    dtype: CacheDtype,
+) -> anyhow::Result<CacheRows> {
+    let rows_n = x.len() / width;
+    let b = d.upload(x)?;
+    let mut g = d.grow(&CacheRows::from_f32(dtype, &x[..width]), 1)?;
+    // Grows past its room twice.
+    d.push(&mut g, &b, 0, rows_n, width)?;
+    d.push(&mut g, &b, rows_n - 3, 3, width)?;
+    d.grow_download(&g)
 }
 
 fn memory_ops<G: Device>(
@@ -71,9 +82,16 @@ fn memory_ops<G: Device>(
     let (rows, width) = (9, 77);
     let x = randn(rng, rows * width, 1.0);
     let (want, got) = (memory(&Host, &x, width)?, memory(gpu, &x, width)?);
-    let labels = ["upload", "rows", "zeros+put_rows", "grow+push"];
+    let labels = ["upload", "rows", "zeros+put_rows"];
     for (i, label) in labels.iter().enumerate() {
         cases.push(exact_case(format!("op {label}"), want[i] == got[i]));
+    }
+    // The GPU rounds pushed rows to the cache dtype bit for bit as the host does.
+    for dtype in CacheDtype::ALL {
+        let want = grow_push(&Host, &x, width, dtype)?.to_le_bytes();
+        let got = grow_push(gpu, &x, width, dtype)?.to_le_bytes();
+        let name = format!("op grow+push {}", dtype.name());
+        cases.push(exact_case(name, want == got));
     }
     Ok(())
 }
@@ -380,9 +398,10 @@ fn mla_on<D: Device>(
     new: &[f32],
     sel: &[Vec<u32>],
     path: MlaPath,
+    dtype: CacheDtype,
 ) -> anyhow::Result<Vec<Vec<f32>>> {
     let len = sel.len();
-    let mut latents = d.grow(past, 3 * spec.rank)?;
+    let mut latents = d.grow(&CacheRows::from_f32(dtype, past), 3 * spec.rank)?;
     d.push(&mut latents, &d.upload(new)?, 0, len, spec.rank)?;
     let mut padded = vec![0.25f32; spec.heads * spec.nope];
     padded.extend_from_slice(q);
@@ -435,13 +454,18 @@ fn mla<G: Device>(gpu: &G, rng: &mut ChaCha8Rng, cases: &mut Vec<Case>) -> anyho
             .collect();
         let q = randn(rng, new * heads * nope, 2.0);
         let path = MlaPath::Absorbed;
-        let want = mla_on(&Host, spec, &kv_b, &q, past, fresh, &sel, path)?;
-        let got = mla_on(gpu, spec, &kv_b, &q, past, fresh, &sel, path)?;
-        let name = format!(
-            "mla_attend h{heads} nope{nope} v{vd} r{rank} T={tokens} new={new} {}",
-            format.name()
-        );
-        compare(cases, &name, &["absorbed"], &want, &got, F32_BOUND);
+        // Each cache dtype against the host with the same dtype: both read the same rounded
+        // latents, so f32 arithmetic bounds the difference as for f32.
+        for dtype in CacheDtype::ALL {
+            let want = mla_on(&Host, spec, &kv_b, &q, past, fresh, &sel, path, dtype)?;
+            let got = mla_on(gpu, spec, &kv_b, &q, past, fresh, &sel, path, dtype)?;
+            let name = format!(
+                "mla_attend h{heads} nope{nope} v{vd} r{rank} T={tokens} new={new} {} {}",
+                format.name(),
+                dtype.name()
+            );
+            compare(cases, &name, &["absorbed"], &want, &got, F32_BOUND);
+        }
     }
     Ok(())
 }
@@ -453,18 +477,21 @@ fn pools_on<D: Device>(
     keys: &[f32],
     gates: &[f32],
     ape: &[f32],
+    dtype: CacheDtype,
 ) -> anyhow::Result<Vec<f32>> {
     let di = spec.dim;
     let tokens = keys.len() / di;
     let (k, g, ape) = (d.upload(keys)?, d.upload(gates)?, d.upload(ape)?);
-    let (mut kc, mut gc, mut pc) = (d.grow(&[], 8 * di)?, d.grow(&[], 8 * di)?, d.grow(&[], di)?);
+    let empty = CacheRows::new(dtype);
+    let (mut kc, mut gc) = (d.grow(&empty, 8 * di)?, d.grow(&empty, 8 * di)?);
+    let mut pc = d.grow(&empty, di)?;
     let half = tokens / 2;
     for (first, count) in [(0, half), (half, tokens - half)] {
         d.push(&mut kc, &k, first, count, di)?;
         d.push(&mut gc, &g, first, count, di)?;
         d.dsa_pools(spec, &ape, &kc, &gc, &mut pc)?;
     }
-    d.grow_download(&pc)
+    Ok(d.grow_download(&pc)?.to_f32().into_owned())
 }
 
 /// The selections of the queries at `positions` (rows of `q` and `w`) over `pool_keys`: all
@@ -476,8 +503,9 @@ fn select_on<D: Device>(
     q: &[f32],
     w: &[f32],
     positions: &[usize],
+    dtype: CacheDtype,
 ) -> anyhow::Result<Vec<Vec<u32>>> {
-    let pools = d.grow(pool_keys, 0)?;
+    let pools = d.grow(&CacheRows::from_f32(dtype, pool_keys), 0)?;
     let (qb, wb) = (d.upload(q)?, d.upload(w)?);
     let mut sel = Vec::new();
     // Consecutive positions in one call (as a prompt chunk asks), others one by one.
@@ -512,8 +540,14 @@ fn dsa<G: Device>(gpu: &G, rng: &mut ChaCha8Rng, cases: &mut Vec<Case>) -> anyho
         let keys = randn(rng, tokens * di, 1.7);
         let gates = randn(rng, tokens * di, 3.0);
         let ape = randn(rng, kpool * di, 1.0);
-        let want = pools_on(&Host, spec, &keys, &gates, &ape)?;
-        let got = pools_on(gpu, spec, &keys, &gates, &ape)?;
+        for dtype in [CacheDtype::Bf16, CacheDtype::F16] {
+            let want = pools_on(&Host, spec, &keys, &gates, &ape, dtype)?;
+            let got = pools_on(gpu, spec, &keys, &gates, &ape, dtype)?;
+            let label = format!("{name} pools {}", dtype.name());
+            cases.push(case(label, &got, &want, stored_pool_bound(dtype)));
+        }
+        let want = pools_on(&Host, spec, &keys, &gates, &ape, CacheDtype::F32)?;
+        let got = pools_on(gpu, spec, &keys, &gates, &ape, CacheDtype::F32)?;
         cases.push(case(format!("{name} pools"), &got, &want, F32_BOUND));
 
         // Selections over the host's pool keys, so both sides score the same numbers. Ties:
@@ -537,11 +571,29 @@ fn dsa<G: Device>(gpu: &G, rng: &mut ChaCha8Rng, cases: &mut Vec<Case>) -> anyho
             q[4 * hd + head * di..4 * hd + (head + 1) * di].copy_from_slice(&dup);
         }
         w[4 * h..5 * h].iter_mut().for_each(|v| *v = v.abs() + 0.1);
-        let want = select_on(&Host, spec, &pool_keys, &q, &w, &positions)?;
-        let got = select_on(gpu, spec, &pool_keys, &q, &w, &positions)?;
-        cases.push(exact_case(format!("{name} select"), got == want));
+        // Each cache dtype: both devices score the same rounded keys, so the same picks.
+        for dtype in CacheDtype::ALL {
+            let want = select_on(&Host, spec, &pool_keys, &q, &w, &positions, dtype)?;
+            let got = select_on(gpu, spec, &pool_keys, &q, &w, &positions, dtype)?;
+            let label = match dtype {
+                CacheDtype::F32 => format!("{name} select"),
+                _ => format!("{name} select {}", dtype.name()),
+            };
+            cases.push(exact_case(label, got == want));
+        }
     }
     Ok(())
+}
+
+/// Pool keys stored in a 2-byte dtype: the devices' f32 keys (their `exp`s may differ in the
+/// last bit) can round to neighbouring values, a relative step of at most the dtype's unit
+/// roundoff in a few channels; the bit-exact rounding itself is `op grow+push`'s case.
+fn stored_pool_bound(dtype: CacheDtype) -> f64 {
+    match dtype {
+        CacheDtype::F32 => F32_BOUND,
+        CacheDtype::Bf16 => 2f64.powi(-8),
+        CacheDtype::F16 => 2f64.powi(-11),
+    }
 }
 
 /// A provider whose experts are random f32 SwiGLUs, on host rows (both devices call it).

@@ -166,7 +166,7 @@ pub(super) fn check_moe(
                     &want,
                     F32_BOUND,
                 ));
-                if Cuda::moe_routes(&layout, tokens * k) {
+                if Cuda::moe_routes(tokens * k) {
                     // The picks grouped on the device, as a step whose router's ids never
                     // come to the host: the host-grouped launch's bits.
                     let ids: Vec<i32> = routing.ids.iter().map(|&e| e as i32).collect();
