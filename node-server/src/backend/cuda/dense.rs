@@ -155,14 +155,7 @@ impl Cuda {
                 x.len()
             )));
         }
-        let dummy;
-        let w = match weight {
-            Some(w) => w,
-            None => {
-                dummy = self.stream.alloc_zeros::<f32>(1)?;
-                &dummy
-            }
-        };
+        let w = weight.unwrap_or(&self.unread);
         let (has_weight, width_i) = (weight.is_some() as i32, width as i32);
         let mut b = self.stream.launch_builder(self.kernel("rms_norm"));
         b.arg(x).arg(w).arg(&has_weight).arg(&width_i).arg(&eps);

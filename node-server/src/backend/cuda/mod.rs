@@ -118,6 +118,8 @@ pub struct Cuda {
     poison: std::sync::atomic::AtomicBool,
     /// cuBLAS on `stream`, started at the first many-token product (`Err`: it would not start).
     blas: std::sync::OnceLock<Result<std::sync::Mutex<CudaBlas>, String>>,
+    /// One zero, passed where a kernel takes an optional vector it will not read.
+    unread: CudaSlice<f32>,
 }
 
 impl std::fmt::Debug for Cuda {
@@ -174,7 +176,9 @@ impl Cuda {
                 kernels.insert(*k, module.load_function(k)?);
             }
         }
+        let unread = stream.alloc_zeros::<f32>(1)?;
         Ok(Arc::new(Cuda {
+            unread,
             ctx,
             stream,
             copy,

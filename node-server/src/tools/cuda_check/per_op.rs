@@ -196,7 +196,14 @@ fn elementwise<G: Device>(
         "interleave3",
         "stream_mean",
     ];
-    for (rows, width) in [(1usize, 66usize), (7, 129), (33, 4095), (5, 1002)] {
+    for (rows, width) in [
+        (1usize, 66usize),
+        (7, 129),
+        (33, 4095),
+        (5, 1002),
+        (3, 16383),
+        (2, 20001),
+    ] {
         let r = Rows {
             x: randn(rng, rows * width, 20.0),
             g: randn(rng, rows * width, 20.0),
