@@ -36,7 +36,7 @@ mod proxy;
 mod watch;
 
 pub use backends::{Backends, Object, rendezvous};
-pub use proxy::{ActivatorMetrics, SESSION_HEADER, app};
+pub use proxy::{ActivatorMetrics, MAX_ATTEMPTS, SESSION_HEADER, app};
 
 /// The least time between two wake patches, while the first has not shown in the watch.
 pub const WAKE_REPEAT: Duration = Duration::from_secs(10);

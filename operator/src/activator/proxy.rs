@@ -23,10 +23,15 @@ use super::{Activator, Backends, Object, WAKE_REPEAT, rendezvous};
 /// Header naming a session: requests that carry the same value go to the same replica.
 pub const SESSION_HEADER: &str = "x-session-id";
 
+/// Replicas one request is tried on: a replica that refuses the connection, drops it before
+/// answering, or answers 503 (draining for a shutdown) sends the request to the next one.
+pub const MAX_ATTEMPTS: usize = 3;
+
 /// The activator's own metrics.
 pub struct ActivatorMetrics {
     registry: Registry,
-    /// Requests by outcome (`forwarded`, `unavailable`, `too_large`, `upstream_error`).
+    /// Requests by outcome (`forwarded`, `unavailable`, `too_large`, `upstream_error`), and
+    /// `retried`: attempts sent on to another replica.
     requests: IntCounterVec,
     /// Wake patches sent.
     wakes: IntCounter,
@@ -40,7 +45,8 @@ impl Default for ActivatorMetrics {
         let requests = IntCounterVec::new(
             Opts::new(
                 "glmflash_activator_requests_total",
-                "Requests by outcome: forwarded, unavailable, too_large, upstream_error.",
+                "Requests by outcome: forwarded, unavailable, too_large, upstream_error; \
+                 retried counts attempts sent on to another replica.",
             ),
             &["outcome"],
         )
@@ -76,7 +82,13 @@ impl Default for ActivatorMetrics {
     }
 }
 
-const OUTCOMES: [&str; 4] = ["forwarded", "unavailable", "too_large", "upstream_error"];
+const OUTCOMES: [&str; 5] = [
+    "forwarded",
+    "unavailable",
+    "too_large",
+    "upstream_error",
+    "retried",
+];
 
 impl ActivatorMetrics {
     fn render(&self) -> String {
@@ -203,40 +215,62 @@ async fn forward(State(a): State<Arc<Activator>>, request: Request) -> Response 
     };
     let session = session_key(&parts.headers, &body);
     let wakes = parts.uri.path().starts_with("/v1/");
-    let target = match a.ready_replica(session.as_deref(), wakes).await {
-        Ok(target) => target,
-        Err(error) => {
-            a.metrics.count("unavailable");
-            return error.into_response();
-        }
-    };
     let path = parts
         .uri
         .path_and_query()
         .map_or("/", |p| p.as_str())
         .to_string();
-    let uri = match format!("http://{target}{path}").parse() {
-        Ok(uri) => uri,
-        Err(e) => {
-            warn!(%target, %path, error = %e, "cannot form the upstream address");
-            a.metrics.count("upstream_error");
-            return bad_gateway(target);
-        }
-    };
-    parts.uri = uri;
     strip(&mut parts.headers);
-    let upstream = hyper::Request::from_parts(parts, Full::new(body));
-    match a.upstream.request(upstream).await {
-        Ok(response) => {
-            a.metrics.count("forwarded");
-            let (mut parts, body) = response.into_parts();
-            strip(&mut parts.headers);
-            Response::from_parts(parts, Body::new(body))
-        }
-        Err(e) => {
-            warn!(%target, error = %e, "upstream request failed");
-            a.metrics.count("upstream_error");
-            bad_gateway(target)
+    // The body is whole in memory, so a request no replica took can go to another one.
+    let deadline = Instant::now() + a.wake_timeout;
+    let mut tried: Vec<SocketAddr> = Vec::new();
+    loop {
+        let target = match a
+            .ready_replica(session.as_deref(), wakes, &tried, deadline)
+            .await
+        {
+            Ok(target) => target,
+            Err(error) => {
+                a.metrics.count("unavailable");
+                return error.into_response();
+            }
+        };
+        let last = tried.len() + 1 == MAX_ATTEMPTS;
+        let uri = match format!("http://{target}{path}").parse() {
+            Ok(uri) => uri,
+            Err(e) => {
+                warn!(%target, %path, error = %e, "cannot form the upstream address");
+                a.metrics.count("upstream_error");
+                return bad_gateway(target);
+            }
+        };
+        let mut attempt = hyper::Request::new(Full::new(body.clone()));
+        *attempt.method_mut() = parts.method.clone();
+        *attempt.uri_mut() = uri;
+        *attempt.version_mut() = parts.version;
+        *attempt.headers_mut() = parts.headers.clone();
+        match a.upstream.request(attempt).await {
+            Ok(response) if response.status() == StatusCode::SERVICE_UNAVAILABLE && !last => {
+                info!(%target, "the replica is unavailable (draining); trying another");
+                a.metrics.count("retried");
+                tried.push(target);
+            }
+            Ok(response) => {
+                a.metrics.count("forwarded");
+                let (mut parts, body) = response.into_parts();
+                strip(&mut parts.headers);
+                return Response::from_parts(parts, Body::new(body));
+            }
+            Err(e) if !last => {
+                warn!(%target, error = %e, "upstream request failed; trying another replica");
+                a.metrics.count("retried");
+                tried.push(target);
+            }
+            Err(e) => {
+                warn!(%target, error = %e, "upstream request failed");
+                a.metrics.count("upstream_error");
+                return bad_gateway(target);
+            }
         }
     }
 }
@@ -252,17 +286,19 @@ fn bad_gateway(target: SocketAddr) -> Response {
 }
 
 impl Activator {
-    /// A ready replica for the request, waiting (and waking a hibernated deployment, for
-    /// an API request, `wakes`) up to the wake timeout.
+    /// A ready replica for the request other than those it was `tried` on, waiting (and
+    /// waking a hibernated deployment, for an API request, `wakes`) until `deadline`.
     async fn ready_replica(
         &self,
         session: Option<&str>,
         wakes: bool,
+        tried: &[SocketAddr],
+        deadline: Instant,
     ) -> Result<SocketAddr, ApiError> {
-        let deadline = Instant::now() + self.wake_timeout;
         let mut backends = self.backends.clone();
         loop {
-            let now = backends.borrow_and_update().clone();
+            let mut now = backends.borrow_and_update().clone();
+            now.ready.retain(|_, addr| !tried.contains(addr));
             if let Some(target) = self.choose(&now, session) {
                 return Ok(target);
             }

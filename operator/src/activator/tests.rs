@@ -389,3 +389,90 @@ async fn a_body_over_the_limit_is_refused() {
     assert_eq!(body["error"]["type"], "invalid_request_error");
     assert_eq!(body["error"]["code"], "request_too_large");
 }
+
+/// An address nothing listens on: connections are refused.
+async fn dead() -> SocketAddr {
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    listener.local_addr().unwrap()
+}
+
+/// A replica shutting down: the server's 503 to every completion.
+async fn draining() -> SocketAddr {
+    let refuse = || async {
+        (
+            StatusCode::SERVICE_UNAVAILABLE,
+            axum::Json(json!({"error": {"message": "The server is shutting down.",
+                "type": "server_error", "code": "service_unavailable"}})),
+        )
+    };
+    serve(Router::new().route("/v1/chat/completions", post(refuse))).await
+}
+
+fn outcome(metrics: &str, name: &str) -> u64 {
+    let prefix = format!("glmflash_activator_requests_total{{outcome=\"{name}\"}} ");
+    metrics
+        .lines()
+        .find_map(|l| l.strip_prefix(&prefix))
+        .unwrap_or_else(|| panic!("no {name} outcome in {metrics}"))
+        .parse()
+        .unwrap()
+}
+
+#[tokio::test]
+async fn a_replica_that_refuses_or_drains_hands_the_request_to_the_next() {
+    let live = replica(2, Arc::new(Notify::new())).await;
+    let h = harness(
+        awake(&[(0, dead().await), (1, draining().await), (2, live)]),
+        Duration::from_secs(5),
+    )
+    .await;
+    let sessions: Vec<String> = (0..12).map(|i| format!("conv-{i}")).collect();
+    // Sessions whose first choice is replica 0 or 1, and whose second is the other one.
+    let first_choices: Vec<u32> = sessions
+        .iter()
+        .map(|s| rendezvous(s, [0u32, 1, 2].into_iter()).unwrap())
+        .collect();
+    assert!(first_choices.iter().any(|&r| r != 2), "{first_choices:?}");
+    for s in &sessions {
+        assert_eq!(h.front.served_by(s).await, 2, "{s}");
+    }
+    let metrics = h.front.metrics().await;
+    assert_eq!(outcome(&metrics, "forwarded"), 12);
+    assert_eq!(outcome(&metrics, "upstream_error"), 0);
+    let retried = outcome(&metrics, "retried");
+    let at_least = first_choices.iter().filter(|&&r| r != 2).count() as u64;
+    assert!(
+        (at_least..=2 * at_least).contains(&retried),
+        "{retried} retries for {at_least} sessions first sent to a failing replica"
+    );
+}
+
+#[tokio::test]
+async fn a_lone_failing_replica_holds_the_request_until_its_replacement_is_ready() {
+    let h = harness(awake(&[(0, dead().await)]), Duration::from_secs(5)).await;
+    let front = h.front.clone();
+    let request = tokio::spawn(async move { front.served_by("conv-1").await });
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    assert!(!request.is_finished(), "the request did not wait");
+    let replacement = replica(7, Arc::new(Notify::new())).await;
+    h.backends.send(awake(&[(0, replacement)])).unwrap();
+    assert_eq!(request.await.unwrap(), 7);
+    let metrics = h.front.metrics().await;
+    assert_eq!(outcome(&metrics, "retried"), 1);
+    assert_eq!(outcome(&metrics, "forwarded"), 1);
+}
+
+#[tokio::test]
+async fn a_request_no_replica_takes_is_a_502_after_its_attempts() {
+    let ready = [(0, dead().await), (1, dead().await), (2, dead().await)];
+    let h = harness(awake(&ready), Duration::from_secs(5)).await;
+    let response = h.front.send("/v1/chat/completions", None, "{}").await;
+    assert_eq!(response.status(), StatusCode::BAD_GATEWAY);
+    let bytes = response.into_body().collect().await.unwrap().to_bytes();
+    let body: Value = serde_json::from_slice(&bytes).unwrap();
+    assert_eq!(body["error"]["code"], "upstream_unreachable");
+    let metrics = h.front.metrics().await;
+    assert_eq!(outcome(&metrics, "retried"), (MAX_ATTEMPTS - 1) as u64);
+    assert_eq!(outcome(&metrics, "upstream_error"), 1);
+    assert_eq!(outcome(&metrics, "forwarded"), 0);
+}
