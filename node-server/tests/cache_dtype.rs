@@ -9,6 +9,10 @@ use glmflash_node::model::Model;
 use glmflash_node::model::device::CacheDtype;
 use std::path::{Path, PathBuf};
 
+#[path = "support/errors.rs"]
+mod errors;
+use errors::rel_l2;
+
 /// (model, greedy steps, bound on the bf16 cache's rel L2 change, on the f16 cache's, whether
 /// bf16's greedy tokens stay f32's, f16's).
 const MEASURED: [(&str, usize, f64, f64, bool, bool); 10] = [
@@ -42,18 +46,6 @@ fn prompt(dir: &Path, name: &str) -> Vec<u32> {
         .iter()
         .map(|t| t.as_u64().expect("a token id") as u32)
         .collect()
-}
-
-fn rel_l2(a: &[f32], b: &[f32]) -> f64 {
-    assert_eq!(a.len(), b.len());
-    assert!(a.iter().all(|v| v.is_finite()), "non-finite logits");
-    let num: f64 = a
-        .iter()
-        .zip(b)
-        .map(|(x, y)| (f64::from(*x) - f64::from(*y)).powi(2))
-        .sum();
-    let den: f64 = b.iter().map(|y| f64::from(*y).powi(2)).sum();
-    (num / den).sqrt()
 }
 
 /// The logits of `prompt`'s last position, then of each of `tokens` but the last fed in

@@ -9,6 +9,10 @@ use serde_json::Value;
 use std::collections::BTreeMap;
 use std::path::PathBuf;
 
+#[path = "support/errors.rs"]
+mod errors;
+use errors::rel_l2;
+
 /// Rel. L2 allowed between our f32 product and exllamav3's f16 one. exllamav3 rounds the
 /// input, the rotated input, the product and the rotated output to f16 and is itself about
 /// 5e-4 (rel. L2) from the float64 product (`tiles.json` `rel_l2_vs_f64`); ours is ~1e-7 from
@@ -147,16 +151,6 @@ fn unsupported_combinations_are_refused_as_exllamav3_does() {
         }
     }
     assert_eq!(refused, 9, "six half rates without mul1, 4.5 on all three");
-}
-
-fn rel_l2(a: &[f32], b: &[f32]) -> f64 {
-    let num: f64 = a
-        .iter()
-        .zip(b)
-        .map(|(x, y)| (f64::from(*x) - f64::from(*y)).powi(2))
-        .sum();
-    let den: f64 = b.iter().map(|y| f64::from(*y).powi(2)).sum();
-    (num / den).sqrt()
 }
 
 /// `x W` in float64 from exllamav3's reconstructed `What` and `W = diag(suh) H What H diag(svh)`.

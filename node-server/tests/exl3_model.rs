@@ -13,6 +13,10 @@ use serde::Deserialize;
 use serde_json::Value;
 use std::path::PathBuf;
 
+#[path = "support/errors.rs"]
+mod errors;
+use errors::rel_l2;
+
 /// Max |ours - reference| / max |reference| of the logits: both are float32 forwards of the
 /// same weights (ours decodes them from the trellis, the reference from exllamav3's
 /// reconstruction), so only summation order separates them.
@@ -67,16 +71,6 @@ fn rel_max(a: &[f32], b: &[f32]) -> f32 {
     assert!(a.iter().all(|v| v.is_finite()), "non-finite output");
     let scale = b.iter().fold(0f32, |m, v| m.max(v.abs()));
     a.iter().zip(b).fold(0f32, |m, (x, y)| m.max((x - y).abs())) / scale
-}
-
-fn rel_l2(a: &[f32], b: &[f32]) -> f64 {
-    let num: f64 = a
-        .iter()
-        .zip(b)
-        .map(|(x, y)| (f64::from(*x) - f64::from(*y)).powi(2))
-        .sum();
-    let den: f64 = b.iter().map(|y| f64::from(*y).powi(2)).sum();
-    (num / den).sqrt()
 }
 
 fn argmax(v: &[f32]) -> usize {

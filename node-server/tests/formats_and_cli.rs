@@ -12,15 +12,14 @@ use std::collections::BTreeMap;
 use std::path::PathBuf;
 use std::sync::Mutex;
 
+#[path = "support/errors.rs"]
+mod errors;
+use errors::rel_max;
+
 fn fixture(name: &str) -> PathBuf {
     PathBuf::from(env!("CARGO_MANIFEST_DIR"))
         .join("../e2e/fixtures")
         .join(name)
-}
-
-fn rel_err(a: &[f32], b: &[f32]) -> f32 {
-    let scale = b.iter().fold(0f32, |m, v| m.max(v.abs()));
-    a.iter().zip(b).fold(0f32, |m, (x, y)| m.max((x - y).abs())) / scale
 }
 
 fn last_logits(model: &Model, tokens: &[u32]) -> Vec<f32> {
@@ -56,7 +55,7 @@ fn f16_checkpoint_loads_and_matches_f32_within_f16_rounding() {
     let prompt: Vec<u32> = (0..24).map(|i| (i * 37 + 5) % 128).collect();
     let f32_logits = last_logits(&Model::load(&src).unwrap(), &prompt);
     let f16_logits = last_logits(&Model::load(dir.path()).unwrap(), &prompt);
-    let err = rel_err(&f16_logits, &f32_logits);
+    let err = rel_max(&f16_logits, &f32_logits);
     assert!(err > 0.0, "f16 rounding must change something");
     assert!(err < 2e-2, "f16 checkpoint drifts {err:.3e} from f32");
 }
@@ -100,7 +99,7 @@ fn converted_experts_load_bit_exact_and_stay_close() {
             stored.down.to_bytes(),
             original.down.convert(format).unwrap().to_bytes()
         );
-        let err = rel_err(&last_logits(&converted, &prompt), &reference);
+        let err = rel_max(&last_logits(&converted, &prompt), &reference);
         assert!(
             err > 0.0 && err < bound,
             "{}: logits drift {err:.3e}",
@@ -240,7 +239,7 @@ fn logits_command_prints_reference_logits_and_greedy() {
     let json: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
     let logits: Vec<f32> = serde_json::from_value(json["logits"].clone()).unwrap();
     let greedy: Vec<u32> = serde_json::from_value(json["greedy"].clone()).unwrap();
-    assert!(rel_err(&logits, r.prefill_logits.last().unwrap()) < 1e-4);
+    assert!(rel_max(&logits, r.prefill_logits.last().unwrap()) < 1e-4);
     assert_eq!(greedy, r.greedy[..8]);
     assert_eq!(ops::argmax(&logits) as u32, r.greedy[0]);
 
@@ -315,7 +314,7 @@ fn dense_format_quantizes_the_linear_weights_and_stays_close() {
         assert_eq!(embed.dtype, DType::Bf16);
         let logits = last_logits(&Model::load(&out).unwrap(), &prompt);
         assert!(logits.iter().all(|x| x.is_finite()));
-        let err = rel_err(&logits, &reference);
+        let err = rel_max(&logits, &reference);
         println!(
             "dense {}: logits within {err:.3e} of bf16 dense",
             format.name()

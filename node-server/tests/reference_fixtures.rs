@@ -8,6 +8,10 @@ use glmflash_node::model::{ForwardOptions, Model, Step};
 use serde::Deserialize;
 use std::path::PathBuf;
 
+#[path = "support/errors.rs"]
+mod errors;
+use errors::rel_max;
+
 const FIXTURES: [&str; 4] = ["tiny_mixed", "tiny_nested", "tiny_bf16", "tiny_fused"];
 /// Max |ours - ref| / max |ref| allowed against the reference.
 const REF_TOLERANCE: f32 = 1e-4;
@@ -41,14 +45,6 @@ fn load(name: &str) -> (Model, Reference) {
     )
 }
 
-/// max |a - b| / max |b|
-fn rel_err(a: &[f32], b: &[f32]) -> f32 {
-    assert_eq!(a.len(), b.len());
-    assert!(a.iter().all(|v| v.is_finite()), "non-finite output");
-    let scale = b.iter().fold(0f32, |m, v| m.max(v.abs()));
-    a.iter().zip(b).fold(0f32, |m, (x, y)| m.max((x - y).abs())) / scale
-}
-
 fn all_logits(model: &Model, tokens: &[u32]) -> Vec<f32> {
     let mut cache = model.new_cache();
     model
@@ -70,7 +66,7 @@ fn prefill_logits_match_reference() {
         let (model, r) = load(name);
         let ours = all_logits(&model, &r.prompt);
         let expected: Vec<f32> = r.prefill_logits.concat();
-        let err = rel_err(&ours, &expected);
+        let err = rel_max(&ours, &expected);
         eprintln!("{name}: prefill rel err {err:.2e}");
         assert!(
             err < REF_TOLERANCE,
@@ -85,7 +81,7 @@ fn greedy_continuation_matches_reference() {
         let (model, r) = load(name);
         let (tokens, logits) = model.greedy(&r.prompt, r.greedy.len()).unwrap();
         assert_eq!(tokens, r.greedy, "{name}: greedy tokens");
-        let err = rel_err(&logits.concat(), &r.greedy_logits.concat());
+        let err = rel_max(&logits.concat(), &r.greedy_logits.concat());
         eprintln!("{name}: greedy logits rel err {err:.2e}");
         assert!(
             err < REF_TOLERANCE,
@@ -103,7 +99,7 @@ fn cached_decode_equals_full_recompute() {
             let mut seq = r.prompt.clone();
             seq.extend_from_slice(&tokens[..step]);
             let (full, _) = model.prefill(&seq).unwrap();
-            let err = rel_err(&cached[step], &full);
+            let err = rel_max(&cached[step], &full);
             assert!(
                 err < SELF_TOLERANCE,
                 "{name} step {step}: cached vs recomputed rel err {err:.3e}"
@@ -133,7 +129,7 @@ fn chunked_prefill_equals_one_pass() {
                 .unwrap();
             chunks.extend(out.into_iter().flatten());
         }
-        let err = rel_err(&chunks, &one);
+        let err = rel_max(&chunks, &one);
         assert!(
             err < SELF_TOLERANCE,
             "{name}: chunked prefill rel err {err:.3e}"
@@ -172,11 +168,11 @@ fn batch_of_different_lengths_equals_each_alone() {
             )
             .unwrap();
         assert!(
-            rel_err(&out[0], &alone_a) < SELF_TOLERANCE,
+            rel_max(&out[0], &alone_a) < SELF_TOLERANCE,
             "{name}: batched a"
         );
         assert!(
-            rel_err(&out[1], &alone_b) < SELF_TOLERANCE,
+            rel_max(&out[1], &alone_b) < SELF_TOLERANCE,
             "{name}: batched b"
         );
         // Then one decode step for both at different positions, batched vs alone.
@@ -212,7 +208,7 @@ fn batch_of_different_lengths_equals_each_alone() {
                 .unwrap()
                 .remove(0);
             assert!(
-                rel_err(&both[i], &alone) < SELF_TOLERANCE,
+                rel_max(&both[i], &alone) < SELF_TOLERANCE,
                 "{name}: batched decode {i}"
             );
         }
@@ -230,7 +226,7 @@ fn kernel_forms_agree() {
             ..ForwardOptions::default()
         };
         let other = all_logits(&model, &r.prompt);
-        let err = rel_err(&other, &auto);
+        let err = rel_max(&other, &auto);
         assert!(
             err < SELF_TOLERANCE,
             "{name}: recurrent+absorbed vs chunked+expanded rel err {err:.3e}"
