@@ -38,7 +38,7 @@ use jiff::Timestamp;
 use k8s_openapi::api::batch::v1::Job;
 use kube::api::{Api, Patch, PatchParams};
 use kube::runtime::controller::Action;
-use kube::runtime::events::Recorder;
+use kube::runtime::events::{Event, EventType, Recorder};
 use kube::runtime::finalizer::{Event as Finalizer, finalizer};
 use kube::{Client, Resource, ResourceExt, discovery};
 use serde::Serialize;
@@ -103,6 +103,25 @@ impl Context {
             service_monitor_api: AtomicBool::new(service_monitor_api),
             failures: Mutex::new(HashMap::new()),
         }
+    }
+
+    /// Publishes an Event of `type_` about `gfd` (reason, the action it records, a note).
+    pub async fn event(
+        &self,
+        gfd: &GlmFlashDeployment,
+        type_: EventType,
+        reason: &str,
+        action: &str,
+        note: Option<String>,
+    ) -> Result<()> {
+        let event = Event {
+            type_,
+            reason: reason.into(),
+            note,
+            action: action.into(),
+            secondary: None,
+        };
+        Ok(self.recorder.publish(&event, &gfd.object_ref(&())).await?)
     }
 
     /// Whether ServiceMonitors can be applied; when `wanted` and not known yet, the API

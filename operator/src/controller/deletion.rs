@@ -12,10 +12,10 @@ use glmflash_crds::{GlmFlashDeployment, GlmFlashDeploymentStatus, Phase, Reclaim
 use jiff::Timestamp;
 use k8s_openapi::api::apps::v1::Deployment;
 use k8s_openapi::api::batch::v1::Job;
+use kube::ResourceExt;
 use kube::api::{Api, ListParams, Patch};
 use kube::runtime::controller::Action;
-use kube::runtime::events::{Event, EventType};
-use kube::{Resource, ResourceExt};
+use kube::runtime::events::EventType;
 use tracing::{info, warn};
 
 use super::fleet;
@@ -84,27 +84,8 @@ pub(super) async fn pending(gfd: &GlmFlashDeployment, ctx: &Context) -> Result<O
             match job_state(&job) {
                 JobState::Running => removing.push(job_name),
                 JobState::Complete => info!(object = %key(gfd), %node, "store reclaimed"),
-                JobState::Failed(why) => {
-                    // Never block deletion on a node that cannot be cleaned: say where the
-                    // bytes are.
-                    let note = format!(
-                        "store reclaim failed ({why}); remove {} on node {node} by hand",
-                        builders::stores_dir(gfd)
-                    );
-                    warn!(object = %key(gfd), %note);
-                    ctx.recorder
-                        .publish(
-                            &Event {
-                                type_: EventType::Warning,
-                                reason: "ReclaimFailed".into(),
-                                note: Some(note),
-                                action: "Cleanup".into(),
-                                secondary: None,
-                            },
-                            &gfd.object_ref(&()),
-                        )
-                        .await?;
-                }
+                // Never block deletion on a node that cannot be cleaned.
+                JobState::Failed(why) => reclaim_failed(ctx, gfd, node, &why, "Cleanup").await?,
             }
         }
         (!removing.is_empty()).then(|| {
@@ -172,4 +153,22 @@ pub(super) async fn download_shared(
                 builders::model_dir(&o.spec),
             ) == mine
         }))
+}
+
+/// A reclaim Job failed on `node`: a Warning Event (recording `action`) that says where the
+/// bytes are left, so the owner can remove them by hand.
+pub(super) async fn reclaim_failed(
+    ctx: &Context,
+    gfd: &GlmFlashDeployment,
+    node: &str,
+    why: &str,
+    action: &str,
+) -> Result<()> {
+    let note = format!(
+        "store reclaim failed ({why}); remove {} on node {node} by hand",
+        builders::stores_dir(gfd)
+    );
+    warn!(object = %key(gfd), %note);
+    ctx.event(gfd, EventType::Warning, "ReclaimFailed", action, Some(note))
+        .await
 }

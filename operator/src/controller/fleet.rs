@@ -16,17 +16,14 @@ use glmflash_crds::{
 use k8s_openapi::api::apps::v1::Deployment;
 use k8s_openapi::api::batch::v1::Job;
 use k8s_openapi::apimachinery::pkg::apis::meta::v1::{Condition, Time};
+use kube::ResourceExt;
 use kube::api::{Api, DeleteParams, Patch};
 use kube::runtime::controller::Action;
-use kube::runtime::events::{Event, EventType};
-use kube::{Resource, ResourceExt};
-use tracing::warn;
 
 use super::stages::{self, Replica};
 use super::status::{self, Cond, Outcome, Replicas};
 use super::{
-    Context, JobState, RUNNING_REQUEUE, WAITING_REQUEUE, apply_params, deletion, job_state, key,
-    remove,
+    Context, JobState, RUNNING_REQUEUE, WAITING_REQUEUE, apply_params, deletion, job_state, remove,
 };
 use crate::Result;
 use crate::builders::{self, names};
@@ -245,23 +242,7 @@ async fn drain(
             )));
         }
         JobState::Failed(why) => {
-            let note = format!(
-                "store reclaim failed ({why}); remove {} on node {node} by hand",
-                builders::stores_dir(gfd)
-            );
-            warn!(object = %key(gfd), %note);
-            ctx.recorder
-                .publish(
-                    &Event {
-                        type_: EventType::Warning,
-                        reason: "ReclaimFailed".into(),
-                        note: Some(note),
-                        action: "ScaleDown".into(),
-                        secondary: None,
-                    },
-                    &gfd.object_ref(&()),
-                )
-                .await?;
+            deletion::reclaim_failed(ctx, gfd, node, &why, "ScaleDown").await?;
         }
         JobState::Complete => {}
     }

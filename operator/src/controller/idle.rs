@@ -16,9 +16,9 @@ use glmflash_crds::{
 };
 use jiff::{SignedDuration, Timestamp};
 use k8s_openapi::apimachinery::pkg::apis::meta::v1::Time;
+use kube::ResourceExt;
 use kube::api::{Api, Patch, PatchParams};
-use kube::runtime::events::{Event, EventType};
-use kube::{Resource, ResourceExt};
+use kube::runtime::events::EventType;
 use tracing::info;
 
 use super::{Context, key};
@@ -97,17 +97,6 @@ pub(super) async fn hibernate(gfd: &GlmFlashDeployment, ctx: &Context, since: &T
         since.0
     );
     info!(object = %key(gfd), %note, "idle");
-    ctx.recorder
-        .publish(
-            &Event {
-                type_: EventType::Normal,
-                reason: "Idle".into(),
-                note: Some(note),
-                action: "Hibernate".into(),
-                secondary: None,
-            },
-            &gfd.object_ref(&()),
-        )
-        .await?;
-    Ok(())
+    ctx.event(gfd, EventType::Normal, "Idle", "Hibernate", Some(note))
+        .await
 }

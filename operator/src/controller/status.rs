@@ -7,10 +7,10 @@ use glmflash_crds::{
 };
 use jiff::Timestamp;
 use k8s_openapi::apimachinery::pkg::apis::meta::v1::{Condition, Time};
+use kube::ResourceExt;
 use kube::api::{Api, Patch};
 use kube::runtime::controller::Action;
-use kube::runtime::events::{Event, EventType};
-use kube::{Resource, ResourceExt};
+use kube::runtime::events::EventType;
 use tracing::info;
 
 use super::stages::{Placed, Stored};
@@ -234,22 +234,13 @@ pub(super) async fn write_status(
                 next.phase,
                 Some(Phase::Invalid | Phase::Failed | Phase::Pending)
             );
-        ctx.recorder
-            .publish(
-                &Event {
-                    type_: if warning {
-                        EventType::Warning
-                    } else {
-                        EventType::Normal
-                    },
-                    reason,
-                    note: next_ready.map(|(_, m)| truncate(&m, 1000)),
-                    action: "Reconcile".into(),
-                    secondary: None,
-                },
-                &gfd.object_ref(&()),
-            )
-            .await?;
+        let type_ = if warning {
+            EventType::Warning
+        } else {
+            EventType::Normal
+        };
+        let note = next_ready.map(|(_, m)| truncate(&m, 1000));
+        ctx.event(gfd, type_, &reason, "Reconcile", note).await?;
     }
     Ok(())
 }
