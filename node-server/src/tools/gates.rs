@@ -32,6 +32,20 @@ pub struct GatesArgs {
     /// Seconds one non-streaming request may take.
     #[arg(long, env = "GLMFLASH_GATES_TIMEOUT", default_value_t = 1800)]
     pub timeout: u64,
+    /// Sampling seed sent with every generating request, so a run of the gates is
+    /// reproducible (an unseeded run samples differently each time: on a random demo model
+    /// a natural end after no visible text is one of the outcomes).
+    #[arg(long, env = "GLMFLASH_GATES_SEED", default_value_t = 0)]
+    pub seed: u64,
+}
+
+/// `body` with the model and the seed of `args` added: what every generating gate sends.
+fn request(args: &GatesArgs, body: Value) -> Value {
+    let mut b = json!({"model": args.model, "seed": args.seed});
+    b.as_object_mut()
+        .expect("object")
+        .extend(body.as_object().cloned().unwrap_or_default());
+    b
 }
 
 struct Http {
@@ -124,11 +138,7 @@ pub fn run(args: &GatesArgs) -> anyhow::Result<bool> {
         Duration::from_secs(args.timeout),
     )?;
     let chat = |body: Value| -> anyhow::Result<Value> {
-        let mut b = json!({"model": args.model});
-        b.as_object_mut()
-            .expect("object")
-            .extend(body.as_object().cloned().unwrap_or_default());
-        http.json("POST", "/v1/chat/completions", Some(&b))
+        http.json("POST", "/v1/chat/completions", Some(&request(args, body)))
     };
     let mut gates: Vec<Gate> = Vec::new();
 
@@ -219,7 +229,7 @@ pub fn run(args: &GatesArgs) -> anyhow::Result<bool> {
             let v = http.json(
                 "POST",
                 "/v1/completions",
-                Some(&json!({"model": args.model, "prompt": prompt, "max_tokens": 8})),
+                Some(&request(args, json!({"prompt": prompt, "max_tokens": 8}))),
             )?;
             let used = v["usage"]["prompt_tokens"].as_u64().unwrap_or(0);
             let out = v["usage"]["completion_tokens"].as_u64().unwrap_or(0);
@@ -259,12 +269,14 @@ pub fn run(args: &GatesArgs) -> anyhow::Result<bool> {
 
 /// One stream to its natural end (or `speed_seconds`), tokens counted from logprobs.
 fn speed(http: &Http, args: &GatesArgs) -> anyhow::Result<String> {
-    let body = json!({
-        "model": args.model,
-        "messages": [{"role": "user", "content": "Write a long story about a lighthouse."}],
-        "stream": true,
-        "logprobs": true,
-    });
+    let body = request(
+        args,
+        json!({
+            "messages": [{"role": "user", "content": "Write a long story about a lighthouse."}],
+            "stream": true,
+            "logprobs": true,
+        }),
+    );
     let started = Instant::now();
     let (status, mut r) = http.open("POST", "/v1/chat/completions", Some(&body))?;
     if status != 200 {
