@@ -19,8 +19,12 @@ use super::trellis::{
 };
 use super::{Codebook, Rate, TileColumn};
 
-/// Rows one pass over a strip's tiles serves; their accumulators stay in registers.
+/// Rows one pass over a strip's tiles serves.
 const ROW_BLOCK: usize = 4;
+/// mul1's values come out of [`values`] multiplied by `MUL1_DIVISOR / 16 = 2^14` (every
+/// rounded value is then a normal f16 below 65,504, and no multiply is needed per value);
+/// the strip's sums are scaled back by this, exactly.
+const MUL1_VALUE_SCALE: f32 = 16.0 / MUL1_DIVISOR;
 /// Floats of the arranged input per 16 inputs: four groups of eight lanes.
 const ARRANGED: usize = 32;
 
@@ -76,7 +80,9 @@ pub(super) fn strip(
     }
 }
 
-/// One strip for `R` rows of codebook `CB` (`Codebook as u8`).
+/// One strip for `R` rows of codebook `CB` (`Codebook as u8`). The tile's 32 groups are
+/// unrolled (`column::<C0>` for each of the eight column pairs), so the accumulators stay in
+/// registers; the tile and input reads are bounds-checked once per strip, not per group.
 #[target_feature(enable = "avx2,fma,f16c")]
 fn rows_block<const CB: u8, const R: usize>(
     plan: &RatePlan,
@@ -85,34 +91,70 @@ fn rows_block<const CB: u8, const R: usize>(
     out: &mut [f32],
 ) {
     let per_row = x.len() / R;
+    assert!(
+        per_row >= tiles.tiles * ARRANGED,
+        "the arranged input covers the strip"
+    );
     let mut acc = [[_mm256_setzero_ps(); 8]; R];
     for kt in 0..tiles.tiles {
         let tile = tiles.tile(kt);
-        for c0 in 0..8 {
-            for q in 0..4 {
-                let v = values::<CB>(states(plan, tile, 4 * c0 + q));
-                for (r, acc) in acc.iter_mut().enumerate() {
-                    let xv = load8(&x[r * per_row + kt * ARRANGED + 8 * q..][..8]);
-                    acc[c0] = _mm256_fmadd_ps(v, xv, acc[c0]);
-                }
-            }
+        assert!(
+            tile.len() >= plan.reach,
+            "every group's loads lie in the tile"
+        );
+        let t = tile.as_ptr();
+        let xs: [*const f32; R] =
+            std::array::from_fn(|r| x[r * per_row + kt * ARRANGED..][..ARRANGED].as_ptr());
+        // SAFETY: the loads `column` makes read 16 bytes at `plan.half_start` offsets of `t`,
+        // all below `plan.reach` (asserted above), and `ARRANGED` floats at each `xs[r]`.
+        unsafe {
+            column::<CB, R, 0>(plan, t, xs, &mut acc);
+            column::<CB, R, 1>(plan, t, xs, &mut acc);
+            column::<CB, R, 2>(plan, t, xs, &mut acc);
+            column::<CB, R, 3>(plan, t, xs, &mut acc);
+            column::<CB, R, 4>(plan, t, xs, &mut acc);
+            column::<CB, R, 5>(plan, t, xs, &mut acc);
+            column::<CB, R, 6>(plan, t, xs, &mut acc);
+            column::<CB, R, 7>(plan, t, xs, &mut acc);
         }
     }
+    // The codebook's values were computed at a power-of-two scale (see `values`): undo it
+    // once per output. Exact, so the sums are bit for bit those of the unscaled values.
+    let scale = if CB == Codebook::Mul1 as u8 {
+        MUL1_VALUE_SCALE
+    } else {
+        1.0
+    };
     for (r, acc) in acc.iter().enumerate() {
         for (c0, v) in acc.iter().enumerate() {
             let lanes = to_array(*v);
-            out[16 * r + c0] = (lanes[0] + lanes[1]) + (lanes[2] + lanes[3]);
-            out[16 * r + c0 + 8] = (lanes[4] + lanes[5]) + (lanes[6] + lanes[7]);
+            out[16 * r + c0] = ((lanes[0] + lanes[1]) + (lanes[2] + lanes[3])) * scale;
+            out[16 * r + c0 + 8] = ((lanes[4] + lanes[5]) + (lanes[6] + lanes[7])) * scale;
         }
     }
 }
 
+/// Groups `4 C0 .. 4 C0 + 4` of one tile (columns `C0` and `C0 + 8`) into `acc[r][C0]`.
+///
+/// # Safety
+/// `tile` must be readable up to `plan.reach` bytes and each `x[r]` for `ARRANGED` floats.
 #[target_feature(enable = "avx2,fma,f16c")]
 #[inline]
-fn load8(v: &[f32]) -> __m256 {
-    let v: &[f32; 8] = v.try_into().expect("eight lanes");
-    // SAFETY: `v` is 32 readable bytes; loadu has no alignment requirement.
-    unsafe { _mm256_loadu_ps(v.as_ptr()) }
+unsafe fn column<const CB: u8, const R: usize, const C0: usize>(
+    plan: &RatePlan,
+    tile: *const u8,
+    x: [*const f32; R],
+    acc: &mut [[__m256; 8]; R],
+) {
+    for q in 0..4 {
+        // SAFETY: as the caller promised.
+        let v = values::<CB>(unsafe { states(plan, tile, 4 * C0 + q) });
+        for r in 0..R {
+            // SAFETY: `8 q + 8 <= ARRANGED` floats at `x[r]`.
+            let xv = unsafe { _mm256_loadu_ps(x[r].add(8 * q)) };
+            acc[r][C0] = _mm256_fmadd_ps(v, xv, acc[r][C0]);
+        }
+    }
 }
 
 #[target_feature(enable = "avx2,fma,f16c")]
@@ -131,14 +173,6 @@ fn load32(v: &[u8; 32]) -> __m256i {
 
 #[target_feature(enable = "avx2,fma,f16c")]
 #[inline]
-fn load16(v: &[u8]) -> __m128i {
-    let v: &[u8; 16] = v.try_into().expect("sixteen bytes");
-    // SAFETY: `v` is 16 readable bytes; loadu has no alignment requirement.
-    unsafe { _mm_loadu_si128(v.as_ptr().cast()) }
-}
-
-#[target_feature(enable = "avx2,fma,f16c")]
-#[inline]
 fn to_array(v: __m256) -> [f32; 8] {
     let mut out = [0.0f32; 8];
     // SAFETY: `out` is 32 writable bytes; storeu has no alignment requirement.
@@ -146,15 +180,27 @@ fn to_array(v: __m256) -> [f32; 8] {
     out
 }
 
-/// The 16-bit states of group `t`'s eight positions in the stored `tile`: one 16-byte load
-/// per half, a byte shuffle into big-endian 32-bit windows, a shift per lane.
+/// The 16-bit states of group `t`'s eight positions in the stored tile at `tile`: one
+/// 16-byte load per half, a byte shuffle into big-endian 32-bit windows, a shift per lane.
+///
+/// # Safety
+/// `tile` must be readable up to `plan.reach` bytes.
 #[target_feature(enable = "avx2,fma,f16c")]
 #[inline]
-fn states(plan: &RatePlan, tile: &[u8], t: usize) -> __m256i {
+unsafe fn states(plan: &RatePlan, tile: *const u8, t: usize) -> __m256i {
     let [a, b] = plan.half_start[t].map(usize::from);
-    let bytes = _mm256_set_m128i(load16(&tile[b..b + 16]), load16(&tile[a..a + 16]));
+    // SAFETY: `a + 16` and `b + 16` are at most `plan.reach`.
+    let bytes = unsafe {
+        _mm256_set_m128i(
+            _mm_loadu_si128(tile.add(b).cast()),
+            _mm_loadu_si128(tile.add(a).cast()),
+        )
+    };
     let windows = _mm256_shuffle_epi8(bytes, load32(&plan.shuffle[t]));
-    _mm256_srli_epi32::<16>(_mm256_sllv_epi32(windows, load8i(&plan.shift[t])))
+    // The shifts are below 8; saying they are below 32 lets the compiler drop the
+    // out-of-range select the intrinsic otherwise carries.
+    let shift = _mm256_and_si256(load8i(&plan.shift[t]), _mm256_set1_epi32(31));
+    _mm256_srli_epi32::<16>(_mm256_sllv_epi32(windows, shift))
 }
 
 /// f32 values of eight f16 bit patterns (in the low halves of the lanes) that are normal
@@ -170,7 +216,8 @@ fn normal_f16_to_f32(h: __m256i) -> __m256 {
     _mm256_castsi256_ps(_mm256_or_si256(sign, magnitude))
 }
 
-/// The codebook `CB`'s weights of eight states, as `trellis::decode_state` computes them.
+/// The codebook `CB`'s weights of eight states, as `trellis::decode_state` computes them;
+/// mul1's divided by [`MUL1_VALUE_SCALE`].
 #[target_feature(enable = "avx2,fma,f16c")]
 #[inline]
 fn values<const CB: u8>(state: __m256i) -> __m256 {
@@ -179,12 +226,14 @@ fn values<const CB: u8>(state: __m256i) -> __m256 {
         // Sum of the four bytes: byte pairs to i16, then i16 pairs to i32.
         let pairs = _mm256_maddubs_epi16(y, _mm256_set1_epi8(1));
         let sum = _mm256_cvtepi32_ps(_mm256_madd_epi16(pairs, _mm256_set1_epi16(1)));
-        let scaled = _mm256_fmadd_ps(
+        // (MUL1_SCALE * sum - MUL1_OFFSET) / 16 in one exact FMA: the value over
+        // MUL1_VALUE_SCALE, still a normal f16 after rounding, so the rounding below is the
+        // value's own rounding scaled by a power of two.
+        _mm256_fmadd_ps(
             sum,
-            _mm256_set1_ps(MUL1_SCALE as f32),
-            _mm256_set1_ps(-(MUL1_OFFSET as f32)),
-        );
-        _mm256_mul_ps(scaled, _mm256_set1_ps(1.0 / MUL1_DIVISOR))
+            _mm256_set1_ps(MUL1_SCALE as f32 / 16.0),
+            _mm256_set1_ps(-(MUL1_OFFSET as f32) / 16.0),
+        )
     } else {
         let y = if CB == Codebook::Mcg as u8 {
             _mm256_mullo_epi32(state, _mm256_set1_epi32(MCG_MUL as i32))
@@ -211,10 +260,18 @@ fn values<const CB: u8>(state: __m256i) -> __m256 {
 pub(super) fn decode_tile(rate: Rate, cb: Codebook, tile: &[u8]) -> [f32; 256] {
     #[target_feature(enable = "avx2,fma,f16c")]
     fn group<const CB: u8>(plan: &RatePlan, tile: &[u8], t: usize) -> [f32; 8] {
-        to_array(values::<CB>(states(plan, tile, t)))
+        // SAFETY: the caller checked that `tile` reaches `plan.reach`.
+        let v = to_array(values::<CB>(unsafe { states(plan, tile.as_ptr(), t) }));
+        let scale = if CB == Codebook::Mul1 as u8 {
+            MUL1_VALUE_SCALE
+        } else {
+            1.0
+        };
+        v.map(|v| v * scale)
     }
     assert!(crate::quant::cpu_features().simd_supported());
     let plan = RatePlan::of(rate);
+    assert!(tile.len() >= plan.reach);
     let mut out = [0f32; 256];
     for t in 0..32 {
         // SAFETY: checked above that the CPU has avx2, fma and f16c.

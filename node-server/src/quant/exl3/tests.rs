@@ -223,6 +223,59 @@ fn simd_decode_is_bit_exact() {
     }
 }
 
+/// The SIMD kernel's strips bit for bit against a scalar model of its order: per row, eight
+/// lanes per column pair `(c0, c0 + 8)`, each an FMA chain over tiles and the tile's row
+/// pairs, the lanes summed pairwise at the end.
+#[cfg(target_arch = "x86_64")]
+#[test]
+fn simd_strips_follow_their_summation_order_bit_for_bit() {
+    if !crate::quant::cpu_features().simd_supported() {
+        return;
+    }
+    let (k, n) = (256, 128);
+    for cb in CODEBOOKS {
+        for len in TILE_LENS.into_iter().filter(|&l| supported(cb, l)) {
+            let lin = random_linear(300 + len as u64, k, n, len, cb);
+            let what = lin.reconstruct();
+            for rows in 1..=5 {
+                let xr = random_f32(rows as u64, rows * k, 3.0);
+                let arranged = simd_x86::arrange(&xr, rows);
+                for nt in 0..n / 16 {
+                    let mut got = vec![0f32; rows * 16];
+                    simd_x86::strip(lin.rate, cb, lin.column(nt), &arranged, rows, &mut got);
+                    for r in 0..rows {
+                        let mut lanes = [[0f32; 8]; 8];
+                        for kt in 0..k / 16 {
+                            for (c0, acc) in lanes.iter_mut().enumerate() {
+                                for q in 0..4 {
+                                    for (j, &(dr, dc)) in trellis::GROUP_OFFSETS.iter().enumerate()
+                                    {
+                                        let i = 16 * kt + 2 * q + dr;
+                                        let w = what[i * n + 16 * nt + c0 + dc];
+                                        acc[j] = xr[r * k + i].mul_add(w, acc[j]);
+                                    }
+                                }
+                            }
+                        }
+                        for (c0, l) in lanes.iter().enumerate() {
+                            for (c, want) in [
+                                (c0, (l[0] + l[1]) + (l[2] + l[3])),
+                                (c0 + 8, (l[4] + l[5]) + (l[6] + l[7])),
+                            ] {
+                                assert_eq!(
+                                    got[16 * r + c].to_bits(),
+                                    want.to_bits(),
+                                    "{cb} {len} rows {rows}: strip {nt} row {r} column {c}"
+                                );
+                            }
+                        }
+                    }
+                }
+            }
+        }
+    }
+}
+
 #[test]
 fn products_match_the_definition_on_both_kernels() {
     let (k, n) = (256, 384);

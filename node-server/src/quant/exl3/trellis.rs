@@ -70,6 +70,9 @@ pub(super) struct RatePlan {
     pub(super) shuffle: [[u8; 32]; TILE_VALUES / 8],
     /// ... and each lane's shift left to bring the state's first bit to the top.
     pub(super) shift: [[i32; 8]; TILE_VALUES / 8],
+    /// Bytes from a stored tile's start that those 16-byte loads reach (at most the tile
+    /// and its [`TAIL`]).
+    pub(super) reach: usize,
 }
 
 impl RatePlan {
@@ -81,6 +84,7 @@ impl RatePlan {
             half_start: [[0; 2]; TILE_VALUES / 8],
             shuffle: [[0; 32]; TILE_VALUES / 8],
             shift: [[0; 8]; TILE_VALUES / 8],
+            reach: 0,
         };
         let mut end = 0;
         for p in 0..TILE_VALUES {
@@ -95,6 +99,7 @@ impl RatePlan {
             for half in 0..2 {
                 let first = 8 * t + 4 * half;
                 plan.half_start[t][half] = plan.byte[first];
+                plan.reach = plan.reach.max(usize::from(plan.byte[first]) + 16);
                 for j in 0..4 {
                     let rel = plan.byte[first + j] - plan.byte[first];
                     debug_assert!(rel + 3 < 16, "a half's states lie in 16 bytes");
@@ -105,6 +110,10 @@ impl RatePlan {
                 }
             }
         }
+        assert!(
+            plan.reach <= rate.tile_bytes() + TAIL,
+            "a tile's loads stay in the tile and its tail"
+        );
         plan
     }
 
