@@ -545,7 +545,7 @@ impl Exl3Linear {
         let xr = self.rotate_input(x, rows);
         let input = match kernel {
             #[cfg(target_arch = "x86_64")]
-            Kernel::Simd => simd_x86::arrange(&xr, rows),
+            Kernel::Simd => simd_x86::arrange(&xr, rows, self.codebook),
             _ => xr,
         };
         // Strip-major partial products: [N/16][rows][16].

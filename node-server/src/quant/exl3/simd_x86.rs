@@ -28,15 +28,42 @@ const MUL1_VALUE_SCALE: f32 = 16.0 / MUL1_DIVISOR;
 /// Floats of the arranged input per 16 inputs: four groups of eight lanes.
 const ARRANGED: usize = 32;
 
-/// The rotated input `xr` (`[rows, K]`) laid out for [`strip`]: per row and 16-input block,
-/// four groups of eight lanes, group `q` holding inputs `2q, 2q+1, 2q+8, 2q+9` of the block
-/// twice (the rows of the tile positions its lanes decode).
-pub(super) fn arrange(xr: &[f32], rows: usize) -> Vec<f32> {
+/// Which of a group's eight positions (`GROUP_OFFSETS` order) each lane of [`values`] holds:
+/// mul1's in order; the half-sum codebooks' in the order their pairwise sum of the two f16
+/// halves (`hadd` within each 128-bit half) leaves them.
+pub(super) fn lane_positions(cb: Codebook) -> [usize; 8] {
+    if cb == Codebook::Mul1 {
+        [0, 1, 2, 3, 4, 5, 6, 7]
+    } else {
+        [0, 1, 4, 5, 2, 3, 6, 7]
+    }
+}
+
+/// Lanes of a group whose positions lie in its first column (`c0`), then those in its second
+/// (`c0 + 8`), each in lane order.
+fn column_lanes(cb: Codebook) -> [[usize; 4]; 2] {
+    let lanes = lane_positions(cb);
+    let mut out = [[0; 4]; 2];
+    let mut filled = [0; 2];
+    for (lane, &j) in lanes.iter().enumerate() {
+        let side = GROUP_OFFSETS[j].1 / 8;
+        out[side][filled[side]] = lane;
+        filled[side] += 1;
+    }
+    out
+}
+
+/// The rotated input `xr` (`[rows, K]`) laid out for [`strip`] with codebook `cb`: per row
+/// and 16-input block, four groups of eight lanes, group `q`'s lanes holding the inputs of the
+/// tile rows their positions lie in (`2q, 2q+1, 2q+8, 2q+9`, each twice, in the lane order of
+/// [`lane_positions`]).
+pub(super) fn arrange(xr: &[f32], rows: usize, cb: Codebook) -> Vec<f32> {
     let k = xr.len() / rows;
+    let lanes = lane_positions(cb);
     let mut out = Vec::with_capacity(rows * k / 16 * ARRANGED);
     for block in xr.chunks_exact(16) {
         for q in 0..4 {
-            out.extend(GROUP_OFFSETS.iter().map(|&(dr, _)| block[2 * q + dr]));
+            out.extend(lanes.iter().map(|&j| block[2 * q + GROUP_OFFSETS[j].0]));
         }
     }
     out
@@ -120,16 +147,18 @@ fn rows_block<const CB: u8, const R: usize>(
     }
     // The codebook's values were computed at a power-of-two scale (see `values`): undo it
     // once per output. Exact, so the sums are bit for bit those of the unscaled values.
-    let scale = if CB == Codebook::Mul1 as u8 {
-        MUL1_VALUE_SCALE
+    let (scale, cb) = if CB == Codebook::Mul1 as u8 {
+        (MUL1_VALUE_SCALE, Codebook::Mul1)
     } else {
-        1.0
+        (1.0, Codebook::Inst3)
     };
+    let sides = column_lanes(cb);
     for (r, acc) in acc.iter().enumerate() {
         for (c0, v) in acc.iter().enumerate() {
-            let lanes = to_array(*v);
-            out[16 * r + c0] = ((lanes[0] + lanes[1]) + (lanes[2] + lanes[3])) * scale;
-            out[16 * r + c0 + 8] = ((lanes[4] + lanes[5]) + (lanes[6] + lanes[7])) * scale;
+            let l = to_array(*v);
+            for (side, [a, b, c, d]) in sides.into_iter().enumerate() {
+                out[16 * r + c0 + 8 * side] = ((l[a] + l[b]) + (l[c] + l[d])) * scale;
+            }
         }
     }
 }
@@ -203,19 +232,6 @@ unsafe fn states(plan: &RatePlan, tile: *const u8, t: usize) -> __m256i {
     _mm256_srli_epi32::<16>(_mm256_sllv_epi32(windows, shift))
 }
 
-/// f32 values of eight f16 bit patterns (in the low halves of the lanes) that are normal
-/// numbers, by moving the fields and rebiasing the exponent.
-#[target_feature(enable = "avx2,fma,f16c")]
-#[inline]
-fn normal_f16_to_f32(h: __m256i) -> __m256 {
-    let sign = _mm256_slli_epi32::<16>(_mm256_and_si256(h, _mm256_set1_epi32(0x8000)));
-    let magnitude = _mm256_add_epi32(
-        _mm256_slli_epi32::<13>(_mm256_and_si256(h, _mm256_set1_epi32(0x7FFF))),
-        _mm256_set1_epi32((127 - 15) << 23),
-    );
-    _mm256_castsi256_ps(_mm256_or_si256(sign, magnitude))
-}
-
 /// The codebook `CB`'s weights of eight states, as `trellis::decode_state` computes them;
 /// mul1's divided by [`MUL1_VALUE_SCALE`].
 #[target_feature(enable = "avx2,fma,f16c")]
@@ -247,9 +263,11 @@ fn values<const CB: u8>(state: __m256i) -> __m256 {
             _mm256_and_si256(y, _mm256_set1_epi32(HALVES_MASK as i32)),
             _mm256_set1_epi32(HALVES_XOR as i32),
         );
-        let lo = normal_f16_to_f32(_mm256_and_si256(y, _mm256_set1_epi32(0xFFFF)));
-        let hi = normal_f16_to_f32(_mm256_srli_epi32::<16>(y));
-        _mm256_add_ps(lo, hi)
+        // Both halves of each lane to f32 (lanes 0-3, then 4-7, each as a (low, high) pair),
+        // the pairs summed exactly: lanes in the order of `lane_positions`.
+        let first = _mm256_cvtph_ps(_mm256_castsi256_si128(y));
+        let second = _mm256_cvtph_ps(_mm256_extracti128_si256::<1>(y));
+        _mm256_hadd_ps(first, second)
     };
     _mm256_cvtph_ps(_mm256_cvtps_ph::<_MM_FROUND_TO_NEAREST_INT>(exact))
 }
@@ -282,8 +300,9 @@ pub(super) fn decode_tile(rate: Rate, cb: Codebook, tile: &[u8]) -> [f32; 256] {
                 Codebook::Mul1 => group::<2>(plan, tile, t),
             }
         };
-        for (j, &(dr, dc)) in GROUP_OFFSETS.iter().enumerate() {
-            out[(2 * (t % 4) + dr) * 16 + t / 4 + dc] = v[j];
+        for (lane, j) in lane_positions(cb).into_iter().enumerate() {
+            let (dr, dc) = GROUP_OFFSETS[j];
+            out[(2 * (t % 4) + dr) * 16 + t / 4 + dc] = v[lane];
         }
     }
     out

@@ -239,29 +239,35 @@ fn simd_strips_follow_their_summation_order_bit_for_bit() {
             let what = lin.reconstruct();
             for rows in 1..=5 {
                 let xr = random_f32(rows as u64, rows * k, 3.0);
-                let arranged = simd_x86::arrange(&xr, rows);
+                let arranged = simd_x86::arrange(&xr, rows, cb);
+                let lanes = simd_x86::lane_positions(cb);
                 for nt in 0..n / 16 {
                     let mut got = vec![0f32; rows * 16];
                     simd_x86::strip(lin.rate, cb, lin.column(nt), &arranged, rows, &mut got);
                     for r in 0..rows {
-                        let mut lanes = [[0f32; 8]; 8];
+                        let mut sums = [[0f32; 8]; 8];
                         for kt in 0..k / 16 {
-                            for (c0, acc) in lanes.iter_mut().enumerate() {
+                            for (c0, acc) in sums.iter_mut().enumerate() {
                                 for q in 0..4 {
-                                    for (j, &(dr, dc)) in trellis::GROUP_OFFSETS.iter().enumerate()
-                                    {
+                                    for (lane, &j) in lanes.iter().enumerate() {
+                                        let (dr, dc) = trellis::GROUP_OFFSETS[j];
                                         let i = 16 * kt + 2 * q + dr;
                                         let w = what[i * n + 16 * nt + c0 + dc];
-                                        acc[j] = xr[r * k + i].mul_add(w, acc[j]);
+                                        acc[lane] = xr[r * k + i].mul_add(w, acc[lane]);
                                     }
                                 }
                             }
                         }
-                        for (c0, l) in lanes.iter().enumerate() {
-                            for (c, want) in [
-                                (c0, (l[0] + l[1]) + (l[2] + l[3])),
-                                (c0 + 8, (l[4] + l[5]) + (l[6] + l[7])),
-                            ] {
+                        // Per column, its four lanes in lane order, summed pairwise.
+                        let side = |l: &[f32; 8], dc: usize| {
+                            let mut four =
+                                (0..8).filter(|&lane| trellis::GROUP_OFFSETS[lanes[lane]].1 == dc);
+                            let mut next = || l[four.next().expect("four lanes a column")];
+                            let (a, b, c, d) = (next(), next(), next(), next());
+                            (a + b) + (c + d)
+                        };
+                        for (c0, l) in sums.iter().enumerate() {
+                            for (c, want) in [(c0, side(l, 0)), (c0 + 8, side(l, 8))] {
                                 assert_eq!(
                                     got[16 * r + c].to_bits(),
                                     want.to_bits(),
