@@ -1,14 +1,16 @@
 //! The AVX2 + FMA + F16C product kernel: eight tile positions per vector, from their states
 //! (two 16-byte loads, a byte shuffle and a variable shift) through the codebook (integer
-//! ops, then one f16 rounding with F16C) straight into FMAs, without storing the tile.
+//! ops, then one f16 rounding with F16C) straight into FMAs, without storing the tile. The
+//! same code is compiled a second time with AVX-512 VL + VNNI enabled (still 256-bit vectors:
+//! 32 registers, fused logic, a one-instruction byte sum), chosen when the CPU has them.
 //!
 //! The eight positions of group `t` lie in rows `2q, 2q+1, 2q+8, 2q+9` (`q = t mod 4`) of
 //! columns `t div 4` and `t div 4 + 8`, so each group multiplies a fixed lane pattern of the
 //! input ([`arrange`] lays it out once per product) and accumulates into the lanes of one of
 //! eight vectors per row; the lanes are summed per column at the end of the strip.
 //!
-//! `unsafe` is allowed here for unaligned loads from fixed-size array references and for
-//! calling the `#[target_feature]` kernel once the caller has checked the CPU.
+//! `unsafe` is allowed here for unaligned loads inside a tile whose length is checked once,
+//! and for calling the `#[target_feature]` kernels once the caller has checked the CPU.
 #![allow(unsafe_code)]
 
 use std::arch::x86_64::*;
@@ -79,225 +81,326 @@ pub(super) fn strip(
     rows: usize,
     out: &mut [f32],
 ) {
-    debug_assert!(crate::quant::cpu_features().simd_supported());
+    strip_on(Isa::best(), rate, cb, tiles, xa, rows, out);
+}
+
+/// The instruction sets the strip is compiled for.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(super) enum Isa {
+    /// AVX2 + FMA + F16C.
+    Avx2,
+    /// The same kernel with AVX-512 VL and VNNI as well: 32 vector registers, three-input
+    /// logic, mul1's byte sum in one `vpdpbusd`. 256-bit vectors still.
+    Avx512Vnni,
+}
+
+impl Isa {
+    pub(super) fn supported(self) -> bool {
+        let avx2 = crate::quant::cpu_features().simd_supported();
+        match self {
+            Isa::Avx2 => avx2,
+            Isa::Avx512Vnni => {
+                static WIDE: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
+                avx2 && *WIDE.get_or_init(|| {
+                    std::arch::is_x86_feature_detected!("avx512f")
+                        && std::arch::is_x86_feature_detected!("avx512vl")
+                        && std::arch::is_x86_feature_detected!("avx512vnni")
+                })
+            }
+        }
+    }
+
+    /// The widest supported.
+    pub(super) fn best() -> Isa {
+        if Isa::Avx512Vnni.supported() {
+            Isa::Avx512Vnni
+        } else {
+            Isa::Avx2
+        }
+    }
+}
+
+/// [`strip`] on the given instruction set, which the CPU must have.
+pub(super) fn strip_on(
+    isa: Isa,
+    rate: Rate,
+    cb: Codebook,
+    tiles: TileColumn,
+    xa: &[f32],
+    rows: usize,
+    out: &mut [f32],
+) {
+    assert!(isa.supported(), "{isa:?} on this CPU");
     let plan = RatePlan::of(rate);
     let per_row = xa.len() / rows;
     for r0 in (0..rows).step_by(ROW_BLOCK) {
         let n = (rows - r0).min(ROW_BLOCK);
         let x = &xa[r0 * per_row..(r0 + n) * per_row];
         let o = &mut out[16 * r0..16 * (r0 + n)];
-        // SAFETY: the callers only choose this kernel after runtime detection reported avx2,
-        // fma and f16c on this CPU.
+        // SAFETY: asserted above that the CPU has the instruction set's features.
         unsafe {
-            match (cb, n) {
-                (Codebook::Inst3, 1) => rows_block::<0, 1>(plan, tiles, x, o),
-                (Codebook::Inst3, 2) => rows_block::<0, 2>(plan, tiles, x, o),
-                (Codebook::Inst3, 3) => rows_block::<0, 3>(plan, tiles, x, o),
-                (Codebook::Inst3, _) => rows_block::<0, 4>(plan, tiles, x, o),
-                (Codebook::Mcg, 1) => rows_block::<1, 1>(plan, tiles, x, o),
-                (Codebook::Mcg, 2) => rows_block::<1, 2>(plan, tiles, x, o),
-                (Codebook::Mcg, 3) => rows_block::<1, 3>(plan, tiles, x, o),
-                (Codebook::Mcg, _) => rows_block::<1, 4>(plan, tiles, x, o),
-                (Codebook::Mul1, 1) => rows_block::<2, 1>(plan, tiles, x, o),
-                (Codebook::Mul1, 2) => rows_block::<2, 2>(plan, tiles, x, o),
-                (Codebook::Mul1, 3) => rows_block::<2, 3>(plan, tiles, x, o),
-                (Codebook::Mul1, _) => rows_block::<2, 4>(plan, tiles, x, o),
+            match isa {
+                Isa::Avx2 => avx2::rows(cb, n, plan, tiles, x, o),
+                Isa::Avx512Vnni => avx512::rows(cb, n, plan, tiles, x, o),
             }
         }
     }
 }
 
-/// One strip for `R` rows of codebook `CB` (`Codebook as u8`). The tile's 32 groups are
-/// unrolled (`column::<C0>` for each of the eight column pairs), so the accumulators stay in
-/// registers; the tile and input reads are bounds-checked once per strip, not per group.
-#[target_feature(enable = "avx2,fma,f16c")]
-fn rows_block<const CB: u8, const R: usize>(
-    plan: &RatePlan,
-    tiles: TileColumn,
-    x: &[f32],
-    out: &mut [f32],
-) {
-    let per_row = x.len() / R;
-    assert!(
-        per_row >= tiles.tiles * ARRANGED,
-        "the arranged input covers the strip"
-    );
-    let mut acc = [[_mm256_setzero_ps(); 8]; R];
-    for kt in 0..tiles.tiles {
-        let tile = tiles.tile(kt);
-        assert!(
-            tile.len() >= plan.reach,
-            "every group's loads lie in the tile"
-        );
-        let t = tile.as_ptr();
-        let xs: [*const f32; R] =
-            std::array::from_fn(|r| x[r * per_row + kt * ARRANGED..][..ARRANGED].as_ptr());
-        // SAFETY: the loads `column` makes read 16 bytes at `plan.half_start` offsets of `t`,
-        // all below `plan.reach` (asserted above), and `ARRANGED` floats at each `xs[r]`.
-        unsafe {
-            column::<CB, R, 0>(plan, t, xs, &mut acc);
-            column::<CB, R, 1>(plan, t, xs, &mut acc);
-            column::<CB, R, 2>(plan, t, xs, &mut acc);
-            column::<CB, R, 3>(plan, t, xs, &mut acc);
-            column::<CB, R, 4>(plan, t, xs, &mut acc);
-            column::<CB, R, 5>(plan, t, xs, &mut acc);
-            column::<CB, R, 6>(plan, t, xs, &mut acc);
-            column::<CB, R, 7>(plan, t, xs, &mut acc);
-        }
-    }
-    // The codebook's values were computed at a power-of-two scale (see `values`): undo it
-    // once per output. Exact, so the sums are bit for bit those of the unscaled values.
-    let (scale, cb) = if CB == Codebook::Mul1 as u8 {
-        (MUL1_VALUE_SCALE, Codebook::Mul1)
-    } else {
-        (1.0, Codebook::Inst3)
-    };
-    let sides = column_lanes(cb);
-    for (r, acc) in acc.iter().enumerate() {
-        for (c0, v) in acc.iter().enumerate() {
-            let l = to_array(*v);
-            for (side, [a, b, c, d]) in sides.into_iter().enumerate() {
-                out[16 * r + c0 + 8 * side] = ((l[a] + l[b]) + (l[c] + l[d])) * scale;
+/// The kernel's functions, compiled for the target features `$features`; `$byte_sum` sums
+/// each lane's four bytes.
+macro_rules! kernel {
+    ($isa:ident, $features:literal, $byte_sum:ident) => {
+        mod $isa {
+            use super::*;
+
+            /// One block of `n` rows (1 to [`ROW_BLOCK`]) of a strip.
+            ///
+            /// # Safety
+            /// The CPU must have the module's target features.
+            #[target_feature(enable = $features)]
+            pub(super) fn rows(
+                cb: Codebook,
+                n: usize,
+                plan: &RatePlan,
+                tiles: TileColumn,
+                x: &[f32],
+                o: &mut [f32],
+            ) {
+                match (cb, n) {
+                    (Codebook::Inst3, 1) => rows_block::<0, 1>(plan, tiles, x, o),
+                    (Codebook::Inst3, 2) => rows_block::<0, 2>(plan, tiles, x, o),
+                    (Codebook::Inst3, 3) => rows_block::<0, 3>(plan, tiles, x, o),
+                    (Codebook::Inst3, _) => rows_block::<0, 4>(plan, tiles, x, o),
+                    (Codebook::Mcg, 1) => rows_block::<1, 1>(plan, tiles, x, o),
+                    (Codebook::Mcg, 2) => rows_block::<1, 2>(plan, tiles, x, o),
+                    (Codebook::Mcg, 3) => rows_block::<1, 3>(plan, tiles, x, o),
+                    (Codebook::Mcg, _) => rows_block::<1, 4>(plan, tiles, x, o),
+                    (Codebook::Mul1, 1) => rows_block::<2, 1>(plan, tiles, x, o),
+                    (Codebook::Mul1, 2) => rows_block::<2, 2>(plan, tiles, x, o),
+                    (Codebook::Mul1, 3) => rows_block::<2, 3>(plan, tiles, x, o),
+                    (Codebook::Mul1, _) => rows_block::<2, 4>(plan, tiles, x, o),
+                }
+            }
+
+            /// One strip for `R` rows of codebook `CB` (`Codebook as u8`). The tile's 32 groups are
+            /// unrolled (`column::<C0>` for each of the eight column pairs), so the accumulators stay in
+            /// registers; the tile and input reads are bounds-checked once per strip, not per group.
+            #[target_feature(enable = $features)]
+            pub(super) fn rows_block<const CB: u8, const R: usize>(
+                plan: &RatePlan,
+                tiles: TileColumn,
+                x: &[f32],
+                out: &mut [f32],
+            ) {
+                let per_row = x.len() / R;
+                assert!(
+                    per_row >= tiles.tiles * ARRANGED,
+                    "the arranged input covers the strip"
+                );
+                let mut acc = [[_mm256_setzero_ps(); 8]; R];
+                for kt in 0..tiles.tiles {
+                    let tile = tiles.tile(kt);
+                    assert!(
+                        tile.len() >= plan.reach,
+                        "every group's loads lie in the tile"
+                    );
+                    let t = tile.as_ptr();
+                    let xs: [*const f32; R] = std::array::from_fn(|r| {
+                        x[r * per_row + kt * ARRANGED..][..ARRANGED].as_ptr()
+                    });
+                    // SAFETY: the loads `column` makes read 16 bytes at `plan.half_start` offsets of `t`,
+                    // all below `plan.reach` (asserted above), and `ARRANGED` floats at each `xs[r]`.
+                    unsafe {
+                        column::<CB, R, 0>(plan, t, xs, &mut acc);
+                        column::<CB, R, 1>(plan, t, xs, &mut acc);
+                        column::<CB, R, 2>(plan, t, xs, &mut acc);
+                        column::<CB, R, 3>(plan, t, xs, &mut acc);
+                        column::<CB, R, 4>(plan, t, xs, &mut acc);
+                        column::<CB, R, 5>(plan, t, xs, &mut acc);
+                        column::<CB, R, 6>(plan, t, xs, &mut acc);
+                        column::<CB, R, 7>(plan, t, xs, &mut acc);
+                    }
+                }
+                // The codebook's values were computed at a power-of-two scale (see `values`): undo it
+                // once per output. Exact, so the sums are bit for bit those of the unscaled values.
+                let (scale, cb) = if CB == Codebook::Mul1 as u8 {
+                    (MUL1_VALUE_SCALE, Codebook::Mul1)
+                } else {
+                    (1.0, Codebook::Inst3)
+                };
+                let sides = column_lanes(cb);
+                for (r, acc) in acc.iter().enumerate() {
+                    for (c0, v) in acc.iter().enumerate() {
+                        let l = to_array(*v);
+                        for (side, [a, b, c, d]) in sides.into_iter().enumerate() {
+                            out[16 * r + c0 + 8 * side] = ((l[a] + l[b]) + (l[c] + l[d])) * scale;
+                        }
+                    }
+                }
+            }
+
+            /// Groups `4 C0 .. 4 C0 + 4` of one tile (columns `C0` and `C0 + 8`) into `acc[r][C0]`.
+            ///
+            /// # Safety
+            /// `tile` must be readable up to `plan.reach` bytes and each `x[r]` for `ARRANGED` floats.
+            #[target_feature(enable = $features)]
+            #[inline]
+            pub(super) unsafe fn column<const CB: u8, const R: usize, const C0: usize>(
+                plan: &RatePlan,
+                tile: *const u8,
+                x: [*const f32; R],
+                acc: &mut [[__m256; 8]; R],
+            ) {
+                for q in 0..4 {
+                    // SAFETY: as the caller promised.
+                    let v = values::<CB>(unsafe { states(plan, tile, 4 * C0 + q) });
+                    for r in 0..R {
+                        // SAFETY: `8 q + 8 <= ARRANGED` floats at `x[r]`.
+                        let xv = unsafe { _mm256_loadu_ps(x[r].add(8 * q)) };
+                        acc[r][C0] = _mm256_fmadd_ps(v, xv, acc[r][C0]);
+                    }
+                }
+            }
+
+            #[target_feature(enable = $features)]
+            #[inline]
+            pub(super) fn load8i(v: &[i32; 8]) -> __m256i {
+                // SAFETY: `v` is 32 readable bytes; loadu has no alignment requirement.
+                unsafe { _mm256_loadu_si256(v.as_ptr().cast()) }
+            }
+
+            #[target_feature(enable = $features)]
+            #[inline]
+            pub(super) fn load32(v: &[u8; 32]) -> __m256i {
+                // SAFETY: `v` is 32 readable bytes; loadu has no alignment requirement.
+                unsafe { _mm256_loadu_si256(v.as_ptr().cast()) }
+            }
+
+            #[target_feature(enable = $features)]
+            #[inline]
+            pub(super) fn to_array(v: __m256) -> [f32; 8] {
+                let mut out = [0.0f32; 8];
+                // SAFETY: `out` is 32 writable bytes; storeu has no alignment requirement.
+                unsafe { _mm256_storeu_ps(out.as_mut_ptr(), v) };
+                out
+            }
+
+            /// The 16-bit states of group `t`'s eight positions in the stored tile at `tile`: one
+            /// 16-byte load per half, a byte shuffle into big-endian 32-bit windows, a shift per lane.
+            ///
+            /// # Safety
+            /// `tile` must be readable up to `plan.reach` bytes.
+            #[target_feature(enable = $features)]
+            #[inline]
+            pub(super) unsafe fn states(plan: &RatePlan, tile: *const u8, t: usize) -> __m256i {
+                let [a, b] = plan.half_start[t].map(usize::from);
+                // SAFETY: `a + 16` and `b + 16` are at most `plan.reach`.
+                let bytes = unsafe {
+                    _mm256_set_m128i(
+                        _mm_loadu_si128(tile.add(b).cast()),
+                        _mm_loadu_si128(tile.add(a).cast()),
+                    )
+                };
+                let windows = _mm256_shuffle_epi8(bytes, load32(&plan.shuffle[t]));
+                // The shifts are below 8; saying they are below 32 lets the compiler drop the
+                // out-of-range select the intrinsic otherwise carries.
+                let shift = _mm256_and_si256(load8i(&plan.shift[t]), _mm256_set1_epi32(31));
+                _mm256_srli_epi32::<16>(_mm256_sllv_epi32(windows, shift))
+            }
+
+            /// The codebook `CB`'s weights of eight states, as `trellis::decode_state` computes them;
+            /// mul1's divided by [`MUL1_VALUE_SCALE`].
+            #[target_feature(enable = $features)]
+            #[inline]
+            pub(super) fn values<const CB: u8>(state: __m256i) -> __m256 {
+                let exact = if CB == Codebook::Mul1 as u8 {
+                    let y = _mm256_mullo_epi32(state, _mm256_set1_epi32(MUL1_MUL as i32));
+                    // Sum of the four bytes: byte pairs to i16, then i16 pairs to i32.
+                    let sum = _mm256_cvtepi32_ps($byte_sum(y));
+                    // (MUL1_SCALE * sum - MUL1_OFFSET) / 16 in one exact FMA: the value over
+                    // MUL1_VALUE_SCALE, still a normal f16 after rounding, so the rounding below is the
+                    // value's own rounding scaled by a power of two.
+                    _mm256_fmadd_ps(
+                        sum,
+                        _mm256_set1_ps(MUL1_SCALE as f32 / 16.0),
+                        _mm256_set1_ps(-(MUL1_OFFSET as f32) / 16.0),
+                    )
+                } else {
+                    let y = if CB == Codebook::Mcg as u8 {
+                        _mm256_mullo_epi32(state, _mm256_set1_epi32(MCG_MUL as i32))
+                    } else {
+                        _mm256_add_epi32(
+                            _mm256_mullo_epi32(state, _mm256_set1_epi32(INST3_MUL as i32)),
+                            _mm256_set1_epi32(INST3_ADD as i32),
+                        )
+                    };
+                    let y = _mm256_xor_si256(
+                        _mm256_and_si256(y, _mm256_set1_epi32(HALVES_MASK as i32)),
+                        _mm256_set1_epi32(HALVES_XOR as i32),
+                    );
+                    // Both halves of each lane to f32 (lanes 0-3, then 4-7, each as a (low, high) pair),
+                    // the pairs summed exactly: lanes in the order of `lane_positions`.
+                    let first = _mm256_cvtph_ps(_mm256_castsi256_si128(y));
+                    let second = _mm256_cvtph_ps(_mm256_extracti128_si256::<1>(y));
+                    _mm256_hadd_ps(first, second)
+                };
+                _mm256_cvtph_ps(_mm256_cvtps_ph::<_MM_FROUND_TO_NEAREST_INT>(exact))
+            }
+
+            /// Group `t`'s values in lane order, scaled back (for the tests).
+            #[cfg(test)]
+            #[target_feature(enable = $features)]
+            pub(super) fn group(cb: Codebook, plan: &RatePlan, tile: &[u8], t: usize) -> [f32; 8] {
+                assert!(tile.len() >= plan.reach);
+                // SAFETY: asserted that `tile` reaches `plan.reach`.
+                let state = unsafe { states(plan, tile.as_ptr(), t) };
+                let (v, scale) = match cb {
+                    Codebook::Inst3 => (values::<0>(state), 1.0),
+                    Codebook::Mcg => (values::<1>(state), 1.0),
+                    Codebook::Mul1 => (values::<2>(state), MUL1_VALUE_SCALE),
+                };
+                to_array(v).map(|v| v * scale)
             }
         }
-    }
-}
-
-/// Groups `4 C0 .. 4 C0 + 4` of one tile (columns `C0` and `C0 + 8`) into `acc[r][C0]`.
-///
-/// # Safety
-/// `tile` must be readable up to `plan.reach` bytes and each `x[r]` for `ARRANGED` floats.
-#[target_feature(enable = "avx2,fma,f16c")]
-#[inline]
-unsafe fn column<const CB: u8, const R: usize, const C0: usize>(
-    plan: &RatePlan,
-    tile: *const u8,
-    x: [*const f32; R],
-    acc: &mut [[__m256; 8]; R],
-) {
-    for q in 0..4 {
-        // SAFETY: as the caller promised.
-        let v = values::<CB>(unsafe { states(plan, tile, 4 * C0 + q) });
-        for r in 0..R {
-            // SAFETY: `8 q + 8 <= ARRANGED` floats at `x[r]`.
-            let xv = unsafe { _mm256_loadu_ps(x[r].add(8 * q)) };
-            acc[r][C0] = _mm256_fmadd_ps(v, xv, acc[r][C0]);
-        }
-    }
-}
-
-#[target_feature(enable = "avx2,fma,f16c")]
-#[inline]
-fn load8i(v: &[i32; 8]) -> __m256i {
-    // SAFETY: `v` is 32 readable bytes; loadu has no alignment requirement.
-    unsafe { _mm256_loadu_si256(v.as_ptr().cast()) }
-}
-
-#[target_feature(enable = "avx2,fma,f16c")]
-#[inline]
-fn load32(v: &[u8; 32]) -> __m256i {
-    // SAFETY: `v` is 32 readable bytes; loadu has no alignment requirement.
-    unsafe { _mm256_loadu_si256(v.as_ptr().cast()) }
-}
-
-#[target_feature(enable = "avx2,fma,f16c")]
-#[inline]
-fn to_array(v: __m256) -> [f32; 8] {
-    let mut out = [0.0f32; 8];
-    // SAFETY: `out` is 32 writable bytes; storeu has no alignment requirement.
-    unsafe { _mm256_storeu_ps(out.as_mut_ptr(), v) };
-    out
-}
-
-/// The 16-bit states of group `t`'s eight positions in the stored tile at `tile`: one
-/// 16-byte load per half, a byte shuffle into big-endian 32-bit windows, a shift per lane.
-///
-/// # Safety
-/// `tile` must be readable up to `plan.reach` bytes.
-#[target_feature(enable = "avx2,fma,f16c")]
-#[inline]
-unsafe fn states(plan: &RatePlan, tile: *const u8, t: usize) -> __m256i {
-    let [a, b] = plan.half_start[t].map(usize::from);
-    // SAFETY: `a + 16` and `b + 16` are at most `plan.reach`.
-    let bytes = unsafe {
-        _mm256_set_m128i(
-            _mm_loadu_si128(tile.add(b).cast()),
-            _mm_loadu_si128(tile.add(a).cast()),
-        )
     };
-    let windows = _mm256_shuffle_epi8(bytes, load32(&plan.shuffle[t]));
-    // The shifts are below 8; saying they are below 32 lets the compiler drop the
-    // out-of-range select the intrinsic otherwise carries.
-    let shift = _mm256_and_si256(load8i(&plan.shift[t]), _mm256_set1_epi32(31));
-    _mm256_srli_epi32::<16>(_mm256_sllv_epi32(windows, shift))
 }
 
-/// The codebook `CB`'s weights of eight states, as `trellis::decode_state` computes them;
-/// mul1's divided by [`MUL1_VALUE_SCALE`].
-#[target_feature(enable = "avx2,fma,f16c")]
+kernel!(avx2, "avx2,fma,f16c", byte_sum_avx2);
+kernel!(
+    avx512,
+    "avx2,fma,f16c,avx512f,avx512vl,avx512vnni",
+    byte_sum_vnni
+);
+
+/// The sum of each 32-bit lane's four bytes: byte pairs to i16, then i16 pairs to i32.
+#[target_feature(enable = "avx2")]
 #[inline]
-fn values<const CB: u8>(state: __m256i) -> __m256 {
-    let exact = if CB == Codebook::Mul1 as u8 {
-        let y = _mm256_mullo_epi32(state, _mm256_set1_epi32(MUL1_MUL as i32));
-        // Sum of the four bytes: byte pairs to i16, then i16 pairs to i32.
-        let pairs = _mm256_maddubs_epi16(y, _mm256_set1_epi8(1));
-        let sum = _mm256_cvtepi32_ps(_mm256_madd_epi16(pairs, _mm256_set1_epi16(1)));
-        // (MUL1_SCALE * sum - MUL1_OFFSET) / 16 in one exact FMA: the value over
-        // MUL1_VALUE_SCALE, still a normal f16 after rounding, so the rounding below is the
-        // value's own rounding scaled by a power of two.
-        _mm256_fmadd_ps(
-            sum,
-            _mm256_set1_ps(MUL1_SCALE as f32 / 16.0),
-            _mm256_set1_ps(-(MUL1_OFFSET as f32) / 16.0),
-        )
-    } else {
-        let y = if CB == Codebook::Mcg as u8 {
-            _mm256_mullo_epi32(state, _mm256_set1_epi32(MCG_MUL as i32))
-        } else {
-            _mm256_add_epi32(
-                _mm256_mullo_epi32(state, _mm256_set1_epi32(INST3_MUL as i32)),
-                _mm256_set1_epi32(INST3_ADD as i32),
-            )
-        };
-        let y = _mm256_xor_si256(
-            _mm256_and_si256(y, _mm256_set1_epi32(HALVES_MASK as i32)),
-            _mm256_set1_epi32(HALVES_XOR as i32),
-        );
-        // Both halves of each lane to f32 (lanes 0-3, then 4-7, each as a (low, high) pair),
-        // the pairs summed exactly: lanes in the order of `lane_positions`.
-        let first = _mm256_cvtph_ps(_mm256_castsi256_si128(y));
-        let second = _mm256_cvtph_ps(_mm256_extracti128_si256::<1>(y));
-        _mm256_hadd_ps(first, second)
-    };
-    _mm256_cvtph_ps(_mm256_cvtps_ph::<_MM_FROUND_TO_NEAREST_INT>(exact))
+fn byte_sum_avx2(y: __m256i) -> __m256i {
+    let pairs = _mm256_maddubs_epi16(y, _mm256_set1_epi8(1));
+    _mm256_madd_epi16(pairs, _mm256_set1_epi16(1))
+}
+
+/// As [`byte_sum_avx2`], in one dot-product instruction.
+#[target_feature(enable = "avx2,avx512f,avx512vl,avx512vnni")]
+#[inline]
+fn byte_sum_vnni(y: __m256i) -> __m256i {
+    _mm256_dpbusd_epi32(_mm256_setzero_si256(), y, _mm256_set1_epi8(1))
 }
 
 /// The stored `tile` decoded into `[row * 16 + column]` order by this kernel's decoder (the
 /// tests hold it to the portable decoder bit for bit).
 #[cfg(test)]
-pub(super) fn decode_tile(rate: Rate, cb: Codebook, tile: &[u8]) -> [f32; 256] {
-    #[target_feature(enable = "avx2,fma,f16c")]
-    fn group<const CB: u8>(plan: &RatePlan, tile: &[u8], t: usize) -> [f32; 8] {
-        // SAFETY: the caller checked that `tile` reaches `plan.reach`.
-        let v = to_array(values::<CB>(unsafe { states(plan, tile.as_ptr(), t) }));
-        let scale = if CB == Codebook::Mul1 as u8 {
-            MUL1_VALUE_SCALE
-        } else {
-            1.0
-        };
-        v.map(|v| v * scale)
-    }
-    assert!(crate::quant::cpu_features().simd_supported());
+pub(super) fn decode_tile(isa: Isa, rate: Rate, cb: Codebook, tile: &[u8]) -> [f32; 256] {
+    assert!(isa.supported(), "{isa:?} on this CPU");
     let plan = RatePlan::of(rate);
-    assert!(tile.len() >= plan.reach);
     let mut out = [0f32; 256];
     for t in 0..32 {
-        // SAFETY: checked above that the CPU has avx2, fma and f16c.
+        // SAFETY: asserted above that the CPU has the instruction set's features.
         let v = unsafe {
-            match cb {
-                Codebook::Inst3 => group::<0>(plan, tile, t),
-                Codebook::Mcg => group::<1>(plan, tile, t),
-                Codebook::Mul1 => group::<2>(plan, tile, t),
+            match isa {
+                Isa::Avx2 => avx2::group(cb, plan, tile, t),
+                Isa::Avx512Vnni => avx512::group(cb, plan, tile, t),
             }
         };
         for (lane, j) in lane_positions(cb).into_iter().enumerate() {

@@ -20,6 +20,14 @@ fn random_f32(seed: u64, n: usize, scale: f32) -> Vec<f32> {
         .collect()
 }
 
+#[cfg(target_arch = "x86_64")]
+fn simd_isas() -> Vec<simd_x86::Isa> {
+    [simd_x86::Isa::Avx2, simd_x86::Isa::Avx512Vnni]
+        .into_iter()
+        .filter(|isa| isa.supported())
+        .collect()
+}
+
 fn supported(cb: Codebook, len: usize) -> bool {
     cb == Codebook::Mul1 || len.is_multiple_of(16)
 }
@@ -197,24 +205,24 @@ fn positions_cover_the_tile_once() {
 #[cfg(target_arch = "x86_64")]
 #[test]
 fn simd_decode_is_bit_exact() {
-    if !crate::quant::cpu_features().simd_supported() {
-        return;
-    }
-    for cb in CODEBOOKS {
-        for len in TILE_LENS.into_iter().filter(|&l| supported(cb, l)) {
-            let lin = random_linear(len as u64, 128, 128, len, cb);
-            let what = lin.reconstruct();
-            for nt in 0..8 {
-                for kt in 0..8 {
-                    let simd = simd_x86::decode_tile(lin.rate, cb, lin.tile(kt, nt));
-                    for r in 0..16 {
-                        for c in 0..16 {
-                            let want = what[(16 * kt + r) * 128 + 16 * nt + c];
-                            assert_eq!(
-                                simd[16 * r + c].to_bits(),
-                                want.to_bits(),
-                                "{cb} {len}: tile ({kt}, {nt}) [{r}, {c}]"
-                            );
+    // Every instruction set this CPU has (a CPU without AVX2 checks nothing here).
+    for isa in simd_isas() {
+        for cb in CODEBOOKS {
+            for len in TILE_LENS.into_iter().filter(|&l| supported(cb, l)) {
+                let lin = random_linear(len as u64, 128, 128, len, cb);
+                let what = lin.reconstruct();
+                for nt in 0..8 {
+                    for kt in 0..8 {
+                        let simd = simd_x86::decode_tile(isa, lin.rate, cb, lin.tile(kt, nt));
+                        for r in 0..16 {
+                            for c in 0..16 {
+                                let want = what[(16 * kt + r) * 128 + 16 * nt + c];
+                                assert_eq!(
+                                    simd[16 * r + c].to_bits(),
+                                    want.to_bits(),
+                                    "{isa:?} {cb} {len}: tile ({kt}, {nt}) [{r}, {c}]"
+                                );
+                            }
                         }
                     }
                 }
@@ -229,50 +237,58 @@ fn simd_decode_is_bit_exact() {
 #[cfg(target_arch = "x86_64")]
 #[test]
 fn simd_strips_follow_their_summation_order_bit_for_bit() {
-    if !crate::quant::cpu_features().simd_supported() {
-        return;
-    }
-    let (k, n) = (256, 128);
-    for cb in CODEBOOKS {
-        for len in TILE_LENS.into_iter().filter(|&l| supported(cb, l)) {
-            let lin = random_linear(300 + len as u64, k, n, len, cb);
-            let what = lin.reconstruct();
-            for rows in 1..=5 {
-                let xr = random_f32(rows as u64, rows * k, 3.0);
-                let arranged = simd_x86::arrange(&xr, rows, cb);
-                let lanes = simd_x86::lane_positions(cb);
-                for nt in 0..n / 16 {
-                    let mut got = vec![0f32; rows * 16];
-                    simd_x86::strip(lin.rate, cb, lin.column(nt), &arranged, rows, &mut got);
-                    for r in 0..rows {
-                        let mut sums = [[0f32; 8]; 8];
-                        for kt in 0..k / 16 {
-                            for (c0, acc) in sums.iter_mut().enumerate() {
-                                for q in 0..4 {
-                                    for (lane, &j) in lanes.iter().enumerate() {
-                                        let (dr, dc) = trellis::GROUP_OFFSETS[j];
-                                        let i = 16 * kt + 2 * q + dr;
-                                        let w = what[i * n + 16 * nt + c0 + dc];
-                                        acc[lane] = xr[r * k + i].mul_add(w, acc[lane]);
+    // Every instruction set this CPU has (a CPU without AVX2 checks nothing here).
+    for isa in simd_isas() {
+        let (k, n) = (256, 128);
+        for cb in CODEBOOKS {
+            for len in TILE_LENS.into_iter().filter(|&l| supported(cb, l)) {
+                let lin = random_linear(300 + len as u64, k, n, len, cb);
+                let what = lin.reconstruct();
+                for rows in 1..=5 {
+                    let xr = random_f32(rows as u64, rows * k, 3.0);
+                    let arranged = simd_x86::arrange(&xr, rows, cb);
+                    let lanes = simd_x86::lane_positions(cb);
+                    for nt in 0..n / 16 {
+                        let mut got = vec![0f32; rows * 16];
+                        simd_x86::strip_on(
+                            isa,
+                            lin.rate,
+                            cb,
+                            lin.column(nt),
+                            &arranged,
+                            rows,
+                            &mut got,
+                        );
+                        for r in 0..rows {
+                            let mut sums = [[0f32; 8]; 8];
+                            for kt in 0..k / 16 {
+                                for (c0, acc) in sums.iter_mut().enumerate() {
+                                    for q in 0..4 {
+                                        for (lane, &j) in lanes.iter().enumerate() {
+                                            let (dr, dc) = trellis::GROUP_OFFSETS[j];
+                                            let i = 16 * kt + 2 * q + dr;
+                                            let w = what[i * n + 16 * nt + c0 + dc];
+                                            acc[lane] = xr[r * k + i].mul_add(w, acc[lane]);
+                                        }
                                     }
                                 }
                             }
-                        }
-                        // Per column, its four lanes in lane order, summed pairwise.
-                        let side = |l: &[f32; 8], dc: usize| {
-                            let mut four =
-                                (0..8).filter(|&lane| trellis::GROUP_OFFSETS[lanes[lane]].1 == dc);
-                            let mut next = || l[four.next().expect("four lanes a column")];
-                            let (a, b, c, d) = (next(), next(), next(), next());
-                            (a + b) + (c + d)
-                        };
-                        for (c0, l) in sums.iter().enumerate() {
-                            for (c, want) in [(c0, side(l, 0)), (c0 + 8, side(l, 8))] {
-                                assert_eq!(
-                                    got[16 * r + c].to_bits(),
-                                    want.to_bits(),
-                                    "{cb} {len} rows {rows}: strip {nt} row {r} column {c}"
-                                );
+                            // Per column, its four lanes in lane order, summed pairwise.
+                            let side = |l: &[f32; 8], dc: usize| {
+                                let mut four = (0..8)
+                                    .filter(|&lane| trellis::GROUP_OFFSETS[lanes[lane]].1 == dc);
+                                let mut next = || l[four.next().expect("four lanes a column")];
+                                let (a, b, c, d) = (next(), next(), next(), next());
+                                (a + b) + (c + d)
+                            };
+                            for (c0, l) in sums.iter().enumerate() {
+                                for (c, want) in [(c0, side(l, 0)), (c0 + 8, side(l, 8))] {
+                                    assert_eq!(
+                                        got[16 * r + c].to_bits(),
+                                        want.to_bits(),
+                                        "{isa:?} {cb} {len} rows {rows}: strip {nt} row {r} column {c}"
+                                    );
+                                }
                             }
                         }
                     }
