@@ -1,8 +1,8 @@
-//! The AVX2 + FMA + F16C product kernel: eight tile positions per vector, from their states
-//! (two 16-byte loads, a byte shuffle and a variable shift) through the codebook (integer
-//! ops, then one f16 rounding with F16C) straight into FMAs, without storing the tile. The
-//! same code is compiled a second time with AVX-512 VL + VNNI enabled (still 256-bit vectors:
-//! 32 registers, fused logic, a one-instruction byte sum), chosen when the CPU has them.
+//! The AVX2 + FMA + F16C product kernel: eight tile positions per vector, from their states (one
+//! 16-byte load into both halves, a byte shuffle and a variable shift) through the codebook
+//! (integer ops, then one f16 rounding with F16C) straight into FMAs, without storing the tile. The
+//! same code is compiled a second time with AVX-512 VL + VNNI enabled (still 256-bit vectors: 32
+//! registers, fused logic, a one-instruction byte sum), chosen when the CPU has them.
 //!
 //! The eight positions of group `t` lie in rows `2q, 2q+1, 2q+8, 2q+9` (`q = t mod 4`) of
 //! columns `t div 4` and `t div 4 + 8`, so each group multiplies a fixed lane pattern of the
@@ -184,8 +184,9 @@ macro_rules! kernel {
             }
 
             /// One strip for `R` rows of codebook `CB` (`Codebook as u8`). The tile's 32 groups are
-            /// unrolled (`column::<C0>` for each of the eight column pairs), so the accumulators stay in
-            /// registers; the tile and input reads are bounds-checked once per strip, not per group.
+            /// unrolled (`column::<C0>` for each of the eight column pairs), so the accumulators
+            /// stay in registers; the tile and input reads are bounds-checked once per strip, not
+            /// per group.
             #[target_feature(enable = $features)]
             pub(super) fn rows_block<const CB: u8, const R: usize>(
                 plan: &RatePlan,
@@ -198,6 +199,9 @@ macro_rules! kernel {
                     per_row >= tiles.tiles * ARRANGED,
                     "the arranged input covers the strip"
                 );
+                // Opaque to the compiler, so it keeps them (in registers or on the stack)
+                // instead of broadcasting them again for every group.
+                let c = std::hint::black_box(Consts::of(CB));
                 let mut acc = [[_mm256_setzero_ps(); 8]; R];
                 for kt in 0..tiles.tiles {
                     let tile = tiles.tile(kt);
@@ -209,21 +213,23 @@ macro_rules! kernel {
                     let xs: [*const f32; R] = std::array::from_fn(|r| {
                         x[r * per_row + kt * ARRANGED..][..ARRANGED].as_ptr()
                     });
-                    // SAFETY: the loads `column` makes read 16 bytes at `plan.half_start` offsets of `t`,
-                    // all below `plan.reach` (asserted above), and `ARRANGED` floats at each `xs[r]`.
+                    // SAFETY: the loads `column` makes read 16 bytes at `plan.group_start` offsets
+                    // of `t`, all below `plan.reach` (asserted above), and `ARRANGED` floats at
+                    // each `xs[r]`.
                     unsafe {
-                        column::<CB, R, 0>(plan, t, xs, &mut acc);
-                        column::<CB, R, 1>(plan, t, xs, &mut acc);
-                        column::<CB, R, 2>(plan, t, xs, &mut acc);
-                        column::<CB, R, 3>(plan, t, xs, &mut acc);
-                        column::<CB, R, 4>(plan, t, xs, &mut acc);
-                        column::<CB, R, 5>(plan, t, xs, &mut acc);
-                        column::<CB, R, 6>(plan, t, xs, &mut acc);
-                        column::<CB, R, 7>(plan, t, xs, &mut acc);
+                        column::<CB, R, 0>(plan, &c, t, xs, &mut acc);
+                        column::<CB, R, 1>(plan, &c, t, xs, &mut acc);
+                        column::<CB, R, 2>(plan, &c, t, xs, &mut acc);
+                        column::<CB, R, 3>(plan, &c, t, xs, &mut acc);
+                        column::<CB, R, 4>(plan, &c, t, xs, &mut acc);
+                        column::<CB, R, 5>(plan, &c, t, xs, &mut acc);
+                        column::<CB, R, 6>(plan, &c, t, xs, &mut acc);
+                        column::<CB, R, 7>(plan, &c, t, xs, &mut acc);
                     }
                 }
-                // The codebook's values were computed at a power-of-two scale (see `values`): undo it
-                // once per output. Exact, so the sums are bit for bit those of the unscaled values.
+                // The codebook's values were computed at a power-of-two scale (see `values`): undo
+                // it once per output. Exact, so the sums are bit for bit those of the unscaled
+                // values.
                 let (scale, cb) = if CB == Codebook::Mul1 as u8 {
                     (MUL1_VALUE_SCALE, Codebook::Mul1)
                 } else {
@@ -243,18 +249,20 @@ macro_rules! kernel {
             /// Groups `4 C0 .. 4 C0 + 4` of one tile (columns `C0` and `C0 + 8`) into `acc[r][C0]`.
             ///
             /// # Safety
-            /// `tile` must be readable up to `plan.reach` bytes and each `x[r]` for `ARRANGED` floats.
+            /// `tile` must be readable up to `plan.reach` bytes and each `x[r]` for `ARRANGED`
+            /// floats.
             #[target_feature(enable = $features)]
             #[inline]
             pub(super) unsafe fn column<const CB: u8, const R: usize, const C0: usize>(
                 plan: &RatePlan,
+                c: &Consts,
                 tile: *const u8,
                 x: [*const f32; R],
                 acc: &mut [[__m256; 8]; R],
             ) {
                 for q in 0..4 {
                     // SAFETY: as the caller promised.
-                    let v = values::<CB>(unsafe { states(plan, tile, 4 * C0 + q) });
+                    let v = values::<CB>(unsafe { states(plan, tile, 4 * C0 + q) }, c);
                     for r in 0..R {
                         // SAFETY: `8 q + 8 <= ARRANGED` floats at `x[r]`.
                         let xv = unsafe { _mm256_loadu_ps(x[r].add(8 * q)) };
@@ -286,22 +294,19 @@ macro_rules! kernel {
                 out
             }
 
-            /// The 16-bit states of group `t`'s eight positions in the stored tile at `tile`: one
-            /// 16-byte load per half, a byte shuffle into big-endian 32-bit windows, a shift per lane.
+            /// The 16-bit states of group `t`'s eight positions in the stored tile at `tile`:
+            /// one 16-byte load into both halves, a byte shuffle into big-endian 32-bit
+            /// windows, a shift per lane.
             ///
             /// # Safety
             /// `tile` must be readable up to `plan.reach` bytes.
             #[target_feature(enable = $features)]
             #[inline]
             pub(super) unsafe fn states(plan: &RatePlan, tile: *const u8, t: usize) -> __m256i {
-                let [a, b] = plan.half_start[t].map(usize::from);
-                // SAFETY: `a + 16` and `b + 16` are at most `plan.reach`.
-                let bytes = unsafe {
-                    _mm256_set_m128i(
-                        _mm_loadu_si128(tile.add(b).cast()),
-                        _mm_loadu_si128(tile.add(a).cast()),
-                    )
-                };
+                let start = usize::from(plan.group_start[t]);
+                // SAFETY: `start + 16` is at most `plan.reach`.
+                let bytes =
+                    unsafe { _mm256_broadcastsi128_si256(_mm_loadu_si128(tile.add(start).cast())) };
                 let windows = _mm256_shuffle_epi8(bytes, load32(&plan.shuffle[t]));
                 // The shifts are below 8; saying they are below 32 lets the compiler drop the
                 // out-of-range select the intrinsic otherwise carries.
@@ -309,43 +314,54 @@ macro_rules! kernel {
                 _mm256_srli_epi32::<16>(_mm256_sllv_epi32(windows, shift))
             }
 
-            /// The codebook `CB`'s weights of eight states, as `trellis::decode_state` computes them;
-            /// mul1's divided by [`MUL1_VALUE_SCALE`].
+            /// The codebook `CB`'s weights of eight states, as `trellis::decode_state` computes
+            /// them; mul1's divided by [`MUL1_VALUE_SCALE`].
             #[target_feature(enable = $features)]
             #[inline]
-            pub(super) fn values<const CB: u8>(state: __m256i) -> __m256 {
+            pub(super) fn values<const CB: u8>(state: __m256i, c: &Consts) -> __m256 {
                 let exact = if CB == Codebook::Mul1 as u8 {
-                    let y = _mm256_mullo_epi32(state, _mm256_set1_epi32(MUL1_MUL as i32));
-                    // Sum of the four bytes: byte pairs to i16, then i16 pairs to i32.
-                    let sum = _mm256_cvtepi32_ps($byte_sum(y));
-                    // (MUL1_SCALE * sum - MUL1_OFFSET) / 16 in one exact FMA: the value over
-                    // MUL1_VALUE_SCALE, still a normal f16 after rounding, so the rounding below is the
-                    // value's own rounding scaled by a power of two.
-                    _mm256_fmadd_ps(
-                        sum,
-                        _mm256_set1_ps(MUL1_SCALE as f32 / 16.0),
-                        _mm256_set1_ps(-(MUL1_OFFSET as f32) / 16.0),
-                    )
+                    let y = _mm256_mullo_epi32(state, c.mul);
+                    let sum = _mm256_cvtepi32_ps($byte_sum(y, c));
+                    // (MUL1_SCALE * sum - MUL1_OFFSET) / 16 in one exact FMA: the value
+                    // over MUL1_VALUE_SCALE, still a normal f16 after rounding, so the
+                    // rounding below is the value's own scaled by a power of two.
+                    _mm256_fmadd_ps(sum, c.scale, c.offset)
                 } else {
+                    let y = _mm256_mullo_epi32(state, c.mul);
                     let y = if CB == Codebook::Mcg as u8 {
-                        _mm256_mullo_epi32(state, _mm256_set1_epi32(MCG_MUL as i32))
+                        y
                     } else {
-                        _mm256_add_epi32(
-                            _mm256_mullo_epi32(state, _mm256_set1_epi32(INST3_MUL as i32)),
-                            _mm256_set1_epi32(INST3_ADD as i32),
-                        )
+                        _mm256_add_epi32(y, c.add)
                     };
-                    let y = _mm256_xor_si256(
-                        _mm256_and_si256(y, _mm256_set1_epi32(HALVES_MASK as i32)),
-                        _mm256_set1_epi32(HALVES_XOR as i32),
-                    );
-                    // Both halves of each lane to f32 (lanes 0-3, then 4-7, each as a (low, high) pair),
-                    // the pairs summed exactly: lanes in the order of `lane_positions`.
+                    let y = _mm256_xor_si256(_mm256_and_si256(y, c.mask), c.flip);
+                    // Both halves of each lane to f32 (lanes 0-3, then 4-7, each as a
+                    // (low, high) pair), the pairs summed exactly: lanes in the order of
+                    // `lane_positions`.
                     let first = _mm256_cvtph_ps(_mm256_castsi256_si128(y));
                     let second = _mm256_cvtph_ps(_mm256_extracti128_si256::<1>(y));
                     _mm256_hadd_ps(first, second)
                 };
                 _mm256_cvtph_ps(_mm256_cvtps_ph::<_MM_FROUND_TO_NEAREST_INT>(exact))
+            }
+
+            /// The values of eight states (in their order), scaled back (for the tests).
+            #[cfg(test)]
+            #[target_feature(enable = $features)]
+            pub(super) fn decode_states(cb: Codebook, states: &[u32; 8]) -> [f32; 8] {
+                // SAFETY: `states` is 32 readable bytes; loadu has no alignment requirement.
+                let v = unsafe { _mm256_loadu_si256(states.as_ptr().cast()) };
+                let c = Consts::of(cb as u8);
+                let (v, scale) = match cb {
+                    Codebook::Inst3 => (values::<0>(v, &c), 1.0),
+                    Codebook::Mcg => (values::<1>(v, &c), 1.0),
+                    Codebook::Mul1 => (values::<2>(v, &c), MUL1_VALUE_SCALE),
+                };
+                let lanes = to_array(v);
+                let mut out = [0f32; 8];
+                for (lane, j) in lane_positions(cb).into_iter().enumerate() {
+                    out[j] = lanes[lane] * scale;
+                }
+                out
             }
 
             /// Group `t`'s values in lane order, scaled back (for the tests).
@@ -355,10 +371,11 @@ macro_rules! kernel {
                 assert!(tile.len() >= plan.reach);
                 // SAFETY: asserted that `tile` reaches `plan.reach`.
                 let state = unsafe { states(plan, tile.as_ptr(), t) };
+                let c = Consts::of(cb as u8);
                 let (v, scale) = match cb {
-                    Codebook::Inst3 => (values::<0>(state), 1.0),
-                    Codebook::Mcg => (values::<1>(state), 1.0),
-                    Codebook::Mul1 => (values::<2>(state), MUL1_VALUE_SCALE),
+                    Codebook::Inst3 => (values::<0>(state, &c), 1.0),
+                    Codebook::Mcg => (values::<1>(state, &c), 1.0),
+                    Codebook::Mul1 => (values::<2>(state, &c), MUL1_VALUE_SCALE),
                 };
                 to_array(v).map(|v| v * scale)
             }
@@ -373,23 +390,70 @@ kernel!(
     byte_sum_vnni
 );
 
+/// The codebook's constants as vectors.
+#[derive(Clone, Copy)]
+struct Consts {
+    mul: __m256i,
+    add: __m256i,
+    mask: __m256i,
+    flip: __m256i,
+    ones8: __m256i,
+    ones16: __m256i,
+    scale: __m256,
+    offset: __m256,
+}
+
+impl Consts {
+    /// For codebook `cb` (`Codebook as u8`).
+    #[target_feature(enable = "avx2")]
+    fn of(cb: u8) -> Consts {
+        let mul = match cb {
+            c if c == Codebook::Mul1 as u8 => MUL1_MUL,
+            c if c == Codebook::Mcg as u8 => MCG_MUL,
+            _ => INST3_MUL,
+        };
+        Consts {
+            mul: _mm256_set1_epi32(mul as i32),
+            add: _mm256_set1_epi32(INST3_ADD as i32),
+            mask: _mm256_set1_epi32(HALVES_MASK as i32),
+            flip: _mm256_set1_epi32(HALVES_XOR as i32),
+            ones8: _mm256_set1_epi8(1),
+            ones16: _mm256_set1_epi16(1),
+            scale: _mm256_set1_ps(MUL1_SCALE as f32 / 16.0),
+            offset: _mm256_set1_ps(-(MUL1_OFFSET as f32) / 16.0),
+        }
+    }
+}
+
 /// The sum of each 32-bit lane's four bytes: byte pairs to i16, then i16 pairs to i32.
 #[target_feature(enable = "avx2")]
 #[inline]
-fn byte_sum_avx2(y: __m256i) -> __m256i {
-    let pairs = _mm256_maddubs_epi16(y, _mm256_set1_epi8(1));
-    _mm256_madd_epi16(pairs, _mm256_set1_epi16(1))
+fn byte_sum_avx2(y: __m256i, c: &Consts) -> __m256i {
+    _mm256_madd_epi16(_mm256_maddubs_epi16(y, c.ones8), c.ones16)
 }
 
 /// As [`byte_sum_avx2`], in one dot-product instruction.
 #[target_feature(enable = "avx2,avx512f,avx512vl,avx512vnni")]
 #[inline]
-fn byte_sum_vnni(y: __m256i) -> __m256i {
-    _mm256_dpbusd_epi32(_mm256_setzero_si256(), y, _mm256_set1_epi8(1))
+fn byte_sum_vnni(y: __m256i, c: &Consts) -> __m256i {
+    _mm256_dpbusd_epi32(_mm256_setzero_si256(), y, c.ones8)
 }
 
 /// The stored `tile` decoded into `[row * 16 + column]` order by this kernel's decoder (the
 /// tests hold it to the portable decoder bit for bit).
+/// [`decode_states`] on the given instruction set.
+#[cfg(test)]
+pub(super) fn decode_states(isa: Isa, cb: Codebook, states: &[u32; 8]) -> [f32; 8] {
+    assert!(isa.supported(), "{isa:?} on this CPU");
+    // SAFETY: asserted above that the CPU has the instruction set's features.
+    unsafe {
+        match isa {
+            Isa::Avx2 => avx2::decode_states(cb, states),
+            Isa::Avx512Vnni => avx512::decode_states(cb, states),
+        }
+    }
+}
+
 #[cfg(test)]
 pub(super) fn decode_tile(isa: Isa, rate: Rate, cb: Codebook, tile: &[u8]) -> [f32; 256] {
     assert!(isa.supported(), "{isa:?} on this CPU");

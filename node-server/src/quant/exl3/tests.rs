@@ -231,6 +231,25 @@ fn simd_decode_is_bit_exact() {
     }
 }
 
+/// Every state of every codebook through the SIMD decoder (its arithmetic at a scale of its
+/// own, its f16 rounding) against the scalar decoder.
+#[cfg(target_arch = "x86_64")]
+#[test]
+fn simd_rounding_matches_f16_for_every_state() {
+    for isa in simd_isas() {
+        for cb in CODEBOOKS {
+            for first in (0..=u16::MAX as u32).step_by(8) {
+                let states: [u32; 8] = std::array::from_fn(|i| first + i as u32);
+                let got = simd_x86::decode_states(isa, cb, &states);
+                for (s, v) in states.iter().zip(got) {
+                    let want = trellis::decode_state(cb, *s);
+                    assert_eq!(v.to_bits(), want.to_bits(), "{isa:?} {cb} state {s}");
+                }
+            }
+        }
+    }
+}
+
 /// The SIMD kernel's strips bit for bit against a scalar model of its order: per row, eight
 /// lanes per column pair `(c0, c0 + 8)`, each an FMA chain over tiles and the tile's row
 /// pairs, the lanes summed pairwise at the end.

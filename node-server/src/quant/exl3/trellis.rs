@@ -62,16 +62,16 @@ pub(super) struct RatePlan {
     /// from the byte's top.
     pub(super) byte: [u16; TILE_VALUES],
     pub(super) bit: [u8; TILE_VALUES],
-    /// Per group of eight positions (the SIMD decoder reads each half of four positions with
-    /// one 16-byte load): the first byte of each half's load, ...
-    pub(super) half_start: [[u16; 2]; TILE_VALUES / 8],
+    /// Per group of eight positions (the SIMD decoder reads all eight states with one
+    /// 16-byte load into both halves of a vector): the load's first byte, ...
+    pub(super) group_start: [u16; TILE_VALUES / 8],
     /// ... the byte shuffle that puts each position's four bytes into its 32-bit lane as a
     /// big-endian number, ...
     pub(super) shuffle: [[u8; 32]; TILE_VALUES / 8],
     /// ... and each lane's shift left to bring the state's first bit to the top.
     pub(super) shift: [[i32; 8]; TILE_VALUES / 8],
-    /// Bytes from a stored tile's start that those 16-byte loads reach (at most the tile
-    /// and its [`TAIL`]).
+    /// Bytes from a stored tile's start that those loads reach (at most the tile and its
+    /// [`TAIL`]).
     pub(super) reach: usize,
 }
 
@@ -81,7 +81,7 @@ impl RatePlan {
         let mut plan = RatePlan {
             byte: [0; TILE_VALUES],
             bit: [0; TILE_VALUES],
-            half_start: [[0; 2]; TILE_VALUES / 8],
+            group_start: [0; TILE_VALUES / 8],
             shuffle: [[0; 32]; TILE_VALUES / 8],
             shift: [[0; 8]; TILE_VALUES / 8],
             reach: 0,
@@ -96,18 +96,19 @@ impl RatePlan {
         }
         debug_assert_eq!(end, 8 * rate.stream_bytes(), "the positions use every bit");
         for t in 0..TILE_VALUES / 8 {
-            for half in 0..2 {
-                let first = 8 * t + 4 * half;
-                plan.half_start[t][half] = plan.byte[first];
-                plan.reach = plan.reach.max(usize::from(plan.byte[first]) + 16);
-                for j in 0..4 {
-                    let rel = plan.byte[first + j] - plan.byte[first];
-                    debug_assert!(rel + 3 < 16, "a half's states lie in 16 bytes");
-                    for i in 0..4 {
-                        plan.shuffle[t][16 * half + 4 * j + i] = (rel + 3 - i as u16) as u8;
-                    }
-                    plan.shift[t][4 * half + j] = i32::from(plan.bit[first + j]);
+            let start = plan.byte[8 * t];
+            plan.group_start[t] = start;
+            plan.reach = plan.reach.max(usize::from(start) + 16);
+            for j in 0..8 {
+                let rel = plan.byte[8 * t + j] - start;
+                // 7 positions of at most 8.5 bits, then a 4-byte window: 12 bytes at most.
+                assert!(rel + 3 < 16, "a group's states lie in 16 bytes");
+                for i in 0..4 {
+                    // Lanes 0-3 shuffle the low copy of the load, 4-7 the high one: the same
+                    // offsets within each 16-byte half.
+                    plan.shuffle[t][4 * j + i] = (rel + 3 - i as u16) as u8;
                 }
+                plan.shift[t][j] = i32::from(plan.bit[8 * t + j]);
             }
         }
         assert!(
