@@ -218,7 +218,7 @@ fn linear_outputs_match_exllamav3() {
         let exact_scale = exact.iter().fold(0f64, |m, v| m.max(v.abs()));
 
         let mut outputs = Vec::new();
-        for kernel in [Kernel::Portable, Kernel::Simd] {
+        for kernel in [Kernel::Portable, Kernel::Simd, Kernel::Avx2] {
             let mut y = vec![0f32; rows * lin.out_features()];
             match lin.forward_with(kernel, &x, rows, &mut y) {
                 Ok(()) => outputs.push((kernel, y)),
@@ -291,13 +291,13 @@ fn one_row_product_throughput() {
             )
             .unwrap();
             let x: Vec<f32> = (0..k).map(|i| (i % 7) as f32 - 3.0).collect();
-            for kernel in [Kernel::Simd, Kernel::Portable] {
+            for kernel in [Kernel::Simd, Kernel::Avx2, Kernel::Portable] {
                 let mut y = vec![0f32; n];
                 if lin.forward_with(kernel, &x, 1, &mut y).is_err() {
                     continue;
                 }
                 // The best of seven rounds of ten products: the development VM is shared.
-                let reps = if kernel == Kernel::Simd { 10 } else { 2 };
+                let reps = if kernel == Kernel::Portable { 2 } else { 10 };
                 let secs = (0..7)
                     .map(|_| {
                         let start = std::time::Instant::now();

@@ -165,8 +165,10 @@ pub enum Exl3Error {
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum Kernel {
     Portable,
-    /// AVX2 + FMA + F16C.
+    /// AVX2 + FMA + F16C, with AVX-512 VL + VNNI too where the CPU has them.
     Simd,
+    /// The SIMD kernel as compiled for AVX2 + FMA + F16C alone (for comparing the two).
+    Avx2,
 }
 
 impl Kernel {
@@ -536,7 +538,7 @@ impl Exl3Linear {
         y: &mut [f32],
     ) -> Result<(), Exl3Error> {
         assert_eq!(y.len(), rows * self.n, "{rows} output rows of {}", self.n);
-        if kernel == Kernel::Simd && !super::cpu_features().simd_supported() {
+        if kernel != Kernel::Portable && !super::cpu_features().simd_supported() {
             return Err(Exl3Error::SimdUnsupported);
         }
         if rows == 0 {
@@ -545,7 +547,7 @@ impl Exl3Linear {
         let xr = self.rotate_input(x, rows);
         let input = match kernel {
             #[cfg(target_arch = "x86_64")]
-            Kernel::Simd => simd_x86::arrange(&xr, rows, self.codebook),
+            Kernel::Simd | Kernel::Avx2 => simd_x86::arrange(&xr, rows, self.codebook),
             _ => xr,
         };
         // Strip-major partial products: [N/16][rows][16].
@@ -570,6 +572,16 @@ impl Exl3Linear {
         match kernel {
             #[cfg(target_arch = "x86_64")]
             Kernel::Simd => simd_x86::strip(self.rate, self.codebook, tiles, input, rows, out),
+            #[cfg(target_arch = "x86_64")]
+            Kernel::Avx2 => simd_x86::strip_on(
+                simd_x86::Isa::Avx2,
+                self.rate,
+                self.codebook,
+                tiles,
+                input,
+                rows,
+                out,
+            ),
             _ => portable::strip(self.rate, self.codebook, tiles, input, rows, out),
         }
     }

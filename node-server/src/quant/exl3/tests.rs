@@ -334,14 +334,19 @@ fn products_match_the_definition_on_both_kernels() {
                     err < 2e-6,
                     "{cb} {len} rows {rows}: portable rel err {err:.2e}"
                 );
-                let mut simd = vec![0f32; rows * n];
-                match lin.forward_with(Kernel::Simd, &x, rows, &mut simd) {
-                    Ok(()) => {
-                        let err = max_rel(&simd, &want);
-                        assert!(err < 2e-6, "{cb} {len} rows {rows}: simd rel err {err:.2e}");
+                for kernel in [Kernel::Simd, Kernel::Avx2] {
+                    let mut simd = vec![0f32; rows * n];
+                    match lin.forward_with(kernel, &x, rows, &mut simd) {
+                        Ok(()) => {
+                            let err = max_rel(&simd, &want);
+                            assert!(
+                                err < 2e-6,
+                                "{cb} {len} rows {rows}: {kernel:?} rel err {err:.2e}"
+                            );
+                        }
+                        Err(Exl3Error::SimdUnsupported) => {}
+                        Err(e) => panic!("{e}"),
                     }
-                    Err(Exl3Error::SimdUnsupported) => {}
-                    Err(e) => panic!("{e}"),
                 }
             }
         }
