@@ -262,7 +262,10 @@ fn linear_outputs_match_exllamav3() {
 #[ignore]
 fn one_row_product_throughput() {
     // GLM-5.3-Flash's expert shapes (gate/up 4096 -> 2048, down 2048 -> 4096) and a square
-    // 4096; `GLMFLASH_EXL3_BENCH_SHAPES=KxN,...` picks others.
+    // 4096; `GLMFLASH_EXL3_BENCH_SHAPES=KxN,...` picks others, `GLMFLASH_EXL3_BENCH_ROWS`
+    // the token rows a product takes (1: decode).
+    let rows: usize =
+        std::env::var("GLMFLASH_EXL3_BENCH_ROWS").map_or(1, |r| r.parse().expect("rows"));
     let shapes: Vec<(usize, usize)> = std::env::var("GLMFLASH_EXL3_BENCH_SHAPES")
         .unwrap_or_else(|_| "4096x4096,4096x2048,2048x4096".into())
         .split(',')
@@ -290,10 +293,10 @@ fn one_row_product_throughput() {
                 cb,
             )
             .unwrap();
-            let x: Vec<f32> = (0..k).map(|i| (i % 7) as f32 - 3.0).collect();
+            let x: Vec<f32> = (0..rows * k).map(|i| (i % 7) as f32 - 3.0).collect();
             for kernel in [Kernel::Simd, Kernel::Avx2, Kernel::Portable] {
-                let mut y = vec![0f32; n];
-                if lin.forward_with(kernel, &x, 1, &mut y).is_err() {
+                let mut y = vec![0f32; rows * n];
+                if lin.forward_with(kernel, &x, rows, &mut y).is_err() {
                     continue;
                 }
                 // The best of seven rounds of ten products: the development VM is shared.
@@ -302,13 +305,13 @@ fn one_row_product_throughput() {
                     .map(|_| {
                         let start = std::time::Instant::now();
                         for _ in 0..reps {
-                            lin.forward_with(kernel, &x, 1, &mut y).unwrap();
+                            lin.forward_with(kernel, &x, rows, &mut y).unwrap();
                         }
                         start.elapsed().as_secs_f64() / f64::from(reps)
                     })
                     .fold(f64::INFINITY, f64::min);
                 eprintln!(
-                    "{k}x{n} {cb} {} bpw {kernel:?}: {:.3} ms per row product, {:.2} GB/s of trellis, {:.2} G weights/s on {} threads",
+                    "{k}x{n} {cb} {} bpw {kernel:?}: {:.3} ms per {rows}-row product, {:.2} GB/s of trellis, {:.2} G weights/s on {} threads",
                     lin.rate(),
                     secs * 1e3,
                     bytes.len() as f64 / secs / 1e9,
