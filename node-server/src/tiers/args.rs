@@ -105,6 +105,7 @@ pub fn log_cpu_lane() {
             avx2 = f.avx2,
             fma = f.fma,
             f16c = f.f16c,
+            exl3 = crate::quant::exl3::simd_build(),
             "CPU lane: SIMD kernels"
         ),
         Some(problem) => tracing::warn!("{problem}"),

@@ -183,6 +183,19 @@ impl Kernel {
     }
 }
 
+/// The build of the SIMD kernel [`Kernel::Simd`] runs on this CPU, for the start-up log:
+/// `avx512-vnni` (AVX2 with AVX-512 VL and VNNI) or `avx2`; `none` without AVX2+FMA+F16C.
+pub fn simd_build() -> &'static str {
+    #[cfg(target_arch = "x86_64")]
+    if super::cpu_features().simd_supported() {
+        return match simd_x86::Isa::best() {
+            simd_x86::Isa::Avx512Vnni => "avx512-vnni",
+            simd_x86::Isa::Avx2 => "avx2",
+        };
+    }
+    "none"
+}
+
 /// One EXL3 linear layer: its trellis, `suh`, `svh` and optional bias.
 #[derive(Clone)]
 pub struct Exl3Linear {
