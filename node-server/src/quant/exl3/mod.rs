@@ -584,18 +584,17 @@ impl Exl3Linear {
         let tiles = self.column(nt);
         match kernel {
             #[cfg(target_arch = "x86_64")]
-            Kernel::Simd => simd_x86::strip(self.rate, self.codebook, tiles, input, rows, out),
-            #[cfg(target_arch = "x86_64")]
-            Kernel::Avx2 => simd_x86::strip_on(
-                simd_x86::Isa::Avx2,
-                self.rate,
-                self.codebook,
-                tiles,
-                input,
-                rows,
-                out,
-            ),
-            _ => portable::strip(self.rate, self.codebook, tiles, input, rows, out),
+            Kernel::Simd | Kernel::Avx2 => {
+                let isa = if kernel == Kernel::Avx2 {
+                    simd_x86::Isa::Avx2
+                } else {
+                    simd_x86::Isa::best()
+                };
+                simd_x86::strip(isa, self.rate, self.codebook, tiles, input, rows, out)
+            }
+            #[cfg(not(target_arch = "x86_64"))]
+            Kernel::Simd | Kernel::Avx2 => unreachable!("forward_with refuses SIMD kernels here"),
+            Kernel::Portable => portable::strip(self.rate, self.codebook, tiles, input, rows, out),
         }
     }
 }

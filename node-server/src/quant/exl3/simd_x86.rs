@@ -71,19 +71,6 @@ pub(super) fn arrange(xr: &[f32], rows: usize, cb: Codebook) -> Vec<f32> {
     out
 }
 
-/// As `portable::strip`, from the [`arrange`]d input. The caller has checked that the CPU
-/// has AVX2, FMA and F16C.
-pub(super) fn strip(
-    rate: Rate,
-    cb: Codebook,
-    tiles: TileColumn,
-    xa: &[f32],
-    rows: usize,
-    out: &mut [f32],
-) {
-    strip_on(Isa::best(), rate, cb, tiles, xa, rows, out);
-}
-
 /// The instruction sets the strip is compiled for.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub(super) enum Isa {
@@ -120,8 +107,9 @@ impl Isa {
     }
 }
 
-/// [`strip`] on the given instruction set, which the CPU must have.
-pub(super) fn strip_on(
+/// As `portable::strip`, from the [`arrange`]d input, on the given instruction set, which
+/// the CPU must have.
+pub(super) fn strip(
     isa: Isa,
     rate: Rate,
     cb: Codebook,

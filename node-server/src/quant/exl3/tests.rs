@@ -269,7 +269,7 @@ fn simd_strips_follow_their_summation_order_bit_for_bit() {
                     let lanes = simd_x86::lane_positions(cb);
                     for nt in 0..n / 16 {
                         let mut got = vec![0f32; rows * 16];
-                        simd_x86::strip_on(
+                        simd_x86::strip(
                             isa,
                             lin.rate,
                             cb,
