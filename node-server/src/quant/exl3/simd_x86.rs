@@ -156,27 +156,28 @@ macro_rules! kernel {
                 o: &mut [f32],
             ) {
                 match (cb, n) {
-                    (Codebook::Inst3, 1) => rows_block::<0, 1>(plan, tiles, x, o),
-                    (Codebook::Inst3, 2) => rows_block::<0, 2>(plan, tiles, x, o),
-                    (Codebook::Inst3, 3) => rows_block::<0, 3>(plan, tiles, x, o),
-                    (Codebook::Inst3, _) => rows_block::<0, 4>(plan, tiles, x, o),
-                    (Codebook::Mcg, 1) => rows_block::<1, 1>(plan, tiles, x, o),
-                    (Codebook::Mcg, 2) => rows_block::<1, 2>(plan, tiles, x, o),
-                    (Codebook::Mcg, 3) => rows_block::<1, 3>(plan, tiles, x, o),
-                    (Codebook::Mcg, _) => rows_block::<1, 4>(plan, tiles, x, o),
-                    (Codebook::Mul1, 1) => rows_block::<2, 1>(plan, tiles, x, o),
-                    (Codebook::Mul1, 2) => rows_block::<2, 2>(plan, tiles, x, o),
-                    (Codebook::Mul1, 3) => rows_block::<2, 3>(plan, tiles, x, o),
-                    (Codebook::Mul1, _) => rows_block::<2, 4>(plan, tiles, x, o),
+                    (Codebook::Inst3, 1) => rows_block::<0, 1>(cb, plan, tiles, x, o),
+                    (Codebook::Inst3, 2) => rows_block::<0, 2>(cb, plan, tiles, x, o),
+                    (Codebook::Inst3, 3) => rows_block::<0, 3>(cb, plan, tiles, x, o),
+                    (Codebook::Inst3, _) => rows_block::<0, 4>(cb, plan, tiles, x, o),
+                    (Codebook::Mcg, 1) => rows_block::<1, 1>(cb, plan, tiles, x, o),
+                    (Codebook::Mcg, 2) => rows_block::<1, 2>(cb, plan, tiles, x, o),
+                    (Codebook::Mcg, 3) => rows_block::<1, 3>(cb, plan, tiles, x, o),
+                    (Codebook::Mcg, _) => rows_block::<1, 4>(cb, plan, tiles, x, o),
+                    (Codebook::Mul1, 1) => rows_block::<2, 1>(cb, plan, tiles, x, o),
+                    (Codebook::Mul1, 2) => rows_block::<2, 2>(cb, plan, tiles, x, o),
+                    (Codebook::Mul1, 3) => rows_block::<2, 3>(cb, plan, tiles, x, o),
+                    (Codebook::Mul1, _) => rows_block::<2, 4>(cb, plan, tiles, x, o),
                 }
             }
 
-            /// One strip for `R` rows of codebook `CB` (`Codebook as u8`). The tile's 32 groups are
-            /// unrolled (`column::<C0>` for each of the eight column pairs), so the accumulators
-            /// stay in registers; the tile and input reads are bounds-checked once per strip, not
-            /// per group.
+            /// One strip for `R` rows of codebook `cb` (`CB` is `cb as u8`). The tile's 32
+            /// groups are unrolled (`column::<C0>` for each of the eight column pairs), so the
+            /// accumulators stay in registers; the tile and input reads are bounds-checked once
+            /// per tile, not per group.
             #[target_feature(enable = $features)]
             pub(super) fn rows_block<const CB: u8, const R: usize>(
+                cb: Codebook,
                 plan: &RatePlan,
                 tiles: TileColumn,
                 x: &[f32],
@@ -189,7 +190,7 @@ macro_rules! kernel {
                 );
                 // Opaque to the compiler, so it keeps them (in registers or on the stack)
                 // instead of broadcasting them again for every group.
-                let c = std::hint::black_box(Consts::of(CB));
+                let c = std::hint::black_box(Consts::of(cb));
                 let mut acc = [[_mm256_setzero_ps(); 8]; R];
                 for kt in 0..tiles.tiles {
                     let tile = tiles.tile(kt);
@@ -218,10 +219,10 @@ macro_rules! kernel {
                 // The codebook's values were computed at a power-of-two scale (see `values`): undo
                 // it once per output. Exact, so the sums are bit for bit those of the unscaled
                 // values.
-                let (scale, cb) = if CB == Codebook::Mul1 as u8 {
-                    (MUL1_VALUE_SCALE, Codebook::Mul1)
+                let scale = if cb == Codebook::Mul1 {
+                    MUL1_VALUE_SCALE
                 } else {
-                    (1.0, Codebook::Inst3)
+                    1.0
                 };
                 let sides = column_lanes(cb);
                 for (r, acc) in acc.iter().enumerate() {
@@ -338,7 +339,7 @@ macro_rules! kernel {
             pub(super) fn decode_states(cb: Codebook, states: &[u32; 8]) -> [f32; 8] {
                 // SAFETY: `states` is 32 readable bytes; loadu has no alignment requirement.
                 let v = unsafe { _mm256_loadu_si256(states.as_ptr().cast()) };
-                let c = Consts::of(cb as u8);
+                let c = Consts::of(cb);
                 let (v, scale) = match cb {
                     Codebook::Inst3 => (values::<0>(v, &c), 1.0),
                     Codebook::Mcg => (values::<1>(v, &c), 1.0),
@@ -352,20 +353,17 @@ macro_rules! kernel {
                 out
             }
 
-            /// Group `t`'s values in lane order, scaled back (for the tests).
+            /// Group `t`'s eight states in the stored `tile` (for the tests).
             #[cfg(test)]
             #[target_feature(enable = $features)]
-            pub(super) fn group(cb: Codebook, plan: &RatePlan, tile: &[u8], t: usize) -> [f32; 8] {
+            pub(super) fn group_states(plan: &RatePlan, tile: &[u8], t: usize) -> [u32; 8] {
                 assert!(tile.len() >= plan.reach);
                 // SAFETY: asserted that `tile` reaches `plan.reach`.
-                let state = unsafe { states(plan, tile.as_ptr(), t) };
-                let c = Consts::of(cb as u8);
-                let (v, scale) = match cb {
-                    Codebook::Inst3 => (values::<0>(state, &c), 1.0),
-                    Codebook::Mcg => (values::<1>(state, &c), 1.0),
-                    Codebook::Mul1 => (values::<2>(state, &c), MUL1_VALUE_SCALE),
-                };
-                to_array(v).map(|v| v * scale)
+                let v = unsafe { states(plan, tile.as_ptr(), t) };
+                let mut out = [0u32; 8];
+                // SAFETY: `out` is 32 writable bytes; storeu has no alignment requirement.
+                unsafe { _mm256_storeu_si256(out.as_mut_ptr().cast(), v) };
+                out
             }
         }
     };
@@ -392,13 +390,13 @@ struct Consts {
 }
 
 impl Consts {
-    /// For codebook `cb` (`Codebook as u8`).
+    /// For codebook `cb`.
     #[target_feature(enable = "avx2")]
-    fn of(cb: u8) -> Consts {
+    fn of(cb: Codebook) -> Consts {
         let mul = match cb {
-            c if c == Codebook::Mul1 as u8 => MUL1_MUL,
-            c if c == Codebook::Mcg as u8 => MCG_MUL,
-            _ => INST3_MUL,
+            Codebook::Mul1 => MUL1_MUL,
+            Codebook::Mcg => MCG_MUL,
+            Codebook::Inst3 => INST3_MUL,
         };
         Consts {
             mul: _mm256_set1_epi32(mul as i32),
@@ -449,15 +447,15 @@ pub(super) fn decode_tile(isa: Isa, rate: Rate, cb: Codebook, tile: &[u8]) -> [f
     let mut out = [0f32; 256];
     for t in 0..32 {
         // SAFETY: asserted above that the CPU has the instruction set's features.
-        let v = unsafe {
+        let states = unsafe {
             match isa {
-                Isa::Avx2 => avx2::group(cb, plan, tile, t),
-                Isa::Avx512Vnni => avx512::group(cb, plan, tile, t),
+                Isa::Avx2 => avx2::group_states(plan, tile, t),
+                Isa::Avx512Vnni => avx512::group_states(plan, tile, t),
             }
         };
-        for (lane, j) in lane_positions(cb).into_iter().enumerate() {
-            let (dr, dc) = GROUP_OFFSETS[j];
-            out[(2 * (t % 4) + dr) * 16 + t / 4 + dc] = v[lane];
+        let v = decode_states(isa, cb, &states);
+        for (j, (dr, dc)) in GROUP_OFFSETS.into_iter().enumerate() {
+            out[(2 * (t % 4) + dr) * 16 + t / 4 + dc] = v[j];
         }
     }
     out
