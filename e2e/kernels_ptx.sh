@@ -14,7 +14,7 @@ for f in kernels/cuda/*.cu; do
   for arch in sm_86 sm_90; do
     ptx="$out/$(basename "$f" .cu).$arch.ptx"
     "$nvcc" -ptx -arch="$arch" -std=c++17 -Ikernels/cuda -Werror all-warnings -o "$ptx" "$f"
-    for k in $(grep -oE 'extern "C" __global__ void (__launch_bounds__\([0-9, ]+\) )?[a-z_0-9]+' "$f" | awk '{print $NF}'); do
+    for k in $(grep -oE 'extern "C" __global__ void (__launch_bounds__\([A-Z0-9_, ]+\) )?[a-z_0-9]+' "$f" | awk '{print $NF}'); do
       grep -q "\.entry $k(" "$ptx" || { echo "$f ($arch): no PTX entry for $k"; exit 1; }
     done
     printf '%-12s %-6s %7d lines of PTX\n' "$(basename "$f")" "$arch" "$(wc -l < "$ptx")"

@@ -66,14 +66,14 @@ struct Dev { uint32_t* tr; float *suh, *svh, *bias; int K, N, halves, cb; };
 // The Rust wrapper's launches: rotate_input, gemv (or reconstruct + SGEMM), rotate_output.
 static int g_blocks = 512;
 static void product(const Dev& d, const float* x, int n, float* y, float* xr, float* part, float* wide, cublasHandle_t blas, bool gemm) {
-    exl3_rotate_input<<<dim3(d.K / 128, n), 128>>>(x, d.suh, d.K, xr);
+    exl3_rotate_input<<<dim3(d.K / 128, n), 128>>>(x, d.suh, d.K, gemm ? 0 : 1, xr);
     int splits = 1;
     if (!gemm) {
         int kt = d.K / 16, ntl = d.N / 16;
         int maxs = kt / EXL3_GEMV_WARPS > 1 ? kt / EXL3_GEMV_WARPS : 1;
         splits = (g_blocks + ntl - 1) / ntl; if (splits < 1) splits = 1; if (splits > maxs) splits = maxs;
         int per = (kt + splits - 1) / splits;
-        exl3_gemv<<<dim3(ntl, splits), EXL3_GEMV_WARPS * 32>>>(d.tr, d.halves, d.cb, d.K, d.N, per, xr, n, part);
+        exl3_gemv<<<dim3(ntl, splits), EXL3_GEMV_WARPS * 32>>>(d.tr, d.halves, d.cb, d.K, d.N, per, (const uint32_t*)xr, n, part);
     } else {
         int tps = (8 << 20) / d.N / 16; if (tps < 1) tps = 1; if (tps > d.K / 16) tps = d.K / 16;
         for (int kt0 = 0; kt0 < d.K / 16; kt0 += tps) {

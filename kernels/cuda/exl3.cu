@@ -13,8 +13,9 @@
 // of a warp decodes positions 8 g .. 8 g + 7, two columns of four rows.
 //
 // Arithmetic mirrors the CPU decoder (node-server/src/quant/exl3): the decoded weights are
-// exllamav3's f16 values bit for bit, activations stay f32, the Hadamard butterfly runs in
-// the same order with the same scale.
+// exllamav3's f16 values bit for bit, the Hadamard butterfly runs in the same order with the
+// same scale. The GEMV multiplies on the tensor cores with each activation split into two
+// f16 parts (22 of its 24 bits) and f32 accumulators; the cuBLAS path keeps f32.
 #include "common.cuh"
 
 // Codebooks; the numbers match the Rust `Codebook` discriminants.
@@ -29,34 +30,29 @@
 // Tiles a warp keeps in flight, and the words of a ring slot (a tile at 8 bpw: 4 x 16).
 #define EXL3_RING 8
 #define EXL3_RING_WORDS 64
+// GEMV blocks an SM keeps (the register budget: 4 gives 64 registers a thread).
+#ifndef EXL3_GEMV_MIN_BLOCKS
+#define EXL3_GEMV_MIN_BLOCKS 4
+#endif
 
-__device__ __forceinline__ float round_f16(float v) {
-    u16 h;
-    asm("cvt.rn.f16.f32 %0, %1;" : "=h"(h) : "f"(v));
-    return f16_to_f32(h);
+// Packs two f32 values as f16x2, each rounded to nearest: `first` in the low half.
+__device__ __forceinline__ u32 pack_f16x2(float first, float second) {
+    u32 r;
+    asm("cvt.rn.f16x2.f32 %0, %1, %2;" : "=r"(r) : "f"(second), "f"(first));
+    return r;
 }
 
-// The weight codebook CB gives 16-bit `state`. Every step is exact up to the one rounding
-// to f16 that exllamav3 makes: mul1's value (1774 sum - 905216) / 2^18 is an f32 (the sum
-// made a float exactly by the 2^23 trick, then one fma); 3inst's and mcg's two f16 halves
-// add in f16, which rounds their exact sum once, as the f32 sum rounded to f16 does.
+// The f16 weight 3inst or mcg (CB) gives 16-bit `state`: its two f16 halves add in f16, which
+// rounds their exact sum once, as exllamav3's f32 sum rounded to f16 does.
 template <int CB>
-__device__ __forceinline__ float exl3_value(u32 state) {
-    if (CB == EXL3_MUL1) {
-        const u32 y = state * 0x83DCD12Du;
-        u32 sum;
-        asm("dp4a.u32.u32 %0, %1, %2, %3;" : "=r"(sum) : "r"(y), "r"(0x01010101u), "r"(0u));
-        const float s = __uint_as_float(0x4B000000u | sum) - 8388608.0f;
-        return round_f16(fmaf(s, 1774.0f / 262144.0f, -905216.0f / 262144.0f));
-    } else {
-        u32 y = CB == EXL3_MCG ? state * 0xCBAC1FEDu : state * 89226354u + 64248484u;
-        y = (y & 0x8FFF8FFFu) ^ 0x3B603B60u;
-        u16 h;
-        asm("{.reg .b16 lo, hi;\n\tmov.b32 {lo, hi}, %1;\n\tadd.rn.f16 %0, lo, hi;\n\t}"
-            : "=h"(h)
-            : "r"(y));
-        return f16_to_f32(h);
-    }
+__device__ __forceinline__ u32 exl3_half(u32 state) {
+    u32 y = CB == EXL3_MCG ? state * 0xCBAC1FEDu : state * 89226354u + 64248484u;
+    y = (y & 0x8FFF8FFFu) ^ 0x3B603B60u;
+    u16 h;
+    asm("{.reg .b16 lo, hi;\n\tmov.b32 {lo, hi}, %1;\n\tadd.rn.f16 %0, lo, hi;\n\t}"
+        : "=h"(h)
+        : "r"(y));
+    return h;
 }
 
 // The top 32 bits of (hi:lo) << shift (shift < 32).
@@ -95,9 +91,10 @@ __device__ __forceinline__ void exl3_load4(const u32* __restrict__ tile, const i
 }
 
 // The lane's eight weights (positions 8 lane .. 8 lane + 7 in order) from its four words and
-// first window offset `o`.
+// first window offset `o`, as f16 pairs: p[i] holds positions 8 lane + 2 i (low half) and
+// 8 lane + 2 i + 1.
 template <int H, int CB>
-__device__ __forceinline__ void exl3_decode_words(const u32 a[4], int o, float w[8]) {
+__device__ __forceinline__ void exl3_decode_pairs(const u32 a[4], int o, u32 p[4]) {
     constexpr int low = H >> 1, half = H & 1;
     // b[i]: the 32 bits from the first window's start + 32 i, so that every window below sits
     // at a compile-time offset (at most 7 * 8 + 4 bits; windows end by bit 76).
@@ -111,13 +108,13 @@ __device__ __forceinline__ void exl3_decode_words(const u32 a[4], int o, float w
         state[j] = (d & 31) <= 16 ? (b[d >> 5] << (d & 31)) >> 16
                                   : funnel_left(b[(d >> 5) + 1], b[d >> 5], d & 31) >> 16;
     }
-    if (CB == EXL3_MUL1) {
-        // Two weights an f16x2 fma, exact as `exl3_value` is: the byte sum s < 1024 sits in
-        // the f16 1024 + s (dp4a adds it to 0x6400), and (1024 + s) 1774/2^18 - 10.3828125
-        // (both constants exact in f16) is the exact (1774 s - 905216) / 2^18, rounded to f16
-        // once by the fma.
 #pragma unroll
-        for (int j = 0; j < 8; j += 2) {
+    for (int j = 0; j < 8; j += 2) {
+        if (CB == EXL3_MUL1) {
+            // Two weights an f16x2 fma, exact: the byte sum s < 1024 of (state 0x83DCD12D)
+            // sits in the f16 1024 + s (dp4a adds it to 0x6400), and (1024 + s) 1774/2^18 -
+            // 10.3828125 (both constants exact in f16) is exllamav3's (1774 s - 905216) /
+            // 2^18, rounded to f16 once by the fma.
             u32 lo, hi, h2;
             asm("dp4a.u32.u32 %0, %1, %2, %3;"
                 : "=r"(lo) : "r"(state[j] * 0x83DCD12Du), "r"(0x01010101u), "r"(0x6400u));
@@ -126,12 +123,22 @@ __device__ __forceinline__ void exl3_decode_words(const u32 a[4], int o, float w
             asm("{\n\t.reg .b32 p;\n\tprmt.b32 p, %1, %2, 0x5410;\n\t"
                 "fma.rn.f16x2 %0, p, %3, %4;\n\t}"
                 : "=r"(h2) : "r"(lo), "r"(hi), "r"(0x1EEE1EEEu), "r"(0xC931C931u));
-            w[j] = f16_to_f32((u16)(h2 & 0xFFFFu));
-            w[j + 1] = f16_to_f32((u16)(h2 >> 16));
+            p[j / 2] = h2;
+        } else {
+            p[j / 2] = exl3_half<CB>(state[j]) | (exl3_half<CB>(state[j + 1]) << 16);
         }
-    } else {
+    }
+}
+
+// The same eight weights widened to f32, in position order.
+template <int H, int CB>
+__device__ __forceinline__ void exl3_decode_words(const u32 a[4], int o, float w[8]) {
+    u32 p[4];
+    exl3_decode_pairs<H, CB>(a, o, p);
 #pragma unroll
-        for (int j = 0; j < 8; j++) w[j] = exl3_value<CB>(state[j]);
+    for (int i = 0; i < 4; i++) {
+        w[2 * i] = f16_to_f32((u16)(p[i] & 0xFFFFu));
+        w[2 * i + 1] = f16_to_f32((u16)(p[i] >> 16));
     }
 }
 
@@ -149,15 +156,55 @@ __device__ __forceinline__ float exl3_hadamard128(float* v, int i) {
     return v[i] * EXL3_HSCALE;
 }
 
-// xr[t, :] = (x[t, :] * suh) H for one 128-value block. Grid (K / 128, tokens), 128 threads.
+// The GEMV's activations go to the tensor cores as f16: each value x, times EXL3_XSCALE, as
+// hi = f16(x) and lo = f16((x - hi) 2^11), so hi + lo 2^-11 keeps 22 of x's 24 bits. With
+// the scale, |x| up to 2^20 fits f16's range, and values below 2^-10 lose bits only against
+// an absolute 2^-31 (negligible next to the O(1) values around them).
+#define EXL3_XSCALE 0.0625f
+#define EXL3_XUNSCALE 16.0f
+#define EXL3_LO_SCALE 2048.0f
+#define EXL3_LO_UNSCALE 0.00048828125f
+
+// Stores a Hadamard block's 128 values (thread i's `val`; v the block's shared scratch) as
+// the GEMV reads them: each 16-value k-tile as 16 words, words 4 q .. 4 q + 3 being hi of
+// values (2 q, 2 q + 1), hi of (2 q + 8, 2 q + 9), then lo of the same two pairs, each pair
+// as f16x2 (first value in the low half) — what lane q of an mma's B column reads, in one
+// 16-byte load. Thread i writes word i of the block (`dst`: where its f32 values would be).
+__device__ __forceinline__ void exl3_store_split(float* v, int i, float val,
+                                                 u32* __restrict__ dst) {
+    __syncthreads();
+    v[i] = val * EXL3_XSCALE;
+    __syncthreads();
+    const int q = (i >> 2) & 3, kind = i & 3;
+    const int at = (i & ~15) + 2 * q + ((kind & 1) << 3);
+    const float a = v[at], b = v[at + 1];
+    u32 h = pack_f16x2(a, b);
+    if (kind & 2)
+        h = pack_f16x2((a - f16_to_f32((u16)(h & 0xFFFFu))) * EXL3_LO_SCALE,
+                       (b - f16_to_f32((u16)(h >> 16))) * EXL3_LO_SCALE);
+    dst[i] = h;
+}
+
+// A rotated value `val` of block `blk` of row `row` (K values a row) into xr: f32, or in the
+// GEMV's split form when `split`.
+__device__ __forceinline__ void exl3_store_rotated(float* v, int i, float val, float* xr,
+                                                   i64 at, int split) {
+    if (split)
+        exl3_store_split(v, i, val, (u32*)xr + (at - i));
+    else
+        xr[at] = val;
+}
+
+// xr[t, :] = (x[t, :] * suh) H for one 128-value block, f32 or split for the GEMV (`split`).
+// Grid (K / 128, tokens), 128 threads.
 extern "C" __global__ void exl3_rotate_input(const float* __restrict__ x,
-                                             const float* __restrict__ suh, int k,
+                                             const float* __restrict__ suh, int k, int split,
                                              float* __restrict__ xr) {
     __shared__ float v[128];
     const int i = threadIdx.x;
     const i64 at = (i64)blockIdx.y * k + blockIdx.x * 128 + i;
     v[i] = x[at] * suh[blockIdx.x * 128 + i];
-    xr[at] = exl3_hadamard128(v, i);
+    exl3_store_rotated(v, i, exl3_hadamard128(v, i), xr, at, split);
 }
 
 // y[t, :] = (sum over s < splits of part[s, t, :]) H * svh + bias, for one 128-value block.
@@ -177,12 +224,10 @@ extern "C" __global__ void exl3_rotate_output(const float* __restrict__ part, in
     y[at] = out;
 }
 
-// Copies 16 bytes from global to shared memory without passing through registers
-// (sm_80+); completes at `exl3_cp_wait`. No memory clobbers: the callers order the ring's
-// shared reads against the copies with __syncwarp, which the compiler does not move loads
-// across.
-__device__ __forceinline__ void exl3_cp16(u32* dst, const u32* src) {
-    const u32 at = (u32)__cvta_generic_to_shared(dst);
+// Copies 16 bytes from global memory to the shared-space address `at` without passing
+// through registers (sm_80+); completes at `exl3_cp_wait`. No memory clobbers: the ring's
+// shared reads (`exl3_lds`, volatile too) are ordered against the copies by __syncwarp.
+__device__ __forceinline__ void exl3_cp16_at(u32 at, const u32* src) {
     asm volatile("cp.async.cg.shared.global [%0], [%1], 16;\n" ::"r"(at), "l"(src));
 }
 __device__ __forceinline__ void exl3_cp_commit() {
@@ -194,38 +239,51 @@ __device__ __forceinline__ void exl3_cp_wait() {
     asm volatile("cp.async.wait_group %0;\n" ::"n"(N));
 }
 
-// Issues the copy of tile `m` of the warp (at `src + m * step`, 16 H bytes: lanes 0 .. H - 1
-// one 16-byte chunk each) into ring slot `m mod EXL3_RING`, and commits a group (empty past
-// `count`, so that every lane's group count stays in step with m).
-template <int H>
-__device__ __forceinline__ void exl3_ring_fetch(u32 (*ring)[EXL3_RING_WORDS], const u32* src,
-                                                i64 step, int m, int count, int lane) {
-    if (m < count && lane < H) exl3_cp16(ring[m % EXL3_RING] + 4 * lane, src + m * step + 4 * lane);
-    exl3_cp_commit();
+// The word at shared-space address `at`; volatile, so it stays between the __syncwarp calls
+// that order it against the copies.
+__device__ __forceinline__ u32 exl3_lds(u32 at) {
+    u32 v;
+    asm volatile("ld.shared.u32 %0, [%1];\n" : "=r"(v) : "r"(at));
+    return v;
+}
+
+// D += A B on the tensor cores (mma m16n8k16, f16 inputs, f32 accumulators): A a 16 x 16
+// tile of f16 weights as four f16x2 registers, B a 16 x 8 block of f16 activations as two.
+__device__ __forceinline__ void exl3_mma(float d[4], const u32 a[4], u32 b0, u32 b1) {
+    asm("mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0, %1, %2, %3}, "
+        "{%4, %5, %6, %7}, {%8, %9}, {%0, %1, %2, %3};\n"
+        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
+        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
 }
 
 // part[s * slice + t * N + 16 nt .. + 16] = xr[t, K slice s] What[K slice s, 16 nt .. 16 nt + 16]
-// for every token t < tokens (xr rows K apart), TT tokens a pass. The block's strip nt is
-// blockIdx.x and its slice s blockIdx.y; EXL3_GEMV_WARPS warps; slice s is k-tiles
-// [s * per, (s + 1) * per). Every block writes its outputs, an empty slice zeros. `red` is the
-// block's shared scratch and `ring` this warp's tile ring (declared by the kernel: one array
-// for every instantiation). A token's sums take the same steps in the same order whatever TT
-// and the other tokens are.
+// for every token t < tokens (xr in the split form of `exl3_store_split`, rows K words
+// apart), TOK_TILE tokens a pass. The block's strip nt is blockIdx.x and its slice s
+// blockIdx.y; EXL3_GEMV_WARPS warps; slice s is k-tiles [s * per, (s + 1) * per). Every block
+// writes its outputs, an empty slice zeros. `red` is the block's shared scratch and `ring`
+// this warp's tile ring (declared by the kernel: one array for every instantiation).
 //
 // Warp w takes the slice's tiles w, w + W, w + 2 W, ... in order. Its next EXL3_RING tiles are
 // always in flight, copied global -> shared by cp.async: a tile is only 16 H bytes, so the
 // bytes a GPU keeps in flight (what sets a GEMV's speed once HBM latency dominates) come from
 // many tiles a warp, which registers could not hold.
-template <int H, int CB, int TT>
+//
+// The products run on the tensor cores: a lane's eight decoded weights are by the format's
+// design its part of the mma's A (the tile transposed: output columns are A's rows), the
+// pass's tokens are B's columns (lane 4 c + q holds token c's values 2 q, 2 q + 1, 2 q + 8,
+// 2 q + 9), hi and lo parts in two accumulators of their own. A column of B never meets
+// another in an mma, so a token's sums take the same steps in the same order whatever the
+// other tokens of its pass are.
+template <int H, int CB>
 __device__ void exl3_gemv_pass(const u32* __restrict__ trellis, int k, int n, int per,
-                               const float* __restrict__ xr, int tokens, float* __restrict__ part,
+                               const u32* __restrict__ xs, int tokens, float* __restrict__ part,
                                i64 slice, float (*red)[TOK_TILE][16],
                                u32 (*ring)[EXL3_RING_WORDS]) {
     const int lane = threadIdx.x & (WARP - 1), wid = threadIdx.x / WARP;
     const int nt = blockIdx.x, s = blockIdx.y;
     const int k_tiles = k / 16, n_tiles = n / 16, tile_words = 4 * H;
     const int kt0 = min(k_tiles, s * per), kt1 = min(k_tiles, kt0 + per);
-    const int r0 = 2 * (lane & 3), c0 = lane >> 2;
+    const int q = lane & 3, c0 = lane >> 2;
     constexpr int W = EXL3_GEMV_WARPS;
     int w0, o, idx[4];
     exl3_lane_window<H>(lane, w0, o);
@@ -233,173 +291,62 @@ __device__ void exl3_gemv_pass(const u32* __restrict__ trellis, int k, int n, in
     const int first = kt0 + wid;
     const int count = first < kt1 ? (kt1 - first + W - 1) / W : 0;
     const i64 step = (i64)W * n_tiles * tile_words;
-    const u32* src = trellis + ((i64)first * n_tiles + nt) * tile_words;
-    for (int t0 = 0; t0 < tokens; t0 += TT) {
-        const int nt_tok = min(TT, tokens - t0);
-        float acc[TT][2];
+    // This lane's 16 bytes of the warp's first tile (lanes below H copy one chunk a tile).
+    const u32* src = trellis + ((i64)first * n_tiles + nt) * tile_words + 4 * lane;
+    // Shared-space addresses in ring slot 0: where this lane's chunk lands, and its 4 words.
+    const u32 slot0 = (u32)__cvta_generic_to_shared(ring[0]);
+    const u32 put = slot0 + 16 * lane;
+    u32 get[4];
 #pragma unroll
-        for (int t = 0; t < TT; t++) acc[t][0] = acc[t][1] = 0.0f;
+    for (int i = 0; i < 4; i++) get[i] = slot0 + 4 * idx[i];
+    float* dst = part + (i64)s * slice + 16 * nt;
+    for (int t0 = 0; t0 < tokens; t0 += TOK_TILE) {
+        const int nt_tok = min(TOK_TILE, tokens - t0);
+        // This lane's B column is token t0 + c0: its 4 words of each tile, W tiles a step.
+        const bool has_x = c0 < nt_tok;
+        const uint4* xq = (const uint4*)(xs + (i64)(t0 + (has_x ? c0 : 0)) * k) + 4 * first + q;
+        float hi[4] = {0.0f, 0.0f, 0.0f, 0.0f}, lo[4] = {0.0f, 0.0f, 0.0f, 0.0f};
+        const u32* next = src;
 #pragma unroll
-        for (int m = 0; m < EXL3_RING; m++) exl3_ring_fetch<H>(ring, src, step, m, count, lane);
-        for (int m = 0; m < count; m++) {
+        for (int m = 0; m < EXL3_RING; m++, next += step) {
+            if (m < count && lane < H) exl3_cp16_at(put + m * 4 * EXL3_RING_WORDS, next);
+            exl3_cp_commit();
+        }
+        for (int m = 0; m < count; m++, next += step, xq += 4 * W) {
+            const uint4 xv = has_x ? __ldg(xq) : make_uint4(0u, 0u, 0u, 0u);
+            const u32 slot = (m % EXL3_RING) * 4 * EXL3_RING_WORDS;
             exl3_cp_wait<EXL3_RING - 1>();  // tile m has landed (this lane's part)
             __syncwarp();                     // ... and every lane's
             u32 a[4];
 #pragma unroll
-            for (int i = 0; i < 4; i++) a[i] = ring[m % EXL3_RING][idx[i]];
+            for (int i = 0; i < 4; i++) a[i] = exl3_lds(get[i] + slot);
             __syncwarp();  // all lanes have read the slot before it is refilled
-            exl3_ring_fetch<H>(ring, src, step, m + EXL3_RING, count, lane);
-            float w[8];
-            exl3_decode_words<H, CB>(a, o, w);
-            const float* xk = xr + (i64)t0 * k + 16 * (first + m * W) + r0;
-#pragma unroll
-            for (int t = 0; t < TT; t++) {
-                if (TT == 1 || t < nt_tok) {
-                    const float2 a2 = __ldg((const float2*)(xk + (i64)t * k));
-                    const float2 b2 = __ldg((const float2*)(xk + (i64)t * k + 8));
-                    float c = acc[t][0], d = acc[t][1];
-                    c = fmaf(a2.x, w[0], c);
-                    c = fmaf(a2.y, w[1], c);
-                    c = fmaf(b2.x, w[2], c);
-                    c = fmaf(b2.y, w[3], c);
-                    d = fmaf(a2.x, w[4], d);
-                    d = fmaf(a2.y, w[5], d);
-                    d = fmaf(b2.x, w[6], d);
-                    d = fmaf(b2.y, w[7], d);
-                    acc[t][0] = c;
-                    acc[t][1] = d;
-                }
-            }
+            // Tile m + EXL3_RING into the slot just read (an empty group past the last tile,
+            // so that every lane's group count stays in step with m).
+            if (m + EXL3_RING < count && lane < H) exl3_cp16_at(put + slot, next);
+            exl3_cp_commit();
+            u32 p[4];
+            exl3_decode_pairs<H, CB>(a, o, p);
+            // A: (row c0, k 2q..), (row c0 + 8, k 2q..), (row c0, k 2q + 8..), (c0 + 8, 2q + 8..).
+            const u32 frag[4] = {p[0], p[2], p[1], p[3]};
+            exl3_mma(hi, frag, xv.x, xv.y);
+            exl3_mma(lo, frag, xv.z, xv.w);
         }
-        // Lanes 4 c0 .. 4 c0 + 3 hold columns c0 and c0 + 8 of different rows.
+        // Lane 4 c0 + q holds columns c0 and c0 + 8 of tokens 2 q and 2 q + 1.
 #pragma unroll
-        for (int t = 0; t < TT; t++) {
-#pragma unroll
-            for (int h = 0; h < 2; h++) {
-                float v = acc[t][h];
-                v += __shfl_xor_sync(0xffffffffu, v, 1);
-                v += __shfl_xor_sync(0xffffffffu, v, 2);
-                if ((lane & 3) == 0) red[wid][t][c0 + 8 * h] = v;
-            }
-        }
+        for (int j = 0; j < 4; j++)
+            red[wid][2 * q + (j & 1)][c0 + 8 * (j >> 1)] = fmaf(lo[j], EXL3_LO_UNSCALE, hi[j]);
         __syncthreads();
-        if (threadIdx.x < TT * 16) {
+        if (threadIdx.x < TOK_TILE * 16) {
             const int t = threadIdx.x / 16, c = threadIdx.x % 16;
             if (t < nt_tok) {
                 float v = 0.0f;
                 for (int i = 0; i < EXL3_GEMV_WARPS; i++) v += red[i][t][c];
-                part[(i64)s * slice + (i64)(t0 + t) * n + 16 * nt + c] = v;
+                dst[(i64)(t0 + t) * n + c] = v * EXL3_XUNSCALE;
             }
         }
         __syncthreads();
     }
-}
-
-// The same sums for passes of more than one token: two tiles a step in registers, the next
-// two loading meanwhile. Here each tile's x loads (TT rows) would wait behind the ring's warp
-// barriers, so wider passes keep this loop; a token's sums add the tiles in the same order with
-// the same steps as `exl3_gemv_pass`, so a pick's bits do not depend on the pass width.
-template <int H, int CB, int TT>
-__device__ void exl3_gemv_pass_pairs(const u32* __restrict__ trellis, int k, int n, int per,
-                               const float* __restrict__ xr, int tokens, float* __restrict__ part,
-                               i64 slice, float (*red)[TOK_TILE][16]) {
-    const int lane = threadIdx.x & (WARP - 1), wid = threadIdx.x / WARP;
-    const int nt = blockIdx.x, s = blockIdx.y;
-    const int k_tiles = k / 16, n_tiles = n / 16, tile_words = 4 * H;
-    const int kt0 = min(k_tiles, s * per), kt1 = min(k_tiles, kt0 + per);
-    const int r0 = 2 * (lane & 3), c0 = lane >> 2;
-    int w0, o, idx[4];
-    exl3_lane_window<H>(lane, w0, o);
-    exl3_lane_words<H>(w0, idx);
-    const u32* strip = trellis + (i64)nt * tile_words;
-    const i64 stride = (i64)n_tiles * tile_words;
-    for (int t0 = 0; t0 < tokens; t0 += TT) {
-        const int nt_tok = min(TT, tokens - t0);
-        float acc[TT][2];
-#pragma unroll
-        for (int t = 0; t < TT; t++) acc[t][0] = acc[t][1] = 0.0f;
-        // Two tiles a step (kt and kt + EXL3_GEMV_WARPS), the next step's words loading
-        // while these decode; each token's sums still add the tiles in order.
-        constexpr int W = EXL3_GEMV_WARPS;
-        u32 cur[2][4] = {{0, 0, 0, 0}, {0, 0, 0, 0}};
-#pragma unroll
-        for (int u = 0; u < 2; u++)
-            if (kt0 + wid + u * W < kt1) exl3_load4(strip + (kt0 + wid + u * W) * stride, idx, cur[u]);
-        for (int kt = kt0 + wid; kt < kt1; kt += 2 * W) {
-            u32 next[2][4] = {{0, 0, 0, 0}, {0, 0, 0, 0}};
-#pragma unroll
-            for (int u = 0; u < 2; u++)
-                if (kt + (2 + u) * W < kt1)
-                    exl3_load4(strip + (kt + (2 + u) * W) * stride, idx, next[u]);
-            float w[2][8];
-            exl3_decode_words<H, CB>(cur[0], o, w[0]);
-            const bool second = kt + W < kt1;
-            if (second) exl3_decode_words<H, CB>(cur[1], o, w[1]);
-#pragma unroll
-            for (int u = 0; u < 2; u++)
-#pragma unroll
-                for (int i = 0; i < 4; i++) cur[u][i] = next[u][i];
-#pragma unroll
-            for (int u = 0; u < 2; u++) {
-                if (u == 1 && !second) break;
-                const float* xk = xr + (i64)t0 * k + 16 * (kt + u * W) + r0;
-#pragma unroll
-                for (int t = 0; t < TT; t++) {
-                    if (TT == 1 || t < nt_tok) {
-                        const float2 a = __ldg((const float2*)(xk + (i64)t * k));
-                        const float2 b = __ldg((const float2*)(xk + (i64)t * k + 8));
-                        float c = acc[t][0], d = acc[t][1];
-                        c = fmaf(a.x, w[u][0], c);
-                        c = fmaf(a.y, w[u][1], c);
-                        c = fmaf(b.x, w[u][2], c);
-                        c = fmaf(b.y, w[u][3], c);
-                        d = fmaf(a.x, w[u][4], d);
-                        d = fmaf(a.y, w[u][5], d);
-                        d = fmaf(b.x, w[u][6], d);
-                        d = fmaf(b.y, w[u][7], d);
-                        acc[t][0] = c;
-                        acc[t][1] = d;
-                    }
-                }
-            }
-        }
-        // Lanes 4 c0 .. 4 c0 + 3 hold columns c0 and c0 + 8 of different rows.
-#pragma unroll
-        for (int t = 0; t < TT; t++) {
-#pragma unroll
-            for (int h = 0; h < 2; h++) {
-                float v = acc[t][h];
-                v += __shfl_xor_sync(0xffffffffu, v, 1);
-                v += __shfl_xor_sync(0xffffffffu, v, 2);
-                if ((lane & 3) == 0) red[wid][t][c0 + 8 * h] = v;
-            }
-        }
-        __syncthreads();
-        if (threadIdx.x < TT * 16) {
-            const int t = threadIdx.x / 16, c = threadIdx.x % 16;
-            if (t < nt_tok) {
-                float v = 0.0f;
-                for (int i = 0; i < EXL3_GEMV_WARPS; i++) v += red[i][t][c];
-                part[(i64)s * slice + (i64)(t0 + t) * n + 16 * nt + c] = v;
-            }
-        }
-        __syncthreads();
-    }
-}
-
-// `exl3_gemv_pass` with the pass width for `tokens`: one (ONE; its own kernels, so that the
-// lean one-token pass is not given the registers of the eight-token one), up to four, or eight.
-template <int H, int CB, bool ONE>
-__device__ void exl3_gemv_strip(const u32* __restrict__ trellis, int k, int n, int per,
-                                const float* __restrict__ xr, int tokens, float* __restrict__ part,
-                                i64 slice, float (*red)[TOK_TILE][16],
-                                u32 (*ring)[EXL3_RING_WORDS]) {
-    if (ONE)
-        exl3_gemv_pass<H, CB, 1>(trellis, k, n, per, xr, tokens, part, slice, red, ring);
-    else if (tokens <= 4)
-        exl3_gemv_pass_pairs<H, CB, 4>(trellis, k, n, per, xr, tokens, part, slice, red);
-    else
-        exl3_gemv_pass_pairs<H, CB, TOK_TILE>(trellis, k, n, per, xr, tokens, part, slice, red);
 }
 
 // Calls CALL(H, CB) with compile-time rate and codebook; half-integer rates exist for mul1
@@ -425,33 +372,18 @@ __device__ void exl3_gemv_strip(const u32* __restrict__ trellis, int k, int n, i
         default: EXL3_DISPATCH_CB(16, cb, CALL) break; \
     }
 
-// See `exl3_gemv_strip`. `halves` is twice the bits per weight (2..16). `exl3_gemv_one` takes
-// one token row, `exl3_gemv` more.
-template <bool ONE>
-__device__ void exl3_gemv_kernel(const u32* __restrict__ trellis, int halves, int codebook, int k,
-                                 int n, int per, const float* __restrict__ xr, int tokens,
-                                 float* __restrict__ part) {
+// See `exl3_gemv_pass`. `halves` is twice the bits per weight (2..16); xs as
+// `exl3_rotate_input` writes it with `split`.
+extern "C" __global__ void __launch_bounds__(256, EXL3_GEMV_MIN_BLOCKS) exl3_gemv(
+    const u32* __restrict__ trellis, int halves, int codebook, int k, int n, int per,
+    const u32* __restrict__ xs, int tokens, float* __restrict__ part) {
     __shared__ float red[EXL3_GEMV_WARPS][TOK_TILE][16];
     __shared__ __align__(16) u32 ring[EXL3_GEMV_WARPS][EXL3_RING][EXL3_RING_WORDS];
     u32(*mine)[EXL3_RING_WORDS] = ring[threadIdx.x / WARP];
-#define CALL(H, CB)                                                                     \
-    exl3_gemv_strip<H, CB, ONE>(trellis, k, n, per, xr, tokens, part, (i64)tokens * n, red, \
-                                mine)
+#define CALL(H, CB) \
+    exl3_gemv_pass<H, CB>(trellis, k, n, per, xs, tokens, part, (i64)tokens * n, red, mine)
     EXL3_DISPATCH(halves, codebook, CALL)
 #undef CALL
-}
-
-extern "C" __global__ void __launch_bounds__(256, 2) exl3_gemv(const u32* __restrict__ trellis, int halves, int codebook,
-                                     int k, int n, int per, const float* __restrict__ xr,
-                                     int tokens, float* __restrict__ part) {
-    exl3_gemv_kernel<false>(trellis, halves, codebook, k, n, per, xr, tokens, part);
-}
-
-extern "C" __global__ void __launch_bounds__(256, 4) exl3_gemv_one(const u32* __restrict__ trellis, int halves,
-                                         int codebook, int k, int n, int per,
-                                         const float* __restrict__ xr, int tokens,
-                                         float* __restrict__ part) {
-    exl3_gemv_kernel<true>(trellis, halves, codebook, k, n, per, xr, tokens, part);
 }
 
 template <int H, int CB>
@@ -497,7 +429,7 @@ extern "C" __global__ void exl3_reconstruct(const u32* __restrict__ trellis, int
 // row and its slot's bytes, never on which other picks share the launch.
 
 // xr[z, i, :] = (x[row[i], :] * suh_z) H for entry i, z = 0 (gate) and 1 (up), suh_z at
-// entry_base[i] + suh_off_z. Grid (entries, K / 128, 2), 128 threads.
+// entry_base[i] + suh_off_z, in the GEMV's split form. Grid (entries, K / 128, 2), 128 threads.
 extern "C" __global__ void exl3_moe_rotate_in(const u8* __restrict__ arena,
                                               const i64* __restrict__ entry_base,
                                               i64 suh_off0, i64 suh_off1,
@@ -508,25 +440,21 @@ extern "C" __global__ void exl3_moe_rotate_in(const u8* __restrict__ arena,
     const int i = threadIdx.x, e = blockIdx.x, z = blockIdx.z, c = blockIdx.y * 128 + i;
     const float* suh = (const float*)(arena + entry_base[e] + (z ? suh_off1 : suh_off0));
     v[i] = x[(i64)row[e] * k + c] * suh[c];
-    xr[((i64)z * entries + e) * k + c] = exl3_hadamard128(v, i);
+    exl3_store_split(v, i, exl3_hadamard128(v, i), (u32*)xr + ((i64)z * entries + e) * k + c - i);
 }
 
 // The grouped GEMV over the groups `ids[0 .. *count)` (`cap` >= *count: the grid's room, as
 // a table built on the device has no count the host knows): for group g = ids[blockIdx.z mod
 // cap] and part z = blockIdx.z div cap, part[z, s, start_g + t, :] = xr[z, start_g + t, K slice s]
 // What_z (t < len_g), What_z's trellis at group_base[g] + trellis_off_z. xr is [parts,
-// entries, K], part [parts, splits, entries, N]. Grid (N / 16, splits, cap * parts),
-// EXL3_GEMV_WARPS warps. `exl3_moe_gemv_one` takes groups of one pick, `exl3_moe_gemv` others.
-template <bool ONE>
-__device__ void exl3_moe_gemv_kernel(const u8* __restrict__ arena, int halves, int codebook,
-                                     const i64* __restrict__ group_base,
-                                     const int* __restrict__ group_start,
-                                     const int* __restrict__ group_len,
-                                     const int* __restrict__ ids,
-                                     const int* __restrict__ count, int cap, i64 trellis_off0,
-                                     i64 trellis_off1, int k, int n, int per,
-                                     const float* __restrict__ xr, int entries,
-                                     float* __restrict__ part) {
+// entries, K] in the split form, part [parts, splits, entries, N]. Grid (N / 16, splits, cap *
+// parts), EXL3_GEMV_WARPS warps.
+extern "C" __global__ void __launch_bounds__(256, EXL3_GEMV_MIN_BLOCKS) exl3_moe_gemv(
+    const u8* __restrict__ arena, int halves, int codebook, const i64* __restrict__ group_base,
+    const int* __restrict__ group_start, const int* __restrict__ group_len,
+    const int* __restrict__ ids, const int* __restrict__ count, int cap, i64 trellis_off0,
+    i64 trellis_off1, int k, int n, int per, const u32* __restrict__ xr, int entries,
+    float* __restrict__ part) {
     __shared__ float red[EXL3_GEMV_WARPS][TOK_TILE][16];
     __shared__ __align__(16) u32 ring[EXL3_GEMV_WARPS][EXL3_RING][EXL3_RING_WORDS];
     const int gi = blockIdx.z % cap, z = blockIdx.z / cap;
@@ -535,36 +463,19 @@ __device__ void exl3_moe_gemv_kernel(const u8* __restrict__ arena, int halves, i
     const u32* trellis =
         (const u32*)(arena + group_base[g] + (z ? trellis_off1 : trellis_off0));
     const i64 slice = (i64)entries * n;
-    const float* x = xr + ((i64)z * entries + group_start[g]) * k;
+    const u32* x = xr + ((i64)z * entries + group_start[g]) * k;
     float* out = part + (i64)z * gridDim.y * slice + (i64)group_start[g] * n;
     const int len = group_len[g];
 #define CALL(H, CB) \
-    exl3_gemv_strip<H, CB, ONE>(trellis, k, n, per, x, len, out, slice, red, ring[threadIdx.x / WARP])
+    exl3_gemv_pass<H, CB>(trellis, k, n, per, x, len, out, slice, red, ring[threadIdx.x / WARP])
     EXL3_DISPATCH(halves, codebook, CALL)
 #undef CALL
 }
 
-#define EXL3_MOE_GEMV_ARGS                                                                     \
-    const u8 *__restrict__ arena, int halves, int codebook, const i64 *__restrict__ group_base, \
-        const int *__restrict__ group_start, const int *__restrict__ group_len,                \
-        const int *__restrict__ ids, const int *__restrict__ count, int cap, i64 trellis_off0, \
-        i64 trellis_off1, int k,                                                                \
-        int n, int per, const float *__restrict__ xr, int entries, float *__restrict__ part
-#define EXL3_MOE_GEMV_CALL                                                                     \
-    arena, halves, codebook, group_base, group_start, group_len, ids, count, cap, trellis_off0, \
-        trellis_off1, k, n, per, xr, entries, part
-
-extern "C" __global__ void __launch_bounds__(256, 2) exl3_moe_gemv(EXL3_MOE_GEMV_ARGS) {
-    exl3_moe_gemv_kernel<false>(EXL3_MOE_GEMV_CALL);
-}
-
-extern "C" __global__ void __launch_bounds__(256, 4) exl3_moe_gemv_one(EXL3_MOE_GEMV_ARGS) {
-    exl3_moe_gemv_kernel<true>(EXL3_MOE_GEMV_CALL);
-}
-
 // The activation between the products, and the down product's input rotation: for entry i
 // and 128-block c of inter, gate = (sum_s part[0, s, i]) H * svh_gate, up likewise from part
-// 1, a = silu(min(gate, L)) * clamp(up, -L, L), and xd[i, block c] = (a * suh_down) H.
+// 1, a = silu(min(gate, L)) * clamp(up, -L, L), and xd[i, block c] = (a * suh_down) H in the
+// GEMV's split form.
 // Grid (entries, inter / 128), 128 threads.
 extern "C" __global__ void exl3_moe_act(const u8* __restrict__ arena,
                                         const i64* __restrict__ entry_base, i64 svh_gate_off,
@@ -591,7 +502,7 @@ extern "C" __global__ void exl3_moe_act(const u8* __restrict__ arena,
     const float a = silu(fminf(gate, limit)) * fminf(fmaxf(up, -limit), limit);
     __syncthreads();
     v[i] = a * ((const float*)(slot + suh_down_off))[c];
-    xd[(i64)e * inter + c] = exl3_hadamard128(v, i);
+    exl3_store_split(v, i, exl3_hadamard128(v, i), (u32*)xd + (i64)e * inter + c - i);
 }
 
 // yp[pick[i], block c] = (sum_s part[s, i, block c]) H * svh_down for entry i. part is

@@ -97,13 +97,14 @@ impl Cuda {
             return Ok(());
         }
         let mut xr = self.alloc_f32(n * k)?;
-        let (k_i, cfg) = (k as i32, rotation_config(k, n));
+        let gemv = n < WIDEN_MIN_TOKENS;
+        let (k_i, split, cfg) = (k as i32, i32::from(gemv), rotation_config(k, n));
         let mut b = self.stream.launch_builder(self.kernel("exl3_rotate_input"));
-        b.arg(x).arg(&w.suh).arg(&k_i).arg(&mut xr);
-        // SAFETY: x and xr hold n rows of K values (checked above), suh K; one block per
-        // 128 values of a row.
+        b.arg(x).arg(&w.suh).arg(&k_i).arg(&split).arg(&mut xr);
+        // SAFETY: x and xr hold n rows of K values (checked above; the GEMV's split form is a
+        // word a value too), suh K; one block per 128 values of a row.
         unsafe { b.launch(cfg) }?;
-        let (part, splits) = if n < WIDEN_MIN_TOKENS {
+        let (part, splits) = if gemv {
             self.exl3_gemv(w, &xr, n)?
         } else {
             (self.exl3_gemm(w, &xr, n)?, 1)
@@ -127,8 +128,8 @@ impl Cuda {
         Ok(())
     }
 
-    /// Partial products `[splits, n, N]` of the rotated input `xr` and `What` over `splits`
-    /// slices of K, by the GEMV.
+    /// Partial products `[splits, n, N]` of the rotated input `xr` (in the GEMV's split form)
+    /// and `What` over `splits` slices of K, by the GEMV.
     fn exl3_gemv(
         &self,
         w: &Exl3Weights,
@@ -142,8 +143,7 @@ impl Cuda {
         let per = k_tiles.div_ceil(splits);
         let mut part = self.alloc_f32(splits * n * w.n)?;
         let (k_i, n_i, per_i, tokens) = (w.k as i32, w.n as i32, per as i32, n as i32);
-        let kernel = if n == 1 { "exl3_gemv_one" } else { "exl3_gemv" };
-        let mut b = self.stream.launch_builder(self.kernel(kernel));
+        let mut b = self.stream.launch_builder(self.kernel("exl3_gemv"));
         b.arg(&w.trellis)
             .arg(&w.halves)
             .arg(&w.codebook)
@@ -348,12 +348,9 @@ impl Cuda {
         let mut part = self.alloc_f32(parts as usize * splits * entries * n)?;
         let (halves, codebook) = (i32::from(form.rate.halves()), form.codebook as i32);
         let (k_i, n_i, per_i, entries_i) = (k as i32, n as i32, per as i32, entries as i32);
-        // Groups of one pick (every group of a one-token step) take the lean one-row kernel;
-        // a pick's sums are the same in either.
-        for (kernel, table) in [
-            ("exl3_moe_gemv_one", Table::Ones),
-            ("exl3_moe_gemv", Table::More),
-        ] {
+        // The groups of one pick and the others are listed apart (as `moe_group` builds
+        // them); one kernel takes both lists.
+        for table in [Table::Ones, Table::More] {
             let (d_ids, d_count, cap) =
                 (tables.ints(table), tables.count(table), tables.room(table));
             if cap == 0 {
@@ -365,7 +362,7 @@ impl Cuda {
                 tables.ints(Table::Start),
                 tables.ints(Table::Len),
             );
-            let mut b = self.stream.launch_builder(self.kernel(kernel));
+            let mut b = self.stream.launch_builder(self.kernel("exl3_moe_gemv"));
             b.arg(arena)
                 .arg(&halves)
                 .arg(&codebook)
