@@ -84,7 +84,10 @@ pub(super) fn handle_write_back(shared: &Shared, job: WriteBack) {
 }
 
 /// The write-back thread: handles the ring until it is closed and drained.
-pub(super) fn spawn_writer(shared: Arc<Shared>, ring: Arc<Ring<WriteBack>>) {
+pub(super) fn spawn_writer(
+    shared: Arc<Shared>,
+    ring: Arc<Ring<WriteBack>>,
+) -> std::thread::JoinHandle<()> {
     std::thread::Builder::new()
         .name("expert-writeback".into())
         .spawn(move || {
@@ -93,18 +96,21 @@ pub(super) fn spawn_writer(shared: Arc<Shared>, ring: Arc<Ring<WriteBack>>) {
                 ring.done();
             }
         })
-        .expect("spawning the write-back thread");
+        .expect("spawning the write-back thread")
 }
 
 /// The background reader behind layer-ahead prefetch: loads queued (layer, expert) records
-/// into the staging map, which lookups consume.
+/// into the staging map, which lookups consume; it ends when the sender is dropped.
 pub(super) fn spawn_prefetcher(
     source: Arc<dyn ExpertSource>,
     staged: Arc<Staging>,
     stats: Arc<TierStats>,
-) -> std::sync::mpsc::Sender<(usize, usize)> {
+) -> (
+    std::sync::mpsc::Sender<(usize, usize)>,
+    std::thread::JoinHandle<()>,
+) {
     let (tx, rx) = std::sync::mpsc::channel::<(usize, usize)>();
-    std::thread::Builder::new()
+    let thread = std::thread::Builder::new()
         .name("expert-prefetch".into())
         .spawn(move || {
             for key in rx {
@@ -124,5 +130,5 @@ pub(super) fn spawn_prefetcher(
             }
         })
         .expect("spawning the prefetch thread");
-    tx
+    (tx, thread)
 }

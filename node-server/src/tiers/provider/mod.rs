@@ -105,6 +105,9 @@ pub struct TieredExperts {
     /// Experts read ahead by the prefetcher, not yet looked up.
     staged: Arc<Staging>,
     prefetcher: Option<Mutex<std::sync::mpsc::Sender<(usize, usize)>>>,
+    /// The write-back and prefetch threads, joined on drop: nothing of the tiers runs on
+    /// while the process tears down (the CUDA driver and the store with it).
+    threads: Vec<std::thread::JoinHandle<()>>,
     pub stats: Arc<TierStats>,
     pub pins: Arc<PinStats>,
     mode: Mode,
@@ -189,14 +192,12 @@ impl TieredExperts {
             stats: stats.clone(),
         });
         let ring = Arc::new(Ring::new(plan.writeback_ring));
-        spawn_writer(shared.clone(), ring.clone());
+        let mut threads = vec![spawn_writer(shared.clone(), ring.clone())];
         let staged = Arc::new(Mutex::new(HashMap::new()));
         let prefetcher = (mode.tiered() && plan.prefetch).then(|| {
-            Mutex::new(spawn_prefetcher(
-                source.clone(),
-                staged.clone(),
-                stats.clone(),
-            ))
+            let (tx, thread) = spawn_prefetcher(source.clone(), staged.clone(), stats.clone());
+            threads.push(thread);
+            Mutex::new(tx)
         });
         Ok(TieredExperts {
             source,
@@ -214,6 +215,7 @@ impl TieredExperts {
                 .collect(),
             staged,
             prefetcher,
+            threads,
             stats,
             pins,
             mode,
@@ -583,8 +585,14 @@ impl TieredExperts {
 
 impl Drop for TieredExperts {
     fn drop(&mut self) {
-        // The writer drains what is queued, then exits.
+        // The writer drains what is queued, then exits; the prefetcher ends with its sender.
         self.ring.close();
+        self.prefetcher = None;
+        for thread in self.threads.drain(..) {
+            if thread.join().is_err() {
+                tracing::warn!("a tier thread panicked");
+            }
+        }
     }
 }
 
