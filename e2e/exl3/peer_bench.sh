@@ -15,7 +15,8 @@
 #                                                (GpuDecoder, each batch size), then a summary
 #   bash e2e/exl3/peer_bench.sh profile          checkpoint, then where glmflash's decode time goes: `bench --model`
 #                                                plain and with GLMFLASH_GPU_PROFILE (phases), every kernel's
-#                                                duration under ncu (ncu.csv), and the CPU lane's EXL3 products
+#                                                duration under ncu (ncu.csv; exllamav3's too, exl3_ncu.csv, when its
+#                                                extension is there), and the CPU lane's EXL3 products
 #                                                on all cores if $EXL3_TEST (the `exl3` test binary) is there
 #   bash e2e/exl3/peer_bench.sh all              build, then run if the budget leaves time
 #
@@ -119,6 +120,14 @@ profile() {
       "$BIN" bench --model "$ck" --device cuda --prompt-tokens 8 --streams 1 --decode-tokens 6 \
       > "$OUT/ncu.csv" 2> "$OUT/ncu.log"
     log "ncu rc=$?: $(grep -c gpu__time_duration "$OUT/ncu.csv") kernels"; gzip -f "$OUT/ncu.csv"
+    if [ -f "$REPO/.device/ext/exllamav3_ext.so" ] || [ -f "$W/build.done" ]; then
+      install_wheels
+      log "ncu: exllamav3's kernels (prompt 8, 1 stream, 2 + 6 decode steps)"
+      timeout -k 10 "$(cap 200)" ncu --clock-control none --metrics gpu__time_duration.sum --csv --print-units base \
+        python3 e2e/exl3/peer_bench.py exl3 --model "$ck" --out "$OUT/exl3_ncu_run.json" --batches 1 \
+        --prompt-len 8 --warmup 2 --steps 6 --time-limit 60 > "$OUT/exl3_ncu.csv" 2> "$OUT/exl3_ncu.log"
+      log "ncu rc=$?: $(grep -c gpu__time_duration "$OUT/exl3_ncu.csv") kernels"; gzip -f "$OUT/exl3_ncu.csv"
+    fi
   fi
   if [ -x "${EXL3_TEST:-}" ]; then
     for t in 1 4 16; do
