@@ -6,7 +6,8 @@ use glmflash_node::api::server;
 use glmflash_node::cli::{Cli, Command, GenerationArgs};
 use glmflash_node::engine::sampling::Sampler;
 use glmflash_node::model::dump::Dump;
-use glmflash_node::model::{Model, Step};
+use glmflash_node::model::decoder::{DEFAULT_GPU_CHUNK, GpuDecoder, placed_device};
+use glmflash_node::model::{Gpu, Model, SeqCache, Step};
 use glmflash_node::plan::Shape;
 use glmflash_node::tokenizer::TextCodec;
 use glmflash_node::tools::{bench, cuda_check, gates};
@@ -298,6 +299,52 @@ fn print_verify(v: &store::VerifyReport) {
     );
 }
 
+/// One sequence through the forward `serve` runs: the GPU decoder (every activation and
+/// cache in VRAM) when the model's dense weights are on a GPU, else the host forward.
+enum Sequence {
+    Host(Option<SeqCache>),
+    Gpu(GpuDecoder, SeqCache<Gpu>),
+}
+
+impl Sequence {
+    fn new(model: &Model) -> anyhow::Result<Sequence> {
+        Ok(match placed_device(model) {
+            Some(cuda) => {
+                let g = GpuDecoder::new(&cuda, model)?;
+                let seq = g.sequence(&model.new_cache())?;
+                Sequence::Gpu(g, seq)
+            }
+            None => Sequence::Host(None),
+        })
+    }
+
+    /// The prompt's last logits (on the GPU in chunks of the engine's default size).
+    fn prefill(&mut self, model: &Model, prompt: &[u32]) -> anyhow::Result<Vec<f32>> {
+        match self {
+            Sequence::Host(cache) => {
+                let (logits, c) = model.prefill(prompt)?;
+                *cache = Some(c);
+                Ok(logits)
+            }
+            Sequence::Gpu(g, seq) => {
+                let mut logits = Vec::new();
+                for chunk in prompt.chunks(DEFAULT_GPU_CHUNK) {
+                    logits = g.forward(model, &mut [&mut *seq], &[chunk])?.remove(0);
+                }
+                Ok(logits)
+            }
+        }
+    }
+
+    fn step(&mut self, model: &Model, token: u32) -> anyhow::Result<Vec<f32>> {
+        match self {
+            Sequence::Host(Some(cache)) => model.decode_step(token, cache),
+            Sequence::Host(None) => bail!("a decode step before the prompt"),
+            Sequence::Gpu(g, seq) => g.step(model, seq, token),
+        }
+    }
+}
+
 fn generate(dir: &std::path::Path, model: &Model, args: &GenerationArgs) -> anyhow::Result<()> {
     let codec = TextCodec::from_dir(dir)
         .with_context(|| format!("loading the tokenizer of {}", dir.display()))?;
@@ -318,9 +365,10 @@ fn generate(dir: &std::path::Path, model: &Model, args: &GenerationArgs) -> anyh
     let mut sampler = Sampler::new(args.temperature, args.top_p, args.seed);
     let mut decoder = codec.stream_decoder(true);
     let mut stdout = std::io::stdout();
+    let mut run = Sequence::new(model)?;
 
     let started = Instant::now();
-    let (mut logits, mut cache) = model.prefill(&prompt)?;
+    let mut logits = run.prefill(model, &prompt)?;
     let prefill_s = started.elapsed().as_secs_f64();
     let decode_started = Instant::now();
     let mut generated = 0;
@@ -332,7 +380,7 @@ fn generate(dir: &std::path::Path, model: &Model, args: &GenerationArgs) -> anyh
         }
         write!(stdout, "{}", decoder.push(next)?)?;
         stdout.flush()?;
-        logits = model.decode_step(next, &mut cache)?;
+        logits = run.step(model, next)?;
     }
     writeln!(stdout, "{}", decoder.finish()?)?;
     let decode_s = decode_started.elapsed().as_secs_f64();
