@@ -443,23 +443,22 @@ extern "C" __global__ void exl3_moe_rotate_in(const u8* __restrict__ arena,
     exl3_store_split(v, i, exl3_hadamard128(v, i), (u32*)xr + ((i64)z * entries + e) * k + c - i);
 }
 
-// The grouped GEMV over the groups `ids[0 .. *count)` (`cap` >= *count: the grid's room, as
-// a table built on the device has no count the host knows): for group g = ids[blockIdx.z mod
-// cap] and part z = blockIdx.z div cap, part[z, s, start_g + t, :] = xr[z, start_g + t, K slice s]
-// What_z (t < len_g), What_z's trellis at group_base[g] + trellis_off_z. xr is [parts,
-// entries, K] in the split form, part [parts, splits, entries, N]. Grid (N / 16, splits, cap *
-// parts), EXL3_GEMV_WARPS warps.
+// The grouped GEMV over groups 0 .. *count (`cap` >= *count: the grid's room, as a table
+// built on the device has no count the host knows): for group g = blockIdx.z mod cap and part
+// z = blockIdx.z div cap, part[z, s, start_g + t, :] = xr[z, start_g + t, K slice s] What_z
+// (t < len_g), What_z's trellis at group_base[g] + trellis_off_z. xr is [parts, entries, K] in
+// the split form, part [parts, splits, entries, N]. Grid (N / 16, splits, cap * parts),
+// EXL3_GEMV_WARPS warps.
 extern "C" __global__ void __launch_bounds__(256, EXL3_GEMV_MIN_BLOCKS) exl3_moe_gemv(
     const u8* __restrict__ arena, int halves, int codebook, const i64* __restrict__ group_base,
     const int* __restrict__ group_start, const int* __restrict__ group_len,
-    const int* __restrict__ ids, const int* __restrict__ count, int cap, i64 trellis_off0,
+    const int* __restrict__ count, int cap, i64 trellis_off0,
     i64 trellis_off1, int k, int n, int per, const u32* __restrict__ xr, int entries,
     float* __restrict__ part) {
     __shared__ float red[EXL3_GEMV_WARPS][TOK_TILE][16];
     __shared__ __align__(16) u32 ring[EXL3_GEMV_WARPS][EXL3_RING][EXL3_RING_WORDS];
-    const int gi = blockIdx.z % cap, z = blockIdx.z / cap;
-    if (gi >= *count) return;  // a slot of a table built on the device that stayed empty
-    const int g = ids[gi];
+    const int g = blockIdx.z % cap, z = blockIdx.z / cap;
+    if (g >= *count) return;  // room of a table built on the device that stayed empty
     const u32* trellis =
         (const u32*)(arena + group_base[g] + (z ? trellis_off1 : trellis_off0));
     const i64 slice = (i64)entries * n;

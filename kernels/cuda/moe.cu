@@ -9,14 +9,14 @@
 template <int FMT>
 __device__ void gate_up_rows(const u8* __restrict__ arena, const i64* __restrict__ group_base,
                              const int* __restrict__ group_start, const int* __restrict__ group_len,
-                             const int* __restrict__ pick_list, const int* __restrict__ counts,
+                             const int* __restrict__ pick_list, const int* __restrict__ count,
                              i64 up_off, int inter, int hidden,
                              int k, float limit, const float* __restrict__ x,
                              float* __restrict__ act) {
     const int warps = blockDim.x / WARP;
     const int r = blockIdx.x * warps + threadIdx.x / WARP;
     const int g = blockIdx.y;
-    if (r >= inter || g >= counts[0] + counts[1]) return;
+    if (r >= inter || g >= *count) return;
     const i64 rb = row_bytes(FMT, hidden);
     const u8* gate = arena + group_base[g] + (i64)r * rb;
     const u8* up = arena + group_base[g] + up_off + (i64)r * rb;
@@ -54,13 +54,13 @@ __device__ void gate_up_rows(const u8* __restrict__ arena, const i64* __restrict
 template <int FMT>
 __device__ void down_rows(const u8* __restrict__ arena, const i64* __restrict__ group_base,
                           const int* __restrict__ group_start, const int* __restrict__ group_len,
-                          const int* __restrict__ pick_list, const int* __restrict__ counts,
+                          const int* __restrict__ pick_list, const int* __restrict__ count,
                           i64 down_off, int hidden, int inter,
                           const float* __restrict__ act, float* __restrict__ yp) {
     const int warps = blockDim.x / WARP;
     const int r = blockIdx.x * warps + threadIdx.x / WARP;
     const int g = blockIdx.y;
-    if (r >= hidden || g >= counts[0] + counts[1]) return;
+    if (r >= hidden || g >= *count) return;
     const i64 rb = row_bytes(FMT, inter);
     const u8* down = arena + group_base[g] + down_off + (i64)r * rb;
     const int start = group_start[g], len = group_len[g];
@@ -90,18 +90,18 @@ __device__ void down_rows(const u8* __restrict__ arena, const i64* __restrict__ 
 }
 
 // act[p, :] = silu(min(gate x_t, L)) * clamp(up x_t, -L, L) for every pick p of every group
-// (`counts[0] + counts[1]` groups: the tables `moe_group` writes, or the host's).
+// (`*count` groups: the tables `moe_group` writes, or the host's).
 // Grid: (ceil(inter / warps per block), room for the groups).
 extern "C" __global__ void moe_gate_up(const u8* __restrict__ arena, int fmt,
                                        const i64* __restrict__ group_base,
                                        const int* __restrict__ group_start,
                                        const int* __restrict__ group_len,
                                        const int* __restrict__ pick_list,
-                                       const int* __restrict__ counts, i64 up_off, int inter,
+                                       const int* __restrict__ count, i64 up_off, int inter,
                                        int hidden, int k, float limit, const float* __restrict__ x,
                                        float* __restrict__ act) {
 #define CALL(F)                                                                              \
-    gate_up_rows<F>(arena, group_base, group_start, group_len, pick_list, counts, up_off, inter, \
+    gate_up_rows<F>(arena, group_base, group_start, group_len, pick_list, count, up_off, inter, \
                     hidden, k, limit, x, act)
     DISPATCH_FORMAT(fmt, CALL)
 #undef CALL
@@ -113,11 +113,11 @@ extern "C" __global__ void moe_down(const u8* __restrict__ arena, int fmt,
                                     const int* __restrict__ group_start,
                                     const int* __restrict__ group_len,
                                     const int* __restrict__ pick_list,
-                                    const int* __restrict__ counts, i64 down_off, int hidden,
+                                    const int* __restrict__ count, i64 down_off, int hidden,
                                     int inter, const float* __restrict__ act,
                                     float* __restrict__ yp) {
 #define CALL(F)                                                                                \
-    down_rows<F>(arena, group_base, group_start, group_len, pick_list, counts, down_off, hidden, \
+    down_rows<F>(arena, group_base, group_start, group_len, pick_list, count, down_off, hidden, \
                  inter, act, yp)
     DISPATCH_FORMAT(fmt, CALL)
 #undef CALL
@@ -138,13 +138,12 @@ extern "C" __global__ void moe_combine(const float* __restrict__ yp, const float
 // The layout of the tables `moe_group` writes for `picks` picks and `cap` groups at most
 // (node-server/src/backend/cuda/exl3.rs `GroupTables` reads the same): int64 `longs` =
 // group_base[cap], entry_base[picks]; int32 `ints` = start[cap], len[cap], rows[picks],
-// list[picks], ones[cap], more[cap], counts[2] (groups of one pick, groups of more).
+// list[picks], count[1] (the groups).
 #define MOE_GROUP_MAX 256
 
 // Groups picks `ids[0 .. picks)` (expert ids of `tokens * k` picks) by their slot
 // `slot_of[id]` as the host does: groups in order of first appearance, each group's picks in
-// pick order, the groups of one pick listed in `ones` and the others in `more`, in group
-// order. An id outside `0 .. experts` counts as expert 0 (the router writes -1 only for a
+// pick order. An id outside `0 .. experts` counts as expert 0 (the router writes -1 only for a
 // token whose scores are all NaN). One block of MOE_GROUP_MAX threads; picks <= MOE_GROUP_MAX.
 extern "C" __global__ void moe_group(const int* __restrict__ ids, const int* __restrict__ slot_of,
                                      int experts, int picks, int k, i64 slot_bytes, int cap,
@@ -156,9 +155,7 @@ extern "C" __global__ void moe_group(const int* __restrict__ ids, const int* __r
     int* len = start + cap;
     int* rows = len + cap;
     int* list = rows + picks;
-    int* ones = list + picks;
-    int* more = ones + cap;
-    int* counts = more + cap;
+    int* count = list + picks;
     if (i < picks) {
         const int e = ids[i];
         slot[i] = slot_of[(e >= 0 && e < experts) ? e : 0];
@@ -183,22 +180,16 @@ extern "C" __global__ void moe_group(const int* __restrict__ ids, const int* __r
     }
     __syncthreads();
     if (leads) {
-        int g = 0, s = 0, one = 0, many = 0;
+        int g = 0, s = 0;
         for (int j = 0; j < i; j++)
             if (first[j] == j) {
                 g++;
                 s += glen[j];
-                one += glen[j] == 1;
-                many += glen[j] > 1;
             }
         gstart[i] = s;
         start[g] = s;
         len[g] = glen[i];
         longs[g] = (i64)slot[i] * slot_bytes;
-        if (glen[i] == 1)
-            ones[one] = g;
-        else
-            more[many] = g;
     }
     __syncthreads();
     if (i < picks) {
@@ -208,13 +199,8 @@ extern "C" __global__ void moe_group(const int* __restrict__ ids, const int* __r
         longs[cap + at] = (i64)slot[i] * slot_bytes;
     }
     if (i == 0) {
-        int one = 0, many = 0;
-        for (int j = 0; j < picks; j++)
-            if (first[j] == j) {
-                one += glen[j] == 1;
-                many += glen[j] > 1;
-            }
-        counts[0] = one;
-        counts[1] = many;
+        int groups = 0;
+        for (int j = 0; j < picks; j++) groups += first[j] == j;
+        *count = groups;
     }
 }

@@ -348,49 +348,43 @@ impl Cuda {
         let mut part = self.alloc_f32(parts as usize * splits * entries * n)?;
         let (halves, codebook) = (i32::from(form.rate.halves()), form.codebook as i32);
         let (k_i, n_i, per_i, entries_i) = (k as i32, n as i32, per as i32, entries as i32);
-        // The groups of one pick and the others are listed apart (as `moe_group` builds
-        // them); one kernel takes both lists.
-        for table in [Table::Ones, Table::More] {
-            let (d_ids, d_count, cap) =
-                (tables.ints(table), tables.count(table), tables.room(table));
-            if cap == 0 {
-                continue;
-            }
-            let cap = cap as i32;
-            let (d_base, d_start, d_len) = (
-                tables.base(),
-                tables.ints(Table::Start),
-                tables.ints(Table::Len),
-            );
-            let mut b = self.stream.launch_builder(self.kernel("exl3_moe_gemv"));
-            b.arg(arena)
-                .arg(&halves)
-                .arg(&codebook)
-                .arg(&d_base)
-                .arg(&d_start)
-                .arg(&d_len)
-                .arg(&d_ids)
-                .arg(&d_count)
-                .arg(&cap)
-                .arg(&offsets[0])
-                .arg(&offsets[1])
-                .arg(&k_i)
-                .arg(&n_i)
-                .arg(&per_i)
-                .arg(xr)
-                .arg(&entries_i)
-                .arg(&mut part);
-            let cfg = LaunchConfig {
-                grid_dim: ((n / 16) as u32, splits as u32, parts * cap as u32),
-                block_dim: (GEMV_THREADS, 1, 1),
-                shared_mem_bytes: 0,
-            };
-            // SAFETY: every listed group's slot lies inside the arena and holds each matrix's
-            // trellis of K/16 x N/16 tiles at its offset (the layout's); xr holds parts x
-            // entries rows of K, part parts x splits x entries x N values; the grid is (strip,
-            // slice, room for the listed groups x part), the table holding `cap` ids.
-            unsafe { b.launch(cfg) }?;
+        let cap = tables.groups();
+        if cap == 0 {
+            return Ok(part);
         }
+        let (cap_i, d_count) = (cap as i32, tables.ints(Table::Count));
+        let (d_base, d_start, d_len) = (
+            tables.base(),
+            tables.ints(Table::Start),
+            tables.ints(Table::Len),
+        );
+        let mut b = self.stream.launch_builder(self.kernel("exl3_moe_gemv"));
+        b.arg(arena)
+            .arg(&halves)
+            .arg(&codebook)
+            .arg(&d_base)
+            .arg(&d_start)
+            .arg(&d_len)
+            .arg(&d_count)
+            .arg(&cap_i)
+            .arg(&offsets[0])
+            .arg(&offsets[1])
+            .arg(&k_i)
+            .arg(&n_i)
+            .arg(&per_i)
+            .arg(xr)
+            .arg(&entries_i)
+            .arg(&mut part);
+        let cfg = LaunchConfig {
+            grid_dim: ((n / 16) as u32, splits as u32, parts * cap as u32),
+            block_dim: (GEMV_THREADS, 1, 1),
+            shared_mem_bytes: 0,
+        };
+        // SAFETY: every group below the count has its slot inside the arena, holding each
+        // matrix's trellis of K/16 x N/16 tiles at its offset (the layout's); xr holds parts x
+        // entries rows of K, part parts x splits x entries x N values; the grid is (strip,
+        // slice, room for every group x part), blocks past the count return at once.
+        unsafe { b.launch(cfg) }?;
         Ok(part)
     }
 }

@@ -55,12 +55,9 @@ pub(super) enum Table {
     Rows,
     /// Each entry's pick index.
     List,
-    /// The groups of one entry.
-    Ones,
-    /// The groups of more.
-    More,
-    /// How many groups `Ones` and `More` list.
-    Counts,
+    /// How many groups there are (one value: the kernels read it, so a table built on the
+    /// device needs no count on the host).
+    Count,
 }
 
 /// A step's pick groups on the device in two buffers: the int64 byte offsets (each group's
@@ -72,12 +69,10 @@ pub(super) struct GroupTables {
     longs: CudaSlice<i64>,
     ints: CudaSlice<i32>,
     /// Where each [`Table`] starts in `ints`, and the end of the last.
-    at: [usize; 8],
-    /// Groups `base` has room for.
+    at: [usize; 6],
+    /// Groups `base` has room for (a launch's grid room: the groups may be fewer).
     groups: usize,
     pub(super) entries: usize,
-    /// The grid's room for the groups listed in `Ones` and in `More`.
-    room: [usize; 2],
 }
 
 impl GroupTables {
@@ -85,19 +80,14 @@ impl GroupTables {
         let mut longs = g.base.clone();
         longs.extend(g.entry_base());
         let rows = g.list.iter().map(|&p| p / k as i32);
-        let (ones, more): (Vec<i32>, Vec<i32>) =
-            (0..g.start.len() as i32).partition(|&i| g.len[i as usize] == 1);
-        let room = [ones.len(), more.len()];
-        let tables: [Vec<i32>; 7] = [
+        let tables: [Vec<i32>; 5] = [
             g.start.clone(),
             g.len.clone(),
             rows.collect(),
             g.list.clone(),
-            ones,
-            more,
-            room.map(|r| r as i32).to_vec(),
+            vec![g.start.len() as i32],
         ];
-        let mut at = [0usize; 8];
+        let mut at = [0usize; 6];
         for (i, t) in tables.iter().enumerate() {
             at[i + 1] = at[i] + t.len();
         }
@@ -108,7 +98,6 @@ impl GroupTables {
             at,
             groups: g.start.len(),
             entries: g.list.len(),
-            room,
         })
     }
 
@@ -133,15 +122,15 @@ impl GroupTables {
             )));
         }
         let cap = picks;
-        let sizes = [cap, cap, picks, picks, cap, cap, 2];
-        let mut at = [0usize; 8];
+        let sizes = [cap, cap, picks, picks, 1];
+        let mut at = [0usize; 6];
         for (i, n) in sizes.iter().enumerate() {
             at[i + 1] = at[i] + n;
         }
         // SAFETY: `moe_group` writes every value a kernel reads: the first `count` groups'
-        // start, len and base, every entry, `count` ids of ones and more, and the counts.
+        // start, len and base, every entry, and the count.
         let mut longs = unsafe { cuda.stream.alloc::<i64>(cap + picks) }?;
-        let mut ints = unsafe { cuda.stream.alloc::<i32>(at[7]) }?;
+        let mut ints = unsafe { cuda.stream.alloc::<i32>(at[5]) }?;
         let (experts_i, picks_i, k_i, bytes, cap_i) = (
             experts as i32,
             picks as i32,
@@ -167,15 +156,12 @@ impl GroupTables {
         // SAFETY: picks <= the kernel's MOE_GROUP_MAX threads and shared arrays; ids holds
         // `picks` values, slot_of `experts`; longs and ints are sized for the layout above.
         unsafe { b.launch(cfg) }?;
-        // One token's picks are distinct experts: no group of more than one.
-        let more = if tokens == 1 { 0 } else { picks / 2 };
         Ok(GroupTables {
             longs,
             ints,
             at,
             groups: cap,
             entries: picks,
-            room: [picks, more],
         })
     }
 
@@ -198,17 +184,6 @@ impl GroupTables {
     /// Groups the tables have room for (the grid of a launch over every group).
     pub(super) fn groups(&self) -> usize {
         self.groups
-    }
-
-    /// The count of groups `Ones` or `More` lists, on the device.
-    pub(super) fn count(&self, t: Table) -> CudaView<'_, i32> {
-        let i = self.at[Table::Counts as usize] + matches!(t, Table::More) as usize;
-        self.ints.slice(i..i + 1)
-    }
-
-    /// The grid's room for the groups `Ones` or `More` lists.
-    pub(super) fn room(&self, t: Table) -> usize {
-        self.room[matches!(t, Table::More) as usize]
     }
 }
 

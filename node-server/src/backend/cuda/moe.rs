@@ -273,7 +273,7 @@ impl Cuda {
             tables.ints(Table::Start),
             tables.ints(Table::Len),
             tables.ints(Table::List),
-            tables.ints(Table::Counts),
+            tables.ints(Table::Count),
         );
         let (hidden, inter) = (layout.hidden, layout.inter);
         let room = tables.groups() as u32;
