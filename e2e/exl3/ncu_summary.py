@@ -3,11 +3,12 @@
 output (peer_bench.sh profile writes ncu.csv.gz for glmflash and exl3_ncu.csv.gz for
 exllamav3): launches and microseconds per kernel name, largest first.
 
-  ncu_summary.py ncu.csv.gz [--last N] [--per K]
+  ncu_summary.py ncu.csv.gz [--marker NAME --steps N | --last N --per K]
 
---last N keeps the run's last N launches (the decode steps, not the load and prefill), and
---per K divides counts and times by K (the steps those launches cover). Lines that are not
-ncu's CSV rows (the program's own output mixed into stdout) are skipped.
+--marker NAME --steps N: the launches between the last N + 1 launches of kernel NAME (one a
+forward, e.g. glmflash's `stream_mean`), i.e. the run's last N steps, per step. --last N keeps
+the run's last N launches and --per K divides by K. Lines that are not ncu's CSV rows (the
+program's own output mixed into stdout) are skipped.
 """
 import argparse
 import collections
@@ -32,11 +33,18 @@ def main():
     ap.add_argument("csv")
     ap.add_argument("--last", type=int, default=0)
     ap.add_argument("--per", type=float, default=1.0)
+    ap.add_argument("--marker")
+    ap.add_argument("--steps", type=int, default=1)
     a = ap.parse_args()
     launches = list(rows(a.csv))
     if not launches:
         sys.exit(f"{a.csv}: no gpu__time_duration rows")
-    if a.last:
+    if a.marker:
+        at = [i for i, (name, _) in enumerate(launches) if name.split("(")[0].startswith(a.marker)]
+        if len(at) < a.steps + 1:
+            sys.exit(f"{a.marker}: {len(at)} launches, fewer than --steps + 1")
+        launches, a.per = launches[at[-a.steps - 1] + 1 : at[-1] + 1], a.steps
+    elif a.last:
         launches = launches[-a.last:]
     count, ns = collections.Counter(), collections.Counter()
     for name, t in launches:
