@@ -45,8 +45,9 @@ pub struct BenchArgs {
 #[derive(clap::Args, Debug, Clone)]
 pub struct TierBenchArgs {
     /// Measure decode through the expert tiers (experts read from a packed store) instead of
-    /// with every expert in memory.
-    #[arg(long, env = "GLMFLASH_BENCH_TIERED")]
+    /// with every expert in memory, on a random model it writes (not with --model: a
+    /// checkpoint's tiers are measured through `serve` or `generate` with --mode).
+    #[arg(long, env = "GLMFLASH_BENCH_TIERED", conflicts_with = "model")]
     pub tiered: bool,
     /// Where the model and its packed stores are written (a disk filesystem with O_DIRECT);
     /// removed afterwards.
@@ -72,8 +73,9 @@ pub struct TierBenchArgs {
 #[derive(clap::Args, Debug, Clone)]
 pub struct FlashBenchArgs {
     /// Benchmark a random model at GLM-5.3-Flash width under the RTX 3090 box's budget
-    /// (needs --device cuda; writes about 4.1 GB of store per MoE layer into --scratch).
-    #[arg(long, env = "GLMFLASH_BENCH_FLASH")]
+    /// (needs --device cuda; writes about 4.1 GB of store per MoE layer into --scratch; not
+    /// with --model: the model is its own).
+    #[arg(long, env = "GLMFLASH_BENCH_FLASH", conflicts_with = "model")]
     pub flash: bool,
     /// MoE layers of the random model (the real one has 42).
     #[arg(long, env = "GLMFLASH_BENCH_FLASH_LAYERS", default_value_t = 8)]

@@ -295,6 +295,22 @@ mod tests {
         args
     }
 
+    /// `--tiered` and `--flash` build their own random model: with `--model` they are refused
+    /// at parse time, naming both flags, instead of measuring something else than asked.
+    #[test]
+    fn variants_refuse_a_checkpoint() {
+        for variant in ["--tiered", "--flash"] {
+            let argv = ["glmflash-node", "bench", variant, "--model", "/tmp/ckpt"];
+            let Err(err) = crate::cli::Cli::try_parse_from(argv) else {
+                panic!("bench {variant} --model parsed");
+            };
+            assert_eq!(err.kind(), clap::error::ErrorKind::ArgumentConflict);
+            let text = err.to_string();
+            assert!(text.contains(variant) && text.contains("--model"), "{text}");
+        }
+        assert!(crate::cli::Cli::try_parse_from(["glmflash-node", "bench", "--tiered"]).is_ok());
+    }
+
     /// One decode run per batch size, each with its own step bytes: a batch reads more
     /// experts than one stream, never more than all of them.
     #[test]
