@@ -303,7 +303,7 @@ fn print_verify(v: &store::VerifyReport) {
 /// cache in VRAM) when the model's dense weights are on a GPU, else the host forward.
 enum Sequence {
     Host(Option<SeqCache>),
-    Gpu(GpuDecoder, SeqCache<Gpu>),
+    Gpu(Box<GpuDecoder>, SeqCache<Gpu>),
 }
 
 impl Sequence {
@@ -312,7 +312,7 @@ impl Sequence {
             Some(cuda) => {
                 let g = GpuDecoder::new(&cuda, model)?;
                 let seq = g.sequence(&model.new_cache())?;
-                Sequence::Gpu(g, seq)
+                Sequence::Gpu(Box::new(g), seq)
             }
             None => Sequence::Host(None),
         })
