@@ -133,8 +133,151 @@ impl Sampler {
         }
     }
 
+    /// Greedy, or a draw from the tokens kept by top-k, min-p and top-p, walked in order of
+    /// probability (ties by index). Only the part of that order a draw reaches is sorted.
     fn choose(&mut self, logits: &[f32]) -> u32 {
         let p = &self.params;
+        if p.temperature <= 0.0 || p.top_k == 1 {
+            return ops::argmax(logits) as u32;
+        }
+        let mut probs: Vec<f32> = logits.iter().map(|l| l / p.temperature).collect();
+        ops::softmax(&mut probs);
+        if probs.iter().any(|v| !v.is_finite()) {
+            return ops::argmax(logits) as u32;
+        }
+        let mut order = Ranked::new(&probs, p.top_k);
+        let max_p = order.get(0).map_or(0.0, |i| probs[i]);
+        let cut = p.min_p * max_p;
+        // The kept tokens are the first `kept` of the order: stop below the min-p cut (never
+        // at the first) or once their mass reaches top-p.
+        let (mut kept, mut mass, mut stopped) = (0usize, 0.0f32, false);
+        while let Some(t) = order.head(kept) {
+            if kept > 0 && probs[t] < cut {
+                stopped = true;
+                break;
+            }
+            kept += 1;
+            mass += probs[t];
+            if mass >= p.top_p {
+                stopped = true;
+                break;
+            }
+        }
+        if !stopped {
+            if kept > 0 && mass >= 0.5 {
+                // Every tail value is below half an ulp of `mass`: adding one changes nothing,
+                // so the walk keeps each down to the cut and never reaches top-p.
+                kept += order.tail_at_least(&probs, cut);
+            } else {
+                while let Some(t) = order.get(kept) {
+                    if kept > 0 && probs[t] < cut {
+                        break;
+                    }
+                    kept += 1;
+                    mass += probs[t];
+                    if mass >= p.top_p {
+                        break;
+                    }
+                }
+            }
+        }
+        if !(mass > 0.0 && mass.is_finite()) {
+            return ops::argmax(logits) as u32;
+        }
+        let mut r = self.rng.random_range(0.0..mass);
+        for i in 0..kept {
+            let t = order.get(i).expect("a kept token has a rank");
+            r -= probs[t];
+            if r <= 0.0 {
+                return t as u32;
+            }
+        }
+        order.get(kept - 1).expect("at least one token") as u32
+    }
+}
+
+/// Probabilities below this are the tail of a [`Ranked`] order: half an ulp of any mass in
+/// [0.5, 1), so a tail value never changes such a sum.
+const TAIL: f32 = 1.0 / 33_554_432.0;
+
+/// Token indices in order of probability (descending, ties by index): the head (every
+/// probability of at least [`TAIL`], or the top k) sorted at once, the tail only when a walk
+/// reaches it (a draw lands there with the tail's tiny share of the mass).
+struct Ranked {
+    head: Vec<usize>,
+    /// [`ops::rank_key`]s of the tail, sorted on first use.
+    tail: Vec<u64>,
+    tail_sorted: bool,
+}
+
+impl Ranked {
+    fn new(probs: &[f32], top_k: usize) -> Ranked {
+        if top_k > 0 {
+            return Ranked {
+                head: ops::top_k(probs, top_k),
+                tail: Vec::new(),
+                tail_sorted: true,
+            };
+        }
+        let (mut head, tail): (Vec<u64>, Vec<u64>) = probs
+            .iter()
+            .enumerate()
+            .map(|(i, &v)| ops::rank_key(v, i))
+            .partition(|&k| probs[ops::key_index(k)] >= TAIL);
+        head.sort_unstable();
+        Ranked {
+            head: head.into_iter().map(ops::key_index).collect(),
+            tail,
+            tail_sorted: false,
+        }
+    }
+
+    /// Rank `i` if it is in the head.
+    fn head(&self, i: usize) -> Option<usize> {
+        self.head.get(i).copied()
+    }
+
+    /// Rank `i`.
+    fn get(&mut self, i: usize) -> Option<usize> {
+        if i < self.head.len() {
+            return Some(self.head[i]);
+        }
+        if !self.tail_sorted {
+            self.tail.sort_unstable();
+            self.tail_sorted = true;
+        }
+        self.tail
+            .get(i - self.head.len())
+            .map(|&k| ops::key_index(k))
+    }
+
+    /// Tail tokens whose probability is at least `cut` (they lead the sorted tail).
+    fn tail_at_least(&self, probs: &[f32], cut: f32) -> usize {
+        self.tail
+            .iter()
+            .filter(|&&k| probs[ops::key_index(k)] >= cut)
+            .count()
+    }
+}
+
+fn log_softmax(x: &[f32]) -> Vec<f32> {
+    let max = x.iter().copied().fold(f32::NEG_INFINITY, f32::max);
+    if !max.is_finite() {
+        return vec![-(x.len() as f32).ln(); x.len()];
+    }
+    let sum: f32 = x.iter().map(|v| (v - max).exp()).sum();
+    let lse = max + sum.ln();
+    x.iter().map(|v| v - lse).collect()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// The draw as it was written first: every token sorted by probability (ties by index),
+    /// the kept prefix, one uniform draw over its mass. `Sampler::choose` must pick the same
+    /// token from the same generator state.
+    fn reference_choose(p: &SamplingParams, rng: &mut ChaCha8Rng, logits: &[f32]) -> u32 {
         if p.temperature <= 0.0 || p.top_k == 1 {
             return ops::argmax(logits) as u32;
         }
@@ -161,7 +304,7 @@ impl Sampler {
         if !(mass > 0.0 && mass.is_finite()) {
             return ops::argmax(logits) as u32;
         }
-        let mut r = self.rng.random_range(0.0..mass);
+        let mut r = rng.random_range(0.0..mass);
         for &i in &kept {
             r -= probs[i];
             if r <= 0.0 {
@@ -170,21 +313,57 @@ impl Sampler {
         }
         *kept.last().expect("at least one token") as u32
     }
-}
 
-fn log_softmax(x: &[f32]) -> Vec<f32> {
-    let max = x.iter().copied().fold(f32::NEG_INFINITY, f32::max);
-    if !max.is_finite() {
-        return vec![-(x.len() as f32).ln(); x.len()];
+    /// The head and the lazily sorted tail read as one order: the full sort's.
+    #[test]
+    fn ranked_order_is_the_full_sort() {
+        let mut probs: Vec<f32> = (0..2000)
+            .map(|i| ((i * 37 % 101) as f32 - 100.0).exp())
+            .collect();
+        probs[5] = 0.0;
+        let sum: f32 = probs.iter().sum();
+        probs.iter_mut().for_each(|v| *v /= sum);
+        let mut full: Vec<usize> = (0..probs.len()).collect();
+        full.sort_by(|&a, &b| probs[b].total_cmp(&probs[a]).then(a.cmp(&b)));
+        let mut ranked = Ranked::new(&probs, 0);
+        assert!(!ranked.head.is_empty() && !ranked.tail.is_empty());
+        let got: Vec<usize> = (0..probs.len()).map(|i| ranked.get(i).unwrap()).collect();
+        assert_eq!(got, full);
+        assert_eq!(ranked.get(probs.len()), None);
+        assert_eq!(Ranked::new(&probs, 3).head, full[..3]);
     }
-    let sum: f32 = x.iter().map(|v| (v - max).exp()).sum();
-    let lse = max + sum.ln();
-    x.iter().map(|v| v - lse).collect()
-}
 
-#[cfg(test)]
-mod tests {
-    use super::*;
+    /// Same tokens as the full sort over peaked, flat and tied logits (vocabularies with a
+    /// long tail below 2^-25 and without), every truncation, many seeds.
+    #[test]
+    fn draws_match_the_full_sort() {
+        let mut g = ChaCha8Rng::seed_from_u64(11);
+        for case in 0..120 {
+            let vocab = [7usize, 300, 5000, 40_000][case % 4];
+            let spread = [0.5f32, 4.0, 12.0, 40.0][(case / 4) % 4];
+            let logits: Vec<f32> = (0..vocab)
+                .map(|i| match case % 3 {
+                    0 => g.random_range(-spread..spread),
+                    1 => (g.random_range(0..6) as f32) * spread / 6.0,
+                    _ => spread * (1.0 - (i as f32 / vocab as f32)).powi(8),
+                })
+                .collect();
+            let params = SamplingParams {
+                temperature: [1.0, 0.7, 1.5][case % 3],
+                top_p: [1.0, 0.9, 0.5, 0.999][(case / 3) % 4],
+                top_k: [0, 0, 40, vocab + 1][(case / 7) % 4],
+                min_p: [0.0, 0.0, 0.05][(case / 5) % 3],
+                seed: case as u64,
+                ..Default::default()
+            };
+            let mut sampler = Sampler::with_params(params.clone());
+            let mut rng = ChaCha8Rng::seed_from_u64(params.seed);
+            for draw in 0..30 {
+                let want = reference_choose(&params, &mut rng, &logits);
+                assert_eq!(sampler.choose(&logits), want, "case {case} draw {draw}");
+            }
+        }
+    }
 
     #[test]
     fn greedy_at_zero_temperature_and_seeded_otherwise() {

@@ -88,22 +88,92 @@ pub fn argmax(x: &[f32]) -> usize {
 }
 
 /// The `k` largest indices of `scores`, best first; ties go to the lower index so the
-/// choice never depends on how many candidates there are.
+/// choice never depends on how many candidates there are. The order is `f32::total_cmp`'s
+/// (descending), found by selecting the `k` first keys and sorting only those.
 pub fn top_k(scores: &[f32], k: usize) -> Vec<usize> {
-    let mut idx: Vec<usize> = (0..scores.len()).collect();
-    idx.sort_by(|&a, &b| scores[b].total_cmp(&scores[a]).then(a.cmp(&b)));
-    idx.truncate(k);
-    idx
+    let mut keys: Vec<u64> = scores
+        .iter()
+        .enumerate()
+        .map(|(i, &v)| rank_key(v, i))
+        .collect();
+    let k = k.min(keys.len());
+    if k == 0 {
+        return Vec::new();
+    }
+    if k < keys.len() {
+        keys.select_nth_unstable(k - 1);
+        keys.truncate(k);
+    }
+    keys.sort_unstable();
+    keys.into_iter().map(key_index).collect()
+}
+
+/// A key whose ascending order is `v` descending by `f32::total_cmp`, then `index` ascending
+/// (indices below 2^32).
+pub fn rank_key(v: f32, index: usize) -> u64 {
+    let bits = v.to_bits();
+    // total_cmp's order as unsigned bits: negative values flipped whole, positive ones with
+    // the sign bit set; then inverted for descending.
+    let ordered = if bits >> 31 == 1 {
+        !bits
+    } else {
+        bits | 0x8000_0000
+    };
+    (u64::from(!ordered) << 32) | index as u64
+}
+
+/// The index a [`rank_key`] was made with.
+pub fn key_index(key: u64) -> usize {
+    (key & 0xFFFF_FFFF) as usize
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
 
+    /// The selection gives the full sort's order (total_cmp descending, index ascending) for
+    /// every k, over values with ties, signed zeros, infinities and NaNs of both signs.
+    #[test]
+    fn top_k_is_the_full_sorts_prefix() {
+        let mut rng = 0x2545F4914F6CDD1Du64;
+        let mut next = move || {
+            rng ^= rng << 13;
+            rng ^= rng >> 7;
+            rng ^= rng << 17;
+            rng
+        };
+        let specials = [
+            0.0,
+            -0.0,
+            f32::INFINITY,
+            f32::NEG_INFINITY,
+            f32::NAN,
+            -f32::NAN,
+            1e-45,
+        ];
+        for round in 0..50 {
+            let n = 1 + (next() % 300) as usize;
+            let scores: Vec<f32> = (0..n)
+                .map(|_| match next() % 10 {
+                    0 => specials[(next() % specials.len() as u64) as usize],
+                    1 => (next() % 4) as f32,
+                    _ => (next() % 2000) as f32 / 100.0 - 10.0,
+                })
+                .collect();
+            let mut full: Vec<usize> = (0..n).collect();
+            full.sort_by(|&a, &b| scores[b].total_cmp(&scores[a]).then(a.cmp(&b)));
+            for k in [0, 1, 2, n / 2, n, n + 3] {
+                assert_eq!(top_k(&scores, k), full[..k.min(n)], "round {round} k {k}");
+            }
+        }
+    }
+
     #[test]
     fn top_k_breaks_ties_by_index() {
         assert_eq!(top_k(&[0.0, 1.0, 0.0, 1.0, 0.5], 3), vec![1, 3, 4]);
         assert_eq!(top_k(&[0.0, 0.0, 0.0], 2), vec![0, 1]);
+        assert_eq!(top_k(&[1.0, 2.0], 5), vec![1, 0]);
+        assert!(top_k(&[1.0], 0).is_empty());
     }
 
     #[test]
