@@ -329,6 +329,27 @@ async fn chat_is_reproducible_with_seed_n_and_logprobs() {
 }
 
 #[tokio::test]
+async fn choices_drawn_together_are_those_drawn_alone() {
+    // The n choices run as one batch and draw their tokens in parallel; choice i is seeded
+    // with seed + i, so each must be the answer of a request of n = 1 with that seed.
+    let (app, _) = default_server();
+    let params = |seed: u64, n: usize| {
+        chat(
+            json!({"seed": seed, "temperature": 1.0, "n": n, "max_tokens": 12, "ignore_eos": true}),
+        )
+    };
+    let (s, together) = send_json(&app, post("/v1/chat/completions", &params(5, 4))).await;
+    assert_eq!(s, StatusCode::OK, "{together}");
+    for i in 0..4u64 {
+        let (_, alone) = send_json(&app, post("/v1/chat/completions", &params(5 + i, 1))).await;
+        assert_eq!(
+            together["choices"][i as usize]["message"], alone["choices"][0]["message"],
+            "choice {i}"
+        );
+    }
+}
+
+#[tokio::test]
 async fn streaming_matches_non_streaming_and_ends_with_done() {
     let (app, _) = default_server();
     let base = json!({"seed": 7, "temperature": 0.7, "max_tokens": 12, "ignore_eos": true});

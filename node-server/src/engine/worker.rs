@@ -5,7 +5,7 @@
 
 use super::cache::CacheLayout;
 use super::constraint::Constraint;
-use super::sampling::Sampler;
+use super::sampling::{Sampled, Sampler, draw_each};
 use super::scheduler::{
     EngineConfig, Event, FinishReason, Shared, TokenLogprob, find_stop, held_back, lock,
 };
@@ -239,16 +239,25 @@ impl Worker {
     }
 
     /// One step of every running sequence: plan what each feeds, run the forward of each
-    /// device's sequences, sample and stream what came out, end the finished sequences.
+    /// device's sequences, sample (the sequences in parallel) and stream what came out, end
+    /// the finished sequences.
     fn tick(&mut self) {
         if self.running.is_empty() {
             return;
         }
         let out = self.run_batch();
+        // The caches hold this step's tokens now: the gauges say so before any of its tokens
+        // reaches a client (who may read /metrics the moment it has one).
+        self.update_cache_metrics();
         let mut finished: Vec<(usize, Result<FinishReason, String>)> =
             out.failed.into_iter().map(|(i, m)| (i, Err(m))).collect();
-        for (i, n, logits) in out.logits {
-            if let Some(reason) = self.advance(i, n, &logits) {
+        let ready: Vec<(usize, Vec<f32>)> = out
+            .logits
+            .into_iter()
+            .filter_map(|(i, n, logits)| self.fed(i, n).then_some((i, logits)))
+            .collect();
+        for (i, drawn) in self.draw_all(ready) {
+            if let Some(reason) = self.advance(i, drawn) {
                 finished.push((i, Ok(reason)));
             }
         }
@@ -325,20 +334,47 @@ impl Worker {
         out
     }
 
-    /// Sequence `i` fed `n` tokens and got `logits`: counts its prefill, samples and streams
-    /// its next token once its prompt is in, and moves a host-prefilled sequence's caches to
-    /// the GPU when there is room now. The finish reason when it is done.
-    fn advance(&mut self, i: usize, n: usize, logits: &[f32]) -> Option<FinishReason> {
+    /// Sequence `i` fed `n` tokens: counts its prefill; whether its prompt is all in now (its
+    /// logits then give its next token).
+    fn fed(&mut self, i: usize, n: usize) -> bool {
         let s = &mut self.running[i];
         if s.prefilled < s.prompt.len() {
             s.prefilled += n;
             self.metrics.prefill_tokens.inc_by(n as u64);
-            if s.prefilled < s.prompt.len() {
-                return None;
-            }
         }
+        s.prefilled >= s.prompt.len()
+    }
+
+    /// Draws the next token of each `(sequence, logits)` of `ready`, the sequences in
+    /// parallel ([`draw_each`]).
+    fn draw_all(&mut self, ready: Vec<(usize, Vec<f32>)>) -> Vec<(usize, Drawn)> {
+        let mut logits: Vec<Option<Vec<f32>>> = vec![None; self.running.len()];
+        for (i, l) in ready {
+            logits[i] = Some(l);
+        }
+        let jobs: Vec<(usize, &mut Seq, Vec<f32>)> = self
+            .running
+            .iter_mut()
+            .zip(logits)
+            .enumerate()
+            .filter_map(|(i, (s, l))| l.map(|l| (i, s, l)))
+            .collect();
+        draw_each(jobs, |(i, s, l)| (i, draw(s, &l)))
+    }
+
+    /// Sequence `i` drew a token: streams it, and moves a host-prefilled sequence's caches to
+    /// the GPU when there is room now. The finish reason when it is done.
+    fn advance(&mut self, i: usize, drawn: Drawn) -> Option<FinishReason> {
+        let s = &mut self.running[i];
         self.window_tokens += 1;
-        if let Some(reason) = sample_one(s, logits, &self.codec, &self.metrics, &self.config) {
+        let out = match drawn {
+            Ok(out) => out,
+            Err(message) => {
+                let _ = s.tx.send(Event::Error(message));
+                return Some(FinishReason::Stop);
+            }
+        };
+        if let Some(reason) = deliver(s, out, &self.codec, &self.metrics, &self.config) {
             return Some(reason);
         }
         if let (Caches::Host(cache), Some(decoder)) = (&s.caches, &self.decoder) {
@@ -372,6 +408,19 @@ impl Worker {
 
     /// Cache use, running sequences and the decode rate (over windows of a second).
     fn update_metrics(&mut self) {
+        self.update_cache_metrics();
+        let elapsed = self.window_start.elapsed().as_secs_f64();
+        if elapsed >= 1.0 {
+            self.metrics
+                .decode_tok_s
+                .set(self.window_tokens as f64 / elapsed);
+            self.window_start = Instant::now();
+            self.window_tokens = 0;
+        }
+    }
+
+    /// Cache use and running sequences.
+    fn update_cache_metrics(&mut self) {
         let used: usize = self.running.iter().map(|s| s.caches.tokens()).sum();
         let used_bytes: usize = self
             .running
@@ -381,14 +430,6 @@ impl Worker {
         self.metrics.kv_used.set(used as i64);
         self.metrics.kv_bytes_used.set(used_bytes as i64);
         self.metrics.running.set(self.running.len() as i64);
-        let elapsed = self.window_start.elapsed().as_secs_f64();
-        if elapsed >= 1.0 {
-            self.metrics
-                .decode_tok_s
-                .set(self.window_tokens as f64 / elapsed);
-            self.window_start = Instant::now();
-            self.window_tokens = 0;
-        }
     }
 }
 
@@ -407,32 +448,31 @@ fn drop_cancelled(running: &mut Vec<Seq>, metrics: &Metrics) {
     }
 }
 
-/// Samples the next token of `s`, sends its text; returns the finish reason when done.
-fn sample_one(
+/// A sequence's next token, or why its constrained decoding could not go on.
+type Drawn = Result<Sampled, String>;
+
+/// Draws the next token of `s` from `logits` (masked by its grammar, if it has one).
+fn draw(s: &mut Seq, logits: &[f32]) -> Drawn {
+    let Some(c) = &mut s.constraint else {
+        return Ok(s.sampler.sample_full(logits));
+    };
+    let mut masked = logits.to_vec();
+    c.mask(&mut masked)
+        .and_then(|()| {
+            let out = s.sampler.sample_full(&masked);
+            c.advance(out.token).map(|()| out)
+        })
+        .map_err(|e| format!("constrained decoding failed: {e:#}"))
+}
+
+/// Takes `out` as the next token of `s` and sends its text; the finish reason when done.
+fn deliver(
     s: &mut Seq,
-    logits: &[f32],
+    out: Sampled,
     codec: &TextCodec,
     metrics: &Metrics,
     config: &EngineConfig,
 ) -> Option<FinishReason> {
-    let out = match &mut s.constraint {
-        Some(c) => {
-            let mut masked = logits.to_vec();
-            let out = c.mask(&mut masked).and_then(|()| {
-                let out = s.sampler.sample_full(&masked);
-                c.advance(out.token).map(|()| out)
-            });
-            match out {
-                Ok(out) => out,
-                Err(e) => {
-                    let _ =
-                        s.tx.send(Event::Error(format!("constrained decoding failed: {e:#}")));
-                    return Some(FinishReason::Stop);
-                }
-            }
-        }
-        None => s.sampler.sample_full(logits),
-    };
     let now = Instant::now();
     match s.last_token_at {
         None => metrics.ttft.observe((now - s.submitted).as_secs_f64()),
