@@ -1,4 +1,4 @@
-//! The flags of `bench` and its `--tiered` and `--flash` variants (one flag set: the
+//! The flags of `bench` and its `--tiered`, `--flash` and `--sampling` variants (one flag set: the
 //! variants share the model shape and token counts).
 
 use crate::plan::weights::Storage;
@@ -40,6 +40,11 @@ pub struct BenchArgs {
     pub tiers: TierBenchArgs,
     #[command(flatten)]
     pub flash: FlashBenchArgs,
+    /// Time the engine's token draw instead of a model: one draw per sequence of each
+    /// `--streams` size over `--vocab` random logits, the sequences in turn and as the engine
+    /// draws them (in parallel), at temperature 1 (not with --model).
+    #[arg(long, env = "GLMFLASH_BENCH_SAMPLING", conflicts_with_all = ["model", "tiered", "flash"])]
+    pub sampling: bool,
 }
 
 #[derive(clap::Args, Debug, Clone)]

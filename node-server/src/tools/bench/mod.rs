@@ -1,18 +1,21 @@
 //! `bench`: prefill and decode speed of a random model (or `--model`), and its variants
-//! `--tiered` (decode through the expert tiers) and `--flash` (GLM-5.3-Flash width under
-//! the RTX 3090 box's budget). Each reports its roofline from bandwidths measured in the
+//! `--tiered` (decode through the expert tiers), `--flash` (GLM-5.3-Flash width under
+//! the RTX 3090 box's budget) and `--sampling` (the engine's token draw). Each reports its roofline from bandwidths measured in the
 //! same run.
 
 mod args;
 mod common;
 mod flash;
 mod plain;
+mod sampling;
 mod tiered;
 
 pub use args::{BenchArgs, FlashBenchArgs, TierBenchArgs};
 
 pub fn run(args: &BenchArgs) -> anyhow::Result<()> {
-    if args.flash.flash {
+    if args.sampling {
+        sampling::run(args)
+    } else if args.flash.flash {
         flash::run(args)
     } else if args.tiers.tiered {
         tiered::run(args)

@@ -299,7 +299,7 @@ mod tests {
     /// at parse time, naming both flags, instead of measuring something else than asked.
     #[test]
     fn variants_refuse_a_checkpoint() {
-        for variant in ["--tiered", "--flash"] {
+        for variant in ["--tiered", "--flash", "--sampling"] {
             let argv = ["glmflash-node", "bench", variant, "--model", "/tmp/ckpt"];
             let Err(err) = crate::cli::Cli::try_parse_from(argv) else {
                 panic!("bench {variant} --model parsed");
@@ -309,6 +309,8 @@ mod tests {
             assert!(text.contains(variant) && text.contains("--model"), "{text}");
         }
         assert!(crate::cli::Cli::try_parse_from(["glmflash-node", "bench", "--tiered"]).is_ok());
+        let both = ["glmflash-node", "bench", "--sampling", "--flash"];
+        assert!(crate::cli::Cli::try_parse_from(both).is_err());
     }
 
     /// One decode run per batch size, each with its own step bytes: a batch reads more
