@@ -322,3 +322,66 @@ fn one_row_product_throughput() {
         }
     }
 }
+
+/// GLM-5.3-Flash experts (mul1 3 bpw: gate and up 4096 -> 2048, down 2048 -> 4096) computed
+/// one row at a time as the CPU lane computes them, from cache ("hot": one expert again and
+/// again) and from memory ("cold": `GLMFLASH_EXL3_BENCH_EXPERTS` experts, 48 by default, 450
+/// MB, taken in turn, so each is read from DRAM). The lane's real case is cold.
+#[test]
+#[ignore]
+fn expert_products_hot_and_cold() {
+    let experts: usize =
+        std::env::var("GLMFLASH_EXL3_BENCH_EXPERTS").map_or(48, |r| r.parse().expect("experts"));
+    let linear = |k: usize, n: usize, seed: usize| {
+        let bytes: Vec<u8> = (0..k / 16 * n / 16 * 48 * 2)
+            .map(|i| (((i + seed) * 2_654_435_761usize) >> 7) as u8)
+            .collect();
+        Exl3Linear::new(
+            &[k / 16, n / 16, 48],
+            &bytes,
+            vec![1.0; k],
+            vec![1.0; n],
+            Codebook::Mul1,
+        )
+        .unwrap()
+    };
+    let set: Vec<[Exl3Linear; 3]> = (0..experts)
+        .map(|e| {
+            [
+                linear(4096, 2048, 3 * e),
+                linear(4096, 2048, 3 * e + 1),
+                linear(2048, 4096, 3 * e + 2),
+            ]
+        })
+        .collect();
+    let bytes: usize = set[0].iter().map(Exl3Linear::stored_bytes).sum();
+    let x: Vec<f32> = (0..4096).map(|i| (i % 7) as f32 - 3.0).collect();
+    let (mut g, mut d) = (vec![0f32; 2048], vec![0f32; 4096]);
+    let mut expert = |e: &[Exl3Linear; 3]| {
+        e[0].forward(&x, 1, &mut g);
+        e[1].forward(&x, 1, &mut g);
+        e[2].forward(&g, 1, &mut d);
+    };
+    for (name, order) in [
+        ("hot", vec![0; experts]),
+        ("cold", (0..experts).collect::<Vec<_>>()),
+    ] {
+        // Best of five rounds over the order (the first round of cold warms nothing it reuses).
+        let secs = (0..5)
+            .map(|_| {
+                let start = std::time::Instant::now();
+                for &e in &order {
+                    expert(&set[e]);
+                }
+                start.elapsed().as_secs_f64() / order.len() as f64
+            })
+            .fold(f64::INFINITY, f64::min);
+        eprintln!(
+            "expert {name}: {:.3} ms, {:.2} GB/s, {:.0} experts/s on {} threads",
+            secs * 1e3,
+            bytes as f64 / secs / 1e9,
+            1.0 / secs,
+            rayon::current_num_threads()
+        );
+    }
+}

@@ -203,8 +203,11 @@ pub struct Exl3Linear {
     n: usize,
     rate: Rate,
     codebook: Codebook,
-    /// Tile `(kt, nt)` at `stream[(kt * n / 16 + nt) * tile_bytes..]`, laid out by
-    /// `trellis::store_tile`; [`trellis::TAIL`] bytes of padding after the last tile.
+    /// Tile `(kt, nt)` at `stream[(nt * k / 16 + kt) * tile_bytes..]`, laid out by
+    /// `trellis::store_tile`; [`trellis::TAIL`] bytes of padding after the last tile. Strip
+    /// by strip (the checkpoint goes row of tiles by row): a strip's product reads its tiles
+    /// as one sequential run, which the hardware prefetches from DRAM, where the checkpoint's
+    /// order puts each tile on another page.
     stream: Vec<u8>,
     suh: Vec<f32>,
     svh: Vec<f32>,
@@ -278,11 +281,15 @@ impl Exl3Linear {
                 });
             }
         }
-        let mut stream = Vec::with_capacity(kt * nt * rate.tile_bytes() + trellis::TAIL);
-        for tile in trellis.chunks_exact(2 * len) {
-            trellis::store_tile(tile, &mut stream);
+        let tile_bytes = rate.tile_bytes();
+        let mut stream = vec![0u8; kt * nt * tile_bytes + trellis::TAIL];
+        let mut stored = Vec::with_capacity(tile_bytes);
+        for (i, tile) in trellis.chunks_exact(2 * len).enumerate() {
+            stored.clear();
+            trellis::store_tile(tile, &mut stored);
+            let at = ((i % nt) * kt + i / nt) * tile_bytes;
+            stream[at..at + tile_bytes].copy_from_slice(&stored);
         }
-        stream.resize(stream.len() + trellis::TAIL, 0);
         Ok(Exl3Linear {
             k,
             n,
@@ -391,11 +398,13 @@ impl Exl3Linear {
     /// `[K/16, N/16, 16 * bits]` as little-endian bytes.
     pub fn checkpoint_trellis(&self) -> Vec<u8> {
         let (tile_bytes, stream) = (self.rate.tile_bytes(), self.rate.stream_bytes());
-        let tiles = self.k / 16 * self.n / 16;
-        let mut out = Vec::with_capacity(tiles * stream);
-        for tile in self.stream.chunks_exact(tile_bytes).take(tiles) {
-            for w in tile[trellis::WRAP..].chunks_exact(4) {
-                out.extend(u32::from_be_bytes([w[0], w[1], w[2], w[3]]).to_le_bytes());
+        let mut out = Vec::with_capacity(self.k / 16 * self.n / 16 * stream);
+        for kt in 0..self.k / 16 {
+            for nt in 0..self.n / 16 {
+                let tile = &self.tile(kt, nt)[trellis::WRAP..tile_bytes];
+                for w in tile.chunks_exact(4) {
+                    out.extend(u32::from_be_bytes([w[0], w[1], w[2], w[3]]).to_le_bytes());
+                }
             }
         }
         out
@@ -421,8 +430,8 @@ impl Exl3Linear {
         let tile_bytes = self.rate.tile_bytes();
         TileColumn {
             stream: &self.stream,
-            start: nt * tile_bytes,
-            stride: self.n / 16 * tile_bytes,
+            start: nt * (self.k / 16) * tile_bytes,
+            stride: tile_bytes,
             tiles: self.k / 16,
             tile_bytes,
         }
