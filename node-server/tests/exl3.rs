@@ -355,6 +355,27 @@ fn expert_products_hot_and_cold() {
         })
         .collect();
     let bytes: usize = set[0].iter().map(Exl3Linear::stored_bytes).sum();
+    // What taking an expert in costs (a store miss builds its three layers from the record).
+    let raw: Vec<u8> = (0..4096 / 16 * 2048 / 16 * 48 * 2)
+        .map(|i| (i >> 3) as u8)
+        .collect();
+    let build = (0..5)
+        .map(|_| {
+            let start = std::time::Instant::now();
+            for _ in 0..3 {
+                let lin = Exl3Linear::new(
+                    &[4096 / 16, 2048 / 16, 48],
+                    &raw,
+                    vec![1.0; 4096],
+                    vec![1.0; 2048],
+                    Codebook::Mul1,
+                );
+                std::hint::black_box(lin.unwrap());
+            }
+            start.elapsed().as_secs_f64()
+        })
+        .fold(f64::INFINITY, f64::min);
+    eprintln!("expert built from its record: {:.3} ms", build * 1e3);
     let x: Vec<f32> = (0..4096).map(|i| (i % 7) as f32 - 3.0).collect();
     let (mut g, mut d) = (vec![0f32; 2048], vec![0f32; 4096]);
     let mut expert = |e: &[Exl3Linear; 3]| {

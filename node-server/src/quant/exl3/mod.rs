@@ -281,14 +281,16 @@ impl Exl3Linear {
                 });
             }
         }
+        // Written in order, each strip's tiles read a row of tiles apart.
         let tile_bytes = rate.tile_bytes();
         let mut stream = vec![0u8; kt * nt * tile_bytes + trellis::TAIL];
-        let mut stored = Vec::with_capacity(tile_bytes);
-        for (i, tile) in trellis.chunks_exact(2 * len).enumerate() {
-            stored.clear();
-            trellis::store_tile(tile, &mut stored);
-            let at = ((i % nt) * kt + i / nt) * tile_bytes;
-            stream[at..at + tile_bytes].copy_from_slice(&stored);
+        for (i, out) in stream
+            .chunks_exact_mut(tile_bytes)
+            .take(kt * nt)
+            .enumerate()
+        {
+            let at = ((i % kt) * nt + i / kt) * 2 * len;
+            trellis::store_tile(&trellis[at..at + 2 * len], out);
         }
         Ok(Exl3Linear {
             k,

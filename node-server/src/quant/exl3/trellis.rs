@@ -45,15 +45,14 @@ pub(super) fn position(p: usize) -> (usize, usize) {
     (2 * (t % 4) + dr, t / 4 + dc)
 }
 
-/// Appends one tile (its int16 words as little-endian bytes) to `out` as stored here.
-pub(super) fn store_tile(tile: &[u8], out: &mut Vec<u8>) {
-    let start = out.len();
-    out.extend([0; WRAP]);
-    for w in tile.chunks_exact(4) {
-        out.extend(u32::from_le_bytes([w[0], w[1], w[2], w[3]]).to_be_bytes());
+/// Writes one tile (its int16 words as little-endian bytes) into `out` (`WRAP` bytes more
+/// than the tile) as stored here.
+pub(super) fn store_tile(tile: &[u8], out: &mut [u8]) {
+    let (wrap, stream) = out.split_at_mut(WRAP);
+    for (w, o) in tile.chunks_exact(4).zip(stream.chunks_exact_mut(4)) {
+        o.copy_from_slice(&u32::from_le_bytes([w[0], w[1], w[2], w[3]]).to_be_bytes());
     }
-    let end = out.len();
-    out.copy_within(end - WRAP..end, start);
+    wrap.copy_from_slice(&stream[stream.len() - WRAP..]);
 }
 
 /// Where each position's state lies in a stored tile of one rate.
