@@ -235,7 +235,7 @@ impl Ranked {
             .enumerate()
             .map(|(i, &v)| ops::rank_key(v, i))
             .partition(|&k| probs[ops::key_index(k)] >= TAIL);
-        head.sort_unstable();
+        ops::sort_rank_keys(&mut head);
         Ranked {
             head: head.into_iter().map(ops::key_index).collect(),
             tail,
@@ -254,7 +254,7 @@ impl Ranked {
             return Some(self.head[i]);
         }
         if !self.tail_sorted {
-            self.tail.sort_unstable();
+            ops::sort_rank_keys(&mut self.tail);
             self.tail_sorted = true;
         }
         self.tail

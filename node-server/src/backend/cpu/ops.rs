@@ -127,6 +127,46 @@ pub fn key_index(key: u64) -> usize {
     (key & 0xFFFF_FFFF) as usize
 }
 
+/// Sorts [`rank_key`]s that come in ascending order of their indices (as made from a slice in
+/// order, or a subsequence of those) into the full ascending order, as `sort_unstable` would:
+/// a stable radix sort on the value half of the key, three passes of 11 bits, a pass skipped
+/// when every key has the same digit (probabilities share most exponent bits). Many times
+/// faster than a comparison sort for a vocabulary of keys.
+pub fn sort_rank_keys(keys: &mut Vec<u64>) {
+    const BITS: u32 = 11;
+    if keys.len() < 1024 {
+        keys.sort_unstable();
+        return;
+    }
+    debug_assert!(
+        keys.windows(2).all(|w| key_index(w[0]) < key_index(w[1])),
+        "keys in ascending index order"
+    );
+    let mut other = vec![0u64; keys.len()];
+    for shift in [32, 32 + BITS, 32 + 2 * BITS] {
+        let digit = |k: u64| ((k >> shift) & ((1 << BITS) - 1)) as usize;
+        let mut start = vec![0usize; 1 << BITS];
+        for &k in keys.iter() {
+            start[digit(k)] += 1;
+        }
+        if start.contains(&keys.len()) {
+            continue;
+        }
+        let mut at = 0;
+        for s in start.iter_mut() {
+            let n = *s;
+            *s = at;
+            at += n;
+        }
+        for &k in keys.iter() {
+            let d = digit(k);
+            other[start[d]] = k;
+            start[d] += 1;
+        }
+        std::mem::swap(keys, &mut other);
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -165,6 +205,41 @@ mod tests {
             for k in [0, 1, 2, n / 2, n, n + 3] {
                 assert_eq!(top_k(&scores, k), full[..k.min(n)], "round {round} k {k}");
             }
+        }
+    }
+
+    /// The radix sort gives `sort_unstable`'s order, for keys of any values (ties, specials,
+    /// a single shared digit) taken in index order, some indices left out.
+    #[test]
+    fn rank_keys_radix_sort_is_the_full_sort() {
+        let mut rng = 0x9E3779B97F4A7C15u64;
+        let mut next = move || {
+            rng ^= rng << 13;
+            rng ^= rng >> 7;
+            rng ^= rng << 17;
+            rng
+        };
+        for round in 0..40 {
+            let n = [1, 5, 1023, 1024, 5000, 70_000][round % 6];
+            let mut keys = Vec::new();
+            for i in 0..n {
+                let r = next();
+                if r % 4 == 0 {
+                    continue;
+                }
+                let v = match (round / 6) % 4 {
+                    0 => f32::from_bits((r >> 32) as u32),
+                    1 => ((r >> 8) % 7) as f32 * 0.125,
+                    2 => 0.5,
+                    _ => f32::from_bits(0x3000_0000 | ((r >> 32) as u32 & 0x00FF_FFFF)),
+                };
+                keys.push(rank_key(v, i));
+            }
+            let mut want = keys.clone();
+            want.sort_unstable();
+            let mut got = keys;
+            sort_rank_keys(&mut got);
+            assert_eq!(got, want, "round {round}, {n} values");
         }
     }
 
