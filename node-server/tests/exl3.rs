@@ -376,6 +376,20 @@ fn expert_products_hot_and_cold() {
         })
         .fold(f64::INFINITY, f64::min);
     eprintln!("expert built from its record: {:.3} ms", build * 1e3);
+    // And what giving its trellises back in the checkpoint's order costs (a GPU slot's copy).
+    let back = (0..5)
+        .map(|_| {
+            let start = std::time::Instant::now();
+            for lin in &set[0] {
+                std::hint::black_box(lin.checkpoint_trellis());
+            }
+            start.elapsed().as_secs_f64()
+        })
+        .fold(f64::INFINITY, f64::min);
+    eprintln!(
+        "expert's trellises in the checkpoint's order: {:.3} ms",
+        back * 1e3
+    );
     let x: Vec<f32> = (0..4096).map(|i| (i % 7) as f32 - 3.0).collect();
     let (mut g, mut d) = (vec![0f32; 2048], vec![0f32; 4096]);
     let mut expert = |e: &[Exl3Linear; 3]| {

@@ -400,13 +400,19 @@ impl Exl3Linear {
     /// `[K/16, N/16, 16 * bits]` as little-endian bytes.
     pub fn checkpoint_trellis(&self) -> Vec<u8> {
         let (tile_bytes, stream) = (self.rate.tile_bytes(), self.rate.stream_bytes());
-        let mut out = Vec::with_capacity(self.k / 16 * self.n / 16 * stream);
-        for kt in 0..self.k / 16 {
-            for nt in 0..self.n / 16 {
-                let tile = &self.tile(kt, nt)[trellis::WRAP..tile_bytes];
-                for w in tile.chunks_exact(4) {
-                    out.extend(u32::from_be_bytes([w[0], w[1], w[2], w[3]]).to_le_bytes());
-                }
+        let (kt, nt) = (self.k / 16, self.n / 16);
+        let mut out = vec![0u8; kt * nt * stream];
+        // Read in order, each tile written to its place in its row of tiles.
+        for (i, tile) in self
+            .stream
+            .chunks_exact(tile_bytes)
+            .take(kt * nt)
+            .enumerate()
+        {
+            let at = ((i % kt) * nt + i / kt) * stream;
+            let words = tile[trellis::WRAP..].chunks_exact(4);
+            for (w, o) in words.zip(out[at..at + stream].chunks_exact_mut(4)) {
+                o.copy_from_slice(&u32::from_be_bytes([w[0], w[1], w[2], w[3]]).to_le_bytes());
             }
         }
         out
