@@ -171,17 +171,21 @@ pub fn sort_rank_keys(keys: &mut Vec<u64>) {
 mod tests {
     use super::*;
 
-    /// The selection gives the full sort's order (total_cmp descending, index ascending) for
-    /// every k, over values with ties, signed zeros, infinities and NaNs of both signs.
-    #[test]
-    fn top_k_is_the_full_sorts_prefix() {
-        let mut rng = 0x2545F4914F6CDD1Du64;
-        let mut next = move || {
+    /// A small deterministic generator for the tests' inputs.
+    fn xorshift(mut rng: u64) -> impl FnMut() -> u64 {
+        move || {
             rng ^= rng << 13;
             rng ^= rng >> 7;
             rng ^= rng << 17;
             rng
-        };
+        }
+    }
+
+    /// The selection gives the full sort's order (total_cmp descending, index ascending) for
+    /// every k, over values with ties, signed zeros, infinities and NaNs of both signs.
+    #[test]
+    fn top_k_is_the_full_sorts_prefix() {
+        let mut next = xorshift(0x2545F4914F6CDD1D);
         let specials = [
             0.0,
             -0.0,
@@ -212,19 +216,13 @@ mod tests {
     /// a single shared digit) taken in index order, some indices left out.
     #[test]
     fn rank_keys_radix_sort_is_the_full_sort() {
-        let mut rng = 0x9E3779B97F4A7C15u64;
-        let mut next = move || {
-            rng ^= rng << 13;
-            rng ^= rng >> 7;
-            rng ^= rng << 17;
-            rng
-        };
+        let mut next = xorshift(0x9E3779B97F4A7C15);
         for round in 0..40 {
             let n = [1, 5, 1023, 1024, 5000, 70_000][round % 6];
             let mut keys = Vec::new();
             for i in 0..n {
                 let r = next();
-                if r % 4 == 0 {
+                if r.is_multiple_of(4) {
                     continue;
                 }
                 let v = match (round / 6) % 4 {
