@@ -359,7 +359,7 @@ impl Worker {
             .enumerate()
             .filter_map(|(i, (s, l))| l.map(|l| (i, s, l)))
             .collect();
-        draw_each(jobs, |(i, s, l)| (i, draw(s, &l)))
+        draw_each(jobs, |(i, s, l)| (i, draw(s, l)))
     }
 
     /// Sequence `i` drew a token: streams it, and moves a host-prefilled sequence's caches to
@@ -451,15 +451,14 @@ fn drop_cancelled(running: &mut Vec<Seq>, metrics: &Metrics) {
 /// A sequence's next token, or why its constrained decoding could not go on.
 type Drawn = Result<Sampled, String>;
 
-/// Draws the next token of `s` from `logits` (masked by its grammar, if it has one).
-fn draw(s: &mut Seq, logits: &[f32]) -> Drawn {
+/// Draws the next token of `s` from `logits` (masked in place by its grammar, if it has one).
+fn draw(s: &mut Seq, mut logits: Vec<f32>) -> Drawn {
     let Some(c) = &mut s.constraint else {
-        return Ok(s.sampler.sample_full(logits));
+        return Ok(s.sampler.sample_full(&logits));
     };
-    let mut masked = logits.to_vec();
-    c.mask(&mut masked)
+    c.mask(&mut logits)
         .and_then(|()| {
-            let out = s.sampler.sample_full(&masked);
+            let out = s.sampler.sample_full(&logits);
             c.advance(out.token).map(|()| out)
         })
         .map_err(|e| format!("constrained decoding failed: {e:#}"))
