@@ -63,8 +63,10 @@ static void had(double* v, int n) {
 
 struct Dev { uint32_t* tr; float *suh, *svh, *bias; int K, N, halves, cb; };
 
-// The Rust wrapper's launches: rotate_input, gemv (or reconstruct + SGEMM), rotate_output.
+// The Rust wrapper's launches: rotate_input, then the gemv (it rotates the output) or
+// reconstruct + SGEMM and rotate_output.
 static int g_blocks = 512;
+static uint32_t* g_tickets;  // zeros, a ticket per 128 outputs (the GEMV leaves them zero)
 static void product(const Dev& d, const float* x, int n, float* y, float* xr, float* part, float* wide, cublasHandle_t blas, bool gemm) {
     exl3_rotate_input<<<dim3(d.K / 128, n), 128>>>(x, d.suh, d.K, gemm ? 0 : 1, xr);
     int splits = 1;
@@ -73,7 +75,8 @@ static void product(const Dev& d, const float* x, int n, float* y, float* xr, fl
         int maxs = kt / EXL3_GEMV_WARPS > 1 ? kt / EXL3_GEMV_WARPS : 1;
         splits = (g_blocks + ntl - 1) / ntl; if (splits < 1) splits = 1; if (splits > maxs) splits = maxs;
         int per = (kt + splits - 1) / splits;
-        exl3_gemv<<<dim3(ntl, splits), EXL3_GEMV_WARPS * 32>>>(d.tr, d.halves, d.cb, d.K, d.N, per, (const uint32_t*)xr, n, part);
+        exl3_gemv<<<dim3(ntl, splits), EXL3_GEMV_WARPS * 32>>>(d.tr, d.halves, d.cb, d.K, d.N, per, (const uint32_t*)xr, n, part, d.svh, d.bias, 1, g_tickets, y, nullptr, nullptr, 0);
+        return;  // the GEMV's last blocks rotate the output
     } else {
         int tps = (8 << 20) / d.N / 16; if (tps < 1) tps = 1; if (tps > d.K / 16) tps = d.K / 16;
         for (int kt0 = 0; kt0 < d.K / 16; kt0 += tps) {
@@ -95,6 +98,8 @@ int main(int argc, char** argv) {
     std::mt19937 rng(1234);
     std::uniform_real_distribution<float> U(-1.f, 1.f);
     cublasHandle_t blas; cublasCreate(&blas);
+    cudaMalloc(&g_tickets, 65536 * sizeof(uint32_t));
+    cudaMemset(g_tickets, 0, 65536 * sizeof(uint32_t));
     int fails = 0;
     const int halves_list[11] = {2, 3, 4, 5, 6, 7, 8, 10, 12, 14, 16};
     double worst[3] = {0, 0, 0};

@@ -18,6 +18,7 @@
 #                                                duration under ncu (ncu.csv; exllamav3's too, exl3_ncu.csv, when its
 #                                                extension is there), and the CPU lane's EXL3 products
 #                                                on all cores if $EXL3_TEST (the `exl3` test binary) is there
+#   bash e2e/exl3/peer_bench.sh checkpoint       only the checkpoint ($PEER_WORK/ck_flash)
 #   bash e2e/exl3/peer_bench.sh all              build, then run if the budget leaves time
 #
 # Needs (repo-relative): .whl/exl3/*.whl (see README), the glmflash binary at $BIN (default
@@ -201,11 +202,12 @@ summary() {
 
 case $MODE in
   build) build "${2:-540}" ;;
+  checkpoint) checkpoint ;;
   run) run ;;
   profile) profile ;;
   all)
     build "${2:-540}" || exit 1
     if [ "$(left)" -lt 200 ]; then log "built; $(left)s left: run the measurements in a separate call (run)"; exit 0; fi
     run ;;
-  *) echo "usage: $0 build [WAIT_S] | run | profile | all" >&2; exit 2 ;;
+  *) echo "usage: $0 build [WAIT_S] | checkpoint | run | profile | all" >&2; exit 2 ;;
 esac

@@ -59,6 +59,23 @@ __device__ float block_sum(float v) {
     return total;
 }
 
+// Whether this block is the last of `expected` blocks sharing `ticket` to get here: each
+// block calls it (every thread) after writing its partial results; exactly one gets true, and
+// it may then read every block's partials (through __ldcg: not from a stale L1). The last
+// block puts the ticket back to zero, so the next launch on the stream finds it so.
+__device__ bool last_of_group(u32* ticket, u32 expected) {
+    __shared__ bool last;
+    __threadfence();
+    __syncthreads();
+    if (threadIdx.x == 0) {
+        last = atomicAdd(ticket, 1u) == expected - 1;
+        if (last) atomicExch(ticket, 0u);
+    }
+    __syncthreads();
+    if (last) __threadfence();
+    return last;
+}
+
 __device__ __forceinline__ float silu(float x) { return x / (1.0f + expf(-x)); }
 
 __device__ __forceinline__ float sigmoid(float x) { return 1.0f / (1.0f + expf(-x)); }

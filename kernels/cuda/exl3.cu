@@ -1,8 +1,9 @@
 // EXL3 (exllamav3) linear layers straight from the trellis: y = x W with
 // W = diag(suh) H What H diag(svh), H block-diagonal 128x128 orthonormal Hadamard. A product
-// is three launches: `exl3_rotate_input` (xr = (x * suh) H), `exl3_gemv` (partial sums of
-// xr What over slices of K, each tile decoded inside the dot) or `exl3_reconstruct` + cuBLAS
-// for many tokens, then `exl3_rotate_output` (sum of the slices, H, * svh, + bias).
+// is `exl3_rotate_input` (xr = (x * suh) H), then `exl3_gemv` (partial sums of xr What over
+// slices of K, each tile decoded inside the dot; the last block of each 128 outputs adds the
+// slices, H, * svh, + bias) or, for many tokens, `exl3_reconstruct` + cuBLAS and
+// `exl3_rotate_output` (the same output rotation as a launch of its own).
 //
 // The trellis is as the checkpoint stores it: int16 [K/16, N/16, 16 * bits], tile (kt, nt)
 // at word (kt * N/16 + nt) * 8 * bits read as little-endian u32 words. Its bit stream reads
@@ -256,6 +257,62 @@ __device__ __forceinline__ void exl3_mma(float d[4], const u32 a[4], u32 b0, u32
         : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
 }
 
+// A slice's input rotation inside a GEMV block (`exl3_gemv_pass` with ROT): for tokens t0 ..
+// t0 + ntok - 1 and k-tiles kt0 .. kt1 (multiples of 8), xsh[c * stride + i] = word i of the
+// slice in the split form, of xr[t0 + c] = (x[t0 + c] * suh) H — what `exl3_rotate_input`
+// writes, bit for bit: a warp takes one (token, Hadamard block) at a time, four values a lane,
+// and runs the same butterfly with shuffles (pair (i, i ^ h) becomes (a + b, a - b) as in
+// `exl3_hadamard128`). `scratch`: this warp's 128 floats. Ends with the block synced.
+__device__ void exl3_rotate_slice(const float* __restrict__ x, const float* __restrict__ suh, int k,
+                                  int kt0, int kt1, int t0, int ntok, int stride,
+                                  float* scratch, u32* xsh) {
+    const int lane = threadIdx.x & (WARP - 1), wid = threadIdx.x / WARP;
+    const int blocks = (kt1 - kt0) / 8;
+    for (int pr = wid; pr < ntok * blocks; pr += EXL3_GEMV_WARPS) {
+        const int c = pr / blocks, b = pr % blocks;
+        const int col = kt0 * 16 + b * 128 + 4 * lane;
+        const float* xt = x + (i64)(t0 + c) * k;
+        float v[4];
+#pragma unroll
+        for (int j = 0; j < 4; j++) v[j] = xt[col + j] * suh[col + j];
+#pragma unroll
+        for (int h = 1; h < 4; h <<= 1)
+#pragma unroll
+            for (int j = 0; j < 4; j++)
+                if (!(j & h)) {
+                    const float a = v[j], bb = v[j + h];
+                    v[j] = a + bb;
+                    v[j + h] = a - bb;
+                }
+#pragma unroll
+        for (int h = 1; h < 32; h <<= 1) {
+            const bool upper = lane & h;
+#pragma unroll
+            for (int j = 0; j < 4; j++) {
+                const float other = __shfl_xor_sync(0xffffffffu, v[j], h);
+                v[j] = upper ? other - v[j] : v[j] + other;
+            }
+        }
+#pragma unroll
+        for (int j = 0; j < 4; j++) scratch[4 * lane + j] = (v[j] * EXL3_HSCALE) * EXL3_XSCALE;
+        __syncwarp();
+        u32* dst = xsh + (i64)c * stride + b * 128;
+#pragma unroll
+        for (int j = 0; j < 4; j++) {
+            const int i = 4 * lane + j, q = (i >> 2) & 3, kind = i & 3;
+            const int at = (i & ~15) + 2 * q + ((kind & 1) << 3);
+            const float a = scratch[at], bb = scratch[at + 1];
+            u32 hw = pack_f16x2(a, bb);
+            if (kind & 2)
+                hw = pack_f16x2((a - f16_to_f32((u16)(hw & 0xFFFFu))) * EXL3_LO_SCALE,
+                                (bb - f16_to_f32((u16)(hw >> 16))) * EXL3_LO_SCALE);
+            dst[i] = hw;
+        }
+        __syncwarp();
+    }
+    __syncthreads();
+}
+
 // part[s * slice + t * N + 16 nt .. + 16] = xr[t, K slice s] What[K slice s, 16 nt .. 16 nt + 16]
 // for every token t < tokens (xr in the split form of `exl3_store_split`, rows K words
 // apart), TOK_TILE tokens a pass. The block's strip nt is blockIdx.x and its slice s
@@ -274,11 +331,17 @@ __device__ __forceinline__ void exl3_mma(float d[4], const u32 a[4], u32 b0, u32
 // 2 q + 9), hi and lo parts in two accumulators of their own. A column of B never meets
 // another in an mma, so a token's sums take the same steps in the same order whatever the
 // other tokens of its pass are.
-template <int H, int CB>
+//
+// With ROT the block rotates its own slice of the input first: `xs` is then unread and x (f32
+// rows of K) and suh give the slice, which each pass writes in the split form to `xsh` (the
+// block's dynamic shared memory, per * 16 words a token) while its first tiles are in flight.
+// The slice must start at a multiple of 8 k-tiles (a Hadamard block; the host makes per one).
+template <int H, int CB, bool ROT>
 __device__ void exl3_gemv_pass(const u32* __restrict__ trellis, int k, int n, int per,
                                const u32* __restrict__ xs, int tokens, float* __restrict__ part,
                                i64 slice, float (*red)[TOK_TILE][16],
-                               u32 (*ring)[EXL3_RING_WORDS]) {
+                               u32 (*ring)[EXL3_RING_WORDS], const float* __restrict__ x,
+                               const float* __restrict__ suh, u32* xsh) {
     const int lane = threadIdx.x & (WARP - 1), wid = threadIdx.x / WARP;
     const int nt = blockIdx.x, s = blockIdx.y;
     const int k_tiles = k / 16, n_tiles = n / 16, tile_words = 4 * H;
@@ -304,7 +367,9 @@ __device__ void exl3_gemv_pass(const u32* __restrict__ trellis, int k, int n, in
         const int nt_tok = min(TOK_TILE, tokens - t0);
         // This lane's B column is token t0 + c0: its 4 words of each tile, W tiles a step.
         const bool has_x = c0 < nt_tok;
-        const uint4* xq = (const uint4*)(xs + (i64)(t0 + (has_x ? c0 : 0)) * k) + 4 * first + q;
+        const int row = has_x ? c0 : 0;
+        const uint4* xq = ROT ? (const uint4*)(xsh + (i64)row * per * 16) + 4 * (first - kt0) + q
+                              : (const uint4*)(xs + (i64)(t0 + row) * k) + 4 * first + q;
         float hi[4] = {0.0f, 0.0f, 0.0f, 0.0f}, lo[4] = {0.0f, 0.0f, 0.0f, 0.0f};
         const u32* next = src;
 #pragma unroll
@@ -312,8 +377,9 @@ __device__ void exl3_gemv_pass(const u32* __restrict__ trellis, int k, int n, in
             if (m < count && lane < H) exl3_cp16_at(put + m * 4 * EXL3_RING_WORDS, next);
             exl3_cp_commit();
         }
+        if (ROT) exl3_rotate_slice(x, suh, k, kt0, kt1, t0, nt_tok, per * 16, &red[wid][0][0], xsh);
         for (int m = 0; m < count; m++, next += step, xq += 4 * W) {
-            const uint4 xv = has_x ? __ldg(xq) : make_uint4(0u, 0u, 0u, 0u);
+            const uint4 xv = has_x ? (ROT ? *xq : __ldg(xq)) : make_uint4(0u, 0u, 0u, 0u);
             const u32 slot = (m % EXL3_RING) * 4 * EXL3_RING_WORDS;
             exl3_cp_wait<EXL3_RING - 1>();  // tile m has landed (this lane's part)
             __syncwarp();                     // ... and every lane's
@@ -372,18 +438,54 @@ __device__ void exl3_gemv_pass(const u32* __restrict__ trellis, int k, int n, in
         default: EXL3_DISPATCH_CB(16, cb, CALL) break; \
     }
 
-// See `exl3_gemv_pass`. `halves` is twice the bits per weight (2..16); xs as
-// `exl3_rotate_input` writes it with `split`.
+// `exl3_rotate_output` for the 128 outputs of block g of every token, by one block of
+// 2 x 128 threads (two tokens at a time): the same sums in the same order, so the same bits.
+__device__ void exl3_finish_block(const float* __restrict__ part, int splits, int tokens,
+                                  int n, int g, const float* __restrict__ svh,
+                                  const float* __restrict__ bias, int has_bias,
+                                  float* __restrict__ y) {
+    __shared__ float v[2][128];
+    const int half = threadIdx.x >> 7, i = threadIdx.x & 127, c = g * 128 + i;
+    for (int t0 = 0; t0 < tokens; t0 += 2) {
+        const int t = t0 + half;
+        float acc = 0.0f;
+        if (t < tokens)
+            for (int s = 0; s < splits; s++) acc += __ldcg(part + ((i64)s * tokens + t) * n + c);
+        v[half][i] = acc;
+        float out = exl3_hadamard128(v[half], i) * svh[c];
+        if (has_bias) out += bias[c];
+        if (t < tokens) y[(i64)t * n + c] = out;
+    }
+}
+
+// A whole product's GEMV and output rotation: `exl3_gemv_pass` writes the block's partial
+// sums to part ([splits, tokens, N]); the last of the 8 strips x splits blocks of each 128
+// outputs to finish (tickets[nt / 8], left at zero) adds the slices in order, rotates and
+// scales them into y ([tokens, N]) as `exl3_rotate_output` does. `halves` is twice the bits
+// per weight (2..16); xs as `exl3_rotate_input` writes it with `split`, or with `rotate` each
+// block rotates its slice of x itself (per a multiple of 8; dynamic shared memory of
+// min(tokens, TOK_TILE) * per * 16 words). 256 threads.
 extern "C" __global__ void __launch_bounds__(256, EXL3_GEMV_MIN_BLOCKS) exl3_gemv(
     const u32* __restrict__ trellis, int halves, int codebook, int k, int n, int per,
-    const u32* __restrict__ xs, int tokens, float* __restrict__ part) {
+    const u32* __restrict__ xs, int tokens, float* __restrict__ part,
+    const float* __restrict__ svh, const float* __restrict__ bias, int has_bias,
+    u32* __restrict__ tickets, float* __restrict__ y, const float* __restrict__ x,
+    const float* __restrict__ suh, int rotate) {
     __shared__ float red[EXL3_GEMV_WARPS][TOK_TILE][16];
     __shared__ __align__(16) u32 ring[EXL3_GEMV_WARPS][EXL3_RING][EXL3_RING_WORDS];
+    extern __shared__ __align__(16) u32 xsh[];
     u32(*mine)[EXL3_RING_WORDS] = ring[threadIdx.x / WARP];
-#define CALL(H, CB) \
-    exl3_gemv_pass<H, CB>(trellis, k, n, per, xs, tokens, part, (i64)tokens * n, red, mine)
+#define CALL(H, CB)                                                                          \
+    if (rotate)                                                                              \
+        exl3_gemv_pass<H, CB, true>(trellis, k, n, per, xs, tokens, part, (i64)tokens * n, red, \
+                                    mine, x, suh, xsh);                                      \
+    else                                                                                     \
+        exl3_gemv_pass<H, CB, false>(trellis, k, n, per, xs, tokens, part, (i64)tokens * n,     \
+                                     red, mine, x, suh, xsh);
     EXL3_DISPATCH(halves, codebook, CALL)
 #undef CALL
+    if (last_of_group(tickets + blockIdx.x / 8, 8 * gridDim.y))
+        exl3_finish_block(part, gridDim.y, tokens, n, blockIdx.x / 8, svh, bias, has_bias, y);
 }
 
 template <int H, int CB>
@@ -465,8 +567,9 @@ extern "C" __global__ void __launch_bounds__(256, EXL3_GEMV_MIN_BLOCKS) exl3_moe
     const u32* x = xr + ((i64)z * entries + group_start[g]) * k;
     float* out = part + (i64)z * gridDim.y * slice + (i64)group_start[g] * n;
     const int len = group_len[g];
-#define CALL(H, CB) \
-    exl3_gemv_pass<H, CB>(trellis, k, n, per, x, len, out, slice, red, ring[threadIdx.x / WARP])
+#define CALL(H, CB)                                                                     \
+    exl3_gemv_pass<H, CB, false>(trellis, k, n, per, x, len, out, slice, red,             \
+                                 ring[threadIdx.x / WARP], nullptr, nullptr, nullptr)
     EXL3_DISPATCH(halves, codebook, CALL)
 #undef CALL
 }

@@ -8,65 +8,138 @@
 // Most streams the kernels take (the model uses 4); the host checks.
 #define MHC_MAX_N 8
 
+// Entry idx (< 32 E) of a warp's E-registers-a-lane array `v` (entry idx in lane idx mod 32,
+// register idx / 32). Every lane of the warp must call it.
+template <int E>
+__device__ __forceinline__ float mhc_entry(const float (&v)[E], int idx) {
+    float r = __shfl_sync(0xffffffffu, v[0], idx & (WARP - 1));
+    if (E > 1) {
+        const float b = __shfl_sync(0xffffffffu, v[E - 1], idx & (WARP - 1));
+        if (idx >= WARP) r = b;
+    }
+    return r;
+}
+
 // Weights of one token from its (2 + n) n logits `l`, written to shared `pre`, `post` and
-// `comb`. Run by the block's first n * n threads together: thread (i, j) = (tid / n, tid % n)
-// owns comb[i][j], and pre/post[tid] for tid < n. Every sum still adds its n terms one by one
-// in the CPU's order (each thread of a row or column reads them all from shared memory), and
-// every product, sum and quotient is unfused, so the weights equal the one-thread version's;
-// the n * n entries of a Sinkhorn step run at once instead of one after another.
-// Ends with the weights visible to the whole block.
+// `comb`. Run by one whole warp (n n <= 32 E): lane q owns comb entries q + 32 e in registers,
+// and pre/post[q] for q < n. Every sum still adds its n terms one by one in the CPU's order
+// (each lane reads them from their owners by shuffles), and every product, sum and quotient
+// is unfused, so the weights equal the one-thread version's; the n n entries of a Sinkhorn
+// step run at once, with no block-wide barrier. The caller syncs the block before reading.
+template <int E>
 __device__ void mhc_weights(const float* __restrict__ l, const float* __restrict__ base, float s0,
                             float s1, float s2, int n, float eps, int iters, float* pre,
                             float* post, float* comb) {
-    const int tid = threadIdx.x, nn = n * n;
-    const bool own = tid < nn;
-    const int i = own ? tid / n : 0, j = own ? tid % n : 0;
-    if (tid < n) {
-        pre[tid] = sigmoid(__fadd_rn(__fmul_rn(l[tid], s0), base[tid])) + eps;
-        post[tid] = 2.0f * sigmoid(__fadd_rn(__fmul_rn(l[n + tid], s1), base[n + tid]));
+    const int lane = threadIdx.x & (WARP - 1), nn = n * n;
+    if (lane < n) {
+        pre[lane] = sigmoid(__fadd_rn(__fmul_rn(l[lane], s0), base[lane])) + eps;
+        post[lane] = 2.0f * sigmoid(__fadd_rn(__fmul_rn(l[n + lane], s1), base[n + lane]));
     }
-    // Row softmax: every thread of row i computes the row's max and sum itself.
-    if (own) comb[tid] = __fadd_rn(__fmul_rn(l[2 * n + tid], s2), base[2 * n + tid]);
-    __syncthreads();
-    float v = 0.0f;
-    if (own) {
+    float v[E], nv[E];
+#pragma unroll
+    for (int e = 0; e < E; e++) {
+        const int idx = lane + WARP * e;
+        v[e] = idx < nn ? __fadd_rn(__fmul_rn(l[2 * n + idx], s2), base[2 * n + idx]) : 0.0f;
+    }
+    // Row softmax: every entry of row i computes the row's max and sum itself.
+#pragma unroll
+    for (int e = 0; e < E; e++) {
+        const int idx = lane + WARP * e, i = idx < nn ? idx / n : 0;
         float mx = __int_as_float(0xff800000);  // -inf
-        for (int c = 0; c < n; c++) mx = fmaxf(mx, comb[i * n + c]);
+        for (int c = 0; c < n; c++) mx = fmaxf(mx, mhc_entry<E>(v, i * n + c));
         float sum = 0.0f;
-        for (int c = 0; c < n; c++) sum += expf(comb[i * n + c] - mx);
-        v = expf(comb[tid] - mx) / sum + eps;
+        for (int c = 0; c < n; c++) sum += expf(mhc_entry<E>(v, i * n + c) - mx);
+        nv[e] = expf(v[e] - mx) / sum + eps;
     }
-    __syncthreads();
-    if (own) comb[tid] = v;
-    __syncthreads();
+#pragma unroll
+    for (int e = 0; e < E; e++) v[e] = nv[e];
     // Sinkhorn: columns once, then (iters - 1) times rows then columns; each sum adds eps.
     for (int it = 0; it < (iters > 1 ? iters : 1); it++) {
         if (it > 0) {
-            if (own) {
+#pragma unroll
+            for (int e = 0; e < E; e++) {
+                const int idx = lane + WARP * e, i = idx < nn ? idx / n : 0;
                 float sum = 0.0f;
-                for (int c = 0; c < n; c++) sum += comb[i * n + c];
+                for (int c = 0; c < n; c++) sum += mhc_entry<E>(v, i * n + c);
                 sum += eps;
-                v = comb[tid] / sum;
+                nv[e] = v[e] / sum;
             }
-            __syncthreads();
-            if (own) comb[tid] = v;
-            __syncthreads();
+#pragma unroll
+            for (int e = 0; e < E; e++) v[e] = nv[e];
         }
-        if (own) {
+#pragma unroll
+        for (int e = 0; e < E; e++) {
+            const int idx = lane + WARP * e, j = idx < nn ? idx % n : 0;
             float sum = 0.0f;
-            for (int r = 0; r < n; r++) sum += comb[r * n + j];
+            for (int r = 0; r < n; r++) sum += mhc_entry<E>(v, r * n + j);
             sum += eps;
-            v = comb[tid] / sum;
+            nv[e] = v[e] / sum;
         }
-        __syncthreads();
-        if (own) comb[tid] = v;
-        __syncthreads();
+#pragma unroll
+        for (int e = 0; e < E; e++) v[e] = nv[e];
     }
+#pragma unroll
+    for (int e = 0; e < E; e++)
+        if (lane + WARP * e < nn) comb[lane + WARP * e] = v[e];
+}
+
+// Columns of the projection one `mhc_project` block takes (MHC_PROJECT_THREADS threads, two
+// columns a thread).
+#define MHC_PROJECT_THREADS 256
+#define MHC_PROJECT_COLS 512
+// Logits a token has at most: (2 + MHC_MAX_N) MHC_MAX_N.
+#define MHC_MAX_LOGITS ((2 + MHC_MAX_N) * MHC_MAX_N)
+
+// mHC's projection of each token's RMS-normed streams: logits[t, j] = (proj[j, :] . x[t, :])
+// * inv_t with inv_t = 1 / sqrt(mean(x[t, :]^2) + eps) — the norm's one scale a token taken
+// out of the dots, so the streams are read once and never copied. proj: [rows, width] f32;
+// x: [T, width]. Grid (ceil(width / MHC_PROJECT_COLS), T), MHC_PROJECT_THREADS threads: block
+// (c, t) writes its columns' rows dots and sum of squares to part[t, c, 0 .. rows]; the last
+// block of token t to finish (tickets[t], left at zero) adds the chunks in order and writes
+// the logits. Results repeat bit for bit.
+extern "C" __global__ void __launch_bounds__(MHC_PROJECT_THREADS) mhc_project(
+    const float* __restrict__ proj, const float* __restrict__ x, int rows, int width, float eps,
+    float* __restrict__ part, u32* __restrict__ tickets, float* __restrict__ logits) {
+    __shared__ float red[MHC_PROJECT_THREADS / WARP][MHC_MAX_LOGITS + 1];
+    __shared__ float total[MHC_MAX_LOGITS + 1];
+    const int t = blockIdx.y, c = blockIdx.x, chunks = gridDim.x;
+    const int lane = threadIdx.x & (WARP - 1), wid = threadIdx.x / WARP;
+    const int col0 = c * MHC_PROJECT_COLS + threadIdx.x, col1 = col0 + MHC_PROJECT_THREADS;
+    const float* xt = x + (i64)t * width;
+    const float x0 = col0 < width ? xt[col0] : 0.0f, x1 = col1 < width ? xt[col1] : 0.0f;
+    for (int j = 0; j <= rows; j++) {
+        float acc;
+        if (j == rows) {
+            acc = fmaf(x1, x1, x0 * x0);
+        } else {
+            const float* pj = proj + (i64)j * width;
+            const float p0 = col0 < width ? pj[col0] : 0.0f, p1 = col1 < width ? pj[col1] : 0.0f;
+            acc = fmaf(p1, x1, p0 * x0);
+        }
+        acc = warp_sum(acc);
+        if (lane == 0) red[wid][j] = acc;
+    }
+    __syncthreads();
+    float* mine = part + ((i64)t * chunks + c) * (rows + 1);
+    for (int j = threadIdx.x; j <= rows; j += blockDim.x) {
+        float s = 0.0f;
+        for (int w = 0; w < MHC_PROJECT_THREADS / WARP; w++) s += red[w][j];
+        mine[j] = s;
+    }
+    if (!last_of_group(tickets + t, chunks)) return;
+    for (int j = threadIdx.x; j <= rows; j += blockDim.x) {
+        float s = 0.0f;
+        for (int k = 0; k < chunks; k++) s += __ldcg(part + ((i64)t * chunks + k) * (rows + 1) + j);
+        total[j] = s;
+    }
+    __syncthreads();
+    const float inv = 1.0f / sqrtf(total[rows] / (float)width + eps);
+    for (int j = threadIdx.x; j < rows; j += blockDim.x) logits[(i64)t * rows + j] = total[j] * inv;
 }
 
 // logits: [T, (2 + n) n]; base: [(2 + n) n]; streams: [T, n, d]. Writes collapsed [T, d],
 // post [T, n] and comb [T, n, n] (comb[t][i][m]: weight of input stream i in output m).
-// Grid (ceil(d / blockDim.x), T), blockDim.x >= n * n: every block derives its token's weights
+// Grid (ceil(d / blockDim.x), T), blockDim.x >= 32: every block derives its token's weights
 // itself (a few hundred flops), so one token's collapse spreads over many blocks; block x == 0
 // writes post and comb.
 extern "C" __global__ void mhc_collapse(const float* __restrict__ logits,
@@ -77,8 +150,14 @@ extern "C" __global__ void mhc_collapse(const float* __restrict__ logits,
                                         float* __restrict__ comb) {
     __shared__ float w_pre[MHC_MAX_N], w_post[MHC_MAX_N], w_comb[MHC_MAX_N * MHC_MAX_N];
     const int t = blockIdx.y;
-    mhc_weights(logits + (i64)t * (2 + n) * n, base, s0, s1, s2, n, eps, iters, w_pre, w_post,
-                w_comb);
+    const float* l = logits + (i64)t * (2 + n) * n;
+    if (threadIdx.x < WARP) {
+        if (n * n <= WARP)
+            mhc_weights<1>(l, base, s0, s1, s2, n, eps, iters, w_pre, w_post, w_comb);
+        else
+            mhc_weights<2>(l, base, s0, s1, s2, n, eps, iters, w_pre, w_post, w_comb);
+    }
+    __syncthreads();
     if (blockIdx.x == 0) {
         for (int i = threadIdx.x; i < n; i += blockDim.x) post[(i64)t * n + i] = w_post[i];
         for (int i = threadIdx.x; i < n * n; i += blockDim.x)

@@ -48,7 +48,7 @@ pub const SOURCES: &[(&str, &str, &[&str])] = &[
     (
         "mhc.cu",
         include_str!("../cuda/mhc.cu"),
-        &["mhc_collapse", "mhc_expand"],
+        &["mhc_project", "mhc_collapse", "mhc_expand"],
     ),
     (
         "kda.cu",

@@ -77,9 +77,7 @@ impl<D: Device> HyperConnection<D> {
         tokens: usize,
     ) -> anyhow::Result<MhcCollapse<D::Buf>> {
         let (n, d) = (self.spec.streams, self.spec.hidden);
-        let mut normed = dev.rows(streams, 0, tokens, n * d)?;
-        dev.rms_norm(&mut normed, None, n * d, self.norm_eps)?;
-        let logits = dev.matmul(&self.proj, &normed, tokens)?;
+        let logits = dev.mhc_logits(&self.proj, streams, tokens, n * d, self.norm_eps)?;
         dev.mhc_collapse(self.spec, &logits, &self.base, streams, tokens)
     }
 

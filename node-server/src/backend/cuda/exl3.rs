@@ -2,8 +2,9 @@
 //! kernels/cuda/exl3.cu). A product `y = x W` is the input rotation (`x * suh`, Hadamard),
 //! `xr What`, and the output rotation (Hadamard, `* svh`, `+ bias`). For fewer than
 //! [`WIDEN_MIN_TOKENS`] token rows `xr What` is the GEMV that decodes each tile inside the dot,
-//! its K split into slices so a narrow layer still fills the GPU (the slices are summed in
-//! order by the output rotation, so results repeat bit for bit); from there `What` is decoded
+//! its K split into slices so a narrow layer still fills the GPU (the last block of each 128
+//! outputs sums the slices in order and rotates them in the same launch, so results repeat bit
+//! for bit); from there `What` is decoded
 //! to f32 [`WIDEN_TILE_VALUES`] at a time and multiplied by cuBLAS SGEMM, as f16/bf16 weights
 //! are widened.
 
@@ -83,6 +84,29 @@ impl Cuda {
         n: usize,
         y: &mut CudaSlice<f32>,
     ) -> Result<(), CudaError> {
+        self.exl3_product(w, x, n, y, true)
+    }
+
+    /// [`Cuda::exl3_matmul`] with the input rotated by a launch of its own even where the
+    /// GEMV's blocks would rotate it (for checks: the results must have the same bits).
+    pub fn exl3_matmul_rotating_first(
+        &self,
+        w: &Exl3Weights,
+        x: &CudaSlice<f32>,
+        n: usize,
+        y: &mut CudaSlice<f32>,
+    ) -> Result<(), CudaError> {
+        self.exl3_product(w, x, n, y, false)
+    }
+
+    fn exl3_product(
+        &self,
+        w: &Exl3Weights,
+        x: &CudaSlice<f32>,
+        n: usize,
+        y: &mut CudaSlice<f32>,
+        inside: bool,
+    ) -> Result<(), CudaError> {
         let (k, out) = (w.k, w.n);
         if x.len() < n * k || y.len() < n * out || n > MAX_GRID_Y {
             return Err(CudaError::Invalid(format!(
@@ -96,53 +120,68 @@ impl Cuda {
         if n == 0 {
             return Ok(());
         }
-        let mut xr = self.alloc_f32(n * k)?;
         let gemv = n < WIDEN_MIN_TOKENS;
+        if gemv {
+            let plan = GemvPlan::of(w, n);
+            if inside && plan.rotates_inside() {
+                return self.exl3_gemv(w, Input::Raw(x), n, &plan, y);
+            }
+        }
+        let mut xr = self.alloc_f32(n * k)?;
         let (k_i, split, cfg) = (k as i32, i32::from(gemv), rotation_config(k, n));
         let mut b = self.stream.launch_builder(self.kernel("exl3_rotate_input"));
         b.arg(x).arg(&w.suh).arg(&k_i).arg(&split).arg(&mut xr);
         // SAFETY: x and xr hold n rows of K values (checked above; the GEMV's split form is a
         // word a value too), suh K; one block per 128 values of a row.
         unsafe { b.launch(cfg) }?;
-        let (part, splits) = if gemv {
-            self.exl3_gemv(w, &xr, n)?
-        } else {
-            (self.exl3_gemm(w, &xr, n)?, 1)
-        };
-        let (splits_i, n_i, out_i, has_bias) =
-            (splits as i32, n as i32, out as i32, w.has_bias as i32);
+        if gemv {
+            return self.exl3_gemv(w, Input::Rotated(&xr), n, &GemvPlan::of(w, n), y);
+        }
+        let part = self.exl3_gemm(w, &xr, n)?;
+        let (n_i, out_i, has_bias) = (n as i32, out as i32, w.has_bias as i32);
         let mut b = self
             .stream
             .launch_builder(self.kernel("exl3_rotate_output"));
         b.arg(&part)
-            .arg(&splits_i)
+            .arg(&1i32)
             .arg(&n_i)
             .arg(&out_i)
             .arg(&w.svh)
             .arg(&w.bias)
             .arg(&has_bias)
             .arg(y);
-        // SAFETY: part holds splits x n x N values, y n x N, svh and the bias N (or the kernel
-        // does not read the bias); one block per 128 outputs of a row.
+        // SAFETY: part holds n x N values (one slice), y n x N, svh and the bias N (or the
+        // kernel does not read the bias); one block per 128 outputs of a row.
         unsafe { b.launch(rotation_config(out, n)) }?;
         Ok(())
     }
 
-    /// Partial products `[splits, n, N]` of the rotated input `xr` (in the GEMV's split form)
-    /// and `What` over `splits` slices of K, by the GEMV.
+    /// `y = xr What H diag(svh) + bias` (`[n, N]`) by the GEMV over slices of K, each 128
+    /// outputs finished by the last of their blocks (the slices' sums in order, the rotation,
+    /// the scale and the bias); `xr` given in the GEMV's split form, or made by each block for
+    /// its slice from the raw input.
     fn exl3_gemv(
         &self,
         w: &Exl3Weights,
-        xr: &CudaSlice<f32>,
+        input: Input,
         n: usize,
-    ) -> Result<(CudaSlice<f32>, usize), CudaError> {
-        let (k_tiles, n_tiles) = (w.k / 16, w.n / 16);
-        // Every warp of a block gets at least one tile of its slice.
-        let max_splits = (k_tiles / (GEMV_THREADS as usize / 32)).max(1);
-        let splits = GEMV_BLOCKS.div_ceil(n_tiles).clamp(1, max_splits);
-        let per = k_tiles.div_ceil(splits);
-        let mut part = self.alloc_f32(splits * n * w.n)?;
-        let (k_i, n_i, per_i, tokens) = (w.k as i32, w.n as i32, per as i32, n as i32);
+        plan: &GemvPlan,
+        y: &mut CudaSlice<f32>,
+    ) -> Result<(), CudaError> {
+        if w.n / HADAMARD > TICKETS {
+            return Err(CudaError::Invalid(format!(
+                "exl3 GEMV of {} outputs: at most {} (a ticket per 128)",
+                w.n,
+                TICKETS * HADAMARD
+            )));
+        }
+        let part = self.alloc_f32(plan.splits * n * w.n)?;
+        let (k_i, n_i, per_i, tokens) = (w.k as i32, w.n as i32, plan.per as i32, n as i32);
+        let has_bias = w.has_bias as i32;
+        let (xs, x, rotate, shared) = match input {
+            Input::Rotated(xr) => (xr, &self.unread, 0i32, 0),
+            Input::Raw(x) => (&self.unread, x, 1, plan.shared_bytes),
+        };
         let mut b = self.stream.launch_builder(self.kernel("exl3_gemv"));
         b.arg(&w.trellis)
             .arg(&w.halves)
@@ -150,18 +189,29 @@ impl Cuda {
             .arg(&k_i)
             .arg(&n_i)
             .arg(&per_i)
-            .arg(xr)
+            .arg(xs)
             .arg(&tokens)
-            .arg(&mut part);
+            .arg(&part)
+            .arg(&w.svh)
+            .arg(&w.bias)
+            .arg(&has_bias)
+            .arg(&self.tickets)
+            .arg(y)
+            .arg(x)
+            .arg(&w.suh)
+            .arg(&rotate);
         let cfg = LaunchConfig {
-            grid_dim: (n_tiles as u32, splits as u32, 1),
+            grid_dim: ((w.n / 16) as u32, plan.splits as u32, 1),
             block_dim: (GEMV_THREADS, 1, 1),
-            shared_mem_bytes: 0,
+            shared_mem_bytes: shared as u32,
         };
-        // SAFETY: the trellis holds K/16 x N/16 tiles of 4 * halves words (as uploaded), xr n
-        // rows of K, part splits x n x N values; the grid is one block per (strip, slice).
+        // SAFETY: the trellis holds K/16 x N/16 tiles of 4 * halves words (as uploaded); the
+        // input is n rows of K (the caller checked), rotated in the split form or raw with suh
+        // K long and `shared` bytes for a pass's slice (per a multiple of 8: GemvPlan); part
+        // holds splits x n x N values, y n x N, svh and the bias N (or the kernel does not read
+        // the bias); one block per (strip, slice), a ticket per 128 outputs (checked).
         unsafe { b.launch(cfg) }?;
-        Ok((part, splits))
+        Ok(())
     }
 
     /// `xr What` (`[n, N]`): `What` decoded to f32 a slice of K-tiles at a time, each slice
@@ -442,5 +492,50 @@ mod tests {
         }
         let warps = format!("#define EXL3_GEMV_WARPS {}\n", GEMV_THREADS / 32);
         assert!(src.contains(&warps), "exl3.cu lacks `{}`", warps.trim());
+    }
+}
+
+/// A dense GEMV's input: rotated already (the split form), or raw rows of K.
+enum Input<'a> {
+    Rotated(&'a CudaSlice<f32>),
+    Raw(&'a CudaSlice<f32>),
+}
+
+/// How a dense EXL3 GEMV splits K: `splits` slices of `per` k-tiles (a multiple of 8, a whole
+/// number of Hadamard blocks, so a block can rotate its slice itself). A function of the
+/// shape alone: the sums' order never depends on the token count or on where the rotation runs.
+struct GemvPlan {
+    splits: usize,
+    per: usize,
+    /// Dynamic shared memory of a block that rotates its slice: a pass's tokens' split words.
+    shared_bytes: usize,
+    /// Whether K is whole Hadamard blocks (EXL3 layers are; a slice then is too).
+    whole_blocks: bool,
+}
+
+/// Token rows one GEMV pass carries (`TOK_TILE` in common.cuh).
+const TOK_TILE: usize = 8;
+
+/// Most dynamic shared memory a GEMV block may take for its rotated slice (with the ring's
+/// 21 KiB, four blocks still fit an SM of 100 KiB).
+const GEMV_ROTATE_SHARED: usize = 16 << 10;
+
+impl GemvPlan {
+    fn of(w: &Exl3Weights, n: usize) -> GemvPlan {
+        let (k_tiles, n_tiles) = (w.k / 16, w.n / 16);
+        // Every warp of a block gets at least one tile of its slice.
+        let max_splits = (k_tiles / (GEMV_THREADS as usize / 32)).max(1);
+        let splits = GEMV_BLOCKS.div_ceil(n_tiles).clamp(1, max_splits);
+        let per = k_tiles.div_ceil(splits).next_multiple_of(8);
+        GemvPlan {
+            splits: k_tiles.div_ceil(per).max(1),
+            per,
+            shared_bytes: n.min(TOK_TILE) * per * 16 * 4,
+            whole_blocks: k_tiles % 8 == 0,
+        }
+    }
+
+    fn rotates_inside(&self) -> bool {
+        self.whole_blocks && self.shared_bytes <= GEMV_ROTATE_SHARED
     }
 }

@@ -67,6 +67,22 @@ impl CudaMatrix {
         self.rows
     }
 
+    /// Inputs per token row.
+    pub fn cols(&self) -> usize {
+        self.cols
+    }
+
+    /// The weights as f32 rows (`[rows, cols]`), when that is their format.
+    pub fn f32_rows(&self) -> Option<&CudaSlice<u8>> {
+        match &self.weights {
+            DeviceData::Rows {
+                w,
+                format: Format::F32,
+            } => Some(w),
+            _ => None,
+        }
+    }
+
     /// The device the copy lives on.
     pub fn cuda(&self) -> &Arc<Cuda> {
         &self.cuda

@@ -120,7 +120,14 @@ pub struct Cuda {
     blas: std::sync::OnceLock<Result<std::sync::Mutex<CudaBlas>, String>>,
     /// One zero, passed where a kernel takes an optional vector it will not read.
     unread: CudaSlice<f32>,
+    /// Zeros for kernels whose last block of a group finishes the group's work
+    /// (`last_of_group` in common.cuh): a launch on `stream` uses the first tickets it needs
+    /// and leaves them at zero, so launches one after another share them.
+    tickets: CudaSlice<u32>,
 }
+
+/// Tickets [`Cuda`] keeps: groups one launch may count (one per token row of a grid).
+pub const TICKETS: usize = 65_536;
 
 impl std::fmt::Debug for Cuda {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
@@ -177,8 +184,10 @@ impl Cuda {
             }
         }
         let unread = stream.alloc_zeros::<f32>(1)?;
+        let tickets = stream.alloc_zeros::<u32>(TICKETS)?;
         Ok(Arc::new(Cuda {
             unread,
+            tickets,
             ctx,
             stream,
             copy,

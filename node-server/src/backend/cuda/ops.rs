@@ -130,6 +130,12 @@ pub enum KdaForm {
     Chunked,
 }
 
+/// Logits of an mHC token at most (`MHC_MAX_LOGITS` in mhc.cu).
+const MHC_MAX_LOGITS: usize = (2 + MHC_MAX_STREAMS) * MHC_MAX_STREAMS;
+/// Threads and columns of a `mhc_project` block (mhc.cu).
+const MHC_PROJECT_THREADS: u32 = 256;
+const MHC_PROJECT_COLS: usize = 512;
+
 fn too_short(what: &str, got: usize, want: usize) -> Result<(), CudaError> {
     if got < want {
         return Err(CudaError::Invalid(format!(
@@ -183,6 +189,58 @@ impl Cuda {
             post: down(&out.post, tokens * n)?,
             comb: down(&out.comb, tokens * n * n)?,
         })
+    }
+
+    /// mHC's projection of each token's RMS-normed streams, `logits[t] = proj (x[t] * inv_t)`
+    /// with `inv_t = 1 / sqrt(mean(x[t]^2) + eps)`, computed as `(proj x[t]) * inv_t`: the
+    /// streams (`x`, `[T, width]`) are read once, never normed in a copy. `proj` holds
+    /// `[rows, width]` f32 rows; `logits` gets `[T, rows]`. Two passes of one launch (each
+    /// token's last block adds the others' partial sums in order: results repeat).
+    #[allow(clippy::too_many_arguments)] // the kernel's arguments
+    pub fn mhc_project(
+        &self,
+        proj: &CudaSlice<u8>,
+        rows: usize,
+        width: usize,
+        x: &CudaSlice<f32>,
+        tokens: usize,
+        eps: f32,
+        logits: &mut CudaSlice<f32>,
+    ) -> Result<(), CudaError> {
+        if rows == 0 || rows > MHC_MAX_LOGITS || tokens > MAX_GRID_Y.min(super::TICKETS) {
+            return Err(CudaError::Invalid(format!(
+                "mhc_project: {rows} rows of {tokens} tokens (the kernel takes 1..={MHC_MAX_LOGITS} \
+                 rows and at most {MAX_GRID_Y} tokens)"
+            )));
+        }
+        too_short("mhc_project weights", proj.len(), rows * width * 4)?;
+        too_short("mhc_project x", x.len(), tokens * width)?;
+        too_short("mhc_project logits", logits.len(), tokens * rows)?;
+        if tokens == 0 || width == 0 {
+            return Ok(());
+        }
+        let chunks = width.div_ceil(MHC_PROJECT_COLS);
+        let part = self.alloc_f32(tokens * chunks * (rows + 1))?;
+        let (rows_i, width_i) = (rows as i32, width as i32);
+        let mut b = self.stream.launch_builder(self.kernel("mhc_project"));
+        b.arg(proj)
+            .arg(x)
+            .arg(&rows_i)
+            .arg(&width_i)
+            .arg(&eps)
+            .arg(&part)
+            .arg(&self.tickets)
+            .arg(logits);
+        let cfg = LaunchConfig {
+            grid_dim: (chunks as u32, tokens as u32, 1),
+            block_dim: (MHC_PROJECT_THREADS, 1, 1),
+            shared_mem_bytes: 0,
+        };
+        // SAFETY: arguments match `mhc_project` in mhc.cu: proj holds rows x width f32, x and
+        // logits `tokens` rows (checked above), part a (rows + 1)-value record per block; one
+        // ticket per token row, fewer than TICKETS.
+        unsafe { b.launch(cfg) }?;
+        Ok(())
     }
 
     /// [`Cuda::mhc_collapse`] on device buffers.

@@ -293,6 +293,27 @@ impl Device for Gpu {
         Ok(qkv)
     }
 
+    /// The fused kernel for decode batches with f32 weights (what checkpoints hold); a prompt
+    /// chunk's tokens go through the norm and a cuBLAS product.
+    fn mhc_logits(
+        &self,
+        proj: &CudaMatrix,
+        streams: &Buf,
+        t: usize,
+        width: usize,
+        eps: f32,
+    ) -> anyhow::Result<Buf> {
+        match proj.f32_rows() {
+            Some(w) if t < crate::backend::cuda::GEMM_MIN_TOKENS && proj.cols() == width => {
+                let mut logits = self.alloc(t * proj.rows())?;
+                self.cuda
+                    .mhc_project(w, proj.rows(), width, streams, t, eps, &mut logits)?;
+                Ok(logits)
+            }
+            _ => super::normed_product(self, proj, streams, t, width, eps),
+        }
+    }
+
     fn mhc_collapse(
         &self,
         spec: MhcSpec,

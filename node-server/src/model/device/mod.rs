@@ -176,6 +176,18 @@ pub trait Device: Send + Sync + Sized {
 
     // --- blocks' cores ---
 
+    /// mHC's projection of each token's RMS-normed (unweighted) streams: `[t, rows of proj]`
+    /// from `streams` (`[t, width]`), which stay as they are.
+    fn mhc_logits(
+        &self,
+        proj: &Self::Mat,
+        streams: &Self::Buf,
+        t: usize,
+        width: usize,
+        eps: f32,
+    ) -> anyhow::Result<Self::Buf> {
+        normed_product(self, proj, streams, t, width, eps)
+    }
     /// mHC's weights from the projection's `logits` (`[t, (2 + N) N]`) and the pre-weighted
     /// sum of each token's `streams` (`[t, N, D]`).
     fn mhc_collapse(
@@ -312,4 +324,19 @@ pub trait Device: Send + Sync + Sized {
         n: usize,
         d: usize,
     ) -> anyhow::Result<Self::Buf>;
+}
+
+/// `proj` times each row of `x` (`[t, width]`) RMS-normed (unweighted), normed in a copy: the
+/// [`Device::mhc_logits`] of a device without a fused kernel for it.
+fn normed_product<D: Device>(
+    dev: &D,
+    proj: &D::Mat,
+    x: &D::Buf,
+    t: usize,
+    width: usize,
+    eps: f32,
+) -> anyhow::Result<D::Buf> {
+    let mut normed = dev.rows(x, 0, t, width)?;
+    dev.rms_norm(&mut normed, None, width, eps)?;
+    dev.matmul(proj, &normed, t)
 }

@@ -9,7 +9,8 @@ pub(super) fn check_mhc(
     rng: &mut ChaCha8Rng,
     cases: &mut Vec<Case>,
 ) -> anyhow::Result<()> {
-    for (n, d) in [(4usize, 4096usize), (4, 100), (3, 257)] {
+    // n = 6 and 8: more comb entries than a warp has lanes (two a lane).
+    for (n, d) in [(4usize, 4096usize), (4, 100), (3, 257), (6, 130), (8, 64)] {
         let cfg = mhc_config(n, d)?;
         let width = (2 + n) * n;
         let proj = random_matrix(rng, width, n * d, Format::F32)?;
@@ -27,10 +28,15 @@ pub(super) fn check_mhc(
         };
         let gpu_collapse = |streams: &[f32], tokens: usize| -> anyhow::Result<MhcCollapse> {
             let ds = cuda.upload(streams)?;
-            let mut normed = cuda.upload(streams)?;
-            cuda.rms_norm(&mut normed, None, n * d, cfg.rms_norm_eps)?;
             let mut logits = cuda.alloc_f32(tokens * width)?;
-            cuda.matvec(&w, Format::F32, width, n * d, &normed, tokens, &mut logits)?;
+            if tokens < GEMM_MIN_TOKENS {
+                // The decode path: the norm folded into the projection, one launch.
+                cuda.mhc_project(&w, width, n * d, &ds, tokens, cfg.rms_norm_eps, &mut logits)?;
+            } else {
+                let mut normed = cuda.upload(streams)?;
+                cuda.rms_norm(&mut normed, None, n * d, cfg.rms_norm_eps)?;
+                cuda.matvec(&w, Format::F32, width, n * d, &normed, tokens, &mut logits)?;
+            }
             let mut out = MhcCollapse {
                 collapsed: cuda.alloc_f32(tokens * d)?,
                 post: cuda.alloc_f32(tokens * n)?,
@@ -43,12 +49,18 @@ pub(super) fn check_mhc(
                 comb: cuda.download(&out.comb)?,
             })
         };
-        for tokens in [1usize, 5] {
+        for tokens in [1usize, 5, 9] {
             let name = format!("mhc n{n} d{d} T={tokens}");
             let streams = randn(rng, tokens * n * d, 2.0);
             let want_mix = hc.collapse(&Host, &streams, tokens)?;
             let want_x = &want_mix.collapsed;
             let got = gpu_collapse(&streams, tokens)?;
+            let again = gpu_collapse(&streams, tokens)?;
+            cases.push(same_bits_case(
+                format!("{name} collapse again: same bits"),
+                &again.collapsed,
+                &got.collapsed,
+            ));
             cases.push(case(
                 format!("{name} collapse"),
                 &got.collapsed,

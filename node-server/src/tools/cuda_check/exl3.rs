@@ -62,6 +62,49 @@ fn label(lin: &Exl3Linear) -> String {
     )
 }
 
+/// The GEMV whose blocks rotate their own slices of the input against the rotation launched
+/// first: the same bits, at pass widths of 1 to 8 tokens and over two passes, on shapes of one
+/// slice and of several.
+fn check_rotation_inside(
+    cuda: &Arc<Cuda>,
+    rng: &mut ChaCha8Rng,
+    cases: &mut Vec<Case>,
+) -> anyhow::Result<()> {
+    for (k, n, len) in [
+        (256usize, 384usize, 48usize),
+        (1024, 256, 32),
+        (2048, 1024, 64),
+    ] {
+        let lin = random_linear(rng, k, n, len, Codebook::Mul1, false)?;
+        let w = Exl3Weights::upload(cuda, &lin)?;
+        for tokens in [1usize, 5, 8, 20] {
+            let x = randn(rng, tokens * k, 1.0);
+            let dx = cuda.upload(&x)?;
+            let mut inside = cuda.alloc_f32(tokens * n)?;
+            let mut first = cuda.alloc_f32(tokens * n)?;
+            cuda.exl3_matmul(&w, &dx, tokens, &mut inside)?;
+            cuda.exl3_matmul_rotating_first(&w, &dx, tokens, &mut first)?;
+            let (inside, first) = (cuda.download(&inside)?, cuda.download(&first)?);
+            cases.push(same_bits_case(
+                format!(
+                    "{} n={tokens} rotated inside the GEMV: same bits",
+                    label(&lin)
+                ),
+                &inside[..tokens * n],
+                &first[..tokens * n],
+            ));
+            let want = cpu_product(&lin, &x, tokens)?;
+            cases.push(case(
+                format!("{} n={tokens} rotated inside the GEMV", label(&lin)),
+                &inside[..tokens * n],
+                &want,
+                EXL3_BOUND,
+            ));
+        }
+    }
+    Ok(())
+}
+
 pub(super) fn check_exl3(
     cuda: &Arc<Cuda>,
     rng: &mut ChaCha8Rng,
@@ -105,6 +148,7 @@ pub(super) fn check_exl3(
             }
         }
     }
+    check_rotation_inside(cuda, rng, cases)?;
     check_placed(cuda, rng, wide, cases)?;
     check_exllamav3(cuda, cases)?;
     if wide {

@@ -15,7 +15,7 @@ use crate::backend::cpu::{Matrix, ops};
 use crate::backend::cuda::attn::DsaSpec;
 use crate::backend::cuda::matrix::CudaPlacer;
 use crate::backend::cuda::{
-    Cuda, KdaForm, KdaSpec, MhcCollapse, MhcSpec, MoeStep, RouteSpec, SlotArena,
+    Cuda, GEMM_MIN_TOKENS, KdaForm, KdaSpec, MhcCollapse, MhcSpec, MoeStep, RouteSpec, SlotArena,
 };
 use crate::model::checkpoint::DType;
 use crate::model::config::Config;
@@ -98,6 +98,21 @@ fn case(name: String, got: &[f32], want: &[f32], bound: f64) -> Case {
         rel: rel_err(got, want),
         bound,
         finite: got.iter().all(|v| v.is_finite()) && got.len() == want.len(),
+    }
+}
+
+/// A case that passes only when `got` has `want`'s bits.
+fn same_bits_case(name: String, got: &[f32], want: &[f32]) -> Case {
+    let same = got.len() == want.len()
+        && got
+            .iter()
+            .zip(want)
+            .all(|(a, b)| a.to_bits() == b.to_bits());
+    Case {
+        name,
+        rel: if same { 0.0 } else { f64::INFINITY },
+        bound: 0.0,
+        finite: got.iter().all(|v| v.is_finite()),
     }
 }
 

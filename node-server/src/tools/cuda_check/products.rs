@@ -212,21 +212,6 @@ pub(super) fn check_moe(
     Ok(())
 }
 
-/// A case that passes only when `got` has `want`'s bits.
-fn same_bits_case(name: String, got: &[f32], want: &[f32]) -> Case {
-    let same = got.len() == want.len()
-        && got
-            .iter()
-            .zip(want)
-            .all(|(a, b)| a.to_bits() == b.to_bits());
-    Case {
-        name,
-        rel: if same { 0.0 } else { f64::INFINITY },
-        bound: 0.0,
-        finite: got.iter().all(|v| v.is_finite()),
-    }
-}
-
 /// How a check's experts store their matrices: rows (gate/up, down formats), or EXL3 (tile
 /// words and codebook of gate/up, of down).
 #[derive(Clone, Copy)]
