@@ -516,16 +516,24 @@ struct GemvPlan {
 /// Token rows one GEMV pass carries (`TOK_TILE` in common.cuh).
 const TOK_TILE: usize = 8;
 
-/// Most dynamic shared memory a GEMV block may take for its rotated slice (with the ring's
-/// 21 KiB, four blocks still fit an SM of 100 KiB).
-const GEMV_ROTATE_SHARED: usize = 16 << 10;
+/// Most dynamic shared memory a GEMV block may take for its rotated slice: with its 21.5 KiB
+/// of static shared memory, within the 48 KiB a launch gets without opting in. (An H200 SM
+/// still holds four such blocks; an RTX 3090's 100 KiB holds three once a slice takes more
+/// than 3 KiB.)
+const GEMV_ROTATE_SHARED: usize = 26 << 10;
+/// Most k-tiles of a GEMV slice: one token's rotated slice is then at most 16 KiB.
+const GEMV_MAX_PER: usize = 256;
 
 impl GemvPlan {
     fn of(w: &Exl3Weights, n: usize) -> GemvPlan {
         let (k_tiles, n_tiles) = (w.k / 16, w.n / 16);
         // Every warp of a block gets at least one tile of its slice.
         let max_splits = (k_tiles / (GEMV_THREADS as usize / 32)).max(1);
-        let splits = GEMV_BLOCKS.div_ceil(n_tiles).clamp(1, max_splits);
+        // Slices of at most GEMV_MAX_PER k-tiles, so that one token's rotated slice fits.
+        let splits = GEMV_BLOCKS
+            .div_ceil(n_tiles)
+            .max(k_tiles.div_ceil(GEMV_MAX_PER))
+            .clamp(1, max_splits);
         let per = k_tiles.div_ceil(splits).next_multiple_of(8);
         GemvPlan {
             splits: k_tiles.div_ceil(per).max(1),
