@@ -274,7 +274,7 @@ __device__ void exl3_rotate_slice(const float* __restrict__ x, const float* __re
         const float* xt = x + (i64)(t0 + c) * k;
         float v[4];
 #pragma unroll
-        for (int j = 0; j < 4; j++) v[j] = xt[col + j] * suh[col + j];
+        for (int j = 0; j < 4; j++) v[j] = __fmul_rn(xt[col + j], suh[col + j]);  // never fused
 #pragma unroll
         for (int h = 1; h < 4; h <<= 1)
 #pragma unroll

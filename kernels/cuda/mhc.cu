@@ -83,48 +83,55 @@ __device__ void mhc_weights(const float* __restrict__ l, const float* __restrict
         if (lane + WARP * e < nn) comb[lane + WARP * e] = v[e];
 }
 
-// Columns of the projection one `mhc_project` block takes (MHC_PROJECT_THREADS threads, two
-// columns a thread).
+// Threads of a `mhc_project` block, the columns it takes (MHC_PROJECT_PER a lane), and the
+// logits a token has at most: (2 + MHC_MAX_N) MHC_MAX_N.
 #define MHC_PROJECT_THREADS 256
-#define MHC_PROJECT_COLS 512
-// Logits a token has at most: (2 + MHC_MAX_N) MHC_MAX_N.
+#define MHC_PROJECT_PER 8
+#define MHC_PROJECT_COLS (WARP * MHC_PROJECT_PER)
 #define MHC_MAX_LOGITS ((2 + MHC_MAX_N) * MHC_MAX_N)
 
 // mHC's projection of each token's RMS-normed streams: logits[t, j] = (proj[j, :] . x[t, :])
 // * inv_t with inv_t = 1 / sqrt(mean(x[t, :]^2) + eps) — the norm's one scale a token taken
 // out of the dots, so the streams are read once and never copied. proj: [rows, width] f32;
-// x: [T, width]. Grid (ceil(width / MHC_PROJECT_COLS), T), MHC_PROJECT_THREADS threads: block
-// (c, t) writes its columns' rows dots and sum of squares to part[t, c, 0 .. rows]; the last
-// block of token t to finish (tickets[t], left at zero) adds the chunks in order and writes
-// the logits. Results repeat bit for bit.
+// x: [T, width]. Grid (ceil(width / MHC_PROJECT_COLS), T), MHC_PROJECT_THREADS threads: in
+// block (c, t) warp w takes rows w, w + 8, ... of columns [c COLS, (c + 1) COLS) (row `rows`
+// being x's sum of squares), each lane MHC_PROJECT_PER columns with its loads all in flight
+// at once, and writes the dots to part[t, c, 0 .. rows]; the last block of token t to finish
+// (tickets[t], left at zero) adds the chunks in order and writes the logits. Results repeat
+// bit for bit.
 extern "C" __global__ void __launch_bounds__(MHC_PROJECT_THREADS) mhc_project(
     const float* __restrict__ proj, const float* __restrict__ x, int rows, int width, float eps,
     float* __restrict__ part, u32* __restrict__ tickets, float* __restrict__ logits) {
-    __shared__ float red[MHC_PROJECT_THREADS / WARP][MHC_MAX_LOGITS + 1];
     __shared__ float total[MHC_MAX_LOGITS + 1];
     const int t = blockIdx.y, c = blockIdx.x, chunks = gridDim.x;
     const int lane = threadIdx.x & (WARP - 1), wid = threadIdx.x / WARP;
-    const int col0 = c * MHC_PROJECT_COLS + threadIdx.x, col1 = col0 + MHC_PROJECT_THREADS;
+    const int col0 = c * MHC_PROJECT_COLS + lane;
     const float* xt = x + (i64)t * width;
-    const float x0 = col0 < width ? xt[col0] : 0.0f, x1 = col1 < width ? xt[col1] : 0.0f;
-    for (int j = 0; j <= rows; j++) {
-        float acc;
+    float xv[MHC_PROJECT_PER];
+#pragma unroll
+    for (int i = 0; i < MHC_PROJECT_PER; i++) {
+        const int col = col0 + WARP * i;
+        xv[i] = col < width ? xt[col] : 0.0f;
+    }
+    float* mine = part + ((i64)t * chunks + c) * (rows + 1);
+    for (int j = wid; j <= rows; j += MHC_PROJECT_THREADS / WARP) {
+        float acc = 0.0f;
         if (j == rows) {
-            acc = fmaf(x1, x1, x0 * x0);
+#pragma unroll
+            for (int i = 0; i < MHC_PROJECT_PER; i++) acc = fmaf(xv[i], xv[i], acc);
         } else {
             const float* pj = proj + (i64)j * width;
-            const float p0 = col0 < width ? pj[col0] : 0.0f, p1 = col1 < width ? pj[col1] : 0.0f;
-            acc = fmaf(p1, x1, p0 * x0);
+            float p[MHC_PROJECT_PER];
+#pragma unroll
+            for (int i = 0; i < MHC_PROJECT_PER; i++) {
+                const int col = col0 + WARP * i;
+                p[i] = col < width ? pj[col] : 0.0f;
+            }
+#pragma unroll
+            for (int i = 0; i < MHC_PROJECT_PER; i++) acc = fmaf(p[i], xv[i], acc);
         }
         acc = warp_sum(acc);
-        if (lane == 0) red[wid][j] = acc;
-    }
-    __syncthreads();
-    float* mine = part + ((i64)t * chunks + c) * (rows + 1);
-    for (int j = threadIdx.x; j <= rows; j += blockDim.x) {
-        float s = 0.0f;
-        for (int w = 0; w < MHC_PROJECT_THREADS / WARP; w++) s += red[w][j];
-        mine[j] = s;
+        if (lane == 0) mine[j] = acc;
     }
     if (!last_of_group(tickets + t, chunks)) return;
     for (int j = threadIdx.x; j <= rows; j += blockDim.x) {

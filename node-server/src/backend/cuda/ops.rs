@@ -134,7 +134,7 @@ pub enum KdaForm {
 const MHC_MAX_LOGITS: usize = (2 + MHC_MAX_STREAMS) * MHC_MAX_STREAMS;
 /// Threads and columns of a `mhc_project` block (mhc.cu).
 const MHC_PROJECT_THREADS: u32 = 256;
-const MHC_PROJECT_COLS: usize = 512;
+const MHC_PROJECT_COLS: usize = 256;
 
 fn too_short(what: &str, got: usize, want: usize) -> Result<(), CudaError> {
     if got < want {
