@@ -26,10 +26,12 @@ __device__ __forceinline__ float mhc_entry(const float (&v)[E], int idx) {
 // (each lane reads them from their owners by shuffles), and every product, sum and quotient
 // is unfused, so the weights equal the one-thread version's; the n n entries of a Sinkhorn
 // step run at once, with no block-wide barrier. The caller syncs the block before reading.
-template <int E>
+// NC: n when known at compile time (the sums' shuffles then issue together), else 0.
+template <int E, int NC>
 __device__ void mhc_weights(const float* __restrict__ l, const float* __restrict__ base, float s0,
-                            float s1, float s2, int n, float eps, int iters, float* pre,
+                            float s1, float s2, int n_, float eps, int iters, float* pre,
                             float* post, float* comb) {
+    const int n = NC ? NC : n_;
     const int lane = threadIdx.x & (WARP - 1), nn = n * n;
     if (lane < n) {
         pre[lane] = sigmoid(__fadd_rn(__fmul_rn(l[lane], s0), base[lane])) + eps;
@@ -46,9 +48,11 @@ __device__ void mhc_weights(const float* __restrict__ l, const float* __restrict
     for (int e = 0; e < E; e++) {
         const int idx = lane + WARP * e, i = idx < nn ? idx / n : 0;
         float mx = __int_as_float(0xff800000);  // -inf
-        for (int c = 0; c < n; c++) mx = fmaxf(mx, mhc_entry<E>(v, i * n + c));
+#pragma unroll
+        for (int c = 0; c < (NC ? NC : n); c++) mx = fmaxf(mx, mhc_entry<E>(v, i * n + c));
         float sum = 0.0f;
-        for (int c = 0; c < n; c++) sum += expf(mhc_entry<E>(v, i * n + c) - mx);
+#pragma unroll
+        for (int c = 0; c < (NC ? NC : n); c++) sum += expf(mhc_entry<E>(v, i * n + c) - mx);
         nv[e] = expf(v[e] - mx) / sum + eps;
     }
 #pragma unroll
@@ -60,7 +64,8 @@ __device__ void mhc_weights(const float* __restrict__ l, const float* __restrict
             for (int e = 0; e < E; e++) {
                 const int idx = lane + WARP * e, i = idx < nn ? idx / n : 0;
                 float sum = 0.0f;
-                for (int c = 0; c < n; c++) sum += mhc_entry<E>(v, i * n + c);
+#pragma unroll
+                for (int c = 0; c < (NC ? NC : n); c++) sum += mhc_entry<E>(v, i * n + c);
                 sum += eps;
                 nv[e] = v[e] / sum;
             }
@@ -71,7 +76,8 @@ __device__ void mhc_weights(const float* __restrict__ l, const float* __restrict
         for (int e = 0; e < E; e++) {
             const int idx = lane + WARP * e, j = idx < nn ? idx % n : 0;
             float sum = 0.0f;
-            for (int r = 0; r < n; r++) sum += mhc_entry<E>(v, r * n + j);
+#pragma unroll
+            for (int r = 0; r < (NC ? NC : n); r++) sum += mhc_entry<E>(v, r * n + j);
             sum += eps;
             nv[e] = v[e] / sum;
         }
@@ -159,10 +165,12 @@ extern "C" __global__ void mhc_collapse(const float* __restrict__ logits,
     const int t = blockIdx.y;
     const float* l = logits + (i64)t * (2 + n) * n;
     if (threadIdx.x < WARP) {
-        if (n * n <= WARP)
-            mhc_weights<1>(l, base, s0, s1, s2, n, eps, iters, w_pre, w_post, w_comb);
+        if (n == 4)  // the model's streams
+            mhc_weights<1, 4>(l, base, s0, s1, s2, n, eps, iters, w_pre, w_post, w_comb);
+        else if (n * n <= WARP)
+            mhc_weights<1, 0>(l, base, s0, s1, s2, n, eps, iters, w_pre, w_post, w_comb);
         else
-            mhc_weights<2>(l, base, s0, s1, s2, n, eps, iters, w_pre, w_post, w_comb);
+            mhc_weights<2, 0>(l, base, s0, s1, s2, n, eps, iters, w_pre, w_post, w_comb);
     }
     __syncthreads();
     if (blockIdx.x == 0) {

@@ -14,7 +14,7 @@ use super::*;
 use crate::quant::exl3::Exl3Linear;
 
 /// Blocks the GEMV aims for (a few per SM of the largest GPUs): N/16 strips times the K slices.
-const GEMV_BLOCKS: usize = 512;
+pub const GEMV_BLOCKS: usize = 512;
 /// Threads of a GEMV block: `EXL3_GEMV_WARPS` warps.
 const GEMV_THREADS: u32 = 256;
 /// Warps of an `exl3_reconstruct` block (a tile each).
@@ -122,7 +122,11 @@ impl Cuda {
         }
         let gemv = n < WIDEN_MIN_TOKENS;
         if gemv {
-            let plan = GemvPlan::of(w, n);
+            let plan = GemvPlan::of(
+                w,
+                n,
+                self.gemv_blocks.load(std::sync::atomic::Ordering::Relaxed),
+            );
             if inside && plan.rotates_inside() {
                 return self.exl3_gemv(w, Input::Raw(x), n, &plan, y);
             }
@@ -135,7 +139,17 @@ impl Cuda {
         // word a value too), suh K; one block per 128 values of a row.
         unsafe { b.launch(cfg) }?;
         if gemv {
-            return self.exl3_gemv(w, Input::Rotated(&xr), n, &GemvPlan::of(w, n), y);
+            return self.exl3_gemv(
+                w,
+                Input::Rotated(&xr),
+                n,
+                &GemvPlan::of(
+                    w,
+                    n,
+                    self.gemv_blocks.load(std::sync::atomic::Ordering::Relaxed),
+                ),
+                y,
+            );
         }
         let part = self.exl3_gemm(w, &xr, n)?;
         let (n_i, out_i, has_bias) = (n as i32, out as i32, w.has_bias as i32);
@@ -525,12 +539,12 @@ const GEMV_ROTATE_SHARED: usize = 26 << 10;
 const GEMV_MAX_PER: usize = 256;
 
 impl GemvPlan {
-    fn of(w: &Exl3Weights, n: usize) -> GemvPlan {
+    fn of(w: &Exl3Weights, n: usize, blocks: usize) -> GemvPlan {
         let (k_tiles, n_tiles) = (w.k / 16, w.n / 16);
         // Every warp of a block gets at least one tile of its slice.
         let max_splits = (k_tiles / (GEMV_THREADS as usize / 32)).max(1);
         // Slices of at most GEMV_MAX_PER k-tiles, so that one token's rotated slice fits.
-        let splits = GEMV_BLOCKS
+        let splits = blocks
             .div_ceil(n_tiles)
             .max(k_tiles.div_ceil(GEMV_MAX_PER))
             .clamp(1, max_splits);

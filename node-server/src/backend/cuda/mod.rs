@@ -23,7 +23,7 @@ use cudarc::driver::{
 };
 use cudarc::nvrtc::{CompileOptions, Ptx};
 pub use elementwise::KdaGates;
-pub use exl3::Exl3Weights;
+pub use exl3::{Exl3Weights, GEMV_BLOCKS};
 pub use moe::{Exl3Form, MoeLayout, MoeRun, MoeStep, RouteSpec, SlotArena, SlotFormat};
 pub use ops::{KdaForm, KdaSpec, MhcCollapse, MhcSpec};
 use std::collections::HashMap;
@@ -116,6 +116,8 @@ pub struct Cuda {
     /// Fill scratch buffers with NaN before kernels write them (checks: an unwritten output
     /// then shows as NaN instead of a plausible zero).
     poison: std::sync::atomic::AtomicBool,
+    /// Blocks a dense EXL3 GEMV aims for (N/16 strips times its K slices; see exl3.rs).
+    gemv_blocks: std::sync::atomic::AtomicUsize,
     /// cuBLAS on `stream`, started at the first many-token product (`Err`: it would not start).
     blas: std::sync::OnceLock<Result<std::sync::Mutex<CudaBlas>, String>>,
     /// One zero, passed where a kernel takes an optional vector it will not read.
@@ -195,6 +197,7 @@ impl Cuda {
             arch,
             kernels,
             poison: Default::default(),
+            gemv_blocks: exl3::GEMV_BLOCKS.into(),
             blas: Default::default(),
         }))
     }
@@ -344,6 +347,13 @@ impl Cuda {
     }
 
     /// Poison scratch and output buffers with NaN before kernels write them.
+    /// Sets the blocks a dense EXL3 GEMV aims for (timing checks try several; results then
+    /// differ in their sums' order, never in their bounds).
+    pub fn set_gemv_blocks(&self, blocks: usize) {
+        self.gemv_blocks
+            .store(blocks.max(1), std::sync::atomic::Ordering::Relaxed);
+    }
+
     pub fn set_poison(&self, on: bool) {
         self.poison.store(on, std::sync::atomic::Ordering::Relaxed);
     }

@@ -352,7 +352,65 @@ fn gemv_speed(cuda: &Arc<Cuda>, rng: &mut ChaCha8Rng) -> anyhow::Result<()> {
             }
         }
     }
+    dense_speed(cuda, rng)?;
     cuda.set_poison(true);
+    Ok(())
+}
+
+/// The GLM-5.3-Flash-width model's dense EXL3 products (KDA qkv and o, the dense MLP, a
+/// shared expert's gate, the 6 bpw head) at 1 and 4 tokens: the GEMV rotating its input
+/// itself and after a rotation launch, at several block targets.
+fn dense_speed(cuda: &Arc<Cuda>, rng: &mut ChaCha8Rng) -> anyhow::Result<()> {
+    let shapes = [
+        (4096usize, 24576usize, 48usize),
+        (8192, 4096, 48),
+        (4096, 12288, 48),
+        (12288, 4096, 48),
+        (4096, 2048, 48),
+        (4096, 154_880, 96),
+    ];
+    for (k, n, len) in shapes {
+        let lin = random_linear(rng, k, n, len, Codebook::Mul1, false)?;
+        let w = Exl3Weights::upload(cuda, &lin)?;
+        let trellis_bytes = (k * n * len / 128) as f64;
+        for tokens in [1usize, 4] {
+            let dx = cuda.upload(&randn(rng, tokens * k, 1.0))?;
+            let mut dy = cuda.alloc_f32(tokens * n)?;
+            for blocks in [512usize, 1024, 2048] {
+                cuda.set_gemv_blocks(blocks);
+                for inside in [true, false] {
+                    let run = |dy: &mut cudarc::driver::CudaSlice<f32>| {
+                        if inside {
+                            cuda.exl3_matmul(&w, &dx, tokens, dy)
+                        } else {
+                            cuda.exl3_matmul_rotating_first(&w, &dx, tokens, dy)
+                        }
+                    };
+                    run(&mut dy)?;
+                    cuda.synchronize()?;
+                    let reps = 30;
+                    let started = Instant::now();
+                    for _ in 0..reps {
+                        run(&mut dy)?;
+                    }
+                    cuda.synchronize()?;
+                    let secs = started.elapsed().as_secs_f64() / reps as f64;
+                    println!(
+                        "dense {} n={tokens} blocks={blocks} {}: {:.1} us, {:.0} GB/s of trellis",
+                        label(&lin),
+                        if inside {
+                            "rotating inside"
+                        } else {
+                            "rotating first"
+                        },
+                        secs * 1e6,
+                        trellis_bytes / secs / 1e9
+                    );
+                }
+            }
+        }
+    }
+    cuda.set_gemv_blocks(crate::backend::cuda::GEMV_BLOCKS);
     Ok(())
 }
 
