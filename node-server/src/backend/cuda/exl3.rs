@@ -530,12 +530,13 @@ struct GemvPlan {
 /// Token rows one GEMV pass carries (`TOK_TILE` in common.cuh).
 const TOK_TILE: usize = 8;
 
-/// Most dynamic shared memory a GEMV block may take for its rotated slice: with its 21.5 KiB
-/// of static shared memory, within the 48 KiB a launch gets without opting in. (An H200 SM
-/// still holds four such blocks; an RTX 3090's 100 KiB holds three once a slice takes more
-/// than 3 KiB.)
-const GEMV_ROTATE_SHARED: usize = 26 << 10;
-/// Most k-tiles of a GEMV slice: one token's rotated slice is then at most 16 KiB.
+/// Hadamard blocks (of a pass's tokens) a GEMV block rotates itself at most: one a warp. Each
+/// further one is another load latency before the block's first product, which every block of
+/// a wave waits out together (measured on the H200: a 4096 x 24576 product at one token took
+/// 68 us rotating 32 blocks inside, 56 us after a rotation launch; 4096 x 2048 at one token,
+/// 8 blocks, 12.3 us inside against 13.1 us).
+const GEMV_ROTATE_BLOCKS: usize = 8;
+/// Most k-tiles of a GEMV slice (a block's share of K).
 const GEMV_MAX_PER: usize = 256;
 
 impl GemvPlan {
@@ -558,6 +559,6 @@ impl GemvPlan {
     }
 
     fn rotates_inside(&self) -> bool {
-        self.whole_blocks && self.shared_bytes <= GEMV_ROTATE_SHARED
+        self.whole_blocks && self.shared_bytes <= GEMV_ROTATE_BLOCKS * HADAMARD * 4
     }
 }
