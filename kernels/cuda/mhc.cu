@@ -103,8 +103,8 @@ __device__ void mhc_weights(const float* __restrict__ l, const float* __restrict
 // block (c, t) warp w takes rows w, w + 8, ... of columns [c COLS, (c + 1) COLS) (row `rows`
 // being x's sum of squares), each lane MHC_PROJECT_PER columns with its loads all in flight
 // at once, and writes the dots to part[t, c, 0 .. rows]; the last block of token t to finish
-// (tickets[t], left at zero) adds the chunks (a warp a row) and writes the logits. Results
-// repeat bit for bit.
+// (tickets[t], left at zero) adds the chunks in order and writes the logits. Results repeat
+// bit for bit.
 extern "C" __global__ void __launch_bounds__(MHC_PROJECT_THREADS) mhc_project(
     const float* __restrict__ proj, const float* __restrict__ x, int rows, int width, float eps,
     float* __restrict__ part, u32* __restrict__ tickets, float* __restrict__ logits) {
@@ -140,15 +140,10 @@ extern "C" __global__ void __launch_bounds__(MHC_PROJECT_THREADS) mhc_project(
         if (lane == 0) mine[j] = acc;
     }
     if (!last_of_group(tickets + t, chunks)) return;
-    // A warp a row: lane q adds chunks q, q + 32, ... (its loads all in flight), then the
-    // warp's fixed tree.
-    const float* mine_t = part + (i64)t * chunks * (rows + 1);
-    for (int j = wid; j <= rows; j += MHC_PROJECT_THREADS / WARP) {
+    for (int j = threadIdx.x; j <= rows; j += blockDim.x) {
         float s = 0.0f;
-#pragma unroll 4
-        for (int k = lane; k < chunks; k += WARP) s += __ldcg(mine_t + (i64)k * (rows + 1) + j);
-        s = warp_sum(s);
-        if (lane == 0) total[j] = s;
+        for (int k = 0; k < chunks; k++) s += __ldcg(part + ((i64)t * chunks + k) * (rows + 1) + j);
+        total[j] = s;
     }
     __syncthreads();
     const float inv = 1.0f / sqrtf(total[rows] / (float)width + eps);

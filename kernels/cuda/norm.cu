@@ -3,31 +3,10 @@
 #include "common.cuh"
 
 // x: [rows, width] in place; weight: [width], read only when has_weight.
-// Rows of up to NORM_CACHED values a thread are read once, into registers, every load in
-// flight at once (a decode step's one-row norms are latency, not bandwidth); the sums take
-// the same order either way.
-#define NORM_CACHED 8
 extern "C" __global__ void rms_norm(float* __restrict__ x, const float* __restrict__ weight,
                                     int has_weight, int width, float eps) {
     float* row = x + (i64)blockIdx.x * width;
     float ss = 0.0f;
-    if (width <= NORM_CACHED * (int)blockDim.x) {
-        float v[NORM_CACHED];
-#pragma unroll
-        for (int r = 0; r < NORM_CACHED; r++) {
-            const int i = threadIdx.x + r * blockDim.x;
-            v[r] = i < width ? row[i] : 0.0f;
-        }
-#pragma unroll
-        for (int r = 0; r < NORM_CACHED; r++) ss = fmaf(v[r], v[r], ss);
-        const float inv = 1.0f / sqrtf(block_sum(ss) / (float)width + eps);
-#pragma unroll
-        for (int r = 0; r < NORM_CACHED; r++) {
-            const int i = threadIdx.x + r * blockDim.x;
-            if (i < width) row[i] = has_weight ? weight[i] * (v[r] * inv) : v[r] * inv;
-        }
-        return;
-    }
     for (int i = threadIdx.x; i < width; i += blockDim.x) ss = fmaf(row[i], row[i], ss);
     const float inv = 1.0f / sqrtf(block_sum(ss) / (float)width + eps);
     for (int i = threadIdx.x; i < width; i += blockDim.x)
