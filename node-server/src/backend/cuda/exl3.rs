@@ -479,36 +479,6 @@ fn rotation_config(width: usize, n: usize) -> LaunchConfig {
     }
 }
 
-#[cfg(test)]
-mod tests {
-    use super::*;
-    use crate::quant::exl3::Codebook;
-
-    fn source() -> &'static str {
-        glmflash_kernels::SOURCES
-            .iter()
-            .find(|(name, _, _)| *name == "exl3.cu")
-            .map(|(_, src, _)| *src)
-            .expect("exl3.cu is listed")
-    }
-
-    /// The numbers the kernels dispatch on are the ones the wrapper passes.
-    #[test]
-    fn codebook_numbers_and_block_size_match_the_kernels() {
-        let src = source();
-        for (cb, name) in [
-            (Codebook::Inst3, "EXL3_INST3"),
-            (Codebook::Mcg, "EXL3_MCG"),
-            (Codebook::Mul1, "EXL3_MUL1"),
-        ] {
-            let define = format!("#define {name} {}\n", cb as i32);
-            assert!(src.contains(&define), "exl3.cu lacks `{}`", define.trim());
-        }
-        let warps = format!("#define EXL3_GEMV_WARPS {}\n", GEMV_THREADS / 32);
-        assert!(src.contains(&warps), "exl3.cu lacks `{}`", warps.trim());
-    }
-}
-
 /// A dense GEMV's input: rotated already (the split form), or raw rows of K.
 enum Input<'a> {
     Rotated(&'a CudaSlice<f32>),
@@ -560,5 +530,35 @@ impl GemvPlan {
 
     fn rotates_inside(&self) -> bool {
         self.whole_blocks && self.shared_bytes <= GEMV_ROTATE_BLOCKS * HADAMARD * 4
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::quant::exl3::Codebook;
+
+    fn source() -> &'static str {
+        glmflash_kernels::SOURCES
+            .iter()
+            .find(|(name, _, _)| *name == "exl3.cu")
+            .map(|(_, src, _)| *src)
+            .expect("exl3.cu is listed")
+    }
+
+    /// The numbers the kernels dispatch on are the ones the wrapper passes.
+    #[test]
+    fn codebook_numbers_and_block_size_match_the_kernels() {
+        let src = source();
+        for (cb, name) in [
+            (Codebook::Inst3, "EXL3_INST3"),
+            (Codebook::Mcg, "EXL3_MCG"),
+            (Codebook::Mul1, "EXL3_MUL1"),
+        ] {
+            let define = format!("#define {name} {}\n", cb as i32);
+            assert!(src.contains(&define), "exl3.cu lacks `{}`", define.trim());
+        }
+        let warps = format!("#define EXL3_GEMV_WARPS {}\n", GEMV_THREADS / 32);
+        assert!(src.contains(&warps), "exl3.cu lacks `{}`", warps.trim());
     }
 }
