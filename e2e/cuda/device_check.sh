@@ -24,10 +24,8 @@ want() { [ -z "${ONLY:-}" ] || [[ ",$ONLY," == *",$1,"* ]]; }
 
 nvidia-smi --query-gpu=name,memory.total,driver_version,clocks.sm --format=csv,noheader
 # NVRTC for the kernels: the toolkit's, else the one a Python package ships.
-for d in /usr/local/cuda/lib64 /usr/local/cuda/targets/x86_64-linux/lib \
-         $(python3 -c 'import nvidia,os;print(" ".join(os.path.join(p,"cu13","lib") for p in nvidia.__path__))' 2>/dev/null); do
-  if ls "$d"/libnvrtc.so* >/dev/null 2>&1; then export LD_LIBRARY_PATH="$d:${LD_LIBRARY_PATH:-}"; echo "nvrtc from $d"; break; fi
-done
+source e2e/cuda/nvrtc_path.sh
+[ -n "$NVRTC_DIR" ] && echo "nvrtc from $NVRTC_DIR"
 export GLMFLASH_KERNEL_CACHE="${GLMFLASH_KERNEL_CACHE:-/tmp/glmflash-kernel-cache}"
 
 work="$(mktemp -d)"

@@ -43,10 +43,7 @@ export TORCH_EXTENSIONS_DIR=$W/torch_ext
 export PYTHONPATH=$W/site${PYTHONPATH:+:$PYTHONPATH}
 if [ -f "$REPO/.device/ext/exllamav3_ext.so" ]; then export PYTHONPATH=$REPO/.device/ext:$PYTHONPATH; fi
 export GLMFLASH_KERNEL_CACHE=${GLMFLASH_KERNEL_CACHE:-$W/kernel-cache}
-for d in /usr/local/cuda/lib64 /usr/local/cuda/targets/x86_64-linux/lib \
-         $(python3 -c 'import nvidia,os;print(" ".join(os.path.join(p,"cu13","lib") for p in nvidia.__path__))' 2>/dev/null); do
-  if ls "$d"/libnvrtc.so* >/dev/null 2>&1; then export LD_LIBRARY_PATH="$d:${LD_LIBRARY_PATH:-}"; break; fi
-done
+source e2e/cuda/nvrtc_path.sh
 
 log() { echo "[$(date +%T) +$(( $(date +%s) - T0 ))s] $*"; }
 left() { echo $(( BUDGET - ($(date +%s) - T0) )); }

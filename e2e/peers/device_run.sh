@@ -42,10 +42,7 @@ exec > >(tee -a "$OUT/log.txt") 2>&1
 export PYTHONUNBUFFERED=1 GLMFLASH_LOG_FORMAT=text NO_COLOR=1
 export GLMFLASH_KERNEL_CACHE=${GLMFLASH_KERNEL_CACHE:-$W/kernel-cache}
 for d in /usr/local/cuda/bin; do [ -x "$d/nvcc" ] && export PATH="$d:$PATH"; done
-for d in /usr/local/cuda/lib64 /usr/local/cuda/targets/x86_64-linux/lib \
-         $(python3 -c 'import nvidia,os;print(" ".join(os.path.join(p,"cu13","lib") for p in nvidia.__path__))' 2>/dev/null); do
-  if ls "$d"/libnvrtc.so* >/dev/null 2>&1; then export LD_LIBRARY_PATH="$d:${LD_LIBRARY_PATH:-}"; break; fi
-done
+source e2e/cuda/nvrtc_path.sh
 
 log() { echo "[$(date +%T) +$(( $(date +%s) - T0 ))s] $*"; }
 left() { echo $(( BUDGET - ($(date +%s) - T0) )); }

@@ -171,11 +171,8 @@ __device__ __forceinline__ float exl3_hadamard128(float* v, int i) {
 // values (2 q, 2 q + 1), hi of (2 q + 8, 2 q + 9), then lo of the same two pairs, each pair
 // as f16x2 (first value in the low half) — what lane q of an mma's B column reads, in one
 // 16-byte load. Thread i writes word i of the block (`dst`: where its f32 values would be).
-__device__ __forceinline__ void exl3_store_split(float* v, int i, float val,
-                                                 u32* __restrict__ dst) {
-    __syncthreads();
-    v[i] = val * EXL3_XSCALE;
-    __syncthreads();
+// Word i of a Hadamard block's split form from its 128 scaled values v (shared).
+__device__ __forceinline__ u32 exl3_split_word(const float* v, int i) {
     const int q = (i >> 2) & 3, kind = i & 3;
     const int at = (i & ~15) + 2 * q + ((kind & 1) << 3);
     const float a = v[at], b = v[at + 1];
@@ -183,7 +180,15 @@ __device__ __forceinline__ void exl3_store_split(float* v, int i, float val,
     if (kind & 2)
         h = pack_f16x2((a - f16_to_f32((u16)(h & 0xFFFFu))) * EXL3_LO_SCALE,
                        (b - f16_to_f32((u16)(h >> 16))) * EXL3_LO_SCALE);
-    dst[i] = h;
+    return h;
+}
+
+__device__ __forceinline__ void exl3_store_split(float* v, int i, float val,
+                                                 u32* __restrict__ dst) {
+    __syncthreads();
+    v[i] = val * EXL3_XSCALE;
+    __syncthreads();
+    dst[i] = exl3_split_word(v, i);
 }
 
 // A rotated value `val` of block `blk` of row `row` (K values a row) into xr: f32, or in the
@@ -298,16 +303,7 @@ __device__ void exl3_rotate_slice(const float* __restrict__ x, const float* __re
         __syncwarp();
         u32* dst = xsh + (i64)c * stride + b * 128;
 #pragma unroll
-        for (int j = 0; j < 4; j++) {
-            const int i = 4 * lane + j, q = (i >> 2) & 3, kind = i & 3;
-            const int at = (i & ~15) + 2 * q + ((kind & 1) << 3);
-            const float a = scratch[at], bb = scratch[at + 1];
-            u32 hw = pack_f16x2(a, bb);
-            if (kind & 2)
-                hw = pack_f16x2((a - f16_to_f32((u16)(hw & 0xFFFFu))) * EXL3_LO_SCALE,
-                                (bb - f16_to_f32((u16)(hw >> 16))) * EXL3_LO_SCALE);
-            dst[i] = hw;
-        }
+        for (int j = 0; j < 4; j++) dst[4 * lane + j] = exl3_split_word(scratch, 4 * lane + j);
         __syncwarp();
     }
     __syncthreads();
