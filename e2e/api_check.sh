@@ -15,7 +15,7 @@ fi
 "$python" -m pip install -q --disable-pip-version-check -r e2e/requirements-api.txt
 
 cargo build -q --release -p glmflash-node
-bin=target/release/glmflash-node
+bin="${CARGO_TARGET_DIR:-target}/release/glmflash-node"
 
 free_port() { "$python" -c 'import socket; s=socket.socket(); s.bind(("127.0.0.1", 0)); print(s.getsockname()[1])'; }
 port=$(free_port)

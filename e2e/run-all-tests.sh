@@ -63,7 +63,7 @@ grep -q "nothing to do" <<<"$rerun" || { echo "$rerun"; echo "pack-store rerun w
 cargo run -q --release -p glmflash-node -- verify-store --model "$store_tmp/model" --store "$store_tmp/store"
 
 step "every mode, down to one slot per tier, prints the untiered logits bit for bit"
-node=target/release/glmflash-node
+node="${CARGO_TARGET_DIR:-target}/release/glmflash-node"
 base="$($node logits --model "$store_tmp/model" --tokens 0,1,4,100,200,300 --greedy 8)"
 for mode in fast exact nvme nvme-exact; do
   got="$($node logits --model "$store_tmp/model" --store "$store_tmp/store" --mode "$mode" --vram-slots 1 --ram-slots 1 --tokens 0,1,4,100,200,300 --greedy 8)"
