@@ -346,7 +346,6 @@ impl Cuda {
         Ok(unsafe { self.stream.alloc::<f32>(len.max(1)) }?)
     }
 
-    /// Poison scratch and output buffers with NaN before kernels write them.
     /// Sets the blocks a dense EXL3 GEMV aims for (timing checks try several; results then
     /// differ in their sums' order, never in their bounds).
     pub fn set_gemv_blocks(&self, blocks: usize) {
@@ -354,6 +353,7 @@ impl Cuda {
             .store(blocks.max(1), std::sync::atomic::Ordering::Relaxed);
     }
 
+    /// Poison scratch and output buffers with NaN before kernels write them.
     pub fn set_poison(&self, on: bool) {
         self.poison.store(on, std::sync::atomic::Ordering::Relaxed);
     }
