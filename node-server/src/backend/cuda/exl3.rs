@@ -123,7 +123,8 @@ impl Cuda {
         let gemv = n < WIDEN_MIN_TOKENS;
         if gemv {
             let plan = GemvPlan::of(
-                w,
+                w.k,
+                w.n,
                 n,
                 self.gemv_blocks.load(std::sync::atomic::Ordering::Relaxed),
             );
@@ -144,7 +145,8 @@ impl Cuda {
                 Input::Rotated(&xr),
                 n,
                 &GemvPlan::of(
-                    w,
+                    w.k,
+                    w.n,
                     n,
                     self.gemv_blocks.load(std::sync::atomic::Ordering::Relaxed),
                 ),
@@ -510,11 +512,12 @@ const GEMV_ROTATE_BLOCKS: usize = 8;
 const GEMV_MAX_PER: usize = 256;
 
 impl GemvPlan {
-    fn of(w: &Exl3Weights, n: usize, blocks: usize) -> GemvPlan {
-        let (k_tiles, n_tiles) = (w.k / 16, w.n / 16);
+    /// The plan of a `k` x `outputs` product of `n` token rows aiming for `blocks` blocks.
+    fn of(k: usize, outputs: usize, n: usize, blocks: usize) -> GemvPlan {
+        let (k_tiles, n_tiles) = (k / 16, outputs / 16);
         // Every warp of a block gets at least one tile of its slice.
         let max_splits = (k_tiles / (GEMV_THREADS as usize / 32)).max(1);
-        // Slices of at most GEMV_MAX_PER k-tiles, so that one token's rotated slice fits.
+        // Slices of at most GEMV_MAX_PER k-tiles.
         let splits = blocks
             .div_ceil(n_tiles)
             .max(k_tiles.div_ceil(GEMV_MAX_PER))
@@ -544,6 +547,46 @@ mod tests {
             .find(|(name, _, _)| *name == "exl3.cu")
             .map(|(_, src, _)| *src)
             .expect("exl3.cu is listed")
+    }
+
+    /// Slices are whole Hadamard blocks that cover K once; the split depends on the shape
+    /// alone, never on the token count; a block rotates its input itself only when that is at
+    /// most one Hadamard block a warp (the model's dense shapes as measured).
+    #[test]
+    fn gemv_plans_split_k_by_shape_and_rotate_inside_only_short_slices() {
+        let shapes = [
+            (4096usize, 24576usize),
+            (8192, 4096),
+            (4096, 12288),
+            (12288, 4096),
+            (4096, 2048),
+            (2048, 4096),
+            (4096, 154_880),
+            (256, 384),
+            (1024, 256),
+        ];
+        for (k, outputs) in shapes {
+            let one = GemvPlan::of(k, outputs, 1, GEMV_BLOCKS);
+            for n in [1usize, 4, 8, 20, 63] {
+                let p = GemvPlan::of(k, outputs, n, GEMV_BLOCKS);
+                assert_eq!(
+                    (p.splits, p.per),
+                    (one.splits, one.per),
+                    "{k}x{outputs} n={n}"
+                );
+                assert!(p.per.is_multiple_of(8) && p.per <= GEMV_MAX_PER.max(8));
+                assert!(p.splits * p.per >= k / 16 && (p.splits - 1) * p.per < k / 16);
+                assert_eq!(
+                    p.rotates_inside(),
+                    n.min(TOK_TILE) * p.per <= 64,
+                    "{k}x{outputs} n={n}"
+                );
+            }
+        }
+        // The expert-sized shapes rotate inside at one token, the wide ones never.
+        assert!(GemvPlan::of(4096, 2048, 1, GEMV_BLOCKS).rotates_inside());
+        assert!(!GemvPlan::of(4096, 24576, 1, GEMV_BLOCKS).rotates_inside());
+        assert!(!GemvPlan::of(4096, 154_880, 1, GEMV_BLOCKS).rotates_inside());
     }
 
     /// The numbers the kernels dispatch on are the ones the wrapper passes.
