@@ -121,16 +121,15 @@ impl Cuda {
             return Ok(());
         }
         let gemv = n < WIDEN_MIN_TOKENS;
-        if gemv {
-            let plan = GemvPlan::of(
-                w.k,
-                w.n,
-                n,
-                self.gemv_blocks.load(std::sync::atomic::Ordering::Relaxed),
-            );
-            if inside && plan.rotates_inside() {
-                return self.exl3_gemv(w, Input::Raw(x), n, &plan, y);
-            }
+        let plan = gemv.then(|| {
+            let blocks = self.gemv_blocks.load(std::sync::atomic::Ordering::Relaxed);
+            GemvPlan::of(w.k, w.n, n, blocks)
+        });
+        if let Some(plan) = &plan
+            && inside
+            && plan.rotates_inside()
+        {
+            return self.exl3_gemv(w, Input::Raw(x), n, plan, y);
         }
         let mut xr = self.alloc_f32(n * k)?;
         let (k_i, split, cfg) = (k as i32, i32::from(gemv), rotation_config(k, n));
@@ -139,19 +138,8 @@ impl Cuda {
         // SAFETY: x and xr hold n rows of K values (checked above; the GEMV's split form is a
         // word a value too), suh K; one block per 128 values of a row.
         unsafe { b.launch(cfg) }?;
-        if gemv {
-            return self.exl3_gemv(
-                w,
-                Input::Rotated(&xr),
-                n,
-                &GemvPlan::of(
-                    w.k,
-                    w.n,
-                    n,
-                    self.gemv_blocks.load(std::sync::atomic::Ordering::Relaxed),
-                ),
-                y,
-            );
+        if let Some(plan) = &plan {
+            return self.exl3_gemv(w, Input::Rotated(&xr), n, plan, y);
         }
         let part = self.exl3_gemm(w, &xr, n)?;
         let (n_i, out_i, has_bias) = (n as i32, out as i32, w.has_bias as i32);
@@ -508,7 +496,8 @@ const TOK_TILE: usize = 8;
 /// 68 us rotating 32 blocks inside, 56 us after a rotation launch; 4096 x 2048 at one token,
 /// 8 blocks, 12.3 us inside against 13.1 us).
 const GEMV_ROTATE_BLOCKS: usize = 8;
-/// Most k-tiles of a GEMV slice (a block's share of K).
+/// Most k-tiles of a GEMV slice (a block's share of K): more slices for the widest K (the
+/// dense MLP's down product, 3 instead of 2), the split every session-15 timing ran with.
 const GEMV_MAX_PER: usize = 256;
 
 impl GemvPlan {
