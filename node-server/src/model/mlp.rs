@@ -50,6 +50,20 @@ impl SwiGlu {
         self.down.matmul(&act, tokens)
     }
 
+    /// [`SwiGlu::forward`] for one row as the CPU lane of the near-exact modes (`fast`, `nvme`)
+    /// computes it: the input and the activation quantized to int8 once each
+    /// ([`crate::quant::lane`]) for the matrices whose rows take integer dots.
+    pub fn forward_lane(&self, x: &[f32]) -> Vec<f32> {
+        use crate::quant::lane::Q16Row;
+        let quantized = |v: &[f32], any: bool| if any { Q16Row::quantize(v) } else { None };
+        let xq = quantized(x, self.gate.lane_integer() || self.up.lane_integer());
+        let gate = self.gate.matvec_lane(x, xq.as_ref());
+        let up = self.up.matvec_lane(x, xq.as_ref());
+        let act = swiglu(&gate, &up, self.limit);
+        let aq = quantized(&act, self.down.lane_integer());
+        self.down.matvec_lane(&act, aq.as_ref())
+    }
+
     /// Where the three weights' bytes are (for pinning them in RAM).
     pub fn storage_spans(&self) -> [(*const u8, usize); 3] {
         [
@@ -71,4 +85,56 @@ pub fn swiglu(gate: &[f32], up: &[f32], limit: f32) -> Vec<f32> {
         .zip(up)
         .map(|(&g, &u)| ops::silu(g.min(limit)) * u.clamp(-limit, limit))
         .collect()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::backend::cpu::Matrix;
+    use crate::quant::Format;
+
+    fn matrix(rows: usize, cols: usize, format: Format, seed: u32) -> Matrix {
+        let values = (0..rows * cols)
+            .map(|i| {
+                let h = (i as u32 ^ seed).wrapping_mul(0x9E37_79B9) >> 8;
+                (h as f32 / (1 << 24) as f32 - 0.5) / (cols as f32).sqrt()
+            })
+            .collect();
+        Matrix::from_f32(rows, cols, values)
+            .convert(format)
+            .unwrap()
+    }
+
+    fn expert(format: Format) -> SwiGlu {
+        SwiGlu {
+            gate: matrix(512, 256, format, 1),
+            up: matrix(512, 256, format, 2),
+            down: matrix(256, 512, format, 3),
+            limit: 7.0,
+        }
+    }
+
+    /// The lane's integer products stay within the 16-bit activations' rounding of the exact
+    /// kernels for the formats it multiplies in integers, and are the exact kernels' own for
+    /// the others.
+    #[test]
+    fn the_lane_follows_the_exact_products() {
+        let x: Vec<f32> = (0..256)
+            .map(|i| ((i * 37 % 101) as f32 - 50.0) / 25.0)
+            .collect();
+        for format in [Format::Q4K, Format::Q8_0] {
+            let e = expert(format);
+            assert!(e.gate.lane_integer() && e.down.lane_integer());
+            let (want, got) = (e.forward(&x, 1), e.forward_lane(&x));
+            let num: f32 = want.iter().zip(&got).map(|(a, b)| (a - b).powi(2)).sum();
+            let den: f32 = want.iter().map(|a| a * a).sum();
+            let rel = (num / den).sqrt();
+            assert!(rel < 3e-4 && rel > 0.0, "{format}: relative RMS {rel}");
+        }
+        for format in [Format::Bf16, Format::F32] {
+            let e = expert(format);
+            assert!(!e.gate.lane_integer());
+            assert_eq!(e.forward(&x, 1), e.forward_lane(&x), "{format}");
+        }
+    }
 }

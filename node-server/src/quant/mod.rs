@@ -17,6 +17,9 @@
 
 pub mod exl3;
 mod float;
+pub mod lane;
+#[cfg(target_arch = "x86_64")]
+mod lane_x86;
 mod q4k;
 mod q8_0;
 #[cfg(target_arch = "x86_64")]

@@ -32,7 +32,9 @@ pub use manifest::{
     quick_fingerprint,
 };
 pub use pack::{PackOptions, PackOutcome, PackReport, pack_store};
-pub use random::{random_record_parts, rebind_random_store, write_random_store};
+pub use random::{
+    random_record, random_record_parts, rebind_random_store, record_parts, write_random_store,
+};
 pub use reader::{
     ChecksumPolicy, EngineChoice, ReadError, ReadErrorKind, ReaderOptions, RecordBuf, StoreReader,
 };

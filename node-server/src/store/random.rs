@@ -78,12 +78,7 @@ pub fn write_random_store(
             || AlignedBuf::new(record_size),
             |buf, index| -> Result<RecordEntry, StoreError> {
                 let bytes = buf.as_mut_slice();
-                let mut rng = ChaCha8Rng::seed_from_u64(
-                    seed ^ (index as u64).wrapping_mul(0x9E37_79B9_7F4A_7C15),
-                );
-                for p in parts.all() {
-                    random_weight(&mut bytes[p.offset..p.offset + p.length], p, &mut rng);
-                }
+                random_record(&parts, seed, index, &mut bytes[..parts.length()]);
                 bytes[parts.length()..].fill(0);
                 let sha256 = manifest::sha256_hex(&bytes[..parts.length()]);
                 let offset = (index * record_size) as u64;
@@ -125,7 +120,11 @@ pub fn write_random_store(
 /// The layout of an expert of `cfg` with every weight in `format`: gate, up and down back to
 /// back, each as long as its format needs (the layout `pack-store` gives such an expert).
 pub fn random_record_parts(cfg: &Config, format: PartFormat) -> Result<Parts, StoreError> {
-    let (d, i) = (cfg.hidden_size, cfg.moe_intermediate_size);
+    record_parts(cfg.hidden_size, cfg.moe_intermediate_size, format)
+}
+
+/// The layout of an expert of width `i` over `d` hidden values, every weight in `format`.
+pub fn record_parts(d: usize, i: usize, format: PartFormat) -> Result<Parts, StoreError> {
     let part = |rows: usize, cols: usize, offset: usize| -> Result<Part, StoreError> {
         let mut p = Part {
             format,
@@ -181,6 +180,15 @@ fn check_decodable(parts: &Parts) -> Result<(), StoreError> {
 
 /// Fills `out` with a random weight of `part`'s shape and format whose values have std about
 /// `1/sqrt(cols)`.
+/// Record `index`'s bytes (`parts.length()` of them) for the random store of `seed`.
+pub fn random_record(parts: &Parts, seed: u64, index: usize, out: &mut [u8]) {
+    let mut rng =
+        ChaCha8Rng::seed_from_u64(seed ^ (index as u64).wrapping_mul(0x9E37_79B9_7F4A_7C15));
+    for p in parts.all() {
+        random_weight(&mut out[p.offset..p.offset + p.length], p, &mut rng);
+    }
+}
+
 fn random_weight(out: &mut [u8], part: &Part, rng: &mut ChaCha8Rng) {
     match part.format {
         PartFormat::Rows(format) => random_blocks(out, format, part.cols, rng),

@@ -7,7 +7,7 @@ use crate::model::config::Config;
 use crate::model::loader::Loader;
 use crate::model::mlp::SwiGlu;
 use crate::quant::exl3::Exl3Linear;
-use crate::store::{Part, PartFormat, RecordBuf};
+use crate::store::{Part, PartFormat, Parts, RecordBuf};
 use anyhow::Context;
 
 /// Where experts come from on a miss: the packed store (or, untiered, the checkpoint).
@@ -124,7 +124,17 @@ impl ExpertSource for StoreSource {
 /// as matrices, their bytes copied out of the record (rows as they are; an EXL3 weight into
 /// the layout its fused products read).
 pub fn expert_from_record(record: &RecordBuf, limit: f32) -> anyhow::Result<SwiGlu> {
-    let bytes = record.bytes();
+    expert_from_bytes(record.layout(), record.bytes(), limit).with_context(|| {
+        format!(
+            "record of layer {}, expert {}",
+            record.layer(),
+            record.expert()
+        )
+    })
+}
+
+/// The expert whose record bytes (laid out as `parts`) are `bytes`, as [`expert_from_record`].
+pub fn expert_from_bytes(parts: &Parts, bytes: &[u8], limit: f32) -> anyhow::Result<SwiGlu> {
     let matrix = |p: &Part| {
         let stored = &bytes[p.offset..p.offset + p.length];
         match p.format {
@@ -138,15 +148,7 @@ pub fn expert_from_record(record: &RecordBuf, limit: f32) -> anyhow::Result<SwiG
                 Exl3Linear::from_stored(p.cols, p.rows, rate, codebook, stored)?,
             )),
         }
-        .with_context(|| {
-            format!(
-                "record of layer {}, expert {}",
-                record.layer(),
-                record.expert()
-            )
-        })
     };
-    let parts = record.layout();
     Ok(SwiGlu {
         gate: matrix(&parts.gate)?,
         up: matrix(&parts.up)?,

@@ -280,6 +280,42 @@ impl Matrix {
         y
     }
 
+    /// Whether [`Matrix::matvec_lane`] multiplies this matrix in integers (its rows are in a
+    /// format [`quant::lane`] takes and it has no device copy).
+    pub fn lane_integer(&self) -> bool {
+        match &self.data {
+            Data::Packed(format, _) => {
+                self.device.is_none() && quant::lane::supported(*format, self.cols)
+            }
+            _ => false,
+        }
+    }
+
+    /// `W x` for one row `x` as the CPU lane of the near-exact modes computes it: with `xq`
+    /// (`x` quantized by [`quant::lane::Q16Row::quantize`]) by integer dots where
+    /// [`Matrix::lane_integer`], else as [`Matrix::matmul`].
+    pub fn matvec_lane(&self, x: &[f32], xq: Option<&quant::lane::Q16Row>) -> Vec<f32> {
+        match (&self.data, xq) {
+            (Data::Packed(format, b), Some(xq)) if self.lane_integer() => {
+                assert_eq!(
+                    xq.len(),
+                    self.cols,
+                    "lane input for a {}x{} matrix",
+                    self.rows,
+                    self.cols
+                );
+                let rb = format
+                    .row_bytes(self.cols)
+                    .expect("validated at construction");
+                let fmt = *format;
+                b.par_chunks_exact(rb)
+                    .map(|row| quant::lane::dot_row_q16(fmt, row, xq))
+                    .collect()
+            }
+            _ => self.matmul(x, 1),
+        }
+    }
+
     /// As [`Matrix::matmul`], writing into `y` (`n x rows`).
     pub fn matmul_into(&self, x: &[f32], n: usize, y: &mut [f32]) {
         let (rows, cols) = (self.rows, self.cols);

@@ -472,7 +472,7 @@ impl GpuTier {
                 (
                     p,
                     weights_of(routing.ids[p] as usize)
-                        .forward(&host_rows[t * hidden..(t + 1) * hidden], 1),
+                        .forward_lane(&host_rows[t * hidden..(t + 1) * hidden]),
                 )
             })
             .collect();

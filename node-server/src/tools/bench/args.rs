@@ -1,5 +1,5 @@
-//! The flags of `bench` and its `--tiered`, `--flash` and `--sampling` variants (one flag set: the
-//! variants share the model shape and token counts).
+//! The flags of `bench` and its `--tiered`, `--flash`, `--sampling` and `--lane` variants (one
+//! flag set: the variants share the model shape and token counts).
 
 use crate::plan::weights::Storage;
 use crate::quant::exl3::{Codebook, Rate};
@@ -23,7 +23,8 @@ pub struct BenchArgs {
     pub top_k: usize,
     #[arg(long, default_value_t = 4096)]
     pub vocab: usize,
-    /// Routed expert weight format of the random model: bf16, q8_0 or q4_k.
+    /// Routed expert weight format of the random model: bf16, q8_0 or q4_k (`--lane` also
+    /// takes exl3:RATE).
     #[arg(long, default_value = "bf16")]
     pub expert_format: String,
     #[arg(long, default_value_t = 256)]
@@ -45,6 +46,13 @@ pub struct BenchArgs {
     /// draws them (in parallel), at temperature 1 (not with --model).
     #[arg(long, env = "GLMFLASH_BENCH_SAMPLING", conflicts_with_all = ["model", "tiered", "flash"])]
     pub sampling: bool,
+    /// Time the CPU lane of the near-exact modes instead of a model: a decode step's
+    /// `--top-k` routed experts of `--hidden` x `--expert-width` in `--expert-format` (also
+    /// exl3:RATE), one token row each, in parallel, by the exact kernels and by the lane's
+    /// integer kernels, cycling through `--experts` experts (cold) or repeating `--top-k`
+    /// (hot) (not with --model).
+    #[arg(long, env = "GLMFLASH_BENCH_LANE", conflicts_with_all = ["model", "tiered", "flash", "sampling"])]
+    pub lane: bool,
 }
 
 #[derive(clap::Args, Debug, Clone)]

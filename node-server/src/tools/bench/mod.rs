@@ -1,11 +1,13 @@
 //! `bench`: prefill and decode speed of a random model (or `--model`), and its variants
 //! `--tiered` (decode through the expert tiers), `--flash` (GLM-5.3-Flash width under
-//! the RTX 3090 box's budget) and `--sampling` (the engine's token draw). Each reports its roofline from bandwidths measured in the
+//! the RTX 3090 box's budget), `--sampling` (the engine's token draw) and `--lane` (the CPU lane's
+//! routed experts). Each reports its roofline from bandwidths measured in the
 //! same run.
 
 mod args;
 mod common;
 mod flash;
+mod lane;
 mod plain;
 mod sampling;
 mod tiered;
@@ -15,6 +17,8 @@ pub use args::{BenchArgs, FlashBenchArgs, TierBenchArgs};
 pub fn run(args: &BenchArgs) -> anyhow::Result<()> {
     if args.sampling {
         sampling::run(args)
+    } else if args.lane {
+        lane::run(args)
     } else if args.flash.flash {
         flash::run(args)
     } else if args.tiers.tiered {
