@@ -3,7 +3,7 @@
 
 use super::device::{Device, Host};
 use super::loader::{LoadError, Loader};
-use crate::backend::cpu::ops;
+use crate::backend::cpu::{Matrix, ops};
 
 pub struct SwiGlu<D: Device = Host> {
     pub gate: D::Mat,
@@ -51,16 +51,18 @@ impl SwiGlu {
     }
 
     /// [`SwiGlu::forward`] for one row as the CPU lane of the near-exact modes (`fast`, `nvme`)
-    /// computes it: the input and the activation quantized to int8 once each
-    /// ([`crate::quant::lane`]) for the matrices whose rows take integer dots.
+    /// computes it ([`Matrix::matvec_lane`]): the input and the activation rounded to 16-bit
+    /// integers once each for the row-format matrices that take integer dots.
     pub fn forward_lane(&self, x: &[f32]) -> Vec<f32> {
         use crate::quant::lane::Q16Row;
+        // Row formats share one rounded input; an EXL3 matrix rounds its own rotated input.
+        let rows_integer = |m: &Matrix| m.lane_integer() && m.format().is_some();
         let quantized = |v: &[f32], any: bool| if any { Q16Row::quantize(v) } else { None };
-        let xq = quantized(x, self.gate.lane_integer() || self.up.lane_integer());
+        let xq = quantized(x, rows_integer(&self.gate) || rows_integer(&self.up));
         let gate = self.gate.matvec_lane(x, xq.as_ref());
         let up = self.up.matvec_lane(x, xq.as_ref());
         let act = swiglu(&gate, &up, self.limit);
-        let aq = quantized(&act, self.down.lane_integer());
+        let aq = quantized(&act, rows_integer(&self.down));
         self.down.matvec_lane(&act, aq.as_ref())
     }
 

@@ -280,23 +280,27 @@ impl Matrix {
         y
     }
 
-    /// Whether [`Matrix::matvec_lane`] multiplies this matrix in integers (its rows are in a
-    /// format [`quant::lane`] takes and it has no device copy).
+    /// Whether [`Matrix::matvec_lane`] multiplies this matrix in integers: rows in a format
+    /// [`quant::lane`] takes, or a mul1 EXL3 trellis (`quant::exl3`'s lane), with no device copy.
     pub fn lane_integer(&self) -> bool {
-        match &self.data {
-            Data::Packed(format, _) => {
-                self.device.is_none() && quant::lane::supported(*format, self.cols)
+        self.device.is_none()
+            && match &self.data {
+                Data::Packed(format, _) => quant::lane::supported(*format, self.cols),
+                Data::Exl3(lin) => lin.lane_integer(),
+                Data::F32(_) => false,
             }
-            _ => false,
-        }
     }
 
-    /// `W x` for one row `x` as the CPU lane of the near-exact modes computes it: with `xq`
-    /// (`x` quantized by [`quant::lane::Q16Row::quantize`]) by integer dots where
-    /// [`Matrix::lane_integer`], else as [`Matrix::matmul`].
+    /// `W x` for one row `x` as the CPU lane of the near-exact modes computes it where
+    /// [`Matrix::lane_integer`]: row formats by integer dots against `xq` (`x` as
+    /// [`quant::lane::Q16Row::quantize`] rounds it; without it, as [`Matrix::matmul`]), EXL3
+    /// by its own lane product; other matrices as [`Matrix::matmul`].
     pub fn matvec_lane(&self, x: &[f32], xq: Option<&quant::lane::Q16Row>) -> Vec<f32> {
+        if !self.lane_integer() {
+            return self.matmul(x, 1);
+        }
         match (&self.data, xq) {
-            (Data::Packed(format, b), Some(xq)) if self.lane_integer() => {
+            (Data::Packed(format, b), Some(xq)) => {
                 assert_eq!(
                     xq.len(),
                     self.cols,
@@ -311,6 +315,11 @@ impl Matrix {
                 b.par_chunks_exact(rb)
                     .map(|row| quant::lane::dot_row_q16(fmt, row, xq))
                     .collect()
+            }
+            (Data::Exl3(lin), _) => {
+                let mut y = vec![0f32; self.rows];
+                lin.forward_lane(x, &mut y);
+                y
             }
             _ => self.matmul(x, 1),
         }

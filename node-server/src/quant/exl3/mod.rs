@@ -10,12 +10,15 @@
 //! result and scale it by `svh`.
 //!
 //! Activations stay f32 throughout (exllamav3 rounds them to f16 between steps); decoded
-//! weights are exactly exllamav3's f16 values. The tile decode is bit-exact on both kernels;
+//! weights are exactly exllamav3's f16 values. The one exception is the CPU lane of the
+//! near-exact modes ([`Exl3Linear::forward_lane`], `lane.rs`): 16-bit integer inputs against
+//! mul1's weights before their f16 rounding. The tile decode is bit-exact on both kernels;
 //! products differ between the AVX2+FMA+F16C kernel and the portable one only in summation
 //! order. [`Kernel::active`] follows the same CPU detection and `GLMFLASH_FORCE_PORTABLE`
 //! switch as the row formats' dot products.
 
 mod hadamard;
+mod lane;
 mod portable;
 #[cfg(target_arch = "x86_64")]
 mod simd_x86;
@@ -592,6 +595,63 @@ impl Exl3Linear {
             }
         }
         self.rotate_output(y, rows);
+        Ok(())
+    }
+
+    /// `y = x W` for one row `x` as the CPU lane of the near-exact modes computes it (see
+    /// `lane.rs`: 16-bit integer inputs against mul1's byte sums), on [`Kernel::active`].
+    /// Other codebooks, and an input with a value that is not finite, as
+    /// [`Exl3Linear::forward`].
+    pub fn forward_lane(&self, x: &[f32], y: &mut [f32]) {
+        self.forward_lane_with(Kernel::active(), x, y)
+            .expect("the active kernel is supported");
+    }
+
+    /// Whether [`Exl3Linear::forward_lane`] takes the integer path (a mul1 trellis).
+    pub fn lane_integer(&self) -> bool {
+        self.codebook == Codebook::Mul1
+    }
+
+    /// As [`Exl3Linear::forward_lane`] on the given kernel (every kernel gives the same bits).
+    ///
+    /// # Panics
+    /// When `x` or `y` do not hold one row.
+    pub fn forward_lane_with(
+        &self,
+        kernel: Kernel,
+        x: &[f32],
+        y: &mut [f32],
+    ) -> Result<(), Exl3Error> {
+        assert_eq!(y.len(), self.n, "one output row of {}", self.n);
+        if kernel != Kernel::Portable && !super::cpu_features().simd_supported() {
+            return Err(Exl3Error::SimdUnsupported);
+        }
+        let xr = self.rotate_input(x, 1);
+        let input = match lane::LaneInput::new(&xr) {
+            Some(input) if self.lane_integer() => input,
+            _ => return self.forward_with(kernel, x, 1, y),
+        };
+        let arranged = match kernel {
+            Kernel::Portable => Vec::new(),
+            _ => input.arranged(),
+        };
+        y.par_chunks_mut(16)
+            .enumerate()
+            .for_each(|(nt, out)| match kernel {
+                #[cfg(target_arch = "x86_64")]
+                Kernel::Simd | Kernel::Avx2 => {
+                    let isa = if kernel == Kernel::Avx2 {
+                        simd_x86::Isa::Avx2
+                    } else {
+                        simd_x86::Isa::best()
+                    };
+                    simd_x86::lane_strip(isa, self.rate, self.column(nt), &input, &arranged, out)
+                }
+                #[cfg(not(target_arch = "x86_64"))]
+                Kernel::Simd | Kernel::Avx2 => unreachable!("refused above"),
+                Kernel::Portable => lane::strip(self.rate, self.column(nt), &input, out),
+            });
+        self.rotate_output(y, 1);
         Ok(())
     }
 

@@ -136,9 +136,9 @@ pub(super) fn strip(
 }
 
 /// The kernel's functions, compiled for the target features `$features`; `$byte_sum` sums
-/// each lane's four bytes.
+/// each lane's four bytes, `$madd_add` adds the pairwise products of 16-bit lanes.
 macro_rules! kernel {
-    ($isa:ident, $features:literal, $byte_sum:ident) => {
+    ($isa:ident, $features:literal, $byte_sum:ident, $madd_add:ident) => {
         mod $isa {
             use super::*;
 
@@ -260,6 +260,84 @@ macro_rules! kernel {
                 }
             }
 
+            /// One strip of the CPU lane's mul1 product ([`super::super::lane`]) from its
+            /// [`LaneInput::arranged`](super::super::lane::LaneInput::arranged) input `xa`: per
+            /// Hadamard block, the states' byte-pair sums against the input into eight i32
+            /// vectors (one per column pair), then into the f64 totals.
+            #[target_feature(enable = $features)]
+            pub(super) fn lane_strip(
+                plan: &RatePlan,
+                tiles: TileColumn,
+                xa: &[i16],
+                scales: &[f32],
+                input_sum: f64,
+                out: &mut [f32],
+            ) {
+                assert!(
+                    tiles.tiles.is_multiple_of(8)
+                        && xa.len() >= 64 * tiles.tiles
+                        && scales.len() >= tiles.tiles / 8,
+                    "the input covers the strip in whole Hadamard blocks"
+                );
+                // Opaque to the compiler, as in `rows_block`.
+                let c = std::hint::black_box(Consts::of(Codebook::Mul1));
+                let mut totals = [[0f64; 8]; 8];
+                for b in 0..tiles.tiles / 8 {
+                    let mut acc = [_mm256_setzero_si256(); 8];
+                    for kt in 8 * b..8 * b + 8 {
+                        let tile = tiles.tile(kt);
+                        assert!(
+                            tile.len() >= plan.reach,
+                            "every group's loads lie in the tile"
+                        );
+                        let (t, x) = (tile.as_ptr(), xa[64 * kt..][..64].as_ptr());
+                        // SAFETY: `lane_column` reads 16 bytes at `plan.group_start` offsets of
+                        // `t`, all below `plan.reach` (asserted above), and 64 values at `x`.
+                        unsafe {
+                            lane_column::<0>(plan, &c, t, x, &mut acc);
+                            lane_column::<1>(plan, &c, t, x, &mut acc);
+                            lane_column::<2>(plan, &c, t, x, &mut acc);
+                            lane_column::<3>(plan, &c, t, x, &mut acc);
+                            lane_column::<4>(plan, &c, t, x, &mut acc);
+                            lane_column::<5>(plan, &c, t, x, &mut acc);
+                            lane_column::<6>(plan, &c, t, x, &mut acc);
+                            lane_column::<7>(plan, &c, t, x, &mut acc);
+                        }
+                    }
+                    let mut lanes = [[0i32; 8]; 8];
+                    for (l, a) in lanes.iter_mut().zip(acc) {
+                        // SAFETY: `l` is 32 writable bytes; storeu has no alignment requirement.
+                        unsafe { _mm256_storeu_si256(l.as_mut_ptr().cast(), a) };
+                    }
+                    super::super::lane::flush(&mut totals, &lanes, scales[b]);
+                }
+                super::super::lane::columns(&totals, input_sum, out);
+            }
+
+            /// Groups `4 C0 .. 4 C0 + 4` of one tile into `acc[C0]`: each state hashed, its
+            /// byte pairs summed, and those times the input (both halves of a lane hold it).
+            ///
+            /// # Safety
+            /// `tile` must be readable up to `plan.reach` bytes and `x` for 64 values.
+            #[target_feature(enable = $features)]
+            #[inline]
+            pub(super) unsafe fn lane_column<const C0: usize>(
+                plan: &RatePlan,
+                c: &Consts,
+                tile: *const u8,
+                x: *const i16,
+                acc: &mut [__m256i; 8],
+            ) {
+                for q in 0..4 {
+                    // SAFETY: as the caller promised.
+                    let y = _mm256_mullo_epi32(unsafe { states(plan, tile, 4 * C0 + q) }, c.mul);
+                    let pairs = _mm256_maddubs_epi16(y, c.ones8);
+                    // SAFETY: `16 q + 16 <= 64` values at `x`.
+                    let xv = unsafe { _mm256_loadu_si256(x.add(16 * q).cast()) };
+                    acc[C0] = $madd_add(acc[C0], pairs, xv);
+                }
+            }
+
             #[target_feature(enable = $features)]
             #[inline]
             pub(super) fn load8i(v: &[i32; 8]) -> __m256i {
@@ -369,12 +447,43 @@ macro_rules! kernel {
     };
 }
 
-kernel!(avx2, "avx2,fma,f16c", byte_sum_avx2);
+kernel!(avx2, "avx2,fma,f16c", byte_sum_avx2, madd_add_avx2);
+// The lane's multiply-add stays `madd` + `add` here too: `vpdpwssd` would fuse them, but no
+// machine this was built on has AVX-512 VNNI to prove it on.
 kernel!(
     avx512,
     "avx2,fma,f16c,avx512f,avx512vl,avx512vnni",
-    byte_sum_vnni
+    byte_sum_vnni,
+    madd_add_avx2
 );
+
+/// `acc + madd(a, b)`: each i32 lane plus its two 16-bit pairs' products.
+#[target_feature(enable = "avx2")]
+#[inline]
+fn madd_add_avx2(acc: __m256i, a: __m256i, b: __m256i) -> __m256i {
+    _mm256_add_epi32(acc, _mm256_madd_epi16(a, b))
+}
+
+/// One strip of the CPU lane's mul1 product on the given instruction set, which the CPU must
+/// have (see [`super::lane`]).
+pub(super) fn lane_strip(
+    isa: Isa,
+    rate: Rate,
+    tiles: TileColumn,
+    input: &super::lane::LaneInput,
+    xa: &[i16],
+    out: &mut [f32],
+) {
+    assert!(isa.supported(), "{isa:?} on this CPU");
+    let plan = RatePlan::of(rate);
+    // SAFETY: asserted above that the CPU has the instruction set's features.
+    unsafe {
+        match isa {
+            Isa::Avx2 => avx2::lane_strip(plan, tiles, xa, &input.scales, input.sum, out),
+            Isa::Avx512Vnni => avx512::lane_strip(plan, tiles, xa, &input.scales, input.sum, out),
+        }
+    }
+}
 
 /// The codebook's constants as vectors.
 #[derive(Clone, Copy)]

@@ -414,3 +414,101 @@ fn checkpoint_trellis_gives_back_the_stored_words() {
         assert_eq!(lin.checkpoint_trellis(), trellis, "tiles of {len} words");
     }
 }
+
+/// The lane's product by its definition, in f64: the rotated input as the lane rounds it,
+/// times mul1's weights before their f16 rounding, rotated back and scaled.
+fn lane_product_f64(lin: &Exl3Linear, x: &[f32]) -> Vec<f64> {
+    let (k, n) = (lin.in_features(), lin.out_features());
+    let input = lane::LaneInput::new(&lin.rotate_input(x, 1)).unwrap();
+    let plan = trellis::RatePlan::of(lin.rate());
+    let mut z = vec![0f64; n];
+    for nt in 0..n / 16 {
+        for kt in 0..k / 16 {
+            let tile = lin.tile(kt, nt);
+            for p in 0..TILE_VALUES {
+                let (r, c) = trellis::position(p);
+                let y = plan.state(tile, p).wrapping_mul(trellis::MUL1_MUL);
+                let s: i32 = y.to_le_bytes().iter().map(|&b| i32::from(b)).sum();
+                let w = f64::from(trellis::MUL1_SCALE * s - trellis::MUL1_OFFSET) / 262_144.0;
+                let i = 16 * kt + r;
+                let xv = f64::from(input.q[i]) * f64::from(input.scales[i / 128]);
+                z[16 * nt + c] += xv * w;
+            }
+        }
+    }
+    for block in z.chunks_exact_mut(128) {
+        let src = block.to_vec();
+        for (i, out) in block.iter_mut().enumerate() {
+            *out = (0..128)
+                .map(|j| {
+                    if (i & j).count_ones() % 2 == 0 {
+                        src[j]
+                    } else {
+                        -src[j]
+                    }
+                })
+                .sum::<f64>()
+                / 128f64.sqrt();
+        }
+    }
+    z.iter()
+        .zip(&lin.svh)
+        .map(|(v, s)| v * f64::from(*s))
+        .collect()
+}
+
+/// The lane's mul1 product is its definition (to f32 rounding), gives the same bits on every
+/// kernel, and stays within the f16 rounding of the weights and the 16-bit rounding of the
+/// input of the exact product.
+#[test]
+fn lane_products_match_their_definition_on_every_kernel() {
+    let (k, n) = (512, 256);
+    for len in TILE_LENS {
+        let lin = random_linear(300 + len as u64, k, n, len, Codebook::Mul1);
+        assert!(lin.lane_integer());
+        // A mean and a few large values, as a model's hidden states have.
+        let mut x = random_f32(9 + len as u64, k, 1.0);
+        x.iter_mut().for_each(|v| *v += 0.3);
+        x[17] = 40.0;
+        x[300] = -25.0;
+        let want = lane_product_f64(&lin, &x);
+        let mut portable = vec![0f32; n];
+        lin.forward_lane_with(Kernel::Portable, &x, &mut portable)
+            .unwrap();
+        let err = max_rel(&portable, &want);
+        assert!(err < 1e-6, "{len}: portable rel err {err:.2e}");
+        for kernel in [Kernel::Simd, Kernel::Avx2] {
+            let mut simd = vec![0f32; n];
+            match lin.forward_lane_with(kernel, &x, &mut simd) {
+                Ok(()) => assert!(
+                    simd.iter()
+                        .zip(&portable)
+                        .all(|(a, b)| a.to_bits() == b.to_bits()),
+                    "{len}: {kernel:?} differs from the portable lane"
+                ),
+                Err(Exl3Error::SimdUnsupported) => {}
+                Err(e) => panic!("{e}"),
+            }
+        }
+        let exact = product_f64(&lin, &x, 1);
+        let err = max_rel(&portable, &exact);
+        assert!(
+            err < 2e-3 && err > 0.0,
+            "{len}: lane vs exact rel err {err:.2e}"
+        );
+    }
+}
+
+/// Codebooks other than mul1 take the exact product on the lane.
+#[test]
+fn lane_products_of_other_codebooks_are_the_exact_ones() {
+    for cb in [Codebook::Inst3, Codebook::Mcg] {
+        let lin = random_linear(77, 256, 128, 48, cb);
+        assert!(!lin.lane_integer());
+        let x = random_f32(5, 256, 1.0);
+        let (mut a, mut b) = (vec![0f32; 128], vec![0f32; 128]);
+        lin.forward(&x, 1, &mut a);
+        lin.forward_lane(&x, &mut b);
+        assert_eq!(a, b, "{cb}");
+    }
+}
