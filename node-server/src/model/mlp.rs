@@ -124,16 +124,15 @@ mod tests {
         let x: Vec<f32> = (0..256)
             .map(|i| ((i * 37 % 101) as f32 - 50.0) / 25.0)
             .collect();
-        for format in [Format::Q4K, Format::Q8_0] {
-            let e = expert(format);
-            assert!(e.gate.lane_integer() && e.down.lane_integer());
-            let (want, got) = (e.forward(&x, 1), e.forward_lane(&x));
-            let num: f32 = want.iter().zip(&got).map(|(a, b)| (a - b).powi(2)).sum();
-            let den: f32 = want.iter().map(|a| a * a).sum();
-            let rel = (num / den).sqrt();
-            assert!(rel < 3e-4 && rel > 0.0, "{format}: relative RMS {rel}");
-        }
-        for format in [Format::Bf16, Format::F32] {
+        let format = Format::Q4K;
+        let e = expert(format);
+        assert!(e.gate.lane_integer() && e.down.lane_integer());
+        let (want, got) = (e.forward(&x, 1), e.forward_lane(&x));
+        let num: f32 = want.iter().zip(&got).map(|(a, b)| (a - b).powi(2)).sum();
+        let den: f32 = want.iter().map(|a| a * a).sum();
+        let rel = (num / den).sqrt();
+        assert!(rel < 3e-4 && rel > 0.0, "{format}: relative RMS {rel}");
+        for format in [Format::Q8_0, Format::Bf16, Format::F32] {
             let e = expert(format);
             assert!(!e.gate.lane_integer());
             assert_eq!(e.forward(&x, 1), e.forward_lane(&x), "{format}");

@@ -1,10 +1,11 @@
 //! Integer dots for the CPU lane of the near-exact modes (`fast`, `nvme`): the activation row is
 //! rounded once to 16-bit integers in blocks of 256 values ([`Q16Row`]: one f32 scale per block
-//! and the sum of every 32 values), and each Q4_K or Q8_0 weight row is multiplied by it in
-//! integers (AVX2 `madd`: sixteen 16-bit products a instruction, summed in pairs), where the f32
-//! kernels of [`super::dot_row`] widen, convert and multiply every weight in floats. GGML's q8_K
+//! and the sum of every 32 values), and each Q4_K weight row is multiplied by it in integers
+//! (AVX2 `madd`: sixteen 16-bit products an instruction, summed in pairs), where the f32 kernel
+//! of [`super::dot_row`] widens, converts and multiplies every weight in floats. GGML's q8_K
 //! does the same with 8-bit activations; 16 bits keep the lane's products within about 1e-4 of
-//! the exact kernels' instead of about 1e-2.
+//! the exact kernels' instead of about 1e-2. (Q8_0 rows stay on the f32 kernel: it widens
+//! their bytes in one step, and the integer form measured 0.7x of it, BENCHMARKS "Session 16".)
 //!
 //! The integer sums are exact. Their float combination follows the AVX2 kernel's vector lanes
 //! with a multiply and an add, no FMA, so the portable kernel gives the same bits. What differs
@@ -14,7 +15,7 @@
 
 use super::Format;
 use super::float::f16_at;
-use super::{q4k, q8_0, sum_lanes};
+use super::{q4k, sum_lanes};
 
 /// Activation values per scale.
 pub const BLOCK: usize = 256;
@@ -45,20 +46,10 @@ impl Q16Row {
             sums: Vec::with_capacity(x.len() / SUM),
         };
         for block in x.chunks_exact(BLOCK) {
-            let amax = block.iter().fold(0f32, |m, v| m.max(v.abs()));
-            let inv = if amax > 0.0 { QMAX / amax } else { 0.0 };
-            row.scales.push(amax / QMAX);
-            for part in block.chunks_exact(SUM) {
-                let mut sum = 0i32;
-                for v in part {
-                    // Round half away from zero through a truncating cast (`f32::round` is a
-                    // libm call on baseline x86_64); `|v| * inv` may exceed the top by an ulp.
-                    let t = (v.abs() * inv + 0.5).min(QMAX) as i16;
-                    let q = if *v < 0.0 { -t } else { t };
-                    sum += i32::from(q);
-                    row.q.push(q);
-                }
-                row.sums.push(sum);
+            let start = row.q.len();
+            row.scales.push(round_i16(block, &mut row.q));
+            for part in row.q[start..].chunks_exact(SUM) {
+                row.sums.push(part.iter().map(|&q| i32::from(q)).sum());
             }
         }
         Some(row)
@@ -83,9 +74,23 @@ impl Q16Row {
     }
 }
 
+/// Rounds `block` to 16-bit integers at one scale, `max|v| / 32767` (returned), pushing them
+/// onto `out`: the nearest integer, halves away from zero. The values must be finite.
+pub(crate) fn round_i16(block: &[f32], out: &mut Vec<i16>) -> f32 {
+    let amax = block.iter().fold(0f32, |m, v| m.max(v.abs()));
+    let inv = if amax > 0.0 { QMAX / amax } else { 0.0 };
+    out.extend(block.iter().map(|v| {
+        // A truncating cast after adding a half (`f32::round` is a libm call on baseline
+        // x86_64); `|v| * inv` may exceed the top by an ulp.
+        let t = (v.abs() * inv + 0.5).min(QMAX) as i16;
+        if *v < 0.0 { -t } else { t }
+    }));
+    amax / QMAX
+}
+
 /// Whether [`dot_row_q16`] takes rows of `format` with `cols` values.
 pub fn supported(format: Format, cols: usize) -> bool {
-    matches!(format, Format::Q4K | Format::Q8_0) && cols.is_multiple_of(BLOCK)
+    format == Format::Q4K && cols.is_multiple_of(BLOCK)
 }
 
 /// `sum_i w_i * x_i` for the weight row `row` (bytes in `format`) and the quantized activations
@@ -145,18 +150,6 @@ fn portable(format: Format, row: &[u8], x: &Q16Row) -> f32 {
                 q4k_accumulate(&mut acc, blk, &lanes, &mins, x.scales[b]);
             }
         }
-        Format::Q8_0 => {
-            for (j, blk) in row.chunks_exact(q8_0::BLOCK_BYTES).enumerate() {
-                let xq = &x.q[32 * j..32 * j + 32];
-                let lanes = std::array::from_fn(|l| {
-                    lane_values(l)
-                        .into_iter()
-                        .map(|i| i32::from(blk[2 + i] as i8) * i32::from(xq[i]))
-                        .sum()
-                });
-                q8_0_accumulate(&mut acc, blk, &lanes, x.scales[32 * j / BLOCK]);
-            }
-        }
         _ => unreachable!("checked"),
     }
     sum_lanes(acc)
@@ -180,23 +173,8 @@ fn q4k_accumulate(acc: &mut [f32; 8], blk: &[u8], lanes: &[i32; 8], mins: &[i32;
 
 /// Q4_K block `blk`'s `d` and `dmin` times the activations' scale.
 #[inline]
-pub(super) fn q4k_scales(blk: &[u8], scale: f32) -> (f32, f32) {
+fn q4k_scales(blk: &[u8], scale: f32) -> (f32, f32) {
     (f16_at(&blk[0..2]) * scale, f16_at(&blk[2..4]) * scale)
-}
-
-/// Adds Q8_0 block `blk`'s share to the lanes from its integer sums.
-#[inline]
-fn q8_0_accumulate(acc: &mut [f32; 8], blk: &[u8], lanes: &[i32; 8], scale: f32) {
-    let d = q8_0_scale(blk, scale);
-    for (a, &s) in acc.iter_mut().zip(lanes) {
-        *a += s as f32 * d;
-    }
-}
-
-/// Q8_0 block `blk`'s `d` times the activations' scale.
-#[inline]
-pub(super) fn q8_0_scale(blk: &[u8], scale: f32) -> f32 {
-    f16_at(blk) * scale
 }
 
 fn check(format: Format, row: &[u8], x: &Q16Row) {

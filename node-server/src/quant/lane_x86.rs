@@ -1,6 +1,6 @@
-//! The AVX2 kernels of [`super::lane`]: a weight row's values widened to 16 bits (Q4_K's nibbles
-//! times their sub-block's 6-bit scale, Q8_0's bytes), `madd` against the 16-bit activations
-//! into eight i32 lanes, and the lanes combined in f32 as the portable kernel combines them.
+//! The AVX2 kernel of [`super::lane`]: a Q4_K row's nibbles widened to 16 bits and times their
+//! sub-block's 6-bit scale, `madd` against the 16-bit activations into eight i32 lanes, and the
+//! lanes combined in f32 as the portable kernel combines them.
 //!
 //! `unsafe` is allowed here for loads from fixed-size array references and for calling the
 //! `#[target_feature]` kernels once the caller has checked the CPU.
@@ -8,8 +8,8 @@
 
 use std::arch::x86_64::*;
 
-use super::lane::{BLOCK, Q16Row, q4k_scales, q8_0_scale};
-use super::{Format, q4k, q8_0, sum_lanes};
+use super::lane::{BLOCK, Q16Row};
+use super::{Format, q4k, sum_lanes};
 
 /// [`super::lane::dot_row_q16`] on AVX2; the caller has checked the shape and the CPU.
 pub(super) fn dot(format: Format, row: &[u8], x: &Q16Row) -> f32 {
@@ -18,7 +18,6 @@ pub(super) fn dot(format: Format, row: &[u8], x: &Q16Row) -> f32 {
     unsafe {
         match format {
             Format::Q4K => dot_q4k(row, x),
-            Format::Q8_0 => dot_q8_0(row, x),
             _ => unreachable!("checked by the caller"),
         }
     }
@@ -90,16 +89,12 @@ fn madd32(sum: __m256i, w: [__m256i; 2], x: &[i16]) -> __m256i {
     _mm256_add_epi32(sum, _mm256_add_epi32(a, b))
 }
 
-/// The 32 bytes of `v` widened to two vectors of 16-bit values (unsigned, or signed).
+/// The 32 bytes of `v` widened to two vectors of 16-bit values.
 #[target_feature(enable = "avx2,fma,f16c")]
 #[inline]
-fn widen<const SIGNED: bool>(v: __m256i) -> [__m256i; 2] {
+fn widen(v: __m256i) -> [__m256i; 2] {
     let (lo, hi) = (_mm256_castsi256_si128(v), _mm256_extracti128_si256::<1>(v));
-    if SIGNED {
-        [_mm256_cvtepi8_epi16(lo), _mm256_cvtepi8_epi16(hi)]
-    } else {
-        [_mm256_cvtepu8_epi16(lo), _mm256_cvtepu8_epi16(hi)]
-    }
+    [_mm256_cvtepu8_epi16(lo), _mm256_cvtepu8_epi16(hi)]
 }
 
 /// Q4_K: per 64-value chunk `c`, the low nibbles (sub-block `2c`) and the high ones (`2c+1`),
@@ -125,9 +120,9 @@ fn dot_q4k(row: &[u8], x: &Q16Row) -> f32 {
             let w = load_u8(arr(&blk[16 + 32 * c..48 + 32 * c]));
             let slo = _mm256_shuffle_epi8(scales, load_u8(&SPLAT[2 * c]));
             let shi = _mm256_shuffle_epi8(scales, load_u8(&SPLAT[2 * c + 1]));
-            let [a, b] = widen::<false>(_mm256_and_si256(w, low));
+            let [a, b] = widen(_mm256_and_si256(w, low));
             let lo = [_mm256_mullo_epi16(a, slo), _mm256_mullo_epi16(b, slo)];
-            let [a, b] = widen::<false>(_mm256_and_si256(_mm256_srli_epi16::<4>(w), low));
+            let [a, b] = widen(_mm256_and_si256(_mm256_srli_epi16::<4>(w), low));
             let hi = [_mm256_mullo_epi16(a, shi), _mm256_mullo_epi16(b, shi)];
             sum = madd32(sum, lo, &xq[64 * c..64 * c + 32]);
             sum = madd32(sum, hi, &xq[64 * c + 32..64 * c + 64]);
@@ -136,27 +131,16 @@ fn dot_q4k(row: &[u8], x: &Q16Row) -> f32 {
             _mm256_cvtepu8_epi32(_mm_cvtsi64_si128(m as i64)),
             load_i32(arr(&x.sums[8 * b..8 * b + 8])),
         );
-        // The multiplies, subtraction and add of the portable kernel, per lane.
-        let (d, dmin) = q4k_scales(blk, x.scales[b]);
+        // The multiplies, subtraction and add of the portable kernel, per lane; `d` and `dmin`
+        // widened by F16C (exact, as the portable kernel's conversion, and far cheaper).
+        let dd = _mm_cvtph_ps(_mm_cvtsi32_si128(word(0) as i32));
+        let (d, dmin) = (
+            _mm_cvtss_f32(dd) * x.scales[b],
+            _mm_cvtss_f32(_mm_movehdup_ps(dd)) * x.scales[b],
+        );
         let t = _mm256_mul_ps(_mm256_cvtepi32_ps(sum), _mm256_set1_ps(d));
         let u = _mm256_mul_ps(_mm256_cvtepi32_ps(mins), _mm256_set1_ps(dmin));
         acc = _mm256_add_ps(acc, _mm256_sub_ps(t, u));
-    }
-    sum_lanes(store_f32(acc))
-}
-
-#[target_feature(enable = "avx2,fma,f16c")]
-fn dot_q8_0(row: &[u8], x: &Q16Row) -> f32 {
-    let mut acc = _mm256_setzero_ps();
-    for (j, blk) in row.chunks_exact(q8_0::BLOCK_BYTES).enumerate() {
-        let w = widen::<true>(load_u8(arr(&blk[2..])));
-        let sum = madd32(_mm256_setzero_si256(), w, &x.q[32 * j..32 * j + 32]);
-        // The multiply and add of the portable kernel, per lane.
-        let d = q8_0_scale(blk, x.scales[32 * j / BLOCK]);
-        acc = _mm256_add_ps(
-            acc,
-            _mm256_mul_ps(_mm256_cvtepi32_ps(sum), _mm256_set1_ps(d)),
-        );
     }
     sum_lanes(store_f32(acc))
 }

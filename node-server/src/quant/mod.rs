@@ -13,7 +13,7 @@
 //!   kernel otherwise. The activation `x` stays `f32` on both paths, so they
 //!   agree up to floating-point summation order.
 //! * [`lane`]: the CPU lane's integer dots (near-exact modes): activations rounded to 16-bit
-//!   integers per 256 values, Q4_K / Q8_0 rows multiplied in integers.
+//!   integers per 256 values, Q4_K rows multiplied in integers.
 //! * [`set_force_portable`] or `GLMFLASH_FORCE_PORTABLE=1` (read once) disable
 //!   the SIMD path, e.g. to compare both paths in tests and benchmarks.
 

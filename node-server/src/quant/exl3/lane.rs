@@ -19,7 +19,6 @@ use super::{Rate, TileColumn};
 /// Inputs per scale: one Hadamard block (its integer sums stay within i32: 8 tiles of four
 /// products a lane, each at most 1020 * 32767).
 pub(super) const BLOCK: usize = hadamard::BLOCK;
-const QMAX: f32 = 32767.0;
 
 /// One rotated input row rounded for the lane: `xr[i] ~ scales[i / 128] * q[i]`.
 pub(super) struct LaneInput {
@@ -41,17 +40,9 @@ impl LaneInput {
             sum: 0.0,
         };
         for block in xr.chunks_exact(BLOCK) {
-            let amax = block.iter().fold(0f32, |m, v| m.max(v.abs()));
-            let inv = if amax > 0.0 { QMAX / amax } else { 0.0 };
-            let scale = amax / QMAX;
-            let mut sum = 0i64;
-            for v in block {
-                // Round half away from zero (as `quant::lane`).
-                let t = (v.abs() * inv + 0.5).min(QMAX) as i16;
-                let q = if *v < 0.0 { -t } else { t };
-                sum += i64::from(q);
-                input.q.push(q);
-            }
+            let start = input.q.len();
+            let scale = crate::quant::lane::round_i16(block, &mut input.q);
+            let sum: i64 = input.q[start..].iter().map(|&q| i64::from(q)).sum();
             input.scales.push(scale);
             input.sum += sum as f64 * f64::from(scale);
         }

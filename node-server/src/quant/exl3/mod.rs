@@ -186,6 +186,18 @@ impl Kernel {
     }
 }
 
+#[cfg(target_arch = "x86_64")]
+impl Kernel {
+    /// The instruction set a SIMD kernel runs on.
+    fn isa(self) -> simd_x86::Isa {
+        if self == Kernel::Avx2 {
+            simd_x86::Isa::Avx2
+        } else {
+            simd_x86::Isa::best()
+        }
+    }
+}
+
 /// The build of the SIMD kernel [`Kernel::Simd`] runs on this CPU, for the start-up log:
 /// `avx512-vnni` (AVX2 with AVX-512 VL and VNNI) or `avx2`; `none` without AVX2+FMA+F16C.
 pub fn simd_build() -> &'static str {
@@ -639,14 +651,14 @@ impl Exl3Linear {
             .enumerate()
             .for_each(|(nt, out)| match kernel {
                 #[cfg(target_arch = "x86_64")]
-                Kernel::Simd | Kernel::Avx2 => {
-                    let isa = if kernel == Kernel::Avx2 {
-                        simd_x86::Isa::Avx2
-                    } else {
-                        simd_x86::Isa::best()
-                    };
-                    simd_x86::lane_strip(isa, self.rate, self.column(nt), &input, &arranged, out)
-                }
+                Kernel::Simd | Kernel::Avx2 => simd_x86::lane_strip(
+                    kernel.isa(),
+                    self.rate,
+                    self.column(nt),
+                    &input,
+                    &arranged,
+                    out,
+                ),
                 #[cfg(not(target_arch = "x86_64"))]
                 Kernel::Simd | Kernel::Avx2 => unreachable!("refused above"),
                 Kernel::Portable => lane::strip(self.rate, self.column(nt), &input, out),
@@ -661,14 +673,15 @@ impl Exl3Linear {
         let tiles = self.column(nt);
         match kernel {
             #[cfg(target_arch = "x86_64")]
-            Kernel::Simd | Kernel::Avx2 => {
-                let isa = if kernel == Kernel::Avx2 {
-                    simd_x86::Isa::Avx2
-                } else {
-                    simd_x86::Isa::best()
-                };
-                simd_x86::strip(isa, self.rate, self.codebook, tiles, input, rows, out)
-            }
+            Kernel::Simd | Kernel::Avx2 => simd_x86::strip(
+                kernel.isa(),
+                self.rate,
+                self.codebook,
+                tiles,
+                input,
+                rows,
+                out,
+            ),
             #[cfg(not(target_arch = "x86_64"))]
             Kernel::Simd | Kernel::Avx2 => unreachable!("forward_with refuses SIMD kernels here"),
             Kernel::Portable => portable::strip(self.rate, self.codebook, tiles, input, rows, out),

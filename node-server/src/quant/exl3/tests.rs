@@ -43,41 +43,43 @@ fn random_linear(seed: u64, k: usize, n: usize, len: usize, cb: Codebook) -> Exl
 fn product_f64(lin: &Exl3Linear, x: &[f32], rows: usize) -> Vec<f64> {
     let (k, n) = (lin.in_features(), lin.out_features());
     let what = lin.reconstruct();
-    let had = |v: &mut [f64]| {
-        for block in v.chunks_exact_mut(128) {
-            let src = block.to_vec();
-            for (i, out) in block.iter_mut().enumerate() {
-                *out = (0..128)
-                    .map(|j| {
-                        if (i & j).count_ones() % 2 == 0 {
-                            src[j]
-                        } else {
-                            -src[j]
-                        }
-                    })
-                    .sum::<f64>()
-                    / 128f64.sqrt();
-            }
-        }
-    };
     let mut y = vec![0f64; rows * n];
     for row in 0..rows {
         let mut xr: Vec<f64> = (0..k)
             .map(|i| f64::from(x[row * k + i]) * f64::from(lin.suh[i]))
             .collect();
-        had(&mut xr);
+        hadamard_f64(&mut xr);
         let out = &mut y[row * n..(row + 1) * n];
         for (i, xv) in xr.iter().enumerate() {
             for (c, o) in out.iter_mut().enumerate() {
                 *o += xv * f64::from(what[i * n + c]);
             }
         }
-        had(out);
+        hadamard_f64(out);
         for (o, s) in out.iter_mut().zip(&lin.svh) {
             *o *= f64::from(*s);
         }
     }
     y
+}
+
+/// The orthonormal 128-point Hadamard transform of every block of `v`, in f64, by definition.
+fn hadamard_f64(v: &mut [f64]) {
+    for block in v.chunks_exact_mut(128) {
+        let src = block.to_vec();
+        for (i, out) in block.iter_mut().enumerate() {
+            *out = (0..128)
+                .map(|j| {
+                    if (i & j).count_ones() % 2 == 0 {
+                        src[j]
+                    } else {
+                        -src[j]
+                    }
+                })
+                .sum::<f64>()
+                / 128f64.sqrt();
+        }
+    }
 }
 
 fn max_rel(a: &[f32], b: &[f64]) -> f64 {
@@ -436,21 +438,7 @@ fn lane_product_f64(lin: &Exl3Linear, x: &[f32]) -> Vec<f64> {
             }
         }
     }
-    for block in z.chunks_exact_mut(128) {
-        let src = block.to_vec();
-        for (i, out) in block.iter_mut().enumerate() {
-            *out = (0..128)
-                .map(|j| {
-                    if (i & j).count_ones() % 2 == 0 {
-                        src[j]
-                    } else {
-                        -src[j]
-                    }
-                })
-                .sum::<f64>()
-                / 128f64.sqrt();
-        }
-    }
+    hadamard_f64(&mut z);
     z.iter()
         .zip(&lin.svh)
         .map(|(v, s)| v * f64::from(*s))

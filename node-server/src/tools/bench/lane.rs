@@ -1,11 +1,12 @@
 //! `bench --lane`: what the CPU lane of the near-exact modes spends on a decode step's routed
 //! experts at a given width. Each step computes `--top-k` picks of one token row in parallel,
 //! as the lane does (`GpuTier` hands it the RAM-resident picks), by the exact kernels (f32
-//! activations: what `exact` and the GPU-less runs compute) and by the lane's (int8
-//! activations where the weight format takes them, [`crate::quant::lane`]). The picks cycle
-//! through `--experts` experts (cold: far more bytes than the caches hold, as RAM residents
-//! are) or repeat the same `--top-k` (hot). The roofline is the weights' bytes a step over the
-//! memory bandwidth measured in the same run.
+//! activations: what `exact` and the GPU-less runs compute) and by the lane's (16-bit integer
+//! activations where the weight format takes them, [`crate::quant::lane`]), both kernels on
+//! every step in alternating order. The picks cycle through `--experts` experts (cold: far
+//! more bytes than the caches hold, as RAM residents are) or repeat the same `--top-k` (hot:
+//! from cache where it holds them). The roofline is the weights' bytes a step over the memory
+//! bandwidth measured in the same run.
 
 use super::BenchArgs;
 use super::args::parse_record_format;
@@ -16,7 +17,7 @@ use serde_json::json;
 use std::time::Instant;
 
 /// Steps timed per case (the median is reported).
-const STEPS: usize = 24;
+const STEPS: usize = 32;
 /// The model's SwiGLU clamp in the random experts.
 const LIMIT: f32 = 10.0;
 
@@ -73,29 +74,37 @@ pub fn run(args: &BenchArgs) -> anyhow::Result<()> {
     }
     let rel_rms = (num / den.max(f64::MIN_POSITIVE)).sqrt();
 
+    // Both kernels take every step, in alternating order, so that drift in the machine's speed
+    // (other tenants, frequency) falls on both alike.
     let mut cases = Vec::new();
     for set in ["cold", "hot"] {
-        for kernel in ["exact", "lane"] {
-            let mut times = Vec::with_capacity(STEPS);
-            for (s, row) in rows.iter().enumerate() {
-                let picks: Vec<&SwiGlu> = (0..k)
-                    .map(|j| match set {
-                        "cold" => &experts[(s * k + j) % experts.len()],
-                        _ => &experts[j],
-                    })
-                    .collect();
+        let mut times = [Vec::with_capacity(STEPS), Vec::with_capacity(STEPS)];
+        for (s, row) in rows.iter().enumerate() {
+            let picks: Vec<&SwiGlu> = (0..k)
+                .map(|j| match set {
+                    "cold" => &experts[(s * k + j) % experts.len()],
+                    _ => &experts[j],
+                })
+                .collect();
+            for turn in 0..2 {
+                let lane = (s + turn) % 2 == 1;
                 let started = Instant::now();
                 let out: Vec<Vec<f32>> = picks
                     .par_iter()
-                    .map(|e| match kernel {
-                        "exact" => e.forward(row, 1),
-                        _ => e.forward_lane(row),
+                    .map(|e| {
+                        if lane {
+                            e.forward_lane(row)
+                        } else {
+                            e.forward(row, 1)
+                        }
                     })
                     .collect();
-                times.push(started.elapsed().as_secs_f64());
+                times[usize::from(lane)].push(started.elapsed().as_secs_f64());
                 std::hint::black_box(out);
             }
-            // The first steps warm the pool and (hot) the caches.
+        }
+        for (kernel, times) in ["exact", "lane"].into_iter().zip(times) {
+            // The first steps warm the pool.
             let mut steady = times[2..].to_vec();
             steady.sort_by(f64::total_cmp);
             let t = steady[steady.len() / 2];
