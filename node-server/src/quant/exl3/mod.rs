@@ -638,10 +638,11 @@ impl Exl3Linear {
         if kernel != Kernel::Portable && !super::cpu_features().simd_supported() {
             return Err(Exl3Error::SimdUnsupported);
         }
-        let xr = self.rotate_input(x, 1);
-        let input = match lane::LaneInput::new(&xr) {
-            Some(input) if self.lane_integer() => input,
-            _ => return self.forward_with(kernel, x, 1, y),
+        if !self.lane_integer() {
+            return self.forward_with(kernel, x, 1, y);
+        }
+        let Some(input) = lane::LaneInput::new(&self.rotate_input(x, 1)) else {
+            return self.forward_with(kernel, x, 1, y);
         };
         let arranged = match kernel {
             Kernel::Portable => Vec::new(),
