@@ -88,69 +88,64 @@ pub(crate) fn round_i16(block: &[f32], out: &mut Vec<i16>) -> f32 {
     amax / QMAX
 }
 
-/// Whether [`dot_row_q16`] takes rows of `format` with `cols` values.
+/// Whether [`dot_q4k`] takes rows of `format` with `cols` values.
 pub fn supported(format: Format, cols: usize) -> bool {
     format == Format::Q4K && cols.is_multiple_of(BLOCK)
 }
 
-/// `sum_i w_i * x_i` for the weight row `row` (bytes in `format`) and the quantized activations
-/// `x`: AVX2 where the CPU has it (and [`super::set_force_portable`] allows), else portable;
-/// both give the same bits.
+/// `sum_i w_i * x_i` for the Q4_K weight row `row` and the rounded activations `x`: AVX2 where
+/// the CPU has it (and [`super::set_force_portable`] allows), else portable; both give the
+/// same bits.
 ///
 /// # Panics
-/// When `format` is not [`supported`] or `row` does not hold `x.len()` values.
-pub fn dot_row_q16(format: Format, row: &[u8], x: &Q16Row) -> f32 {
-    check(format, row, x);
+/// When `row` does not hold `x.len()` values.
+pub fn dot_q4k(row: &[u8], x: &Q16Row) -> f32 {
+    check(row, x);
     #[cfg(target_arch = "x86_64")]
     if super::cpu_features().simd_active() {
-        return super::lane_x86::dot(format, row, x);
+        return super::lane_x86::dot_q4k(row, x);
     }
-    portable(format, row, x)
+    portable(row, x)
 }
 
-/// The portable kernel of [`dot_row_q16`], whatever the CPU supports. Same panics.
-pub fn dot_row_q16_portable(format: Format, row: &[u8], x: &Q16Row) -> f32 {
-    check(format, row, x);
-    portable(format, row, x)
+/// The portable kernel of [`dot_q4k`], whatever the CPU supports. Same panics.
+pub fn dot_q4k_portable(row: &[u8], x: &Q16Row) -> f32 {
+    check(row, x);
+    portable(row, x)
 }
 
-/// The AVX2 kernel of [`dot_row_q16`], ignoring [`super::set_force_portable`]; `None` when the
-/// CPU lacks AVX2, FMA or F16C. Same panics.
-pub fn dot_row_q16_simd(format: Format, row: &[u8], x: &Q16Row) -> Option<f32> {
-    check(format, row, x);
+/// The AVX2 kernel of [`dot_q4k`], ignoring [`super::set_force_portable`]; `None` when the CPU
+/// lacks AVX2, FMA or F16C. Same panics.
+pub fn dot_q4k_simd(row: &[u8], x: &Q16Row) -> Option<f32> {
+    check(row, x);
     #[cfg(target_arch = "x86_64")]
     if super::cpu_features().simd_supported() {
-        return Some(super::lane_x86::dot(format, row, x));
+        return Some(super::lane_x86::dot_q4k(row, x));
     }
     None
 }
 
-fn portable(format: Format, row: &[u8], x: &Q16Row) -> f32 {
+fn portable(row: &[u8], x: &Q16Row) -> f32 {
     let mut acc = [0f32; 8];
-    match format {
-        Format::Q4K => {
-            for (b, blk) in row.chunks_exact(q4k::BLOCK_BYTES).enumerate() {
-                let (sc, m) = q4k::unpack_scales(&blk[4..16]);
-                let xq = &x.q[BLOCK * b..BLOCK * (b + 1)];
-                let mut lanes = [0i32; 8];
-                for c in 0..4 {
-                    let bytes = &blk[16 + 32 * c..16 + 32 * c + 32];
-                    for (l, lane) in lanes.iter_mut().enumerate() {
-                        for i in lane_values(l) {
-                            *lane += i32::from(sc[2 * c])
-                                * i32::from(bytes[i] & 0x0F)
-                                * i32::from(xq[64 * c + i])
-                                + i32::from(sc[2 * c + 1])
-                                    * i32::from(bytes[i] >> 4)
-                                    * i32::from(xq[64 * c + 32 + i]);
-                        }
-                    }
+    for (b, blk) in row.chunks_exact(q4k::BLOCK_BYTES).enumerate() {
+        let (sc, m) = q4k::unpack_scales(&blk[4..16]);
+        let xq = &x.q[BLOCK * b..BLOCK * (b + 1)];
+        let mut lanes = [0i32; 8];
+        for c in 0..4 {
+            let bytes = &blk[16 + 32 * c..16 + 32 * c + 32];
+            for (l, lane) in lanes.iter_mut().enumerate() {
+                for i in lane_values(l) {
+                    *lane += i32::from(sc[2 * c])
+                        * i32::from(bytes[i] & 0x0F)
+                        * i32::from(xq[64 * c + i])
+                        + i32::from(sc[2 * c + 1])
+                            * i32::from(bytes[i] >> 4)
+                            * i32::from(xq[64 * c + 32 + i]);
                 }
-                let mins = std::array::from_fn(|j| i32::from(m[j]) * x.sums[8 * b + j]);
-                q4k_accumulate(&mut acc, blk, &lanes, &mins, x.scales[b]);
             }
         }
-        _ => unreachable!("checked"),
+        let mins = std::array::from_fn(|j| i32::from(m[j]) * x.sums[8 * b + j]);
+        q4k_accumulate(&mut acc, blk, &lanes, &mins, x.scales[b]);
     }
     sum_lanes(acc)
 }
@@ -177,14 +172,9 @@ fn q4k_scales(blk: &[u8], scale: f32) -> (f32, f32) {
     (f16_at(&blk[0..2]) * scale, f16_at(&blk[2..4]) * scale)
 }
 
-fn check(format: Format, row: &[u8], x: &Q16Row) {
-    assert!(
-        supported(format, x.len()),
-        "dot_row_q16: {format} rows of {} values",
-        x.len()
-    );
-    if let Err(e) = super::check_bytes(format, "row", x.len(), row.len()) {
-        panic!("dot_row_q16: {e}");
+fn check(row: &[u8], x: &Q16Row) {
+    if let Err(e) = super::check_bytes(Format::Q4K, "row", x.len(), row.len()) {
+        panic!("dot_q4k: {e}");
     }
 }
 

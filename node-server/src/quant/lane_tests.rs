@@ -80,19 +80,19 @@ fn integer_dots_match_the_dequantized_dot_on_both_kernels() {
             .zip(&xd)
             .map(|(a, b)| (f64::from(*a) * f64::from(*b)).abs())
             .sum();
-        let p = dot_row_q16_portable(format, &row, &xq);
+        let p = dot_q4k_portable(&row, &xq);
         assert!(
             (f64::from(p) - exact).abs() <= 1e-5 * scale,
             "{format} n={n}: portable {p} vs {exact}"
         );
-        if let Some(s) = dot_row_q16_simd(format, &row, &xq) {
+        if let Some(s) = dot_q4k_simd(&row, &xq) {
             assert_eq!(
                 s.to_bits(),
                 p.to_bits(),
                 "{format} n={n}: simd {s} vs portable {p}"
             );
         }
-        assert_eq!(dot_row_q16(format, &row, &xq).to_bits(), p.to_bits());
+        assert_eq!(dot_q4k(&row, &xq).to_bits(), p.to_bits());
         // Against the f32 kernel: each activation moved by at most half its block's step.
         let f = f64::from(dot_row(format, &row, &x));
         let bound: f64 = deq
@@ -124,9 +124,9 @@ fn integer_dots_do_not_overflow() {
     let x = vec![-1.0f32; n];
     let xq = Q16Row::quantize(&x).unwrap();
     let want: f64 = x.iter().map(|v| 63.0 * 15.0 * f64::from(*v)).sum();
-    let p = dot_row_q16_portable(Format::Q4K, &row, &xq);
+    let p = dot_q4k_portable(&row, &xq);
     assert_eq!(f64::from(p), want);
-    if let Some(s) = dot_row_q16_simd(Format::Q4K, &row, &xq) {
+    if let Some(s) = dot_q4k_simd(&row, &xq) {
         assert_eq!(s, p);
     }
 }
@@ -135,5 +135,5 @@ fn integer_dots_do_not_overflow() {
 #[should_panic(expected = "q4_k")]
 fn integer_dot_panics_on_bad_shape() {
     let xq = Q16Row::quantize(&[0.5; 512]).unwrap();
-    dot_row_q16(Format::Q4K, &[0u8; 144], &xq);
+    dot_q4k(&[0u8; 144], &xq);
 }

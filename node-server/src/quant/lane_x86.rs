@@ -9,52 +9,23 @@
 use std::arch::x86_64::*;
 
 use super::lane::{BLOCK, Q16Row};
-use super::{Format, q4k, sum_lanes};
+use super::simd_x86::{arr, to_array};
+use super::{q4k, sum_lanes};
 
-/// [`super::lane::dot_row_q16`] on AVX2; the caller has checked the shape and the CPU.
-pub(super) fn dot(format: Format, row: &[u8], x: &Q16Row) -> f32 {
+/// [`super::lane::dot_q4k`] on AVX2; the caller has checked the shape and the CPU.
+pub(super) fn dot_q4k(row: &[u8], x: &Q16Row) -> f32 {
     debug_assert!(super::cpu_features().simd_supported());
     // SAFETY: the callers get here only after runtime detection reported avx2, fma and f16c.
-    unsafe {
-        match format {
-            Format::Q4K => dot_q4k(row, x),
-            _ => unreachable!("checked by the caller"),
-        }
-    }
+    unsafe { q4k_kernel(row, x) }
 }
 
-fn arr<const N: usize, T>(s: &[T]) -> &[T; N] {
-    s.try_into().expect("slice length checked by caller")
-}
-
+/// 32 bytes of `v` (`N` values of `T`) into a vector.
 #[target_feature(enable = "avx2,fma,f16c")]
 #[inline]
-fn load_u8(v: &[u8; 32]) -> __m256i {
-    // SAFETY: `v` is 32 readable bytes; loadu has no alignment requirement.
+fn load<T, const N: usize>(v: &[T; N]) -> __m256i {
+    const { assert!(N * std::mem::size_of::<T>() == 32) };
+    // SAFETY: `v` is 32 readable bytes (asserted above); loadu has no alignment requirement.
     unsafe { _mm256_loadu_si256(v.as_ptr().cast()) }
-}
-
-#[target_feature(enable = "avx2,fma,f16c")]
-#[inline]
-fn load_i16(v: &[i16; 16]) -> __m256i {
-    // SAFETY: `v` is 32 readable bytes; loadu has no alignment requirement.
-    unsafe { _mm256_loadu_si256(v.as_ptr().cast()) }
-}
-
-#[target_feature(enable = "avx2,fma,f16c")]
-#[inline]
-fn load_i32(v: &[i32; 8]) -> __m256i {
-    // SAFETY: `v` is 32 readable bytes; loadu has no alignment requirement.
-    unsafe { _mm256_loadu_si256(v.as_ptr().cast()) }
-}
-
-#[target_feature(enable = "avx2,fma,f16c")]
-#[inline]
-fn store_f32(v: __m256) -> [f32; 8] {
-    let mut out = [0f32; 8];
-    // SAFETY: `out` is 32 writable bytes; storeu has no alignment requirement.
-    unsafe { _mm256_storeu_ps(out.as_mut_ptr(), v) };
-    out
 }
 
 /// Shuffle masks spreading 16-bit word `j` of each 128-bit half over the half.
@@ -84,8 +55,8 @@ const SPLAT: [[u8; 32]; 8] = [
 #[target_feature(enable = "avx2,fma,f16c")]
 #[inline]
 fn madd32(sum: __m256i, w: [__m256i; 2], x: &[i16]) -> __m256i {
-    let a = _mm256_madd_epi16(w[0], load_i16(arr(&x[..16])));
-    let b = _mm256_madd_epi16(w[1], load_i16(arr(&x[16..32])));
+    let a = _mm256_madd_epi16(w[0], load(arr::<16, i16>(&x[..16])));
+    let b = _mm256_madd_epi16(w[1], load(arr::<16, i16>(&x[16..32])));
     _mm256_add_epi32(sum, _mm256_add_epi32(a, b))
 }
 
@@ -101,7 +72,7 @@ fn widen(v: __m256i) -> [__m256i; 2] {
 /// each times its sub-block's 6-bit scale (at most 945: still 16-bit), against the activations;
 /// the mins against the activations' per-32 sums.
 #[target_feature(enable = "avx2,fma,f16c")]
-fn dot_q4k(row: &[u8], x: &Q16Row) -> f32 {
+fn q4k_kernel(row: &[u8], x: &Q16Row) -> f32 {
     let low = _mm256_set1_epi8(0x0F);
     let mut acc = _mm256_setzero_ps();
     for (b, blk) in row.chunks_exact(q4k::BLOCK_BYTES).enumerate() {
@@ -117,9 +88,9 @@ fn dot_q4k(row: &[u8], x: &Q16Row) -> f32 {
         let scales = _mm256_broadcastsi128_si256(_mm_cvtepu8_epi16(_mm_cvtsi64_si128(sc as i64)));
         let mut sum = _mm256_setzero_si256();
         for c in 0..4 {
-            let w = load_u8(arr(&blk[16 + 32 * c..48 + 32 * c]));
-            let slo = _mm256_shuffle_epi8(scales, load_u8(&SPLAT[2 * c]));
-            let shi = _mm256_shuffle_epi8(scales, load_u8(&SPLAT[2 * c + 1]));
+            let w = load(arr::<32, u8>(&blk[16 + 32 * c..48 + 32 * c]));
+            let slo = _mm256_shuffle_epi8(scales, load(&SPLAT[2 * c]));
+            let shi = _mm256_shuffle_epi8(scales, load(&SPLAT[2 * c + 1]));
             let [a, b] = widen(_mm256_and_si256(w, low));
             let lo = [_mm256_mullo_epi16(a, slo), _mm256_mullo_epi16(b, slo)];
             let [a, b] = widen(_mm256_and_si256(_mm256_srli_epi16::<4>(w), low));
@@ -129,7 +100,7 @@ fn dot_q4k(row: &[u8], x: &Q16Row) -> f32 {
         }
         let mins = _mm256_mullo_epi32(
             _mm256_cvtepu8_epi32(_mm_cvtsi64_si128(m as i64)),
-            load_i32(arr(&x.sums[8 * b..8 * b + 8])),
+            load(arr::<8, i32>(&x.sums[8 * b..8 * b + 8])),
         );
         // The multiplies, subtraction and add of the portable kernel, per lane; `d` and `dmin`
         // widened by F16C (exact, as the portable kernel's conversion, and far cheaper).
@@ -142,5 +113,5 @@ fn dot_q4k(row: &[u8], x: &Q16Row) -> f32 {
         let u = _mm256_mul_ps(_mm256_cvtepi32_ps(mins), _mm256_set1_ps(dmin));
         acc = _mm256_add_ps(acc, _mm256_sub_ps(t, u));
     }
-    sum_lanes(store_f32(acc))
+    sum_lanes(to_array(acc))
 }

@@ -80,7 +80,7 @@ fn f16_scalar(b: &[u8]) -> f32 {
     _mm_cvtss_f32(_mm_cvtph_ps(_mm_cvtsi32_si128(bits)))
 }
 
-fn arr<const N: usize, T>(s: &[T]) -> &[T; N] {
+pub(super) fn arr<const N: usize, T>(s: &[T]) -> &[T; N] {
     s.try_into().expect("slice length checked by caller")
 }
 
@@ -159,7 +159,7 @@ fn dot_q8_0(row: &[u8], x: &[f32]) -> f32 {
 
 #[target_feature(enable = "avx2,fma,f16c")]
 #[inline]
-fn to_array(v: __m256) -> [f32; 8] {
+pub(super) fn to_array(v: __m256) -> [f32; 8] {
     let mut out = [0.0f32; 8];
     // SAFETY: `out` is 32 writable bytes; storeu has no alignment requirement.
     unsafe { _mm256_storeu_ps(out.as_mut_ptr(), v) };

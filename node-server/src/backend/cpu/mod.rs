@@ -311,9 +311,8 @@ impl Matrix {
                 let rb = format
                     .row_bytes(self.cols)
                     .expect("validated at construction");
-                let fmt = *format;
                 b.par_chunks_exact(rb)
-                    .map(|row| quant::lane::dot_row_q16(fmt, row, xq))
+                    .map(|row| quant::lane::dot_q4k(row, xq))
                     .collect()
             }
             (Data::Exl3(lin), _) => {
