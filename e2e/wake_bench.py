@@ -11,11 +11,17 @@ it (warm) or none (cold). The request is the one the activator would have held: 
 as the server reports ready; the time counts from the process's start.
 
   e2e/wake_bench.py --bin target/release/glmflash-node [--runs 3] [--device cpu|cuda]
+  e2e/wake_bench.py --device cuda --model DIR --store DIR --vram-slots V --ram-slots R
+The first form makes the demo model and its store; the second serves a model and store made
+elsewhere (`bench --flash --keep`'s scratch: a GLM-5.3-Flash-width model under the 3090 budget's
+slot counts), with a word-per-id tokenizer over its whole vocabulary where it has none (so that
+every generated id streams as text).
 Prints one JSON object per start and a summary table (Markdown) at the end.
 """
 import argparse
 import json
 import os
+import re
 import shutil
 import signal
 import socket
@@ -51,7 +57,8 @@ def wait_ready(url, proc, timeout=300):
 
 
 def stream_completion(url, tokens):
-    """Streams a greedy completion; returns (seconds to the first token, tokens received)."""
+    """Streams a greedy completion; returns (seconds to the first token, tokens received,
+    seconds to the end of the stream)."""
     body = json.dumps({"model": "glm-5.3-flash", "prompt": PROMPT, "max_tokens": tokens,
                        "temperature": 0, "stream": True, "ignore_eos": True}).encode()
     req = urllib.request.Request(url + "/v1/completions", body,
@@ -67,7 +74,7 @@ def stream_completion(url, tokens):
                 count += 1
                 if first is None:
                     first = time.time() - started
-    return first, count
+    return first, count, time.time() - started
 
 
 def lookups(url):
@@ -81,13 +88,25 @@ def lookups(url):
     return out
 
 
+def write_word_tokenizer(config, out):
+    """A tokenizer.json of one word a token id ("t0", "t1", ...) over the model's vocabulary:
+    every id the random model generates then decodes to text and streams as a chunk."""
+    cfg = json.load(open(config))
+    vocab = cfg.get("vocab_size") or cfg["text_config"]["vocab_size"]
+    json.dump({"version": "1.0", "truncation": None, "padding": None, "added_tokens": [],
+               "normalizer": None, "pre_tokenizer": {"type": "Whitespace"},
+               "post_processor": None, "decoder": None,
+               "model": {"type": "WordLevel", "vocab": {f"t{i}": i for i in range(vocab)},
+                         "unk_token": "t0"}}, open(out, "w"))
+
+
 def start(args, work, port, history):
-    cmd = [args.bin, "serve", "--model", f"{work}/demo", "--mode", "nvme", "--store",
-           f"{work}/store", "--vram-slots", str(args.vram_slots), "--ram-slots",
+    cmd = [args.bin, "serve", "--model", f"{work}/model", "--mode", "nvme", "--store",
+           args.store or f"{work}/store", "--vram-slots", str(args.vram_slots), "--ram-slots",
            str(args.ram_slots), "--device", args.device, "--host", "127.0.0.1",
            "--port", str(port), "--history", history]
     log = open(f"{work}/serve.{port}.log", "w")
-    return subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT)
+    return subprocess.Popen(cmd + args.serve_arg, stdout=log, stderr=subprocess.STDOUT)
 
 
 def stop(proc):
@@ -104,15 +123,21 @@ def one_start(args, work, history):
         wait_ready(url, proc)
         ready = time.time() - t0
         before = lookups(url)
-        ttft, got = stream_completion(url, args.tokens)
+        ttft, got, whole = stream_completion(url, args.tokens)
         after = lookups(url)
         first_token = ready + ttft
     finally:
         stop(proc)
+    # The background fill's own report (experts loaded, seconds), when the server logged it.
+    fill = None
+    for line in open(f"{work}/serve.{port}.log", errors="replace"):
+        line = re.sub(r"\x1b\[[0-9;]*m", "", line)
+        if "tiers warm-started" in line:
+            fill = {k: float(v) for k, v in re.findall(r"\b(loaded|secs)=([0-9.]+)", line)}
     seen = {t: after.get(t, 0) - before.get(t, 0) for t in after}
     total = sum(seen.values()) or 1
     return {"ready_s": round(ready, 3), "first_token_s": round(first_token, 3),
-            "tokens": got, "hit_rate": {t: round(v / total, 3) for t, v in sorted(seen.items())}}
+            "last_token_s": round(ready + whole, 3), "tokens": got, "fill": fill, "hit_rate": {t: round(v / total, 3) for t, v in sorted(seen.items())}}
 
 
 def main():
@@ -123,13 +148,28 @@ def main():
     p.add_argument("--device", default="cpu")
     p.add_argument("--vram-slots", type=int, default=2)
     p.add_argument("--ram-slots", type=int, default=3)
+    p.add_argument("--model", help="serve this model (with --store) instead of the demo")
+    p.add_argument("--store", help="the packed store of --model")
+    p.add_argument("--serve-arg", action="append", default=[],
+                   help="one more argument for every `serve` (repeat)")
     a = p.parse_args()
+    if bool(a.model) != bool(a.store):
+        p.error("--model and --store go together")
     work = tempfile.mkdtemp(prefix="glmflash-wake-", dir=os.environ.get("SCRATCH", "."))
     try:
         subprocess.run([a.bin, "make-demo-model", "--out", f"{work}/demo"], check=True,
                        capture_output=True)
-        subprocess.run([a.bin, "pack-store", "--model", f"{work}/demo", "--store",
-                        f"{work}/store"], check=True, capture_output=True)
+        if a.model:
+            # The model's files, linked, and the demo's tokenizer where it has none.
+            os.mkdir(f"{work}/model")
+            for name in os.listdir(a.model):
+                os.symlink(os.path.abspath(os.path.join(a.model, name)), f"{work}/model/{name}")
+            if not os.path.exists(f"{work}/model/tokenizer.json"):
+                write_word_tokenizer(f"{a.model}/config.json", f"{work}/model/tokenizer.json")
+        else:
+            os.rename(f"{work}/demo", f"{work}/model")
+            subprocess.run([a.bin, "pack-store", "--model", f"{work}/model", "--store",
+                            f"{work}/store"], check=True, capture_output=True)
         # The workload before hibernation: the same conversation, served, then SIGTERM.
         history = f"{work}/history.json"
         port = free_port()
@@ -152,14 +192,15 @@ def main():
                 r.update(kind=kind, run=run)
                 print(json.dumps(r), flush=True)
                 rows[kind].append(r)
-        print("\n| start | ready (s) | first token (s) | decode hit rate by tier, first "
-              f"{a.tokens} tokens |\n|---|---|---|---|")
+        print("\n| start | ready (s) | first token (s) | last token (s) | decode hit rate by tier, "
+              f"first {a.tokens} tokens |\n|---|---|---|---|---|")
         for kind, rs in rows.items():
             tiers = sorted({t for r in rs for t in r["hit_rate"]})
             rate = ", ".join(f"{t} {statistics.median(r['hit_rate'].get(t, 0) for r in rs):.3f}"
                              for t in tiers)
             print(f"| {kind} | {statistics.median(r['ready_s'] for r in rs):.3f} | "
-                  f"{statistics.median(r['first_token_s'] for r in rs):.3f} | {rate} |")
+                  f"{statistics.median(r['first_token_s'] for r in rs):.3f} | "
+                  f"{statistics.median(r['last_token_s'] for r in rs):.3f} | {rate} |")
     finally:
         shutil.rmtree(work, ignore_errors=True)
 

@@ -28,9 +28,10 @@
 #define EXL3_HSCALE 0.08838835f
 // Warps of an `exl3_gemv` block: each takes every GEMV_WARPS-th tile of the block's slice.
 #define EXL3_GEMV_WARPS 8
-// Tiles a warp keeps in flight, and the words of a ring slot (a tile at 8 bpw: 4 x 16).
-#define EXL3_RING 8
-#define EXL3_RING_WORDS 64
+// Tiles a warp keeps in flight, and the words of a ring slot: a tile (at 8 bpw 4 x 16 words)
+// and its first four words again, so that a lane's four words never wrap around the slot.
+#define EXL3_RING 8  // even: a step takes two tiles
+#define EXL3_RING_WORDS 68
 // GEMV blocks an SM keeps (the register budget: 4 gives 64 registers a thread).
 #ifndef EXL3_GEMV_MIN_BLOCKS
 #define EXL3_GEMV_MIN_BLOCKS 4
@@ -82,6 +83,13 @@ template <int H>
 __device__ __forceinline__ void exl3_lane_words(int w0, int idx[4]) {
 #pragma unroll
     for (int i = 0; i < 4; i++) idx[i] = w0 + i >= 4 * H ? w0 + i - 4 * H : w0 + i;
+}
+
+// Words of its tile a lane's eight windows span at rate H from their first word: the last
+// window ends 16 bits after position 7's start, which is at most 31 bits into the first word.
+template <int H>
+__device__ __forceinline__ constexpr int exl3_lane_span() {
+    return ((7 * (H >> 1) + 4 * (H & 1) + 16 - 1 + 31) >> 5) + 1;
 }
 
 // The lane's four words of the tile at `tile` (indices from `exl3_lane_words`).
@@ -344,20 +352,22 @@ __device__ void exl3_gemv_pass(const u32* __restrict__ trellis, int k, int n, in
     const int kt0 = min(k_tiles, s * per), kt1 = min(k_tiles, kt0 + per);
     const int q = lane & 3, c0 = lane >> 2;
     constexpr int W = EXL3_GEMV_WARPS;
-    int w0, o, idx[4];
+    int w0, o;
     exl3_lane_window<H>(lane, w0, o);
-    exl3_lane_words<H>(w0, idx);
     const int first = kt0 + wid;
     const int count = first < kt1 ? (kt1 - first + W - 1) / W : 0;
     const i64 step = (i64)W * n_tiles * tile_words;
     // This lane's 16 bytes of the warp's first tile (lanes below H copy one chunk a tile).
     const u32* src = trellis + ((i64)first * n_tiles + nt) * tile_words + 4 * lane;
-    // Shared-space addresses in ring slot 0: where this lane's chunk lands, and its 4 words.
+    // Lanes below H copy chunk `lane` of a tile to the slot's word 4 lane; lane H copies
+    // chunk 0 again, after the tile's 4 H words.
+    const bool copies = lane <= H;
+    if (lane == H) src -= 4 * H;
+    // Shared-space addresses in ring slot 0: where this lane's chunk lands, and its first word.
     const u32 slot0 = (u32)__cvta_generic_to_shared(ring[0]);
     const u32 put = slot0 + 16 * lane;
-    u32 get[4];
-#pragma unroll
-    for (int i = 0; i < 4; i++) get[i] = slot0 + 4 * idx[i];
+    const u32 get = slot0 + 4 * w0;
+    constexpr int span = exl3_lane_span<H>();
     float* dst = part + (i64)s * slice + 16 * nt;
     for (int t0 = 0; t0 < tokens; t0 += TOK_TILE) {
         const int nt_tok = min(TOK_TILE, tokens - t0);
@@ -370,29 +380,48 @@ __device__ void exl3_gemv_pass(const u32* __restrict__ trellis, int k, int n, in
         const u32* next = src;
 #pragma unroll
         for (int m = 0; m < EXL3_RING; m++, next += step) {
-            if (m < count && lane < H) exl3_cp16_at(put + m * 4 * EXL3_RING_WORDS, next);
+            if (m < count && copies) exl3_cp16_at(put + m * 4 * EXL3_RING_WORDS, next);
             exl3_cp_commit();
         }
         if (ROT) exl3_rotate_slice(x, suh, k, kt0, kt1, t0, nt_tok, per * 16, &red[wid][0][0], xsh);
-        for (int m = 0; m < count; m++, next += step, xq += 4 * W) {
-            const uint4 xv = has_x ? (ROT ? *xq : __ldg(xq)) : make_uint4(0u, 0u, 0u, 0u);
+        // Two tiles a step (m and m + 1: the ring's slots 2 i and 2 i + 1), in the order a tile a
+        // step would take them, so the sums are the same; the waits, syncs and addresses are
+        // shared by the two.
+        for (int m = 0; m < count; m += 2, next += 2 * step, xq += 8 * W) {
+            const bool two = m + 1 < count;
+            const uint4 zero = make_uint4(0u, 0u, 0u, 0u);
+            const uint4 xv0 = has_x ? (ROT ? xq[0] : __ldg(xq)) : zero;
+            const uint4 xv1 = has_x && two ? (ROT ? xq[4 * W] : __ldg(xq + 4 * W)) : zero;
             const u32 slot = (m % EXL3_RING) * 4 * EXL3_RING_WORDS;
-            exl3_cp_wait<EXL3_RING - 1>();  // tile m has landed (this lane's part)
+            constexpr u32 next_slot = 4 * EXL3_RING_WORDS;
+            exl3_cp_wait<EXL3_RING - 2>();  // tiles m and m + 1 have landed (this lane's part)
             __syncwarp();                     // ... and every lane's
-            u32 a[4];
+            u32 a0[4] = {0u, 0u, 0u, 0u}, a1[4] = {0u, 0u, 0u, 0u};
 #pragma unroll
-            for (int i = 0; i < 4; i++) a[i] = exl3_lds(get[i] + slot);
-            __syncwarp();  // all lanes have read the slot before it is refilled
-            // Tile m + EXL3_RING into the slot just read (an empty group past the last tile,
-            // so that every lane's group count stays in step with m).
-            if (m + EXL3_RING < count && lane < H) exl3_cp16_at(put + slot, next);
+            for (int i = 0; i < span; i++) a0[i] = exl3_lds(get + slot + 4 * i);
+            if (two)
+#pragma unroll
+                for (int i = 0; i < span; i++) a1[i] = exl3_lds(get + slot + next_slot + 4 * i);
+            __syncwarp();  // all lanes have read the slots before they are refilled
+            // Tiles m + EXL3_RING and m + 1 + EXL3_RING into the slots just read (an empty
+            // group past the last tile, so that every lane's group count stays in step with m).
+            if (m + EXL3_RING < count && copies) exl3_cp16_at(put + slot, next);
+            exl3_cp_commit();
+            if (m + 1 + EXL3_RING < count && copies)
+                exl3_cp16_at(put + slot + next_slot, next + step);
             exl3_cp_commit();
             u32 p[4];
-            exl3_decode_pairs<H, CB>(a, o, p);
+            exl3_decode_pairs<H, CB>(a0, o, p);
             // A: (row c0, k 2q..), (row c0 + 8, k 2q..), (row c0, k 2q + 8..), (c0 + 8, 2q + 8..).
-            const u32 frag[4] = {p[0], p[2], p[1], p[3]};
-            exl3_mma(hi, frag, xv.x, xv.y);
-            exl3_mma(lo, frag, xv.z, xv.w);
+            const u32 frag0[4] = {p[0], p[2], p[1], p[3]};
+            exl3_mma(hi, frag0, xv0.x, xv0.y);
+            exl3_mma(lo, frag0, xv0.z, xv0.w);
+            if (two) {
+                exl3_decode_pairs<H, CB>(a1, o, p);
+                const u32 frag1[4] = {p[0], p[2], p[1], p[3]};
+                exl3_mma(hi, frag1, xv1.x, xv1.y);
+                exl3_mma(lo, frag1, xv1.z, xv1.w);
+            }
         }
         // Lane 4 c0 + q holds columns c0 and c0 + 8 of tokens 2 q and 2 q + 1.
 #pragma unroll

@@ -571,3 +571,82 @@ fn a_layers_store_misses_are_read_in_one_batch() {
         batched + source.singles.load(std::sync::atomic::Ordering::Relaxed)
     );
 }
+
+/// A routing history fills the free slots in the background, most picked first (what the
+/// synchronous warm start loads), and never takes a slot a lookup holds.
+#[test]
+fn a_history_fills_free_slots_in_the_background_and_evicts_nothing() {
+    use glmflash_node::tiers::source::StoreSource;
+    let dir = fixture("tiny_mixed");
+    let store = tempfile::tempdir_in(env!("CARGO_TARGET_TMPDIR")).unwrap();
+    glmflash_node::store::pack_store(&dir, store.path(), &Default::default()).unwrap();
+    let model = Model::load(&dir).unwrap();
+    let cfg = model.cfg.clone();
+    let moe: Vec<bool> = cfg.mlp_kinds.iter().map(|k| *k == MlpKind::Moe).collect();
+    let prompt: Vec<u32> = (0..30)
+        .map(|i| (i * 17 + 3) % cfg.vocab_size as u32)
+        .collect();
+    let (device, ram) = (2, 3);
+    let tiers_with = |history: Option<PathBuf>| {
+        let source = Arc::new(StoreSource::open(store.path(), &dir, &cfg).unwrap());
+        let plan = TierPlan {
+            history,
+            ..test_plan(Mode::Nvme, device, ram, cfg.n_routed_experts, 64, false)
+        };
+        Arc::new(
+            TieredExperts::new(
+                source,
+                cfg.hidden_size,
+                cfg.n_routed_experts,
+                &moe,
+                &plan,
+                None,
+            )
+            .unwrap(),
+        )
+    };
+    // Serve once, keep the history.
+    let first = tiers_with(None);
+    let served = Model::builder().experts(first.clone()).load(&dir).unwrap();
+    let expected = run(&served, &prompt);
+    let history = first.history("fp");
+    let file = store.path().join("history.json");
+    history.save(&file).unwrap();
+
+    // A fresh start with it: the slots fill in the background with the most picked experts.
+    let warm = tiers_with(Some(file.clone()));
+    warm.open_history("fp").unwrap();
+    let loaded = warm.wait_filled();
+    let mut wanted_total = 0;
+    for (layer, &is_moe) in moe.iter().enumerate() {
+        if !is_moe {
+            continue;
+        }
+        let ranked = history.ranked(layer);
+        let (mut d, mut r) = warm.layer_residents(layer);
+        d.sort_unstable();
+        r.sort_unstable();
+        let mut want_d = ranked[..device.min(ranked.len())].to_vec();
+        let mut want_r = ranked[want_d.len()..(device + ram).min(ranked.len())].to_vec();
+        want_d.sort_unstable();
+        want_r.sort_unstable();
+        assert_eq!((d, r), (want_d, want_r), "layer {layer}");
+        wanted_total += (device + ram).min(ranked.len());
+    }
+    assert_eq!(loaded, wanted_total);
+    let model = Model::builder().experts(warm).load(&dir).unwrap();
+    assert!(
+        run(&model, &prompt) == expected,
+        "warm-filled: logits differ"
+    );
+
+    // Slots that lookups filled first stay theirs: a fill finds nothing free to load.
+    let busy = tiers_with(Some(file));
+    let model = Model::builder().experts(busy.clone()).load(&dir).unwrap();
+    let _ = run(&model, &prompt);
+    let before: Vec<_> = (0..moe.len()).map(|l| busy.layer_residents(l)).collect();
+    busy.open_history("fp").unwrap();
+    assert_eq!(busy.wait_filled(), 0);
+    let after: Vec<_> = (0..moe.len()).map(|l| busy.layer_residents(l)).collect();
+    assert_eq!(before, after);
+}

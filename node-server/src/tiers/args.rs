@@ -62,7 +62,8 @@ pub struct TierArgs {
     /// Turn off layer-ahead prefetch of predicted experts.
     #[arg(long, env = "GLMFLASH_NO_PREFETCH")]
     pub no_prefetch: bool,
-    /// Routing history file: loaded at start to warm the tiers, written at exit.
+    /// Routing history file: read at start to warm the tiers (policies at once, slots filled
+    /// in the background while serving), written at exit.
     #[arg(long, env = "GLMFLASH_HISTORY")]
     pub history: Option<PathBuf>,
 }
