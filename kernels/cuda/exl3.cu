@@ -357,7 +357,7 @@ __device__ void exl3_gemv_pass(const u32* __restrict__ trellis, int k, int n, in
     const int first = kt0 + wid;
     const int count = first < kt1 ? (kt1 - first + W - 1) / W : 0;
     const i64 step = (i64)W * n_tiles * tile_words;
-    // This lane's 16 bytes of the warp's first tile (lanes below H copy one chunk a tile).
+    // This lane's 16 bytes of the warp's first tile.
     const u32* src = trellis + ((i64)first * n_tiles + nt) * tile_words + 4 * lane;
     // Lanes below H copy chunk `lane` of a tile to the slot's word 4 lane; lane H copies
     // chunk 0 again, after the tile's 4 H words.

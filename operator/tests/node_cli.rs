@@ -22,7 +22,10 @@ fn example() -> GlmFlashDeployment {
     g
 }
 
-/// `argv` for the container: its args, then one `--flag value` per env var.
+/// Environment the CUDA driver reads, not the node: passed through as they are.
+const DRIVER_ENV: [&str; 1] = ["CUDA_CACHE_PATH"];
+
+/// `argv` for the container: its args, then one `--flag value` per env var (but the driver's).
 fn argv(c: &Container) -> Vec<String> {
     assert!(
         c.command.is_none(),
@@ -37,6 +40,9 @@ fn argv(c: &Container) -> Vec<String> {
     let mut argv = vec!["glmflash-node".to_string()];
     argv.extend(args.iter().cloned());
     for e in c.env.iter().flatten() {
+        if DRIVER_ENV.contains(&e.name.as_str()) {
+            continue;
+        }
         let arg = sub
             .get_arguments()
             .chain(cli.get_arguments())

@@ -12,12 +12,13 @@ use k8s_openapi::apimachinery::pkg::apis::meta::v1::{LabelSelector, ObjectMeta};
 use k8s_openapi::apimachinery::pkg::util::intstr::IntOrString;
 
 use super::pod::{
-    HISTORY_FILE, HISTORY_MOUNT, MODEL_MOUNT, STORE_MOUNT, TERMINATION_LOG, host_path_volume,
-    mount, node_affinity, non_empty, pinning_server, quantity, security_context,
+    DRIVER_CACHE, HISTORY_FILE, HISTORY_MOUNT, KERNELS_MOUNT, MODEL_MOUNT, NVRTC_CACHE,
+    STORE_MOUNT, TERMINATION_LOG, host_path_volume, mount, node_affinity, non_empty,
+    pinning_server, quantity, security_context,
 };
 use super::{
-    Component, NameOrEmpty, REPLICA_LABEL, history_dir, labels, meta, model_dir, names,
-    server_selector, store_dir, with_config_hash,
+    Component, NameOrEmpty, REPLICA_LABEL, history_dir, kernels_dir, labels, meta, model_dir,
+    names, server_selector, store_dir, with_config_hash,
 };
 
 /// glmflash-node `serve` arguments for the spec.
@@ -98,8 +99,11 @@ pub fn server_deployment(
         });
     }
 
-    let env = spec.server.api_key_secret.as_ref().map(|secret| {
-        vec![EnvVar {
+    let mut env: Vec<EnvVar> = spec
+        .server
+        .api_key_secret
+        .iter()
+        .map(|secret| EnvVar {
             name: "GLMFLASH_API_KEY".into(),
             value_from: Some(EnvVarSource {
                 secret_key_ref: Some(SecretKeySelector {
@@ -110,8 +114,19 @@ pub fn server_deployment(
                 ..EnvVarSource::default()
             }),
             ..EnvVar::default()
-        }]
-    });
+        })
+        .collect();
+    // The node's kernel cache: a pod that wakes or restarts skips compiling the kernels.
+    for (name, value) in [
+        ("GLMFLASH_KERNEL_CACHE", NVRTC_CACHE),
+        ("CUDA_CACHE_PATH", DRIVER_CACHE),
+    ] {
+        env.push(EnvVar {
+            name: name.into(),
+            value: Some(value.into()),
+            ..EnvVar::default()
+        });
+    }
 
     let mut resources = BTreeMap::from([("memory".to_string(), quantity(&spec.memory.limit))]);
     if spec.placement.require_gpu {
@@ -135,7 +150,7 @@ pub fn server_deployment(
         image: Some(spec.image.reference()),
         image_pull_policy: Some(spec.image.pull_policy.as_str().into()),
         args: Some(server_args(spec)),
-        env,
+        env: Some(env),
         ports: Some(ports),
         resources: Some(ResourceRequirements {
             // requests = limits: the scheduler reserves the whole cap that the RAM tier
@@ -149,6 +164,7 @@ pub fn server_deployment(
             mount("model", MODEL_MOUNT, true),
             mount("store", STORE_MOUNT, true),
             mount("history", HISTORY_MOUNT, false),
+            mount("kernels", KERNELS_MOUNT, false),
             mount("dshm", "/dev/shm", false),
         ]),
         // Loading 125 GB of weights and warming the tiers takes minutes: allow 30 of them.
@@ -187,6 +203,7 @@ pub fn server_deployment(
                         host_path_volume("model", model_dir(spec), "Directory"),
                         host_path_volume("store", store_dir(gfd, store_hash), "Directory"),
                         host_path_volume("history", history_dir(gfd), "DirectoryOrCreate"),
+                        host_path_volume("kernels", kernels_dir(spec), "DirectoryOrCreate"),
                         Volume {
                             name: "dshm".into(),
                             empty_dir: Some(EmptyDirVolumeSource {

@@ -228,6 +228,15 @@ pub fn history_dir(gfd: &GlmFlashDeployment) -> String {
     )
 }
 
+/// Host directory of the compiled kernels every server on a node shares: NVRTC's PTX (entries
+/// named by the source's hash, the GPU's architecture and the compiler's version) and the
+/// driver's PTX-to-machine-code cache. Outside the stores and every object's own directory,
+/// so no reclaim removes it; a pod that wakes or restarts finds its kernels built (compiling
+/// them takes ~15 s of host time, seconds more for the driver's step).
+pub fn kernels_dir(spec: &GlmFlashDeploymentSpec) -> String {
+    format!("{}/kernels", spec.store.host_path.trim_end_matches('/'))
+}
+
 /// Host directory of the model weights.
 pub fn model_dir(spec: &GlmFlashDeploymentSpec) -> String {
     match (&spec.model.node_path, &spec.model.hugging_face) {

@@ -13,6 +13,11 @@ use k8s_openapi::apimachinery::pkg::api::resource::Quantity;
 pub(super) const MODEL_MOUNT: &str = "/models";
 /// Where the packed store is mounted.
 pub(super) const STORE_MOUNT: &str = "/store";
+/// Where the node's kernel cache ([`super::kernels_dir`]) is mounted (read-write), and the
+/// two caches in it: NVRTC's PTX and the driver's compiled code.
+pub(super) const KERNELS_MOUNT: &str = "/kernels";
+pub(super) const NVRTC_CACHE: &str = "/kernels/nvrtc";
+pub(super) const DRIVER_CACHE: &str = "/kernels/driver";
 /// Where the server's routing history directory is mounted (read-write).
 pub(super) const HISTORY_MOUNT: &str = "/history";
 /// The routing history file the server loads at start and writes at exit.

@@ -156,6 +156,18 @@ fn server_deployment_field_by_field() {
         .as_ref()
         .unwrap();
     assert_eq!((secret.name.as_str(), secret.key.as_str()), ("api", "key"));
+    // Both kernel caches in the node's kernel directory.
+    let caches: Vec<(&str, Option<&str>)> = c.env.as_ref().unwrap()[1..]
+        .iter()
+        .map(|e| (e.name.as_str(), e.value.as_deref()))
+        .collect();
+    assert_eq!(
+        caches,
+        [
+            ("GLMFLASH_KERNEL_CACHE", Some("/kernels/nvrtc")),
+            ("CUDA_CACHE_PATH", Some("/kernels/driver")),
+        ]
+    );
     let ports = c.ports.as_ref().unwrap();
     assert_eq!(ports.len(), 1);
     assert_eq!(ports[0].container_port, 30000);
@@ -191,6 +203,7 @@ fn server_deployment_field_by_field() {
             ("model", "/models", Some(true)),
             ("store", "/store", Some(true)),
             ("history", "/history", Some(false)),
+            ("kernels", "/kernels", Some(false)),
             ("dshm", "/dev/shm", Some(false)),
         ]
     );
@@ -205,7 +218,12 @@ fn server_deployment_field_by_field() {
         volumes[1].host_path.as_ref().unwrap().path,
         "/mnt/nvme/glmflash/stores/ai/glm/0123456789abcdef"
     );
-    let shm = volumes[3].empty_dir.as_ref().unwrap();
+    // The node's kernel cache, shared by every server there and kept by every reclaim.
+    assert_eq!(
+        volumes[3].host_path.as_ref().unwrap().path,
+        "/mnt/nvme/glmflash/kernels"
+    );
+    let shm = volumes[4].empty_dir.as_ref().unwrap();
     assert_eq!(shm.medium.as_deref(), Some("Memory"));
     assert_eq!(shm.size_limit, Some(Quantity("1Gi".into())));
     let term = &pod
