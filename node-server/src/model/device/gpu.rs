@@ -24,8 +24,12 @@ pub const GROWTH_SLACK: usize = 4;
 pub struct Gpu {
     cuda: Arc<Cuda>,
     /// Wall time per phase, each between two synchronisations; only with
-    /// `GLMFLASH_GPU_PROFILE` set (the synchronisations cost overlap).
+    /// `GLMFLASH_GPU_PROFILE` set (the synchronisations cost overlap). With
+    /// `GLMFLASH_GPU_PROFILE=host`, no synchronisation: the host's own time per phase
+    /// (queueing its launches), which is what bounds a step whose GPU waits on the host.
     profile: Option<Mutex<BTreeMap<&'static str, (f64, u64)>>>,
+    /// The profile times the host alone (`GLMFLASH_GPU_PROFILE=host`).
+    host_profile: bool,
     /// Nanoseconds the host spent in downloads (each waits for the work queued before it):
     /// a step that spends none of its time here is bound by the host's launches.
     waited_ns: std::sync::atomic::AtomicU64,
@@ -53,6 +57,7 @@ impl Gpu {
         Gpu {
             cuda: cuda.clone(),
             profile: std::env::var_os("GLMFLASH_GPU_PROFILE").map(|_| Default::default()),
+            host_profile: std::env::var_os("GLMFLASH_GPU_PROFILE").is_some_and(|v| v == "host"),
             waited_ns: Default::default(),
         }
     }
@@ -224,10 +229,14 @@ impl Device for Gpu {
         let Some(profile) = &self.profile else {
             return f();
         };
-        self.cuda.synchronize()?;
+        if !self.host_profile {
+            self.cuda.synchronize()?;
+        }
         let started = std::time::Instant::now();
         let out = f()?;
-        self.cuda.synchronize()?;
+        if !self.host_profile {
+            self.cuda.synchronize()?;
+        }
         let mut p = profile.lock().unwrap_or_else(|e| e.into_inner());
         let e = p.entry(name).or_default();
         e.0 += started.elapsed().as_secs_f64();
