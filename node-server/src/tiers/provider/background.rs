@@ -132,3 +132,34 @@ pub(super) fn spawn_prefetcher(
         .expect("spawning the prefetch thread");
     (tx, thread)
 }
+
+/// `experts` of `layer` read from `source` in one batch (at queue depth, decoded in
+/// parallel), in order; the first failure fails the batch.
+pub(super) fn load_batch(
+    source: &dyn ExpertSource,
+    stats: &TierStats,
+    layer: usize,
+    experts: &[usize],
+) -> anyhow::Result<Vec<Arc<SwiGlu>>> {
+    let keys: Vec<(usize, usize)> = experts.iter().map(|&e| (layer, e)).collect();
+    let started = std::time::Instant::now();
+    let results = source.load_many(&keys);
+    // The reads overlap: the batch's wait is split over its records, so the latency
+    // histogram sums to the time lookups spent on the store (its rate is the effective one).
+    let waited = started.elapsed() / keys.len().max(1) as u32;
+    let mut out = Vec::with_capacity(keys.len());
+    for r in results {
+        match r {
+            Ok(w) => {
+                stats.store_read_latency.observe(waited);
+                stats.store_reads.fetch_add(1, Ordering::Relaxed);
+                out.push(Arc::new(w));
+            }
+            Err(err) => {
+                stats.store_read_errors.fetch_add(1, Ordering::Relaxed);
+                return Err(err);
+            }
+        }
+    }
+    Ok(out)
+}

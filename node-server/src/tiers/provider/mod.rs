@@ -14,6 +14,7 @@
 //! ([`super::pin`]).
 
 mod background;
+mod warm;
 
 use super::pin::{PinStats, Pinned};
 use super::plan::TierPlan;
@@ -23,7 +24,9 @@ use super::source::ExpertSource;
 use super::stats::{StepPart, TierStats};
 use crate::model::mlp::SwiGlu;
 use crate::model::moe::{ExpertProvider, Phase, Routing, combine_experts};
-use background::{Room, handle_write_back, make_room, spawn_prefetcher, spawn_writer, timed_load};
+use background::{
+    Room, handle_write_back, load_batch, make_room, spawn_prefetcher, spawn_writer, timed_load,
+};
 use std::collections::HashMap;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
@@ -237,31 +240,6 @@ impl TieredExperts {
         &self.plan
     }
 
-    /// With a history file in the plan: warm-starts the tiers from it when it matches
-    /// `fingerprint` (the model's), and remembers where [`ExpertProvider::finish`] saves it.
-    /// The policies take the saved counts at once; the slots fill in the background (see
-    /// [`TieredExperts::fill_in_background`]), so the server is ready as soon as a cold one.
-    pub fn open_history(&self, fingerprint: &str) -> anyhow::Result<()> {
-        let Some(path) = &self.plan.history else {
-            return Ok(());
-        };
-        let layers = self.picks.len();
-        match super::history::RoutingHistory::load(path, fingerprint, layers, self.experts) {
-            Some(h) => {
-                let wanted = self.seed_policies(&h, self.plan.aging_period);
-                tracing::info!(path = %path.display(), experts = wanted.iter().map(|(_, e)| e.len()).sum::<usize>(), "routing history read: filling the tiers' slots from it in the background");
-                self.fill_in_background(wanted);
-            }
-            None => {
-                tracing::info!(path = %path.display(), "no usable routing history; starting cold")
-            }
-        }
-        let _ = self
-            .history_file
-            .set((path.clone(), fingerprint.to_string()));
-        Ok(())
-    }
-
     /// The GPU device tier's counters, when there is one.
     pub fn gpu_stats(&self) -> Option<super::vram::GpuStats> {
         let g = self.gpu.as_ref()?.lock().unwrap_or_else(|e| e.into_inner());
@@ -346,84 +324,6 @@ impl TieredExperts {
                 .map(|row| row.iter().map(|c| c.load(Ordering::Relaxed)).collect())
                 .collect(),
         }
-    }
-
-    /// Warm start: seeds each layer's policy with the saved counts and loads the most picked
-    /// experts into the device tier, then the RAM tier, up to their caps; returns how many.
-    pub fn warm_start(
-        &self,
-        history: &super::history::RoutingHistory,
-        aging_period: u64,
-    ) -> anyhow::Result<usize> {
-        let wanted = self.seed_policies(history, aging_period);
-        fill_slots(
-            self.source.as_ref(),
-            &self.shared,
-            self.device_slots,
-            &wanted,
-            &std::sync::atomic::AtomicBool::new(false),
-        )
-    }
-
-    /// Seeds each MoE layer's policies with the history's counts; gives each layer's most
-    /// picked experts, as many as its device and RAM slots hold, most picked first.
-    fn seed_policies(
-        &self,
-        history: &super::history::RoutingHistory,
-        aging_period: u64,
-    ) -> Vec<(usize, Vec<usize>)> {
-        let mut wanted = Vec::new();
-        for (layer, row) in history.counts.iter().enumerate() {
-            if row.is_empty() || !self.mode.tiered() {
-                continue;
-            }
-            let counts: Vec<f64> = row.iter().map(|&c| c as f64).collect();
-            let mut l = self.layer(layer);
-            l.device_policy = self.policy.build(self.experts, aging_period, Some(&counts));
-            l.ram_policy = self.policy.build(self.experts, aging_period, Some(&counts));
-            let mut ranked = history.ranked(layer);
-            ranked.truncate(self.device_slots + self.ram_slots);
-            wanted.push((layer, ranked));
-        }
-        wanted
-    }
-
-    /// Fills the free device and RAM slots with `wanted` (per layer, most picked first) on a
-    /// thread of its own while lookups go on: a lookup that comes first keeps its place (the
-    /// fill never evicts), and the fill reads the store in batches at queue depth.
-    fn fill_in_background(&self, wanted: Vec<(usize, Vec<usize>)>) {
-        let (source, shared, stop) = (
-            self.source.clone(),
-            self.shared.clone(),
-            self.stop_filling.clone(),
-        );
-        let device_slots = self.device_slots;
-        let thread = std::thread::Builder::new()
-            .name("tier-fill".into())
-            .spawn(move || {
-                let started = std::time::Instant::now();
-                match fill_slots(source.as_ref(), &shared, device_slots, &wanted, &stop) {
-                    Ok(loaded) => {
-                        tracing::info!(loaded, secs = started.elapsed().as_secs_f64(), "tiers warm-started from the routing history");
-                        loaded
-                    }
-                    Err(e) => {
-                        tracing::warn!(error = %e, "filling the tiers from the routing history stopped");
-                        0
-                    }
-                }
-            });
-        match thread {
-            Ok(t) => *self.filler.lock().unwrap_or_else(|e| e.into_inner()) = Some(t),
-            Err(e) => tracing::warn!(error = %e, "no thread to fill the tiers from the history"),
-        }
-    }
-
-    /// Waits for the background fill of [`TieredExperts::open_history`], if one runs; gives
-    /// how many experts it loaded.
-    pub fn wait_filled(&self) -> usize {
-        let t = self.filler.lock().unwrap_or_else(|e| e.into_inner()).take();
-        t.map_or(0, |t| t.join().unwrap_or(0))
     }
 
     /// Device and RAM residents of `layer` (for invariant checks and the tier summary).
@@ -615,88 +515,6 @@ impl TieredExperts {
         }
         Ok(weights)
     }
-}
-
-/// `experts` of `layer` read from `source` in one batch (at queue depth, decoded in
-/// parallel), in order; the first failure fails the batch.
-fn load_batch(
-    source: &dyn ExpertSource,
-    stats: &TierStats,
-    layer: usize,
-    experts: &[usize],
-) -> anyhow::Result<Vec<Arc<SwiGlu>>> {
-    let keys: Vec<(usize, usize)> = experts.iter().map(|&e| (layer, e)).collect();
-    let started = std::time::Instant::now();
-    let results = source.load_many(&keys);
-    // The reads overlap: the batch's wait is split over its records, so the latency
-    // histogram sums to the time lookups spent on the store (its rate is the effective one).
-    let waited = started.elapsed() / keys.len().max(1) as u32;
-    let mut out = Vec::with_capacity(keys.len());
-    for r in results {
-        match r {
-            Ok(w) => {
-                stats.store_read_latency.observe(waited);
-                stats.store_reads.fetch_add(1, Ordering::Relaxed);
-                out.push(Arc::new(w));
-            }
-            Err(err) => {
-                stats.store_read_errors.fetch_add(1, Ordering::Relaxed);
-                return Err(err);
-            }
-        }
-    }
-    Ok(out)
-}
-
-/// Experts a fill reads in one batch: enough for queue depth, few enough that the fill
-/// stops soon when told and lookups' own reads get their turn.
-const FILL_BATCH: usize = 16;
-
-/// Loads `wanted` (per layer, most wanted first) into the free device slots, then the free
-/// RAM slots, skipping what is resident or on its way down already; never evicts. Returns
-/// how many it loaded; ends early when `stop` is set.
-fn fill_slots(
-    source: &dyn ExpertSource,
-    shared: &Shared,
-    device_slots: usize,
-    wanted: &[(usize, Vec<usize>)],
-    stop: &std::sync::atomic::AtomicBool,
-) -> anyhow::Result<usize> {
-    let held = |l: &Layer, e: &usize| {
-        l.device.contains_key(e) || l.ram.contains_key(e) || l.in_flight.contains_key(e)
-    };
-    let lock = |layer: usize| shared.layers[layer].lock().expect("tier lock");
-    let mut loaded = 0;
-    for (layer, experts) in wanted {
-        for chunk in experts.chunks(FILL_BATCH) {
-            if stop.load(Ordering::Relaxed) {
-                return Ok(loaded);
-            }
-            let missing: Vec<usize> = {
-                let l = lock(*layer);
-                if l.device.len() >= device_slots && l.ram.len() >= shared.ram_slots {
-                    break;
-                }
-                chunk.iter().copied().filter(|e| !held(&l, e)).collect()
-            };
-            let weights = load_batch(source, &shared.stats, *layer, &missing)?;
-            let mut l = lock(*layer);
-            for (e, w) in missing.into_iter().zip(weights) {
-                if held(&l, &e) {
-                    continue;
-                }
-                if l.device.len() < device_slots {
-                    l.device.insert(e, w);
-                } else if l.ram.len() < shared.ram_slots {
-                    l.ram.insert(e, Pinned::new(w, &shared.pins));
-                } else {
-                    break;
-                }
-                loaded += 1;
-            }
-        }
-    }
-    Ok(loaded)
 }
 
 impl Drop for TieredExperts {
