@@ -38,12 +38,27 @@ __device__ __forceinline__ void conv_segment(const float* __restrict__ qkv,
     }
 }
 
-// qkv: [len, w] conv inputs; state: [K - 1, w] the previous inputs, oldest first (only read:
-// `kda_conv_state` advances it after this kernel); taps: [w, K]; out: [len, w] =
-// silu(causal depthwise conv). Grid (ceil(w / blockDim.x), ceil(len / KDA_CONV_SEG)).
-extern "C" __global__ void kda_conv(const float* __restrict__ qkv, const float* __restrict__ state,
+// Advances channel ch's conv state past `len` inputs: row r becomes window row len + r, rows
+// in ascending order, so a state row still to be read (len + r < K - 1) is read before its own
+// turn overwrites it.
+__device__ __forceinline__ void conv_advance(float* state, const float* __restrict__ qkv, int ch,
+                                             int len, int w, int kernel) {
+    const int hist = kernel - 1;
+    for (int r = 0; r < hist; r++) {
+        const int src = len + r;
+        state[(i64)r * w + ch] =
+            src < hist ? state[(i64)src * w + ch] : qkv[(i64)(src - hist) * w + ch];
+    }
+}
+
+// qkv: [len, w] conv inputs; state: [K - 1, w] the previous inputs, oldest first; taps:
+// [w, K]; out: [len, w] = silu(causal depthwise conv). Grid (ceil(w / blockDim.x),
+// ceil(len / KDA_CONV_SEG)). With `advance` (one token segment: a thread then owns its
+// channel's every read) each thread also advances its channel's state after its conv;
+// else `kda_conv_state` does it after this kernel.
+extern "C" __global__ void kda_conv(const float* __restrict__ qkv, float* state,
                                     const float* __restrict__ taps, int len, int w, int kernel,
-                                    float* __restrict__ out) {
+                                    int advance, float* __restrict__ out) {
     const int ch = blockIdx.x * blockDim.x + threadIdx.x;
     if (ch >= w) return;
     const int t0 = blockIdx.y * KDA_CONV_SEG;
@@ -62,21 +77,16 @@ extern "C" __global__ void kda_conv(const float* __restrict__ qkv, const float* 
         default: break;
     }
 #undef KDA_CONV_CASE
+    if (advance) conv_advance(state, qkv, ch, len, w, kernel);
 }
 
-// Advances the conv state past `len` inputs: row r becomes window row len + r. One thread per
-// channel, rows in ascending order, so a state row still to be read (len + r < K - 1) is
-// read before its own turn overwrites it. Grid ceil(w / blockDim.x).
+// Advances the conv state past `len` inputs (`conv_advance`), one thread per channel, after
+// a `kda_conv` of several token segments. Grid ceil(w / blockDim.x).
 extern "C" __global__ void kda_conv_state(float* __restrict__ state, const float* __restrict__ qkv,
                                           int len, int w, int kernel) {
     const int ch = blockIdx.x * blockDim.x + threadIdx.x;
     if (ch >= w) return;
-    const int hist = kernel - 1;
-    for (int r = 0; r < hist; r++) {
-        const int src = len + r;
-        state[(i64)r * w + ch] =
-            src < hist ? state[(i64)src * w + ch] : qkv[(i64)(src - hist) * w + ch];
-    }
+    conv_advance(state, qkv, ch, len, w, kernel);
 }
 
 // The delta rule over `len` tokens, token after token. mixed: [len, 3C] (q | k | v after

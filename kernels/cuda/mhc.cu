@@ -150,15 +150,26 @@ extern "C" __global__ void __launch_bounds__(MHC_PROJECT_THREADS) mhc_project(
     for (int j = threadIdx.x; j < rows; j += blockDim.x) logits[(i64)t * rows + j] = total[j] * inv;
 }
 
+// The pre-weighted sum of a column's n stream values (`s[i d]`), in the CPU's order.
+__device__ __forceinline__ float mhc_pre_sum(const float* w_pre, const float* s, int n, int d) {
+    float acc = 0.0f;
+    for (int i = 0; i < n; i++) acc = __fadd_rn(acc, __fmul_rn(w_pre[i], s[(i64)i * d]));
+    return acc;
+}
+
 // logits: [T, (2 + n) n]; base: [(2 + n) n]; streams: [T, n, d]. Writes collapsed [T, d],
 // post [T, n] and comb [T, n, n] (comb[t][i][m]: weight of input stream i in output m).
 // Grid (ceil(d / blockDim.x), T), blockDim.x >= 32: every block derives its token's weights
 // itself (a few hundred flops), so one token's collapse spreads over many blocks; block x == 0
-// writes post and comb.
+// writes post and comb. With `has_norm` the collapsed row is RMS-normed and
+// weighted as `rms_norm` does it (the sublayer's input norm, one launch less): every block
+// collapses the whole row for its sum of squares (the row's n d values come from L2 after the
+// first block; same sum in every block), then writes its own columns.
 extern "C" __global__ void mhc_collapse(const float* __restrict__ logits,
                                         const float* __restrict__ base, float s0, float s1,
                                         float s2, int n, int d, float eps, int iters,
                                         const float* __restrict__ streams,
+                                        int has_norm, const float* __restrict__ norm_weight, float norm_eps,
                                         float* __restrict__ collapsed, float* __restrict__ post,
                                         float* __restrict__ comb) {
     __shared__ float w_pre[MHC_MAX_N], w_post[MHC_MAX_N], w_comb[MHC_MAX_N * MHC_MAX_N];
@@ -178,12 +189,20 @@ extern "C" __global__ void mhc_collapse(const float* __restrict__ logits,
         for (int i = threadIdx.x; i < n * n; i += blockDim.x)
             comb[(i64)t * n * n + i] = w_comb[i];
     }
+    const float* row = streams + (i64)t * n * d;
+    float inv = 1.0f;
+    if (has_norm) {
+        float ss = 0.0f;
+        for (int j = threadIdx.x; j < d; j += blockDim.x) {
+            const float v = mhc_pre_sum(w_pre, row + j, n, d);
+            ss = fmaf(v, v, ss);
+        }
+        inv = 1.0f / sqrtf(block_sum(ss) / (float)d + norm_eps);
+    }
     const int k = blockIdx.x * blockDim.x + threadIdx.x;
     if (k < d) {
-        const float* s = streams + (i64)t * n * d + k;
-        float acc = 0.0f;
-        for (int i = 0; i < n; i++) acc = __fadd_rn(acc, __fmul_rn(w_pre[i], s[(i64)i * d]));
-        collapsed[(i64)t * d + k] = acc;
+        const float acc = mhc_pre_sum(w_pre, row + k, n, d);
+        collapsed[(i64)t * d + k] = has_norm ? norm_weight[k] * (acc * inv) : acc;
     }
 }
 

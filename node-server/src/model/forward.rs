@@ -245,39 +245,46 @@ impl<D: Device> Layer<D> {
         let d = cfg.hidden_size;
         let name = |part: &str| format!("layers.{li}.{part}");
 
-        let mix = dev.timed("mhc collapse", || {
-            self.attn_hc.collapse(dev, &streams, tokens)
-        })?;
-        let mut x = mix.collapsed;
-        pass.tap(&name("attn_hc.collapsed"), &x, d)?;
-        dev.rms_norm(&mut x, Some(&self.input_norm), d, cfg.rms_norm_eps)?;
-        let y = self.attend(li, pass, steps, &x, carried)?;
+        let attn_in = name("attn_hc.collapsed");
+        let mix = Self::sublayer_input(pass, &self.attn_hc, &self.input_norm, &streams, &attn_in)?;
+        let y = self.attend(li, pass, steps, &mix.collapsed, carried)?;
         pass.tap(&name("self_attn"), &y, d)?;
-        let mix = super::device::MhcCollapse {
-            collapsed: x,
-            ..mix
-        };
         let streams = dev.timed("mhc expand", || {
             self.attn_hc.expand(dev, &mix, &streams, &y, tokens)
         })?;
 
-        let mix = dev.timed("mhc collapse", || {
-            self.ffn_hc.collapse(dev, &streams, tokens)
-        })?;
-        let mut x = mix.collapsed;
-        pass.tap(&name("ffn_hc.collapsed"), &x, d)?;
-        dev.rms_norm(&mut x, Some(&self.post_attention_norm), d, cfg.rms_norm_eps)?;
-        let y = self.feed(li, pass, &x, next_moe)?;
+        let ffn_in = name("ffn_hc.collapsed");
+        let norm = &self.post_attention_norm;
+        let mix = Self::sublayer_input(pass, &self.ffn_hc, norm, &streams, &ffn_in)?;
+        let y = self.feed(li, pass, &mix.collapsed, next_moe)?;
         pass.tap(&name("mlp"), &y, d)?;
-        let mix = super::device::MhcCollapse {
-            collapsed: x,
-            ..mix
-        };
         let streams = dev.timed("mhc expand", || {
             self.ffn_hc.expand(dev, &mix, &streams, &y, tokens)
         })?;
         pass.tap(&format!("layers.{li}"), &streams, cfg.hc_mult * d)?;
         Ok(streams)
+    }
+
+    /// A sublayer's input: `streams` collapsed by `hc`, then RMS-normed with `norm` — one
+    /// fused op, unless a tap wants the collapsed rows before the norm (`tap` names them).
+    fn sublayer_input(
+        pass: &Pass<D>,
+        hc: &super::mhc::HyperConnection<D>,
+        norm: &D::Buf,
+        streams: &D::Buf,
+        tap: &str,
+    ) -> anyhow::Result<super::device::MhcCollapse<D::Buf>> {
+        let (dev, tokens) = (pass.dev, pass.tokens);
+        let (d, eps) = (pass.cfg.hidden_size, pass.cfg.rms_norm_eps);
+        if pass.hooks.is_none() {
+            return dev.timed("mhc collapse", || {
+                hc.collapse_normed(dev, streams, tokens, norm, eps)
+            });
+        }
+        let mut mix = dev.timed("mhc collapse", || hc.collapse(dev, streams, tokens))?;
+        pass.tap(tap, &mix.collapsed, d)?;
+        dev.rms_norm(&mut mix.collapsed, Some(norm), d, eps)?;
+        Ok(mix)
     }
 
     /// The attention sublayer on the normed input `x`: KDA on each step's state, or MLA with

@@ -244,7 +244,10 @@ impl<D: Device> Kda<D> {
         dev.kda_gates(gates, &mut g, &self.dt_bias, &self.a_log, &mut beta, tokens)?;
         let out_gate = dev.matmul(&self.g_b, &dev.matmul(&self.g_a, x, tokens)?, tokens)?;
 
-        let mut core = dev.zeros(tokens * c)?;
+        // One sequence's output is the whole core; several are put in their rows.
+        let mut core = (spans.len() != 1)
+            .then(|| dev.zeros(tokens * c))
+            .transpose()?;
         for (&(first, len), state) in spans.iter().zip(states.iter_mut()) {
             let mixed = dev.kda_conv(spec, &self.conv, &qkv, first, len, &mut state.conv)?;
             let out = dev.kda_delta(
@@ -257,8 +260,14 @@ impl<D: Device> Kda<D> {
                 len,
                 &mut state.recurrent,
             )?;
-            dev.put_rows(&mut core, first, c, &out)?;
+            match &mut core {
+                Some(core) => dev.put_rows(core, first, c, &out)?,
+                None => core = Some(out),
+            }
         }
+        let Some(mut core) = core else {
+            anyhow::bail!("KDA: no sequence in the batch");
+        };
         // Gated RMSNorm per head, then the output projection.
         dev.gated_rms_norm(&mut core, &out_gate, &self.o_norm, dh, self.eps)?;
         dev.matmul(&self.o_proj, &core, tokens)

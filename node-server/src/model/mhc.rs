@@ -81,6 +81,21 @@ impl<D: Device> HyperConnection<D> {
         dev.mhc_collapse(self.spec, &logits, &self.base, streams, tokens)
     }
 
+    /// [`HyperConnection::collapse`] with the sublayer's input norm (`rms_norm` with
+    /// `weight`) applied to the collapsed rows, fused where the device can.
+    pub fn collapse_normed(
+        &self,
+        dev: &D,
+        streams: &D::Buf,
+        tokens: usize,
+        weight: &D::Buf,
+        eps: f32,
+    ) -> anyhow::Result<MhcCollapse<D::Buf>> {
+        let (n, d) = (self.spec.streams, self.spec.hidden);
+        let logits = dev.mhc_logits(&self.proj, streams, tokens, n * d, self.norm_eps)?;
+        dev.mhc_collapse_normed(self.spec, &logits, &self.base, streams, tokens, weight, eps)
+    }
+
     /// New streams: `stream[m] = post[m] * y + sum_n comb[n][m] * stream[n]`.
     pub fn expand(
         &self,

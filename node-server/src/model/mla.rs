@@ -212,7 +212,10 @@ impl<D: Device> Mla<D> {
             anyhow::bail!("a shared indexer layer with no full indexer layer before it");
         };
 
-        let mut attn = dev.zeros(tokens * h * vd)?;
+        // One sequence's output is the whole attention; several are put in their rows.
+        let mut attn = (spans.len() != 1)
+            .then(|| dev.zeros(tokens * h * vd))
+            .transpose()?;
         for ((&(first, len), cache), sel) in spans.iter().zip(caches.iter_mut()).zip(selections) {
             dev.push(&mut cache.latents, &latent, first, len, r)?;
             let out = dev.mla_attend(
@@ -225,8 +228,14 @@ impl<D: Device> Mla<D> {
                 &cache.latents,
                 sel,
             )?;
-            dev.put_rows(&mut attn, first, h * vd, &out)?;
+            match &mut attn {
+                Some(attn) => dev.put_rows(attn, first, h * vd, &out)?,
+                None => attn = Some(out),
+            }
         }
+        let Some(attn) = attn else {
+            anyhow::bail!("MLA: no sequence in the batch");
+        };
         dev.matmul(&self.o_proj, &attn, tokens)
     }
 }

@@ -217,3 +217,73 @@ impl Cuda {
         Ok(())
     }
 }
+
+/// Host microseconds per CUDA call of the kinds a decode step makes (see [`Cuda::call_costs`]).
+#[derive(Clone, Copy, Debug, serde::Serialize)]
+pub struct CallCosts {
+    /// A 4,096-value `scale_values` launch on the compute stream.
+    pub launch_us: f64,
+    /// The same launch on a fresh non-blocking stream (the compute stream is the legacy
+    /// default stream, which graphs cannot capture).
+    pub launch_own_stream_us: f64,
+    /// A stream-ordered allocation of 16 KiB and its free.
+    pub alloc_free_us: f64,
+    /// An allocation, a launch writing it and the free: what most ops of a step cost.
+    pub alloc_launch_free_us: f64,
+    /// A 64-byte upload from pageable host memory (positions, offsets).
+    pub upload_us: f64,
+}
+
+impl Cuda {
+    /// Times `reps` of each call kind back to back on the host (the device runs behind; each
+    /// kind ends with a synchronisation, outside its timing).
+    pub fn call_costs(&self, reps: usize) -> Result<CallCosts, CudaError> {
+        let own = self.ctx.new_stream()?;
+        let mut x = self.stream.alloc_zeros::<f32>(4096)?;
+        let time = |f: &mut dyn FnMut() -> Result<(), CudaError>| -> Result<f64, CudaError> {
+            for _ in 0..reps / 10 + 1 {
+                f()?;
+            }
+            self.synchronize()?;
+            own.synchronize()?;
+            let started = std::time::Instant::now();
+            for _ in 0..reps {
+                f()?;
+            }
+            let us = started.elapsed().as_secs_f64() * 1e6 / reps as f64;
+            self.synchronize()?;
+            own.synchronize()?;
+            Ok(us)
+        };
+        let launch_us = time(&mut || self.scale_values(&mut x, 1.0, 4096))?;
+        let mut y = own.alloc_zeros::<f32>(4096)?;
+        let launch_own_stream_us = time(&mut || {
+            let n = 4096i32;
+            let mut l = own.launch_builder(self.kernel("scale_values"));
+            l.arg(&mut y).arg(&1f32).arg(&n);
+            // SAFETY: y holds 4,096 values, one thread each.
+            unsafe { l.launch(elem_config(4096)) }?;
+            Ok(())
+        })?;
+        let alloc_free_us = time(&mut || {
+            drop(self.alloc_f32(4096)?);
+            Ok(())
+        })?;
+        let alloc_launch_free_us = time(&mut || {
+            let mut b = self.alloc_f32(4096)?;
+            self.scale_values(&mut b, 1.0, 4096)
+        })?;
+        let host = [0u32; 16];
+        let upload_us = time(&mut || {
+            drop(self.upload(&host)?);
+            Ok(())
+        })?;
+        Ok(CallCosts {
+            launch_us,
+            launch_own_stream_us,
+            alloc_free_us,
+            alloc_launch_free_us,
+            upload_us,
+        })
+    }
+}

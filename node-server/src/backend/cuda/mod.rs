@@ -22,7 +22,7 @@ use cudarc::driver::{
     CudaContext, CudaFunction, CudaSlice, CudaStream, DriverError, LaunchConfig, PushKernelArg,
 };
 use cudarc::nvrtc::{CompileOptions, Ptx};
-pub use elementwise::KdaGates;
+pub use elementwise::{CallCosts, KdaGates};
 pub use exl3::{Exl3Weights, GEMV_BLOCKS};
 pub use moe::{Exl3Form, MoeLayout, MoeRun, MoeStep, RouteSpec, SlotArena, SlotFormat};
 pub use ops::{KdaForm, KdaSpec, MhcCollapse, MhcSpec};

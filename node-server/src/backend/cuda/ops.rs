@@ -177,6 +177,7 @@ impl Cuda {
             &self.upload(base)?,
             &self.upload(streams)?,
             tokens,
+            None,
             &mut out,
         )?;
         let down = |b: &CudaSlice<f32>, len: usize| -> Result<Vec<f32>, CudaError> {
@@ -243,7 +244,9 @@ impl Cuda {
         Ok(())
     }
 
-    /// [`Cuda::mhc_collapse`] on device buffers.
+    /// [`Cuda::mhc_collapse`] on device buffers; with `norm` (`weight [D]`, eps), the collapsed
+    /// rows are RMS-normed and weighted in the same launch, as [`Cuda::rms_norm`] would.
+    #[allow(clippy::too_many_arguments)]
     pub fn mhc_collapse_dev(
         &self,
         spec: MhcSpec,
@@ -251,6 +254,7 @@ impl Cuda {
         base: &CudaSlice<f32>,
         streams: &CudaSlice<f32>,
         tokens: usize,
+        norm: Option<(&CudaSlice<f32>, f32)>,
         out: &mut MhcCollapse<CudaSlice<f32>>,
     ) -> Result<(), CudaError> {
         spec.check(tokens)?;
@@ -261,11 +265,16 @@ impl Cuda {
         too_short("mhc_collapse collapsed", out.collapsed.len(), tokens * d)?;
         too_short("mhc_collapse post", out.post.len(), tokens * n)?;
         too_short("mhc_collapse comb", out.comb.len(), tokens * n * n)?;
+        if let Some((w, _)) = norm {
+            too_short("mhc_collapse norm weight", w.len(), d)?;
+        }
         if tokens == 0 {
             return Ok(());
         }
         let [s0, s1, s2] = spec.scale;
         let (n_i, d_i, iters) = (n as i32, d as i32, spec.sinkhorn_iters as i32);
+        let has_norm = norm.is_some() as i32;
+        let (norm_weight, norm_eps) = norm.unwrap_or((&self.unread, 0.0));
         let mut b = self.stream.launch_builder(self.kernel("mhc_collapse"));
         b.arg(logits)
             .arg(base)
@@ -277,6 +286,9 @@ impl Cuda {
             .arg(&spec.hc_eps)
             .arg(&iters)
             .arg(streams)
+            .arg(&has_norm)
+            .arg(norm_weight)
+            .arg(&norm_eps)
             .arg(&mut out.collapsed)
             .arg(&mut out.post)
             .arg(&mut out.comb);
@@ -408,17 +420,25 @@ impl Cuda {
             return Ok(());
         }
         let (len_i, w_i, k_i) = (len as i32, w as i32, k as i32);
+        // One token segment (decode, short chunks): the conv advances the state itself.
+        let segments = len.div_ceil(KDA_CONV_SEG);
+        let advance = i32::from(segments == 1);
         let mut b = self.stream.launch_builder(self.kernel("kda_conv"));
         b.arg(qkv)
-            .arg(&*conv_state)
+            .arg(&mut *conv_state)
             .arg(taps)
             .arg(&len_i)
             .arg(&w_i)
             .arg(&k_i)
+            .arg(&advance)
             .arg(&mut *out);
         // SAFETY: arguments match `kda_conv` in kda.cu; sizes checked above; the grid covers
-        // w channels times ceil(len / KDA_CONV_SEG) token segments.
-        unsafe { b.launch(columns_config(w, len.div_ceil(KDA_CONV_SEG))) }?;
+        // w channels times the token segments, and with `advance` (one segment) each thread
+        // writes only its own channel's state, after its own reads of it.
+        unsafe { b.launch(columns_config(w, segments)) }?;
+        if advance == 1 {
+            return Ok(());
+        }
         let mut b = self.stream.launch_builder(self.kernel("kda_conv_state"));
         b.arg(&mut *conv_state)
             .arg(qkv)

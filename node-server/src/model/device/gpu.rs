@@ -87,6 +87,23 @@ impl Gpu {
     fn alloc(&self, n: usize) -> anyhow::Result<Buf> {
         Ok(self.cuda.alloc_f32(n)?)
     }
+
+    /// Rows `first .. first + count` of `src` as a buffer that starts with them: `src` itself
+    /// when they start it (the kernels read only the rows they are told of; a batch of one
+    /// sequence copies nothing), else a copy, kept in `copy`.
+    fn rows_from<'a>(
+        &self,
+        src: &'a Buf,
+        first: usize,
+        count: usize,
+        width: usize,
+        copy: &'a mut Option<Buf>,
+    ) -> anyhow::Result<&'a Buf> {
+        if first == 0 {
+            return Ok(src);
+        }
+        Ok(copy.insert(Device::rows(self, src, first, count, width)?))
+    }
 }
 
 impl Device for Gpu {
@@ -338,7 +355,36 @@ impl Device for Gpu {
             comb: self.alloc(t * n * n)?,
         };
         self.cuda
-            .mhc_collapse_dev(spec, logits, base, streams, t, &mut out)?;
+            .mhc_collapse_dev(spec, logits, base, streams, t, None, &mut out)?;
+        Ok(out)
+    }
+
+    /// Fused for decode batches (each block collapses its token's whole row for the norm's
+    /// sum; a prompt chunk's many rows take the two launches instead).
+    fn mhc_collapse_normed(
+        &self,
+        spec: MhcSpec,
+        logits: &Buf,
+        base: &Buf,
+        streams: &Buf,
+        t: usize,
+        weight: &Buf,
+        eps: f32,
+    ) -> anyhow::Result<MhcCollapse<Buf>> {
+        if t >= crate::backend::cuda::GEMM_MIN_TOKENS {
+            let mut mix = self.mhc_collapse(spec, logits, base, streams, t)?;
+            self.rms_norm(&mut mix.collapsed, Some(weight), spec.hidden, eps)?;
+            return Ok(mix);
+        }
+        let (n, d) = (spec.streams, spec.hidden);
+        let mut out = MhcCollapse {
+            collapsed: self.alloc(t * d)?,
+            post: self.alloc(t * n)?,
+            comb: self.alloc(t * n * n)?,
+        };
+        let norm = Some((weight, eps));
+        self.cuda
+            .mhc_collapse_dev(spec, logits, base, streams, t, norm, &mut out)?;
         Ok(out)
     }
 
@@ -379,10 +425,11 @@ impl Device for Gpu {
         state: &mut Buf,
     ) -> anyhow::Result<Buf> {
         let w = 3 * spec.channels();
-        let part = self.rows(qkv, first, len, w)?;
+        let mut copy = None;
+        let part = self.rows_from(qkv, first, len, w, &mut copy)?;
         let mut mixed = self.alloc(len * w)?;
         self.cuda
-            .kda_conv_dev(spec, taps, &part, len, state, &mut mixed)?;
+            .kda_conv_dev(spec, taps, part, len, state, &mut mixed)?;
         Ok(mixed)
     }
 
@@ -398,15 +445,16 @@ impl Device for Gpu {
         state: &mut Buf,
     ) -> anyhow::Result<Buf> {
         let (c, h) = (spec.channels(), spec.heads);
-        let gi = self.rows(g, first, len, c)?;
-        let bi = self.rows(beta, first, len, h)?;
+        let (mut g_copy, mut beta_copy) = (None, None);
+        let gi = self.rows_from(g, first, len, c, &mut g_copy)?;
+        let bi = self.rows_from(beta, first, len, h, &mut beta_copy)?;
         let form = match mode {
             KdaMode::Auto => spec.form_for(len),
             KdaMode::Recurrent => crate::backend::cuda::KdaForm::Recurrent,
         };
         let mut out = self.alloc(len * c)?;
         self.cuda
-            .kda_delta_dev(spec, form, mixed, &gi, &bi, len, state, &mut out)?;
+            .kda_delta_dev(spec, form, mixed, gi, bi, len, state, &mut out)?;
         Ok(out)
     }
 
@@ -492,12 +540,13 @@ impl Device for Gpu {
         pool_keys: &GrowBuf,
     ) -> anyhow::Result<DeviceSelections> {
         let (di, hi) = (spec.dim, spec.heads);
-        let qi = self.rows(q, first, len, hi * di)?;
-        let wi = self.rows(weights, first, len, hi)?;
+        let (mut q_copy, mut w_copy) = (None, None);
+        let qi = self.rows_from(q, first, len, hi * di, &mut q_copy)?;
+        let wi = self.rows_from(weights, first, len, hi, &mut w_copy)?;
         let at: Vec<usize> = (pos..pos + len).collect();
         Ok(self.cuda.dsa_select_dev(
-            &qi,
-            &wi,
+            qi,
+            wi,
             (&pool_keys.buf, pool_keys.dtype),
             pool_keys.len / di,
             spec,

@@ -198,6 +198,23 @@ pub trait Device: Send + Sync + Sized {
         streams: &Self::Buf,
         t: usize,
     ) -> anyhow::Result<MhcCollapse<Self::Buf>>;
+    /// [`Device::mhc_collapse`], then the sublayer's input norm on the collapsed rows
+    /// (`rms_norm` with `weight`): one launch where the device fuses them.
+    #[allow(clippy::too_many_arguments)]
+    fn mhc_collapse_normed(
+        &self,
+        spec: MhcSpec,
+        logits: &Self::Buf,
+        base: &Self::Buf,
+        streams: &Self::Buf,
+        t: usize,
+        weight: &Self::Buf,
+        eps: f32,
+    ) -> anyhow::Result<MhcCollapse<Self::Buf>> {
+        let mut mix = self.mhc_collapse(spec, logits, base, streams, t)?;
+        self.rms_norm(&mut mix.collapsed, Some(weight), spec.hidden, eps)?;
+        Ok(mix)
+    }
     /// New streams: `stream[m] = post[m] y + sum_n comb[n][m] stream[n]`.
     fn mhc_expand(
         &self,

@@ -53,6 +53,11 @@ pub struct BenchArgs {
     /// (hot) (not with --model).
     #[arg(long, env = "GLMFLASH_BENCH_LANE", conflicts_with_all = ["model", "tiered", "flash", "sampling"])]
     pub lane: bool,
+    /// With `--device cuda`: also time the host's side of the CUDA calls a decode step makes
+    /// (a launch, a stream-ordered allocation and free, a small upload), 20,000 of each, and
+    /// report microseconds a call (`cuda_call_costs_us`).
+    #[arg(long, env = "GLMFLASH_BENCH_CALL_COSTS")]
+    pub call_costs: bool,
 }
 
 #[derive(clap::Args, Debug, Clone)]

@@ -168,6 +168,7 @@ fn time_host(model: &Model, args: &BenchArgs) -> anyhow::Result<(f64, Vec<Decode
 
 fn measure(dir: &std::path::Path, args: &BenchArgs) -> anyhow::Result<Value> {
     let device = args.device.open()?;
+    let mut costs = None;
     let (model, decoder, (prefill_s, runs), bandwidth, device_name) = match &device {
         crate::backend::Device::Cpu => {
             let model = Model::load(dir)?;
@@ -185,6 +186,9 @@ fn measure(dir: &std::path::Path, args: &BenchArgs) -> anyhow::Result<Value> {
             let g = GpuDecoder::new(cuda, &model)?;
             let timed = time_gpu(&model, &g, args)?;
             let bw = cuda.copy_bandwidth(1 << 30)?;
+            if args.call_costs {
+                costs = Some(cuda.call_costs(20_000)?);
+            }
             drop(g);
             (
                 model,
@@ -234,6 +238,12 @@ fn measure(dir: &std::path::Path, args: &BenchArgs) -> anyhow::Result<Value> {
                     .map(|(name, secs, _)| (name.to_string(), json!(secs * 1e3 / r.steps as f64)))
                     .collect::<serde_json::Map<_, _>>()
                     .into();
+                v["gpu_profile_calls_per_step"] = r
+                    .profile
+                    .iter()
+                    .map(|(name, _, n)| (name.to_string(), json!(*n as f64 / r.steps as f64)))
+                    .collect::<serde_json::Map<_, _>>()
+                    .into();
             }
             v
         })
@@ -256,6 +266,10 @@ fn measure(dir: &std::path::Path, args: &BenchArgs) -> anyhow::Result<Value> {
         "prefill_tok_s": args.prompt_tokens as f64 / prefill_s,
         "decode": decode,
     });
+    if let Some(c) = costs {
+        // The host's side of a step: what each kind of CUDA call costs it on this machine.
+        report["cuda_call_costs_us"] = serde_json::to_value(c)?;
+    }
     if args.model.is_none() {
         report["expert_format"] = json!(args.expert_format);
     }

@@ -26,36 +26,61 @@ pub(super) fn check_mhc(
             hc_eps: cfg.hc_eps,
             sinkhorn_iters: cfg.hc_sinkhorn_iters,
         };
-        let gpu_collapse = |streams: &[f32], tokens: usize| -> anyhow::Result<MhcCollapse> {
-            let ds = cuda.upload(streams)?;
-            let mut logits = cuda.alloc_f32(tokens * width)?;
-            if tokens < GEMM_MIN_TOKENS {
-                // The decode path: the norm folded into the projection, one launch.
-                cuda.mhc_project(&w, width, n * d, &ds, tokens, cfg.rms_norm_eps, &mut logits)?;
-            } else {
-                let mut normed = cuda.upload(streams)?;
-                cuda.rms_norm(&mut normed, None, n * d, cfg.rms_norm_eps)?;
-                cuda.matvec(&w, Format::F32, width, n * d, &normed, tokens, &mut logits)?;
-            }
-            let mut out = MhcCollapse {
-                collapsed: cuda.alloc_f32(tokens * d)?,
-                post: cuda.alloc_f32(tokens * n)?,
-                comb: cuda.alloc_f32(tokens * n * n)?,
+        let norm_w = randn(rng, d, 1.0);
+        let dnorm = cuda.upload(&norm_w)?;
+        let gpu_collapse =
+            |streams: &[f32], tokens: usize, normed: bool| -> anyhow::Result<MhcCollapse> {
+                let ds = cuda.upload(streams)?;
+                let mut logits = cuda.alloc_f32(tokens * width)?;
+                if tokens < GEMM_MIN_TOKENS {
+                    // The decode path: the norm folded into the projection, one launch.
+                    cuda.mhc_project(&w, width, n * d, &ds, tokens, cfg.rms_norm_eps, &mut logits)?;
+                } else {
+                    let mut normed = cuda.upload(streams)?;
+                    cuda.rms_norm(&mut normed, None, n * d, cfg.rms_norm_eps)?;
+                    cuda.matvec(&w, Format::F32, width, n * d, &normed, tokens, &mut logits)?;
+                }
+                let mut out = MhcCollapse {
+                    collapsed: cuda.alloc_f32(tokens * d)?,
+                    post: cuda.alloc_f32(tokens * n)?,
+                    comb: cuda.alloc_f32(tokens * n * n)?,
+                };
+                let norm = normed.then_some((&dnorm, cfg.rms_norm_eps));
+                cuda.mhc_collapse_dev(spec, &logits, &db, &ds, tokens, norm, &mut out)?;
+                Ok(MhcCollapse {
+                    collapsed: cuda.download(&out.collapsed)?,
+                    post: cuda.download(&out.post)?,
+                    comb: cuda.download(&out.comb)?,
+                })
             };
-            cuda.mhc_collapse_dev(spec, &logits, &db, &ds, tokens, &mut out)?;
-            Ok(MhcCollapse {
-                collapsed: cuda.download(&out.collapsed)?,
-                post: cuda.download(&out.post)?,
-                comb: cuda.download(&out.comb)?,
-            })
-        };
         for tokens in [1usize, 5, 9] {
             let name = format!("mhc n{n} d{d} T={tokens}");
             let streams = randn(rng, tokens * n * d, 2.0);
             let want_mix = hc.collapse(&Host, &streams, tokens)?;
             let want_x = &want_mix.collapsed;
-            let got = gpu_collapse(&streams, tokens)?;
-            let again = gpu_collapse(&streams, tokens)?;
+            let got = gpu_collapse(&streams, tokens, false)?;
+            let again = gpu_collapse(&streams, tokens, false)?;
+            // The collapse with the sublayer's input norm in the same launch (decode batches).
+            let mut want_normed = want_x.clone();
+            crate::model::device::Device::rms_norm(
+                &Host,
+                &mut want_normed,
+                Some(&norm_w),
+                d,
+                cfg.rms_norm_eps,
+            )?;
+            let normed = gpu_collapse(&streams, tokens, true)?;
+            cases.push(case(
+                format!("{name} collapse + input norm, one launch"),
+                &normed.collapsed,
+                &want_normed,
+                F32_BOUND,
+            ));
+            cases.push(same_bits_case(
+                format!("{name} collapse + input norm: comb as without"),
+                &normed.comb,
+                &got.comb,
+            ));
             cases.push(same_bits_case(
                 format!("{name} collapse again: same bits"),
                 &again.collapsed,
@@ -89,7 +114,7 @@ pub(super) fn check_mhc(
             for _ in 0..3 {
                 let mix = hc.collapse(&Host, &cpu, tokens)?;
                 cpu = hc.expand(&Host, &mix, &cpu, &mix.collapsed, tokens)?;
-                let c = gpu_collapse(&gpu, tokens)?;
+                let c = gpu_collapse(&gpu, tokens, false)?;
                 gpu = cuda.mhc_expand(spec, &c.post, &c.comb, &gpu, &c.collapsed, tokens)?;
             }
             cases.push(case(
