@@ -572,49 +572,84 @@ fn a_layers_store_misses_are_read_in_one_batch() {
     );
 }
 
+/// A packed store of `tiny_mixed` and tiers over it with `device` and `ram` slots a layer.
+struct HistoryRig {
+    dir: PathBuf,
+    store: tempfile::TempDir,
+    cfg: glmflash_node::model::config::Config,
+    moe: Vec<bool>,
+    prompt: Vec<u32>,
+    device: usize,
+    ram: usize,
+}
+
+impl HistoryRig {
+    fn new(device: usize, ram: usize) -> HistoryRig {
+        let dir = fixture("tiny_mixed");
+        let store = tempfile::tempdir_in(env!("CARGO_TARGET_TMPDIR")).unwrap();
+        glmflash_node::store::pack_store(&dir, store.path(), &Default::default()).unwrap();
+        let cfg = Model::load(&dir).unwrap().cfg.clone();
+        let moe = cfg.mlp_kinds.iter().map(|k| *k == MlpKind::Moe).collect();
+        let prompt = (0..30)
+            .map(|i| (i * 17 + 3) % cfg.vocab_size as u32)
+            .collect();
+        HistoryRig {
+            dir,
+            store,
+            cfg,
+            moe,
+            prompt,
+            device,
+            ram,
+        }
+    }
+
+    fn tiers(&self, history: Option<PathBuf>, prefetch: bool) -> Arc<TieredExperts> {
+        use glmflash_node::tiers::source::StoreSource;
+        let cfg = &self.cfg;
+        let source = Arc::new(StoreSource::open(self.store.path(), &self.dir, cfg).unwrap());
+        let plan = TierPlan {
+            history,
+            ..test_plan(
+                Mode::Nvme,
+                self.device,
+                self.ram,
+                cfg.n_routed_experts,
+                64,
+                prefetch,
+            )
+        };
+        let (hidden, experts) = (cfg.hidden_size, cfg.n_routed_experts);
+        Arc::new(TieredExperts::new(source, hidden, experts, &self.moe, &plan, None).unwrap())
+    }
+
+    /// Serves the prompt once through fresh tiers; gives the logits, the history and its file.
+    fn serve_once(&self) -> (Vec<Vec<f32>>, RoutingHistory, PathBuf) {
+        let first = self.tiers(None, false);
+        let served = Model::builder()
+            .experts(first.clone())
+            .load(&self.dir)
+            .unwrap();
+        let expected = run(&served, &self.prompt);
+        let history = first.history("fp");
+        let file = self.store.path().join("history.json");
+        history.save(&file).unwrap();
+        (expected, history, file)
+    }
+}
+
+use glmflash_node::tiers::history::RoutingHistory;
+
 /// A routing history fills the free slots in the background, most picked first (what the
 /// synchronous warm start loads), and never takes a slot a lookup holds.
 #[test]
 fn a_history_fills_free_slots_in_the_background_and_evicts_nothing() {
-    use glmflash_node::tiers::source::StoreSource;
-    let dir = fixture("tiny_mixed");
-    let store = tempfile::tempdir_in(env!("CARGO_TARGET_TMPDIR")).unwrap();
-    glmflash_node::store::pack_store(&dir, store.path(), &Default::default()).unwrap();
-    let model = Model::load(&dir).unwrap();
-    let cfg = model.cfg.clone();
-    let moe: Vec<bool> = cfg.mlp_kinds.iter().map(|k| *k == MlpKind::Moe).collect();
-    let prompt: Vec<u32> = (0..30)
-        .map(|i| (i * 17 + 3) % cfg.vocab_size as u32)
-        .collect();
-    let (device, ram) = (2, 3);
-    let tiers_with = |history: Option<PathBuf>| {
-        let source = Arc::new(StoreSource::open(store.path(), &dir, &cfg).unwrap());
-        let plan = TierPlan {
-            history,
-            ..test_plan(Mode::Nvme, device, ram, cfg.n_routed_experts, 64, false)
-        };
-        Arc::new(
-            TieredExperts::new(
-                source,
-                cfg.hidden_size,
-                cfg.n_routed_experts,
-                &moe,
-                &plan,
-                None,
-            )
-            .unwrap(),
-        )
-    };
-    // Serve once, keep the history.
-    let first = tiers_with(None);
-    let served = Model::builder().experts(first.clone()).load(&dir).unwrap();
-    let expected = run(&served, &prompt);
-    let history = first.history("fp");
-    let file = store.path().join("history.json");
-    history.save(&file).unwrap();
+    let rig = HistoryRig::new(2, 3);
+    let (device, ram, moe) = (rig.device, rig.ram, &rig.moe);
+    let (expected, history, file) = rig.serve_once();
 
     // A fresh start with it: the slots fill in the background with the most picked experts.
-    let warm = tiers_with(Some(file.clone()));
+    let warm = rig.tiers(Some(file.clone()), false);
     warm.open_history("fp").unwrap();
     let loaded = warm.wait_filled();
     let mut wanted_total = 0;
@@ -634,19 +669,72 @@ fn a_history_fills_free_slots_in_the_background_and_evicts_nothing() {
         wanted_total += (device + ram).min(ranked.len());
     }
     assert_eq!(loaded, wanted_total);
-    let model = Model::builder().experts(warm).load(&dir).unwrap();
+    let model = Model::builder().experts(warm).load(&rig.dir).unwrap();
     assert!(
-        run(&model, &prompt) == expected,
+        run(&model, &rig.prompt) == expected,
         "warm-filled: logits differ"
     );
 
     // Slots that lookups filled first stay theirs: a fill finds nothing free to load.
-    let busy = tiers_with(Some(file));
-    let model = Model::builder().experts(busy.clone()).load(&dir).unwrap();
-    let _ = run(&model, &prompt);
+    let busy = rig.tiers(Some(file), false);
+    let model = Model::builder()
+        .experts(busy.clone())
+        .load(&rig.dir)
+        .unwrap();
+    let _ = run(&model, &rig.prompt);
     let before: Vec<_> = (0..moe.len()).map(|l| busy.layer_residents(l)).collect();
     busy.open_history("fp").unwrap();
     assert_eq!(busy.wait_filled(), 0);
     let after: Vec<_> = (0..moe.len()).map(|l| busy.layer_residents(l)).collect();
     assert_eq!(before, after);
+}
+
+/// An expert the prefetcher staged before the fill reached it moves from the staging into its
+/// slot: the fill does not read it again, and no second copy stays staged.
+#[test]
+fn the_history_fill_takes_what_the_prefetcher_staged_instead_of_reading_it_again() {
+    use glmflash_node::model::moe::ExpertProvider;
+    use std::sync::atomic::Ordering::Relaxed;
+    let rig = HistoryRig::new(2, 3);
+    let (_, history, file) = rig.serve_once();
+    let layer = rig.moe.iter().position(|&m| m).expect("a MoE layer");
+    let ranked = history.ranked(layer);
+    let staged: Vec<usize> = ranked[..2.min(ranked.len())].to_vec();
+    assert!(
+        !staged.is_empty(),
+        "the history picked experts of layer {layer}"
+    );
+
+    let tiers = rig.tiers(Some(file), true);
+    let reads = |t: &TieredExperts| t.stats.store_reads.load(Relaxed);
+    let ids: Vec<u32> = staged.iter().map(|&e| e as u32).collect();
+    tiers.prefetch(layer, &ids);
+    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(20);
+    while reads(&tiers) < staged.len() as u64 {
+        assert!(
+            std::time::Instant::now() < deadline,
+            "the prefetcher staged nothing"
+        );
+        std::thread::sleep(std::time::Duration::from_millis(5));
+    }
+    while tiers.staged_count() < staged.len() {
+        assert!(
+            std::time::Instant::now() < deadline,
+            "the staging never filled"
+        );
+        std::thread::sleep(std::time::Duration::from_millis(5));
+    }
+    let before = reads(&tiers);
+    tiers.open_history("fp").unwrap();
+    let loaded = tiers.wait_filled();
+    // Every wanted expert is in a slot, and only the ones not staged were read.
+    assert_eq!(reads(&tiers) - before, (loaded - staged.len()) as u64);
+    let (d, r) = tiers.layer_residents(layer);
+    for e in &staged {
+        assert!(
+            d.contains(e) || r.contains(e),
+            "staged expert {e} not in a slot"
+        );
+    }
+    assert_eq!(tiers.staged_count(), 0, "a second copy stayed staged");
 }

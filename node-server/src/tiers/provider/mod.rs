@@ -326,6 +326,11 @@ impl TieredExperts {
         }
     }
 
+    /// Experts the prefetcher has read ahead that no lookup has taken yet.
+    pub fn staged_count(&self) -> usize {
+        self.staged.lock().expect("staging lock").len()
+    }
+
     /// Device and RAM residents of `layer` (for invariant checks and the tier summary).
     pub fn layer_residents(&self, layer: usize) -> (Vec<usize>, Vec<usize>) {
         let (device, ram, _) = self.layer_snapshot(layer);
@@ -654,6 +659,10 @@ impl ExpertProvider for TieredExperts {
     /// the routing history where [`TieredExperts::open_history`] was told to.
     fn finish(&self) -> anyhow::Result<()> {
         use anyhow::Context;
+        // Serving has ended: a fill from the history still running stops here, so the summary
+        // and the saved history describe the tiers as they are left.
+        self.stop_filling.store(true, Ordering::Relaxed);
+        self.wait_filled();
         self.flush();
         eprintln!(
             "tiers ({:?}): {}",

@@ -3,7 +3,7 @@
 //! on a thread of its own for a server's [`TieredExperts::open_history`]).
 
 use super::background::load_batch;
-use super::{Layer, Shared, TieredExperts};
+use super::{Layer, Shared, Staging, TieredExperts};
 use crate::tiers::history::RoutingHistory;
 use crate::tiers::pin::Pinned;
 use crate::tiers::source::ExpertSource;
@@ -42,6 +42,7 @@ impl TieredExperts {
         fill_slots(
             self.source.as_ref(),
             &self.shared,
+            &self.staged,
             self.device_slots,
             &wanted,
             &std::sync::atomic::AtomicBool::new(false),
@@ -75,9 +76,10 @@ impl TieredExperts {
     /// thread of its own while lookups go on: a lookup that comes first keeps its place (the
     /// fill never evicts), and the fill reads the store in batches at queue depth.
     fn fill_in_background(&self, wanted: Vec<(usize, Vec<usize>)>) {
-        let (source, shared, stop) = (
+        let (source, shared, staged, stop) = (
             self.source.clone(),
             self.shared.clone(),
+            self.staged.clone(),
             self.stop_filling.clone(),
         );
         let device_slots = self.device_slots;
@@ -85,7 +87,7 @@ impl TieredExperts {
             .name("tier-fill".into())
             .spawn(move || {
                 let started = std::time::Instant::now();
-                match fill_slots(source.as_ref(), &shared, device_slots, &wanted, &stop) {
+                match fill_slots(source.as_ref(), &shared, &staged, device_slots, &wanted, &stop) {
                     Ok(loaded) => {
                         tracing::info!(loaded, secs = started.elapsed().as_secs_f64(), "tiers warm-started from the routing history");
                         loaded
@@ -115,11 +117,14 @@ impl TieredExperts {
 const FILL_BATCH: usize = 16;
 
 /// Loads `wanted` (per layer, most wanted first) into the free device slots, then the free
-/// RAM slots, skipping what is resident or on its way down already; never evicts. Returns
-/// how many it loaded; ends early when `stop` is set.
+/// RAM slots, skipping what is resident or on its way down already; never evicts. An expert
+/// the prefetcher has staged moves from the staging into its slot (no second read, no second
+/// copy), and a staged copy of one the fill read is dropped. Returns how many it loaded; ends
+/// early when `stop` is set.
 fn fill_slots(
     source: &dyn ExpertSource,
     shared: &Shared,
+    staged: &Staging,
     device_slots: usize,
     wanted: &[(usize, Vec<usize>)],
     stop: &std::sync::atomic::AtomicBool,
@@ -128,24 +133,43 @@ fn fill_slots(
         l.device.contains_key(e) || l.ram.contains_key(e) || l.in_flight.contains_key(e)
     };
     let lock = |layer: usize| shared.layers[layer].lock().expect("tier lock");
+    let stage = || staged.lock().expect("staging lock");
     let mut loaded = 0;
     for (layer, experts) in wanted {
         for chunk in experts.chunks(FILL_BATCH) {
             if stop.load(Ordering::Relaxed) {
                 return Ok(loaded);
             }
-            let missing: Vec<usize> = {
+            // The chunk's experts no tier holds, in order, with the staged ones' weights.
+            let todo: Vec<(usize, Option<_>)> = {
                 let l = lock(*layer);
                 if l.device.len() >= device_slots && l.ram.len() >= shared.ram_slots {
                     break;
                 }
-                chunk.iter().copied().filter(|e| !held(&l, e)).collect()
+                let mut s = stage();
+                chunk
+                    .iter()
+                    .filter(|e| !held(&l, e))
+                    .map(|&e| (e, s.remove(&(*layer, e))))
+                    .collect()
             };
-            let weights = load_batch(source, &shared.stats, *layer, &missing)?;
+            let missing: Vec<usize> = todo
+                .iter()
+                .filter(|(_, w)| w.is_none())
+                .map(|&(e, _)| e)
+                .collect();
+            let mut read = load_batch(source, &shared.stats, *layer, &missing)?.into_iter();
             let mut l = lock(*layer);
-            for (e, w) in missing.into_iter().zip(weights) {
+            for (e, w) in todo {
+                let Some(w) = w.or_else(|| read.next()) else {
+                    break;
+                };
                 if held(&l, &e) {
                     continue;
+                }
+                if stage().remove(&(*layer, e)).is_some() {
+                    // Staged while the fill read it: the slot's copy serves the lookups.
+                    shared.stats.prefetch_wasted.fetch_add(1, Ordering::Relaxed);
                 }
                 if l.device.len() < device_slots {
                     l.device.insert(e, w);
