@@ -88,6 +88,27 @@ impl Gpu {
         Ok(self.cuda.alloc_f32(n)?)
     }
 
+    /// mHC's collapse into fresh buffers, with the input norm in the same launch when `norm`.
+    fn collapse_with(
+        &self,
+        spec: MhcSpec,
+        logits: &Buf,
+        base: &Buf,
+        streams: &Buf,
+        t: usize,
+        norm: Option<(&Buf, f32)>,
+    ) -> anyhow::Result<MhcCollapse<Buf>> {
+        let (n, d) = (spec.streams, spec.hidden);
+        let mut out = MhcCollapse {
+            collapsed: self.alloc(t * d)?,
+            post: self.alloc(t * n)?,
+            comb: self.alloc(t * n * n)?,
+        };
+        self.cuda
+            .mhc_collapse_dev(spec, logits, base, streams, t, norm, &mut out)?;
+        Ok(out)
+    }
+
     /// Rows `first .. first + count` of `src` as a buffer that starts with them: `src` itself
     /// when they start it (the kernels read only the rows they are told of; a batch of one
     /// sequence copies nothing), else a copy, kept in `copy`.
@@ -348,15 +369,7 @@ impl Device for Gpu {
         streams: &Buf,
         t: usize,
     ) -> anyhow::Result<MhcCollapse<Buf>> {
-        let (n, d) = (spec.streams, spec.hidden);
-        let mut out = MhcCollapse {
-            collapsed: self.alloc(t * d)?,
-            post: self.alloc(t * n)?,
-            comb: self.alloc(t * n * n)?,
-        };
-        self.cuda
-            .mhc_collapse_dev(spec, logits, base, streams, t, None, &mut out)?;
-        Ok(out)
+        self.collapse_with(spec, logits, base, streams, t, None)
     }
 
     /// Fused for decode batches (each block collapses its token's whole row for the norm's
@@ -376,16 +389,7 @@ impl Device for Gpu {
             self.rms_norm(&mut mix.collapsed, Some(weight), spec.hidden, eps)?;
             return Ok(mix);
         }
-        let (n, d) = (spec.streams, spec.hidden);
-        let mut out = MhcCollapse {
-            collapsed: self.alloc(t * d)?,
-            post: self.alloc(t * n)?,
-            comb: self.alloc(t * n * n)?,
-        };
-        let norm = Some((weight, eps));
-        self.cuda
-            .mhc_collapse_dev(spec, logits, base, streams, t, norm, &mut out)?;
-        Ok(out)
+        self.collapse_with(spec, logits, base, streams, t, Some((weight, eps)))
     }
 
     fn mhc_expand(
