@@ -161,15 +161,15 @@ __device__ __forceinline__ float mhc_pre_sum(const float* w_pre, const float* s,
 // post [T, n] and comb [T, n, n] (comb[t][i][m]: weight of input stream i in output m).
 // Grid (ceil(d / blockDim.x), T), blockDim.x >= 32: every block derives its token's weights
 // itself (a few hundred flops), so one token's collapse spreads over many blocks; block x == 0
-// writes post and comb. With `has_norm` the collapsed row is RMS-normed and
-// weighted as `rms_norm` does it (the sublayer's input norm, one launch less): every block
-// collapses the whole row for its sum of squares (the row's n d values come from L2 after the
-// first block; same sum in every block), then writes its own columns.
+// writes post and comb. With `has_norm` the collapsed row is RMS-normed and weighted as
+// `rms_norm` does it (the sublayer's input norm, one launch less): every block collapses the
+// whole row for its sum of squares (the row's n d values come from L2 after the first block;
+// the same sum in every block), then writes its own columns.
 extern "C" __global__ void mhc_collapse(const float* __restrict__ logits,
                                         const float* __restrict__ base, float s0, float s1,
                                         float s2, int n, int d, float eps, int iters,
-                                        const float* __restrict__ streams,
-                                        int has_norm, const float* __restrict__ norm_weight, float norm_eps,
+                                        const float* __restrict__ streams, int has_norm,
+                                        const float* __restrict__ norm_weight, float norm_eps,
                                         float* __restrict__ collapsed, float* __restrict__ post,
                                         float* __restrict__ comb) {
     __shared__ float w_pre[MHC_MAX_N], w_post[MHC_MAX_N], w_comb[MHC_MAX_N * MHC_MAX_N];
