@@ -365,15 +365,16 @@ __device__ void exl3_gemv_pass(const u32* __restrict__ trellis, int k, int n, in
     if (lane == H) src -= 4 * H;
     // Shared-space addresses in ring slot 0: where this lane's chunk lands, and its first word.
     const u32 slot0 = (u32)__cvta_generic_to_shared(ring[0]);
-    const u32 put = slot0 + 16 * lane;
+    u32 put = slot0 + 16 * lane;
     const u32 get = slot0 + 4 * w0;
     constexpr int span = exl3_lane_span<H>();
     float* dst = part + (i64)s * slice + 16 * nt;
     for (int t0 = 0; t0 < tokens; t0 += TOK_TILE) {
         const int nt_tok = min(TOK_TILE, tokens - t0);
-        // This lane's B column is token t0 + c0: its 4 words of each tile, W tiles a step.
-        const bool has_x = c0 < nt_tok;
-        const int row = has_x ? c0 : 0;
+        // This lane's B column is token t0 + c0: its 4 words of each tile, W tiles a step. A
+        // column past the pass's tokens reads token t0's words: its sums are never stored,
+        // and a column of B never meets another in an mma.
+        const int row = c0 < nt_tok ? c0 : 0;
         const uint4* xq = ROT ? (const uint4*)(xsh + (i64)row * per * 16) + 4 * (first - kt0) + q
                               : (const uint4*)(xs + (i64)(t0 + row) * k) + 4 * first + q;
         float hi[4] = {0.0f, 0.0f, 0.0f, 0.0f}, lo[4] = {0.0f, 0.0f, 0.0f, 0.0f};
@@ -388,10 +389,13 @@ __device__ void exl3_gemv_pass(const u32* __restrict__ trellis, int k, int n, in
         // step would take them, so the sums are the same; the waits, syncs and addresses are
         // shared by the two.
         for (int m = 0; m < count; m += 2, next += 2 * step, xq += 8 * W) {
+            // The second tile of a step always runs: past the slice's last tile (an odd
+            // count) its words are a stale slot's, which decode to finite weights, and its
+            // activations zeros, so it adds exact zeros. No branch, one copy of the code.
             const bool two = m + 1 < count;
-            const uint4 zero = make_uint4(0u, 0u, 0u, 0u);
-            const uint4 xv0 = has_x ? (ROT ? xq[0] : __ldg(xq)) : zero;
-            const uint4 xv1 = has_x && two ? (ROT ? xq[4 * W] : __ldg(xq + 4 * W)) : zero;
+            const uint4 xv0 = ROT ? xq[0] : __ldg(xq);
+            uint4 xv1 = make_uint4(0u, 0u, 0u, 0u);
+            if (two) xv1 = ROT ? xq[4 * W] : __ldg(xq + 4 * W);
             const u32 slot = (m % EXL3_RING) * 4 * EXL3_RING_WORDS;
             constexpr u32 next_slot = 4 * EXL3_RING_WORDS;
             exl3_cp_wait<EXL3_RING - 2>();  // tiles m and m + 1 have landed (this lane's part)
@@ -399,12 +403,14 @@ __device__ void exl3_gemv_pass(const u32* __restrict__ trellis, int k, int n, in
             u32 a0[4] = {0u, 0u, 0u, 0u}, a1[4] = {0u, 0u, 0u, 0u};
 #pragma unroll
             for (int i = 0; i < span; i++) a0[i] = exl3_lds(get + slot + 4 * i);
-            if (two)
 #pragma unroll
-                for (int i = 0; i < span; i++) a1[i] = exl3_lds(get + slot + next_slot + 4 * i);
+            for (int i = 0; i < span; i++) a1[i] = exl3_lds(get + slot + next_slot + 4 * i);
             __syncwarp();  // all lanes have read the slots before they are refilled
             // Tiles m + EXL3_RING and m + 1 + EXL3_RING into the slots just read (an empty
             // group past the last tile, so that every lane's group count stays in step with m).
+            // `put` stays in a register: left to itself, the compiler rebuilds the shared
+            // address from the CTA id every step (~20 instructions) to save one.
+            asm volatile("" : "+r"(put));
             if (m + EXL3_RING < count && copies) exl3_cp16_at(put + slot, next);
             exl3_cp_commit();
             if (m + 1 + EXL3_RING < count && copies)
@@ -416,12 +422,10 @@ __device__ void exl3_gemv_pass(const u32* __restrict__ trellis, int k, int n, in
             const u32 frag0[4] = {p[0], p[2], p[1], p[3]};
             exl3_mma(hi, frag0, xv0.x, xv0.y);
             exl3_mma(lo, frag0, xv0.z, xv0.w);
-            if (two) {
-                exl3_decode_pairs<H, CB>(a1, o, p);
-                const u32 frag1[4] = {p[0], p[2], p[1], p[3]};
-                exl3_mma(hi, frag1, xv1.x, xv1.y);
-                exl3_mma(lo, frag1, xv1.z, xv1.w);
-            }
+            exl3_decode_pairs<H, CB>(a1, o, p);
+            const u32 frag1[4] = {p[0], p[2], p[1], p[3]};
+            exl3_mma(hi, frag1, xv1.x, xv1.y);
+            exl3_mma(lo, frag1, xv1.z, xv1.w);
         }
         // Lane 4 c0 + q holds columns c0 and c0 + 8 of tokens 2 q and 2 q + 1.
 #pragma unroll
