@@ -7,7 +7,7 @@
 #define KDA_MAX_CONV 8
 // Tokens one `kda_conv` thread carries through its channel.
 #define KDA_CONV_SEG 64
-// State columns per `kda_recurrent` block: one warp, one column per lane.
+// State columns per `kda_recurrent` block: one column per lane of each of its warps.
 #define KDA_COLS 32
 
 // One channel over tokens [t0, t1): the window of K inputs lives in registers. Window row r
@@ -95,66 +95,85 @@ extern "C" __global__ void kda_conv_state(float* __restrict__ state, const float
 //
 // Per token, q and k are l2-normalised (q then scaled), the state decays by exp(g) per row,
 // mem = k^T S, S += k ((v - mem) beta)^T and o = q^T S. Column j of S evolves on its own
-// given the head's q, k, g and beta, so a block (one warp) takes KDA_COLS columns of one
-// head, keeps them in shared memory across all tokens and writes them back at the end; each
-// lane reads and writes only its own column. Grid (ceil(d / KDA_COLS), heads), block
-// KDA_COLS threads, dynamic shared memory (KDA_COLS + 3) * d floats.
+// given the head's q, k, g and beta, so a block takes KDA_COLS columns of one head: lane l
+// of warp w holds rows 32 w .. 32 w + 31 of column l in registers across all tokens (loaded
+// once, all in flight, and written back at the end), and the two dots over a column are
+// each warp's partial sum over its rows, added in warp order. Grid (ceil(d / KDA_COLS),
+// heads), block KDA_COLS x ceil(d / 32) threads, dynamic shared memory (3 d + 2 * 32 *
+// warps) floats.
 extern "C" __global__ void kda_recurrent(const float* __restrict__ mixed,
                                          const float* __restrict__ g,
                                          const float* __restrict__ beta, int len, int heads, int d,
                                          float scale, float eps, float* __restrict__ state,
                                          float* __restrict__ out) {
     extern __shared__ float sh[];
-    float* s = sh;                  // [d][KDA_COLS]
-    float* qs = s + d * KDA_COLS;  // [d] normalised, scaled q
-    float* ks = qs + d;             // [d] normalised k
-    float* decay = ks + d;          // [d] exp(g)
-    const int lane = threadIdx.x;
+    const int warps = blockDim.x / WARP;
+    float* qs = sh;                      // [d] normalised, scaled q
+    float* ks = qs + d;                  // [d] normalised k
+    float* decay = ks + d;               // [d] exp(g)
+    float* part = decay + d;             // [2][warps][KDA_COLS] the warps' partial dots
+    const int lane = threadIdx.x & (WARP - 1), w = threadIdx.x / WARP;
     const int head = blockIdx.y;
     const int j = blockIdx.x * KDA_COLS + lane;
     const bool active = j < d;
+    const int r0 = w * WARP;  // this thread's first row
     const i64 c = (i64)heads * d;
     float* sg = state + (i64)head * d * d;
-    float* col = s + lane;
-    if (active)
-        for (int i = 0; i < d; i++) col[i * KDA_COLS] = sg[(i64)i * d + j];
+    float col[WARP];
+#pragma unroll
+    for (int r = 0; r < WARP; r++)
+        col[r] = active && r0 + r < d ? sg[(i64)(r0 + r) * d + j] : 0.0f;
     for (int t = 0; t < len; t++) {
         const float* qt = mixed + (i64)t * 3 * c + (i64)head * d;
         const float* kt = qt + c;
         const float* vt = qt + 2 * c;
         const float* gt = g + (i64)t * c + (i64)head * d;
+        // Every warp forms the same norms the same way.
         float qq = 0.0f, kk = 0.0f;
         for (int i = lane; i < d; i += WARP) {
             qq = fmaf(qt[i], qt[i], qq);
             kk = fmaf(kt[i], kt[i], kk);
         }
         const float qn = sqrtf(warp_sum(qq) + eps), kn = sqrtf(warp_sum(kk) + eps);
-        __syncthreads();  // the previous token is done with qs, ks and decay
-        for (int i = lane; i < d; i += WARP) {
+        for (int i = threadIdx.x; i < d; i += blockDim.x) {
             qs[i] = (qt[i] / qn) * scale;
             ks[i] = kt[i] / kn;
             decay[i] = expf(gt[i]);
         }
         __syncthreads();
-        if (active) {
-            float mem = 0.0f;
-            for (int i = 0; i < d; i++) {
-                const float x = col[i * KDA_COLS] * decay[i];
-                col[i * KDA_COLS] = x;
-                mem = fmaf(ks[i], x, mem);
+        float mem = 0.0f;
+#pragma unroll
+        for (int r = 0; r < WARP; r++)
+            if (r0 + r < d) {
+                const float x = col[r] * decay[r0 + r];
+                col[r] = x;
+                mem = fmaf(ks[r0 + r], x, mem);
             }
-            const float delta = (vt[j] - mem) * beta[(i64)t * heads + head];
-            float o = 0.0f;
-            for (int i = 0; i < d; i++) {
-                const float x = fmaf(ks[i], delta, col[i * KDA_COLS]);
-                col[i * KDA_COLS] = x;
-                o = fmaf(qs[i], x, o);
+        part[w * KDA_COLS + lane] = mem;
+        __syncthreads();
+        mem = 0.0f;
+        for (int i = 0; i < warps; i++) mem += part[i * KDA_COLS + lane];
+        const float delta = active ? (vt[j] - mem) * beta[(i64)t * heads + head] : 0.0f;
+        float o = 0.0f;
+#pragma unroll
+        for (int r = 0; r < WARP; r++)
+            if (r0 + r < d) {
+                const float x = fmaf(ks[r0 + r], delta, col[r]);
+                col[r] = x;
+                o = fmaf(qs[r0 + r], x, o);
             }
+        part[(warps + w) * KDA_COLS + lane] = o;
+        __syncthreads();
+        if (w == 0 && active) {
+            o = 0.0f;
+            for (int i = 0; i < warps; i++) o += part[(warps + i) * KDA_COLS + lane];
             out[(i64)t * c + (i64)head * d + j] = o;
         }
+        __syncthreads();  // the next token rewrites qs, ks, decay and part
     }
-    if (active)
-        for (int i = 0; i < d; i++) sg[(i64)i * d + j] = col[i * KDA_COLS];
+#pragma unroll
+    for (int r = 0; r < WARP; r++)
+        if (active && r0 + r < d) sg[(i64)(r0 + r) * d + j] = col[r];
 }
 
 // Tokens per chunk of `kda_chunked`: its working set for d = 128 stays under the 48 KB of

@@ -14,7 +14,7 @@ const MHC_MAX_STREAMS: usize = 8;
 /// `KDA_MAX_CONV` and `KDA_CONV_SEG` in kda.cu.
 const KDA_MAX_CONV: usize = 8;
 const KDA_CONV_SEG: usize = 64;
-/// `KDA_COLS` in kda.cu: state columns (and threads) per `kda_recurrent` block.
+/// `KDA_COLS` in kda.cu: state columns per `kda_recurrent` block (a lane of each warp per column).
 const KDA_COLS: usize = 32;
 /// `KDA_CHUNK` in kda.cu: tokens per chunk of `kda_chunked`.
 const KDA_CHUNK: usize = 16;
@@ -90,8 +90,16 @@ impl KdaSpec {
         self.heads * self.head_dim
     }
 
+    /// Warps of a `kda_recurrent` block: 32 rows of its columns each (at most 32 warps, so
+    /// heads of up to 1,024 channels).
+    fn recurrent_warps(&self) -> usize {
+        self.head_dim.div_ceil(32)
+    }
+
+    /// Dynamic shared memory of a `kda_recurrent` block: q, k and the decay of a token, and
+    /// its warps' partial dots.
     fn shared_bytes(&self) -> usize {
-        (KDA_COLS + 3) * self.head_dim * 4
+        (3 * self.head_dim + 2 * KDA_COLS * self.recurrent_warps()) * 4
     }
 
     /// Dynamic shared memory of a `kda_chunked` block: its state columns, exp(G_last), the
@@ -500,22 +508,27 @@ impl Cuda {
     ) -> Result<(), CudaError> {
         let (h, d) = (spec.heads, spec.head_dim);
         let c = h * d;
-        // `kda_recurrent`: one warp per block (its reductions assume it) and per token the
-        // block's state columns, q, k and the decay in shared memory. `kda_chunked`: the
-        // KDA_CHUNK_THREADS threads its token and pair split assumes, and a chunk's working set.
+        // `kda_recurrent`: a warp per 32 rows of the block's state columns (held in
+        // registers) and per token q, k, the decay and the partial dots in shared memory.
+        // `kda_chunked`: the KDA_CHUNK_THREADS threads its token and pair split assumes, and a
+        // chunk's working set.
         let (name, threads, shared) = match form {
-            KdaForm::Recurrent => ("kda_recurrent", KDA_COLS, spec.shared_bytes()),
+            KdaForm::Recurrent => (
+                "kda_recurrent",
+                KDA_COLS * spec.recurrent_warps(),
+                spec.shared_bytes(),
+            ),
             KdaForm::Chunked => (
                 "kda_chunked",
                 KDA_CHUNK_THREADS,
                 spec.chunked_shared_bytes(),
             ),
         };
-        if h == 0 || h > MAX_GRID_Y || d == 0 || shared > SHARED_BYTES {
+        if h == 0 || h > MAX_GRID_Y || d == 0 || threads > 1024 || shared > SHARED_BYTES {
             return Err(CudaError::Invalid(format!(
-                "{name}: {h} heads of {d} (the kernel takes 1..={MAX_GRID_Y} heads, and {shared} \
-                 bytes of shared memory for a head's {KDA_COLS} columns must fit in \
-                 {SHARED_BYTES})"
+                "{name}: {h} heads of {d} (the kernel takes 1..={MAX_GRID_Y} heads of at most \
+                 1,024 channels, and {shared} bytes of shared memory for a head's {KDA_COLS} \
+                 columns must fit in {SHARED_BYTES})"
             )));
         }
         too_short(&format!("{name} mixed"), mixed.len(), len * 3 * c)?;
