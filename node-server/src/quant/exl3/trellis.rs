@@ -67,8 +67,10 @@ pub(super) struct RatePlan {
     /// ... the byte shuffle that puts each position's four bytes into its 32-bit lane as a
     /// big-endian number, ...
     pub(super) shuffle: [[u8; 32]; TILE_VALUES / 8],
-    /// ... and each lane's shift left to bring the state's first bit to the top.
+    /// ... and each lane's shift left to bring the state's first bit to the top, ...
     pub(super) shift: [[i32; 8]; TILE_VALUES / 8],
+    /// ... or right to bring its last bit to the bottom (16 less the first bit's offset).
+    pub(super) rshift: [[i32; 8]; TILE_VALUES / 8],
     /// Bytes from a stored tile's start that those loads reach (at most the tile and its
     /// [`TAIL`]).
     pub(super) reach: usize,
@@ -83,6 +85,7 @@ impl RatePlan {
             group_start: [0; TILE_VALUES / 8],
             shuffle: [[0; 32]; TILE_VALUES / 8],
             shift: [[0; 8]; TILE_VALUES / 8],
+            rshift: [[0; 8]; TILE_VALUES / 8],
             reach: 0,
         };
         let mut end = 0;
@@ -108,6 +111,7 @@ impl RatePlan {
                     plan.shuffle[t][4 * j + i] = (rel + 3 - i as u16) as u8;
                 }
                 plan.shift[t][j] = i32::from(plan.bit[8 * t + j]);
+                plan.rshift[t][j] = 16 - plan.shift[t][j];
             }
         }
         assert!(
