@@ -365,7 +365,7 @@ __device__ void exl3_gemv_pass(const u32* __restrict__ trellis, int k, int n, in
     if (lane == H) src -= 4 * H;
     // Shared-space addresses in ring slot 0: where this lane's chunk lands, and its first word.
     const u32 slot0 = (u32)__cvta_generic_to_shared(ring[0]);
-    u32 put = slot0 + 16 * lane;
+    const u32 put = slot0 + 16 * lane;
     const u32 get = slot0 + 4 * w0;
     constexpr int span = exl3_lane_span<H>();
     float* dst = part + (i64)s * slice + 16 * nt;
@@ -408,9 +408,6 @@ __device__ void exl3_gemv_pass(const u32* __restrict__ trellis, int k, int n, in
             __syncwarp();  // all lanes have read the slots before they are refilled
             // Tiles m + EXL3_RING and m + 1 + EXL3_RING into the slots just read (an empty
             // group past the last tile, so that every lane's group count stays in step with m).
-            // `put` stays in a register: left to itself, the compiler rebuilds the shared
-            // address from the CTA id every step (~20 instructions) to save one.
-            asm volatile("" : "+r"(put));
             if (m + EXL3_RING < count && copies) exl3_cp16_at(put + slot, next);
             exl3_cp_commit();
             if (m + 1 + EXL3_RING < count && copies)
