@@ -3,11 +3,12 @@
 output (peer_bench.sh profile writes ncu.csv.gz for glmflash and exl3_ncu.csv.gz for
 exllamav3): launches and microseconds per kernel name, largest first.
 
-  ncu_summary.py ncu.csv.gz [--marker NAME --steps N | --last N --per K]
+  ncu_summary.py ncu.csv.gz [--marker NAME --steps N | --last N --per K | --until NAME]
 
 --marker NAME --steps N: the launches between the last N + 1 launches of kernel NAME (one a
 forward, e.g. glmflash's `stream_mean`), i.e. the run's last N steps, per step. --last N keeps
-the run's last N launches and --per K divides by K. Lines that are not ncu's CSV rows (the
+the run's last N launches and --per K divides by K. --until NAME keeps the launches up to the
+first of kernel NAME (one forward's, e.g. a prefill's). Lines that are not ncu's CSV rows (the
 program's own output mixed into stdout) are skipped.
 """
 import argparse
@@ -35,6 +36,7 @@ def main():
     ap.add_argument("--per", type=float, default=1.0)
     ap.add_argument("--marker")
     ap.add_argument("--steps", type=int, default=1)
+    ap.add_argument("--until")
     a = ap.parse_args()
     launches = list(rows(a.csv))
     if not launches:
@@ -44,6 +46,11 @@ def main():
         if len(at) < a.steps + 1:
             sys.exit(f"{a.marker}: {len(at)} launches, fewer than --steps + 1")
         launches, a.per = launches[at[-a.steps - 1] + 1 : at[-1] + 1], a.steps
+    elif a.until:
+        at = [i for i, (name, _) in enumerate(launches) if name.split("(")[0].startswith(a.until)]
+        if not at:
+            sys.exit(f"{a.until}: no launch")
+        launches = launches[: at[0] + 1]
     elif a.last:
         launches = launches[-a.last:]
     count, ns = collections.Counter(), collections.Counter()

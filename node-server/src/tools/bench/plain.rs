@@ -71,18 +71,35 @@ struct DecodeRun {
     waited: Option<f64>,
 }
 
-/// Prefill seconds of one prompt, then each decode run.
+/// One prompt's prefill: seconds, and the GPU decoder's phase profile (seconds, calls) when
+/// `GLMFLASH_GPU_PROFILE` is set.
+struct Prefill {
+    secs: f64,
+    profile: Vec<(&'static str, f64, u64)>,
+}
+
+/// The prefill of one prompt (on the GPU the second of two, warm), then each decode run.
 fn time_gpu(
     model: &Model,
     g: &GpuDecoder,
     args: &BenchArgs,
-) -> anyhow::Result<(f64, Vec<DecodeRun>)> {
+) -> anyhow::Result<(Prefill, Vec<DecodeRun>)> {
     let vocab = model.cfg.vocab_size as u32;
     let p = prompt(args.prompt_tokens, 0, vocab);
+    // The first prompt compiles kernels and grows scratch; the second, another sequence of
+    // the same prompt, is the one timed (and profiled with `GLMFLASH_GPU_PROFILE`).
+    let mut seq = g.sequence(&model.new_cache())?;
+    g.forward(model, &mut [&mut seq], &[&p])?;
+    drop(seq);
+    g.take_profile();
     let mut seq = g.sequence(&model.new_cache())?;
     let started = Instant::now();
     g.forward(model, &mut [&mut seq], &[&p])?;
-    let prefill_s = started.elapsed().as_secs_f64();
+    let prefill = Prefill {
+        secs: started.elapsed().as_secs_f64(),
+        profile: g.take_profile(),
+    };
+    drop(seq);
     let mut runs = Vec::new();
     for &b in &args.streams {
         let mut seqs: Vec<(u32, SeqCache<crate::model::Gpu>)> = Vec::new();
@@ -122,15 +139,18 @@ fn time_gpu(
             waited: Some(g.take_waited()),
         });
     }
-    Ok((prefill_s, runs))
+    Ok((prefill, runs))
 }
 
 /// The same on the host: `Model::forward` over the batch.
-fn time_host(model: &Model, args: &BenchArgs) -> anyhow::Result<(f64, Vec<DecodeRun>)> {
+fn time_host(model: &Model, args: &BenchArgs) -> anyhow::Result<(Prefill, Vec<DecodeRun>)> {
     let vocab = model.cfg.vocab_size as u32;
     let started = Instant::now();
     model.prefill(&prompt(args.prompt_tokens, 0, vocab))?;
-    let prefill_s = started.elapsed().as_secs_f64();
+    let prefill = Prefill {
+        secs: started.elapsed().as_secs_f64(),
+        profile: Vec::new(),
+    };
     let mut runs = Vec::new();
     for &b in &args.streams {
         let mut seqs: Vec<(u32, SeqCache)> = Vec::new();
@@ -163,13 +183,13 @@ fn time_host(model: &Model, args: &BenchArgs) -> anyhow::Result<(f64, Vec<Decode
             waited: None,
         });
     }
-    Ok((prefill_s, runs))
+    Ok((prefill, runs))
 }
 
 fn measure(dir: &std::path::Path, args: &BenchArgs) -> anyhow::Result<Value> {
     let device = args.device.open()?;
     let mut costs = None;
-    let (model, decoder, (prefill_s, runs), bandwidth, device_name) = match &device {
+    let (model, decoder, (prefill, runs), bandwidth, device_name) = match &device {
         crate::backend::Device::Cpu => {
             let model = Model::load(dir)?;
             let timed = time_host(&model, args)?;
@@ -263,9 +283,17 @@ fn measure(dir: &std::path::Path, args: &BenchArgs) -> anyhow::Result<Value> {
         "weight_bytes": weights,
         "read_bandwidth_gb_s": bandwidth / 1e9,
         "prefill_tokens": args.prompt_tokens,
-        "prefill_tok_s": args.prompt_tokens as f64 / prefill_s,
+        "prefill_tok_s": args.prompt_tokens as f64 / prefill.secs,
         "decode": decode,
     });
+    if !prefill.profile.is_empty() {
+        report["prefill_gpu_profile_ms"] = prefill
+            .profile
+            .iter()
+            .map(|(name, secs, n)| (name.to_string(), json!([secs * 1e3, n])))
+            .collect::<serde_json::Map<_, _>>()
+            .into();
+    }
     if let Some(c) = costs {
         // The host's side of a step: what each kind of CUDA call costs it on this machine.
         report["cuda_call_costs_us"] = serde_json::to_value(c)?;
