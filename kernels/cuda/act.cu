@@ -30,3 +30,13 @@ extern "C" __global__ void stream_mean(const float* __restrict__ streams, int n,
     for (int i = 0; i < n; i++) acc += streams[(i64)i * d + k];
     out[k] = acc / (float)n;
 }
+
+// dst[r, j, :] = src[r, :] for j < copies: each of `rows` rows of `width` values `copies`
+// times in a row (the embedding's rows as the mHC streams). One thread per value of dst.
+extern "C" __global__ void repeat_rows(const float* __restrict__ src, int width, int copies,
+                                       i64 total, float* __restrict__ dst) {
+    const i64 i = (i64)blockIdx.x * blockDim.x + threadIdx.x;
+    if (i >= total) return;
+    const i64 row = i / ((i64)width * copies);
+    dst[i] = src[row * width + i % width];
+}

@@ -209,7 +209,19 @@ __device__ __forceinline__ void exl3_store_rotated(float* v, int i, float val, f
         xr[at] = val;
 }
 
-// xr[t, :] = (x[t, :] * suh) H for one 128-value block, f32 or split for the GEMV (`split`).
+// The GEMM's form of a rotated value (`split` 2): the hi and lo halves the GEMV's split form
+// holds (val times EXL3_XSCALE), in two f16 planes of `plane` values each, [tokens, K] like
+// xr's f32 values: hi at `at` of the first plane, lo at `at` of the second.
+__device__ __forceinline__ void exl3_store_planes(float val, u16* __restrict__ planes, i64 at,
+                                                  i64 plane) {
+    const float x = val * EXL3_XSCALE;
+    const u32 h = pack_f16x2(x, 0.0f);
+    planes[at] = (u16)h;
+    planes[plane + at] = (u16)pack_f16x2((x - f16_to_f32((u16)h)) * EXL3_LO_SCALE, 0.0f);
+}
+
+// xr[t, :] = (x[t, :] * suh) H for one 128-value block: f32 (`split` 0), the GEMV's split
+// form (1), or the GEMM's two f16 planes (2; xr then holds 2 x tokens x K halves).
 // Grid (K / 128, tokens), 128 threads.
 extern "C" __global__ void exl3_rotate_input(const float* __restrict__ x,
                                              const float* __restrict__ suh, int k, int split,
@@ -218,7 +230,11 @@ extern "C" __global__ void exl3_rotate_input(const float* __restrict__ x,
     const int i = threadIdx.x;
     const i64 at = (i64)blockIdx.y * k + blockIdx.x * 128 + i;
     v[i] = x[at] * suh[blockIdx.x * 128 + i];
-    exl3_store_rotated(v, i, exl3_hadamard128(v, i), xr, at, split);
+    const float val = exl3_hadamard128(v, i);
+    if (split == 2)
+        exl3_store_planes(val, (u16*)xr, at, (i64)gridDim.y * k);
+    else
+        exl3_store_rotated(v, i, val, xr, at, split);
 }
 
 // y[t, :] = (sum over s < splits of part[s, t, :]) H * svh + bias, for one 128-value block.
@@ -340,12 +356,13 @@ __device__ void exl3_rotate_slice(const float* __restrict__ x, const float* __re
 // rows of K) and suh give the slice, which each pass writes in the split form to `xsh` (the
 // block's dynamic shared memory, per * 16 words a token) while its first tiles are in flight.
 // The slice must start at a multiple of 8 k-tiles (a Hadamard block; the host makes per one).
-template <int H, int CB, bool ROT>
+template <int H, int CB, bool ROT, int SW = 1>
 __device__ void exl3_gemv_pass(const u32* __restrict__ trellis, int k, int n, int per,
                                const u32* __restrict__ xs, int tokens, float* __restrict__ part,
                                i64 slice, float (*red)[TOK_TILE][16],
                                u32 (*ring)[EXL3_RING_WORDS], const float* __restrict__ x,
                                const float* __restrict__ suh, u32* xsh) {
+    static_assert(!ROT || SW == 1, "a block rotates one pass's tokens at a time");
     const int lane = threadIdx.x & (WARP - 1), wid = threadIdx.x / WARP;
     const int nt = blockIdx.x, s = blockIdx.y;
     const int k_tiles = k / 16, n_tiles = n / 16, tile_words = 4 * H;
@@ -369,33 +386,54 @@ __device__ void exl3_gemv_pass(const u32* __restrict__ trellis, int k, int n, in
     const u32 get = slot0 + 4 * w0;
     constexpr int span = exl3_lane_span<H>();
     float* dst = part + (i64)s * slice + 16 * nt;
-    for (int t0 = 0; t0 < tokens; t0 += TOK_TILE) {
-        const int nt_tok = min(TOK_TILE, tokens - t0);
-        // This lane's B column is token t0 + c0: its 4 words of each tile, W tiles a step. A
-        // column past the pass's tokens reads token t0's words: its sums are never stored,
-        // and a column of B never meets another in an mma.
-        const int row = c0 < nt_tok ? c0 : 0;
-        const uint4* xq = ROT ? (const uint4*)(xsh + (i64)row * per * 16) + 4 * (first - kt0) + q
-                              : (const uint4*)(xs + (i64)(t0 + row) * k) + 4 * first + q;
-        float hi[4] = {0.0f, 0.0f, 0.0f, 0.0f}, lo[4] = {0.0f, 0.0f, 0.0f, 0.0f};
+    // A sweep takes SW passes of TOK_TILE tokens through the slice together: each tile is
+    // copied and decoded once for all of them, and each pass keeps accumulators of its own,
+    // which see the same products in the same order as a sweep of one pass would give them.
+    for (int t0 = 0; t0 < tokens; t0 += SW * TOK_TILE) {
+        const int passes = SW == 1 ? 1 : min(SW, (tokens - t0 + TOK_TILE - 1) / TOK_TILE);
+        // This lane's B column of pass pp is token t0 + TOK_TILE pp + c0: its 4 words of each
+        // tile, W tiles a step. A column past the pass's tokens reads the pass's first token's
+        // words: its sums are never stored, and a column of B never meets another in an mma.
+        const uint4* xq[SW];
+#pragma unroll
+        for (int pp = 0; pp < SW; pp++) {
+            const int tp = t0 + TOK_TILE * min(pp, passes - 1);
+            const int row = c0 < min(TOK_TILE, tokens - tp) ? c0 : 0;
+            xq[pp] = ROT ? (const uint4*)(xsh + (i64)row * per * 16) + 4 * (first - kt0) + q
+                         : (const uint4*)(xs + (i64)(tp + row) * k) + 4 * first + q;
+        }
+        float hi[SW][4], lo[SW][4];
+#pragma unroll
+        for (int pp = 0; pp < SW; pp++)
+#pragma unroll
+            for (int j = 0; j < 4; j++) hi[pp][j] = lo[pp][j] = 0.0f;
         const u32* next = src;
 #pragma unroll
         for (int m = 0; m < EXL3_RING; m++, next += step) {
             if (m < count && copies) exl3_cp16_at(put + m * 4 * EXL3_RING_WORDS, next);
             exl3_cp_commit();
         }
-        if (ROT) exl3_rotate_slice(x, suh, k, kt0, kt1, t0, nt_tok, per * 16, &red[wid][0][0], xsh);
+        if (ROT)
+            exl3_rotate_slice(x, suh, k, kt0, kt1, t0, min(TOK_TILE, tokens - t0), per * 16,
+                              &red[wid][0][0], xsh);
         // Two tiles a step (m and m + 1: the ring's slots 2 i and 2 i + 1), in the order a tile a
         // step would take them, so the sums are the same; the waits, syncs and addresses are
         // shared by the two.
-        for (int m = 0; m < count; m += 2, next += 2 * step, xq += 8 * W) {
+        for (int m = 0; m < count; m += 2, next += 2 * step) {
             // The second tile of a step always runs: past the slice's last tile (an odd
             // count) its words are a stale slot's, which decode to finite weights, and its
             // activations zeros, so it adds exact zeros. No branch, one copy of the code.
             const bool two = m + 1 < count;
-            const uint4 xv0 = ROT ? xq[0] : __ldg(xq);
-            uint4 xv1 = make_uint4(0u, 0u, 0u, 0u);
-            if (two) xv1 = ROT ? xq[4 * W] : __ldg(xq + 4 * W);
+            uint4 xv0[SW], xv1[SW];
+#pragma unroll
+            for (int pp = 0; pp < SW; pp++) {
+                xv1[pp] = make_uint4(0u, 0u, 0u, 0u);
+                if (pp < passes) {
+                    xv0[pp] = ROT ? xq[pp][0] : __ldg(xq[pp]);
+                    if (two) xv1[pp] = ROT ? xq[pp][4 * W] : __ldg(xq[pp] + 4 * W);
+                }
+                xq[pp] += 8 * W;
+            }
             const u32 slot = (m % EXL3_RING) * 4 * EXL3_RING_WORDS;
             constexpr u32 next_slot = 4 * EXL3_RING_WORDS;
             exl3_cp_wait<EXL3_RING - 2>();  // tiles m and m + 1 have landed (this lane's part)
@@ -417,27 +455,41 @@ __device__ void exl3_gemv_pass(const u32* __restrict__ trellis, int k, int n, in
             exl3_decode_pairs<H, CB>(a0, o, p);
             // A: (row c0, k 2q..), (row c0 + 8, k 2q..), (row c0, k 2q + 8..), (c0 + 8, 2q + 8..).
             const u32 frag0[4] = {p[0], p[2], p[1], p[3]};
-            exl3_mma(hi, frag0, xv0.x, xv0.y);
-            exl3_mma(lo, frag0, xv0.z, xv0.w);
+#pragma unroll
+            for (int pp = 0; pp < SW; pp++)
+                if (pp < passes) {
+                    exl3_mma(hi[pp], frag0, xv0[pp].x, xv0[pp].y);
+                    exl3_mma(lo[pp], frag0, xv0[pp].z, xv0[pp].w);
+                }
             exl3_decode_pairs<H, CB>(a1, o, p);
             const u32 frag1[4] = {p[0], p[2], p[1], p[3]};
-            exl3_mma(hi, frag1, xv1.x, xv1.y);
-            exl3_mma(lo, frag1, xv1.z, xv1.w);
-        }
-        // Lane 4 c0 + q holds columns c0 and c0 + 8 of tokens 2 q and 2 q + 1.
 #pragma unroll
-        for (int j = 0; j < 4; j++)
-            red[wid][2 * q + (j & 1)][c0 + 8 * (j >> 1)] = fmaf(lo[j], EXL3_LO_UNSCALE, hi[j]);
-        __syncthreads();
-        if (threadIdx.x < TOK_TILE * 16) {
-            const int t = threadIdx.x / 16, c = threadIdx.x % 16;
-            if (t < nt_tok) {
-                float v = 0.0f;
-                for (int i = 0; i < EXL3_GEMV_WARPS; i++) v += red[i][t][c];
-                dst[(i64)(t0 + t) * n + c] = v * EXL3_XUNSCALE;
-            }
+            for (int pp = 0; pp < SW; pp++)
+                if (pp < passes) {
+                    exl3_mma(hi[pp], frag1, xv1[pp].x, xv1[pp].y);
+                    exl3_mma(lo[pp], frag1, xv1[pp].z, xv1[pp].w);
+                }
         }
-        __syncthreads();
+#pragma unroll
+        for (int pp = 0; pp < SW; pp++) {
+            if (pp >= passes) break;
+            const int tp = t0 + TOK_TILE * pp, nt_tok = min(TOK_TILE, tokens - tp);
+            // Lane 4 c0 + q holds columns c0 and c0 + 8 of tokens 2 q and 2 q + 1.
+#pragma unroll
+            for (int j = 0; j < 4; j++)
+                red[wid][2 * q + (j & 1)][c0 + 8 * (j >> 1)] =
+                    fmaf(lo[pp][j], EXL3_LO_UNSCALE, hi[pp][j]);
+            __syncthreads();
+            if (threadIdx.x < TOK_TILE * 16) {
+                const int t = threadIdx.x / 16, c = threadIdx.x % 16;
+                if (t < nt_tok) {
+                    float v = 0.0f;
+                    for (int i = 0; i < EXL3_GEMV_WARPS; i++) v += red[i][t][c];
+                    dst[(i64)(tp + t) * n + c] = v * EXL3_XUNSCALE;
+                }
+            }
+            __syncthreads();
+        }
     }
 }
 
@@ -538,12 +590,42 @@ __device__ void exl3_reconstruct_tile(const u32* __restrict__ trellis, int n, in
     }
 }
 
+// The same tile's values as the f16 bits the decode makes, for cuBLAS's f16 GEMM.
+template <int H, int CB>
+__device__ void exl3_reconstruct_tile_f16(const u32* __restrict__ trellis, int n, int kt0,
+                                          int kt1, u16* __restrict__ out) {
+    const int lane = threadIdx.x & (WARP - 1);
+    const int n_tiles = n / 16;
+    const i64 tile = (i64)blockIdx.x * (blockDim.x / WARP) + threadIdx.x / WARP;
+    if (tile >= (i64)(kt1 - kt0) * n_tiles) return;
+    const int kt = kt0 + (int)(tile / n_tiles), nt = (int)(tile % n_tiles);
+    int w0, o, idx[4];
+    exl3_lane_window<H>(lane, w0, o);
+    exl3_lane_words<H>(w0, idx);
+    u32 a[4];
+    exl3_load4(trellis + ((i64)kt * n_tiles + nt) * 4 * H, idx, a);
+    u32 p[4];
+    exl3_decode_pairs<H, CB>(a, o, p);
+    const int r0 = 2 * (lane & 3), c0 = lane >> 2;
+    u16* dst = out + (i64)(16 * (kt - kt0) + r0) * n + 16 * nt + c0;
+#pragma unroll
+    for (int j = 0; j < 8; j++) {
+        const int dr = (j & 1) + ((j & 2) ? 8 : 0), dc = (j & 4) ? 8 : 0;
+        dst[(i64)dr * n + dc] = (u16)(p[j >> 1] >> (16 * (j & 1)));
+    }
+}
+
 // out[(r - 16 kt0) * N + c] = What[r, c] for rows r of k-tiles kt0 .. kt1: the decoded
-// weights in f32 (each an f16 value), for cuBLAS. A warp per tile.
+// weights in f32 (each an f16 value), or as f16 bits with `half` (out then holds halves),
+// for cuBLAS. A warp per tile.
 extern "C" __global__ void exl3_reconstruct(const u32* __restrict__ trellis, int halves,
-                                            int codebook, int n, int kt0, int kt1,
+                                            int codebook, int n, int kt0, int kt1, int half,
                                             float* __restrict__ out) {
-#define CALL(H, CB) exl3_reconstruct_tile<H, CB>(trellis, n, kt0, kt1, out)
+#define CALL(H, CB)                                                                    \
+    if (half)                                                                          \
+        exl3_reconstruct_tile_f16<H, CB>(trellis, n, kt0, kt1, (u16*)out);             \
+    else                                                                               \
+        exl3_reconstruct_tile<H, CB>(trellis, n, kt0, kt1, out)
     EXL3_DISPATCH(halves, codebook, CALL)
 #undef CALL
 }
@@ -571,18 +653,24 @@ extern "C" __global__ void exl3_moe_rotate_in(const u8* __restrict__ arena,
     exl3_store_split(v, i, exl3_hadamard128(v, i), (u32*)xr + ((i64)z * entries + e) * k + c - i);
 }
 
+// Token passes of a sweep of `exl3_moe_gemv_wide` (each tile decoded once for 8 SW tokens).
+#define EXL3_WIDE_SWEEP 4
+
 // The grouped GEMV over groups 0 .. *count (`cap` >= *count: the grid's room, as a table
 // built on the device has no count the host knows): for group g = blockIdx.z mod cap and part
 // z = blockIdx.z div cap, part[z, s, start_g + t, :] = xr[z, start_g + t, K slice s] What_z
 // (t < len_g), What_z's trellis at group_base[g] + trellis_off_z. xr is [parts, entries, K] in
 // the split form, part [parts, splits, entries, N]. Grid (N / 16, splits, cap * parts),
-// EXL3_GEMV_WARPS warps.
-extern "C" __global__ void __launch_bounds__(256, EXL3_GEMV_MIN_BLOCKS) exl3_moe_gemv(
-    const u8* __restrict__ arena, int halves, int codebook, const i64* __restrict__ group_base,
-    const int* __restrict__ group_start, const int* __restrict__ group_len,
-    const int* __restrict__ count, int cap, i64 trellis_off0,
-    i64 trellis_off1, int k, int n, int per, const u32* __restrict__ xr, int entries,
-    float* __restrict__ part) {
+// EXL3_GEMV_WARPS warps. SW token passes a sweep.
+template <int SW>
+__device__ void exl3_moe_gemv_body(const u8* __restrict__ arena, int halves, int codebook,
+                                   const i64* __restrict__ group_base,
+                                   const int* __restrict__ group_start,
+                                   const int* __restrict__ group_len,
+                                   const int* __restrict__ count, int cap, i64 trellis_off0,
+                                   i64 trellis_off1, int k, int n, int per,
+                                   const u32* __restrict__ xr, int entries,
+                                   float* __restrict__ part) {
     __shared__ float red[EXL3_GEMV_WARPS][TOK_TILE][16];
     __shared__ __align__(16) u32 ring[EXL3_GEMV_WARPS][EXL3_RING][EXL3_RING_WORDS];
     const int g = blockIdx.z % cap, z = blockIdx.z / cap;
@@ -594,10 +682,33 @@ extern "C" __global__ void __launch_bounds__(256, EXL3_GEMV_MIN_BLOCKS) exl3_moe
     float* out = part + (i64)z * gridDim.y * slice + (i64)group_start[g] * n;
     const int len = group_len[g];
 #define CALL(H, CB)                                                                     \
-    exl3_gemv_pass<H, CB, false>(trellis, k, n, per, x, len, out, slice, red,             \
-                                 ring[threadIdx.x / WARP], nullptr, nullptr, nullptr)
+    exl3_gemv_pass<H, CB, false, SW>(trellis, k, n, per, x, len, out, slice, red,         \
+                                     ring[threadIdx.x / WARP], nullptr, nullptr, nullptr)
     EXL3_DISPATCH(halves, codebook, CALL)
 #undef CALL
+}
+
+extern "C" __global__ void __launch_bounds__(256, EXL3_GEMV_MIN_BLOCKS) exl3_moe_gemv(
+    const u8* __restrict__ arena, int halves, int codebook, const i64* __restrict__ group_base,
+    const int* __restrict__ group_start, const int* __restrict__ group_len,
+    const int* __restrict__ count, int cap, i64 trellis_off0,
+    i64 trellis_off1, int k, int n, int per, const u32* __restrict__ xr, int entries,
+    float* __restrict__ part) {
+    exl3_moe_gemv_body<1>(arena, halves, codebook, group_base, group_start, group_len, count,
+                          cap, trellis_off0, trellis_off1, k, n, per, xr, entries, part);
+}
+
+// `exl3_moe_gemv` for groups of many picks (prompt chunks): EXL3_WIDE_SWEEP passes a sweep,
+// the same sums in the same order (the same bits), each tile copied and decoded once a sweep.
+extern "C" __global__ void __launch_bounds__(256, 2) exl3_moe_gemv_wide(
+    const u8* __restrict__ arena, int halves, int codebook, const i64* __restrict__ group_base,
+    const int* __restrict__ group_start, const int* __restrict__ group_len,
+    const int* __restrict__ count, int cap, i64 trellis_off0,
+    i64 trellis_off1, int k, int n, int per, const u32* __restrict__ xr, int entries,
+    float* __restrict__ part) {
+    exl3_moe_gemv_body<EXL3_WIDE_SWEEP>(arena, halves, codebook, group_base, group_start,
+                                        group_len, count, cap, trellis_off0, trellis_off1, k, n,
+                                        per, xr, entries, part);
 }
 
 // The activation between the products, and the down product's input rotation: for entry i

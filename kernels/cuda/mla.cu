@@ -116,6 +116,136 @@ extern "C" __global__ void mla_sparse_attend(const float* __restrict__ q,
     }
 }
 
+// Absorbed MLA over a prompt chunk: the latent row is every head's key and value, and a
+// query's selection is shared by its heads, so one block takes a query and up to SH_HEADS
+// heads (grid y over head tiles) and reads each selected row once for all of them, where
+// mla_sparse_attend reads it once per head. Three phases: scores in tiles of SH_HEADS heads x
+// SH_TOK tokens (4 heads x 8 tokens a thread, SH_CK channels staged at a time) into the
+// scratch rows; the softmax of each head's row (a warp a row); the weighted sum in passes of
+// SH_DV channels over SH_VT tokens at a time, in selection order for each output. q is
+// `[queries, heads, d]`, token j's row the d values at kv + j * stride; scratch and out as
+// mla_sparse_attend's. blockDim 256. A query's results do not depend on the other queries of
+// the launch.
+#define SH_HEADS 64
+#define SH_TOK 128
+#define SH_CK 32
+#define SH_VT 32
+#define SH_DV 128
+#define SH_QPAD (SH_HEADS + 4)
+#define SH_KPAD (SH_TOK + 4)
+
+__device__ __forceinline__ void sh_fma_4x8(float (&acc)[4][8], const float4 a, const float4 b0,
+                                           const float4 b1) {
+    const float av[4] = {a.x, a.y, a.z, a.w};
+    const float bv[8] = {b0.x, b0.y, b0.z, b0.w, b1.x, b1.y, b1.z, b1.w};
+#pragma unroll
+    for (int i = 0; i < 4; i++)
+#pragma unroll
+        for (int k = 0; k < 8; k++) acc[i][k] = fmaf(av[i], bv[k], acc[i][k]);
+}
+
+extern "C" __global__ void __launch_bounds__(256) mla_attend_shared(const float* __restrict__ q, const u8* __restrict__ kv, int kv_fmt,
+                      const u32* __restrict__ picks, const int* __restrict__ sel_off,
+                      int heads, int d, i64 stride, float scale, int max_picks,
+                      float* __restrict__ scratch, float* __restrict__ out) {
+    // Phase 1: qs [SH_CK][SH_QPAD] query channels, ks [SH_CK][SH_KPAD] token channels;
+    // phase 3: qs [SH_VT][SH_QPAD] probabilities, ks [SH_VT][SH_KPAD] value channels.
+    __shared__ __align__(16) float qs[SH_CK * SH_QPAD];
+    __shared__ __align__(16) float ks[SH_CK * SH_KPAD];
+    const int query = blockIdx.x, h0 = blockIdx.y * SH_HEADS;
+    const int first = sel_off[query], n = sel_off[query + 1] - first;
+    const int hn = min(SH_HEADS, heads - h0);
+    const int tid = threadIdx.x, th = tid / 16, tt = tid % 16;
+    const float* qb = q + ((i64)query * heads + h0) * d;
+    float* sc = scratch + ((i64)query * heads + h0) * max_picks;
+    const u32* sel = picks + first;
+
+    for (int j0 = 0; j0 < n; j0 += SH_TOK) {
+        float acc[4][8] = {};
+        for (int c0 = 0; c0 < d; c0 += SH_CK) {
+            __syncthreads();
+            for (int i = tid; i < SH_HEADS * SH_CK; i += blockDim.x) {
+                const int h = i / SH_CK, c = i % SH_CK;
+                qs[c * SH_QPAD + h] = h < hn && c0 + c < d ? qb[(i64)h * d + c0 + c] : 0.0f;
+            }
+            for (int i = tid; i < SH_TOK * SH_CK; i += blockDim.x) {
+                const int t = i / SH_CK, c = i % SH_CK;
+                ks[c * SH_KPAD + t] = j0 + t < n && c0 + c < d
+                                          ? cache_load(kv, (i64)sel[j0 + t] * stride + c0 + c, kv_fmt)
+                                          : 0.0f;
+            }
+            __syncthreads();
+#pragma unroll 4
+            for (int c = 0; c < SH_CK; c++) {
+                const float4 a = *(const float4*)&qs[c * SH_QPAD + th * 4];
+                const float4 b0 = *(const float4*)&ks[c * SH_KPAD + tt * 4];
+                const float4 b1 = *(const float4*)&ks[c * SH_KPAD + SH_TOK / 2 + tt * 4];
+                sh_fma_4x8(acc, a, b0, b1);
+            }
+        }
+#pragma unroll
+        for (int i = 0; i < 4; i++) {
+            const int h = th * 4 + i;
+#pragma unroll
+            for (int k = 0; k < 8; k++) {
+                const int t = j0 + (k < 4 ? tt * 4 + k : SH_TOK / 2 + tt * 4 + k - 4);
+                if (h < hn && t < n) sc[(i64)h * max_picks + t] = acc[i][k] * scale;
+            }
+        }
+    }
+    __syncthreads();
+
+    const int lane = tid & (WARP - 1), wid = tid / WARP, warps = blockDim.x / WARP;
+    for (int h = wid; h < hn; h += warps) {
+        float* row = sc + (i64)h * max_picks;
+        float m = __int_as_float(0xff800000);
+        for (int j = lane; j < n; j += WARP) m = fmaxf(m, row[j]);
+        for (int o = WARP / 2; o > 0; o >>= 1) m = fmaxf(m, __shfl_xor_sync(0xffffffffu, m, o));
+        float s = 0.0f;
+        for (int j = lane; j < n; j += WARP) {
+            const float e = expf(row[j] - m);
+            row[j] = e;
+            s += e;
+        }
+        s = warp_sum(s);
+        for (int j = lane; j < n; j += WARP) row[j] = __fdiv_rn(row[j], s);
+    }
+
+    for (int v0 = 0; v0 < d; v0 += SH_DV) {
+        float acc[4][8] = {};
+        for (int j0 = 0; j0 < n; j0 += SH_VT) {
+            __syncthreads();
+            for (int i = tid; i < SH_HEADS * SH_VT; i += blockDim.x) {
+                const int h = i / SH_VT, jj = i % SH_VT;
+                qs[jj * SH_QPAD + h] = h < hn && j0 + jj < n ? sc[(i64)h * max_picks + j0 + jj] : 0.0f;
+            }
+            for (int i = tid; i < SH_VT * SH_DV; i += blockDim.x) {
+                const int jj = i / SH_DV, c = i % SH_DV;
+                ks[jj * SH_KPAD + c] = j0 + jj < n && v0 + c < d
+                                           ? cache_load(kv, (i64)sel[j0 + jj] * stride + v0 + c, kv_fmt)
+                                           : 0.0f;
+            }
+            __syncthreads();
+#pragma unroll 4
+            for (int jj = 0; jj < SH_VT; jj++) {
+                const float4 a = *(const float4*)&qs[jj * SH_QPAD + th * 4];
+                const float4 b0 = *(const float4*)&ks[jj * SH_KPAD + tt * 4];
+                const float4 b1 = *(const float4*)&ks[jj * SH_KPAD + SH_DV / 2 + tt * 4];
+                sh_fma_4x8(acc, a, b0, b1);
+            }
+        }
+#pragma unroll
+        for (int i = 0; i < 4; i++) {
+            const int h = th * 4 + i;
+#pragma unroll
+            for (int k = 0; k < 8; k++) {
+                const int c = v0 + (k < 4 ? tt * 4 + k : SH_DV / 2 + tt * 4 + k - 4);
+                if (h < hn && c < d) out[((i64)query * heads + h0 + h) * d + c] = acc[i][k];
+            }
+        }
+    }
+}
+
 // MLA absorption of the query (mla.rs `attend_absorbed`): per head,
 // q_lat[head][c] = sum_{i < nope} q[head][i] * kv_b[head * (nope + vd) + i][c], summed in
 // order of i as the CPU's axpy loop. kv_b is f32 `[heads * (nope + vd), rank]`; one thread

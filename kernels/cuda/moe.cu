@@ -6,7 +6,11 @@
 // (group g owns pick_list[group_start[g] .. group_start[g] + group_len[g]]).
 #include "common.cuh"
 
-template <int FMT>
+// WIDE: x holds the group's token rows gathered in entry order (`moe_gather`), so a tile of
+// TOK_TILE picks is one strided block and each weight row is read once a tile, not once a
+// pick; act is then written by entry. Each pick's sums see the same products in the same
+// order either way: the same bits.
+template <int FMT, bool WIDE>
 __device__ void gate_up_rows(const u8* __restrict__ arena, const i64* __restrict__ group_base,
                              const int* __restrict__ group_start, const int* __restrict__ group_len,
                              const int* __restrict__ pick_list, const int* __restrict__ count,
@@ -27,9 +31,14 @@ __device__ void gate_up_rows(const u8* __restrict__ arena, const i64* __restrict
         float ga[TOK_TILE], ua[TOK_TILE];
 #pragma unroll
         for (int t = 0; t < TOK_TILE; t++) ga[t] = ua[t] = 0.0f;
+        if (WIDE) {
+            const float* xt = x + (i64)(start + p0) * hidden;
+            row_dots<FMT>(gate, hidden, xt, hidden, nt, ga);
+            row_dots<FMT>(up, hidden, xt, hidden, nt, ua);
+        }
 #pragma unroll
         for (int t = 0; t < TOK_TILE; t++) {
-            if (t < nt) {
+            if (!WIDE && t < nt) {
                 const int p = pick_list[start + p0 + t];
                 const float* xt = x + (i64)(p / k) * hidden;
                 float a1[TOK_TILE] = {0.0f}, a2[TOK_TILE] = {0.0f};
@@ -44,14 +53,15 @@ __device__ void gate_up_rows(const u8* __restrict__ arena, const i64* __restrict
             const float gv = warp_sum(ga[t]);
             const float uv = warp_sum(ua[t]);
             if (t < nt && (threadIdx.x & (WARP - 1)) == 0) {
-                const int p = pick_list[start + p0 + t];
-                act[(i64)p * inter + r] = silu(fminf(gv, limit)) * fminf(fmaxf(uv, -limit), limit);
+                const int at = WIDE ? start + p0 + t : pick_list[start + p0 + t];
+                act[(i64)at * inter + r] = silu(fminf(gv, limit)) * fminf(fmaxf(uv, -limit), limit);
             }
         }
     }
 }
 
-template <int FMT>
+// WIDE: act holds the picks' activations by entry (gate_up_rows<FMT, true>).
+template <int FMT, bool WIDE>
 __device__ void down_rows(const u8* __restrict__ arena, const i64* __restrict__ group_base,
                           const int* __restrict__ group_start, const int* __restrict__ group_len,
                           const int* __restrict__ pick_list, const int* __restrict__ count,
@@ -69,9 +79,10 @@ __device__ void down_rows(const u8* __restrict__ arena, const i64* __restrict__ 
         float acc[TOK_TILE];
 #pragma unroll
         for (int t = 0; t < TOK_TILE; t++) acc[t] = 0.0f;
+        if (WIDE) row_dots<FMT>(down, inter, act + (i64)(start + p0) * inter, inter, nt, acc);
 #pragma unroll
         for (int t = 0; t < TOK_TILE; t++) {
-            if (t < nt) {
+            if (!WIDE && t < nt) {
                 const int p = pick_list[start + p0 + t];
                 float a[TOK_TILE] = {0.0f};
                 row_dots<FMT>(down, inter, act + (i64)p * inter, 0, 1, a);
@@ -101,8 +112,24 @@ extern "C" __global__ void moe_gate_up(const u8* __restrict__ arena, int fmt,
                                        int hidden, int k, float limit, const float* __restrict__ x,
                                        float* __restrict__ act) {
 #define CALL(F)                                                                              \
-    gate_up_rows<F>(arena, group_base, group_start, group_len, pick_list, count, up_off, inter, \
-                    hidden, k, limit, x, act)
+    gate_up_rows<F, false>(arena, group_base, group_start, group_len, pick_list, count, up_off, \
+                           inter, hidden, k, limit, x, act)
+    DISPATCH_FORMAT(fmt, CALL)
+#undef CALL
+}
+
+// moe_gate_up over token rows gathered in entry order (moe_gather), act written by entry.
+extern "C" __global__ void moe_gate_up_wide(const u8* __restrict__ arena, int fmt,
+                                            const i64* __restrict__ group_base,
+                                            const int* __restrict__ group_start,
+                                            const int* __restrict__ group_len,
+                                            const int* __restrict__ pick_list,
+                                            const int* __restrict__ count, i64 up_off, int inter,
+                                            int hidden, int k, float limit,
+                                            const float* __restrict__ xg, float* __restrict__ act) {
+#define CALL(F)                                                                              \
+    gate_up_rows<F, true>(arena, group_base, group_start, group_len, pick_list, count, up_off, \
+                          inter, hidden, k, limit, xg, act)
     DISPATCH_FORMAT(fmt, CALL)
 #undef CALL
 }
@@ -117,10 +144,36 @@ extern "C" __global__ void moe_down(const u8* __restrict__ arena, int fmt,
                                     int inter, const float* __restrict__ act,
                                     float* __restrict__ yp) {
 #define CALL(F)                                                                                \
-    down_rows<F>(arena, group_base, group_start, group_len, pick_list, count, down_off, hidden, \
-                 inter, act, yp)
+    down_rows<F, false>(arena, group_base, group_start, group_len, pick_list, count, down_off, \
+                        hidden, inter, act, yp)
     DISPATCH_FORMAT(fmt, CALL)
 #undef CALL
+}
+
+// moe_down over activations by entry (moe_gate_up_wide).
+extern "C" __global__ void moe_down_wide(const u8* __restrict__ arena, int fmt,
+                                         const i64* __restrict__ group_base,
+                                         const int* __restrict__ group_start,
+                                         const int* __restrict__ group_len,
+                                         const int* __restrict__ pick_list,
+                                         const int* __restrict__ count, i64 down_off, int hidden,
+                                         int inter, const float* __restrict__ act,
+                                         float* __restrict__ yp) {
+#define CALL(F)                                                                                \
+    down_rows<F, true>(arena, group_base, group_start, group_len, pick_list, count, down_off, \
+                       hidden, inter, act, yp)
+    DISPATCH_FORMAT(fmt, CALL)
+#undef CALL
+}
+
+// xg[e, :] = x[rows[e], :] for the entries of a step's groups (their token rows, Table::Rows),
+// for the _wide kernels. A block per entry (grid x: a prompt chunk's entries pass grid y's
+// 65,535).
+extern "C" __global__ void moe_gather(const float* __restrict__ x, const int* __restrict__ rows,
+                                      int hidden, float* __restrict__ xg) {
+    const float* src = x + (i64)rows[blockIdx.x] * hidden;
+    float* dst = xg + (i64)blockIdx.x * hidden;
+    for (int c = threadIdx.x; c < hidden; c += blockDim.x) dst[c] = src[c];
 }
 
 // out[t, h] = sum over j = 0..k-1, in that order, of w[t, j] * yp[t * k + j, h].

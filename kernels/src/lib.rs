@@ -25,6 +25,7 @@ pub const SOURCES: &[(&str, &str, &[&str])] = &[
             "exl3_reconstruct",
             "exl3_moe_rotate_in",
             "exl3_moe_gemv",
+            "exl3_moe_gemv_wide",
             "exl3_moe_act",
             "exl3_moe_rotate_out",
         ],
@@ -32,7 +33,15 @@ pub const SOURCES: &[(&str, &str, &[&str])] = &[
     (
         "moe.cu",
         include_str!("../cuda/moe.cu"),
-        &["moe_gate_up", "moe_down", "moe_combine", "moe_group"],
+        &[
+            "moe_gate_up",
+            "moe_down",
+            "moe_gate_up_wide",
+            "moe_down_wide",
+            "moe_gather",
+            "moe_combine",
+            "moe_group",
+        ],
     ),
     (
         "norm.cu",
@@ -42,7 +51,13 @@ pub const SOURCES: &[(&str, &str, &[&str])] = &[
     (
         "act.cu",
         include_str!("../cuda/act.cu"),
-        &["swiglu", "scale_values", "add_values", "stream_mean"],
+        &[
+            "swiglu",
+            "scale_values",
+            "add_values",
+            "stream_mean",
+            "repeat_rows",
+        ],
     ),
     ("router.cu", include_str!("../cuda/router.cu"), &["route"]),
     (
@@ -67,6 +82,7 @@ pub const SOURCES: &[(&str, &str, &[&str])] = &[
         include_str!("../cuda/mla.cu"),
         &[
             "mla_sparse_attend",
+            "mla_attend_shared",
             "mla_absorb_q",
             "mla_absorb_out",
             "cache_store",

@@ -144,27 +144,17 @@ impl Model {
         pass: &Pass<D>,
     ) -> anyhow::Result<D::Buf> {
         let (d, n) = (self.cfg.hidden_size, self.cfg.hc_mult);
-        let mut streams = Vec::with_capacity(pass.tokens * n * d);
-        let mut embedded = Vec::with_capacity(if pass.hooks.is_some() {
-            pass.tokens * d
-        } else {
-            0
-        });
+        let mut embedded = Vec::with_capacity(pass.tokens * d);
         for step in steps {
             for &t in step.tokens {
-                let row = self.embed.row_f32(t as usize);
-                for _ in 0..n {
-                    streams.extend_from_slice(&row);
-                }
-                if pass.hooks.is_some() {
-                    embedded.extend_from_slice(&row);
-                }
+                embedded.extend_from_slice(&self.embed.row_f32(t as usize));
             }
         }
         if let Some(h) = pass.hooks {
             h.tensor("embed", &embedded, d);
         }
-        pass.dev.take(streams)
+        // Every stream starts as the token's embedding.
+        pass.dev.take_repeated(embedded, d, n)
     }
 
     /// The stream mean, the final norm and the head on the rows whose logits each step

@@ -1,5 +1,6 @@
-//! Attention kernels: MLA over the tokens the DSA indexer selects (absorbed decode and
-//! expanded prefill share one kernel, told by an [`AttnLayout`] where keys and values sit),
+//! Attention kernels: MLA over the tokens the DSA indexer selects (one kernel for every
+//! layout, told by an [`AttnLayout`] where keys and values sit, and one for prompt chunks on
+//! the absorbed layout, where all heads share each row),
 //! and the indexer itself (pool keys, pool scores, top pools to tokens).
 //!
 //! Each op has a host-slice entry (upload, launch, download) for checks and the CPU-side
@@ -14,6 +15,12 @@ use cudarc::driver::{CudaSlice, CudaView, LaunchConfig, PushKernelArg};
 const ATTN_BLOCK: u32 = 256;
 /// `ATTN_MAX_DK` in mla.cu: the widest query row the kernel keeps in shared memory.
 const ATTN_MAX_DK: usize = 1024;
+/// From this many queries in a launch, the absorbed layout runs `mla_attend_shared` (a block
+/// per query reading each selected row once for 64 heads); fewer (decode steps) keep a block
+/// per (query, head), which spreads a handful of queries over the whole GPU.
+pub const MLA_SHARED_MIN_QUERIES: usize = 64;
+/// `SH_HEADS` in mla.cu: the heads one `mla_attend_shared` block takes.
+const SH_HEADS: usize = 64;
 
 /// Indexer settings for [`Cuda::dsa_select`].
 #[derive(Clone, Copy, Debug, PartialEq)]
@@ -144,6 +151,30 @@ impl Cuda {
         let (heads_i, dk_i, dv_i, max_i) = (heads as i32, dk as i32, dv as i32, max_picks as i32);
         let (stride_l, step_l, k_off_l, v_off_l) =
             (stride as i64, head_step as i64, k_off as i64, v_off as i64);
+        if queries >= MLA_SHARED_MIN_QUERIES && (head_step, k_off, v_off) == (0, 0, 0) && dk == dv {
+            let mut b = self.stream.launch_builder(self.kernel("mla_attend_shared"));
+            b.arg(q)
+                .arg(kv)
+                .arg(&kv_fmt)
+                .arg(tokens)
+                .arg(&d_off)
+                .arg(&heads_i)
+                .arg(&dk_i)
+                .arg(&stride_l)
+                .arg(&scale)
+                .arg(&max_i)
+                .arg(&mut scratch)
+                .arg(out);
+            let cfg = LaunchConfig {
+                grid_dim: (queries as u32, heads.div_ceil(SH_HEADS) as u32, 1),
+                block_dim: (ATTN_BLOCK, 1, 1),
+                shared_mem_bytes: 0,
+            };
+            // SAFETY: a block per query and tile of 64 heads, rows of q and out as above; the
+            // scratch has `max_picks` floats per (query, head); every row lies inside `stride`.
+            unsafe { b.launch(cfg) }?;
+            return Ok(());
+        }
         let mut b = self.stream.launch_builder(self.kernel("mla_sparse_attend"));
         b.arg(q)
             .arg(kv)

@@ -4,6 +4,7 @@
 #![allow(unsafe_code)] // kernel launches; each block says why it holds
 
 use super::{Cuda, CudaError, norm_config, rows_config};
+use cudarc::cublas::{Gemm, GemmConfig, StridedBatchedConfig, sys::cublasOperation_t};
 use cudarc::driver::{CudaSlice, CudaView, CudaViewMut, LaunchConfig, PushKernelArg};
 
 /// Threads per block of the elementwise and column kernels.
@@ -41,6 +42,35 @@ impl Cuda {
         l.arg(src).arg(&n_i).arg(&d_i).arg(dst);
         // SAFETY: src holds n * d values, dst d; one thread per column.
         unsafe { l.launch(elem_config(d)) }?;
+        Ok(())
+    }
+
+    /// Each of the rows of `src` (`width` values) `copies` times in a row, into `dst`
+    /// (`src.len() * copies` values).
+    pub fn repeat_rows(
+        &self,
+        src: &CudaSlice<f32>,
+        width: usize,
+        copies: usize,
+        dst: &mut CudaSlice<f32>,
+    ) -> Result<(), CudaError> {
+        let total = src.len() * copies;
+        if width == 0 || !src.len().is_multiple_of(width) || dst.len() < total {
+            return Err(CudaError::Invalid(format!(
+                "repeat_rows: {} values in rows of {width}, {copies} copies into {}",
+                src.len(),
+                dst.len()
+            )));
+        }
+        if total == 0 {
+            return Ok(());
+        }
+        let (w_i, c_i, t_i) = (width as i32, copies as i32, total as i64);
+        let mut l = self.stream.launch_builder(self.kernel("repeat_rows"));
+        l.arg(src).arg(&w_i).arg(&c_i).arg(&t_i).arg(dst);
+        // SAFETY: src holds whole rows of width values, dst copies times as many (checked);
+        // one thread per value of dst.
+        unsafe { l.launch(elem_config(total)) }?;
         Ok(())
     }
 
@@ -116,6 +146,39 @@ impl Cuda {
         tokens: usize,
         out: &mut CudaSlice<f32>,
     ) -> Result<(), CudaError> {
+        if tokens >= super::attn::MLA_SHARED_MIN_QUERIES {
+            // Per head, row-major q_lat[t, rank] = q[t, nope] kv_b_h[nope, rank]: column-major
+            // q_lat^T = kv_b_h^T q^T, both operands as they lie (kv_b_h's rows of `rank`, q's
+            // rows strided by the heads), a batch over the heads.
+            let cfg = StridedBatchedConfig {
+                gemm: GemmConfig {
+                    transa: cublasOperation_t::CUBLAS_OP_N,
+                    transb: cublasOperation_t::CUBLAS_OP_N,
+                    m: rank as i32,
+                    n: tokens as i32,
+                    k: nope as i32,
+                    alpha: 1.0f32,
+                    lda: rank as i32,
+                    ldb: (heads * nope) as i32,
+                    beta: 0.0f32,
+                    ldc: (heads * rank) as i32,
+                },
+                batch_size: heads as i32,
+                stride_a: ((nope + v_dim) * rank) as i64,
+                stride_b: nope as i64,
+                stride_c: rank as i64,
+            };
+            check_absorb(
+                q.len(),
+                tokens * heads * nope,
+                out.len(),
+                tokens * heads * rank,
+            )?;
+            check_absorb(kv_b.len(), heads * (nope + v_dim) * rank, 0, 0)?;
+            // SAFETY: sizes checked just above; every head's operands lie inside them.
+            return unsafe { self.blas()?.gemm_strided_batched(cfg, kv_b, q, out) }
+                .map_err(|e| CudaError::Invalid(format!("cuBLAS batched SGEMM: {e:?}")));
+        }
         let (nope_i, vd_i, r_i) = (nope as i32, v_dim as i32, rank as i32);
         let mut l = self.stream.launch_builder(self.kernel("mla_absorb_q"));
         l.arg(q)
@@ -153,6 +216,40 @@ impl Cuda {
         tokens: usize,
         out: &mut CudaViewMut<f32>,
     ) -> Result<(), CudaError> {
+        if tokens >= super::attn::MLA_SHARED_MIN_QUERIES {
+            // Per head, row-major out[t, v_dim] = o_lat[t, rank] kv_b_v^T (kv_b's value rows
+            // of `rank`): column-major out^T = kv_b_v o_lat^T, kv_b_v transposed as it lies.
+            let cfg = StridedBatchedConfig {
+                gemm: GemmConfig {
+                    transa: cublasOperation_t::CUBLAS_OP_T,
+                    transb: cublasOperation_t::CUBLAS_OP_N,
+                    m: v_dim as i32,
+                    n: tokens as i32,
+                    k: rank as i32,
+                    alpha: 1.0f32,
+                    lda: rank as i32,
+                    ldb: (heads * rank) as i32,
+                    beta: 0.0f32,
+                    ldc: (heads * v_dim) as i32,
+                },
+                batch_size: heads as i32,
+                stride_a: ((nope + v_dim) * rank) as i64,
+                stride_b: rank as i64,
+                stride_c: v_dim as i64,
+            };
+            check_absorb(
+                o_lat.len(),
+                tokens * heads * rank,
+                out.len(),
+                tokens * heads * v_dim,
+            )?;
+            check_absorb(kv_b.len(), heads * (nope + v_dim) * rank, 0, 0)?;
+            let values = kv_b.slice(nope * rank..);
+            // SAFETY: sizes checked just above; every head's value rows start `nope` rows
+            // into its block of kv_b and stay inside it.
+            return unsafe { self.blas()?.gemm_strided_batched(cfg, &values, o_lat, out) }
+                .map_err(|e| CudaError::Invalid(format!("cuBLAS batched SGEMM: {e:?}")));
+        }
         let (h_i, nope_i, vd_i, r_i) = (heads as i32, nope as i32, v_dim as i32, rank as i32);
         let mut l = self.stream.launch_builder(self.kernel("mla_absorb_out"));
         l.arg(o_lat)
@@ -286,4 +383,19 @@ impl Cuda {
             upload_us,
         })
     }
+}
+
+/// The absorption's operands hold at least what its shapes say (`have_a >= need_a`, and so b).
+fn check_absorb(
+    have_a: usize,
+    need_a: usize,
+    have_b: usize,
+    need_b: usize,
+) -> Result<(), CudaError> {
+    if have_a < need_a || have_b < need_b {
+        return Err(CudaError::Invalid(format!(
+            "MLA absorption: operands of {have_a} and {have_b} values, the shapes need {need_a} and {need_b}"
+        )));
+    }
+    Ok(())
 }

@@ -4,9 +4,9 @@
 //! [`WIDEN_MIN_TOKENS`] token rows `xr What` is the GEMV that decodes each tile inside the dot,
 //! its K split into slices so a narrow layer still fills the GPU (the last block of each 128
 //! outputs sums the slices in order and rotates them in the same launch, so results repeat bit
-//! for bit); from there `What` is decoded
-//! to f32 [`WIDEN_TILE_VALUES`] at a time and multiplied by cuBLAS SGEMM, as f16/bf16 weights
-//! are widened.
+//! for bit); from there `What` is decoded to f16 [`WIDEN_TILE_VALUES`] at a time and
+//! multiplied on the tensor cores by cuBLAS, the inputs split into f16 hi and lo halves as the
+//! GEMV splits them (22 of their 24 bits kept) and the sums in f32.
 
 use super::groups::{GroupTables, Table};
 use super::moe::{Exl3Form, MoeRun, Part};
@@ -131,8 +131,9 @@ impl Cuda {
         {
             return self.exl3_gemv(w, Input::Raw(x), n, plan, y);
         }
+        // The GEMV's split form (a word a value), or the GEMM's two f16 planes (as many bytes).
         let mut xr = self.alloc_f32(n * k)?;
-        let (k_i, split, cfg) = (k as i32, i32::from(gemv), rotation_config(k, n));
+        let (k_i, split, cfg) = (k as i32, if gemv { 1i32 } else { 2 }, rotation_config(k, n));
         let mut b = self.stream.launch_builder(self.kernel("exl3_rotate_input"));
         b.arg(x).arg(&w.suh).arg(&k_i).arg(&split).arg(&mut xr);
         // SAFETY: x and xr hold n rows of K values (checked above; the GEMV's split form is a
@@ -218,44 +219,73 @@ impl Cuda {
         Ok(())
     }
 
-    /// `xr What` (`[n, N]`): `What` decoded to f32 a slice of K-tiles at a time, each slice
-    /// multiplied by cuBLAS SGEMM and accumulated.
+    /// `xr What` (`[n, N]`) on the tensor cores: `What` decoded to f16 (exact: every EXL3
+    /// weight is an f16 value) a slice of K-tiles at a time, and for each slice two cuBLAS
+    /// GEMMs with f32 accumulators, one on the inputs' hi halves and one on their lo halves
+    /// (`xs`: the two f16 planes of `exl3_rotate_input`'s split 2, each input times 1/16 as
+    /// hi + lo 2^-11, as the GEMV takes it), scaled back by their alphas (powers of two).
     fn exl3_gemm(
         &self,
         w: &Exl3Weights,
-        xr: &CudaSlice<f32>,
+        xs: &CudaSlice<f32>,
         n: usize,
     ) -> Result<CudaSlice<f32>, CudaError> {
+        use cudarc::cublas::{result::gemm_ex, sys};
+        use cudarc::driver::{DevicePtr, DevicePtrMut};
         let (k, out) = (w.k, w.n);
         let tiles_per_slice = (WIDEN_TILE_VALUES / out / 16).clamp(1, k / 16);
-        let mut widened = self.alloc_f32(16 * tiles_per_slice * out)?;
+        // f16 weights, two a word.
+        let mut widened = self.alloc_f32((16 * tiles_per_slice * out).div_ceil(2))?;
         let mut z = self.alloc_f32(n * out)?;
         for kt0 in (0..k / 16).step_by(tiles_per_slice) {
             let kt1 = (kt0 + tiles_per_slice).min(k / 16);
-            self.exl3_reconstruct(w, kt0, kt1, &mut widened)?;
+            self.exl3_reconstruct_into(w, kt0, kt1, true, &mut widened)?;
             let rows = 16 * (kt1 - kt0);
-            // Column-major, z^T [N, n] = What_slice^T [N, rows] xr_slice^T [rows, n]: the
-            // slice's row-major [rows, N] is its transpose column-major (lda = N), xr's rows
-            // from column 16 kt0 are columns of ldb = K.
-            let cfg = GemmConfig {
-                transa: cublasOperation_t::CUBLAS_OP_N,
-                transb: cublasOperation_t::CUBLAS_OP_N,
-                m: out as i32,
-                n: n as i32,
-                k: rows as i32,
-                alpha: 1.0f32,
-                lda: out as i32,
-                ldb: k as i32,
-                beta: if kt0 == 0 { 0.0f32 } else { 1.0f32 },
-                ldc: out as i32,
-            };
-            let a = widened.slice(..rows * out);
-            let b = xr.slice(16 * kt0..n * k);
-            let blas = self.blas()?;
-            // SAFETY: A holds rows x N values, B from 16 kt0 covers (n - 1) K + rows values,
-            // z holds n x N, as cfg says.
-            unsafe { blas.gemm(cfg, &a, &b, &mut z) }
-                .map_err(|e| CudaError::Invalid(format!("cuBLAS SGEMM: {e:?}")))?;
+            for (plane, alpha) in [
+                (0usize, EXL3_XUNSCALE),
+                (1, EXL3_XUNSCALE * EXL3_LO_UNSCALE),
+            ] {
+                let beta = if kt0 == 0 && plane == 0 {
+                    0.0f32
+                } else {
+                    1.0f32
+                };
+                let blas = self.blas()?;
+                let (a, _ra) = widened.device_ptr(&self.stream);
+                let (b, _rb) = xs.device_ptr(&self.stream);
+                let (c, _rc) = z.device_ptr_mut(&self.stream);
+                // Column-major, z^T [N, n] += alpha What_slice^T [N, rows] x_slice^T [rows,
+                // n]: the slice's row-major [rows, N] halves are its transpose column-major
+                // (lda = N); the plane's rows from column 16 kt0 are columns of ldb = K.
+                let b = b + (2 * (plane * n * k + 16 * kt0)) as u64;
+                // SAFETY: A holds rows x N halves, B from its offset (n - 1) K + rows halves of
+                // its plane (xs holds two planes of n x K halves), z n x N floats; alpha and
+                // beta are f32 as the f32 compute type wants.
+                unsafe {
+                    gemm_ex(
+                        *blas.handle(),
+                        sys::cublasOperation_t::CUBLAS_OP_N,
+                        sys::cublasOperation_t::CUBLAS_OP_N,
+                        out as i32,
+                        n as i32,
+                        rows as i32,
+                        (&alpha) as *const f32 as *const _,
+                        a as *const _,
+                        sys::cudaDataType_t::CUDA_R_16F,
+                        out as i32,
+                        b as *const _,
+                        sys::cudaDataType_t::CUDA_R_16F,
+                        k as i32,
+                        (&beta) as *const f32 as *const _,
+                        c as *mut _,
+                        sys::cudaDataType_t::CUDA_R_32F,
+                        out as i32,
+                        sys::cublasComputeType_t::CUBLAS_COMPUTE_32F,
+                        sys::cublasGemmAlgo_t::CUBLAS_GEMM_DEFAULT,
+                    )
+                }
+                .map_err(|e| CudaError::Invalid(format!("cuBLAS GEMM (f16, f32 sums): {e:?}")))?;
+            }
         }
         Ok(z)
     }
@@ -269,19 +299,32 @@ impl Cuda {
         kt1: usize,
         out: &mut CudaSlice<f32>,
     ) -> Result<(), CudaError> {
-        if kt0 > kt1 || kt1 > w.k / 16 || out.len() < 16 * (kt1 - kt0) * w.n {
+        self.exl3_reconstruct_into(w, kt0, kt1, false, out)
+    }
+
+    /// [`Cuda::exl3_reconstruct`] as f32 values, or as their f16 bits with `half` (two a
+    /// word of `out`).
+    fn exl3_reconstruct_into(
+        &self,
+        w: &Exl3Weights,
+        kt0: usize,
+        kt1: usize,
+        half: bool,
+        out: &mut CudaSlice<f32>,
+    ) -> Result<(), CudaError> {
+        let values = 16 * (kt1.max(kt0) - kt0) * w.n;
+        let room = if half { 2 * out.len() } else { out.len() };
+        if kt0 > kt1 || kt1 > w.k / 16 || room < values {
             return Err(CudaError::Invalid(format!(
                 "exl3 reconstruct of k-tiles {kt0}..{kt1} of {}x{} into {} values",
-                w.k,
-                w.n,
-                out.len()
+                w.k, w.n, room
             )));
         }
         let tiles = (kt1 - kt0) * (w.n / 16);
         if tiles == 0 {
             return Ok(());
         }
-        let (n_i, kt0_i, kt1_i) = (w.n as i32, kt0 as i32, kt1 as i32);
+        let (n_i, kt0_i, kt1_i, half_i) = (w.n as i32, kt0 as i32, kt1 as i32, i32::from(half));
         let mut b = self.stream.launch_builder(self.kernel("exl3_reconstruct"));
         b.arg(&w.trellis)
             .arg(&w.halves)
@@ -289,6 +332,7 @@ impl Cuda {
             .arg(&n_i)
             .arg(&kt0_i)
             .arg(&kt1_i)
+            .arg(&half_i)
             .arg(out);
         let cfg = LaunchConfig {
             grid_dim: ((tiles as u32).div_ceil(RECONSTRUCT_WARPS), 1, 1),
@@ -296,7 +340,7 @@ impl Cuda {
             shared_mem_bytes: 0,
         };
         // SAFETY: a warp per tile of k-tiles kt0..kt1 (the kernel skips warps past them), out
-        // holds their 16 (kt1 - kt0) rows of N values (checked above).
+        // holds their 16 (kt1 - kt0) rows of N values, as f32 or f16 (checked above).
         unsafe { b.launch(cfg) }?;
         Ok(())
     }
@@ -412,7 +456,15 @@ impl Cuda {
             tables.ints(Table::Start),
             tables.ints(Table::Len),
         );
-        let mut b = self.stream.launch_builder(self.kernel("exl3_moe_gemv"));
+        // Groups of many picks (prompt chunks) take the kernel that decodes each tile once for
+        // several token passes: the same sums in the same order, so which one runs never
+        // changes a bit.
+        let kernel = if tables.longest > MOE_WIDE_MIN_PICKS {
+            "exl3_moe_gemv_wide"
+        } else {
+            "exl3_moe_gemv"
+        };
+        let mut b = self.stream.launch_builder(self.kernel(kernel));
         b.arg(arena)
             .arg(&halves)
             .arg(&codebook)
@@ -443,6 +495,10 @@ impl Cuda {
     }
 }
 
+/// Picks of a group above which the grouped GEMV decodes a tile once for several passes of
+/// `TOK_TILE` tokens (`exl3_moe_gemv_wide`, which holds fewer blocks an SM).
+const MOE_WIDE_MIN_PICKS: usize = 2 * TOK_TILE;
+
 /// K slices of an expert matrix's grouped GEMV (`k` inputs, `n` outputs).
 fn moe_splits(k: usize, n: usize) -> usize {
     let max_splits = (k / 16 / (GEMV_THREADS as usize / 32)).max(1);
@@ -468,6 +524,11 @@ fn rotation_config(width: usize, n: usize) -> LaunchConfig {
         shared_mem_bytes: 0,
     }
 }
+
+/// The activations' scale in the split forms (`EXL3_XUNSCALE` in exl3.cu) and the lo half's
+/// weight (`EXL3_LO_UNSCALE`).
+const EXL3_XUNSCALE: f32 = 16.0;
+const EXL3_LO_UNSCALE: f32 = 1.0 / 2048.0;
 
 /// A dense GEMV's input: rotated already (the split form), or raw rows of K.
 enum Input<'a> {

@@ -73,6 +73,9 @@ pub(super) struct GroupTables {
     /// Groups `base` has room for (a launch's grid room: the groups may be fewer).
     groups: usize,
     pub(super) entries: usize,
+    /// Picks of the largest group, where the host built the tables; 0 for tables built on
+    /// the device (their sizes stay there).
+    pub(super) longest: usize,
 }
 
 impl GroupTables {
@@ -98,6 +101,7 @@ impl GroupTables {
             at,
             groups: g.start.len(),
             entries: g.list.len(),
+            longest: g.len.iter().copied().max().unwrap_or(0) as usize,
         })
     }
 
@@ -162,6 +166,7 @@ impl GroupTables {
             at,
             groups: cap,
             entries: picks,
+            longest: 0,
         })
     }
 

@@ -280,8 +280,31 @@ impl Cuda {
         let (gate_fmt, down_fmt) = (kernel_format_id(gate_up), kernel_format_id(down));
         let (up_off, down_off) = (layout.up_offset as i64, layout.down_offset as i64);
         let (inter_i, hidden_i, k_i) = (inter as i32, hidden as i32, run.k as i32);
+        // Groups of more than a tile (prompt chunks, host tables): the token rows gathered
+        // in entry order, so each weight row is read once a tile of picks (same bits).
+        let gathered = if tables.longest > ROWS_TILE {
+            let mut xg = self.alloc_f32(tables.entries * hidden)?;
+            let d_rows = tables.ints(Table::Rows);
+            let mut b = s.launch_builder(self.kernel("moe_gather"));
+            b.arg(&run.x).arg(&d_rows).arg(&hidden_i).arg(&mut xg);
+            let cfg = LaunchConfig {
+                grid_dim: (tables.entries as u32, 1, 1),
+                block_dim: (256, 1, 1),
+                shared_mem_bytes: 0,
+            };
+            // SAFETY: one row of xg per entry (the host's tables: `entries` rows, each a
+            // token row of x below `tokens`).
+            unsafe { b.launch(cfg) }?;
+            Some(xg)
+        } else {
+            None
+        };
+        let (gate_up_kernel, down_kernel, x) = match &gathered {
+            Some(xg) => ("moe_gate_up_wide", "moe_down_wide", xg),
+            None => ("moe_gate_up", "moe_down", &run.x),
+        };
 
-        let mut b = s.launch_builder(self.kernel("moe_gate_up"));
+        let mut b = s.launch_builder(self.kernel(gate_up_kernel));
         b.arg(arena)
             .arg(&gate_fmt)
             .arg(&d_base)
@@ -294,7 +317,7 @@ impl Cuda {
             .arg(&hidden_i)
             .arg(&k_i)
             .arg(&limit)
-            .arg(&run.x)
+            .arg(x)
             .arg(&mut run.act);
         // SAFETY: every slot was checked to lie inside the arena (host tables) or comes from
         // the layer's slot table (device tables), every pick index below `tokens * k` (the
@@ -302,7 +325,7 @@ impl Cuda {
         // room for, and blocks past the counted groups return.
         unsafe { b.launch(rows_config(inter, room)) }?;
 
-        let mut b = s.launch_builder(self.kernel("moe_down"));
+        let mut b = s.launch_builder(self.kernel(down_kernel));
         b.arg(arena)
             .arg(&down_fmt)
             .arg(&d_base)
@@ -315,7 +338,8 @@ impl Cuda {
             .arg(&inter_i)
             .arg(&run.act)
             .arg(&mut run.yp);
-        // SAFETY: as above, for `hidden` rows of the down projection.
+        // SAFETY: as above, for `hidden` rows of the down projection (act by entry after the
+        // wide gate/up: entries <= tokens * k rows).
         unsafe { b.launch(rows_config(hidden, room)) }?;
         Ok(())
     }
@@ -393,6 +417,10 @@ impl Cuda {
         Ok(out)
     }
 }
+
+/// Picks a tile of the row kernels takes (`TOK_TILE` in common.cuh): groups longer than this
+/// run the gathered (`_wide`) kernels.
+const ROWS_TILE: usize = 8;
 
 /// A routed-expert step in progress (see [`Cuda::moe_begin`]).
 pub struct MoeRun {

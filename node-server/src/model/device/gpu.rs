@@ -165,6 +165,13 @@ impl Device for Gpu {
         Ok(values)
     }
 
+    fn take_repeated(&self, rows: Vec<f32>, width: usize, copies: usize) -> anyhow::Result<Buf> {
+        let src = self.upload(&rows)?;
+        let mut out = self.alloc(rows.len() * copies)?;
+        self.cuda.repeat_rows(&src, width, copies, &mut out)?;
+        Ok(out)
+    }
+
     fn zeros(&self, n: usize) -> anyhow::Result<Buf> {
         Ok(self.cuda.stream().alloc_zeros(n.max(1))?)
     }

@@ -75,6 +75,22 @@ pub trait Device: Send + Sync + Sized {
     fn take(&self, values: Vec<f32>) -> anyhow::Result<Self::Buf> {
         self.upload(&values)
     }
+    /// Each row of `rows` (`width` values) `copies` times in a row, on this device (what the
+    /// embedding's rows become as the mHC streams: the rows go up once, not once a stream).
+    fn take_repeated(
+        &self,
+        rows: Vec<f32>,
+        width: usize,
+        copies: usize,
+    ) -> anyhow::Result<Self::Buf> {
+        let mut out = Vec::with_capacity(rows.len() * copies);
+        for row in rows.chunks_exact(width.max(1)) {
+            for _ in 0..copies {
+                out.extend_from_slice(row);
+            }
+        }
+        self.take(out)
+    }
     /// `b`'s values on the host (moved where the device is the host).
     fn download_owned(&self, b: Self::Buf) -> anyhow::Result<Vec<f32>> {
         self.download(&b)

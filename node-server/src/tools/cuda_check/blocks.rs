@@ -280,6 +280,12 @@ pub(super) fn check_mla(
         (64, 512, 8192, vec![8191], 16, 2048),
         (64, 512, 8192, vec![8189, 8190, 8191], 16, 2048),
         (64, 512, 1500, vec![1499], 16, 2048),
+        // Prompt chunks (mla_attend_shared): GLM-5.3-Flash's, dense and sparse; heads under
+        // one tile and over it, widths that are no multiple of the kernel's tiles.
+        (64, 512, 2300, (2200..2300).collect(), 16, 2048),
+        (64, 512, 700, (600..700).collect(), 16, 2048),
+        (5, 72, 300, (220..300).collect(), 4, 64),
+        (70, 40, 200, (130..200).collect(), 4, 256),
     ];
     let scale = 256f32.powf(-0.5);
     for (heads, rank, cached, positions, kpool, topk) in absorbed {

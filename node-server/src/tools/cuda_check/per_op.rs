@@ -177,6 +177,8 @@ fn elementwise_on<D: Device>(d: &D, r: &Rows) -> anyhow::Result<Vec<Vec<f32>>> {
     // The stream mean of every other row, rows seen as 3 streams of width / 3.
     let picks: Vec<usize> = (0..rows).step_by(2).collect();
     out.push(d.download(&d.stream_mean(&x, &picks, 3, c)?)?);
+    // Every row four times (the embedding as the mHC streams).
+    out.push(d.download(&d.take_repeated(r.x.clone(), width, 4)?)?);
     Ok(out)
 }
 
@@ -195,6 +197,7 @@ fn elementwise<G: Device>(
         "swiglu",
         "interleave3",
         "stream_mean",
+        "repeat_rows",
     ];
     for (rows, width) in [
         (1usize, 66usize),

@@ -117,7 +117,17 @@ pub(super) fn check_moe(
             for (e, expert) in ex.iter().enumerate() {
                 write_slot(cuda.stream(), &mut arena, experts - 1 - e, expert)?;
             }
-            for tokens in [1usize, 4, 33] {
+            // EXL3 at 100 tokens: groups of ~25 picks, a prompt chunk's (the kernel that
+            // decodes a tile once for several passes). Only with --wide: racecheck runs out of
+            // host memory on the other kernels of this case (measured 2026-12-04: 130 GB);
+            // the wide kernel alone is racecheck-clean.
+            let counts: &[usize] = if hidden == 512 && wide && matches!(form, ExpertForm::Exl3(..))
+            {
+                &[1, 4, 33, 100]
+            } else {
+                &[1, 4, 33]
+            };
+            for &tokens in counts {
                 let x = randn(rng, tokens * hidden, 2.0);
                 let routing = random_routing(rng, tokens, experts, k);
                 let mut want = vec![0f32; tokens * hidden];
@@ -206,8 +216,63 @@ pub(super) fn check_moe(
                     &split,
                     &got,
                 ));
+                if tokens * k > 64 {
+                    // Launches of 8 picks: groups of at most a tile, too small for the kernels
+                    // the whole step's groups take (EXL3's that decode a tile once for many
+                    // passes, the row formats' that read gathered token rows).
+                    let picks: Vec<Pick> = slots.iter().copied().enumerate().collect();
+                    let mut run = cuda.moe_begin(layout, tokens, k, &x)?;
+                    for few in picks.chunks(8) {
+                        cuda.moe_picks(&mut run, &arena.buf, limit, few)?;
+                    }
+                    let narrow = cuda.moe_finish(run, &routing.weights)?;
+                    cases.push(same_bits_case(
+                        format!("moe {name} T={tokens} launches of 8 picks: same bits"),
+                        &narrow,
+                        &got,
+                    ));
+                }
             }
         }
+    }
+    if wide {
+        // A prompt chunk of more picks than a grid's y dimension holds (65,535): the gathered
+        // row kernels' launches must still take every entry.
+        let (hidden, inter, experts, k, tokens) = (64usize, 32usize, 4usize, 4usize, 16_400usize);
+        let form = ExpertForm::Rows(Format::F32, Format::F32);
+        let ex: Vec<SwiGlu> = (0..experts)
+            .map(|_| form.expert(rng, hidden, inter, 7.0))
+            .collect::<anyhow::Result<_>>()?;
+        let layout = crate::tiers::vram::layout_of(&ex[0])?;
+        let mut arena = SlotArena::new(cuda, layout, experts)?;
+        for (e, expert) in ex.iter().enumerate() {
+            write_slot(cuda.stream(), &mut arena, e, expert)?;
+        }
+        let x = randn(rng, tokens * hidden, 2.0);
+        let routing = random_routing(rng, tokens, experts, k);
+        let mut want = vec![0f32; tokens * hidden];
+        combine_experts(hidden, &x, &routing, experts, &mut want, |e, rows, n| {
+            Ok(ex[e].forward(rows, n))
+        })?;
+        let slots: Vec<u32> = routing.ids.clone();
+        let step = MoeStep {
+            layout,
+            tokens,
+            k,
+            limit: 7.0,
+            slots: &slots,
+            weights: &routing.weights,
+        };
+        let got = cuda.moe(&arena.buf, &step, &x)?;
+        cases.push(case(
+            format!(
+                "moe f32 h{hidden} i{inter} T={tokens} k={k} ({} picks)",
+                tokens * k
+            ),
+            &got,
+            &want,
+            F32_BOUND,
+        ));
     }
     Ok(())
 }
