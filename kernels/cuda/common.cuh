@@ -40,6 +40,15 @@ __device__ __forceinline__ u16 load_u16(const u8* p) {
     return (u16)p[0] | ((u16)p[1] << 8);
 }
 
+// f32 to bf16 rounded to nearest even, NaN kept quiet: `half`'s bf16::from_f32 bit for bit.
+__device__ __forceinline__ u16 f32_to_bf16_rn(float f) {
+    const u32 x = __float_as_uint(f);
+    if ((x & 0x7fffffffu) > 0x7f800000u) return (u16)((x >> 16) | 0x0040u);
+    const u32 round_bit = 0x8000u;
+    const u16 hi = (u16)(x >> 16);
+    return ((x & round_bit) != 0 && (x & (3u * round_bit - 1u)) != 0) ? (u16)(hi + 1) : hi;
+}
+
 __device__ __forceinline__ float warp_sum(float v) {
     for (int o = WARP / 2; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
     return v;

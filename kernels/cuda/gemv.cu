@@ -87,3 +87,63 @@ extern "C" __global__ void widen_f32(const u16* __restrict__ w, int fmt, i64 cou
          i += (i64)gridDim.x * blockDim.x)
         out[i] = fmt == FMT_F16 ? f16_to_f32(w[i]) : bf16_to_f32(w[i]);
 }
+
+// Value i of a row of weights in format FMT, computed as row_dots computes it (the same f32
+// operations, so the same value).
+template <int FMT>
+__device__ __forceinline__ float row_value(const u8* __restrict__ row, int i) {
+    if (FMT == FMT_F32) return ((const float*)row)[i];
+    if (FMT == FMT_F16) return f16_to_f32(load_u16(row + 2 * (i64)i));
+    if (FMT == FMT_BF16) return bf16_to_f32(load_u16(row + 2 * (i64)i));
+    if (FMT == FMT_Q8_0) {
+        const u8* blk = row + (i64)(i / 32) * 34;
+        return f16_to_f32(load_u16(blk)) * (float)(signed char)blk[2 + i % 32];
+    }
+    // Q4_K: value j of a 144-byte super-block is nibble h of byte 32 c + q of its quants
+    // (j = 64 c + 32 h + q), in sub-block 2 c + h (see row_dots).
+    const u8* blk = row + (i64)(i / 256) * 144;
+    const int j = i % 256, c = j / 64, h = (j / 32) & 1, q = j % 32, sb = 2 * c + h;
+    const u8* s = blk + 4;
+    int sc, m;
+    if (sb < 4) {
+        sc = s[sb] & 63;
+        m = s[sb + 4] & 63;
+    } else {
+        sc = (s[sb + 4] & 0x0F) | ((s[sb - 4] >> 6) << 4);
+        m = (s[sb + 4] >> 4) | ((s[sb] >> 6) << 4);
+    }
+    const float ds = f16_to_f32(load_u16(blk)) * (float)sc;
+    const float dm = f16_to_f32(load_u16(blk + 2)) * (float)m;
+    const u32 byte = blk[16 + 32 * c + q];
+    return ds * (float)(h ? byte >> 4 : byte & 0x0F) - dm;
+}
+
+// out[r, i] = value i of row r of `rows` rows of `cols` weights in format `fmt` (a routed
+// expert's matrix widened for cuBLAS SGEMM over a prompt chunk's picks). A block per row.
+extern "C" __global__ void dequant_rows(const u8* __restrict__ w, int fmt, int rows, int cols,
+                                        float* __restrict__ out) {
+    const u8* row = w + (i64)blockIdx.x * row_bytes(fmt, cols);
+    float* dst = out + (i64)blockIdx.x * cols;
+#define CALL(F)                                                               \
+    for (int i = threadIdx.x; i < cols; i += blockDim.x) dst[i] = row_value<F>(row, i);
+    DISPATCH_FORMAT(fmt, CALL)
+#undef CALL
+}
+
+// x as three bf16 planes for cuBLAS's bf16 tensor-core GEMM (`count` values of x, planes of
+// `count` halves each, back to back): p0 = bf16(x), p1 = bf16(x - p0), p2 = bf16(x - p0 - p1),
+// each rounded to nearest, so p0 + p1 + p2 carries x's 24 significant bits (bf16 has f32's
+// exponent range). Grid-stride.
+extern "C" __global__ void split_bf16x3(const float* __restrict__ x, i64 count,
+                                        u16* __restrict__ planes) {
+    for (i64 i = blockIdx.x * (i64)blockDim.x + threadIdx.x; i < count;
+         i += (i64)gridDim.x * blockDim.x) {
+        const float v = x[i];
+        const u16 a = f32_to_bf16_rn(v);
+        const float r = v - bf16_to_f32(a);
+        const u16 b = f32_to_bf16_rn(r);
+        planes[i] = a;
+        planes[count + i] = b;
+        planes[2 * count + i] = f32_to_bf16_rn(r - bf16_to_f32(b));
+    }
+}

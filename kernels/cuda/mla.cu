@@ -30,15 +30,6 @@ __device__ float attn_block_reduce(float v, bool is_max) {
     return total;
 }
 
-// f32 to bf16 rounded to nearest even, NaN kept quiet: `half`'s bf16::from_f32 bit for bit.
-__device__ __forceinline__ u16 f32_to_bf16_rn(float f) {
-    const u32 x = __float_as_uint(f);
-    if ((x & 0x7fffffffu) > 0x7f800000u) return (u16)((x >> 16) | 0x0040u);
-    const u32 round_bit = 0x8000u;
-    const u16 hi = (u16)(x >> 16);
-    return ((x & round_bit) != 0 && (x & (3u * round_bit - 1u)) != 0) ? (u16)(hi + 1) : hi;
-}
-
 // Rows pushed onto a sequence cache: src's n values become the cache's values at .. at + n,
 // f32 as they are, bf16 and f16 rounded to nearest even. One thread per value.
 extern "C" __global__ void cache_store(const float* __restrict__ src, u8* __restrict__ cache,

@@ -166,6 +166,15 @@ extern "C" __global__ void moe_down_wide(const u8* __restrict__ arena, int fmt,
 #undef CALL
 }
 
+// yp[list[e], :] = y[e, :] for `entries` rows of y (a group's outputs, computed by cuBLAS,
+// back to their picks' rows). A block per entry.
+extern "C" __global__ void moe_scatter(const float* __restrict__ y, const int* __restrict__ list,
+                                       int hidden, float* __restrict__ yp) {
+    const float* src = y + (i64)blockIdx.x * hidden;
+    float* dst = yp + (i64)list[blockIdx.x] * hidden;
+    for (int c = threadIdx.x; c < hidden; c += blockDim.x) dst[c] = src[c];
+}
+
 // xg[e, :] = x[rows[e], :] for the entries of a step's groups (their token rows, Table::Rows),
 // for the _wide kernels. A block per entry (grid x: a prompt chunk's entries pass grid y's
 // 65,535).

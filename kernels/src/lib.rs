@@ -13,7 +13,13 @@ pub const SOURCES: &[(&str, &str, &[&str])] = &[
     (
         "gemv.cu",
         include_str!("../cuda/gemv.cu"),
-        &["matvec", "matvec_split", "widen_f32"],
+        &[
+            "matvec",
+            "matvec_split",
+            "widen_f32",
+            "dequant_rows",
+            "split_bf16x3",
+        ],
     ),
     (
         "exl3.cu",
@@ -39,6 +45,7 @@ pub const SOURCES: &[(&str, &str, &[&str])] = &[
             "moe_gate_up_wide",
             "moe_down_wide",
             "moe_gather",
+            "moe_scatter",
             "moe_combine",
             "moe_group",
         ],

@@ -4,10 +4,12 @@
 use super::*;
 
 impl Cuda {
-    /// [`Cuda::matvec`]'s product, through cuBLAS SGEMM for many tokens of a float-format
-    /// matrix (f32 from `GEMM_MIN_TOKENS`; f16 and bf16 from `WIDEN_MIN_TOKENS`, widened to
-    /// f32 a tile of rows at a time, so the product keeps f32 activations and f32 arithmetic:
-    /// no TF32), else through `matvec`.
+    /// [`Cuda::matvec`]'s product, through cuBLAS for many tokens of a float-format matrix
+    /// (f32 from `GEMM_MIN_TOKENS`; f16 and bf16 from `WIDEN_MIN_TOKENS`): f32 and f16 by
+    /// SGEMM (f16 and bf16 widened to f32 a tile of rows at a time, so the product keeps f32
+    /// activations and f32 arithmetic: no TF32; bf16 with [`prompt_gemm`] on the tensor cores
+    /// with the activations split in three bf16 planes, [`Cuda::matmul_bf16x3`]); else
+    /// through `matvec`.
     #[allow(clippy::too_many_arguments)]
     pub fn matmul(
         &self,
@@ -28,6 +30,9 @@ impl Cuda {
             return self.matvec(w, format, rows, cols, x, n, y);
         }
         check_product(w, format, rows, cols, x, n, y)?;
+        if format == Format::Bf16 && prompt_gemm() {
+            return self.matmul_bf16x3(w, rows, cols, x, n, y);
+        }
         let blas = self.blas()?;
         let tile = (WIDEN_TILE_VALUES / cols).clamp(1, rows);
         let mut widened = match format {
@@ -72,6 +77,77 @@ impl Cuda {
             // (n - 1) * rows + m values, as cfg says.
             unsafe { blas.gemm(cfg, &all, x, &mut c) }
                 .map_err(|e| CudaError::Invalid(format!("cuBLAS SGEMM: {e:?}")))?;
+        }
+        Ok(())
+    }
+
+    /// [`Cuda::matmul`] for bf16 weights on the tensor cores: x split into three bf16 planes
+    /// (`split_bf16x3`: together x's 24 significant bits), and the weights as they are times
+    /// each plane by cuBLAS (bf16 inputs, f32 sums), smallest plane first, summed in y. The
+    /// products of bf16 values are exact in f32, so what remains from f32 arithmetic is the
+    /// summation order.
+    #[allow(clippy::too_many_arguments)]
+    fn matmul_bf16x3(
+        &self,
+        w: &CudaSlice<u8>,
+        rows: usize,
+        cols: usize,
+        x: &CudaSlice<f32>,
+        n: usize,
+        y: &mut CudaSlice<f32>,
+    ) -> Result<(), CudaError> {
+        use cudarc::cublas::{result::gemm_ex, sys};
+        use cudarc::driver::{DevicePtr, DevicePtrMut};
+        let count = n * cols;
+        // Three planes of `count` halves, two a word.
+        let mut planes = self.alloc_f32((3 * count).div_ceil(2))?;
+        let count_l = count as i64;
+        let mut b = self.stream.launch_builder(self.kernel("split_bf16x3"));
+        b.arg(x).arg(&count_l).arg(&mut planes);
+        let cfg = LaunchConfig {
+            grid_dim: ((count as u32).div_ceil(256).min(65_535), 1, 1),
+            block_dim: (256, 1, 1),
+            shared_mem_bytes: 0,
+        };
+        // SAFETY: x holds n * cols values (check_product), planes 3 * count halves.
+        unsafe { b.launch(cfg) }?;
+        let blas = self.blas()?;
+        for (i, plane) in [2usize, 1, 0].into_iter().enumerate() {
+            let (alpha, beta) = (1.0f32, if i == 0 { 0.0f32 } else { 1.0f32 });
+            let (a, _ra) = w.device_ptr(&self.stream);
+            let (bp, _rb) = planes.device_ptr(&self.stream);
+            let (c, _rc) = y.device_ptr_mut(&self.stream);
+            let bp = bp + (2 * plane * count) as u64;
+            // Column-major y^T [rows, n] (+)= W [rows, cols] x^T [cols, n]: W's row-major
+            // bytes are its transpose column-major (lda = cols, op T), the plane's rows are
+            // x^T's columns (ldb = cols), y's rows y^T's columns (ldc = rows).
+            // SAFETY: w holds rows x cols bf16 values (check_product), the plane from its
+            // offset n x cols halves, y n x rows floats; alpha and beta are f32 as the f32
+            // compute type wants.
+            unsafe {
+                gemm_ex(
+                    *blas.handle(),
+                    sys::cublasOperation_t::CUBLAS_OP_T,
+                    sys::cublasOperation_t::CUBLAS_OP_N,
+                    rows as i32,
+                    n as i32,
+                    cols as i32,
+                    (&alpha) as *const f32 as *const _,
+                    a as *const _,
+                    sys::cudaDataType_t::CUDA_R_16BF,
+                    cols as i32,
+                    bp as *const _,
+                    sys::cudaDataType_t::CUDA_R_16BF,
+                    cols as i32,
+                    (&beta) as *const f32 as *const _,
+                    c as *mut _,
+                    sys::cudaDataType_t::CUDA_R_32F,
+                    rows as i32,
+                    sys::cublasComputeType_t::CUBLAS_COMPUTE_32F,
+                    sys::cublasGemmAlgo_t::CUBLAS_GEMM_DEFAULT,
+                )
+            }
+            .map_err(|e| CudaError::Invalid(format!("cuBLAS GEMM (bf16, f32 sums): {e:?}")))?;
         }
         Ok(())
     }

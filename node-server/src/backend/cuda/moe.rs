@@ -4,7 +4,8 @@
 use super::groups::{GROUP_MAX_PICKS, GroupTables, PickGroups, Table};
 use super::*;
 use crate::quant::exl3::{Codebook, Rate};
-use cudarc::driver::CudaView;
+use cudarc::cublas::{Gemm, GemmConfig, sys::cublasOperation_t};
+use cudarc::driver::{CudaView, CudaViewMut};
 
 impl Cuda {
     /// The router's choice from its logits (`[tokens, experts]`): ids and weights `[tokens, k]`.
@@ -198,8 +199,10 @@ impl Cuda {
     }
 
     /// Computes the outputs of `picks` (`(pick index t * k + j, arena slot)`) on the GPU.
-    /// Each pick's output depends only on its token row and its slot's bytes, never on
-    /// which other picks share the launch.
+    /// Each pick's output depends only on its token row, its slot's bytes and how many picks
+    /// its slot has in the launch (with [`prompt_gemm`], a row-format slot with
+    /// [`MOE_GEMM_MIN_PICKS`] or more goes through cuBLAS), never on which other slots share
+    /// the launch.
     pub fn moe_picks(
         &self,
         run: &mut MoeRun,
@@ -233,9 +236,155 @@ impl Cuda {
             });
             members[g].push(p as i32);
         }
+        if let (SlotFormat::Rows { gate_up, down }, true) = (layout.format, prompt_gemm()) {
+            // Slots with a prompt chunk's worth of picks: their weights widened once and
+            // cuBLAS over the gathered rows; the rest through the fused launches.
+            let (big, small): (Vec<usize>, Vec<usize>) =
+                (0..members.len()).partition(|&g| members[g].len() >= MOE_GEMM_MIN_PICKS);
+            if !big.is_empty() {
+                let groups: Vec<(u32, &[i32])> = big
+                    .iter()
+                    .map(|&g| (slot_of_group[g], members[g].as_slice()))
+                    .collect();
+                self.moe_rows_gemm(run, arena, limit, &groups, gate_up, down)?;
+                if small.is_empty() {
+                    return Ok(());
+                }
+                let members: Vec<Vec<i32>> = small.iter().map(|&g| members[g].clone()).collect();
+                let slots: Vec<u32> = small.iter().map(|&g| slot_of_group[g]).collect();
+                let groups = PickGroups::new(&members, &slots, layout.slot_bytes);
+                let tables = GroupTables::upload(self, &groups, run.k)?;
+                return self.moe_grouped(run, arena, limit, &tables);
+            }
+        }
         let groups = PickGroups::new(&members, &slot_of_group, layout.slot_bytes);
         let tables = GroupTables::upload(self, &groups, run.k)?;
         self.moe_grouped(run, arena, limit, &tables)
+    }
+
+    /// Row-format slots with many picks each (`groups`: slot, its pick indices): per slot, its
+    /// gate, up and down widened to f32 (`dequant_rows`), the picks' token rows gathered,
+    /// gate and up as cuBLAS SGEMMs, the clamped SwiGLU, down as an SGEMM, the rows scattered
+    /// back to the picks. f32 throughout, as the fused kernels, in another summation order.
+    fn moe_rows_gemm(
+        &self,
+        run: &mut MoeRun,
+        arena: &CudaSlice<u8>,
+        limit: f32,
+        groups: &[(u32, &[i32])],
+        gate_up: Format,
+        down: Format,
+    ) -> Result<(), CudaError> {
+        let layout = run.layout;
+        let (h, i) = (layout.hidden, layout.inter);
+        let most = groups.iter().map(|(_, p)| p.len()).max().unwrap_or(0);
+        let mut w = self.alloc_f32(3 * h * i)?;
+        let mut xg = self.alloc_f32(most * h)?;
+        let (mut g, mut u) = (self.alloc_f32(most * i)?, self.alloc_f32(most * i)?);
+        let mut act = self.alloc_f32(most * i)?;
+        let mut y = self.alloc_f32(most * h)?;
+        let hidden_i = h as i32;
+        for &(slot, picks) in groups {
+            let m = picks.len();
+            let base = slot as usize * layout.slot_bytes;
+            for (at, off, fmt, rows, cols) in [
+                (0, 0, gate_up, i, h),
+                (i * h, layout.up_offset, gate_up, i, h),
+                (2 * i * h, layout.down_offset, down, h, i),
+            ] {
+                let bytes = rows
+                    * fmt
+                        .row_bytes(cols)
+                        .map_err(|e| CudaError::Invalid(format!("moe slot rows: {e}")))?;
+                let src = arena.slice(base + off..base + off + bytes);
+                let mut dst = w.slice_mut(at..at + rows * cols);
+                let (fmt_i, rows_i, cols_i) = (kernel_format_id(fmt), rows as i32, cols as i32);
+                let mut b = self.stream.launch_builder(self.kernel("dequant_rows"));
+                b.arg(&src)
+                    .arg(&fmt_i)
+                    .arg(&rows_i)
+                    .arg(&cols_i)
+                    .arg(&mut dst);
+                // SAFETY: src holds `rows` rows of `cols` values in `fmt` (the slot's layout),
+                // dst rows * cols floats; a block per row.
+                unsafe { b.launch(block_per_row(rows)) }?;
+            }
+            let rows: Vec<i32> = picks.iter().map(|&p| p / run.k as i32).collect();
+            let (d_rows, d_picks) = (
+                self.stream.clone_htod(&rows)?,
+                self.stream.clone_htod(picks)?,
+            );
+            let mut b = self.stream.launch_builder(self.kernel("moe_gather"));
+            b.arg(&run.x).arg(&d_rows).arg(&hidden_i).arg(&mut xg);
+            // SAFETY: m rows of xg, each a token row of x below `tokens`.
+            unsafe { b.launch(block_per_row(m)) }?;
+            let x = xg.slice(..m * h);
+            self.sgemm_rows(&w.slice(..i * h), i, h, &x, m, &mut g.slice_mut(..m * i))?;
+            self.sgemm_rows(
+                &w.slice(i * h..2 * i * h),
+                i,
+                h,
+                &x,
+                m,
+                &mut u.slice_mut(..m * i),
+            )?;
+            let n = (m * i) as i64;
+            let mut b = self.stream.launch_builder(self.kernel("swiglu"));
+            b.arg(&g).arg(&u).arg(&limit).arg(&n).arg(&mut act);
+            // SAFETY: g, u and act hold at least m * inter values.
+            unsafe { b.launch(LaunchConfig::for_num_elems(n as u32)) }?;
+            let a = act.slice(..m * i);
+            self.sgemm_rows(
+                &w.slice(2 * i * h..),
+                h,
+                i,
+                &a,
+                m,
+                &mut y.slice_mut(..m * h),
+            )?;
+            let mut b = self.stream.launch_builder(self.kernel("moe_scatter"));
+            b.arg(&y).arg(&d_picks).arg(&hidden_i).arg(&mut run.yp);
+            // SAFETY: m rows of y, each to a pick's row of yp (every pick below tokens * k,
+            // checked by `moe_picks`).
+            unsafe { b.launch(block_per_row(m)) }?;
+        }
+        Ok(())
+    }
+
+    /// Row-major `y[n, rows] = x[n, cols] w[rows, cols]^T` in f32 by cuBLAS (column-major:
+    /// y^T = w x^T, w's rows being its transpose's columns).
+    fn sgemm_rows(
+        &self,
+        w: &CudaView<f32>,
+        rows: usize,
+        cols: usize,
+        x: &CudaView<f32>,
+        n: usize,
+        y: &mut CudaViewMut<f32>,
+    ) -> Result<(), CudaError> {
+        if w.len() < rows * cols || x.len() < n * cols || y.len() < n * rows {
+            return Err(CudaError::Invalid(format!(
+                "SGEMM of {rows} x {cols} on {n} rows: operands of {}, {} and {}",
+                w.len(),
+                x.len(),
+                y.len()
+            )));
+        }
+        let cfg = GemmConfig {
+            transa: cublasOperation_t::CUBLAS_OP_T,
+            transb: cublasOperation_t::CUBLAS_OP_N,
+            m: rows as i32,
+            n: n as i32,
+            k: cols as i32,
+            alpha: 1.0f32,
+            lda: cols as i32,
+            ldb: cols as i32,
+            beta: 0.0f32,
+            ldc: rows as i32,
+        };
+        // SAFETY: sizes checked above.
+        unsafe { self.blas()?.gemm(cfg, w, x, y) }
+            .map_err(|e| CudaError::Invalid(format!("cuBLAS SGEMM: {e:?}")))
     }
 
     /// The picks of `tables` on the GPU, by the slots' format.
@@ -415,6 +564,19 @@ impl Cuda {
         // SAFETY: `tokens * hidden` outputs from `tokens * k` pick rows and weights.
         unsafe { b.launch(LaunchConfig::for_num_elems((tokens * hidden) as u32)) }?;
         Ok(out)
+    }
+}
+
+/// Picks of one row-format slot in a launch from which [`Cuda::moe_picks`] computes them
+/// with cuBLAS on the slot's widened weights (prompt chunks) instead of the fused kernels.
+pub const MOE_GEMM_MIN_PICKS: usize = 32;
+
+/// One block of 256 threads per row, for `rows` rows.
+fn block_per_row(rows: usize) -> LaunchConfig {
+    LaunchConfig {
+        grid_dim: (rows as u32, 1, 1),
+        block_dim: (256, 1, 1),
+        shared_mem_bytes: 0,
     }
 }
 

@@ -121,11 +121,12 @@ pub(super) fn check_moe(
             // decodes a tile once for several passes). Only with --wide: racecheck runs out of
             // host memory on the other kernels of this case (measured 2026-12-04: 130 GB);
             // the wide kernel alone is racecheck-clean.
-            let counts: &[usize] = if hidden == 512 && wide && matches!(form, ExpertForm::Exl3(..))
-            {
-                &[1, 4, 33, 100]
-            } else {
-                &[1, 4, 33]
+            // Row formats at 200 tokens (--wide): groups of ~50 picks, which go through cuBLAS
+            // on the slot's widened weights.
+            let counts: &[usize] = match form {
+                ExpertForm::Exl3(..) if hidden == 512 && wide => &[1, 4, 33, 100],
+                ExpertForm::Rows(..) if hidden == 512 && wide => &[1, 4, 33, 200],
+                _ => &[1, 4, 33],
             };
             for &tokens in counts {
                 let x = randn(rng, tokens * hidden, 2.0);
@@ -226,18 +227,35 @@ pub(super) fn check_moe(
                         cuda.moe_picks(&mut run, &arena.buf, limit, few)?;
                     }
                     let narrow = cuda.moe_finish(run, &routing.weights)?;
-                    cases.push(same_bits_case(
-                        format!("moe {name} T={tokens} launches of 8 picks: same bits"),
-                        &narrow,
-                        &got,
-                    ));
+                    let mut per_expert = vec![0usize; experts];
+                    for &e in &routing.ids {
+                        per_expert[e as usize] += 1;
+                    }
+                    let longest = per_expert.into_iter().max().unwrap_or(0);
+                    if matches!(form, ExpertForm::Rows(..))
+                        && crate::backend::cuda::prompt_gemm()
+                        && longest >= crate::backend::cuda::MOE_GEMM_MIN_PICKS
+                    {
+                        cases.push(case(
+                            format!("moe {name} T={tokens} launches of 8 picks vs cuBLAS"),
+                            &narrow,
+                            &got,
+                            F32_BOUND,
+                        ));
+                    } else {
+                        cases.push(same_bits_case(
+                            format!("moe {name} T={tokens} launches of 8 picks: same bits"),
+                            &narrow,
+                            &got,
+                        ));
+                    }
                 }
             }
         }
     }
     if wide {
-        // A prompt chunk of more picks than a grid's y dimension holds (65,535): the gathered
-        // row kernels' launches must still take every entry.
+        // A prompt chunk of more picks than a grid's y dimension holds (65,535), ~16,400 a
+        // slot: the launches over entries must still take every one.
         let (hidden, inter, experts, k, tokens) = (64usize, 32usize, 4usize, 4usize, 16_400usize);
         let form = ExpertForm::Rows(Format::F32, Format::F32);
         let ex: Vec<SwiGlu> = (0..experts)
