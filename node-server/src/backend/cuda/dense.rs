@@ -2,6 +2,14 @@
 //! `matvec` over every weight format, SwiGLU, RMSNorm and the gated RMSNorm.
 
 use super::*;
+use cudarc::driver::{DevicePtr, DevicePtrMut};
+
+/// The half types of [`Cuda::gemm_half`].
+#[derive(Clone, Copy, Debug)]
+pub(super) enum HalfType {
+    F16,
+    Bf16,
+}
 
 impl Cuda {
     /// [`Cuda::matvec`]'s product, through cuBLAS for many tokens of a float-format matrix
@@ -33,7 +41,6 @@ impl Cuda {
         if format == Format::Bf16 && prompt_gemm() {
             return self.matmul_bf16x3(w, rows, cols, x, n, y);
         }
-        let blas = self.blas()?;
         let tile = (WIDEN_TILE_VALUES / cols).clamp(1, rows);
         let mut widened = match format {
             Format::F32 => None,
@@ -57,26 +64,11 @@ impl Cuda {
                     .ok_or_else(|| CudaError::Invalid("f32 weights short of their size".into()))?
                     .slice(r0 * cols..(r0 + m) * cols),
             };
-            // Row-major y[n, rows] = x[n, cols] W^T is, column-major, y^T = W x^T: the tile's
-            // row-major bytes are its transpose column-major (lda = cols), so op(A) = T; its
-            // rows are y's columns r0.. with y's stride (ldc = rows).
-            let cfg = GemmConfig {
-                transa: cublasOperation_t::CUBLAS_OP_T,
-                transb: cublasOperation_t::CUBLAS_OP_N,
-                m: m as i32,
-                n: n as i32,
-                k: cols as i32,
-                alpha: 1.0f32,
-                lda: cols as i32,
-                ldb: cols as i32,
-                beta: 0.0f32,
-                ldc: rows as i32,
-            };
+            // The tile's rows are y's columns r0.. with y's stride (ldc = rows).
             let mut c = y.slice_mut(r0..n * rows);
-            // SAFETY: A is m x cols, x holds n x cols, and C's view from r0 covers
-            // (n - 1) * rows + m values, as cfg says.
-            unsafe { blas.gemm(cfg, &all, x, &mut c) }
-                .map_err(|e| CudaError::Invalid(format!("cuBLAS SGEMM: {e:?}")))?;
+            // SAFETY: the tile is m x cols, x holds n x cols, and C's view from r0 covers
+            // (n - 1) * rows + m values.
+            unsafe { self.sgemm_nt(&all, m, cols, x, n, &mut c, rows) }?;
         }
         Ok(())
     }
@@ -96,8 +88,6 @@ impl Cuda {
         n: usize,
         y: &mut CudaSlice<f32>,
     ) -> Result<(), CudaError> {
-        use cudarc::cublas::{result::gemm_ex, sys};
-        use cudarc::driver::{DevicePtr, DevicePtrMut};
         let count = n * cols;
         // Three planes of `count` halves, two a word.
         let mut planes = self.alloc_f32((3 * count).div_ceil(2))?;
@@ -111,45 +101,117 @@ impl Cuda {
         };
         // SAFETY: x holds n * cols values (check_product), planes 3 * count halves.
         unsafe { b.launch(cfg) }?;
-        let blas = self.blas()?;
         for (i, plane) in [2usize, 1, 0].into_iter().enumerate() {
-            let (alpha, beta) = (1.0f32, if i == 0 { 0.0f32 } else { 1.0f32 });
+            let beta = if i == 0 { 0.0f32 } else { 1.0f32 };
             let (a, _ra) = w.device_ptr(&self.stream);
             let (bp, _rb) = planes.device_ptr(&self.stream);
             let (c, _rc) = y.device_ptr_mut(&self.stream);
-            let bp = bp + (2 * plane * count) as u64;
-            // Column-major y^T [rows, n] (+)= W [rows, cols] x^T [cols, n]: W's row-major
-            // bytes are its transpose column-major (lda = cols, op T), the plane's rows are
-            // x^T's columns (ldb = cols), y's rows y^T's columns (ldc = rows).
+            // y^T [rows, n] (+)= W [rows, cols] x^T [cols, n]: W's row-major bytes are its
+            // transpose column-major (lda = cols, op T), the plane's rows are x^T's columns
+            // (ldb = cols), y's rows y^T's columns (ldc = rows).
             // SAFETY: w holds rows x cols bf16 values (check_product), the plane from its
-            // offset n x cols halves, y n x rows floats; alpha and beta are f32 as the f32
-            // compute type wants.
+            // offset n x cols halves, y n x rows floats.
             unsafe {
-                gemm_ex(
-                    *blas.handle(),
-                    sys::cublasOperation_t::CUBLAS_OP_T,
-                    sys::cublasOperation_t::CUBLAS_OP_N,
-                    rows as i32,
-                    n as i32,
-                    cols as i32,
-                    (&alpha) as *const f32 as *const _,
-                    a as *const _,
-                    sys::cudaDataType_t::CUDA_R_16BF,
-                    cols as i32,
-                    bp as *const _,
-                    sys::cudaDataType_t::CUDA_R_16BF,
-                    cols as i32,
-                    (&beta) as *const f32 as *const _,
-                    c as *mut _,
-                    sys::cudaDataType_t::CUDA_R_32F,
-                    rows as i32,
-                    sys::cublasComputeType_t::CUBLAS_COMPUTE_32F,
-                    sys::cublasGemmAlgo_t::CUBLAS_GEMM_DEFAULT,
+                self.gemm_half(
+                    true,
+                    HalfType::Bf16,
+                    (rows, n, cols),
+                    1.0,
+                    (a, cols),
+                    (bp + (2 * plane * count) as u64, cols),
+                    beta,
+                    (c, rows),
                 )
-            }
-            .map_err(|e| CudaError::Invalid(format!("cuBLAS GEMM (bf16, f32 sums): {e:?}")))?;
+            }?;
         }
         Ok(())
+    }
+
+    /// Column-major `C [m, n] = alpha op(A) [m, k] B [k, n] + beta C` by cuBLAS with A and B of
+    /// a half type at device addresses `a`, `b` (leading dimensions beside them), f32 sums and
+    /// f32 C at `c`; op(A) = A^T with `transa`.
+    /// # Safety
+    /// The addresses hold matrices of the sizes cuBLAS reads and writes for these arguments.
+    #[allow(clippy::too_many_arguments)]
+    pub(super) unsafe fn gemm_half(
+        &self,
+        transa: bool,
+        half: HalfType,
+        (m, n, k): (usize, usize, usize),
+        alpha: f32,
+        (a, lda): (u64, usize),
+        (b, ldb): (u64, usize),
+        beta: f32,
+        (c, ldc): (u64, usize),
+    ) -> Result<(), CudaError> {
+        use cudarc::cublas::{result::gemm_ex, sys};
+        let dtype = match half {
+            HalfType::F16 => sys::cudaDataType_t::CUDA_R_16F,
+            HalfType::Bf16 => sys::cudaDataType_t::CUDA_R_16BF,
+        };
+        let op = |t: bool| match t {
+            true => sys::cublasOperation_t::CUBLAS_OP_T,
+            false => sys::cublasOperation_t::CUBLAS_OP_N,
+        };
+        let blas = self.blas()?;
+        // SAFETY: the caller's; alpha and beta are f32 as the f32 compute type wants.
+        unsafe {
+            gemm_ex(
+                *blas.handle(),
+                op(transa),
+                op(false),
+                m as i32,
+                n as i32,
+                k as i32,
+                (&alpha) as *const f32 as *const _,
+                a as *const _,
+                dtype,
+                lda as i32,
+                b as *const _,
+                dtype,
+                ldb as i32,
+                (&beta) as *const f32 as *const _,
+                c as *mut _,
+                sys::cudaDataType_t::CUDA_R_32F,
+                ldc as i32,
+                sys::cublasComputeType_t::CUBLAS_COMPUTE_32F,
+                sys::cublasGemmAlgo_t::CUBLAS_GEMM_DEFAULT,
+            )
+        }
+        .map_err(|e| CudaError::Invalid(format!("cuBLAS GEMM ({half:?}, f32 sums): {e:?}")))
+    }
+
+    /// Row-major `y[n, rows] = x[n, cols] w[rows, cols]^T` in f32 by cuBLAS SGEMM, y's rows
+    /// `ldc` apart (column-major y^T = w x^T: w's row-major values are its transpose
+    /// column-major, lda = cols, op T).
+    /// # Safety
+    /// w holds rows x cols values, x n x cols, y (n - 1) ldc + rows.
+    #[allow(clippy::too_many_arguments)]
+    pub(super) unsafe fn sgemm_nt<W: DevicePtr<f32>, X: DevicePtr<f32>, Y: DevicePtrMut<f32>>(
+        &self,
+        w: &W,
+        rows: usize,
+        cols: usize,
+        x: &X,
+        n: usize,
+        y: &mut Y,
+        ldc: usize,
+    ) -> Result<(), CudaError> {
+        let cfg = GemmConfig {
+            transa: cublasOperation_t::CUBLAS_OP_T,
+            transb: cublasOperation_t::CUBLAS_OP_N,
+            m: rows as i32,
+            n: n as i32,
+            k: cols as i32,
+            alpha: 1.0f32,
+            lda: cols as i32,
+            ldb: cols as i32,
+            beta: 0.0f32,
+            ldc: ldc as i32,
+        };
+        // SAFETY: the caller's.
+        unsafe { self.blas()?.gemm(cfg, w, x, y) }
+            .map_err(|e| CudaError::Invalid(format!("cuBLAS SGEMM: {e:?}")))
     }
 
     /// `y[t] = W x[t]` for `n` tokens: `w` holds `rows` rows of `cols` values in `format`,

@@ -230,7 +230,6 @@ impl Cuda {
         xs: &CudaSlice<f32>,
         n: usize,
     ) -> Result<CudaSlice<f32>, CudaError> {
-        use cudarc::cublas::{result::gemm_ex, sys};
         use cudarc::driver::{DevicePtr, DevicePtrMut};
         let (k, out) = (w.k, w.n);
         let tiles_per_slice = (WIDEN_TILE_VALUES / out / 16).clamp(1, k / 16);
@@ -250,7 +249,6 @@ impl Cuda {
                 } else {
                     1.0f32
                 };
-                let blas = self.blas()?;
                 let (a, _ra) = widened.device_ptr(&self.stream);
                 let (b, _rb) = xs.device_ptr(&self.stream);
                 let (c, _rc) = z.device_ptr_mut(&self.stream);
@@ -259,32 +257,19 @@ impl Cuda {
                 // (lda = N); the plane's rows from column 16 kt0 are columns of ldb = K.
                 let b = b + (2 * (plane * n * k + 16 * kt0)) as u64;
                 // SAFETY: A holds rows x N halves, B from its offset (n - 1) K + rows halves of
-                // its plane (xs holds two planes of n x K halves), z n x N floats; alpha and
-                // beta are f32 as the f32 compute type wants.
+                // its plane (xs holds two planes of n x K halves), z n x N floats.
                 unsafe {
-                    gemm_ex(
-                        *blas.handle(),
-                        sys::cublasOperation_t::CUBLAS_OP_N,
-                        sys::cublasOperation_t::CUBLAS_OP_N,
-                        out as i32,
-                        n as i32,
-                        rows as i32,
-                        (&alpha) as *const f32 as *const _,
-                        a as *const _,
-                        sys::cudaDataType_t::CUDA_R_16F,
-                        out as i32,
-                        b as *const _,
-                        sys::cudaDataType_t::CUDA_R_16F,
-                        k as i32,
-                        (&beta) as *const f32 as *const _,
-                        c as *mut _,
-                        sys::cudaDataType_t::CUDA_R_32F,
-                        out as i32,
-                        sys::cublasComputeType_t::CUBLAS_COMPUTE_32F,
-                        sys::cublasGemmAlgo_t::CUBLAS_GEMM_DEFAULT,
+                    self.gemm_half(
+                        false,
+                        super::dense::HalfType::F16,
+                        (out, n, rows),
+                        alpha,
+                        (a, out),
+                        (b, k),
+                        beta,
+                        (c, out),
                     )
-                }
-                .map_err(|e| CudaError::Invalid(format!("cuBLAS GEMM (f16, f32 sums): {e:?}")))?;
+                }?;
             }
         }
         Ok(z)

@@ -4,7 +4,6 @@
 use super::groups::{GROUP_MAX_PICKS, GroupTables, PickGroups, Table};
 use super::*;
 use crate::quant::exl3::{Codebook, Rate};
-use cudarc::cublas::{Gemm, GemmConfig, sys::cublasOperation_t};
 use cudarc::driver::{CudaView, CudaViewMut};
 
 impl Cuda {
@@ -351,8 +350,8 @@ impl Cuda {
         Ok(())
     }
 
-    /// Row-major `y[n, rows] = x[n, cols] w[rows, cols]^T` in f32 by cuBLAS (column-major:
-    /// y^T = w x^T, w's rows being its transpose's columns).
+    /// Row-major `y[n, rows] = x[n, cols] w[rows, cols]^T` in f32 by cuBLAS, the sizes
+    /// checked ([`Cuda::sgemm_nt`]).
     fn sgemm_rows(
         &self,
         w: &CudaView<f32>,
@@ -370,21 +369,8 @@ impl Cuda {
                 y.len()
             )));
         }
-        let cfg = GemmConfig {
-            transa: cublasOperation_t::CUBLAS_OP_T,
-            transb: cublasOperation_t::CUBLAS_OP_N,
-            m: rows as i32,
-            n: n as i32,
-            k: cols as i32,
-            alpha: 1.0f32,
-            lda: cols as i32,
-            ldb: cols as i32,
-            beta: 0.0f32,
-            ldc: rows as i32,
-        };
         // SAFETY: sizes checked above.
-        unsafe { self.blas()?.gemm(cfg, w, x, y) }
-            .map_err(|e| CudaError::Invalid(format!("cuBLAS SGEMM: {e:?}")))
+        unsafe { self.sgemm_nt(w, rows, cols, x, n, y, rows) }
     }
 
     /// The picks of `tables` on the GPU, by the slots' format.
