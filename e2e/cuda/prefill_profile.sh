@@ -10,7 +10,8 @@
 # up to the first forward's end).
 #   e2e/cuda/prefill_profile.sh          # env: BIN, OUT, PEER_WORK, MODELS ("exl3"), PROMPTS
 #                                        # ("512 2048 8192"), PROFILE_PROMPT (2048),
-#                                        # NCU_LAUNCHES (0: no ncu), BUDGET_S (540)
+#                                        # NCU_LAUNCHES (0: no ncu), BUDGET_S (540), GEMM_AB=1 (each
+#                                        # prompt also with GLMFLASH_PROMPT_GEMM=1)
 set -u
 cd "$(dirname "$0")/../.."
 BIN=${BIN:-.device/glmflash-node}
@@ -48,10 +49,15 @@ pp=${PROFILE_PROMPT:-2048}
 for kind in ${MODELS:-exl3}; do
   ck=$(model "$kind") || { log "$kind: no checkpoint"; continue; }
   for p in ${PROMPTS:-512 2048 8192}; do
-    log "$kind: bench --model, prompt $p"
-    timeout -k 5 "$(cap 120)" "$BIN" bench --model "$ck" --device cuda --prompt-tokens "$p" --streams 1 --decode-tokens 16 \
-      > "$W/prefill.json" 2> "$W/prefill.log"
-    log "rc=$?"; python3 -c "import json;d=json.load(open('$W/prefill.json'));print('$kind prefill', d['prefill_tokens'], 'tok/s %.1f' % d['prefill_tok_s'], '| decode', [round(r['tok_s'], 1) for r in d['decode']])"
+    # GEMM_AB=1: each prompt without and with GLMFLASH_PROMPT_GEMM=1, one after the other.
+    gemms=${GEMM_AB:+0 1}
+    for gemm in ${gemms:-${GLMFLASH_PROMPT_GEMM:-0}}; do
+      log "$kind: bench --model, prompt $p, GLMFLASH_PROMPT_GEMM=$gemm"
+      GLMFLASH_PROMPT_GEMM=$gemm timeout -k 5 "$(cap 120)" "$BIN" bench --model "$ck" --device cuda --prompt-tokens "$p" \
+        --streams 1 --decode-tokens 16 > "$W/prefill.json" 2> "$W/prefill.log"
+      rc=$?; log "rc=$rc"; [ $rc = 0 ] || tail -3 "$W/prefill.log"
+      python3 -c "import json;d=json.load(open('$W/prefill.json'));print('$kind gemm=$gemm prefill', d['prefill_tokens'], 'tok/s %.1f' % d['prefill_tok_s'], '| decode', [round(r['tok_s'], 1) for r in d['decode']])" 2>/dev/null
+    done
   done
   log "$kind: phases, prompt $pp"
   GLMFLASH_GPU_PROFILE=1 timeout -k 5 "$(cap 120)" "$BIN" bench --model "$ck" --device cuda --prompt-tokens "$pp" --streams 1 \
