@@ -12,12 +12,11 @@ pub(super) enum HalfType {
 }
 
 impl Cuda {
-    /// [`Cuda::matvec`]'s product, through cuBLAS for many tokens of a float-format matrix
-    /// (f32 from `GEMM_MIN_TOKENS`; f16 and bf16 from `WIDEN_MIN_TOKENS`): f32 and f16 by
-    /// SGEMM (f16 and bf16 widened to f32 a tile of rows at a time, so the product keeps f32
-    /// activations and f32 arithmetic: no TF32; bf16 with [`prompt_gemm`] on the tensor cores
-    /// with the activations split in three bf16 planes, [`Cuda::matmul_bf16x3`]); else
-    /// through `matvec`.
+    /// [`Cuda::matvec`]'s product, through cuBLAS SGEMM for many tokens of a float-format
+    /// matrix (f32 from `GEMM_MIN_TOKENS`; f16 and bf16 from `WIDEN_MIN_TOKENS`, widened to
+    /// f32 a tile of rows at a time, so the product keeps f32 activations and f32 arithmetic:
+    /// no TF32; with [`prompt_gemm`], bf16 on the tensor cores instead,
+    /// [`Cuda::matmul_bf16x3`]), else through `matvec`.
     #[allow(clippy::too_many_arguments)]
     pub fn matmul(
         &self,
