@@ -16,6 +16,7 @@ mod exl3;
 mod groups;
 pub mod matrix;
 mod moe;
+mod moe_rows;
 mod ops;
 use cudarc::cublas::{CudaBlas, Gemm, GemmConfig, sys::cublasOperation_t};
 use cudarc::driver::{
@@ -24,9 +25,8 @@ use cudarc::driver::{
 use cudarc::nvrtc::{CompileOptions, Ptx};
 pub use elementwise::{CallCosts, KdaGates};
 pub use exl3::{Exl3Weights, GEMV_BLOCKS};
-pub use moe::{
-    Exl3Form, MOE_GEMM_MIN_PICKS, MoeLayout, MoeRun, MoeStep, RouteSpec, SlotArena, SlotFormat,
-};
+pub use moe::{Exl3Form, MoeLayout, MoeRun, MoeStep, RouteSpec, SlotArena, SlotFormat};
+pub use moe_rows::MOE_GEMM_MIN_PICKS;
 pub use ops::{KdaForm, KdaSpec, MhcCollapse, MhcSpec};
 use std::collections::HashMap;
 use std::path::{Path, PathBuf};

@@ -1,10 +1,10 @@
 //! The router and the routed experts on the GPU: `route`, the fused MoE launches over expert
 //! slots, and the slot arena they read.
 
-use super::groups::{GROUP_MAX_PICKS, GroupTables, PickGroups, Table};
+use super::groups::{GROUP_MAX_PICKS, GroupTables, PickGroups};
 use super::*;
 use crate::quant::exl3::{Codebook, Rate};
-use cudarc::driver::{CudaView, CudaViewMut};
+use cudarc::driver::CudaView;
 
 impl Cuda {
     /// The router's choice from its logits (`[tokens, experts]`): ids and weights `[tokens, k]`.
@@ -261,118 +261,6 @@ impl Cuda {
         self.moe_grouped(run, arena, limit, &tables)
     }
 
-    /// Row-format slots with many picks each (`groups`: slot, its pick indices): per slot, its
-    /// gate, up and down widened to f32 (`dequant_rows`), the picks' token rows gathered,
-    /// gate and up as cuBLAS SGEMMs, the clamped SwiGLU, down as an SGEMM, the rows scattered
-    /// back to the picks. f32 throughout, as the fused kernels, in another summation order.
-    fn moe_rows_gemm(
-        &self,
-        run: &mut MoeRun,
-        arena: &CudaSlice<u8>,
-        limit: f32,
-        groups: &[(u32, &[i32])],
-        gate_up: Format,
-        down: Format,
-    ) -> Result<(), CudaError> {
-        let layout = run.layout;
-        let (h, i) = (layout.hidden, layout.inter);
-        let most = groups.iter().map(|(_, p)| p.len()).max().unwrap_or(0);
-        let mut w = self.alloc_f32(3 * h * i)?;
-        let mut xg = self.alloc_f32(most * h)?;
-        let (mut g, mut u) = (self.alloc_f32(most * i)?, self.alloc_f32(most * i)?);
-        let mut act = self.alloc_f32(most * i)?;
-        let mut y = self.alloc_f32(most * h)?;
-        let hidden_i = h as i32;
-        for &(slot, picks) in groups {
-            let m = picks.len();
-            let base = slot as usize * layout.slot_bytes;
-            for (at, off, fmt, rows, cols) in [
-                (0, 0, gate_up, i, h),
-                (i * h, layout.up_offset, gate_up, i, h),
-                (2 * i * h, layout.down_offset, down, h, i),
-            ] {
-                let bytes = rows
-                    * fmt
-                        .row_bytes(cols)
-                        .map_err(|e| CudaError::Invalid(format!("moe slot rows: {e}")))?;
-                let src = arena.slice(base + off..base + off + bytes);
-                let mut dst = w.slice_mut(at..at + rows * cols);
-                let (fmt_i, rows_i, cols_i) = (kernel_format_id(fmt), rows as i32, cols as i32);
-                let mut b = self.stream.launch_builder(self.kernel("dequant_rows"));
-                b.arg(&src)
-                    .arg(&fmt_i)
-                    .arg(&rows_i)
-                    .arg(&cols_i)
-                    .arg(&mut dst);
-                // SAFETY: src holds `rows` rows of `cols` values in `fmt` (the slot's layout),
-                // dst rows * cols floats; a block per row.
-                unsafe { b.launch(block_per_row(rows)) }?;
-            }
-            let rows: Vec<i32> = picks.iter().map(|&p| p / run.k as i32).collect();
-            let (d_rows, d_picks) = (
-                self.stream.clone_htod(&rows)?,
-                self.stream.clone_htod(picks)?,
-            );
-            let mut b = self.stream.launch_builder(self.kernel("moe_gather"));
-            b.arg(&run.x).arg(&d_rows).arg(&hidden_i).arg(&mut xg);
-            // SAFETY: m rows of xg, each a token row of x below `tokens`.
-            unsafe { b.launch(block_per_row(m)) }?;
-            let x = xg.slice(..m * h);
-            self.sgemm_rows(&w.slice(..i * h), i, h, &x, m, &mut g.slice_mut(..m * i))?;
-            self.sgemm_rows(
-                &w.slice(i * h..2 * i * h),
-                i,
-                h,
-                &x,
-                m,
-                &mut u.slice_mut(..m * i),
-            )?;
-            let n = (m * i) as i64;
-            let mut b = self.stream.launch_builder(self.kernel("swiglu"));
-            b.arg(&g).arg(&u).arg(&limit).arg(&n).arg(&mut act);
-            // SAFETY: g, u and act hold at least m * inter values.
-            unsafe { b.launch(LaunchConfig::for_num_elems(n as u32)) }?;
-            let a = act.slice(..m * i);
-            self.sgemm_rows(
-                &w.slice(2 * i * h..),
-                h,
-                i,
-                &a,
-                m,
-                &mut y.slice_mut(..m * h),
-            )?;
-            let mut b = self.stream.launch_builder(self.kernel("moe_scatter"));
-            b.arg(&y).arg(&d_picks).arg(&hidden_i).arg(&mut run.yp);
-            // SAFETY: m rows of y, each to a pick's row of yp (every pick below tokens * k,
-            // checked by `moe_picks`).
-            unsafe { b.launch(block_per_row(m)) }?;
-        }
-        Ok(())
-    }
-
-    /// Row-major `y[n, rows] = x[n, cols] w[rows, cols]^T` in f32 by cuBLAS, the sizes
-    /// checked ([`Cuda::sgemm_nt`]).
-    fn sgemm_rows(
-        &self,
-        w: &CudaView<f32>,
-        rows: usize,
-        cols: usize,
-        x: &CudaView<f32>,
-        n: usize,
-        y: &mut CudaViewMut<f32>,
-    ) -> Result<(), CudaError> {
-        if w.len() < rows * cols || x.len() < n * cols || y.len() < n * rows {
-            return Err(CudaError::Invalid(format!(
-                "SGEMM of {rows} x {cols} on {n} rows: operands of {}, {} and {}",
-                w.len(),
-                x.len(),
-                y.len()
-            )));
-        }
-        // SAFETY: sizes checked above.
-        unsafe { self.sgemm_nt(w, rows, cols, x, n, y, rows) }
-    }
-
     /// The picks of `tables` on the GPU, by the slots' format.
     fn moe_grouped(
         &self,
@@ -389,94 +277,6 @@ impl Cuda {
                 self.moe_exl3(run, arena, limit, tables, gate_up, down)
             }
         }
-    }
-
-    /// [`Cuda::moe_picks`] for slots holding rows (`kernels/cuda/moe.cu`).
-    fn moe_rows(
-        &self,
-        run: &mut MoeRun,
-        arena: &CudaSlice<u8>,
-        limit: f32,
-        tables: &GroupTables,
-        gate_up: Format,
-        down: Format,
-    ) -> Result<(), CudaError> {
-        let layout = run.layout;
-        let s = &self.stream;
-        let (d_base, d_start, d_len, d_list, d_counts) = (
-            tables.base(),
-            tables.ints(Table::Start),
-            tables.ints(Table::Len),
-            tables.ints(Table::List),
-            tables.ints(Table::Count),
-        );
-        let (hidden, inter) = (layout.hidden, layout.inter);
-        let room = tables.groups() as u32;
-        let (gate_fmt, down_fmt) = (kernel_format_id(gate_up), kernel_format_id(down));
-        let (up_off, down_off) = (layout.up_offset as i64, layout.down_offset as i64);
-        let (inter_i, hidden_i, k_i) = (inter as i32, hidden as i32, run.k as i32);
-        // Groups of more than a tile (prompt chunks, host tables): the token rows gathered
-        // in entry order, so each weight row is read once a tile of picks (same bits).
-        let gathered = if tables.longest > ROWS_TILE {
-            let mut xg = self.alloc_f32(tables.entries * hidden)?;
-            let d_rows = tables.ints(Table::Rows);
-            let mut b = s.launch_builder(self.kernel("moe_gather"));
-            b.arg(&run.x).arg(&d_rows).arg(&hidden_i).arg(&mut xg);
-            let cfg = LaunchConfig {
-                grid_dim: (tables.entries as u32, 1, 1),
-                block_dim: (256, 1, 1),
-                shared_mem_bytes: 0,
-            };
-            // SAFETY: one row of xg per entry (the host's tables: `entries` rows, each a
-            // token row of x below `tokens`).
-            unsafe { b.launch(cfg) }?;
-            Some(xg)
-        } else {
-            None
-        };
-        let (gate_up_kernel, down_kernel, x) = match &gathered {
-            Some(xg) => ("moe_gate_up_wide", "moe_down_wide", xg),
-            None => ("moe_gate_up", "moe_down", &run.x),
-        };
-
-        let mut b = s.launch_builder(self.kernel(gate_up_kernel));
-        b.arg(arena)
-            .arg(&gate_fmt)
-            .arg(&d_base)
-            .arg(&d_start)
-            .arg(&d_len)
-            .arg(&d_list)
-            .arg(&d_counts)
-            .arg(&up_off)
-            .arg(&inter_i)
-            .arg(&hidden_i)
-            .arg(&k_i)
-            .arg(&limit)
-            .arg(x)
-            .arg(&mut run.act);
-        // SAFETY: every slot was checked to lie inside the arena (host tables) or comes from
-        // the layer's slot table (device tables), every pick index below `tokens * k` (the
-        // rows of act and yp); the grid covers `inter` rows of each group the tables have
-        // room for, and blocks past the counted groups return.
-        unsafe { b.launch(rows_config(inter, room)) }?;
-
-        let mut b = s.launch_builder(self.kernel(down_kernel));
-        b.arg(arena)
-            .arg(&down_fmt)
-            .arg(&d_base)
-            .arg(&d_start)
-            .arg(&d_len)
-            .arg(&d_list)
-            .arg(&d_counts)
-            .arg(&down_off)
-            .arg(&hidden_i)
-            .arg(&inter_i)
-            .arg(&run.act)
-            .arg(&mut run.yp);
-        // SAFETY: as above, for `hidden` rows of the down projection (act by entry after the
-        // wide gate/up: entries <= tokens * k rows).
-        unsafe { b.launch(rows_config(hidden, room)) }?;
-        Ok(())
     }
 
     /// Sets the output of pick `pick` to `values` (computed off the GPU, e.g. the CPU lane).
@@ -552,23 +352,6 @@ impl Cuda {
         Ok(out)
     }
 }
-
-/// Picks of one row-format slot in a launch from which [`Cuda::moe_picks`] computes them
-/// with cuBLAS on the slot's widened weights (prompt chunks) instead of the fused kernels.
-pub const MOE_GEMM_MIN_PICKS: usize = 32;
-
-/// One block of 256 threads per row, for `rows` rows.
-fn block_per_row(rows: usize) -> LaunchConfig {
-    LaunchConfig {
-        grid_dim: (rows as u32, 1, 1),
-        block_dim: (256, 1, 1),
-        shared_mem_bytes: 0,
-    }
-}
-
-/// Picks a tile of the row kernels takes (`TOK_TILE` in common.cuh): groups longer than this
-/// run the gathered (`_wide`) kernels.
-const ROWS_TILE: usize = 8;
 
 /// A routed-expert step in progress (see [`Cuda::moe_begin`]).
 pub struct MoeRun {
