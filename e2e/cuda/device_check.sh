@@ -79,6 +79,22 @@ for fmt in bf16 q4_k q8_0; do
   if grep -q "device product failed" "$work/$fmt.err"; then echo "demo $fmt: a device product failed"; fail=1; fi
   python3 e2e/cuda/compare_logits.py "$work/$fmt.cuda.json" "$work/$fmt.cpu.json" --name "demo model, $fmt experts" || fail=1
 done
+# Prompt chunks long enough for the GEMM paths (bf16 dense products from 64 tokens, row-format
+# MoE slots from 32 picks of one expert: 400 tokens x top-4 over 32 experts), GPU vs CPU, with
+# the prompt GEMMs (the default) and without (GLMFLASH_PROMPT_GEMM=0).
+long_tokens=$(python3 -c "print(','.join(str(1 + i * 7 % 509) for i in range(400)))")
+for fmt in bf16 q4_k; do
+  model="$work/demo"; [ $fmt = bf16 ] || model="$work/demo_$fmt"
+  "$BIN" logits --model "$model" --tokens "$long_tokens" --greedy 8 > "$work/long.cpu.json" 2>/dev/null || fail=1
+  for gemm in 1 0; do
+    GLMFLASH_PROMPT_GEMM=$gemm "$BIN" logits --model "$model" --tokens "$long_tokens" --greedy 8 --device cuda \
+      > "$work/long.cuda.json" 2>"$work/long.err" || { fail=1; tail -3 "$work/long.err"; }
+    if grep -q "device product failed" "$work/long.err"; then echo "demo $fmt long: a device product failed"; fail=1; fi
+    python3 e2e/cuda/compare_logits.py "$work/long.cuda.json" "$work/long.cpu.json" \
+      --name "demo $fmt, 400 tokens, GEMM=$gemm" || fail=1
+    [ $gemm = 0 ] || cp "$work/long.cuda.json" "$work/long.$fmt.cuda.json"
+  done
+done
 
 fi
 
@@ -94,6 +110,10 @@ for fmt in bf16 q4_k; do
     "$BIN" logits --model "$model" --tokens $demo_tokens --greedy 24 --device cuda $args > "$work/t.json" 2>"$work/t.err" || { fail=1; tail -3 "$work/t.err"; }
     python3 e2e/cuda/compare_logits.py "$work/t.json" "$work/$fmt.cuda.json" --identical --name "$fmt ${args%% --store*}" || fail=1
   done
+  # A 400-token prompt: slots of 32+ picks through cuBLAS, tiered as untiered.
+  args="--mode nvme-exact --store $store/s --vram-slots 2 --ram-slots 3"
+  "$BIN" logits --model "$model" --tokens "$long_tokens" --greedy 8 --device cuda $args > "$work/t.json" 2>"$work/t.err" || { fail=1; tail -3 "$work/t.err"; }
+  python3 e2e/cuda/compare_logits.py "$work/t.json" "$work/long.$fmt.cuda.json" --identical --name "$fmt 400 tokens nvme-exact" || fail=1
   for args in "--mode nvme --store $store/s --vram-slots 2 --ram-slots 3" "--mode fast"; do
     "$BIN" logits --model "$model" --tokens $demo_tokens --greedy 24 --device cuda $args > "$work/t.json" 2>"$work/t.err" || { fail=1; tail -3 "$work/t.err"; }
     python3 e2e/cuda/compare_logits.py "$work/t.json" "$work/$fmt.cuda.json" --kl --name "$fmt ${args%% --store*} vs exact" || fail=1

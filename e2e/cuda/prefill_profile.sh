@@ -11,7 +11,8 @@
 #   e2e/cuda/prefill_profile.sh          # env: BIN, OUT, PEER_WORK, MODELS ("exl3"), PROMPTS
 #                                        # ("512 2048 8192"), PROFILE_PROMPT (2048),
 #                                        # NCU_LAUNCHES (0: no ncu), BUDGET_S (540), GEMM_AB=1 (each
-#                                        # prompt also with GLMFLASH_PROMPT_GEMM=1)
+#                                        # prompt also with GLMFLASH_PROMPT_GEMM=0: no cuBLAS
+#                                        # for bf16 dense and row-format MoE prompt products)
 set -u
 cd "$(dirname "$0")/../.."
 BIN=${BIN:-.device/glmflash-node}
@@ -49,9 +50,9 @@ pp=${PROFILE_PROMPT:-2048}
 for kind in ${MODELS:-exl3}; do
   ck=$(model "$kind") || { log "$kind: no checkpoint"; continue; }
   for p in ${PROMPTS:-512 2048 8192}; do
-    # GEMM_AB=1: each prompt without and with GLMFLASH_PROMPT_GEMM=1, one after the other.
+    # GEMM_AB=1: each prompt with GLMFLASH_PROMPT_GEMM=0 and =1, one after the other.
     gemms=${GEMM_AB:+0 1}
-    for gemm in ${gemms:-${GLMFLASH_PROMPT_GEMM:-0}}; do
+    for gemm in ${gemms:-${GLMFLASH_PROMPT_GEMM:-1}}; do
       log "$kind: bench --model, prompt $p, GLMFLASH_PROMPT_GEMM=$gemm"
       GLMFLASH_PROMPT_GEMM=$gemm timeout -k 5 "$(cap 120)" "$BIN" bench --model "$ck" --device cuda --prompt-tokens "$p" \
         --streams 1 --decode-tokens 16 > "$W/prefill.json" 2> "$W/prefill.log"

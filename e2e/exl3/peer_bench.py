@@ -164,6 +164,26 @@ def cmd_client(args):
         except Exception as e:  # a hung or failed stream must not hide the others' figures
             errors.append(repr(e))
 
+    def scrape():
+        """The server's GPU forward calls and seconds, and tokens decoded, from /metrics."""
+        murl = getattr(args, "metrics_url", None)
+        if not murl:
+            return None
+        m = urlparse(murl)
+        try:
+            c = http.client.HTTPConnection(m.hostname, m.port, timeout=10)
+            c.request("GET", m.path or "/metrics")
+            text = c.getresponse().read().decode()
+        except OSError:
+            return None
+        vals = {}
+        for line in text.splitlines():
+            for key in ("glmflash_gpu_forward_seconds_sum", "glmflash_gpu_forward_seconds_count",
+                        "glmflash_decode_tokens_total"):
+                if line.startswith(key + " ") or line.startswith(key + "{"):
+                    vals[key] = vals.get(key, 0.0) + float(line.rsplit(" ", 1)[1])
+        return vals
+
     import random
     rnd = random.Random(1234)
     for B in [int(b) for b in args.batches.split(",")]:
@@ -172,11 +192,25 @@ def cmd_client(args):
         errors = []
         threads = [threading.Thread(target=stream, daemon=True, args=(
             [rnd.randrange(args.vocab) for _ in range(args.prompt_len)], n, arrivals[i], errors)) for i in range(B)]
+        before, t_start = scrape(), time.perf_counter()
         for t in threads:
             t.start()
         for t in threads:
             t.join(args.time_limit)
+        wall, after = time.perf_counter() - t_start, scrape()
         r = dict(batch=B, tokens_per_stream=[len(a) for a in arrivals], errors=errors[:4])
+        if before and after:
+            # The whole request's span (prefill included), on the server: how many GPU forward
+            # calls (ticks), their time, and the tokens decoded; the rest of the wall time is
+            # the engine's host work between forwards and the client's.
+            d = {k: after.get(k, 0.0) - before.get(k, 0.0) for k in after}
+            calls = d.get("glmflash_gpu_forward_seconds_count", 0.0)
+            if calls:
+                r["server"] = dict(
+                    forward_calls=int(calls),
+                    forward_ms_per_call=d["glmflash_gpu_forward_seconds_sum"] * 1e3 / calls,
+                    tokens_per_call=d.get("glmflash_decode_tokens_total", 0.0) / calls,
+                    wall_ms_per_call=wall * 1e3 / calls)
         # Window: from the moment every stream has its warmup tokens to the moment the first
         # stream has warmup + steps tokens (all streams still running in between).
         if all(len(a) > args.warmup + 1 for a in arrivals):
@@ -243,6 +277,8 @@ def main():
     sub.choices["exl3"].add_argument("--model", required=True)
     sub.choices["client"].add_argument("--url", required=True)
     sub.choices["client"].add_argument("--vocab", type=int, required=True)
+    sub.choices["client"].add_argument("--metrics-url",
+                                       help="the server's /metrics: GPU forward time and calls per batch size")
     s = sub.add_parser("summary")
     s.add_argument("--model", required=True)
     s.add_argument("--out", required=True)

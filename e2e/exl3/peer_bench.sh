@@ -178,6 +178,7 @@ bench_json=json.load(open('$W/bench.json'))), open('$OUT/glmflash_bench.json','w
     done
     log "serve ready check done"
     timeout -k 5 "$(cap 200)" python3 e2e/exl3/peer_bench.py client --url "http://127.0.0.1:$port" --vocab "$vocab" \
+      --metrics-url "http://127.0.0.1:$((port + 1))/metrics" \
       --out "$OUT/glmflash_serve.json" "${opts[@]}" --time-limit 90 > "$OUT/glmflash_client.log" 2>&1
     log "client rc=$?"; cat "$OUT/glmflash_client.log" | cut -c1-400
     kill $spid 2>/dev/null; sleep 2; kill -9 $spid 2>/dev/null

@@ -56,13 +56,12 @@ pub const WIDEN_MIN_TOKENS: usize = 64;
 /// Values of one f16/bf16 weight tile widened to f32 for cuBLAS (32 MiB).
 pub const WIDEN_TILE_VALUES: usize = 8 << 20;
 
-/// `GLMFLASH_PROMPT_GEMM=1`: prompt chunks' bf16 dense products on the tensor cores
-/// ([`Cuda::matmul`]) and row-format MoE slots of many picks through cuBLAS
-/// ([`Cuda::moe_picks`]). Off by default until the device check has proved them (written
-/// 2026-12-04 without device time left; BENCHMARKS.md, session 20).
+/// Prompt chunks' bf16 dense products on the tensor cores ([`Cuda::matmul`]) and row-format
+/// MoE slots of many picks through cuBLAS ([`Cuda::moe_picks`]): on unless
+/// `GLMFLASH_PROMPT_GEMM=0` (the matvec-style kernels, for A/B runs and as a fallback).
 pub fn prompt_gemm() -> bool {
     static ON: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
-    *ON.get_or_init(|| std::env::var("GLMFLASH_PROMPT_GEMM").is_ok_and(|v| v == "1"))
+    *ON.get_or_init(|| std::env::var("GLMFLASH_PROMPT_GEMM").map_or(true, |v| v != "0"))
 }
 
 /// The sizes of a product `y[n, rows] = x[n, cols] W^T` against its buffers.
