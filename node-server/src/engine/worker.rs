@@ -131,6 +131,31 @@ pub(super) struct Worker {
     pub(super) reserved: usize,
     pub(super) window_start: Instant,
     pub(super) window_tokens: u64,
+    /// GPU forwards since the decoder's phase profile was last logged.
+    pub(super) profiled: Profiled,
+}
+
+/// GPU forwards between two logs of the decoder's phase profile (`GLMFLASH_GPU_PROFILE`).
+const PROFILE_EVERY: u64 = 256;
+
+/// The engine's GPU forwards since the last profile log: how many, their tokens and time.
+pub(super) struct Profiled {
+    calls: u64,
+    tokens: usize,
+    forward_secs: f64,
+    /// Whole ticks (the forwards, the draws, streaming), idle time between them not counted.
+    tick_secs: f64,
+}
+
+impl Profiled {
+    pub(super) fn new() -> Profiled {
+        Profiled {
+            calls: 0,
+            tokens: 0,
+            forward_secs: 0.0,
+            tick_secs: 0.0,
+        }
+    }
 }
 
 impl Worker {
@@ -245,6 +270,7 @@ impl Worker {
         if self.running.is_empty() {
             return;
         }
+        let started = Instant::now();
         let out = self.run_batch();
         // The caches hold this step's tokens now: the gauges say so before any of its tokens
         // reaches a client (who may read /metrics the moment it has one).
@@ -263,6 +289,7 @@ impl Worker {
         }
         self.finish(finished);
         self.update_metrics();
+        self.profiled.tick_secs += started.elapsed().as_secs_f64();
     }
 
     /// The tokens each running sequence feeds this tick (a decode token, or the next chunk
@@ -326,12 +353,47 @@ impl Worker {
             let started = Instant::now();
             let result =
                 std::panic::catch_unwind(AssertUnwindSafe(|| decoder.run(model, &mut gpu_steps)));
-            self.metrics
-                .gpu_forward
-                .observe(started.elapsed().as_secs_f64());
+            let secs = started.elapsed().as_secs_f64();
+            self.metrics.gpu_forward.observe(secs);
+            let tokens = plan.gpu.iter().map(|&(_, n)| n).sum();
             out.collect(plan.gpu, result);
+            self.log_profile(secs, tokens);
         }
         out
+    }
+
+    /// With `GLMFLASH_GPU_PROFILE` set, every [`PROFILE_EVERY`] GPU forwards: the decoder's
+    /// time per phase, the forward's and the whole tick's, in milliseconds a call (the
+    /// engine's figures beside `bench --model`'s).
+    fn log_profile(&mut self, secs: f64, tokens: usize) {
+        let Some(decoder) = &self.decoder else {
+            return;
+        };
+        let p = &mut self.profiled;
+        p.calls += 1;
+        p.tokens += tokens;
+        p.forward_secs += secs;
+        if p.calls < PROFILE_EVERY {
+            return;
+        }
+        let (phases, waited) = (decoder.take_profile(), decoder.take_waited());
+        if !phases.is_empty() {
+            let ms = |s: f64| s * 1e3 / p.calls as f64;
+            let phases: Vec<String> = phases
+                .iter()
+                .map(|(name, s, _)| format!("{name} {:.3}", ms(*s)))
+                .collect();
+            tracing::info!(
+                calls = p.calls,
+                tokens_per_call = p.tokens as f64 / p.calls as f64,
+                forward_ms = ms(p.forward_secs),
+                tick_ms = ms(p.tick_secs),
+                waited_ms = ms(waited),
+                phases = %phases.join(", "),
+                "GPU forward profile, ms a call"
+            );
+        }
+        *p = Profiled::new();
     }
 
     /// Sequence `i` fed `n` tokens: counts its prefill; whether its prompt is all in now (its
