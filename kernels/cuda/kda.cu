@@ -51,18 +51,10 @@ __device__ __forceinline__ void conv_advance(float* state, const float* __restri
     }
 }
 
-// qkv: [len, w] conv inputs; state: [K - 1, w] the previous inputs, oldest first; taps:
-// [w, K]; out: [len, w] = silu(causal depthwise conv). Grid (ceil(w / blockDim.x),
-// ceil(len / KDA_CONV_SEG)). With `advance` (one token segment: a thread then owns its
-// channel's every read) each thread also advances its channel's state after its conv;
-// else `kda_conv_state` does it after this kernel.
-extern "C" __global__ void kda_conv(const float* __restrict__ qkv, float* state,
-                                    const float* __restrict__ taps, int len, int w, int kernel,
-                                    int advance, float* __restrict__ out) {
-    const int ch = blockIdx.x * blockDim.x + threadIdx.x;
-    if (ch >= w) return;
-    const int t0 = blockIdx.y * KDA_CONV_SEG;
-    const int t1 = min(len, t0 + KDA_CONV_SEG);
+// One channel's conv over tokens [t0, t1), the kernel size chosen at run time.
+__device__ __forceinline__ void conv_channel(const float* __restrict__ qkv, const float* state,
+                                             const float* __restrict__ taps, int ch, int t0,
+                                             int t1, int w, int kernel, float* __restrict__ out) {
 #define KDA_CONV_CASE(K) \
     case K: conv_segment<K>(qkv, state, taps, ch, t0, t1, w, out); break;
     switch (kernel) {
@@ -77,7 +69,35 @@ extern "C" __global__ void kda_conv(const float* __restrict__ qkv, float* state,
         default: break;
     }
 #undef KDA_CONV_CASE
+}
+
+// qkv: [len, w] conv inputs; state: [K - 1, w] the previous inputs, oldest first; taps:
+// [w, K]; out: [len, w] = silu(causal depthwise conv). Grid (ceil(w / blockDim.x),
+// ceil(len / KDA_CONV_SEG)). With `advance` (one token segment: a thread then owns its
+// channel's every read) each thread also advances its channel's state after its conv;
+// else `kda_conv_state` does it after this kernel.
+extern "C" __global__ void kda_conv(const float* __restrict__ qkv, float* state,
+                                    const float* __restrict__ taps, int len, int w, int kernel,
+                                    int advance, float* __restrict__ out) {
+    const int ch = blockIdx.x * blockDim.x + threadIdx.x;
+    if (ch >= w) return;
+    const int t0 = blockIdx.y * KDA_CONV_SEG;
+    conv_channel(qkv, state, taps, ch, t0, min(len, t0 + KDA_CONV_SEG), w, kernel, out);
     if (advance) conv_advance(state, qkv, ch, len, w, kernel);
+}
+
+// A decode step of several sequences, one token each: sequence s (grid y) takes row s of
+// qkv and out and its own conv state `states[s]`, exactly as `kda_conv` with len 1 does.
+// Grid (ceil(w / blockDim.x), sequences).
+extern "C" __global__ void kda_conv_seqs(const float* __restrict__ qkv, float* const* states,
+                                         const float* __restrict__ taps, int w, int kernel,
+                                         float* __restrict__ out) {
+    const int ch = blockIdx.x * blockDim.x + threadIdx.x;
+    if (ch >= w) return;
+    const i64 row = (i64)blockIdx.y * w;
+    float* state = states[blockIdx.y];
+    conv_channel(qkv + row, state, taps, ch, 0, 1, w, kernel, out + row);
+    conv_advance(state, qkv + row, ch, 1, w, kernel);
 }
 
 // Advances the conv state past `len` inputs (`conv_advance`), one thread per channel, after
@@ -101,12 +121,12 @@ extern "C" __global__ void kda_conv_state(float* __restrict__ state, const float
 // each warp's partial sum over its rows, added in warp order. Grid (ceil(d / KDA_COLS),
 // heads), block KDA_COLS x ceil(d / 32) threads, dynamic shared memory (3 d + 2 * 32 *
 // warps) floats.
-extern "C" __global__ void kda_recurrent(const float* __restrict__ mixed,
-                                         const float* __restrict__ g,
-                                         const float* __restrict__ beta, int len, int heads, int d,
-                                         float scale, float eps, float* __restrict__ state,
-                                         float* __restrict__ out) {
-    extern __shared__ float sh[];
+__device__ __forceinline__ void recurrent_span(const float* __restrict__ mixed,
+                                               const float* __restrict__ g,
+                                               const float* __restrict__ beta, int len, int heads,
+                                               int d, float scale, float eps,
+                                               float* __restrict__ state,
+                                               float* __restrict__ out, float* sh) {
     const int warps = blockDim.x / WARP;
     float* qs = sh;                      // [d] normalised, scaled q
     float* ks = qs + d;                  // [d] normalised k
@@ -174,6 +194,30 @@ extern "C" __global__ void kda_recurrent(const float* __restrict__ mixed,
 #pragma unroll
     for (int r = 0; r < WARP; r++)
         if (active && r0 + r < d) sg[(i64)(r0 + r) * d + j] = col[r];
+}
+
+extern "C" __global__ void kda_recurrent(const float* __restrict__ mixed,
+                                         const float* __restrict__ g,
+                                         const float* __restrict__ beta, int len, int heads, int d,
+                                         float scale, float eps, float* __restrict__ state,
+                                         float* __restrict__ out) {
+    extern __shared__ float sh[];
+    recurrent_span(mixed, g, beta, len, heads, d, scale, eps, state, out, sh);
+}
+
+// A decode step of several sequences, one token each: sequence s (grid z) takes row s of
+// mixed, g, beta and out and its own state `states[s]`, exactly as `kda_recurrent` with len
+// 1 does. Grid (ceil(d / KDA_COLS), heads, sequences), the block and shared memory of
+// `kda_recurrent`.
+extern "C" __global__ void kda_recurrent_seqs(const float* __restrict__ mixed,
+                                              const float* __restrict__ g,
+                                              const float* __restrict__ beta, int heads, int d,
+                                              float scale, float eps, float* const* states,
+                                              float* __restrict__ out) {
+    extern __shared__ float sh[];
+    const i64 s = blockIdx.z, c = (i64)heads * d;
+    recurrent_span(mixed + s * 3 * c, g + s * c, beta + s * heads, 1, heads, d, scale, eps,
+                   states[s], out + s * c, sh);
 }
 
 // Tokens per chunk of `kda_chunked`: its working set for d = 128 stays under the 48 KB of

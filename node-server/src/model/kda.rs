@@ -244,6 +244,18 @@ impl<D: Device> Kda<D> {
         dev.kda_gates(gates, &mut g, &self.dt_bias, &self.a_log, &mut beta, tokens)?;
         let out_gate = dev.matmul(&self.g_b, &dev.matmul(&self.g_a, x, tokens)?, tokens)?;
 
+        // A decode step of several sequences (one token each: the recurrent form in either
+        // mode), one launch per op where the device has it.
+        let decode = spans.len() > 1
+            && (spans.iter().enumerate()).all(|(s, &(first, len))| first == s && len == 1);
+        let batched = match decode {
+            true => dev.kda_decode(spec, &self.conv, &qkv, &g, &beta, states)?,
+            false => None,
+        };
+        if let Some(mut core) = batched {
+            dev.gated_rms_norm(&mut core, &out_gate, &self.o_norm, dh, self.eps)?;
+            return dev.matmul(&self.o_proj, &core, tokens);
+        }
         // One sequence's output is the whole core; several are put in their rows.
         let mut core = (spans.len() != 1)
             .then(|| dev.zeros(tokens * c))

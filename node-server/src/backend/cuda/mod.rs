@@ -64,6 +64,15 @@ pub fn prompt_gemm() -> bool {
     *ON.get_or_init(|| std::env::var("GLMFLASH_PROMPT_GEMM").map_or(true, |v| v != "0"))
 }
 
+/// `GLMFLASH_KDA_SEQS=1`: a decode step's KDA conv and delta rule for all its sequences in one
+/// launch each ([`Cuda::kda_decode_seqs`]) instead of one per sequence. Off until the device
+/// check has run it (written 2026-12-04 after the session's device time: same code per
+/// sequence, so the same bits, once proved).
+pub fn kda_seqs() -> bool {
+    static ON: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
+    *ON.get_or_init(|| std::env::var("GLMFLASH_KDA_SEQS").is_ok_and(|v| v == "1"))
+}
+
 /// The sizes of a product `y[n, rows] = x[n, cols] W^T` against its buffers.
 fn check_product(
     w: &CudaSlice<u8>,

@@ -5,7 +5,7 @@
 //! downloads the results (what cuda-check and the host-side callers use).
 
 use super::{Cuda, CudaError};
-use cudarc::driver::{CudaSlice, LaunchConfig, PushKernelArg};
+use cudarc::driver::{CudaSlice, DevicePtrMut, LaunchConfig, PushKernelArg};
 
 /// Threads per block of the column-per-thread mHC and conv kernels.
 const COL_BLOCK: u32 = 256;
@@ -560,6 +560,101 @@ impl Cuda {
         // SAFETY: both kernels take these arguments in kda.cu; sizes checked above; the block
         // and shared memory are the ones the kernel of `form` assumes (above).
         unsafe { b.launch(cfg) }?;
+        Ok(())
+    }
+    /// A decode step of `states.len()` sequences, one token each: row s of `qkv` (`[n, 3C]`),
+    /// `g` (`[n, C]`) and `beta` (`[n, H]`) is sequence s's, `states[s]` its (conv,
+    /// recurrent) state. One launch for every sequence's conv (`mixed`: `[n, 3C]`) and one for
+    /// every delta rule (`out`: `[n, C]`); each sequence gets the bits [`Cuda::kda_conv_dev`]
+    /// and [`Cuda::kda_delta_dev`] give it alone (the same code, on its row).
+    #[allow(clippy::too_many_arguments)]
+    pub fn kda_decode_seqs(
+        &self,
+        spec: KdaSpec,
+        taps: &CudaSlice<f32>,
+        qkv: &CudaSlice<f32>,
+        g: &CudaSlice<f32>,
+        beta: &CudaSlice<f32>,
+        states: &mut [(&mut CudaSlice<f32>, &mut CudaSlice<f32>)],
+        mixed: &mut CudaSlice<f32>,
+        out: &mut CudaSlice<f32>,
+    ) -> Result<(), CudaError> {
+        let n = states.len();
+        let (h, d, k) = (spec.heads, spec.head_dim, spec.kernel);
+        let (c, w) = (h * d, 3 * spec.channels());
+        let (threads, shared) = (KDA_COLS * spec.recurrent_warps(), spec.shared_bytes());
+        if k == 0 || k > KDA_MAX_CONV || w == 0 || n > MAX_GRID_Y {
+            return Err(CudaError::Invalid(format!(
+                "kda_conv_seqs: kernel {k} over {w} channels for {n} sequences (the kernel \
+                 takes 1..={KDA_MAX_CONV}, at most {MAX_GRID_Y} sequences)"
+            )));
+        }
+        if h == 0 || h > MAX_GRID_Y || d == 0 || threads > 1024 || shared > SHARED_BYTES {
+            return Err(CudaError::Invalid(format!(
+                "kda_recurrent_seqs: {h} heads of {d} (as kda_recurrent)"
+            )));
+        }
+        too_short("kda_decode_seqs taps", taps.len(), w * k)?;
+        too_short("kda_decode_seqs qkv", qkv.len(), n * w)?;
+        too_short("kda_decode_seqs g", g.len(), n * c)?;
+        too_short("kda_decode_seqs beta", beta.len(), n * h)?;
+        too_short("kda_decode_seqs mixed", mixed.len(), n * w)?;
+        too_short("kda_decode_seqs out", out.len(), n * c)?;
+        for (conv, recurrent) in states.iter() {
+            too_short("kda_decode_seqs conv state", conv.len(), (k - 1) * w)?;
+            too_short("kda_decode_seqs state", recurrent.len(), h * d * d)?;
+        }
+        if n == 0 {
+            return Ok(());
+        }
+        // The sequences' state addresses, for the kernels to find their own; the guards keep
+        // the stream's record of the buffers' use until the launches are queued.
+        let mut guards = Vec::with_capacity(2 * n);
+        let (mut convs, mut recurrents) = (Vec::with_capacity(n), Vec::with_capacity(n));
+        for (conv, recurrent) in states.iter_mut() {
+            let (p, guard) = conv.device_ptr_mut(&self.stream);
+            convs.push(p);
+            guards.push(guard);
+            let (p, guard) = recurrent.device_ptr_mut(&self.stream);
+            recurrents.push(p);
+            guards.push(guard);
+        }
+        let (convs, recurrents) = (self.upload(&convs)?, self.upload(&recurrents)?);
+        let (w_i, k_i, h_i, d_i) = (w as i32, k as i32, h as i32, d as i32);
+        let mut b = self.stream.launch_builder(self.kernel("kda_conv_seqs"));
+        b.arg(qkv)
+            .arg(&convs)
+            .arg(taps)
+            .arg(&w_i)
+            .arg(&k_i)
+            .arg(&mut *mixed);
+        // SAFETY: arguments match `kda_conv_seqs` in kda.cu; every row and state checked
+        // above; grid y is the sequences, whose states are distinct buffers (one `&mut`
+        // each), so a thread writes only its own sequence's channel.
+        unsafe { b.launch(columns_config(w, n)) }?;
+        let scale = 1.0 / (d as f32).sqrt();
+        let mut b = self
+            .stream
+            .launch_builder(self.kernel("kda_recurrent_seqs"));
+        b.arg(&*mixed)
+            .arg(g)
+            .arg(beta)
+            .arg(&h_i)
+            .arg(&d_i)
+            .arg(&scale)
+            .arg(&spec.l2_eps)
+            .arg(&recurrents)
+            .arg(out);
+        let cfg = LaunchConfig {
+            grid_dim: (d.div_ceil(KDA_COLS) as u32, h as u32, n as u32),
+            block_dim: (threads as u32, 1, 1),
+            shared_mem_bytes: shared as u32,
+        };
+        // SAFETY: arguments match `kda_recurrent_seqs` in kda.cu, block and shared memory
+        // as `kda_recurrent`'s; sizes checked above; grid z is the sequences, each with its
+        // own state.
+        unsafe { b.launch(cfg) }?;
+        drop(guards);
         Ok(())
     }
 }

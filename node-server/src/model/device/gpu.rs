@@ -444,6 +444,35 @@ impl Device for Gpu {
         Ok(mixed)
     }
 
+    fn kda_decode(
+        &self,
+        spec: KdaSpec,
+        taps: &Buf,
+        qkv: &Buf,
+        g: &Buf,
+        beta: &Buf,
+        states: &mut [&mut crate::model::kda::KdaState<Gpu>],
+    ) -> anyhow::Result<Option<Buf>> {
+        if !crate::backend::cuda::kda_seqs() {
+            return Ok(None);
+        }
+        let n = states.len();
+        let (mut mixed, mut out) = (
+            self.alloc(n * 3 * spec.channels())?,
+            self.alloc(n * spec.channels())?,
+        );
+        let mut pairs: Vec<(&mut Buf, &mut Buf)> = states
+            .iter_mut()
+            .map(|s| {
+                let s = &mut **s;
+                (&mut s.conv, &mut s.recurrent)
+            })
+            .collect();
+        self.cuda
+            .kda_decode_seqs(spec, taps, qkv, g, beta, &mut pairs, &mut mixed, &mut out)?;
+        Ok(Some(out))
+    }
+
     fn kda_delta(
         &self,
         spec: KdaSpec,

@@ -278,6 +278,22 @@ pub trait Device: Send + Sync + Sized {
         len: usize,
         state: &mut Self::Buf,
     ) -> anyhow::Result<Self::Buf>;
+    /// A decode step's conv and delta rule for several sequences, one token each (row s of
+    /// `qkv` `[n, 3C]`, `g` and `beta` is `states[s]`'s): `[n, C]`, each row the bits
+    /// [`Device::kda_conv`] then [`Device::kda_delta`] give its sequence alone. `None` where
+    /// the device has no launch for it (the caller then runs the sequences one by one).
+    #[allow(clippy::too_many_arguments)]
+    fn kda_decode(
+        &self,
+        _spec: KdaSpec,
+        _taps: &Self::Buf,
+        _qkv: &Self::Buf,
+        _g: &Self::Buf,
+        _beta: &Self::Buf,
+        _states: &mut [&mut crate::model::kda::KdaState<Self>],
+    ) -> anyhow::Result<Option<Self::Buf>> {
+        Ok(None)
+    }
     /// MLA's attention for a sequence's `len` new queries (rows `first ..` of `q`,
     /// `[.., heads, nope]`) over its cached `latents` (the new ones included), each query
     /// over its selected tokens; `[len, heads, v_dim]`.

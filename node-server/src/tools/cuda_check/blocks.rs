@@ -239,6 +239,7 @@ pub(super) fn check_kda(
         // reaches exp(-80), which the kernel only meets as exp(G_t - G_s) <= 1 and exp(G_t).
         let label = "kda_chunked strong decay";
         spans(rng, chunked, KdaMode::Recurrent, &[17, 150], 5.0, label)?;
+        decode_seqs(cuda, rng, spec, &taps, &s0, cases)?;
         // The host-slice wrapper, once per form.
         for form in [recurrent, chunked] {
             let len = 40;
@@ -249,6 +250,77 @@ pub(super) fn check_kda(
             let name = format!("kda_delta {form:?} {shape} host slices T={len}");
             cases.push(case(name.clone(), &got, &want, F32_BOUND));
             cases.push(case(format!("{name} state"), &gpu_s, &cpu_s, F32_BOUND));
+        }
+    }
+    Ok(())
+}
+
+/// Two decode steps of three sequences through `kda_decode_seqs` (one launch per op for all)
+/// against each sequence alone through `kda_conv_dev` and `kda_delta_dev`: the same bits in
+/// the outputs and in every state.
+fn decode_seqs(
+    cuda: &Cuda,
+    rng: &mut ChaCha8Rng,
+    spec: KdaSpec,
+    taps: &[f32],
+    s0: &[f32],
+    cases: &mut Vec<Case>,
+) -> anyhow::Result<()> {
+    let (n, c, h) = (3, spec.channels(), spec.heads);
+    let (w, hist) = (3 * c, spec.kernel - 1);
+    let d_taps = cuda.upload(taps)?;
+    let new_state = |rng: &mut ChaCha8Rng| -> anyhow::Result<_> {
+        let conv = randn(rng, hist.max(1) * w, 2.0);
+        let mut rec = s0.to_vec();
+        rec.iter_mut().for_each(|v| *v += 0.1 * rng.random::<f32>());
+        Ok((cuda.upload(&conv)?, cuda.upload(&rec)?))
+    };
+    let mut alone: Vec<_> = (0..n)
+        .map(|_| new_state(rng))
+        .collect::<anyhow::Result<_>>()?;
+    let mut together: Vec<_> = alone
+        .iter()
+        .map(|(a, b)| {
+            Ok((
+                cuda.upload(&cuda.download(a)?)?,
+                cuda.upload(&cuda.download(b)?)?,
+            ))
+        })
+        .collect::<anyhow::Result<_>>()?;
+    let shape = format!("H{h} d{} K{}", spec.head_dim, spec.kernel);
+    for step in 0..2 {
+        let qkv = randn(rng, n * w, 2.0);
+        let g: Vec<f32> = (0..n * c).map(|_| -rng.random::<f32>() * 0.5).collect();
+        let beta: Vec<f32> = (0..n * h).map(|_| rng.random::<f32>()).collect();
+        let mut want = Vec::with_capacity(n * c);
+        for (s, (conv, rec)) in alone.iter_mut().enumerate() {
+            let mut mixed = cuda.alloc_f32(w)?;
+            let x = cuda.upload(&qkv[s * w..(s + 1) * w])?;
+            cuda.kda_conv_dev(spec, &d_taps, &x, 1, conv, &mut mixed)?;
+            let (gs, bs) = (&g[s * c..(s + 1) * c], &beta[s * h..(s + 1) * h]);
+            let (gs, bs) = (cuda.upload(gs)?, cuda.upload(bs)?);
+            let mut out = cuda.alloc_f32(c)?;
+            cuda.kda_delta_dev(spec, KdaForm::Recurrent, &mixed, &gs, &bs, 1, rec, &mut out)?;
+            want.extend(cuda.download(&out)?.into_iter().take(c));
+        }
+        let (qkv, g, beta) = (cuda.upload(&qkv)?, cuda.upload(&g)?, cuda.upload(&beta)?);
+        let (mut mixed, mut out) = (cuda.alloc_f32(n * w)?, cuda.alloc_f32(n * c)?);
+        let mut pairs: Vec<_> = together.iter_mut().map(|(a, b)| (a, b)).collect();
+        cuda.kda_decode_seqs(
+            spec, &d_taps, &qkv, &g, &beta, &mut pairs, &mut mixed, &mut out,
+        )?;
+        let mut got = cuda.download(&out)?;
+        got.truncate(n * c);
+        let name = format!("kda_decode_seqs {shape} step {step}");
+        cases.push(same_bits_case(format!("{name}: same bits"), &got, &want));
+        for (s, ((ca, ra), (ct, rt))) in alone.iter().zip(&together).enumerate() {
+            let (ca, ct) = (cuda.download(ca)?, cuda.download(ct)?);
+            let (ra, rt) = (cuda.download(ra)?, cuda.download(rt)?);
+            cases.push(same_bits_case(
+                format!("{name} seq {s} states: same bits"),
+                &[ct, rt].concat(),
+                &[ca, ra].concat(),
+            ));
         }
     }
     Ok(())
