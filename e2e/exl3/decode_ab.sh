@@ -10,6 +10,7 @@
 # While steps 1-2 run, exllamav3's extension may JIT-build in the background (PEER=1: the
 # `peer_bench.sh build` of a later call then finds it done); the timings wait for it to end.
 #   OLD=.device/glmflash-node-old NEW=.device/glmflash-node [PEER=1] bash e2e/exl3/decode_ab.sh OUTDIR
+#   ENVS="base: kda:GLMFLASH_KDA_SEQS=1" bash e2e/exl3/decode_ab.sh OUTDIR   # one build, env A/B
 set -uo pipefail
 cd "$(dirname "$0")/../.."
 OUT="${1:-${OUT:-/tmp/decode-ab}}"
@@ -48,13 +49,20 @@ BUDGET_S=200 OUT="$OUT/ck" bash e2e/exl3/peer_bench.sh checkpoint > "$OUT/checkp
 tail -2 "$OUT/checkpoint.txt"
 ck=/root/peerw/ck_flash
 if [ -f "$ck/config.json" ]; then
+  # Runs: OLD and NEW, or with ENVS="name:VAR=v,VAR=v name2:VAR=v ..." NEW once per named set
+  # of environment variables ("base:" for none).
+  runs=(old new)
+  [ -n "${ENVS:-}" ] && read -ra runs <<< "$ENVS"
   for r in $(seq 1 "${ROUNDS:-2}"); do
-    for which in old new; do
-      bin=$NEW; [ "$which" = old ] && bin=$OLD
+    for run in "${runs[@]}"; do
+      which=${run%%:*} bin=$NEW env=()
+      [ "$which" = old ] && [ -z "${ENVS:-}" ] && bin=$OLD
+      [[ "$run" == *:* ]] && IFS=, read -ra env <<< "${run#*:}"
       [ -n "$bin" ] || continue
-      timeout -k 5 120 "$bin" bench --model "$ck" --device cuda --prompt-tokens 32 --streams "${BATCHES:-1,4}" \
-        --decode-tokens "${STEPS:-128}" > "$OUT/bench_${which}_$r.json" 2> "$OUT/bench_${which}_$r.log"
-      log "bench $which round $r rc=$?"
+      env "${env[@]}" timeout -k 5 120 "$bin" bench --model "$ck" --device cuda --prompt-tokens 32 \
+        --streams "${BATCHES:-1,4}" --decode-tokens "${STEPS:-128}" \
+        > "$OUT/bench_${which}_$r.json" 2> "$OUT/bench_${which}_$r.log"
+      log "bench $which (${env[*]}) round $r rc=$?"
     done
   done
   python3 - "$OUT" <<'PY' | tee "$OUT/decode_ab.txt"

@@ -73,6 +73,40 @@ pub fn kda_seqs() -> bool {
     *ON.get_or_init(|| std::env::var("GLMFLASH_KDA_SEQS").is_ok_and(|v| v == "1"))
 }
 
+/// `GLMFLASH_POOL_KEEP_MIB=N`: the device's default memory pool, which every stream-ordered
+/// allocation here draws from, keeps up to N MiB of freed memory across synchronisations
+/// (the driver's default, 0, hands it all back at each one, so a step's ~300 scratch
+/// allocations after a synchronisation map memory again). Unset: the driver's default, until
+/// a device run has measured the step with it (written 2026-12-04 after the session's device
+/// time).
+fn keep_pool_memory(ctx: &CudaContext) -> Result<(), CudaError> {
+    use cudarc::driver::sys;
+    let Some(mib) = std::env::var("GLMFLASH_POOL_KEEP_MIB")
+        .ok()
+        .and_then(|v| v.parse::<u64>().ok())
+    else {
+        return Ok(());
+    };
+    let mut bytes = mib.saturating_mul(1 << 20);
+    let mut pool = std::mem::MaybeUninit::<sys::CUmemoryPool>::uninit();
+    // SAFETY: the pool handle is written by the driver for this context's device and only
+    // read after it succeeded; the attribute takes a pointer to a u64, which `bytes` is.
+    unsafe {
+        sys::cuDeviceGetDefaultMemPool(pool.as_mut_ptr(), ctx.cu_device()).result()?;
+        sys::cuMemPoolSetAttribute(
+            pool.assume_init(),
+            sys::CUmemPool_attribute::CU_MEMPOOL_ATTR_RELEASE_THRESHOLD,
+            (&raw mut bytes).cast(),
+        )
+        .result()?;
+    }
+    tracing::info!(
+        mib,
+        "the memory pool keeps freed memory across synchronisations"
+    );
+    Ok(())
+}
+
 /// The sizes of a product `y[n, rows] = x[n, cols] W^T` against its buffers.
 fn check_product(
     w: &CudaSlice<u8>,
@@ -191,6 +225,7 @@ impl Cuda {
         // (`GpuTier::compute`); so no buffer needs cudarc's per-use event tracking, which would
         // also make the copy stream wait for every kernel reading any part of the arena.
         unsafe { ctx.disable_event_tracking() };
+        keep_pool_memory(&ctx)?;
         let (major, minor) = ctx.compute_capability()?;
         let arch = format!("sm_{major}{minor}");
         let name = ctx.name()?;
