@@ -243,7 +243,7 @@ impl Engine {
             reserved: 0,
             window_start: Instant::now(),
             window_tokens: 0,
-            profiled: super::worker::Profiled::new(),
+            profiled: super::worker::Profiled::default(),
         };
         let thread = std::thread::Builder::new()
             .name("glmflash-engine".into())

@@ -138,24 +138,19 @@ pub(super) struct Worker {
 /// GPU forwards between two logs of the decoder's phase profile (`GLMFLASH_GPU_PROFILE`).
 const PROFILE_EVERY: u64 = 256;
 
-/// The engine's GPU forwards since the last profile log: how many, their tokens and time.
+/// The engine's decode-only GPU forwards (every sequence one token) since the last profile
+/// log: how many, their rows, their time and the decoder's phases.
+#[derive(Default)]
 pub(super) struct Profiled {
     calls: u64,
-    tokens: usize,
+    rows: usize,
     forward_secs: f64,
-    /// Whole ticks (the forwards, the draws, streaming), idle time between them not counted.
+    waited_secs: f64,
+    phases: std::collections::BTreeMap<&'static str, f64>,
+    /// Whole ticks of those forwards (the forward, the draws, streaming).
     tick_secs: f64,
-}
-
-impl Profiled {
-    pub(super) fn new() -> Profiled {
-        Profiled {
-            calls: 0,
-            tokens: 0,
-            forward_secs: 0.0,
-            tick_secs: 0.0,
-        }
-    }
+    /// The current tick's forward was counted: its tick time is too.
+    counted: bool,
 }
 
 impl Worker {
@@ -289,7 +284,9 @@ impl Worker {
         }
         self.finish(finished);
         self.update_metrics();
-        self.profiled.tick_secs += started.elapsed().as_secs_f64();
+        if std::mem::take(&mut self.profiled.counted) {
+            self.profiled.tick_secs += started.elapsed().as_secs_f64();
+        }
     }
 
     /// The tokens each running sequence feeds this tick (a decode token, or the next chunk
@@ -355,45 +352,57 @@ impl Worker {
                 std::panic::catch_unwind(AssertUnwindSafe(|| decoder.run(model, &mut gpu_steps)));
             let secs = started.elapsed().as_secs_f64();
             self.metrics.gpu_forward.observe(secs);
-            let tokens = plan.gpu.iter().map(|&(_, n)| n).sum();
+            let decode_only = plan
+                .gpu
+                .iter()
+                .all(|&(i, n)| n == 1 && self.running[i].prefilled >= self.running[i].prompt.len());
+            let rows = plan.gpu.len();
             out.collect(plan.gpu, result);
-            self.log_profile(secs, tokens);
+            self.log_profile(secs, rows, decode_only);
         }
         out
     }
 
-    /// With `GLMFLASH_GPU_PROFILE` set, every [`PROFILE_EVERY`] GPU forwards: the decoder's
-    /// time per phase, the forward's and the whole tick's, in milliseconds a call (the
-    /// engine's figures beside `bench --model`'s).
-    fn log_profile(&mut self, secs: f64, tokens: usize) {
+    /// With `GLMFLASH_GPU_PROFILE` set, every [`PROFILE_EVERY`] decode-only GPU forwards: the
+    /// decoder's time per phase, the forward's and the whole tick's, in milliseconds a call (the
+    /// engine's figures beside `bench --model`'s). Forwards with prompt chunks are left out.
+    fn log_profile(&mut self, secs: f64, rows: usize, decode_only: bool) {
         let Some(decoder) = &self.decoder else {
             return;
         };
+        let (phases, waited) = (decoder.take_profile(), decoder.take_waited());
+        if phases.is_empty() || !decode_only {
+            return;
+        }
         let p = &mut self.profiled;
         p.calls += 1;
-        p.tokens += tokens;
+        p.rows += rows;
         p.forward_secs += secs;
+        p.waited_secs += waited;
+        p.counted = true;
+        for (name, s, _) in phases {
+            *p.phases.entry(name).or_default() += s;
+        }
         if p.calls < PROFILE_EVERY {
             return;
         }
-        let (phases, waited) = (decoder.take_profile(), decoder.take_waited());
-        if !phases.is_empty() {
-            let ms = |s: f64| s * 1e3 / p.calls as f64;
-            let phases: Vec<String> = phases
-                .iter()
-                .map(|(name, s, _)| format!("{name} {:.3}", ms(*s)))
-                .collect();
-            tracing::info!(
-                calls = p.calls,
-                tokens_per_call = p.tokens as f64 / p.calls as f64,
-                forward_ms = ms(p.forward_secs),
-                tick_ms = ms(p.tick_secs),
-                waited_ms = ms(waited),
-                phases = %phases.join(", "),
-                "GPU forward profile, ms a call"
-            );
-        }
-        *p = Profiled::new();
+        let ms = |s: f64| s * 1e3 / p.calls as f64;
+        let mut phases: Vec<(&str, f64)> = p.phases.iter().map(|(k, v)| (*k, *v)).collect();
+        phases.sort_by(|a, b| b.1.total_cmp(&a.1));
+        let phases: Vec<String> = phases
+            .iter()
+            .map(|(name, s)| format!("{name} {:.3}", ms(*s)))
+            .collect();
+        tracing::info!(
+            calls = p.calls,
+            sequences = p.rows as f64 / p.calls as f64,
+            forward_ms = ms(p.forward_secs),
+            tick_ms = ms(p.tick_secs),
+            waited_ms = ms(p.waited_secs),
+            phases = %phases.join(", "),
+            "GPU decode forward profile, ms a call"
+        );
+        *p = Profiled::default();
     }
 
     /// Sequence `i` fed `n` tokens: counts its prefill; whether its prompt is all in now (its
