@@ -77,8 +77,10 @@ pub const SOURCES: &[(&str, &str, &[&str])] = &[
         include_str!("../cuda/kda.cu"),
         &[
             "kda_conv",
+            "kda_conv_seqs",
             "kda_conv_state",
             "kda_recurrent",
+            "kda_recurrent_seqs",
             "kda_chunked",
             "kda_gates",
             "interleave3",
