@@ -153,6 +153,28 @@ pub(super) struct Profiled {
     counted: bool,
 }
 
+impl Profiled {
+    /// The profile so far, in milliseconds a forward.
+    fn log(&self) {
+        let ms = |s: f64| s * 1e3 / self.calls as f64;
+        let mut phases: Vec<(&str, f64)> = self.phases.iter().map(|(k, v)| (*k, *v)).collect();
+        phases.sort_by(|a, b| b.1.total_cmp(&a.1));
+        let phases: Vec<String> = phases
+            .iter()
+            .map(|(name, s)| format!("{name} {:.3}", ms(*s)))
+            .collect();
+        tracing::info!(
+            calls = self.calls,
+            sequences = self.rows as f64 / self.calls as f64,
+            forward_ms = ms(self.forward_secs),
+            tick_ms = ms(self.tick_secs),
+            waited_ms = ms(self.waited_secs),
+            phases = %phases.join(", "),
+            "GPU decode forward profile, ms a call"
+        );
+    }
+}
+
 impl Worker {
     /// A new sequence's caches: on the GPU when there is a decoder and room, else on the
     /// host.
@@ -375,6 +397,11 @@ impl Worker {
             return;
         }
         let p = &mut self.profiled;
+        // Logged at the next counted forward, when the ticks of the last ones have all ended.
+        if p.calls == PROFILE_EVERY {
+            p.log();
+            *p = Profiled::default();
+        }
         p.calls += 1;
         p.rows += rows;
         p.forward_secs += secs;
@@ -383,26 +410,6 @@ impl Worker {
         for (name, s, _) in phases {
             *p.phases.entry(name).or_default() += s;
         }
-        if p.calls < PROFILE_EVERY {
-            return;
-        }
-        let ms = |s: f64| s * 1e3 / p.calls as f64;
-        let mut phases: Vec<(&str, f64)> = p.phases.iter().map(|(k, v)| (*k, *v)).collect();
-        phases.sort_by(|a, b| b.1.total_cmp(&a.1));
-        let phases: Vec<String> = phases
-            .iter()
-            .map(|(name, s)| format!("{name} {:.3}", ms(*s)))
-            .collect();
-        tracing::info!(
-            calls = p.calls,
-            sequences = p.rows as f64 / p.calls as f64,
-            forward_ms = ms(p.forward_secs),
-            tick_ms = ms(p.tick_secs),
-            waited_ms = ms(p.waited_secs),
-            phases = %phases.join(", "),
-            "GPU decode forward profile, ms a call"
-        );
-        *p = Profiled::default();
     }
 
     /// Sequence `i` fed `n` tokens: counts its prefill; whether its prompt is all in now (its
