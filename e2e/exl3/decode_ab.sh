@@ -10,7 +10,7 @@
 # While steps 1-2 run, exllamav3's extension may JIT-build in the background (PEER=1: the
 # `peer_bench.sh build` of a later call then finds it done); the timings wait for it to end.
 #   OLD=.device/glmflash-node-old NEW=.device/glmflash-node [PEER=1] bash e2e/exl3/decode_ab.sh OUTDIR
-#   ENVS="base: kda:GLMFLASH_KDA_SEQS=1" bash e2e/exl3/decode_ab.sh OUTDIR   # one build, env A/B
+#   ENVS="base: pool:GLMFLASH_POOL_KEEP_MIB=0" bash e2e/exl3/decode_ab.sh OUTDIR   # one build, env A/B
 set -uo pipefail
 cd "$(dirname "$0")/../.."
 OUT="${1:-${OUT:-/tmp/decode-ab}}"

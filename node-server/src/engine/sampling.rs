@@ -86,8 +86,13 @@ impl Sampler {
     }
 
     pub fn sample_full(&mut self, logits: &[f32]) -> Sampled {
+        self.sample_owned(logits.to_vec())
+    }
+
+    /// [`Sampler::sample_full`] on logits the caller gives up (adjusted in place: a step's
+    /// 155k-value row is not copied again).
+    pub fn sample_owned(&mut self, mut adjusted: Vec<f32>) -> Sampled {
         let p = &self.params;
-        let mut adjusted = logits.to_vec();
         for v in adjusted.iter_mut() {
             if v.is_nan() {
                 *v = f32::NEG_INFINITY;

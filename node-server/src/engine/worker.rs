@@ -532,11 +532,11 @@ type Drawn = Result<Sampled, String>;
 /// Draws the next token of `s` from `logits` (masked in place by its grammar, if it has one).
 fn draw(s: &mut Seq, mut logits: Vec<f32>) -> Drawn {
     let Some(c) = &mut s.constraint else {
-        return Ok(s.sampler.sample_full(&logits));
+        return Ok(s.sampler.sample_owned(logits));
     };
     c.mask(&mut logits)
         .and_then(|()| {
-            let out = s.sampler.sample_full(&logits);
+            let out = s.sampler.sample_owned(logits);
             c.advance(out.token).map(|()| out)
         })
         .map_err(|e| format!("constrained decoding failed: {e:#}"))

@@ -64,30 +64,17 @@ pub fn prompt_gemm() -> bool {
     *ON.get_or_init(|| std::env::var("GLMFLASH_PROMPT_GEMM").map_or(true, |v| v != "0"))
 }
 
-/// `GLMFLASH_KDA_SEQS=1`: a decode step's KDA conv and delta rule for all its sequences in one
-/// launch each ([`Cuda::kda_decode_seqs`]) instead of one per sequence. Off until the device
-/// check has run it (written 2026-12-04 after the session's device time: same code per
-/// sequence, so the same bits, once proved).
-pub fn kda_seqs() -> bool {
-    static ON: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
-    *ON.get_or_init(|| std::env::var("GLMFLASH_KDA_SEQS").is_ok_and(|v| v == "1"))
-}
-
-/// `GLMFLASH_POOL_KEEP_MIB=N`: the device's default memory pool, which every stream-ordered
-/// allocation here draws from, keeps up to N MiB of freed memory across synchronisations
-/// (the driver's default, 0, hands it all back at each one, so a step's ~300 scratch
-/// allocations after a synchronisation map memory again). Unset: the driver's default, until
-/// a device run has measured the step with it (written 2026-12-04 after the session's device
-/// time).
+/// The device's default memory pool, which every stream-ordered allocation here draws from,
+/// keeps the memory freed into it across synchronisations (the driver's default hands it all
+/// back at each one, and a step's ~300 scratch allocations after one map memory again: 4
+/// streams decoded 5-8% slower on the H200, 2026-12-04). `GLMFLASH_POOL_KEEP_MIB=N` keeps at
+/// most N MiB (0: the driver's default).
 fn keep_pool_memory(ctx: &CudaContext) -> Result<(), CudaError> {
     use cudarc::driver::sys;
-    let Some(mib) = std::env::var("GLMFLASH_POOL_KEEP_MIB")
+    let cap = std::env::var("GLMFLASH_POOL_KEEP_MIB")
         .ok()
-        .and_then(|v| v.parse::<u64>().ok())
-    else {
-        return Ok(());
-    };
-    let mut bytes = mib.saturating_mul(1 << 20);
+        .and_then(|v| v.parse::<u64>().ok());
+    let mut bytes = cap.map_or(u64::MAX, |mib| mib.saturating_mul(1 << 20));
     let mut pool = std::mem::MaybeUninit::<sys::CUmemoryPool>::uninit();
     // SAFETY: the pool handle is written by the driver for this context's device and only
     // read after it succeeded; the attribute takes a pointer to a u64, which `bytes` is.
@@ -100,10 +87,9 @@ fn keep_pool_memory(ctx: &CudaContext) -> Result<(), CudaError> {
         )
         .result()?;
     }
-    tracing::info!(
-        mib,
-        "the memory pool keeps freed memory across synchronisations"
-    );
+    if let Some(mib) = cap {
+        tracing::info!(mib, "the memory pool keeps at most this much freed memory");
+    }
     Ok(())
 }
 
@@ -179,6 +165,10 @@ pub struct Cuda {
     /// (`last_of_group` in common.cuh): a launch on `stream` uses the first tickets it needs
     /// and leaves them at zero, so launches one after another share them.
     tickets: CudaSlice<u32>,
+    /// Page-locked host memory that f32 downloads land in (grown to the largest asked for):
+    /// a copy into pageable memory goes through the driver's bounce buffer and faults in
+    /// fresh pages each time, ~1 ms for a step's 4 x 155k logits.
+    staging: std::sync::Mutex<Option<cudarc::driver::PinnedHostSlice<f32>>>,
 }
 
 /// Tickets [`Cuda`] keeps: groups one launch may count (one per token row of a grid).
@@ -244,6 +234,7 @@ impl Cuda {
         Ok(Arc::new(Cuda {
             unread,
             tickets,
+            staging: Default::default(),
             ctx,
             stream,
             copy,
@@ -387,6 +378,35 @@ impl Cuda {
         dev: &CudaSlice<T>,
     ) -> Result<Vec<T>, CudaError> {
         Ok(self.stream.clone_dtoh(dev)?)
+    }
+
+    /// `dev`'s values on the host, copied through the page-locked staging buffer.
+    pub fn download_f32(&self, dev: &CudaSlice<f32>) -> Result<Vec<f32>, CudaError> {
+        if dev.is_empty() {
+            return self.download(dev);
+        }
+        let mut staging = self.staging.lock().unwrap_or_else(|e| e.into_inner());
+        if staging.as_ref().is_none_or(|s| s.len() < dev.len()) {
+            *staging = None;
+            // SAFETY: only the first `dev.len()` values, each copied from `dev`, are read.
+            *staging = Some(unsafe {
+                self.ctx
+                    .alloc_pinned_with_flags::<f32>(dev.len().next_power_of_two(), 0)
+            }?);
+        }
+        let host = staging.as_mut().expect("allocated above");
+        // cudarc copies a whole host slice; the staging buffer is usually longer than `dev`.
+        let dst = &mut host.as_mut_slice()?[..dev.len()];
+        {
+            let (src, _record) = cudarc::driver::DevicePtr::device_ptr(dev, &self.stream);
+            // SAFETY: `dst` is page-locked and outlives the copy, which the synchronisation
+            // below ends before `dst` is read or the staging buffer reused.
+            unsafe {
+                cudarc::driver::result::memcpy_dtoh_async(dst, src, self.stream.cu_stream())
+            }?;
+        }
+        self.stream.synchronize()?;
+        Ok(dst.to_vec())
     }
 
     /// A scratch buffer of `len` floats: zeros, or NaN when poisoning (see [`Cuda::set_poison`]).

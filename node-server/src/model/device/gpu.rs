@@ -158,7 +158,7 @@ impl Device for Gpu {
 
     fn download(&self, b: &Buf) -> anyhow::Result<Vec<f32>> {
         let started = std::time::Instant::now();
-        let values = self.cuda.download(b)?;
+        let values = self.cuda.download_f32(b)?;
         let ns = started.elapsed().as_nanos() as u64;
         self.waited_ns
             .fetch_add(ns, std::sync::atomic::Ordering::Relaxed);
@@ -453,9 +453,6 @@ impl Device for Gpu {
         beta: &Buf,
         states: &mut [&mut crate::model::kda::KdaState<Gpu>],
     ) -> anyhow::Result<Option<Buf>> {
-        if !crate::backend::cuda::kda_seqs() {
-            return Ok(None);
-        }
         let n = states.len();
         let (mut mixed, mut out) = (
             self.alloc(n * 3 * spec.channels())?,
