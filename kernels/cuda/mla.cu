@@ -53,6 +53,9 @@ extern "C" __global__ void cache_store(const float* __restrict__ src, u8* __rest
 // kv holds values of format kv_fmt (cache_load).
 // picks: query i's tokens are picks[sel_off[i] .. sel_off[i + 1]]. scratch:
 // [queries * heads, max_picks]. out: [queries * heads, dv]. blockDim a multiple of 32.
+// kv_of and picks_of (both null, or both set: queries of several sequences in one launch):
+// query i reads the cache at kv_of[i] and its sel_off[i + 1] - sel_off[i] tokens from
+// picks_of[i] on, instead of kv and picks + sel_off[i]; the arithmetic is the same.
 extern "C" __global__ void mla_sparse_attend(const float* __restrict__ q,
                                              const u8* __restrict__ kv, int kv_fmt,
                                              const u32* __restrict__ picks,
@@ -60,11 +63,15 @@ extern "C" __global__ void mla_sparse_attend(const float* __restrict__ q,
                                              int dv, i64 stride, i64 head_step, i64 k_off,
                                              i64 v_off, float scale, int max_picks,
                                              float* __restrict__ scratch,
-                                             float* __restrict__ out) {
+                                             float* __restrict__ out,
+                                             const unsigned long long* __restrict__ kv_of,
+                                             const unsigned long long* __restrict__ picks_of) {
     __shared__ float qs[ATTN_MAX_DK];
     const int row = blockIdx.x;
     const int query = row / heads, head = row % heads;
     const int first = sel_off[query], n = sel_off[query + 1] - first;
+    const u8* src = kv_of ? (const u8*)kv_of[query] : kv;
+    const u32* sel = kv_of ? (const u32*)picks_of[query] : picks + first;
     const int tid = threadIdx.x, lane = tid & (WARP - 1), wid = tid / WARP;
     const int warps = blockDim.x / WARP;
     for (int c = tid; c < dk; c += blockDim.x) qs[c] = q[(i64)row * dk + c];
@@ -74,9 +81,9 @@ extern "C" __global__ void mla_sparse_attend(const float* __restrict__ q,
     const i64 head_base = (i64)head * head_step;
     // One warp per selected token: its score.
     for (int j = wid; j < n; j += warps) {
-        const i64 k = (i64)picks[first + j] * stride + head_base + k_off;
+        const i64 k = (i64)sel[j] * stride + head_base + k_off;
         float acc = 0.0f;
-        for (int c = lane; c < dk; c += WARP) acc = fmaf(qs[c], cache_load(kv, k + c, kv_fmt), acc);
+        for (int c = lane; c < dk; c += WARP) acc = fmaf(qs[c], cache_load(src, k + c, kv_fmt), acc);
         acc = warp_sum(acc);
         if (lane == 0) sc[j] = acc * scale;
     }
@@ -100,8 +107,8 @@ extern "C" __global__ void mla_sparse_attend(const float* __restrict__ q,
     for (int c = tid; c < dv; c += blockDim.x) {
         float acc = 0.0f;
         for (int j = 0; j < n; j++) {
-            const i64 v = (i64)picks[first + j] * stride + head_base + v_off;
-            acc = __fadd_rn(acc, __fmul_rn(sc[j], cache_load(kv, v + c, kv_fmt)));
+            const i64 v = (i64)sel[j] * stride + head_base + v_off;
+            acc = __fadd_rn(acc, __fmul_rn(sc[j], cache_load(src, v + c, kv_fmt)));
         }
         out[(i64)row * dv + c] = acc;
     }

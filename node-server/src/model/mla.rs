@@ -192,12 +192,7 @@ impl<D: Device> Mla<D> {
         path: MlaPath,
     ) -> anyhow::Result<D::Buf> {
         let tokens: usize = spans.iter().map(|s| s.1).sum();
-        let MlaSpec {
-            heads: h,
-            v_dim: vd,
-            rank: r,
-            ..
-        } = self.spec;
+        let r = self.spec.rank;
         let mut qr = dev.matmul(&self.q_a, x, tokens)?;
         let q_rank = D::mat_rows(&self.q_a);
         dev.rms_norm(&mut qr, Some(&self.q_a_norm), q_rank, self.eps)?;
@@ -212,17 +207,49 @@ impl<D: Device> Mla<D> {
             anyhow::bail!("a shared indexer layer with no full indexer layer before it");
         };
 
+        // A decode step of several sequences (row s is sequence s's one token): every latent
+        // joins its cache, then one batched attention where the device has it.
+        let decode = spans.len() > 1 && spans.iter().enumerate().all(|(s, &sp)| sp == (s, 1));
+        if decode && path == MlaPath::Absorbed {
+            for (&(first, len), cache) in spans.iter().zip(caches.iter_mut()) {
+                dev.push(&mut cache.latents, &latent, first, len, r)?;
+            }
+            let latents: Vec<&D::Grow> = caches.iter().map(|c| &c.latents).collect();
+            let sels: Vec<&D::Sel> = selections.iter().collect();
+            if let Some(attn) = dev.mla_attend_seqs(self.spec, &self.kv_b, &q, &latents, &sels)? {
+                return dev.matmul(&self.o_proj, &attn, tokens);
+            }
+            return self.attend_each(dev, spans, caches, selections, &q, path);
+        }
+        for (&(first, len), cache) in spans.iter().zip(caches.iter_mut()) {
+            dev.push(&mut cache.latents, &latent, first, len, r)?;
+        }
+        self.attend_each(dev, spans, caches, selections, &q, path)
+    }
+
+    /// Each sequence's attention over its cache (its new latents already in), through the
+    /// output projection: `[tokens, hidden]`.
+    fn attend_each(
+        &self,
+        dev: &D,
+        spans: &[(usize, usize)],
+        caches: &[&mut MlaCache<D>],
+        selections: &[D::Sel],
+        q: &D::Buf,
+        path: MlaPath,
+    ) -> anyhow::Result<D::Buf> {
+        let tokens: usize = spans.iter().map(|s| s.1).sum();
+        let (h, vd) = (self.spec.heads, self.spec.v_dim);
         // One sequence's output is the whole attention; several are put in their rows.
         let mut attn = (spans.len() != 1)
             .then(|| dev.zeros(tokens * h * vd))
             .transpose()?;
-        for ((&(first, len), cache), sel) in spans.iter().zip(caches.iter_mut()).zip(selections) {
-            dev.push(&mut cache.latents, &latent, first, len, r)?;
+        for ((&(first, len), cache), sel) in spans.iter().zip(caches.iter()).zip(selections) {
             let out = dev.mla_attend(
                 self.spec,
                 path,
                 &self.kv_b,
-                &q,
+                q,
                 first,
                 len,
                 &cache.latents,

@@ -9,7 +9,7 @@
 use super::{Cuda, CudaError, kernel_format_id};
 use crate::backend::{AttnLayout, CacheDtype};
 use crate::quant::Format;
-use cudarc::driver::{CudaSlice, CudaView, LaunchConfig, PushKernelArg};
+use cudarc::driver::{CudaSlice, CudaView, DevicePtr, LaunchConfig, PushKernelArg};
 
 /// Threads per block of the attention and top-k kernels.
 const ATTN_BLOCK: u32 = 256;
@@ -144,14 +144,17 @@ impl Cuda {
             return Ok(());
         }
         let max_picks = offsets.windows(2).map(|w| w[1] - w[0]).max().unwrap_or(0);
-        let kv_fmt = cache_format(kv_dtype);
         let offsets_i: Vec<i32> = offsets.iter().map(|&o| o as i32).collect();
         let d_off = self.stream.clone_htod(&offsets_i)?;
-        let mut scratch = self.alloc_f32(rows * max_picks)?;
-        let (heads_i, dk_i, dv_i, max_i) = (heads as i32, dk as i32, dv as i32, max_picks as i32);
-        let (stride_l, step_l, k_off_l, v_off_l) =
-            (stride as i64, head_step as i64, k_off as i64, v_off as i64);
         if queries >= MLA_SHARED_MIN_QUERIES && (head_step, k_off, v_off) == (0, 0, 0) && dk == dv {
+            let mut scratch = self.alloc_f32(rows * max_picks)?;
+            let (kv_fmt, heads_i, dk_i, max_i) = (
+                cache_format(kv_dtype),
+                heads as i32,
+                dk as i32,
+                max_picks as i32,
+            );
+            let stride_l = stride as i64;
             let mut b = self.stream.launch_builder(self.kernel("mla_attend_shared"));
             b.arg(q)
                 .arg(kv)
@@ -175,12 +178,54 @@ impl Cuda {
             unsafe { b.launch(cfg) }?;
             return Ok(());
         }
+        let kv = (kv, kv_dtype);
+        self.sparse_attend_rows(q, kv, tokens, &d_off, layout, queries, max_picks, None, out)
+    }
+
+    /// `mla_sparse_attend` over `queries` queries' rows (sizes checked by the caller), each
+    /// query's cache and tokens from `kv` and `tokens` or, with `tables`, from its own
+    /// addresses (`kv_of`, `picks_of` in mla.cu).
+    #[allow(clippy::too_many_arguments)]
+    fn sparse_attend_rows(
+        &self,
+        q: &CudaSlice<f32>,
+        kv: CacheBytes,
+        tokens: &CudaSlice<u32>,
+        d_off: &CudaSlice<i32>,
+        layout: &AttnLayout,
+        queries: usize,
+        max_picks: usize,
+        tables: Option<(&CudaSlice<u64>, &CudaSlice<u64>)>,
+        out: &mut CudaSlice<f32>,
+    ) -> Result<(), CudaError> {
+        let AttnLayout {
+            heads,
+            dk,
+            dv,
+            stride,
+            head_step,
+            k_off,
+            v_off,
+            scale,
+        } = *layout;
+        let rows = queries * heads;
+        let mut scratch = self.alloc_f32(rows * max_picks)?;
+        let (kv_fmt, heads_i, dk_i, dv_i, max_i) = (
+            cache_format(kv.1),
+            heads as i32,
+            dk as i32,
+            dv as i32,
+            max_picks as i32,
+        );
+        let (stride_l, step_l, k_off_l, v_off_l) =
+            (stride as i64, head_step as i64, k_off as i64, v_off as i64);
+        let null = 0u64;
         let mut b = self.stream.launch_builder(self.kernel("mla_sparse_attend"));
         b.arg(q)
-            .arg(kv)
+            .arg(kv.0)
             .arg(&kv_fmt)
             .arg(tokens)
-            .arg(&d_off)
+            .arg(d_off)
             .arg(&heads_i)
             .arg(&dk_i)
             .arg(&dv_i)
@@ -192,16 +237,107 @@ impl Cuda {
             .arg(&max_i)
             .arg(&mut scratch)
             .arg(out);
+        match tables {
+            Some((kv_of, picks_of)) => b.arg(kv_of).arg(picks_of),
+            None => b.arg(&null).arg(&null),
+        };
         let cfg = LaunchConfig {
             grid_dim: (rows as u32, 1, 1),
             block_dim: (ATTN_BLOCK, 1, 1),
             shared_mem_bytes: 0,
         };
-        // SAFETY: one block per (query, head) row of q and out (sizes checked above); the
-        // scratch has `max_picks` floats per row; dk fits the kernel's shared query row; the
-        // head offsets stay inside a token's `stride` values.
+        // SAFETY: one block per (query, head) row of q and out (sizes checked by the callers);
+        // the scratch has `max_picks` floats per row; dk fits the kernel's shared query row;
+        // the head offsets stay inside a token's `stride` values; with tables, each query's
+        // addresses are a live cache of `kv`'s dtype and its own selection's tokens.
         unsafe { b.launch(cfg) }?;
         Ok(())
+    }
+
+    /// A decode step's absorbed attention for several sequences in one launch: query `s`
+    /// (`q` is `[seqs, heads, dk]`) over `seqs[s]`'s cache and its one query's selection. Each
+    /// query's rows get the bits [`Cuda::mla_sparse_attend_part_dev`] gives it alone (the same
+    /// kernel and block per row; a lone query never takes `mla_attend_shared`).
+    pub fn mla_sparse_attend_seqs(
+        &self,
+        q: &CudaSlice<f32>,
+        seqs: &[(CacheBytes, &DeviceSelections)],
+        layout: &AttnLayout,
+        out: &mut CudaSlice<f32>,
+    ) -> Result<(), CudaError> {
+        let AttnLayout {
+            heads,
+            dk,
+            dv,
+            stride,
+            head_step,
+            k_off,
+            v_off,
+            ..
+        } = *layout;
+        let n = seqs.len();
+        let reach = (heads.saturating_sub(1) * head_step + (k_off + dk).max(v_off + dv)).max(1);
+        if dk > ATTN_MAX_DK
+            || reach > stride
+            || q.len() < n * heads * dk
+            || out.len() < n * heads * dv
+        {
+            return Err(CudaError::Invalid(format!(
+                "mla_sparse_attend_seqs {layout:?} for {n} sequences: q {}, out {}",
+                q.len(),
+                out.len()
+            )));
+        }
+        let Some(&((kv0, dtype), sel0)) = seqs.first() else {
+            return Ok(());
+        };
+        let (mut kv_of, mut picks_of, mut offsets) = (
+            Vec::with_capacity(n),
+            Vec::with_capacity(n),
+            Vec::with_capacity(n + 1),
+        );
+        offsets.push(0i32);
+        let mut guards = Vec::with_capacity(2 * n);
+        for ((kv, kv_dtype), sel) in seqs {
+            let [start, end] = sel.offsets[..] else {
+                return Err(CudaError::Invalid(format!(
+                    "mla_sparse_attend_seqs takes one query a sequence, not {}",
+                    sel.offsets.len().saturating_sub(1)
+                )));
+            };
+            if *kv_dtype != dtype || end < start || sel.tokens.len() < end {
+                return Err(CudaError::Invalid(format!(
+                    "mla_sparse_attend_seqs: caches of {dtype:?} and {kv_dtype:?}, or a selection \
+                     {start}..{end} of {} tokens",
+                    sel.tokens.len()
+                )));
+            }
+            let (p, guard) = kv.device_ptr(&self.stream);
+            kv_of.push(p);
+            guards.push(guard);
+            let (p, guard) = sel.tokens.device_ptr(&self.stream);
+            picks_of.push(p + 4 * start as u64);
+            guards.push(guard);
+            offsets.push(offsets.last().copied().unwrap_or(0) + (end - start) as i32);
+        }
+        let max_picks = offsets
+            .windows(2)
+            .map(|w| (w[1] - w[0]) as usize)
+            .max()
+            .unwrap_or(0);
+        let (kv_of, picks_of) = (self.upload(&kv_of)?, self.upload(&picks_of)?);
+        let d_off = self.stream.clone_htod(&offsets)?;
+        self.sparse_attend_rows(
+            q,
+            (kv0, dtype),
+            &sel0.tokens,
+            &d_off,
+            layout,
+            n,
+            max_picks,
+            Some((&kv_of, &picks_of)),
+            out,
+        )
     }
 
     /// Keys of pools `first_pool .. first_pool + pools` from the per-token indexer `keys` and

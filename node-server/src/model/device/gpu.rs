@@ -541,6 +541,46 @@ impl Device for Gpu {
         Ok(attn)
     }
 
+    fn mla_attend_seqs(
+        &self,
+        spec: MlaSpec,
+        kv_b: &Buf,
+        q: &Buf,
+        latents: &[&GrowBuf],
+        sels: &[&DeviceSelections],
+    ) -> anyhow::Result<Option<Buf>> {
+        if !crate::backend::cuda::mla_seqs() || latents.len() != sels.len() {
+            return Ok(None);
+        }
+        let cuda = &*self.cuda;
+        let MlaSpec {
+            heads: h,
+            nope,
+            v_dim: vd,
+            rank: r,
+        } = spec;
+        let layout = AttnLayout::absorbed(h, r, spec.scale());
+        let n = latents.len();
+        let mut attn = self.alloc(n * h * vd)?;
+        // Launches of fewer rows than take the absorptions to cuBLAS: every row's absorption
+        // and attention is then its own blocks' work, so the bits are each sequence's alone.
+        let per = crate::backend::cuda::attn::MLA_SHARED_MIN_QUERIES - 1;
+        for a in (0..n).step_by(per) {
+            let m = per.min(n - a);
+            let mut q_lat = self.alloc(m * h * r)?;
+            let qi = q.slice(a * h * nope..(a + m) * h * nope);
+            cuda.mla_absorb_q(&qi, kv_b, h, nope, vd, r, m, &mut q_lat)?;
+            let mut o_lat = self.alloc(m * h * r)?;
+            let seqs: Vec<_> = (a..a + m)
+                .map(|s| ((&latents[s].buf, latents[s].dtype), sels[s]))
+                .collect();
+            cuda.mla_sparse_attend_seqs(&q_lat, &seqs, &layout, &mut o_lat)?;
+            let mut dst = attn.slice_mut(a * h * vd..(a + m) * h * vd);
+            cuda.mla_absorb_out(&o_lat, kv_b, h, nope, vd, r, m, &mut dst)?;
+        }
+        Ok(Some(attn))
+    }
+
     fn dsa_pools(
         &self,
         spec: DsaSpec,

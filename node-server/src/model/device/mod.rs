@@ -309,6 +309,20 @@ pub trait Device: Send + Sync + Sized {
         latents: &Self::Grow,
         sel: &Self::Sel,
     ) -> anyhow::Result<Self::Buf>;
+    /// A decode step's MLA attention for several sequences, one query each (row s of `q` is
+    /// sequence s's, over `latents[s]` and `sels[s]`): `[n, heads, v_dim]`, each row the bits
+    /// [`Device::mla_attend`] gives its sequence alone. `None` where the device has no launch
+    /// for it (the caller then runs the sequences one by one).
+    fn mla_attend_seqs(
+        &self,
+        _spec: MlaSpec,
+        _kv_b: &Self::Table,
+        _q: &Self::Buf,
+        _latents: &[&Self::Grow],
+        _sels: &[&Self::Sel],
+    ) -> anyhow::Result<Option<Self::Buf>> {
+        Ok(None)
+    }
     /// The pool keys of the pools `keys` now completes (`[.., Di]` with `gates`; `ape`
     /// `[kpool, Di]`), appended to `pool_keys`.
     fn dsa_pools(

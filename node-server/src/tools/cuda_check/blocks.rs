@@ -406,6 +406,77 @@ pub(super) fn check_mla(
     Ok(())
 }
 
+/// A decode step's attention for several sequences in one launch (`mla_sparse_attend_seqs`:
+/// each query over its own cache and selection through address tables) against each sequence
+/// alone through `mla_sparse_attend_part_dev`: the same bits, for f32 and bf16 caches.
+pub(super) fn check_mla_seqs(
+    cuda: &Cuda,
+    rng: &mut ChaCha8Rng,
+    cases: &mut Vec<Case>,
+) -> anyhow::Result<()> {
+    use crate::backend::cuda::attn::DeviceSelections;
+    use crate::model::device::CacheDtype;
+    // (heads, rank, each sequence's cached tokens, kpool, topk)
+    let shapes = [
+        (5usize, 72usize, vec![37usize, 300, 5], 4usize, 64usize),
+        (64, 512, vec![1500, 8192, 40, 700], 16, 2048),
+    ];
+    let scale = 256f32.powf(-0.5);
+    for (heads, rank, lens, kpool, topk) in shapes {
+        let layout = AttnLayout::absorbed(heads, rank, scale);
+        let n = lens.len();
+        let q = randn(rng, n * heads * rank, 4.0);
+        for dtype in [CacheDtype::F32, CacheDtype::Bf16] {
+            let mut caches = Vec::with_capacity(n);
+            let mut sels = Vec::with_capacity(n);
+            for &len in &lens {
+                let values = randn(rng, len * rank, 1.7);
+                let bytes: Vec<u8> = match dtype {
+                    CacheDtype::Bf16 => values
+                        .iter()
+                        .flat_map(|&v| half::bf16::from_f32(v).to_le_bytes())
+                        .collect(),
+                    _ => values.iter().flat_map(|v| v.to_le_bytes()).collect(),
+                };
+                caches.push(cuda.upload(&bytes)?);
+                // A selection behind a few leading tokens, as a window of a longer buffer.
+                let sel = random_selection(rng, len, kpool, topk);
+                let lead: Vec<u32> = vec![0, 1, 2];
+                sels.push(DeviceSelections {
+                    tokens: cuda.upload(&[lead.clone(), sel.clone()].concat())?,
+                    offsets: vec![lead.len(), lead.len() + sel.len()],
+                });
+            }
+            let row = heads * rank;
+            let mut want = Vec::with_capacity(n * row);
+            for (s, (kv, sel)) in caches.iter().zip(&sels).enumerate() {
+                let qs = cuda.upload(&q[s * row..(s + 1) * row])?;
+                let mut out = cuda.alloc_f32(row)?;
+                cuda.mla_sparse_attend_part_dev(
+                    &qs,
+                    (kv, dtype),
+                    &layout,
+                    &sel.tokens,
+                    &sel.offsets,
+                    &mut out,
+                )?;
+                want.extend(cuda.download(&out)?.into_iter().take(row));
+            }
+            let seqs: Vec<_> = caches.iter().map(|kv| (kv, dtype)).zip(&sels).collect();
+            let (d_q, mut out) = (cuda.upload(&q)?, cuda.alloc_f32(n * row)?);
+            cuda.mla_sparse_attend_seqs(&d_q, &seqs, &layout, &mut out)?;
+            let mut got = cuda.download(&out)?;
+            got.truncate(n * row);
+            cases.push(same_bits_case(
+                format!("mla_sparse_attend_seqs h{heads} r{rank} {n} seqs {dtype:?}: same bits"),
+                &got,
+                &want,
+            ));
+        }
+    }
+    Ok(())
+}
+
 /// The DSA indexer: pool keys, and selections that must equal the CPU's exactly, ties
 /// included (duplicated pool keys, all-zero scores).
 pub(super) fn check_dsa(

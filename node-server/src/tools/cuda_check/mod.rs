@@ -32,7 +32,7 @@ use crate::model::{Gpu, Host};
 use crate::quant::Format;
 use crate::tiers::vram::write_slot;
 use anyhow::Context;
-use blocks::{check_dsa, check_kda, check_mhc, check_mla};
+use blocks::{check_dsa, check_kda, check_mhc, check_mla, check_mla_seqs};
 use exl3::check_exl3;
 use model::check_decode;
 use products::{check_dense, check_matvec, check_moe, check_router, check_small_ops};
@@ -161,7 +161,10 @@ pub fn run(args: &CudaCheckArgs) -> anyhow::Result<bool> {
             "router" => check_router(cuda, rng, cases)?,
             "mhc" => check_mhc(cuda, rng, cases)?,
             "kda" => check_kda(cuda, rng, cases)?,
-            "mla" => check_mla(cuda, rng, cases)?,
+            "mla" => {
+                check_mla(cuda, rng, cases)?;
+                check_mla_seqs(cuda, rng, cases)?
+            }
             "dsa" => check_dsa(cuda, rng, cases)?,
             "decode" => check_decode(cuda, rng, cases)?,
             _ => check_exl3(cuda, rng, args.wide, cases)?,
