@@ -189,29 +189,9 @@ impl Model {
         hooked.tap("norm", &h, d)?;
         let logits = dev.matmul(&w.lm_head, &h, rows.len())?;
         let width = D::mat_rows(&w.lm_head);
-        let logits = dev.download_owned(logits)?;
+        let out = dev.download_rows(logits, &counts, width, v)?;
         if let Some(hk) = pass.hooks {
-            let rows_v: Vec<f32> = logits
-                .chunks(width)
-                .take(rows.len())
-                .flat_map(|r| r[..v].iter().copied())
-                .collect();
-            hk.tensor("logits", &rows_v, v);
-        }
-        let mut out = Vec::with_capacity(steps.len());
-        let mut at = 0;
-        for c in counts {
-            if width == v {
-                out.push(logits[at * v..(at + c) * v].to_vec());
-            } else {
-                out.push(
-                    logits[at * width..(at + c) * width]
-                        .chunks(width)
-                        .flat_map(|r| r[..v].iter().copied())
-                        .collect(),
-                );
-            }
-            at += c;
+            hk.tensor("logits", &out.concat(), v);
         }
         Ok(out)
     }

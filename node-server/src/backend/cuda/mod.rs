@@ -391,8 +391,18 @@ impl Cuda {
 
     /// `dev`'s values on the host, copied through the page-locked staging buffer.
     pub fn download_f32(&self, dev: &CudaSlice<f32>) -> Result<Vec<f32>, CudaError> {
+        self.download_f32_with(dev, <[f32]>::to_vec)
+    }
+
+    /// `f` of `dev`'s values, read where the page-locked staging buffer received them (no
+    /// copy of the whole buffer on the host first).
+    pub fn download_f32_with<R>(
+        &self,
+        dev: &CudaSlice<f32>,
+        f: impl FnOnce(&[f32]) -> R,
+    ) -> Result<R, CudaError> {
         if dev.is_empty() {
-            return self.download(dev);
+            return Ok(f(&[]));
         }
         let mut staging = self.staging.lock().unwrap_or_else(|e| e.into_inner());
         if staging.as_ref().is_none_or(|s| s.len() < dev.len()) {
@@ -415,7 +425,7 @@ impl Cuda {
             }?;
         }
         self.stream.synchronize()?;
-        Ok(dst.to_vec())
+        Ok(f(dst))
     }
 
     /// A scratch buffer of `len` floats: zeros, or NaN when poisoning (see [`Cuda::set_poison`]).

@@ -165,6 +165,23 @@ impl Device for Gpu {
         Ok(values)
     }
 
+    fn download_rows(
+        &self,
+        b: Buf,
+        counts: &[usize],
+        width: usize,
+        keep: usize,
+    ) -> anyhow::Result<Vec<Vec<f32>>> {
+        let started = std::time::Instant::now();
+        let rows = self
+            .cuda
+            .download_f32_with(&b, |v| split_rows(v, counts, width, keep))?;
+        let ns = started.elapsed().as_nanos() as u64;
+        self.waited_ns
+            .fetch_add(ns, std::sync::atomic::Ordering::Relaxed);
+        Ok(rows)
+    }
+
     fn take_repeated(&self, rows: Vec<f32>, width: usize, copies: usize) -> anyhow::Result<Buf> {
         let src = self.upload(&rows)?;
         let mut out = self.alloc(rows.len() * copies)?;

@@ -95,6 +95,22 @@ pub trait Device: Send + Sync + Sized {
     fn download_owned(&self, b: Self::Buf) -> anyhow::Result<Vec<f32>> {
         self.download(&b)
     }
+    /// Rows of `b` (`[.., width]`) on the host, cut into one list per step: step i takes the
+    /// next `counts[i]` rows, each cut to its first `keep` values (the head's logits).
+    fn download_rows(
+        &self,
+        b: Self::Buf,
+        counts: &[usize],
+        width: usize,
+        keep: usize,
+    ) -> anyhow::Result<Vec<Vec<f32>>> {
+        let all = self.download_owned(b)?;
+        let rows: usize = counts.iter().sum();
+        if counts.len() == 1 && width == keep && all.len() == rows * width {
+            return Ok(vec![all]);
+        }
+        Ok(split_rows(&all, counts, width, keep))
+    }
     /// `n` zeros.
     fn zeros(&self, n: usize) -> anyhow::Result<Self::Buf>;
     /// A growable buffer holding `values` in their dtype, with room for `spare` more values
@@ -402,4 +418,33 @@ fn normed_product<D: Device>(
     let mut normed = dev.rows(x, 0, t, width)?;
     dev.rms_norm(&mut normed, None, width, eps)?;
     dev.matmul(proj, &normed, t)
+}
+
+/// `values` (`[.., width]`) cut into one list per count of rows, each row cut to `keep`.
+pub fn split_rows(values: &[f32], counts: &[usize], width: usize, keep: usize) -> Vec<Vec<f32>> {
+    let mut rows = values.chunks(width.max(1));
+    counts
+        .iter()
+        .map(|&c| {
+            let mut out = Vec::with_capacity(c * keep);
+            for row in rows.by_ref().take(c) {
+                out.extend_from_slice(&row[..keep.min(row.len())]);
+            }
+            out
+        })
+        .collect()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::split_rows;
+
+    #[test]
+    fn split_rows_takes_each_steps_rows_and_cuts_the_padding() {
+        // Three rows of width 4 (two steps: 2 rows, 1 row), kept to 3 values; a padded tail.
+        let v: Vec<f32> = (0..14).map(|i| i as f32).collect();
+        let got = split_rows(&v, &[2, 1], 4, 3);
+        assert_eq!(got, vec![vec![0., 1., 2., 4., 5., 6.], vec![8., 9., 10.]]);
+        assert_eq!(split_rows(&v, &[1], 4, 4), vec![vec![0., 1., 2., 3.]]);
+    }
 }
