@@ -44,6 +44,37 @@ fn cache_format(dtype: CacheDtype) -> i32 {
     })
 }
 
+/// The checks every sparse attention launch makes: the query row fits the kernel's shared
+/// memory, each token's heads lie inside its `stride`, `q` and `out` hold `queries` rows.
+fn check_attend(
+    what: &str,
+    layout: &AttnLayout,
+    queries: usize,
+    q: &CudaSlice<f32>,
+    out: &CudaSlice<f32>,
+) -> Result<(), CudaError> {
+    let AttnLayout {
+        heads,
+        dk,
+        dv,
+        stride,
+        head_step,
+        k_off,
+        v_off,
+        ..
+    } = *layout;
+    let rows = queries * heads;
+    let reach = (heads.saturating_sub(1) * head_step + (k_off + dk).max(v_off + dv)).max(1);
+    if dk > ATTN_MAX_DK || reach > stride || q.len() < rows * dk || out.len() < rows * dv {
+        return Err(CudaError::Invalid(format!(
+            "{what} {layout:?} for {queries} queries: q {}, out {}",
+            q.len(),
+            out.len()
+        )));
+    }
+    Ok(())
+}
+
 /// Token selections on the device: query `i`'s tokens are `tokens[offsets[i]..offsets[i + 1]]`.
 pub struct DeviceSelections {
     pub tokens: CudaSlice<u32>,
@@ -126,17 +157,11 @@ impl Cuda {
         } = *layout;
         let queries = offsets.len().saturating_sub(1);
         let rows = queries * heads;
-        let reach = (heads.saturating_sub(1) * head_step + (k_off + dk).max(v_off + dv)).max(1);
-        if dk > ATTN_MAX_DK
-            || reach > stride
-            || q.len() < rows * dk
-            || out.len() < rows * dv
-            || tokens.len() < offsets.last().copied().unwrap_or(0)
-        {
+        check_attend("mla_sparse_attend", layout, queries, q, out)?;
+        if tokens.len() < offsets.last().copied().unwrap_or(0) {
             return Err(CudaError::Invalid(format!(
-                "mla_sparse_attend {layout:?} for {queries} queries: q {}, out {}, {} tokens",
-                q.len(),
-                out.len(),
+                "mla_sparse_attend: selections up to {:?} in {} tokens",
+                offsets.last(),
                 tokens.len()
             )));
         }
@@ -265,29 +290,8 @@ impl Cuda {
         layout: &AttnLayout,
         out: &mut CudaSlice<f32>,
     ) -> Result<(), CudaError> {
-        let AttnLayout {
-            heads,
-            dk,
-            dv,
-            stride,
-            head_step,
-            k_off,
-            v_off,
-            ..
-        } = *layout;
         let n = seqs.len();
-        let reach = (heads.saturating_sub(1) * head_step + (k_off + dk).max(v_off + dv)).max(1);
-        if dk > ATTN_MAX_DK
-            || reach > stride
-            || q.len() < n * heads * dk
-            || out.len() < n * heads * dv
-        {
-            return Err(CudaError::Invalid(format!(
-                "mla_sparse_attend_seqs {layout:?} for {n} sequences: q {}, out {}",
-                q.len(),
-                out.len()
-            )));
-        }
+        check_attend("mla_sparse_attend_seqs", layout, n, q, out)?;
         let Some(&((kv0, dtype), sel0)) = seqs.first() else {
             return Ok(());
         };

@@ -84,6 +84,43 @@ impl Gpu {
         ns as f64 * 1e-9
     }
 
+    /// Absorbed MLA attention for query rows `first .. first + len` of `q` (`[.., heads,
+    /// nope]`), in launches of at most `per` rows: each launch absorbs its rows' queries,
+    /// `attend(a, m, q_lat, o_lat)` attends rows `a .. a + m` (counted from `first`), and the
+    /// values are absorbed out into `[len, heads, v_dim]`.
+    #[allow(clippy::too_many_arguments)]
+    fn absorbed(
+        &self,
+        spec: MlaSpec,
+        kv_b: &Buf,
+        q: &Buf,
+        first: usize,
+        len: usize,
+        per: usize,
+        attend: impl Fn(usize, usize, &Buf, &mut Buf) -> anyhow::Result<()>,
+    ) -> anyhow::Result<Buf> {
+        let cuda = &*self.cuda;
+        let MlaSpec {
+            heads: h,
+            nope,
+            v_dim: vd,
+            rank: r,
+        } = spec;
+        let mut attn = self.alloc(len * h * vd)?;
+        for a in (0..len).step_by(per.max(1)) {
+            let m = per.min(len - a);
+            let t0 = first + a;
+            let mut q_lat = self.alloc(m * h * r)?;
+            let qi = q.slice(t0 * h * nope..(t0 + m) * h * nope);
+            cuda.mla_absorb_q(&qi, kv_b, h, nope, vd, r, m, &mut q_lat)?;
+            let mut o_lat = self.alloc(m * h * r)?;
+            attend(a, m, &q_lat, &mut o_lat)?;
+            let mut dst = attn.slice_mut(a * h * vd..(a + m) * h * vd);
+            cuda.mla_absorb_out(&o_lat, kv_b, h, nope, vd, r, m, &mut dst)?;
+        }
+        Ok(attn)
+    }
+
     fn alloc(&self, n: usize) -> anyhow::Result<Buf> {
         Ok(self.cuda.alloc_f32(n)?)
     }
@@ -528,34 +565,27 @@ impl Device for Gpu {
         if path == MlaPath::Expanded {
             bail!("the GPU runs MLA on the absorbed path only");
         }
-        let cuda = &*self.cuda;
-        let MlaSpec {
-            heads: h,
-            nope,
-            v_dim: vd,
-            rank: r,
-        } = spec;
-        let layout = AttnLayout::absorbed(h, r, spec.scale());
-        let mut attn = self.alloc(len * h * vd)?;
-        for a in (0..len).step_by(ATTN_QUERIES) {
-            let m = ATTN_QUERIES.min(len - a);
-            let t0 = first + a;
-            let mut q_lat = self.alloc(m * h * r)?;
-            let qi = q.slice(t0 * h * nope..(t0 + m) * h * nope);
-            cuda.mla_absorb_q(&qi, kv_b, h, nope, vd, r, m, &mut q_lat)?;
-            let mut o_lat = self.alloc(m * h * r)?;
-            cuda.mla_sparse_attend_part_dev(
-                &q_lat,
-                (&latents.buf, latents.dtype),
-                &layout,
-                &sel.tokens,
-                &sel.offsets[a..=a + m],
-                &mut o_lat,
-            )?;
-            let mut dst = attn.slice_mut(a * h * vd..(a + m) * h * vd);
-            cuda.mla_absorb_out(&o_lat, kv_b, h, nope, vd, r, m, &mut dst)?;
-        }
-        Ok(attn)
+        let layout = AttnLayout::absorbed(spec.heads, spec.rank, spec.scale());
+        self.absorbed(
+            spec,
+            kv_b,
+            q,
+            first,
+            len,
+            ATTN_QUERIES,
+            |a, m, q_lat, o_lat| {
+                let offsets = &sel.offsets[a..=a + m];
+                let kv = (&latents.buf, latents.dtype);
+                Ok(self.cuda.mla_sparse_attend_part_dev(
+                    q_lat,
+                    kv,
+                    &layout,
+                    &sel.tokens,
+                    offsets,
+                    o_lat,
+                )?)
+            },
+        )
     }
 
     fn mla_attend_seqs(
@@ -569,32 +599,26 @@ impl Device for Gpu {
         if !crate::backend::cuda::mla_seqs() || latents.len() != sels.len() {
             return Ok(None);
         }
-        let cuda = &*self.cuda;
-        let MlaSpec {
-            heads: h,
-            nope,
-            v_dim: vd,
-            rank: r,
-        } = spec;
-        let layout = AttnLayout::absorbed(h, r, spec.scale());
-        let n = latents.len();
-        let mut attn = self.alloc(n * h * vd)?;
+        let layout = AttnLayout::absorbed(spec.heads, spec.rank, spec.scale());
         // Launches of fewer rows than take the absorptions to cuBLAS: every row's absorption
         // and attention is then its own blocks' work, so the bits are each sequence's alone.
         let per = crate::backend::cuda::attn::MLA_SHARED_MIN_QUERIES - 1;
-        for a in (0..n).step_by(per) {
-            let m = per.min(n - a);
-            let mut q_lat = self.alloc(m * h * r)?;
-            let qi = q.slice(a * h * nope..(a + m) * h * nope);
-            cuda.mla_absorb_q(&qi, kv_b, h, nope, vd, r, m, &mut q_lat)?;
-            let mut o_lat = self.alloc(m * h * r)?;
-            let seqs: Vec<_> = (a..a + m)
-                .map(|s| ((&latents[s].buf, latents[s].dtype), sels[s]))
-                .collect();
-            cuda.mla_sparse_attend_seqs(&q_lat, &seqs, &layout, &mut o_lat)?;
-            let mut dst = attn.slice_mut(a * h * vd..(a + m) * h * vd);
-            cuda.mla_absorb_out(&o_lat, kv_b, h, nope, vd, r, m, &mut dst)?;
-        }
+        let attn = self.absorbed(
+            spec,
+            kv_b,
+            q,
+            0,
+            latents.len(),
+            per,
+            |a, m, q_lat, o_lat| {
+                let seqs: Vec<_> = (a..a + m)
+                    .map(|s| ((&latents[s].buf, latents[s].dtype), sels[s]))
+                    .collect();
+                Ok(self
+                    .cuda
+                    .mla_sparse_attend_seqs(q_lat, &seqs, &layout, o_lat)?)
+            },
+        )?;
         Ok(Some(attn))
     }
 
