@@ -207,22 +207,18 @@ impl<D: Device> Mla<D> {
             anyhow::bail!("a shared indexer layer with no full indexer layer before it");
         };
 
-        // A decode step of several sequences (row s is sequence s's one token): every latent
-        // joins its cache, then one batched attention where the device has it.
+        for (&(first, len), cache) in spans.iter().zip(caches.iter_mut()) {
+            dev.push(&mut cache.latents, &latent, first, len, r)?;
+        }
+        // A decode step of several sequences (row s is sequence s's one token): one batched
+        // attention where the device has it.
         let decode = spans.len() > 1 && spans.iter().enumerate().all(|(s, &sp)| sp == (s, 1));
         if decode && path == MlaPath::Absorbed {
-            for (&(first, len), cache) in spans.iter().zip(caches.iter_mut()) {
-                dev.push(&mut cache.latents, &latent, first, len, r)?;
-            }
             let latents: Vec<&D::Grow> = caches.iter().map(|c| &c.latents).collect();
             let sels: Vec<&D::Sel> = selections.iter().collect();
             if let Some(attn) = dev.mla_attend_seqs(self.spec, &self.kv_b, &q, &latents, &sels)? {
                 return dev.matmul(&self.o_proj, &attn, tokens);
             }
-            return self.attend_each(dev, spans, caches, selections, &q, path);
-        }
-        for (&(first, len), cache) in spans.iter().zip(caches.iter_mut()) {
-            dev.push(&mut cache.latents, &latent, first, len, r)?;
         }
         self.attend_each(dev, spans, caches, selections, &q, path)
     }
