@@ -35,8 +35,9 @@ fn main() {
 /// And one malloc arena for every thread: `serve` hands each step's logits (4 x 620 KB at 4
 /// streams of a 155k vocabulary) from the engine's thread to the samplers' and frees them
 /// there; with an arena per thread their pages faulted in again every step, and 4-stream
-/// decode through `serve` ran at 430 tok/s where `bench` made 670 (H200, 2026-12-04; 634
-/// with one arena). Small blocks still come from each thread's own cache. A
+/// decode through `serve` ran at 410-434 tok/s where `bench` made 670 (H200, 2026-12-04; 634
+/// with one arena, set through `GLIBC_TUNABLES` with these thresholds). Small blocks still
+/// come from each thread's own cache. A
 /// `MALLOC_ARENA_MAX` in the environment is left to rule.
 #[allow(unsafe_code)] // mallopt, the one libc call that sets these
 fn recycle_large_allocations() {

@@ -75,9 +75,10 @@ pub fn mla_seqs() -> bool {
 
 /// The device's default memory pool, which every stream-ordered allocation here draws from,
 /// keeps the memory freed into it across synchronisations (the driver's default hands it all
-/// back at each one, and a step's ~300 scratch allocations after one map memory again: 4
-/// streams decoded 5-8% slower on the H200, 2026-12-04). `GLMFLASH_POOL_KEEP_MIB=N` keeps at
-/// most N MiB (0: the driver's default).
+/// back at each one, and a step's ~300 scratch allocations after one map memory again; on the
+/// H200, 2026-12-04, keeping it decoded 4 streams 2-5% faster alone and with the batched KDA
+/// 646/597 → 693/699 tok/s in two rounds). `GLMFLASH_POOL_KEEP_MIB=N` keeps at most N MiB
+/// (0: the driver's default).
 fn keep_pool_memory(ctx: &CudaContext) -> Result<(), CudaError> {
     use cudarc::driver::sys;
     let cap = std::env::var("GLMFLASH_POOL_KEEP_MIB")

@@ -121,6 +121,20 @@ impl Gpu {
         Ok(attn)
     }
 
+    /// `copy` (a download: waiting for the device, then the copy), its time added to the
+    /// waits [`Gpu::take_waited`] reports.
+    fn waited<T>(
+        &self,
+        copy: impl FnOnce() -> Result<T, crate::backend::cuda::CudaError>,
+    ) -> anyhow::Result<T> {
+        let started = std::time::Instant::now();
+        let out = copy()?;
+        let ns = started.elapsed().as_nanos() as u64;
+        self.waited_ns
+            .fetch_add(ns, std::sync::atomic::Ordering::Relaxed);
+        Ok(out)
+    }
+
     fn alloc(&self, n: usize) -> anyhow::Result<Buf> {
         Ok(self.cuda.alloc_f32(n)?)
     }
@@ -194,12 +208,7 @@ impl Device for Gpu {
     }
 
     fn download(&self, b: &Buf) -> anyhow::Result<Vec<f32>> {
-        let started = std::time::Instant::now();
-        let values = self.cuda.download_f32(b)?;
-        let ns = started.elapsed().as_nanos() as u64;
-        self.waited_ns
-            .fetch_add(ns, std::sync::atomic::Ordering::Relaxed);
-        Ok(values)
+        self.waited(|| self.cuda.download_f32(b))
     }
 
     fn download_rows(
@@ -209,14 +218,10 @@ impl Device for Gpu {
         width: usize,
         keep: usize,
     ) -> anyhow::Result<Vec<Vec<f32>>> {
-        let started = std::time::Instant::now();
-        let rows = self
-            .cuda
-            .download_f32_with(&b, |v| split_rows(v, counts, width, keep))?;
-        let ns = started.elapsed().as_nanos() as u64;
-        self.waited_ns
-            .fetch_add(ns, std::sync::atomic::Ordering::Relaxed);
-        Ok(rows)
+        self.waited(|| {
+            self.cuda
+                .download_f32_with(&b, |v| split_rows(v, counts, width, keep))
+        })
     }
 
     fn take_repeated(&self, rows: Vec<f32>, width: usize, copies: usize) -> anyhow::Result<Buf> {
