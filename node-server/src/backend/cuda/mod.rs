@@ -64,15 +64,6 @@ pub fn prompt_gemm() -> bool {
     *ON.get_or_init(|| std::env::var("GLMFLASH_PROMPT_GEMM").map_or(true, |v| v != "0"))
 }
 
-/// `GLMFLASH_MLA_SEQS=1`: a decode step's MLA absorption and attention for all its sequences
-/// in one launch each ([`Cuda::mla_sparse_attend_seqs`]) instead of one per sequence. Off until
-/// the device check has run it (written 2026-12-04 after the session's device time: the same
-/// kernel and block per query, so the same bits, once proved).
-pub fn mla_seqs() -> bool {
-    static ON: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
-    *ON.get_or_init(|| std::env::var("GLMFLASH_MLA_SEQS").is_ok_and(|v| v == "1"))
-}
-
 /// The device's default memory pool, which every stream-ordered allocation here draws from,
 /// keeps the memory freed into it across synchronisations (the driver's default hands it all
 /// back at each one, and a step's ~300 scratch allocations after one map memory again; on the

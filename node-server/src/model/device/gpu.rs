@@ -601,7 +601,7 @@ impl Device for Gpu {
         latents: &[&GrowBuf],
         sels: &[&DeviceSelections],
     ) -> anyhow::Result<Option<Buf>> {
-        if !crate::backend::cuda::mla_seqs() || latents.len() != sels.len() {
+        if latents.len() != sels.len() {
             return Ok(None);
         }
         let layout = AttnLayout::absorbed(spec.heads, spec.rank, spec.scale());
