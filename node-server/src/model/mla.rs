@@ -211,9 +211,9 @@ impl<D: Device> Mla<D> {
             dev.push(&mut cache.latents, &latent, first, len, r)?;
         }
         // A decode step of several sequences (row s is sequence s's one token): one batched
-        // attention where the device has it.
+        // absorbed attention where the device has it (`Auto` absorbs single tokens too).
         let decode = spans.len() > 1 && spans.iter().enumerate().all(|(s, &sp)| sp == (s, 1));
-        if decode && path == MlaPath::Absorbed {
+        if decode && path != MlaPath::Expanded {
             let latents: Vec<&D::Grow> = caches.iter().map(|c| &c.latents).collect();
             let sels: Vec<&D::Sel> = selections.iter().collect();
             if let Some(attn) = dev.mla_attend_seqs(self.spec, &self.kv_b, &q, &latents, &sels)? {
