@@ -25,7 +25,8 @@
 # .device/glmflash-node) for the glmflash half; optional .device/ext/exllamav3_ext.so (skips the JIT).
 # Env: OUT (default ./peer_out), BUDGET_S (whole call, default 560), LAYERS (8), EXPERTS (64),
 # BATCHES (1,4), PROMPT (32), WARMUP (16), STEPS (128), PEER_WORK (/root/peerw), SKIP (exl3,glmflash),
-# PRESET (--flash; --small), DEVICE (cuda; cpu: with --small, a CPU smoke test of the script).
+# PRESET (--flash; --small), DEVICE (cuda; cpu: with --small, a CPU smoke test of the script),
+# SERVE_ARGS (more `serve` flags, e.g. `--mode fast`: the experts in RAM on the CPU lane).
 # Results in $OUT: peer_bench.json (summary), exl3.json, glmflash_bench.json, glmflash_serve.json,
 # bytes.json, log.txt and every step's own log; each step is time-bounded and writes what it has.
 set -u
@@ -169,7 +170,7 @@ bench_json=json.load(open('$W/bench.json'))), open('$OUT/glmflash_bench.json','w
     log "glmflash serve (GpuDecoder) + streaming client"
     local port=18311
     setsid "$BIN" serve --model "$ck" --device "${DEVICE:-cuda}" --host 127.0.0.1 --port $port --metrics-port $((port + 1)) \
-      --max-batch-size 8 --context-length 4096 > "$OUT/glmflash_serve.log" 2>&1 < /dev/null &
+      --max-batch-size 8 --context-length 4096 ${SERVE_ARGS:-} > "$OUT/glmflash_serve.log" 2>&1 < /dev/null &
     local spid=$!
     local deadline=$(( $(date +%s) + $(cap 240) ))
     until curl -sf "http://127.0.0.1:$port/ready" >/dev/null; do
