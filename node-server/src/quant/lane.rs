@@ -1,7 +1,8 @@
 //! Integer dots for the CPU lane of the near-exact modes (`fast`, `nvme`): the activation row is
 //! rounded once to 16-bit integers in blocks of 256 values ([`Q16Row`]: one f32 scale per block
 //! and the sum of every 32 values), and each Q4_K weight row is multiplied by it in integers
-//! (AVX2 `madd`: sixteen 16-bit products an instruction, summed in pairs), where the f32 kernel
+//! (AVX2 `madd`: sixteen 16-bit products an instruction, summed in pairs; AVX-512 `vpdpwssd`:
+//! thirty-two, added in the same instruction), where the f32 kernel
 //! of [`super::dot_row`] widens, converts and multiplies every weight in floats. GGML's q8_K
 //! does the same with 8-bit activations; 16 bits keep the lane's products within about 1e-4 of
 //! the exact kernels' instead of about 1e-2. (Q8_0 rows stay on the f32 kernel: it widens
@@ -88,14 +89,23 @@ pub(crate) fn round_i16(block: &[f32], out: &mut Vec<i16>) -> f32 {
     amax / QMAX
 }
 
+/// The kernel [`dot_q4k`] runs here: `avx512-vnni`, `avx2` or `portable`.
+pub fn kernel_name() -> &'static str {
+    #[cfg(target_arch = "x86_64")]
+    if super::cpu_features().simd_active() {
+        return super::lane_x86::kernel_name();
+    }
+    "portable"
+}
+
 /// Whether [`dot_q4k`] takes rows of `format` with `cols` values.
 pub fn supported(format: Format, cols: usize) -> bool {
     format == Format::Q4K && cols.is_multiple_of(BLOCK)
 }
 
-/// `sum_i w_i * x_i` for the Q4_K weight row `row` and the rounded activations `x`: AVX2 where
-/// the CPU has it (and [`super::set_force_portable`] allows), else portable; both give the
-/// same bits.
+/// `sum_i w_i * x_i` for the Q4_K weight row `row` and the rounded activations `x`: AVX-512
+/// or AVX2 where the CPU has it (and [`super::set_force_portable`] allows), else portable;
+/// all give the same bits.
 ///
 /// # Panics
 /// When `row` does not hold `x.len()` values.
@@ -120,7 +130,18 @@ pub fn dot_q4k_simd(row: &[u8], x: &Q16Row) -> Option<f32> {
     check(row, x);
     #[cfg(target_arch = "x86_64")]
     if super::cpu_features().simd_supported() {
-        return Some(super::lane_x86::dot_q4k(row, x));
+        return Some(super::lane_x86::dot_q4k_avx2(row, x));
+    }
+    None
+}
+
+/// The AVX-512 (BW + VNNI) kernel of [`dot_q4k`], which it takes where the CPU has it;
+/// `None` when the CPU lacks it (or AVX2, FMA, F16C). Same panics.
+pub fn dot_q4k_wide(row: &[u8], x: &Q16Row) -> Option<f32> {
+    check(row, x);
+    #[cfg(target_arch = "x86_64")]
+    if super::cpu_features().simd_supported() {
+        return super::lane_x86::dot_q4k_wide(row, x);
     }
     None
 }

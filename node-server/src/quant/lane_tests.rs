@@ -57,10 +57,10 @@ fn rows_it_cannot_quantize_are_refused() {
 }
 
 /// The integer dot equals the exact dot of the dequantized weights and the quantized
-/// activations up to the f32 rounding of its per-block combination, on both kernels, which
+/// activations up to the f32 rounding of its per-block combination, on every kernel, which
 /// agree bit for bit; and it stays within the activations' rounding of the f32 kernel.
 #[test]
-fn integer_dots_match_the_dequantized_dot_on_both_kernels() {
+fn integer_dots_match_the_dequantized_dot_on_every_kernel() {
     let format = Format::Q4K;
     for (seed, n) in [(10u64, 256usize), (11, 2048), (12, 4096)] {
         let w = values(seed, n, 1.0);
@@ -90,6 +90,13 @@ fn integer_dots_match_the_dequantized_dot_on_both_kernels() {
                 s.to_bits(),
                 p.to_bits(),
                 "{format} n={n}: simd {s} vs portable {p}"
+            );
+        }
+        if let Some(s) = dot_q4k_wide(&row, &xq) {
+            assert_eq!(
+                s.to_bits(),
+                p.to_bits(),
+                "{format} n={n}: avx-512 {s} vs portable {p}"
             );
         }
         assert_eq!(dot_q4k(&row, &xq).to_bits(), p.to_bits());
@@ -129,6 +136,9 @@ fn integer_dots_do_not_overflow() {
     if let Some(s) = dot_q4k_simd(&row, &xq) {
         assert_eq!(s, p);
     }
+    if let Some(s) = dot_q4k_wide(&row, &xq) {
+        assert_eq!(s, p);
+    }
 }
 
 #[test]
@@ -136,4 +146,39 @@ fn integer_dots_do_not_overflow() {
 fn integer_dot_panics_on_bad_shape() {
     let xq = Q16Row::quantize(&[0.5; 512]).unwrap();
     dot_q4k(&[0u8; 144], &xq);
+}
+
+/// Every kernel gives the portable kernel's bits on rows of random bytes (every scale, min and
+/// nibble pattern a block can hold; d and dmin finite) against random activations.
+#[test]
+fn integer_dots_agree_bit_for_bit_on_random_blocks() {
+    let mut rng = ChaCha8Rng::seed_from_u64(77);
+    for case in 0..64 {
+        let blocks = 1 + case % 17;
+        let mut row = vec![0u8; 144 * blocks];
+        rng.fill(&mut row[..]);
+        for blk in row.chunks_exact_mut(144) {
+            let d = half::f16::from_f32(rng.random_range(-0.05f32..0.05));
+            let dmin = half::f16::from_f32(rng.random_range(-0.05f32..0.05));
+            blk[0..2].copy_from_slice(&d.to_le_bytes());
+            blk[2..4].copy_from_slice(&dmin.to_le_bytes());
+        }
+        let x = values(1000 + case as u64, 256 * blocks, 3.0);
+        let xq = Q16Row::quantize(&x).unwrap();
+        let p = dot_q4k_portable(&row, &xq);
+        assert!(p.is_finite(), "case {case}");
+        for (name, got) in [
+            ("avx2", dot_q4k_simd(&row, &xq)),
+            ("avx-512", dot_q4k_wide(&row, &xq)),
+            ("dispatched", Some(dot_q4k(&row, &xq))),
+        ] {
+            if let Some(v) = got {
+                assert_eq!(
+                    v.to_bits(),
+                    p.to_bits(),
+                    "case {case} ({blocks} blocks): {name} {v} vs {p}"
+                );
+            }
+        }
+    }
 }

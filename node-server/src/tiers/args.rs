@@ -107,6 +107,7 @@ pub fn log_cpu_lane() {
             fma = f.fma,
             f16c = f.f16c,
             exl3 = crate::quant::exl3::simd_build(),
+            q4_k = crate::quant::lane::kernel_name(),
             "CPU lane: SIMD kernels"
         ),
         Some(problem) => tracing::warn!("{problem}"),

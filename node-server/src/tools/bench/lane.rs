@@ -137,6 +137,10 @@ pub fn run(args: &BenchArgs) -> anyhow::Result<()> {
         "threads": rayon::current_num_threads(),
         "memory_read_gb_per_s": bandwidth / 1e9,
         "lane_vs_exact_rel_rms": rel_rms,
+        "lane_kernels": {
+            "q4_k": crate::quant::lane::kernel_name(),
+            "exl3": crate::quant::exl3::simd_build(),
+        },
         "lane_speedup": {
             "cold": ms("cold", "exact") / ms("cold", "lane"),
             "hot": ms("hot", "exact") / ms("hot", "lane"),
