@@ -11,6 +11,7 @@
 # `peer_bench.sh build` of a later call then finds it done); the timings wait for it to end.
 #   OLD=.device/glmflash-node-old NEW=.device/glmflash-node [PEER=1] bash e2e/exl3/decode_ab.sh OUTDIR
 #   ENVS="base: pool:GLMFLASH_POOL_KEEP_MIB=0" bash e2e/exl3/decode_ab.sh OUTDIR   # one build, env A/B
+#   LANE_FORMATS="q4_k exl3:3" also times the CPU lane's kernels (`bench --lane`) of OLD and NEW
 set -uo pipefail
 cd "$(dirname "$0")/../.."
 OUT="${1:-${OUT:-/tmp/decode-ab}}"
@@ -43,6 +44,23 @@ if [ -n "$pid" ] && kill -0 "$pid" 2>/dev/null; then
   log "waiting for the exllamav3 JIT build to end before timing"
   BUDGET_S=${PEER_WAIT_S:-300} OUT="$OUT/peer" bash e2e/exl3/peer_bench.sh build "${PEER_WAIT_S:-300}" >> "$OUT/peer_build.txt" 2>&1
   tail -2 "$OUT/peer_build.txt"
+fi
+if [ -n "${LANE_FORMATS:-}" ]; then
+  # The CPU lane's kernels alone (`bench --lane`: a decode step's 8 picks of GLM-5.3-Flash's
+  # expert shape, cold and hot), OLD and NEW in turns, every host thread, $ROUNDS rounds.
+  for r in $(seq 1 "${ROUNDS:-2}"); do
+    for f in $LANE_FORMATS; do
+      for which in old new; do
+        bin=$NEW; [ "$which" = old ] && bin=$OLD
+        [ -n "$bin" ] || continue
+        timeout -k 5 120 "$bin" bench --lane --expert-format "$f" --hidden 4096 --expert-width 2048 \
+          --top-k 8 --experts 64 > "$OUT/lane_${which}_${f/:/-}_$r.json" 2>/dev/null
+        python3 -c "import json,sys; j=json.load(open(sys.argv[1])); print(sys.argv[2], j.get('lane_kernels'), \
+' '.join(f\"{c['set']} {c['kernel']} {c['ms_per_step']:.2f} ms {c['weights_gb_per_s']:.1f} GB/s\" for c in j['cases']))" \
+          "$OUT/lane_${which}_${f/:/-}_$r.json" "lane $which $f round $r" || echo "lane $which $f round $r: no result"
+      done
+    done
+  done
 fi
 log "checkpoint"
 BUDGET_S=200 OUT="$OUT/ck" bash e2e/exl3/peer_bench.sh checkpoint > "$OUT/checkpoint.txt" 2>&1
