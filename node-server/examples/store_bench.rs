@@ -1,4 +1,5 @@
-//! Store read throughput: io_uring vs pread at queue depth 1, 8 and 32, the sha256 cost,
+//! Store read throughput: io_uring vs pread at queue depth 1, 8 and 32, the cost of the reads'
+//! checks (CRC-32C, and sha256 as well: `verify-store`'s) and of each digest on one core,
 //! and `fio` on the same file when it is installed.
 //!
 //! `cargo run --release -p glmflash-node --example store_bench -- [DIR] [GIB]` builds a
@@ -10,7 +11,7 @@
 use glmflash_node::quant::Format;
 use glmflash_node::store::{
     self, ALIGN, ChecksumPolicy, EngineChoice, Manifest, Part, PartFormat, Parts, ReaderOptions,
-    RecordEntry, StoreReader,
+    RecordCheck, RecordEntry, StoreReader,
 };
 use sha2::{Digest, Sha256};
 use std::io::Write;
@@ -60,7 +61,11 @@ fn main() -> anyhow::Result<()> {
             (EngineChoice::Uring, "io_uring"),
             (EngineChoice::Pread, "pread"),
         ] {
-            for checksum in [ChecksumPolicy::Never, ChecksumPolicy::Always] {
+            for (checksum, check) in [
+                (ChecksumPolicy::Never, RecordCheck::Fast),
+                (ChecksumPolicy::Always, RecordCheck::Fast),
+                (ChecksumPolicy::Always, RecordCheck::Full),
+            ] {
                 if checksum == ChecksumPolicy::Always && qd != 32 {
                     continue;
                 }
@@ -73,6 +78,7 @@ fn main() -> anyhow::Result<()> {
                         registered_buffers: qd,
                         pread_threads: qd,
                         checksum,
+                        check,
                         ..ReaderOptions::default()
                     },
                 )?;
@@ -86,10 +92,10 @@ fn main() -> anyhow::Result<()> {
                 let s = started.elapsed().as_secs_f64();
                 println!(
                     "{name:9} {qd:3}  {:8}  {:.2}",
-                    if checksum == ChecksumPolicy::Always {
-                        "sha256"
-                    } else {
-                        "off"
+                    match (checksum, check) {
+                        (ChecksumPolicy::Never, _) => "off",
+                        (_, RecordCheck::Fast) => "crc32c",
+                        (_, RecordCheck::Full) => "both",
                     },
                     total / s / 1e9
                 );
@@ -98,17 +104,23 @@ fn main() -> anyhow::Result<()> {
     }
 
     let buf = vec![7u8; 64 << 20];
-    let started = Instant::now();
     let rounds = 4;
-    for _ in 0..rounds {
-        std::hint::black_box(Sha256::digest(&buf));
+    for name in ["sha256", "crc32c"] {
+        let started = Instant::now();
+        for _ in 0..rounds {
+            if name == "sha256" {
+                std::hint::black_box(Sha256::digest(&buf));
+            } else {
+                std::hint::black_box(store::crc32c(&buf));
+            }
+        }
+        let ns_per_mib = started.elapsed().as_nanos() as f64 / (rounds * 64) as f64;
+        println!(
+            "{name} on one core: {:.0} ns/MiB ({:.2} GB/s)",
+            ns_per_mib,
+            1048576.0 / ns_per_mib
+        );
     }
-    let ns_per_mib = started.elapsed().as_nanos() as f64 / (rounds * 64) as f64;
-    println!(
-        "sha256 on one core: {:.0} ns/MiB ({:.2} GB/s)",
-        ns_per_mib,
-        1048576.0 / ns_per_mib
-    );
 
     fio(&dir.join(store::DATA), m.record_size, total as u64);
     Ok(())
@@ -157,6 +169,7 @@ fn build_store(dir: &Path, gib: f64) -> anyhow::Result<Manifest> {
             offset: (i * record_size) as u64,
             length: parts.length(),
             sha256: hex(&Sha256::digest(&record[..parts.length()])),
+            crc32c: Some(store::crc32c(&record[..parts.length()])),
         });
     }
     file.into_inner()?.sync_all()?;

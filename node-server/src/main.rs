@@ -242,6 +242,9 @@ fn run(command: Command) -> anyhow::Result<()> {
                 store::PackOutcome::AlreadyComplete => {
                     "store is already complete for this model; nothing to do".to_string()
                 }
+                store::PackOutcome::AddedChecks => {
+                    "store was complete; every record's CRC-32C added to its manifest".to_string()
+                }
                 store::PackOutcome::Packed => "packed".to_string(),
                 store::PackOutcome::Resumed { from_record } => {
                     format!("resumed at record {from_record} and packed")

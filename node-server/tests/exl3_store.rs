@@ -151,7 +151,7 @@ fn verify_store_compares_exl3_records_with_the_checkpoint() {
     };
     store::pack_store(&model(), &store_dir, &opts).unwrap();
     let m = Manifest::load(&store_dir).unwrap();
-    // Rewrite one record (and its manifest sha256) so that only the compare can see it.
+    // Rewrite one record (and its manifest sha256 and CRC) so that only the compare can see it.
     let data = store_dir.join(store::DATA);
     let mut bytes = std::fs::read(&data).unwrap();
     let r = &m.records[5];
@@ -159,8 +159,9 @@ fn verify_store_compares_exl3_records_with_the_checkpoint() {
     bytes[at] ^= 0x40;
     std::fs::write(&data, &bytes).unwrap();
     let mut edited = m.clone();
-    edited.records[5].sha256 =
-        store::manifest::sha256_hex(&bytes[r.offset as usize..r.offset as usize + r.length]);
+    let record = &bytes[r.offset as usize..r.offset as usize + r.length];
+    edited.records[5].sha256 = store::manifest::sha256_hex(record);
+    edited.records[5].crc32c = Some(store::crc32c(record));
     std::fs::write(
         store_dir.join(store::MANIFEST),
         serde_json::to_vec_pretty(&edited).unwrap(),

@@ -443,7 +443,16 @@ fn a_flipped_byte_is_caught_by_verify_and_by_read() {
     for engine in [EngineChoice::Uring, EngineChoice::Pread] {
         let r = reader(&f.store, engine);
         let e = r.read(2, 9).unwrap_err();
-        assert!(matches!(e.kind, ReadErrorKind::Checksum { .. }));
+        assert!(
+            matches!(
+                e.kind,
+                ReadErrorKind::Checksum {
+                    digest: "crc32c",
+                    ..
+                }
+            ),
+            "reads check the CRC: {e}"
+        );
         assert_eq!((e.layer, e.expert, e.offset), (2, 9, victim.offset));
         assert!(e.to_string().contains(&named), "{e}");
         assert!(r.read(2, 8).is_ok(), "neighbours are fine");
@@ -467,6 +476,94 @@ fn a_flipped_byte_is_caught_by_verify_and_by_read() {
     )
     .unwrap();
     assert!(unchecked.read(2, 9).is_ok());
+}
+
+/// Every packed record carries the CRC-32C of its bytes; a store whose manifest lacks them
+/// (packed before they existed) reads with sha256 and gets them from `pack-store`; a CRC that
+/// disagrees with the record fails reads and `verify-store` even where the sha256 agrees.
+#[test]
+fn records_carry_a_crc_and_an_older_store_gets_one() {
+    let f = packed();
+    let m = Manifest::load(&f.store).unwrap();
+    let r = reader(&f.store, EngineChoice::Auto);
+    for entry in &m.records {
+        let record = r.read(entry.layer, entry.expert).unwrap();
+        assert_eq!(entry.crc32c, Some(store::crc32c(record.bytes())));
+    }
+    drop(r);
+    let write = |m: &Manifest| {
+        std::fs::write(
+            f.store.join(store::MANIFEST),
+            serde_json::to_vec_pretty(m).unwrap(),
+        )
+        .unwrap()
+    };
+    // An older store: no CRCs. Reads check sha256 (a flipped byte is still caught).
+    let mut old = m.clone();
+    old.records.iter_mut().for_each(|e| e.crc32c = None);
+    write(&old);
+    let victim = m
+        .records
+        .iter()
+        .find(|e| (e.layer, e.expert) == (3, 4))
+        .unwrap();
+    flip_byte(&f.store.join(store::DATA), victim.offset + 777);
+    let e = reader(&f.store, EngineChoice::Auto).read(3, 4).unwrap_err();
+    assert!(
+        matches!(
+            e.kind,
+            ReadErrorKind::Checksum {
+                digest: "sha256",
+                ..
+            }
+        ),
+        "{e}"
+    );
+    // pack-store adds the CRCs, but only after every sha256 matched.
+    let err = store::pack_store(&f.model, &f.store, &quiet()).unwrap_err();
+    assert!(err.to_string().contains("sha256"), "{err}");
+    assert!(
+        Manifest::load(&f.store).unwrap().records[0]
+            .crc32c
+            .is_none()
+    );
+    flip_byte(&f.store.join(store::DATA), victim.offset + 777);
+    let again = store::pack_store(&f.model, &f.store, &quiet()).unwrap();
+    assert_eq!(again.outcome, PackOutcome::AddedChecks);
+    assert_eq!(again.bytes_written, 0);
+    assert_eq!(
+        Manifest::load(&f.store).unwrap(),
+        m,
+        "the CRCs packing wrote"
+    );
+    let third = store::pack_store(&f.model, &f.store, &quiet()).unwrap();
+    assert_eq!(third.outcome, PackOutcome::AlreadyComplete);
+    // A CRC that disagrees with its record (the sha256 still agrees).
+    let mut wrong = m.clone();
+    let entry = wrong
+        .records
+        .iter_mut()
+        .find(|e| (e.layer, e.expert) == (1, 2));
+    let entry = entry.unwrap();
+    entry.crc32c = entry.crc32c.map(|c| c ^ 1);
+    write(&wrong);
+    let e = reader(&f.store, EngineChoice::Auto).read(1, 2).unwrap_err();
+    assert!(
+        matches!(
+            e.kind,
+            ReadErrorKind::Checksum {
+                digest: "crc32c",
+                ..
+            }
+        ),
+        "{e}"
+    );
+    let quiet_verify = VerifyOptions {
+        progress: false,
+        ..VerifyOptions::default()
+    };
+    let err = store::verify_store(&f.store, None, &quiet_verify).unwrap_err();
+    assert!(matches!(err, StoreError::Corrupt { count: 1, .. }), "{err}");
 }
 
 #[test]

@@ -10,10 +10,11 @@
 //!   byte `i * record_size`, so one O_DIRECT request reads one expert.
 //! * [`pack_store`] writes the store with O_DIRECT in one pass over the source, keeping a
 //!   journal (`experts.json.partial`) so a killed run resumes where its last synced batch
-//!   ended; [`verify_store`] checks every record's sha256 and compares a sample with the source.
+//!   ended; [`verify_store`] checks every record's sha256 and CRC-32C and compares a sample
+//!   with the source.
 //! * [`StoreReader`] serves records through io_uring (or a pread pool where io_uring is
-//!   refused), shares concurrent reads of one record, and checks sha256 on every read
-//!   unless told to sample.
+//!   refused), shares concurrent reads of one record, and checks every read's CRC-32C (its
+//!   sha256 in a store packed before records had one) unless told to sample.
 //!
 //! The manifest's fingerprints are defined in [`manifest`].
 
@@ -28,15 +29,16 @@ mod verify;
 
 pub use aligned::{ALIGN, AlignedBuf};
 pub use manifest::{
-    DATA, JOURNAL, MANIFEST, Manifest, Part, PartFormat, Parts, RecordEntry, model_fingerprint,
-    quick_fingerprint,
+    DATA, JOURNAL, MANIFEST, Manifest, Part, PartFormat, Parts, RecordEntry, crc32c,
+    model_fingerprint, quick_fingerprint,
 };
 pub use pack::{PackOptions, PackOutcome, PackReport, pack_store};
 pub use random::{
     random_record, random_record_parts, rebind_random_store, record_parts, write_random_store,
 };
 pub use reader::{
-    ChecksumPolicy, EngineChoice, ReadError, ReadErrorKind, ReaderOptions, RecordBuf, StoreReader,
+    ChecksumPolicy, EngineChoice, ReadError, ReadErrorKind, ReaderOptions, RecordBuf, RecordCheck,
+    StoreReader,
 };
 pub use records::RecordFormat;
 pub use verify::{VerifyOptions, VerifyReport, verify_store};

@@ -74,6 +74,10 @@ pub enum PackOutcome {
     Resumed { from_record: usize },
     /// The store was already complete for this model; nothing was written.
     AlreadyComplete,
+    /// The store was complete but its records had no CRC-32C (packed before records carried
+    /// one): every record was read and its sha256 checked, and the manifest rewritten with
+    /// their CRCs; no record was written.
+    AddedChecks,
 }
 
 #[derive(Clone, Debug)]
@@ -103,6 +107,9 @@ struct JournalHeader {
 struct JournalRecord {
     i: usize,
     sha256: String,
+    /// Absent in journals written before records carried it.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    crc32c: Option<u32>,
     /// Content hashes of the source tensors this record owns (for the full fingerprint).
     tensors: BTreeMap<String, String>,
 }
@@ -176,7 +183,7 @@ pub fn pack_store(
     let manifest_path = store.join(MANIFEST);
 
     if manifest_path.exists() {
-        let existing = Manifest::load(store)?;
+        let mut existing = Manifest::load(store)?;
         if existing.quick_fingerprint != quick {
             return Err(StoreError::FingerprintMismatch {
                 which: "quick fingerprint",
@@ -198,9 +205,15 @@ pub fn pack_store(
         }
         let found = std::fs::metadata(&data_path).map(|m| m.len()).unwrap_or(0);
         super::reader::check_length(&existing, &data_path, found)?;
-        tracing::info!(store = %store.display(), "store is already complete for this model; nothing to do");
+        let outcome = if existing.records.iter().any(|r| r.crc32c.is_none()) {
+            add_checks(store, &mut existing, opts.progress)?;
+            PackOutcome::AddedChecks
+        } else {
+            tracing::info!(store = %store.display(), "store is already complete for this model; nothing to do");
+            PackOutcome::AlreadyComplete
+        };
         return Ok(PackReport {
-            outcome: PackOutcome::AlreadyComplete,
+            outcome,
             records: existing.records.len(),
             record_size: existing.record_size,
             bytes_written: 0,
@@ -303,8 +316,16 @@ pub fn pack_store(
                     let view = manifest::raw_view(&ckpt, key)?;
                     tensors.insert(key.clone(), sha256_hex(view.bytes));
                 }
-                let sha256 = sha256_hex(&record);
-                Ok((record, JournalRecord { i, sha256, tensors }))
+                let (sha256, crc32c) = (sha256_hex(&record), Some(manifest::crc32c(&record)));
+                Ok((
+                    record,
+                    JournalRecord {
+                        i,
+                        sha256,
+                        crc32c,
+                        tensors,
+                    },
+                ))
             })
             .collect::<Result<_, StoreError>>()?;
         let mut buf = AlignedBuf::new((end - start) * record_size);
@@ -377,6 +398,7 @@ pub fn pack_store(
                     offset: (r.i * record_size) as u64,
                     length: lengths[r.i],
                     sha256: r.sha256.clone(),
+                    crc32c: r.crc32c,
                 }
             })
             .collect(),
@@ -534,6 +556,54 @@ fn rewrite_journal(
 }
 
 /// Writes `bytes` to a temporary file, fsyncs it and renames it over `path`.
+/// Gives every record of the complete store `m` its CRC-32C: one O_DIRECT pass, each record's
+/// sha256 checked before its CRC is taken, then the manifest rewritten durably.
+fn add_checks(store: &Path, m: &mut Manifest, progress: bool) -> Result<(), StoreError> {
+    tracing::info!(
+        store = %store.display(),
+        "the store's records have no CRC-32C (packed by an older glmflash): adding them, every record's sha256 checked"
+    );
+    let opts = VerifyOptions {
+        progress,
+        ..VerifyOptions::default()
+    };
+    let reader = super::reader::StoreReader::open(
+        store,
+        Some(&m.fingerprint),
+        super::reader::ReaderOptions {
+            check: super::reader::RecordCheck::Full,
+            ..opts.reader.clone()
+        },
+    )?;
+    let bar = if progress {
+        ProgressBar::with_draw_target(Some(m.data_bytes()), ProgressDrawTarget::stderr())
+    } else {
+        ProgressBar::hidden()
+    };
+    let keys: Vec<(usize, usize)> = m.records.iter().map(|r| (r.layer, r.expert)).collect();
+    let mut crcs = Vec::with_capacity(keys.len());
+    for chunk in keys.chunks(opts.reader.queue_depth.max(1) * 2) {
+        for record in reader.read_many(chunk) {
+            crcs.push(manifest::crc32c(record?.bytes()));
+        }
+        bar.inc((chunk.len() * m.record_size) as u64);
+    }
+    bar.finish_and_clear();
+    for (entry, crc) in m.records.iter_mut().zip(crcs) {
+        entry.crc32c = Some(crc);
+    }
+    write_durably(
+        store,
+        &store.join(MANIFEST),
+        &serde_json::to_vec_pretty(&m).expect("manifest serializes"),
+    )?;
+    tracing::info!(
+        records = m.records.len(),
+        "CRC-32C of every record written to the manifest"
+    );
+    Ok(())
+}
+
 fn write_durably(dir: &Path, path: &Path, bytes: &[u8]) -> Result<(), StoreError> {
     let tmp = path.with_extension("tmp");
     let mut f = File::create(&tmp).map_err(io_err(&tmp))?;

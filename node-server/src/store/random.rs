@@ -81,6 +81,7 @@ pub fn write_random_store(
                 random_record(&parts, seed, index, &mut bytes[..parts.length()]);
                 bytes[parts.length()..].fill(0);
                 let sha256 = manifest::sha256_hex(&bytes[..parts.length()]);
+                let crc32c = Some(manifest::crc32c(&bytes[..parts.length()]));
                 let offset = (index * record_size) as u64;
                 file.write_all_at(bytes, offset).map_err(io)?;
                 let n = done.fetch_add(1, Ordering::Relaxed) + 1;
@@ -91,6 +92,7 @@ pub fn write_random_store(
                     offset,
                     length: parts.length(),
                     sha256,
+                    crc32c,
                 })
             },
         )

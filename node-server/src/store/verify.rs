@@ -1,10 +1,10 @@
-//! `verify-store`: every record's sha256 through O_DIRECT reads, and with the model at hand
+//! `verify-store`: every record's sha256 and CRC-32C through O_DIRECT reads, and with the model at hand
 //! its full fingerprint plus a byte compare of a sample of records against the source.
 
 use super::StoreError;
 use super::manifest::PartFormat;
 use super::manifest::{self, Manifest};
-use super::reader::{ChecksumPolicy, ReaderOptions, StoreReader};
+use super::reader::{ChecksumPolicy, ReaderOptions, RecordCheck, StoreReader};
 use super::records::{RecordFormat, expert_weights};
 use crate::model::checkpoint::Checkpoint;
 use crate::model::config::Config;
@@ -71,7 +71,7 @@ pub fn verify_store(
     Ok(report)
 }
 
-/// Checks every record's sha256, then compares the sample with `source` when given.
+/// Checks every record's sha256 (and CRC-32C), then compares the sample with `source` when given.
 pub(super) fn verify_opened(
     store: &Path,
     manifest: &Manifest,
@@ -83,6 +83,7 @@ pub(super) fn verify_opened(
         Some(&manifest.fingerprint),
         ReaderOptions {
             checksum: ChecksumPolicy::Always,
+            check: RecordCheck::Full,
             ..opts.reader.clone()
         },
     )?;

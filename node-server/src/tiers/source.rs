@@ -68,7 +68,7 @@ impl ExpertSource for CheckpointSource {
     }
 }
 
-/// Experts read from the packed store (O_DIRECT, io_uring or pread; sha256-checked).
+/// Experts read from the packed store (O_DIRECT, io_uring or pread; each read checked against its CRC-32C).
 pub struct StoreSource {
     reader: crate::store::StoreReader,
     limit: f32,
