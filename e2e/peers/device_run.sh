@@ -13,8 +13,10 @@
 #                                                 llama-bench and llama-batched-bench with every layer on
 #                                                 the GPU and with -ot exps=CPU, glmflash convert-experts
 #                                                 q4_k then `serve` all in VRAM and --mode fast with
-#                                                 e2e/peers/serve_bench.py, the agreement check on the
-#                                                 small model, then summary.py
+#                                                 e2e/peers/serve_bench.py, all in VRAM again with the
+#                                                 dense weights in q4_k too (like Q4_K_M, whose dense
+#                                                 weights are ~5 bits), the agreement check on the small
+#                                                 model, then summary.py
 #
 # Needs (repo-relative): .peers/llama.cpp.tar.xz (pack_llamacpp.sh); optional .peers/llama-bin.tar.xz
 # (the bin/ an earlier `build` saved in $OUT: `run` then needs no build); the glmflash binary at $BIN
@@ -24,7 +26,7 @@
 # PRESET (--flash; --small for a CPU smoke test), CKPT_ARGS (extra make_checkpoint.py options, e.g.
 # "--experts 96"), THREADS (16), PREFILL (512,8192), BATCHES (1,4), STEPS (128), WARMUP (16),
 # DEVICE (cuda; cpu: a CPU smoke test), CUDA (1; 0: build llama.cpp for the CPU), SKIP (any of
-# llama, batched, glmflash, fast, agree). Results in $OUT: peers.json (summary table), every part
+# llama, batched, glmflash, fast, dense, agree). Results in $OUT: peers.json (summary table), every part
 # (llama_bench_*.json, batched_*.jsonl, glmflash_*.json, agree_small.json), log.txt and each step's
 # log; every step is time-bounded and writes what it has.
 set -u
@@ -97,12 +99,13 @@ unpack_carried() {
     && tar -xJf .peers/llama-bin.tar.xz -C "$LC/build" && touch "$W/build.done"
 }
 
-# serve_one LABEL SERVE_ARGS...: start `serve` on the checkpoint, run serve_bench.py, stop it
+# serve_one LABEL SERVE_ARGS...: start `serve` on the checkpoint ($MODEL_DIR, default the q4_k
+# experts' one), run serve_bench.py, stop it
 serve_one() {
   local label=$1; shift
   local port=18321
   log "glmflash serve ($label): $*"
-  setsid "$BIN" serve --model "$W/ck_q4k" --device "${DEVICE:-cuda}" --host 127.0.0.1 --port $port \
+  setsid "$BIN" serve --model "${MODEL_DIR:-$W/ck_q4k}" --device "${DEVICE:-cuda}" --host 127.0.0.1 --port $port \
     --metrics-port $((port + 1)) --max-batch-size 8 --context-length 16384 "$@" \
     > "$OUT/glmflash_serve_$label.log" 2>&1 < /dev/null &
   local spid=$! deadline=$(( $(date +%s) + $(cap 180) )) ready=0
@@ -168,7 +171,7 @@ run() {
 
   local ck=$W/ck args="${PRESET:---flash} ${CKPT_ARGS:-}"
   if [ "$(cat "$ck/.args" 2>/dev/null)" = "$args" ]; then log "checkpoint reused: $ck"; else
-    rm -rf "$W/ck_q4k" "$W"/m-*.gguf
+    rm -rf "$W/ck_q4k" "$W/ck_q4kd" "$W"/m-*.gguf
     log "checkpoint: make_checkpoint.py $args"
     timeout "$(cap 150)" python3 e2e/peers/make_checkpoint.py --out "$ck" $args > "$OUT/make_ckpt.log" 2>&1 \
       && echo "$args" > "$ck/.args"
@@ -179,7 +182,7 @@ run() {
 
   # Our q4_k conversion (one thread, ~3 min at flash width) runs beside llama.cpp's converter and
   # quantizer, never beside a timed run.
-  local cpid=
+  local cpid= dpid=
   if ! skip glmflash && [ ! -f "$W/ck_q4k/.done" ]; then
     [ -x "$BIN" ] || { log "no glmflash binary at $BIN"; SKIP="${SKIP:-},glmflash"; }
     if [ -x "$BIN" ]; then
@@ -188,6 +191,14 @@ run() {
           > "$OUT/glmflash_convert.log" 2>&1 && touch "$W/ck_q4k/.done" ) &
       cpid=$!
     fi
+  fi
+  # The same with the dense weights in q4_k too (attention, KDA, shared experts, dense MLP, head):
+  # the bytes a token reads closer to Q4_K_M's.
+  if ! skip glmflash && ! skip dense && [ -x "$BIN" ] && [ ! -f "$W/ck_q4kd/.done" ]; then
+    log "glmflash convert-experts --format q4_k --dense-format q4_k (background)"
+    ( timeout "$(cap 300)" "$BIN" convert-experts --model "$ck" --out "$W/ck_q4kd" --format q4_k \
+        --dense-format q4_k > "$OUT/glmflash_convert_dense.log" 2>&1 && touch "$W/ck_q4kd/.done" ) &
+    dpid=$!
   fi
 
   if ! skip llama && [ -f "$W/build.done" ]; then
@@ -203,7 +214,7 @@ run() {
       rm -f "$W/m-bf16.gguf"
     fi
     # convert-experts is one thread, but no timed run may share the CPU with it.
-    if [ -n "$cpid" ]; then log "waiting for convert-experts before timing"; wait $cpid; cpid=; fi
+    if [ -n "$cpid$dpid" ]; then log "waiting for convert-experts before timing"; wait $cpid $dpid; cpid= dpid=; fi
     if [ -f "$W/m-Q4_K_M.gguf" ]; then
       llama_bench gpu
       llama_bench cpu -ot exps=CPU
@@ -211,11 +222,16 @@ run() {
   fi
 
   if ! skip glmflash; then
-    if [ -n "$cpid" ]; then log "waiting for convert-experts"; wait $cpid; fi
+    if [ -n "$cpid$dpid" ]; then log "waiting for convert-experts"; wait $cpid $dpid; fi
     log "convert-experts: $( [ -f "$W/ck_q4k/.done" ] && echo done || echo FAILED): $(tail -1 "$OUT/glmflash_convert.log" 2>/dev/null | cut -c1-200)"
     if [ -f "$W/ck_q4k/.done" ]; then
       serve_one vram
       skip fast || serve_one fast --mode fast
+    fi
+    if ! skip dense && [ -f "$W/ck_q4kd/.done" ]; then
+      MODEL_DIR=$W/ck_q4kd BATCHES=${BATCHES:-1,4} serve_one vram_dense_q4k
+    elif ! skip dense; then
+      log "convert-experts --dense-format q4_k: FAILED: $(tail -1 "$OUT/glmflash_convert_dense.log" 2>/dev/null | cut -c1-200)"
     fi
   fi
 

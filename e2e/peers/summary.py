@@ -7,10 +7,12 @@ Usage:  python3 e2e/peers/summary.py OUT_DIR      (writes OUT_DIR/peers.json, pr
 Parts read from OUT_DIR (any may be missing; the row then shows null):
   llama_bench_{gpu,cpu}.json   llama-bench -o json (tg128 = decode 1 stream, pp512 / pp8192 = prefill)
   batched_{gpu,cpu}.jsonl      llama-batched-bench --output-format jsonl (speed_tg at pl 1 and 4)
-  glmflash_{vram,fast}.json    e2e/peers/serve_bench.py
+  glmflash_{vram,fast,vram_dense_q4k}.json    e2e/peers/serve_bench.py
   checkpoint.json, agree*.json, gpu.txt, versions.txt
-Placements: gpu = llama.cpp -ngl 99 vs glmflash every expert in VRAM; cpu = llama.cpp -ngl 99
--ot exps=CPU vs glmflash --mode fast (experts in RAM on the CPU lane). ratio = glmflash / llama.cpp.
+Placements: gpu = llama.cpp -ngl 99 vs glmflash every expert in VRAM; gpu_dense_q4k = the same with
+our dense weights in q4_k too (Q4_K_M keeps them at ~5 bits; ours bf16 otherwise); cpu = llama.cpp
+-ngl 99 -ot exps=CPU vs glmflash --mode fast (experts in RAM on the CPU lane). ratio = glmflash /
+llama.cpp.
 """
 
 import json
@@ -67,12 +69,15 @@ def main():
             a = load(os.path.join(d, name)) or {}
             res[name[:-5]] = {k: a.get(k) for k in ("gguf", "prefill_rel_l2", "prefill_argmax_agree",
                                                     "greedy_equal", "first_disagreement")}
-    prefill_lengths = sorted({r.get("prompt") for p in ("vram", "fast")
+    prefill_lengths = sorted({r.get("prompt") for p in ("vram", "fast", "vram_dense_q4k")
                               for r in (load(os.path.join(d, f"glmflash_{p}.json")) or {}).get("prefill", [])}
                              | {512, 8192})
-    for placement, ours_name, llama_label in (("gpu", "vram", "-ngl 99"), ("cpu", "fast", "-ngl 99 -ot exps=CPU")):
-        lb = load(os.path.join(d, f"llama_bench_{placement}.json"))
-        bb = load(os.path.join(d, f"batched_{placement}.jsonl"))
+    for placement, ours_name, llama_label in (("gpu", "vram", "-ngl 99"),
+                                              ("gpu_dense_q4k", "vram_dense_q4k", "-ngl 99"),
+                                              ("cpu", "fast", "-ngl 99 -ot exps=CPU")):
+        peer = placement.split("_")[0]
+        lb = load(os.path.join(d, f"llama_bench_{peer}.json"))
+        bb = load(os.path.join(d, f"batched_{peer}.jsonl"))
         ours = load(os.path.join(d, f"glmflash_{ours_name}.json"))
         rows = [("decode", "1 stream", llama_bench(lb, 0, 128), ours_decode(ours, 1)),
                 ("decode", "1 stream (batched-bench)", batched(bb, 1), ours_decode(ours, 1)),
@@ -86,9 +91,9 @@ def main():
                 ratio=None if not (peer and us) else round(us / peer, 3)))
     with open(os.path.join(d, "peers.json"), "w") as f:
         json.dump(res, f, indent=1)
-    print(f"{'placement':9} {'kind':8} {'what':26} {'llama.cpp':>10} {'glmflash':>10} {'ratio':>7}")
+    print(f"{'placement':13} {'kind':8} {'what':26} {'llama.cpp':>10} {'glmflash':>10} {'ratio':>7}")
     for t in res["table"]:
-        print(f"{t['placement']:9} {t['kind']:8} {t['what']:26} {str(t['llama_tok_s']):>10} "
+        print(f"{t['placement']:13} {t['kind']:8} {t['what']:26} {str(t['llama_tok_s']):>10} "
               f"{str(t['glmflash_tok_s']):>10} {str(t['ratio']):>7}")
     for k, v in res.items():
         if k.startswith("agree"):
