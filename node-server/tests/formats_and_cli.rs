@@ -10,6 +10,7 @@ use glmflash_node::model::{ForwardHooks, Model, Step};
 use glmflash_node::quant::Format;
 use std::collections::BTreeMap;
 use std::path::PathBuf;
+use std::process::Command;
 use std::sync::Mutex;
 
 #[path = "support/errors.rs"]
@@ -324,4 +325,55 @@ fn dense_format_quantizes_the_linear_weights_and_stays_close() {
             assert!(err < bound, "{}: {err:.3e}", format.name());
         }
     }
+}
+
+/// `bench --tiered` packs its records in `--expert-format` and says so; EXL3, which a random
+/// bf16 model cannot be packed as, is refused naming the flag and where EXL3 records are
+/// measured.
+#[test]
+fn tiered_bench_packs_the_expert_format_it_reports() {
+    let scratch = tempfile::tempdir_in(env!("CARGO_TARGET_TMPDIR")).unwrap();
+    let bench = |format: &str| {
+        Command::new(env!("CARGO_BIN_EXE_glmflash-node"))
+            .args(["bench", "--tiered", "--scratch"])
+            .arg(scratch.path())
+            .args([
+                "--hidden",
+                "256",
+                "--expert-width",
+                "256",
+                "--experts",
+                "16",
+            ])
+            .args(["--layers", "3", "--vocab", "256", "--prompt-tokens", "8"])
+            .args(["--decode-tokens", "4", "--warmup-tokens", "2"])
+            .args([
+                "--vram-slots",
+                "2",
+                "--ram-slots",
+                "2",
+                "--expert-format",
+                format,
+            ])
+            .output()
+            .unwrap()
+    };
+    let out = bench("q4_k");
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let report: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
+    assert_eq!(report["expert_format"], "q4_k");
+    // gate and up 256 x 256 and down 256 x 256 in q4_k: 144 bytes a 256-value row.
+    let record = report["runs"][0]["record_bytes"].as_f64().unwrap();
+    assert_eq!(record, (3 * 256 * 144) as f64);
+    let out = bench("exl3:3");
+    assert!(!out.status.success());
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(
+        err.contains("--expert-format exl3:3") && err.contains("bench --flash"),
+        "{err}"
+    );
 }

@@ -3,6 +3,8 @@
 //! the routers' `e_score_correction_bias`) routing, under LFU and LRU. Reports decode tok/s,
 //! hit rate and bytes per token per tier, the store's read rate, and the roofline ratio:
 //! the time the bytes moved need at the measured bandwidths over the measured time per token.
+//! The records are in `--expert-format` (bf16, q8_0 or q4_k: the random model's bf16 experts
+//! converted as `pack-store --format` does); EXL3 records are `bench --flash`'s.
 
 use super::args::BenchArgs;
 use super::common::{measure_read_bandwidth, set_router_bias};
@@ -31,6 +33,18 @@ pub fn run(args: &BenchArgs) -> anyhow::Result<()> {
 }
 
 fn measure_all(root: &Path, args: &BenchArgs) -> anyhow::Result<serde_json::Value> {
+    let format = match super::args::parse_record_format(&args.expert_format)
+        .map_err(|e| anyhow::anyhow!("--expert-format {e}"))?
+    {
+        crate::store::PartFormat::Rows(f) => f,
+        crate::store::PartFormat::Exl3 { .. } => anyhow::bail!(
+            "--expert-format {}: bench --tiered packs a random bf16 model's experts, which \
+             have no EXL3 trellis; EXL3 records through the tiers are `bench --flash \
+             --flash-expert-format {}`",
+            args.expert_format,
+            args.expert_format
+        ),
+    };
     let config = scaled_config(
         args.vocab,
         args.hidden,
@@ -59,6 +73,7 @@ fn measure_all(root: &Path, args: &BenchArgs) -> anyhow::Result<serde_json::Valu
             &crate::store::PackOptions {
                 progress: false,
                 verify: false,
+                format: Some(crate::store::RecordFormat::Rows(format)),
                 ..Default::default()
             },
         )?;
@@ -75,6 +90,7 @@ fn measure_all(root: &Path, args: &BenchArgs) -> anyhow::Result<serde_json::Valu
         std::fs::remove_dir_all(&dir)?;
     }
     Ok(serde_json::json!({
+        "expert_format": format.name(),
         "memory_read_gb_s": mem_bw / 1e9,
         "disk_gb_s": args.tiers.disk_gbps,
         "runs": runs,
