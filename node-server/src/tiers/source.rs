@@ -161,7 +161,7 @@ pub fn expert_from_bytes(parts: &Parts, bytes: &[u8], limit: f32) -> anyhow::Res
 /// a common page: a RAM-tier resident is registered with CUDA page by page, and a
 /// registration overlapping another one's pages is refused (heap neighbours would share the
 /// page between them).
-fn page_padded(bytes: &[u8]) -> Vec<u8> {
+pub(crate) fn page_padded(bytes: &[u8]) -> Vec<u8> {
     let mut v = Vec::with_capacity(bytes.len() + 2 * 4096);
     v.extend_from_slice(bytes);
     v

@@ -6,7 +6,7 @@
 #![allow(unsafe_code)] // CUDA host registration of RAM residents; each block says why it holds
 
 use super::source::ExpertSource;
-use crate::backend::cuda::{Cuda, Exl3Form, MoeLayout, SlotArena, SlotFormat};
+use crate::backend::cuda::{Cuda, Exl3Form, MoeLayout, SlotArena};
 use crate::model::mlp::SwiGlu;
 use crate::model::moe::Routing;
 use anyhow::{Context, bail};
@@ -14,7 +14,9 @@ use cudarc::driver::{CudaEvent, CudaSlice, CudaStream};
 use std::sync::{Arc, Mutex};
 
 mod all;
+mod slot_bytes;
 pub use all::{VramExperts, load_dense_on_gpu, load_model_on_gpu};
+pub use slot_bytes::{expert_from_slot, slot_pieces};
 
 /// The slot layout of an expert as loaded (its three matrices' formats and shapes).
 pub fn layout_of(expert: &SwiGlu) -> anyhow::Result<MoeLayout> {
@@ -85,30 +87,12 @@ pub fn write_slot(
             arena.layout
         );
     }
-    let matrices = [&expert.gate, &expert.up, &expert.down];
-    if let SlotFormat::Exl3 { .. } = layout.format {
-        // The trellis in the checkpoint's order (the CPU keeps its own) and the scales as f32.
-        // A copy from these pageable buffers returns once the driver holds the bytes.
-        let f32s = |v: &[f32]| v.iter().flat_map(|x| x.to_le_bytes()).collect::<Vec<u8>>();
-        let pieces: Vec<Vec<u8>> = matrices
-            .iter()
-            .filter_map(|m| m.exl3())
-            .flat_map(|lin| [lin.checkpoint_trellis(), f32s(lin.suh()), f32s(lin.svh())])
-            .collect();
-        let refs: Vec<&[u8]> = pieces.iter().map(Vec::as_slice).collect();
-        arena.write(stream, slot, &refs)?;
-        return Ok(());
-    }
-    // From the expert's own storage: a RAM resident registered with CUDA is copied by DMA
-    // without a bounce buffer (asynchronously; see `CudaRegistrar` for the lifetime rule).
-    let rows = matrices
-        .iter()
-        .map(|m| {
-            m.as_bytes()
-                .with_context(|| format!("{m:?} has no row bytes"))
-        })
-        .collect::<anyhow::Result<Vec<_>>>()?;
-    let refs: Vec<&[u8]> = rows.iter().map(|r| r.as_ref()).collect();
+    // From the expert's own storage where it has rows: a RAM resident registered with CUDA is
+    // copied by DMA without a bounce buffer (asynchronously; see `CudaRegistrar` for the
+    // lifetime rule). EXL3 pieces are built here; a copy from these pageable buffers returns
+    // once the driver holds the bytes.
+    let pieces = slot_pieces(expert)?;
+    let refs: Vec<&[u8]> = pieces.iter().map(|p| p.as_ref()).collect();
     arena.write(stream, slot, &refs)?;
     Ok(())
 }
