@@ -340,9 +340,15 @@ impl ModelArgs {
         }
         Ok(Some(match &self.store {
             Some(store) => {
-                let s = StoreSource::open(store, &self.model, cfg)?;
+                let s = StoreSource::open_with(
+                    store,
+                    &self.model,
+                    cfg,
+                    self.tier.store_check.reader_options(),
+                )?;
                 tracing::info!(
                     engine = s.engine_name(),
+                    check = ?self.tier.store_check,
                     "experts served from the packed store"
                 );
                 Arc::new(s)

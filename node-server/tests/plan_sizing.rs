@@ -289,3 +289,41 @@ fn the_vram_floor_refuses_with_the_numbers() {
     );
     assert_eq!(vram_floor_problem("GPU 0", 0, 24_576 * MIB, 0), None);
 }
+
+/// `--store-check`: a record whose bytes changed but whose CRC-32C was rewritten to match (so
+/// only its sha256 disagrees) is read as it is with the default check, refused with `sha256`,
+/// and read with `off`; the server's flag reaches the store reader.
+#[test]
+fn store_check_flag_picks_the_digest_reads_compare() {
+    use glmflash_node::tiers::args::StoreCheck;
+    let f = fixture();
+    let m = store::Manifest::load(&f.store).unwrap();
+    let entry = m.records[5].clone();
+    let data = f.store.join(store::DATA);
+    let mut bytes = std::fs::read(&data).unwrap();
+    let at = entry.offset as usize + 4321;
+    bytes[at] ^= 0x20;
+    std::fs::write(&data, &bytes).unwrap();
+    let mut edited = m.clone();
+    let record = &bytes[entry.offset as usize..entry.offset as usize + entry.length];
+    edited.records[5].crc32c = Some(store::crc32c(record));
+    std::fs::write(
+        f.store.join(store::MANIFEST),
+        serde_json::to_vec_pretty(&edited).unwrap(),
+    )
+    .unwrap();
+    let load = |check: StoreCheck| {
+        StoreSource::open_with(&f.store, &f.model, &f.cfg, check.reader_options())
+            .unwrap()
+            .load(entry.layer, entry.expert)
+            .map(|_| ())
+    };
+    assert!(load(StoreCheck::Crc32c).is_ok());
+    let err = format!("{:#}", load(StoreCheck::Sha256).unwrap_err());
+    assert!(err.contains("sha256"), "{err}");
+    assert!(load(StoreCheck::Off).is_ok());
+    let (model, _) = serve_command(&f, &["--mode", "nvme", "--store-check", "sha256"]);
+    assert_eq!(model.tier.store_check, StoreCheck::Sha256);
+    let (model, _) = serve_command(&f, &["--mode", "nvme"]);
+    assert_eq!(model.tier.store_check, StoreCheck::Crc32c);
+}

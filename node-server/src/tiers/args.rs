@@ -66,6 +66,37 @@ pub struct TierArgs {
     /// in the background while serving), written at exit.
     #[arg(long, env = "GLMFLASH_HISTORY")]
     pub history: Option<PathBuf>,
+    /// How each expert record read from --store is checked before use: against its CRC-32C
+    /// (about a tenth of sha256's CPU; a store packed before records had one falls back to
+    /// sha256), against its sha256 too, or not at all (truncated and failed reads are caught
+    /// whatever this says).
+    #[arg(long, env = "GLMFLASH_STORE_CHECK", value_enum, default_value_t = StoreCheck::Crc32c)]
+    pub store_check: StoreCheck,
+}
+
+/// `--store-check`.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, clap::ValueEnum)]
+pub enum StoreCheck {
+    Crc32c,
+    Sha256,
+    Off,
+}
+
+impl StoreCheck {
+    /// The store reader's options for this check.
+    pub fn reader_options(self) -> crate::store::ReaderOptions {
+        use crate::store::{ChecksumPolicy, RecordCheck};
+        let (checksum, check) = match self {
+            StoreCheck::Crc32c => (ChecksumPolicy::Always, RecordCheck::Fast),
+            StoreCheck::Sha256 => (ChecksumPolicy::Always, RecordCheck::Full),
+            StoreCheck::Off => (ChecksumPolicy::Never, RecordCheck::Fast),
+        };
+        crate::store::ReaderOptions {
+            checksum,
+            check,
+            ..Default::default()
+        }
+    }
 }
 
 impl TierArgs {

@@ -82,12 +82,23 @@ impl StoreSource {
         model_dir: &std::path::Path,
         cfg: &Config,
     ) -> anyhow::Result<StoreSource> {
-        let fingerprint = crate::store::quick_fingerprint(model_dir)?;
-        let reader = crate::store::StoreReader::open(
+        Self::open_with(
             store,
-            Some(&fingerprint),
+            model_dir,
+            cfg,
             crate::store::ReaderOptions::default(),
-        )?;
+        )
+    }
+
+    /// [`StoreSource::open`] with the reader's options (e.g. how reads are checked).
+    pub fn open_with(
+        store: &std::path::Path,
+        model_dir: &std::path::Path,
+        cfg: &Config,
+        options: crate::store::ReaderOptions,
+    ) -> anyhow::Result<StoreSource> {
+        let fingerprint = crate::store::quick_fingerprint(model_dir)?;
+        let reader = crate::store::StoreReader::open(store, Some(&fingerprint), options)?;
         Ok(StoreSource {
             record_bytes: reader.manifest().record_size,
             reader,
