@@ -478,6 +478,17 @@ fn a_flipped_byte_is_caught_by_verify_and_by_read() {
     assert!(unchecked.read(2, 9).is_ok());
 }
 
+/// A read of `record` fails its `digest` check.
+fn assert_digest_fails(store: &Path, (layer, expert): (usize, usize), digest: &str) {
+    let e = reader(store, EngineChoice::Auto)
+        .read(layer, expert)
+        .unwrap_err();
+    let ReadErrorKind::Checksum { digest: found, .. } = e.kind else {
+        panic!("not a checksum failure: {e}");
+    };
+    assert_eq!(found, digest, "{e}");
+}
+
 /// Every packed record carries the CRC-32C of its bytes; a store whose manifest lacks them
 /// (packed before they existed) reads with sha256 and gets them from `pack-store`; a CRC that
 /// disagrees with the record fails reads and `verify-store` even where the sha256 agrees.
@@ -508,17 +519,7 @@ fn records_carry_a_crc_and_an_older_store_gets_one() {
         .find(|e| (e.layer, e.expert) == (3, 4))
         .unwrap();
     flip_byte(&f.store.join(store::DATA), victim.offset + 777);
-    let e = reader(&f.store, EngineChoice::Auto).read(3, 4).unwrap_err();
-    assert!(
-        matches!(
-            e.kind,
-            ReadErrorKind::Checksum {
-                digest: "sha256",
-                ..
-            }
-        ),
-        "{e}"
-    );
+    assert_digest_fails(&f.store, (3, 4), "sha256");
     // pack-store adds the CRCs, but only after every sha256 matched.
     let err = store::pack_store(&f.model, &f.store, &quiet()).unwrap_err();
     assert!(err.to_string().contains("sha256"), "{err}");
@@ -547,17 +548,7 @@ fn records_carry_a_crc_and_an_older_store_gets_one() {
     let entry = entry.unwrap();
     entry.crc32c = entry.crc32c.map(|c| c ^ 1);
     write(&wrong);
-    let e = reader(&f.store, EngineChoice::Auto).read(1, 2).unwrap_err();
-    assert!(
-        matches!(
-            e.kind,
-            ReadErrorKind::Checksum {
-                digest: "crc32c",
-                ..
-            }
-        ),
-        "{e}"
-    );
+    assert_digest_fails(&f.store, (1, 2), "crc32c");
     let quiet_verify = VerifyOptions {
         progress: false,
         ..VerifyOptions::default()
