@@ -151,6 +151,8 @@ pub struct MemoryPlan {
     /// RAM: what the process holds outside the RAM tier (the dense weights' host copies,
     /// the device residents' host copies).
     pub ram_held_bytes: u64,
+    /// Of `ram_held_bytes`: the device residents' host copies.
+    pub ram_device_copies_bytes: u64,
     pub ram_reserve_bytes: u64,
     pub ram_limit_bytes: Option<u64>,
     pub ram_budget_bytes: u64,
@@ -403,6 +405,11 @@ pub fn plan_with(
         vram_expert_bytes: (vram_slots * moe_layers) as u64 * slot_bytes,
         vram_basis: sizing.device_basis,
         ram_held_bytes: sizing.ram.held,
+        ram_device_copies_bytes: if mode.tiered() {
+            sizing.device_copies
+        } else {
+            0
+        },
         ram_reserve_bytes: request.ram_reserve,
         ram_limit_bytes: machine.memory.cgroup_limit,
         ram_budget_bytes: sizing.ram.budget,
@@ -563,8 +570,13 @@ impl MemoryPlan {
                 .unwrap_or(0),
         ));
         text(row(
-            "held: dense weights, VRAM residents' copies".into(),
-            self.ram_held_bytes,
+            "held: dense weights, the process".into(),
+            self.ram_held_bytes
+                .saturating_sub(self.ram_device_copies_bytes),
+        ));
+        text(row(
+            "held: VRAM residents' host copies".into(),
+            self.ram_device_copies_bytes,
         ));
         text(row("reserve".into(), self.ram_reserve_bytes));
         text(row(

@@ -96,6 +96,18 @@ fn exl3_flash_on_a_3090_holds_the_seeds_vram_experts() {
         plan.ram_expert_slots + plan.vram_expert_slots + plan.store_only_experts,
         42 * 288
     );
+    // Of what is held, the VRAM residents' host copies: one record each, shown on a line of
+    // their own.
+    assert_eq!(
+        plan.ram_device_copies_bytes,
+        plan.vram_expert_slots as u64 * plan.record_bytes
+    );
+    assert!(plan.ram_device_copies_bytes < plan.ram_held_bytes);
+    let table = plan.table();
+    assert!(
+        table.contains("held: VRAM residents' host copies"),
+        "{table}"
+    );
 }
 
 /// A VRAM slot is the VRAM tier's layout of a record, not the record: an EXL3 slot holds its

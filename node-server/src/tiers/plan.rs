@@ -145,6 +145,8 @@ pub struct Sizing {
     pub ram_slots: usize,
     /// How the device slots were chosen: "flag", "flag-total", "cpu-default" or "free-vram".
     pub device_basis: &'static str,
+    /// Of `ram.held`: the device residents' host copies (issue 17 item 4 would drop them).
+    pub device_copies: u64,
     pub ram: sizing::RamPlan,
 }
 
@@ -190,6 +192,7 @@ pub fn size_tiers(model: &ModelSizes, request: &SlotRequest, machine: &MachineFa
         device_slots,
         ram_slots,
         device_basis,
+        device_copies,
         ram,
     }
 }
