@@ -505,12 +505,15 @@ impl glmflash_node::tiers::source::ExpertSource for Counting {
         self.inner.load(layer, expert)
     }
 
-    fn load_many(
+    fn load_each(
         &self,
         keys: &[(usize, usize)],
-    ) -> Vec<anyhow::Result<glmflash_node::model::mlp::SwiGlu>> {
+        deliver: &(dyn Fn(usize, anyhow::Result<glmflash_node::model::mlp::SwiGlu>) + Sync),
+    ) {
         self.batches.lock().unwrap().push(keys.len());
-        keys.iter().map(|&(l, e)| self.inner.load(l, e)).collect()
+        for (i, &(l, e)) in keys.iter().enumerate() {
+            deliver(i, self.inner.load(l, e));
+        }
     }
 
     fn record_bytes(&self) -> usize {
@@ -569,6 +572,188 @@ fn a_layers_store_misses_are_read_in_one_batch() {
     assert_eq!(
         reads,
         batched + source.singles.load(std::sync::atomic::Ordering::Relaxed)
+    );
+}
+
+/// `tiny_mixed` through tiers over `source` with `device` and `ram` slots a layer, the
+/// store misses overlapping the products or read first.
+fn overlap_tiers(
+    source: Arc<dyn glmflash_node::tiers::source::ExpertSource>,
+    cfg: &glmflash_node::model::config::Config,
+    mode: Mode,
+    (device, ram): (usize, usize),
+    fetch_overlap: bool,
+) -> Arc<TieredExperts> {
+    let plan = TierPlan {
+        fetch_overlap,
+        ..test_plan(mode, device, ram, cfg.n_routed_experts, 64, false)
+    };
+    Arc::new(
+        TieredExperts::new(
+            source,
+            cfg.hidden_size,
+            cfg.n_routed_experts,
+            &cfg.moe_layers(),
+            &plan,
+            None,
+        )
+        .unwrap(),
+    )
+}
+
+/// Computing each pick as its record arrives changes neither the logits (bit for bit, every
+/// tiered mode) nor what is read: the same records as reading the whole batch first, each
+/// once, and the products waited (`fetch` part) no longer than that.
+#[test]
+fn products_overlapping_the_reads_change_nothing_but_the_wait() {
+    let dir = fixture("tiny_mixed");
+    let untiered = Model::load(&dir).unwrap();
+    let prompt: Vec<u32> = (0..30)
+        .map(|i| (i * 29 + 7) % untiered.cfg.vocab_size as u32)
+        .collect();
+    let expected = run(&untiered, &prompt);
+    let reads = |t: &TieredExperts| {
+        t.stats
+            .store_reads
+            .load(std::sync::atomic::Ordering::Relaxed)
+    };
+    for (mode, slots) in [
+        (Mode::NvmeExact, (1, 1)),
+        (Mode::Nvme, (2, 3)),
+        (Mode::Nvme, (0, 0)),
+    ] {
+        let mut read = Vec::new();
+        for overlap in [true, false] {
+            let source = Arc::new(Counting {
+                inner: CheckpointSource::open(&dir).unwrap(),
+                singles: Default::default(),
+                batches: Default::default(),
+            });
+            let tiers = overlap_tiers(source.clone(), &untiered.cfg, mode, slots, overlap);
+            let model = Model::builder().experts(tiers.clone()).load(&dir).unwrap();
+            assert!(
+                run(&model, &prompt) == expected,
+                "{mode:?} {slots:?} overlap {overlap}: logits differ"
+            );
+            tiers.flush();
+            let batched: usize = source.batches.lock().unwrap().iter().sum();
+            let singles = source.singles.load(std::sync::atomic::Ordering::Relaxed);
+            assert_eq!(
+                reads(&tiers) as usize,
+                batched + singles,
+                "each read counted once"
+            );
+            assert!(
+                batched > 0,
+                "{mode:?}: the prompt's misses went to the fetch thread"
+            );
+            let moe = untiered.cfg.moe_layers();
+            for layer in (0..moe.len()).filter(|&l| moe[l]) {
+                let (d, r, f) = tiers.layer_snapshot(layer);
+                assert!(d.len() <= slots.0 && r.len() <= slots.1 && f.is_empty());
+                assert!(d.iter().all(|e| !r.contains(e)), "an expert in two tiers");
+            }
+            read.push((batched, singles));
+        }
+        assert_eq!(
+            read[0], read[1],
+            "{mode:?} {slots:?}: overlap on and off read alike"
+        );
+    }
+}
+
+/// A source whose batch reads fail once for one record, the rest as the checkpoint's.
+struct FailOnce {
+    inner: CheckpointSource,
+    bad: (usize, usize),
+    failed: std::sync::atomic::AtomicBool,
+}
+
+impl glmflash_node::tiers::source::ExpertSource for FailOnce {
+    fn load(
+        &self,
+        layer: usize,
+        expert: usize,
+    ) -> anyhow::Result<glmflash_node::model::mlp::SwiGlu> {
+        self.inner.load(layer, expert)
+    }
+
+    fn load_each(
+        &self,
+        keys: &[(usize, usize)],
+        deliver: &(dyn Fn(usize, anyhow::Result<glmflash_node::model::mlp::SwiGlu>) + Sync),
+    ) {
+        // The failing record last, after the products had the others to start on.
+        let mut order: Vec<usize> = (0..keys.len()).collect();
+        order.sort_by_key(|&i| keys[i] == self.bad);
+        for i in order {
+            let (l, e) = keys[i];
+            if keys[i] == self.bad && !self.failed.swap(true, std::sync::atomic::Ordering::SeqCst) {
+                deliver(
+                    i,
+                    Err(anyhow::anyhow!(
+                        "injected: layer {l}, expert {e} unreadable"
+                    )),
+                );
+            } else {
+                deliver(i, self.inner.load(l, e));
+            }
+        }
+    }
+
+    fn record_bytes(&self) -> usize {
+        self.inner.record_bytes()
+    }
+}
+
+/// A record that fails while the products run fails that forward with the record's error
+/// (no hang, nothing admitted from it), and the tiers serve the next request bit-exactly.
+#[test]
+fn a_read_failing_under_the_products_fails_that_forward_only() {
+    let dir = fixture("tiny_mixed");
+    let untiered = Model::load(&dir).unwrap();
+    let prompt: Vec<u32> = (0..30)
+        .map(|i| (i * 29 + 7) % untiered.cfg.vocab_size as u32)
+        .collect();
+    let expected = run(&untiered, &prompt);
+    let first_moe = untiered.cfg.moe_layers().iter().position(|&m| m).unwrap();
+    // The expert the prompt's first token picks first in the first MoE layer is surely read.
+    let source = Arc::new(CheckpointSource::open(&dir).unwrap());
+    let probe = overlap_tiers(source, &untiered.cfg, Mode::NvmeExact, (0, 0), true);
+    let model = Model::builder().experts(probe.clone()).load(&dir).unwrap();
+    run(&model, &prompt);
+    let picked = probe.history("probe").counts[first_moe]
+        .iter()
+        .position(|&c| c > 0)
+        .unwrap();
+    drop(model);
+    drop(probe);
+    let source = Arc::new(FailOnce {
+        inner: CheckpointSource::open(&dir).unwrap(),
+        bad: (first_moe, picked),
+        failed: Default::default(),
+    });
+    let tiers = overlap_tiers(source.clone(), &untiered.cfg, Mode::NvmeExact, (1, 2), true);
+    let model = Model::builder().experts(tiers.clone()).load(&dir).unwrap();
+    let err = model
+        .prefill(&prompt)
+        .err()
+        .expect("the failed read fails the prefill");
+    assert!(
+        format!("{err:#}").contains(&format!("layer {first_moe}, expert {picked} unreadable")),
+        "{err:#}"
+    );
+    assert!(source.failed.load(std::sync::atomic::Ordering::SeqCst));
+    tiers.flush();
+    assert_ne!(
+        tiers.residency(first_moe, picked),
+        Tier::Ram,
+        "a failed read is not admitted"
+    );
+    assert_ne!(tiers.residency(first_moe, picked), Tier::Device);
+    assert!(
+        run(&model, &prompt) == expected,
+        "the next request is served bit-exactly"
     );
 }
 

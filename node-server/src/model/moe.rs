@@ -148,12 +148,40 @@ pub fn combine_experts<F>(
 where
     F: Fn(usize, &[f32], usize) -> anyhow::Result<Vec<f32>> + Sync,
 {
+    let order: Vec<usize> = (0..experts).collect();
+    combine_experts_in(hidden, x, routing, &order, out, run)
+}
+
+/// [`combine_experts`] running the experts in `order` (every picked expert listed once):
+/// a provider whose weights arrive over time runs first what it has. The sum is the same
+/// bits in any order (it runs per token in pick order once every expert is done).
+pub fn combine_experts_in<F>(
+    hidden: usize,
+    x: &[f32],
+    routing: &Routing,
+    order: &[usize],
+    out: &mut [f32],
+    run: F,
+) -> anyhow::Result<()>
+where
+    F: Fn(usize, &[f32], usize) -> anyhow::Result<Vec<f32>> + Sync,
+{
     let k = routing.k;
     let tokens = routing.tokens();
-    let per_expert = routing.tokens_per_expert(experts);
-    let results: Vec<(Picks, Vec<f32>)> = per_expert
+    let experts = (routing.ids.iter().map(|&e| e as usize))
+        .chain(order.iter().copied())
+        .max()
+        .map_or(0, |m| m + 1);
+    let mut per_expert = routing.tokens_per_expert(experts);
+    let ordered: Vec<(usize, Picks)> = order
+        .iter()
+        .map(|&e| (e, std::mem::take(&mut per_expert[e])))
+        .collect();
+    if per_expert.iter().any(|p| !p.is_empty()) {
+        anyhow::bail!("an expert picked by the routing is missing from the product order");
+    }
+    let results: Vec<(Picks, Vec<f32>)> = ordered
         .into_par_iter()
-        .enumerate()
         .filter(|(_, picks)| !picks.is_empty())
         .map(|(e, picks)| {
             let mut rows = Vec::with_capacity(picks.len() * hidden);

@@ -310,6 +310,28 @@ impl StoreReader {
     /// Reads many records with one submission; results in the order of `keys`. Each
     /// record fails or succeeds on its own.
     pub fn read_many(&self, keys: &[(usize, usize)]) -> Vec<Result<Arc<RecordBuf>, ReadError>> {
+        let out: Vec<Mutex<Option<Outcome>>> = (0..keys.len()).map(|_| Mutex::new(None)).collect();
+        self.read_each(keys, &|i, outcome| {
+            *out[i].lock().expect("result slot") = Some(outcome);
+        });
+        out.into_iter()
+            .map(|o| {
+                o.into_inner()
+                    .expect("result slot")
+                    .expect("every key answered")
+            })
+            .collect()
+    }
+
+    /// Reads many records with one submission and hands each to `deliver` (with its index in
+    /// `keys`) as soon as it is read and checked, on the current rayon pool's threads: what a
+    /// caller does with a record (decode it, start computing with it) overlaps the reads
+    /// still in flight. Every key is delivered exactly once, before this returns.
+    pub fn read_each(
+        &self,
+        keys: &[(usize, usize)],
+        deliver: &(dyn Fn(usize, Result<Arc<RecordBuf>, ReadError>) + Sync),
+    ) {
         enum Role {
             Leader(usize, Arc<Shared>),
             Follower(Arc<Shared>),
@@ -353,9 +375,8 @@ impl StoreReader {
         self.issued
             .fetch_add(requests.len() as u64, Ordering::Relaxed);
         self.engine.submit(requests);
-        // Leaders first (checked on all cores): a follower may be waiting on a leader in
-        // this very call.
-        let mut out: Vec<Option<Outcome>> = (0..keys.len()).map(|_| None).collect();
+        // Leaders first (checked, and delivered, on all cores): a follower may be waiting on
+        // a leader in this very call.
         let leaders: Vec<(usize, usize, &Arc<Shared>)> = roles
             .iter()
             .enumerate()
@@ -364,33 +385,26 @@ impl StoreReader {
                 _ => None,
             })
             .collect();
-        let finish =
-            |(i, index, shared): (usize, usize, &Arc<Shared>)| (i, self.finish(index, shared));
-        // Hashing is the only work worth spreading; one record stays on this thread.
-        let finished: Vec<(usize, Outcome)> =
-            if leaders.len() > 1 && self.opts.checksum != ChecksumPolicy::Never {
-                leaders.into_par_iter().map(finish).collect()
-            } else {
-                leaders.into_iter().map(finish).collect()
-            };
-        for (i, outcome) in finished {
-            out[i] = Some(outcome);
+        let finish = |(i, index, shared): (usize, usize, &Arc<Shared>)| {
+            deliver(i, self.finish(index, shared));
+        };
+        if leaders.len() > 1 {
+            leaders.into_par_iter().for_each(finish);
+        } else {
+            leaders.into_iter().for_each(finish);
         }
         for (i, role) in roles.into_iter().enumerate() {
             match role {
                 Role::Leader(..) => {}
-                Role::Failed(e) => out[i] = Some(Err(e)),
+                Role::Failed(e) => deliver(i, Err(e)),
                 Role::Follower(shared) => {
                     let state = shared.wait(|s| matches!(s, State::Done(_)));
                     if let State::Done(outcome) = &*state {
-                        out[i] = Some(outcome.clone());
+                        deliver(i, outcome.clone());
                     }
                 }
             }
         }
-        out.into_iter()
-            .map(|o| o.expect("every key answered"))
-            .collect()
     }
 
     fn buffer(&self) -> IoBuf {

@@ -62,6 +62,10 @@ pub struct TierArgs {
     /// Turn off layer-ahead prefetch of predicted experts.
     #[arg(long, env = "GLMFLASH_NO_PREFETCH")]
     pub no_prefetch: bool,
+    /// Read a forward's store misses in full before computing any of its experts, instead
+    /// of computing each as its record arrives (what the overlap is worth, measured).
+    #[arg(long, env = "GLMFLASH_NO_FETCH_OVERLAP")]
+    pub no_fetch_overlap: bool,
     /// Routing history file: read at start to warm the tiers (policies at once, slots filled
     /// in the background while serving), written at exit.
     #[arg(long, env = "GLMFLASH_HISTORY")]
@@ -120,6 +124,7 @@ impl TierArgs {
         };
         Placement::Tiered(TierPlan {
             prefetch: mode.tiered() && !self.no_prefetch,
+            fetch_overlap: !self.no_fetch_overlap,
             eviction: self.eviction,
             writeback_ring: self.writeback_ring,
             pin: !self.no_pin,
@@ -182,6 +187,7 @@ pub fn tier_summary(tiers: &TieredExperts) -> String {
     format!(
         "{tiers_part}; moved MiB nvme->ram {:.1}, ram->vram {:.1}, vram->ram {:.1}; \
          pinned {:.1} MiB ({} refusals); prefetch: {} issued, {} hits, {} wasted; \
+         store batches {:.2} s reading, products {:.2} s waiting ({}); \
          cpu lane {}; write-back ring {high}/{ring} peak, {stalls} stalls; {} policy",
         get(&s.store_reads) as f64 * record,
         get(&s.promotions) as f64 * record,
@@ -191,6 +197,13 @@ pub fn tier_summary(tiers: &TieredExperts) -> String {
         get(&s.prefetch_issued),
         get(&s.prefetch_hits),
         get(&s.prefetch_wasted),
+        s.fetch_busy_seconds(),
+        s.part_seconds(super::stats::StepPart::Fetch),
+        if tiers.plan().fetch_overlap {
+            "overlapped"
+        } else {
+            "read first"
+        },
         get(&s.cpu_lane),
         match tiers.policy() {
             PolicyKind::Lfu => "lfu",

@@ -45,6 +45,9 @@ pub struct TierPlan {
     pub staging_slots: usize,
     /// Layer-ahead prefetch of predicted picks (tiered modes only).
     pub prefetch: bool,
+    /// A forward's store misses read while its products run, each product waiting for its
+    /// own record only (off: the whole batch is read first, as before).
+    pub fetch_overlap: bool,
     pub eviction: PolicyKind,
     pub aging_period: u64,
     /// Entries of the write-back ring.
@@ -70,6 +73,7 @@ impl TierPlan {
             ram_slots,
             staging_slots: STAGING_SLOTS,
             prefetch: mode.tiered(),
+            fetch_overlap: true,
             eviction: PolicyKind::Lfu,
             aging_period: AGING_PERIOD,
             writeback_ring: 64,

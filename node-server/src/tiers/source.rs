@@ -19,6 +19,19 @@ pub trait ExpertSource: Send + Sync {
         use rayon::prelude::*;
         keys.par_iter().map(|&(l, e)| self.load(l, e)).collect()
     }
+    /// Several records at once, each handed to `deliver` (with its index in `keys`) as soon
+    /// as it is read, checked and decoded, on the current rayon pool's threads; every key
+    /// exactly once, before this returns.
+    fn load_each(
+        &self,
+        keys: &[(usize, usize)],
+        deliver: &(dyn Fn(usize, anyhow::Result<SwiGlu>) + Sync),
+    ) {
+        use rayon::prelude::*;
+        keys.par_iter()
+            .enumerate()
+            .for_each(|(i, &(l, e))| deliver(i, self.load(l, e)));
+    }
     /// Bytes of one expert record as this source stores it.
     fn record_bytes(&self) -> usize;
 }
@@ -124,6 +137,21 @@ impl ExpertSource for StoreSource {
             .into_par_iter()
             .map(|r| expert_from_record(&*r?, self.limit))
             .collect()
+    }
+
+    fn load_each(
+        &self,
+        keys: &[(usize, usize)],
+        deliver: &(dyn Fn(usize, anyhow::Result<SwiGlu>) + Sync),
+    ) {
+        // Decoded where it was checked, while the other reads are still in flight.
+        self.reader.read_each(keys, &|i, r| {
+            deliver(
+                i,
+                r.map_err(anyhow::Error::from)
+                    .and_then(|r| expert_from_record(&r, self.limit)),
+            );
+        });
     }
 
     fn record_bytes(&self) -> usize {

@@ -31,12 +31,18 @@ pub struct TierStats {
     pub cpu_lane: AtomicU64,
     /// Nanoseconds `forward` spent per part, indexed by [`StepPart`].
     pub part_nanos: [AtomicU64; 4],
+    /// Nanoseconds the fetch thread spent reading batches of misses (in the background of
+    /// the products when they overlap: `fetch_busy` against the `fetch` part's waits shows
+    /// how much of the reading the products hid).
+    pub fetch_busy_nanos: AtomicU64,
 }
 
 /// The parts of one `TieredExperts::forward` call, in order.
 #[derive(Clone, Copy, Debug)]
 pub enum StepPart {
-    /// Reading the call's store misses (one batch).
+    /// Waiting for the call's store misses: for the whole batch before the products
+    /// (`--no-fetch-overlap`), or, summed over the threads that waited, for each record a
+    /// product needed and did not have yet (then inside `compute`'s time).
     Fetch,
     /// Lookups under the layer lock: residency, admission (pinning a RAM resident included).
     Resolve,
@@ -68,6 +74,11 @@ impl TierStats {
     /// Seconds `forward` has spent in `part` so far.
     pub fn part_seconds(&self, part: StepPart) -> f64 {
         self.part_nanos[part as usize].load(Ordering::Relaxed) as f64 * 1e-9
+    }
+
+    /// Seconds the fetch thread has spent reading batches of misses.
+    pub fn fetch_busy_seconds(&self) -> f64 {
+        self.fetch_busy_nanos.load(Ordering::Relaxed) as f64 * 1e-9
     }
 
     pub(super) fn add_part(&self, part: StepPart, since: std::time::Instant) -> std::time::Instant {

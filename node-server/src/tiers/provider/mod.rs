@@ -14,6 +14,7 @@
 //! ([`super::pin`]).
 
 mod background;
+mod fetch;
 mod warm;
 
 use super::pin::{PinStats, Pinned};
@@ -23,10 +24,9 @@ use super::ring::Ring;
 use super::source::ExpertSource;
 use super::stats::{StepPart, TierStats};
 use crate::model::mlp::SwiGlu;
-use crate::model::moe::{ExpertProvider, Phase, Routing, combine_experts};
-use background::{
-    Room, handle_write_back, load_batch, make_room, spawn_prefetcher, spawn_writer, timed_load,
-};
+use crate::model::moe::{ExpertProvider, Phase, Routing, combine_experts_in};
+use background::{Room, handle_write_back, make_room, spawn_prefetcher, spawn_writer, timed_load};
+use fetch::{Cell, Pick};
 use std::collections::HashMap;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
@@ -108,6 +108,8 @@ pub struct TieredExperts {
     /// Experts read ahead by the prefetcher, not yet looked up.
     staged: Arc<Staging>,
     prefetcher: Option<Mutex<std::sync::mpsc::Sender<(usize, usize)>>>,
+    /// The fetch thread's queue: a forward's store misses, read while its products run.
+    fetcher: Option<Mutex<std::sync::mpsc::Sender<fetch::Job>>>,
     /// The write-back and prefetch threads, joined on drop: nothing of the tiers runs on
     /// while the process tears down (the CUDA driver and the store with it).
     threads: Vec<std::thread::JoinHandle<()>>,
@@ -206,6 +208,13 @@ impl TieredExperts {
             threads.push(thread);
             Mutex::new(tx)
         });
+        let fetcher = if mode.tiered() {
+            let (tx, thread) = fetch::spawn_fetcher(source.clone(), stats.clone())?;
+            threads.push(thread);
+            Some(Mutex::new(tx))
+        } else {
+            None
+        };
         Ok(TieredExperts {
             source,
             hidden,
@@ -222,6 +231,7 @@ impl TieredExperts {
                 .collect(),
             staged,
             prefetcher,
+            fetcher,
             threads,
             stats,
             pins,
@@ -388,39 +398,58 @@ impl TieredExperts {
             }
     }
 
-    /// Reads the picked experts of `layer` that no tier holds (and no prefetch staged) in one
-    /// batch: the store serves them at queue depth instead of one after another under the
-    /// layer's lock. One miss is left to the lookup itself.
-    fn fetch_misses(
-        &self,
-        layer: usize,
-        routing: &Routing,
-    ) -> anyhow::Result<HashMap<usize, Arc<SwiGlu>>> {
-        let mut wanted: Vec<usize> = routing.ids.iter().map(|&e| e as usize).collect();
-        wanted.sort_unstable();
-        wanted.dedup();
+    /// Sends the picked experts of `layer` that no tier holds (and no prefetch staged) to
+    /// the fetch thread in one batch, in the order the products first need them: the store
+    /// serves them at queue depth while the products run, instead of one after another under
+    /// the layer's lock. One miss is left to the lookup itself. Without the plan's
+    /// `fetch_overlap` this waits for the whole batch.
+    fn start_fetch(&self, layer: usize, routing: &Routing) -> Vec<(usize, Arc<Cell>)> {
+        let Some(fetcher) = &self.fetcher else {
+            return Vec::new();
+        };
+        let mut seen = std::collections::HashSet::new();
         let missing: Vec<usize> = {
             let l = self.layer(layer);
             let staged = self.staged.lock().expect("staging lock");
-            wanted
-                .into_iter()
-                .filter(|e| {
-                    !l.device.contains_key(e)
-                        && !l.ram.contains_key(e)
-                        && !l.in_flight.contains_key(e)
-                        && !staged.contains_key(&(layer, *e))
+            routing
+                .ids
+                .iter()
+                .map(|&e| e as usize)
+                .filter(|&e| {
+                    seen.insert(e)
+                        && !l.device.contains_key(&e)
+                        && !l.ram.contains_key(&e)
+                        && !l.in_flight.contains_key(&e)
+                        && !staged.contains_key(&(layer, e))
                 })
                 .collect()
         };
         if missing.len() < 2 {
-            return Ok(HashMap::new());
+            return Vec::new();
         }
-        let loaded = load_batch(self.source.as_ref(), &self.stats, layer, &missing)?;
-        Ok(missing.into_iter().zip(loaded).collect())
+        let cells: Vec<Arc<Cell>> = missing.iter().map(|_| Arc::default()).collect();
+        let job = fetch::Job {
+            layer,
+            experts: missing.clone(),
+            cells: cells.clone(),
+        };
+        if fetcher.lock().expect("fetch queue").send(job).is_err() {
+            // The fetch thread is gone (shutting down): the lookups read them.
+            return Vec::new();
+        }
+        if !self.plan.fetch_overlap {
+            for cell in &cells {
+                // An error stays in the cell for the pick that needs it.
+                let _ = Pick::Coming(cell.clone()).get(&self.stats);
+            }
+        }
+        missing.into_iter().zip(cells).collect()
     }
 
-    /// Finds (and moves, by policy) one picked expert; returns its weights. Moves down a
-    /// tier are decided here and queued in `jobs` for the write-back ring.
+    /// Finds (and moves, by policy) one picked expert; gives its weights, or the record on
+    /// its way from the store (`coming`: admitted by [`TieredExperts::admit_fetched`] once
+    /// the products are done). Moves down a tier are decided here and queued in `jobs` for
+    /// the write-back ring.
     fn resolve(
         &self,
         layer: usize,
@@ -428,8 +457,8 @@ impl TieredExperts {
         expert: usize,
         phase: Phase,
         jobs: &mut Vec<WriteBack>,
-        fetched: &mut HashMap<usize, Arc<SwiGlu>>,
-    ) -> anyhow::Result<Arc<SwiGlu>> {
+        coming: &[(usize, Arc<Cell>)],
+    ) -> anyhow::Result<Pick> {
         l.device_policy.touch(expert);
         l.ram_policy.touch(expert);
         self.picks[layer][expert].fetch_add(1, Ordering::Relaxed);
@@ -442,83 +471,124 @@ impl TieredExperts {
         };
         if let Some(w) = l.device.get(&expert) {
             count(Tier::Device);
-            return Ok(w.clone());
+            return Ok(Pick::Ready(w.clone()));
         }
         if let Some(w) = l.in_flight.get(&expert) {
             // On its way down to RAM: served from where it is, left to the writer.
             count(Tier::Ram);
-            return Ok(w.clone());
+            return Ok(Pick::Ready(w.clone()));
         }
-        let weights = match l.ram.get(&expert) {
-            Some(p) => {
-                count(Tier::Ram);
-                p.weights().clone()
-            }
-            None => {
-                count(Tier::Store);
-                let staged = self
-                    .staged
-                    .lock()
-                    .expect("staging lock")
-                    .remove(&(layer, expert));
-                let w = match staged {
-                    Some(w) => {
-                        self.stats.prefetch_hits.fetch_add(1, Ordering::Relaxed);
-                        w
-                    }
-                    None if fetched.contains_key(&expert) => {
-                        self.stats.loads.fetch_add(1, Ordering::Relaxed);
-                        fetched.remove(&expert).expect("checked above")
-                    }
-                    None => {
-                        self.stats.loads.fetch_add(1, Ordering::Relaxed);
-                        Arc::new(timed_load(
-                            self.source.as_ref(),
-                            &self.stats,
-                            layer,
-                            expert,
-                        )?)
-                    }
-                };
-                // Admit into RAM (a RAM victim falls back to the store only).
-                match make_room(&mut l.ram, l.ram_policy.as_ref(), self.ram_slots, expert) {
-                    Room::Refused => {
-                        self.stats.bypassed.fetch_add(1, Ordering::Relaxed);
-                    }
-                    room => {
-                        if let Room::Evicted(v) = room {
-                            jobs.push(WriteBack::Release(v));
-                        }
-                        l.ram.insert(expert, Pinned::new(w.clone(), &self.pins));
-                    }
-                }
+        if let Some(p) = l.ram.get(&expert) {
+            count(Tier::Ram);
+            let w = p.weights().clone();
+            self.promote(layer, l, expert, jobs);
+            return Ok(Pick::Ready(w));
+        }
+        count(Tier::Store);
+        if let Some((_, cell)) = coming.iter().find(|(e, _)| *e == expert) {
+            self.stats.loads.fetch_add(1, Ordering::Relaxed);
+            return Ok(Pick::Coming(cell.clone()));
+        }
+        let staged = self
+            .staged
+            .lock()
+            .expect("staging lock")
+            .remove(&(layer, expert));
+        let w = match staged {
+            Some(w) => {
+                self.stats.prefetch_hits.fetch_add(1, Ordering::Relaxed);
                 w
             }
-        };
-        // Promote into the device tier when it has room or the policy prefers this expert;
-        // the device victim goes in flight to RAM (no duplicates: it leaves the device map).
-        if l.ram.contains_key(&expert) && self.device_slots > 0 {
-            let victim = if l.device.len() < self.device_slots {
-                None
-            } else {
-                let resident: Vec<usize> = l.device.keys().copied().collect();
-                match l.device_policy.victim(&resident) {
-                    Some(v) if l.device_policy.score(expert) > l.device_policy.score(v) => Some(v),
-                    _ => return Ok(weights),
-                }
-            };
-            let moved = l.ram.remove(&expert).expect("checked above");
-            if let Some(v) = victim {
-                let down = l.device.remove(&v).expect("victim is resident");
-                self.stats.demotions.fetch_add(1, Ordering::Relaxed);
-                l.in_flight.insert(v, down);
-                jobs.push(WriteBack::Demote { layer, expert: v });
+            None => {
+                self.stats.loads.fetch_add(1, Ordering::Relaxed);
+                Arc::new(timed_load(
+                    self.source.as_ref(),
+                    &self.stats,
+                    layer,
+                    expert,
+                )?)
             }
-            l.device.insert(expert, moved.weights().clone());
-            jobs.push(WriteBack::Release(moved));
-            self.stats.promotions.fetch_add(1, Ordering::Relaxed);
+        };
+        self.admit(layer, l, expert, w.clone(), jobs);
+        Ok(Pick::Ready(w))
+    }
+
+    /// Admits `expert`, just read from the store, into the RAM tier (a RAM victim falls back
+    /// to the store only), then offers it to the device tier.
+    fn admit(
+        &self,
+        layer: usize,
+        l: &mut Layer,
+        expert: usize,
+        w: Arc<SwiGlu>,
+        jobs: &mut Vec<WriteBack>,
+    ) {
+        match make_room(&mut l.ram, l.ram_policy.as_ref(), self.ram_slots, expert) {
+            Room::Refused => {
+                self.stats.bypassed.fetch_add(1, Ordering::Relaxed);
+            }
+            room => {
+                if let Room::Evicted(v) = room {
+                    jobs.push(WriteBack::Release(v));
+                }
+                l.ram.insert(expert, Pinned::new(w, &self.pins));
+            }
         }
-        Ok(weights)
+        self.promote(layer, l, expert, jobs);
+    }
+
+    /// Promotes a RAM resident into the device tier when it has room or the policy prefers
+    /// it; the device victim goes in flight to RAM (no duplicates: it leaves the device map).
+    fn promote(&self, layer: usize, l: &mut Layer, expert: usize, jobs: &mut Vec<WriteBack>) {
+        if !l.ram.contains_key(&expert) || self.device_slots == 0 {
+            return;
+        }
+        let victim = if l.device.len() < self.device_slots {
+            None
+        } else {
+            let resident: Vec<usize> = l.device.keys().copied().collect();
+            match l.device_policy.victim(&resident) {
+                Some(v) if l.device_policy.score(expert) > l.device_policy.score(v) => Some(v),
+                _ => return,
+            }
+        };
+        let moved = l.ram.remove(&expert).expect("checked above");
+        if let Some(v) = victim {
+            let down = l.device.remove(&v).expect("victim is resident");
+            self.stats.demotions.fetch_add(1, Ordering::Relaxed);
+            l.in_flight.insert(v, down);
+            jobs.push(WriteBack::Demote { layer, expert: v });
+        }
+        l.device.insert(expert, moved.weights().clone());
+        jobs.push(WriteBack::Release(moved));
+        self.stats.promotions.fetch_add(1, Ordering::Relaxed);
+    }
+
+    /// After the products: the records the fetch thread read for them are admitted as a
+    /// lookup's own read would have been (unless another path placed them meanwhile).
+    fn admit_fetched(&self, layer: usize, coming: &[(usize, Arc<Cell>)]) {
+        if coming.is_empty() {
+            return;
+        }
+        let started = std::time::Instant::now();
+        let mut jobs = Vec::new();
+        {
+            let mut l = self.layer(layer);
+            for (e, cell) in coming {
+                let e = *e;
+                let Some(w) = cell.read() else { continue };
+                if l.device.contains_key(&e)
+                    || l.ram.contains_key(&e)
+                    || l.in_flight.contains_key(&e)
+                {
+                    continue;
+                }
+                self.admit(layer, &mut l, e, w, &mut jobs);
+            }
+        }
+        let at = self.stats.add_part(StepPart::Resolve, started);
+        self.write_back(jobs);
+        self.stats.add_part(StepPart::WriteBack, at);
     }
 }
 
@@ -526,9 +596,11 @@ impl Drop for TieredExperts {
     fn drop(&mut self) {
         self.stop_filling.store(true, Ordering::Relaxed);
         self.wait_filled();
-        // The writer drains what is queued, then exits; the prefetcher ends with its sender.
+        // The writer drains what is queued, then exits; the prefetcher and the fetch thread
+        // end with their senders.
         self.ring.close();
         self.prefetcher = None;
+        self.fetcher = None;
         for thread in self.threads.drain(..) {
             if thread.join().is_err() {
                 tracing::warn!("a tier thread panicked");
@@ -538,19 +610,15 @@ impl Drop for TieredExperts {
 }
 
 impl TieredExperts {
-    /// The first half of a `forward`: this call's store misses read in one batch, residency
-    /// resolved under the layer's lock (admissions included), the moves down queued. Gives
-    /// each picked expert's weights. The returned guard counts the products' time when it
-    /// drops.
-    fn resolve_picks(
-        &self,
-        layer: usize,
-        routing: &Routing,
-    ) -> anyhow::Result<(HashMap<usize, Arc<SwiGlu>>, PartTimer<'_>)> {
+    /// The first half of a `forward`: this call's store misses sent to the fetch thread in
+    /// one batch, residency resolved under the layer's lock (admissions of what is at hand
+    /// included), the moves down queued. Gives each picked expert's weights or its record on
+    /// the way; the products take them with [`Picked::get`] and end with
+    /// [`Picked::finish`], which admits the records read for them.
+    fn resolve_picks(&self, layer: usize, routing: &Routing) -> anyhow::Result<Picked<'_>> {
+        let coming = self.start_fetch(layer, routing);
         let started = std::time::Instant::now();
-        let mut fetched = self.fetch_misses(layer, routing)?;
-        let at = self.stats.add_part(StepPart::Fetch, started);
-        let mut picked: HashMap<usize, Arc<SwiGlu>> = HashMap::new();
+        let mut picked: HashMap<usize, Pick> = HashMap::new();
         let mut jobs = Vec::new();
         let resolved = {
             let mut l = self.layer(layer);
@@ -559,12 +627,12 @@ impl TieredExperts {
                 let e = e as usize;
                 if let std::collections::hash_map::Entry::Vacant(slot) = picked.entry(e) {
                     let phase = routing.phase(i / routing.k.max(1));
-                    slot.insert(self.resolve(layer, &mut l, e, phase, &mut jobs, &mut fetched)?);
+                    slot.insert(self.resolve(layer, &mut l, e, phase, &mut jobs, &coming)?);
                 }
                 anyhow::Ok(())
             })
         };
-        let at = self.stats.add_part(StepPart::Resolve, at);
+        let at = self.stats.add_part(StepPart::Resolve, started);
         self.write_back(jobs);
         let at = self.stats.add_part(StepPart::WriteBack, at);
         resolved?;
@@ -577,7 +645,27 @@ impl TieredExperts {
                 .prefetch_wasted
                 .fetch_add((before - staged.len()) as u64, Ordering::Relaxed);
         }
-        Ok((picked, PartTimer(&self.stats, at)))
+        Ok(Picked {
+            tiers: self,
+            layer,
+            picked,
+            coming,
+            started: at,
+        })
+    }
+
+    /// The products' order of the distinct experts `routing` picked: those at hand first,
+    /// then the records on their way, in the order the fetch thread reads them.
+    fn product_order(&self, picked: &Picked, routing: &Routing) -> Vec<usize> {
+        let mut seen = std::collections::HashSet::new();
+        let (mut ready, mut coming): (Vec<usize>, Vec<usize>) = routing
+            .ids
+            .iter()
+            .map(|&e| e as usize)
+            .filter(|&e| seen.insert(e))
+            .partition(|e| matches!(picked.picked[e], Pick::Ready(_)));
+        ready.append(&mut coming);
+        ready
     }
 
     /// The GPU tier with `layer`'s device slots made to match its residents, and the lane
@@ -608,12 +696,38 @@ impl TieredExperts {
     }
 }
 
-/// Counts the products' part of a `forward` when dropped, whichever way it returns.
-struct PartTimer<'a>(&'a TierStats, std::time::Instant);
+/// A `forward`'s picks between resolving and the products' end: each distinct expert's
+/// weights or its record on the way. Dropped (whichever way the products return), it counts
+/// their time and admits the records read for them.
+struct Picked<'a> {
+    tiers: &'a TieredExperts,
+    layer: usize,
+    picked: HashMap<usize, Pick>,
+    coming: Vec<(usize, Arc<Cell>)>,
+    started: std::time::Instant,
+}
 
-impl Drop for PartTimer<'_> {
+impl Picked<'_> {
+    /// The weights of picked expert `e` (waiting for its record if it is still being read).
+    fn get(&self, e: usize) -> anyhow::Result<Arc<SwiGlu>> {
+        self.picked
+            .get(&e)
+            .ok_or_else(|| anyhow::anyhow!("expert {e} was not picked"))?
+            .get(&self.tiers.stats)
+    }
+}
+
+impl Drop for Picked<'_> {
     fn drop(&mut self) {
-        self.0.add_part(StepPart::Compute, self.1);
+        self.tiers.stats.add_part(StepPart::Compute, self.started);
+        if !self.coming.is_empty() {
+            // A record still being read (the products failed early) is waited for here, so
+            // the next forward's batch does not read it again.
+            for (_, cell) in &self.coming {
+                let _ = Pick::Coming(cell.clone()).get(&self.tiers.stats);
+            }
+            self.tiers.admit_fetched(self.layer, &self.coming);
+        }
     }
 }
 
@@ -630,11 +744,11 @@ impl crate::model::moe::DeviceExperts for TieredExperts {
         x: &cudarc::driver::CudaSlice<f32>,
         routing: &Routing,
     ) -> anyhow::Result<cudarc::driver::CudaSlice<f32>> {
-        let (picked, _compute) = self.resolve_picks(layer, routing)?;
+        let picked = self.resolve_picks(layer, routing)?;
         let Some((mut g, lane)) = self.gpu_for(layer)? else {
             anyhow::bail!("the tiers have no GPU device tier");
         };
-        g.compute_device(layer, x, routing, lane, &|e| picked[&e].clone())
+        g.compute_device(layer, x, routing, lane, &|e| picked.get(e))
     }
 }
 
@@ -646,12 +760,13 @@ impl ExpertProvider for TieredExperts {
         routing: &Routing,
         out: &mut [f32],
     ) -> anyhow::Result<()> {
-        let (picked, _compute) = self.resolve_picks(layer, routing)?;
+        let picked = self.resolve_picks(layer, routing)?;
         if let Some((mut g, lane)) = self.gpu_for(layer)? {
-            return g.compute(layer, x, routing, lane, &|e| picked[&e].clone(), out);
+            return g.compute(layer, x, routing, lane, &|e| picked.get(e), out);
         }
-        combine_experts(self.hidden, x, routing, self.experts, out, |e, rows, n| {
-            Ok(picked[&e].forward(rows, n))
+        let order = self.product_order(&picked, routing);
+        combine_experts_in(self.hidden, x, routing, &order, out, |e, rows, n| {
+            Ok(picked.get(e)?.forward(rows, n))
         })
     }
 

@@ -364,14 +364,15 @@ impl GpuTier {
 
     /// `out += sum_j w[t, j] * expert(ids[t, j])(x[t])`: residents from their slots, the rest
     /// by `lane` — on the CPU in place (decode picks, [`Lane::CpuForDecode`]) or through the
-    /// staging slots. `weights_of` gives a non-resident expert's host weights.
+    /// staging slots. `weights_of` gives a non-resident expert's host weights (waiting for a
+    /// record still being read from the store).
     pub fn compute(
         &mut self,
         layer: usize,
         x: &[f32],
         routing: &Routing,
         lane: Lane,
-        weights_of: &(dyn Fn(usize) -> Arc<SwiGlu> + Sync),
+        weights_of: &(dyn Fn(usize) -> anyhow::Result<Arc<SwiGlu>> + Sync),
         out: &mut [f32],
     ) -> anyhow::Result<()> {
         let y = self.run(layer, Rows::Host(x), routing, lane, weights_of)?;
@@ -388,7 +389,7 @@ impl GpuTier {
         x: &CudaSlice<f32>,
         routing: &Routing,
         lane: Lane,
-        weights_of: &(dyn Fn(usize) -> Arc<SwiGlu> + Sync),
+        weights_of: &(dyn Fn(usize) -> anyhow::Result<Arc<SwiGlu>> + Sync),
     ) -> anyhow::Result<CudaSlice<f32>> {
         self.run(layer, Rows::Device(x), routing, lane, weights_of)
     }
@@ -399,7 +400,7 @@ impl GpuTier {
         x: Rows,
         routing: &Routing,
         lane: Lane,
-        weights_of: &(dyn Fn(usize) -> Arc<SwiGlu> + Sync),
+        weights_of: &(dyn Fn(usize) -> anyhow::Result<Arc<SwiGlu>> + Sync),
     ) -> anyhow::Result<CudaSlice<f32>> {
         use rayon::prelude::*;
         self.registrar.drain()?;
@@ -453,13 +454,10 @@ impl GpuTier {
             .par_iter()
             .map(|&p| {
                 let t = p / k;
-                (
-                    p,
-                    weights_of(routing.ids[p] as usize)
-                        .forward_lane(&host_rows[t * hidden..(t + 1) * hidden]),
-                )
+                let w = weights_of(routing.ids[p] as usize)?;
+                Ok((p, w.forward_lane(&host_rows[t * hidden..(t + 1) * hidden])))
             })
-            .collect();
+            .collect::<anyhow::Result<_>>()?;
         // Staged experts in rounds of a half's slots, halves alternating: the copy stream
         // fills a half once the kernels that read it last are done (`computed`), and the
         // kernels take it once its copies are (`copied`). The host weights are held until
@@ -471,7 +469,7 @@ impl GpuTier {
             copies.wait(&self.computed[h])?;
             let mut picks = Vec::new();
             for ((e, ps), slot) in batch.iter().zip(self.halves[h].clone()) {
-                let w = weights_of(*e);
+                let w = weights_of(*e)?;
                 write_slot(&copies, &mut self.arena, slot as usize, &w)?;
                 self.h2d_bytes += w.storage_bytes() as u64;
                 picks.extend(ps.iter().map(|&p| (p, slot)));

@@ -83,6 +83,10 @@ pub struct TierBenchArgs {
     /// Decode steps run before measuring (to fill the tiers).
     #[arg(long, env = "GLMFLASH_BENCH_WARMUP", default_value_t = 16)]
     pub warmup_tokens: usize,
+    /// Read each forward's store misses in full before computing its experts (the tiers'
+    /// `--no-fetch-overlap`), to measure what the overlap is worth.
+    #[arg(long, env = "GLMFLASH_BENCH_NO_FETCH_OVERLAP")]
+    pub no_fetch_overlap: bool,
     /// The store disk's O_DIRECT read bandwidth in GB/s (fio, same run), for the roofline.
     #[arg(long, env = "GLMFLASH_BENCH_DISK_GBPS")]
     pub disk_gbps: Option<f64>,

@@ -282,7 +282,10 @@ fn measure_all(
     args: &BenchArgs,
 ) -> anyhow::Result<Value> {
     let runs: Vec<&str> = args.flash.flash_runs.split(',').map(str::trim).collect();
-    let pin = !args.flash.flash_no_pin;
+    let switches = Switches {
+        pin: !args.flash.flash_no_pin,
+        fetch_overlap: !args.tiers.no_fetch_overlap,
+    };
     for r in &runs {
         if !["budget", "prefill", "exact", "vram", "fast", "zipf"].contains(r) {
             bail!("--flash-runs: unknown run {r:?} (budget, prefill, exact, vram, fast, zipf)");
@@ -295,8 +298,15 @@ fn measure_all(
     let source = Arc::new(StoreSource::open(store, model_dir, &cfg)?);
     let record = source_record(&source);
     let started = Instant::now();
-    let placeholder: Arc<dyn ExpertProvider> =
-        Arc::new(tiered(&cfg, &source, Mode::Nvme, 1, 1, true, None)?);
+    let placeholder: Arc<dyn ExpertProvider> = Arc::new(tiered(
+        &cfg,
+        &source,
+        Mode::Nvme,
+        1,
+        1,
+        Switches::default(),
+        None,
+    )?);
     let mut model = crate::tiers::vram::load_dense_on_gpu(model_dir, placeholder, cuda.clone())?;
     eprintln!(
         "dense model on the GPU in {:.1}s",
@@ -328,7 +338,7 @@ fn measure_all(
                 mode,
                 budget.vram_slots,
                 budget.ram_slots,
-                pin,
+                switches,
                 Some(cuda),
             )?);
             model.set_experts(tiers.clone());
@@ -373,7 +383,15 @@ fn measure_all(
     }
     if runs.contains(&"fast") {
         let started = Instant::now();
-        let tiers = Arc::new(tiered(&cfg, &source, Mode::Fast, 0, 0, pin, Some(cuda))?);
+        let tiers = Arc::new(tiered(
+            &cfg,
+            &source,
+            Mode::Fast,
+            0,
+            0,
+            switches,
+            Some(cuda),
+        )?);
         eprintln!(
             "every expert in RAM in {:.1}s",
             started.elapsed().as_secs_f64()
@@ -394,7 +412,7 @@ fn measure_all(
                 Mode::Nvme,
                 budget.vram_slots,
                 budget.ram_slots,
-                pin,
+                switches,
                 Some(cuda),
             )?))
         };
@@ -440,6 +458,22 @@ fn source_record(source: &StoreSource) -> usize {
     source.record_bytes()
 }
 
+/// What `--flash-no-pin` and `--no-fetch-overlap` turn off.
+#[derive(Clone, Copy)]
+struct Switches {
+    pin: bool,
+    fetch_overlap: bool,
+}
+
+impl Default for Switches {
+    fn default() -> Switches {
+        Switches {
+            pin: true,
+            fetch_overlap: true,
+        }
+    }
+}
+
 /// Cold tiers over `source` with these slots per MoE layer (LFU, prefetch on), their
 /// device tier on `cuda` when given.
 fn tiered(
@@ -448,11 +482,12 @@ fn tiered(
     mode: Mode,
     vram_slots: usize,
     ram_slots: usize,
-    pin: bool,
+    switches: Switches,
     cuda: Option<&Arc<Cuda>>,
 ) -> anyhow::Result<TieredExperts> {
     let plan = TierPlan {
-        pin,
+        pin: switches.pin,
+        fetch_overlap: switches.fetch_overlap,
         ..TierPlan::new(mode, vram_slots, ram_slots, cfg.n_routed_experts)
     };
     TieredExperts::new(
@@ -487,6 +522,8 @@ struct Snapshot {
     cpu_picks: u64,
     /// Seconds the tiers' `forward` spent per part (`StepPart::ALL`).
     parts: [f64; 4],
+    /// Seconds the fetch thread spent reading.
+    fetch_busy: f64,
 }
 
 fn snapshot(tiers: Option<&Arc<TieredExperts>>, phase: usize) -> Snapshot {
@@ -504,6 +541,7 @@ fn snapshot(tiers: Option<&Arc<TieredExperts>>, phase: usize) -> Snapshot {
         gpu_picks: gpu.as_ref().map_or(0, |g| g.gpu_picks),
         cpu_picks: gpu.as_ref().map_or(0, |g| g.cpu_picks),
         parts: StepPart::ALL.map(|p| s.part_seconds(p)),
+        fetch_busy: s.fetch_busy_seconds(),
     }
 }
 
@@ -581,6 +619,8 @@ fn figures(model: &Model, run: Measured, all_vram: bool, bw: &Bandwidths, record
                 (p.name().to_string(), json!((after.parts[i] - before.parts[i]) * 1e3 / n))
             })
             .collect::<serde_json::Map<_, _>>(),
+        // The fetch thread's reading, in the background of the parts above when it overlaps.
+        "fetch_busy_ms_per_step": (after.fetch_busy - before.fetch_busy) * 1e3 / n,
     })
 }
 

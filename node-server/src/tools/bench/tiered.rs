@@ -110,6 +110,7 @@ fn measure(
     let source = Arc::new(StoreSource::open(store, dir, &cfg)?);
     let plan = TierPlan {
         eviction: policy,
+        fetch_overlap: !args.tiers.no_fetch_overlap,
         ..TierPlan::new(
             Mode::Nvme,
             args.tiers.vram_slots,
@@ -130,7 +131,16 @@ fn measure(
     let prompt: Vec<u32> = (0..args.prompt_tokens as u32)
         .map(|i| (i * 7919 + 13) % vocab)
         .collect();
+    // The prompt first, on cold tiers: its chunk picks nearly every expert of a layer, so
+    // it is the store-bound part (the reads against the products they overlap).
+    let parts =
+        |t: &TieredExperts| crate::tiers::stats::StepPart::ALL.map(|p| t.stats.part_seconds(p));
+    let prefill_started = Instant::now();
     let (mut logits, mut cache) = model.prefill(&prompt)?;
+    let prefill_s = prefill_started.elapsed().as_secs_f64();
+    let prefill_reads = tiers.stats.store_reads.load(Ordering::Relaxed);
+    let prefill_parts = parts(&tiers);
+    let prefill_busy = tiers.stats.fetch_busy_seconds();
     let mut step = |logits: &mut Vec<f32>| -> anyhow::Result<()> {
         let next = crate::backend::cpu::ops::argmax(logits) as u32;
         *logits = model.decode_step(next, &mut cache)?;
@@ -200,6 +210,21 @@ fn measure(
         "vram_slots": args.tiers.vram_slots,
         "ram_slots": args.tiers.ram_slots,
         "top_decile_pick_share": top_decile,
+        "prefill": {
+            "tokens": args.prompt_tokens,
+            "tok_s": args.prompt_tokens as f64 / prefill_s,
+            "store_records": prefill_reads,
+            "store_gb": prefill_reads as f64 * record / 1e9,
+            "fetch_overlap": tiers.plan().fetch_overlap,
+            "ms": {
+                "total": prefill_s * 1e3,
+                "fetch_wait": prefill_parts[0] * 1e3,
+                "fetch_busy": prefill_busy * 1e3,
+                "resolve": prefill_parts[1] * 1e3,
+                "write_back": prefill_parts[2] * 1e3,
+                "experts": prefill_parts[3] * 1e3,
+            },
+        },
         "decode_tokens": args.decode_tokens,
         "decode_tok_s": n / decode_s,
         "hit_rate": {
