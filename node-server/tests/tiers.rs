@@ -735,10 +735,9 @@ fn a_read_failing_under_the_products_fails_that_forward_only() {
     });
     let tiers = overlap_tiers(source.clone(), &untiered.cfg, Mode::NvmeExact, (1, 2), true);
     let model = Model::builder().experts(tiers.clone()).load(&dir).unwrap();
-    let err = model
-        .prefill(&prompt)
-        .err()
-        .expect("the failed read fails the prefill");
+    let Err(err) = model.prefill(&prompt) else {
+        panic!("the failed read fails the prefill");
+    };
     assert!(
         format!("{err:#}").contains(&format!("layer {first_moe}, expert {picked} unreadable")),
         "{err:#}"
