@@ -85,8 +85,8 @@ pub const GPU_FORWARD_SECONDS: &str = "glmflash_gpu_forward_seconds";
 pub const PLAN_EXPERT_SLOTS: &str = "glmflash_plan_expert_slots";
 /// The memory plan's bytes by `kind`: `vram_free` (when planned), `vram_weights`,
 /// `vram_cache`, `vram_workspace`, `vram_staging`, `vram_reserve`, `vram_experts`, `ram_limit`
-/// (the cap, when there is one), `ram_held`, `ram_reserve`, `ram_budget`, `ram_experts`,
-/// `store`; beside [`MEMORY_BYTES`], the actual figures.
+/// (the cap, when there is one), `ram_held`, `ram_reserve`, `ram_budget`,
+/// `ram_prompt_reads` (of the budget, a prompt chunk's store reads), `ram_experts`, `store`; beside [`MEMORY_BYTES`], the actual figures.
 pub const PLAN_MEMORY_BYTES: &str = "glmflash_plan_memory_bytes";
 
 /// Every name above.

@@ -139,12 +139,14 @@ fn the_servers_sizing_is_plans_for_the_same_inputs() {
     let layer_row = open.moe_layers as u64 * f.record;
     for (vram_mib, ram_slots) in [(6u64, 4u64), (0, 9), (13, 3)] {
         // Free VRAM `vram_mib` over what the GPU holds first (whole MiB, as `--vram-mib`
-        // takes it); a cap for `ram_slots` a layer beside what the process holds and the
-        // reserve.
+        // takes it); a cap for `ram_slots` a layer beside what the process holds, the
+        // reserve and a prompt chunk's reads of the experts no tier holds (one more slot
+        // would need two records more: its own row of 3 less the read it saves).
         let vram_mib = before_slots.div_ceil(MIB) + vram_mib;
         let vram_slots = (vram_mib * MIB - before_slots) / layer_row;
         let held = open.ram_held_bytes - 16 * layer_row + vram_slots * layer_row;
-        let cap = held + 2048 * MIB + ram_slots * layer_row + layer_row / 2;
+        let reads = (16 - vram_slots - ram_slots) * f.record;
+        let cap = held + 2048 * MIB + ram_slots * layer_row + reads + f.record / 2;
         let box_flags = [
             "--vram-mib".to_string(),
             vram_mib.to_string(),
@@ -173,6 +175,7 @@ fn the_servers_sizing_is_plans_for_the_same_inputs() {
             (server.vram_basis, server.ram_basis),
             ("free-vram", "cgroup")
         );
+        assert_eq!(server.ram_prompt_reads_bytes, reads);
         assert_eq!(server.record_bytes, f.record);
         assert_eq!(server.store_bytes, 3 * 16 * f.record);
     }

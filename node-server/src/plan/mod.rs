@@ -153,6 +153,9 @@ pub struct MemoryPlan {
     pub ram_held_bytes: u64,
     /// Of `ram_held_bytes`: the device residents' host copies.
     pub ram_device_copies_bytes: u64,
+    /// Of the RAM budget: a prompt chunk's store reads, held beside the tiers while a layer
+    /// computes (see [`crate::tiers::plan::Sizing::prompt_reads`]).
+    pub ram_prompt_reads_bytes: u64,
     pub ram_reserve_bytes: u64,
     pub ram_limit_bytes: Option<u64>,
     pub ram_budget_bytes: u64,
@@ -410,6 +413,11 @@ pub fn plan_with(
         } else {
             0
         },
+        ram_prompt_reads_bytes: if mode.tiered() {
+            sizing.prompt_reads
+        } else {
+            0
+        },
         ram_reserve_bytes: request.ram_reserve,
         ram_limit_bytes: machine.memory.cgroup_limit,
         ram_budget_bytes: sizing.ram.budget,
@@ -447,6 +455,7 @@ impl MemoryPlan {
             ("ram_held", self.ram_held_bytes),
             ("ram_reserve", self.ram_reserve_bytes),
             ("ram_budget", self.ram_budget_bytes),
+            ("ram_prompt_reads", self.ram_prompt_reads_bytes),
             ("ram_experts", self.ram_expert_bytes()),
             ("store", self.store_bytes),
         ];
@@ -586,6 +595,12 @@ impl MemoryPlan {
             ),
             self.ram_budget_bytes,
         ));
+        if self.ram_prompt_reads_bytes > 0 {
+            text(row(
+                "  of which a prompt chunk's store reads".into(),
+                self.ram_prompt_reads_bytes,
+            ));
+        }
         match self.ram_limit_bytes {
             Some(l) => text(row("of the memory cap".into(), l)),
             None => text("  no memory cap: the machine's available memory is the base".into()),

@@ -135,10 +135,16 @@ fn vram_slots_are_sized_by_the_vram_tiers_layout() {
         + p.vram_reserve_bytes
         + p.vram_expert_bytes;
     assert!(used <= p.vram_bytes && p.vram_bytes - used < 42 * 9_510_912);
-    assert_eq!(
-        p.ram_budget_bytes / (42 * p.record_bytes),
-        p.ram_expert_slots_per_layer as u64
+    // The RAM budget holds the slots and a prompt chunk's reads of every expert no tier
+    // holds (288 - 36 VRAM - 90 RAM = 162 records at once): the most slots for which both fit.
+    let (r, d) = (
+        p.ram_expert_slots_per_layer as u64,
+        p.vram_expert_slots_per_layer as u64,
     );
+    let need = |r: u64| (42 * r + 288 - d - r) * p.record_bytes;
+    assert!(need(r) <= p.ram_budget_bytes && need(r + 1) > p.ram_budget_bytes);
+    assert_eq!(p.ram_prompt_reads_bytes, (288 - d - r) * p.record_bytes);
+    assert_eq!((d, r), (36, 90), "{}", p.table());
     // An average rate gets the slot of the trellis rate above it (3.05 -> 3.5).
     let avg = plan(&seed_box(flash(), exl3(3.05), exl3(3.05), exl3(6.0))).unwrap();
     let up = MoeLayout::exl3(4096, 2048, form(3.5), form(3.5)).unwrap();

@@ -151,6 +151,11 @@ pub struct Sizing {
     pub device_basis: &'static str,
     /// Of `ram.held`: the device residents' host copies (issue 17 item 4 would drop them).
     pub device_copies: u64,
+    /// Of the RAM budget: the records one forward may hold beside the tiers, a prompt
+    /// chunk's reads of every expert of a layer that no tier holds (read, computed, then
+    /// admitted or dropped); the RAM slots are what is left. 0 when the slots or the budget
+    /// come from a flag.
+    pub prompt_reads: u64,
     pub ram: sizing::RamPlan,
 }
 
@@ -188,15 +193,30 @@ pub fn size_tiers(model: &ModelSizes, request: &SlotRequest, machine: &MachineFa
         model.moe_layers,
         model.experts,
     );
-    let ram_slots = request
+    let mut ram_slots = request
         .ram_slots
         .unwrap_or(ram.slots_per_layer)
         .min(model.experts);
+    let mut prompt_reads = 0;
+    if request.ram_slots.is_none() && request.ram_budget.is_none() {
+        // A prompt chunk picks nearly every expert of a layer: the ones no tier holds are
+        // read and held while the layer computes, beside the full tiers. Fewer RAM slots
+        // mean more such reads, so take slots off until both fit the budget.
+        let reads =
+            |r: usize| model.experts.saturating_sub(device_slots + r) as u64 * model.record_bytes;
+        while ram_slots > 0
+            && ram_slots as u64 * layers * model.record_bytes + reads(ram_slots) > ram.budget
+        {
+            ram_slots -= 1;
+        }
+        prompt_reads = reads(ram_slots);
+    }
     Sizing {
         device_slots,
         ram_slots,
         device_basis,
         device_copies,
+        prompt_reads,
         ram,
     }
 }
@@ -338,14 +358,27 @@ mod tests {
     }
 
     #[test]
-    fn ram_tier_holds_the_dense_weights_and_the_device_copies_outside_its_budget() {
+    fn ram_tier_holds_the_dense_weights_the_device_copies_and_a_prompts_reads_outside_its_slots() {
         // 64 GiB cap: budget = 64 GiB - (rss 100 MiB + dense 1,000 MiB + 4 x 42 device
         // copies of 14 MiB) - 2,048 MiB reserve.
         let s = size_tiers(&flash(1_000), &request(), &machine(None, Some(64 << 30)));
         let held = 100 * MIB + 1_000 * MIB + 4 * 42 * 14 * MIB;
         assert_eq!(s.ram.held, held);
         assert_eq!(s.ram.budget, (64 << 30) - held - 2048 * MIB);
-        assert_eq!(s.ram_slots as u64, s.ram.budget / (14 * MIB) / 42);
+        // The budget also holds a prompt chunk's reads of the experts no tier holds
+        // (288 - 4 device - r RAM of them): r = 102 slots alone, 97 beside the reads.
+        assert_eq!(s.ram.budget / (14 * MIB) / 42, 102);
+        let need = |r: u64| (42 * r + 288 - 4 - r) * 14 * MIB;
+        let r = s.ram_slots as u64;
+        assert!(need(r) <= s.ram.budget && need(r + 1) > s.ram.budget);
+        assert_eq!((r, s.prompt_reads), (97, (288 - 4 - 97) * 14 * MIB));
+        // Slots or a budget from a flag are the tier's own: no reads taken off.
+        let flagged = SlotRequest {
+            ram_budget: Some(s.ram.budget),
+            ..request()
+        };
+        let f = size_tiers(&flash(1_000), &flagged, &machine(None, Some(64 << 30)));
+        assert_eq!((f.ram_slots, f.prompt_reads), (102, 0));
     }
 
     #[test]

@@ -108,30 +108,35 @@ pub(super) fn spawn_fetcher(
                 let _fill = FillOnDrop(&job.cells);
                 let keys: Vec<(usize, usize)> =
                     job.experts.iter().map(|&e| (job.layer, e)).collect();
-                let started = std::time::Instant::now();
-                let read = AtomicU64::new(0);
+                // The reads overlap: each record is timed from the one delivered before it
+                // (the first from the batch's start), so the latency histogram and the fetch
+                // thread's busy time sum to the time the store was busy for the tiers. Counted
+                // before the cell is filled: a forward that has its records has their counts.
+                let last = Mutex::new(std::time::Instant::now());
                 pool.install(|| {
                     source.load_each(&keys, &|i, result| {
-                        match &result {
-                            Ok(_) => read.fetch_add(1, Ordering::Relaxed),
-                            Err(_) => stats.store_read_errors.fetch_add(1, Ordering::Relaxed),
+                        let since = {
+                            let now = std::time::Instant::now();
+                            let mut last = last.lock().unwrap_or_else(|e| e.into_inner());
+                            let since = now.saturating_duration_since(*last);
+                            *last = now;
+                            since
                         };
+                        stats
+                            .fetch_busy_nanos
+                            .fetch_add(since.as_nanos() as u64, Ordering::Relaxed);
+                        match &result {
+                            Ok(_) => {
+                                stats.store_read_latency.observe(since);
+                                stats.store_reads.fetch_add(1, Ordering::Relaxed);
+                            }
+                            Err(_) => {
+                                stats.store_read_errors.fetch_add(1, Ordering::Relaxed);
+                            }
+                        }
                         job.cells[i].set(result);
                     })
                 });
-                let took = started.elapsed();
-                // The reads overlap: the batch's time is split over its records, so the
-                // latency histogram sums to the time the store was busy for the tiers.
-                let read = read.into_inner();
-                for _ in 0..read {
-                    stats
-                        .store_read_latency
-                        .observe(took / keys.len().max(1) as u32);
-                }
-                stats.store_reads.fetch_add(read, Ordering::Relaxed);
-                stats
-                    .fetch_busy_nanos
-                    .fetch_add(took.as_nanos() as u64, Ordering::Relaxed);
             }
         })?;
     Ok((tx, thread))
