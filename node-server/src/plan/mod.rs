@@ -500,6 +500,7 @@ impl MemoryPlan {
             reserve_mib = mib(self.ram_reserve_bytes),
             budget_mib = mib(self.ram_budget_bytes),
             budget_from = self.ram_basis,
+            prompt_reads_mib = mib(self.ram_prompt_reads_bytes),
             record_bytes = self.record_bytes,
             moe_layers = self.moe_layers,
             ram_slots_per_layer = self.ram_expert_slots_per_layer,
