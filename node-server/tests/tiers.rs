@@ -602,8 +602,9 @@ fn overlap_tiers(
 }
 
 /// Computing each pick as its record arrives changes neither the logits (bit for bit, every
-/// tiered mode) nor what is read: the same records as reading the whole batch first, each
-/// once, and the products waited (`fetch` part) no longer than that.
+/// tiered mode, prompt and greedy steps) nor what a cold prompt reads: each layer's distinct
+/// picks, each once, as when the whole batch is read first. (After the prompt, what is read
+/// depends on when the write-back thread settled the moves down, on and off alike.)
 #[test]
 fn products_overlapping_the_reads_change_nothing_but_the_wait() {
     let dir = fixture("tiny_mixed");
@@ -615,14 +616,14 @@ fn products_overlapping_the_reads_change_nothing_but_the_wait() {
     let reads = |t: &TieredExperts| {
         t.stats
             .store_reads
-            .load(std::sync::atomic::Ordering::Relaxed)
+            .load(std::sync::atomic::Ordering::Relaxed) as usize
     };
     for (mode, slots) in [
         (Mode::NvmeExact, (1, 1)),
         (Mode::Nvme, (2, 3)),
         (Mode::Nvme, (0, 0)),
     ] {
-        let mut read = Vec::new();
+        let mut prompt_reads = Vec::new();
         for overlap in [true, false] {
             let source = Arc::new(Counting {
                 inner: CheckpointSource::open(&dir).unwrap(),
@@ -631,6 +632,23 @@ fn products_overlapping_the_reads_change_nothing_but_the_wait() {
             });
             let tiers = overlap_tiers(source.clone(), &untiered.cfg, mode, slots, overlap);
             let model = Model::builder().experts(tiers.clone()).load(&dir).unwrap();
+            let cold = overlap_tiers(
+                Arc::new(CheckpointSource::open(&dir).unwrap()),
+                &untiered.cfg,
+                mode,
+                slots,
+                overlap,
+            );
+            let prompt_model = Model::builder().experts(cold.clone()).load(&dir).unwrap();
+            prompt_model.prefill(&prompt).unwrap();
+            let picked: usize = cold
+                .history("cold")
+                .counts
+                .iter()
+                .map(|row| row.iter().filter(|&&c| c > 0).count())
+                .sum();
+            prompt_reads.push(reads(&cold));
+            assert_eq!(reads(&cold), picked, "a cold prompt reads each pick once");
             assert!(
                 run(&model, &prompt) == expected,
                 "{mode:?} {slots:?} overlap {overlap}: logits differ"
@@ -638,11 +656,7 @@ fn products_overlapping_the_reads_change_nothing_but_the_wait() {
             tiers.flush();
             let batched: usize = source.batches.lock().unwrap().iter().sum();
             let singles = source.singles.load(std::sync::atomic::Ordering::Relaxed);
-            assert_eq!(
-                reads(&tiers) as usize,
-                batched + singles,
-                "each read counted once"
-            );
+            assert_eq!(reads(&tiers), batched + singles, "each read counted once");
             assert!(
                 batched > 0,
                 "{mode:?}: the prompt's misses went to the fetch thread"
@@ -653,13 +667,77 @@ fn products_overlapping_the_reads_change_nothing_but_the_wait() {
                 assert!(d.len() <= slots.0 && r.len() <= slots.1 && f.is_empty());
                 assert!(d.iter().all(|e| !r.contains(e)), "an expert in two tiers");
             }
-            read.push((batched, singles));
         }
         assert_eq!(
-            read[0], read[1],
+            prompt_reads[0], prompt_reads[1],
             "{mode:?} {slots:?}: overlap on and off read alike"
         );
     }
+}
+
+/// A prompt chunk's predicted misses of the next MoE layer are read ahead (once this layer's
+/// records are admitted) and serve that layer's misses: the logits stay bit-identical, the
+/// prompt reads nothing twice, and every read is one the tiers would have made or one
+/// counted as wasted (a prediction no token picked).
+#[test]
+fn a_prompts_next_layer_is_read_ahead_and_nothing_twice() {
+    let dir = fixture("tiny_mixed");
+    let untiered = Model::load(&dir).unwrap();
+    let prompt: Vec<u32> = (0..30)
+        .map(|i| (i * 29 + 7) % untiered.cfg.vocab_size as u32)
+        .collect();
+    let expected = untiered.prefill(&prompt).unwrap().0;
+    let experts = untiered.cfg.n_routed_experts;
+    let get = |c: &std::sync::atomic::AtomicU64| c.load(std::sync::atomic::Ordering::Relaxed);
+    let mut reads = Vec::new();
+    for prefetch in [false, true] {
+        let source = Arc::new(CheckpointSource::open(&dir).unwrap());
+        let plan = TierPlan {
+            prefetch,
+            ..test_plan(Mode::NvmeExact, 1, 1, experts, 64, prefetch)
+        };
+        let tiers = Arc::new(
+            TieredExperts::new(
+                source,
+                untiered.cfg.hidden_size,
+                experts,
+                &untiered.cfg.moe_layers(),
+                &plan,
+                None,
+            )
+            .unwrap(),
+        );
+        let model = Model::builder().experts(tiers.clone()).load(&dir).unwrap();
+        assert!(
+            model.prefill(&prompt).unwrap().0 == expected,
+            "prefetch {prefetch}: logits differ"
+        );
+        tiers.flush();
+        let s = &tiers.stats;
+        reads.push((
+            get(&s.store_reads),
+            get(&s.prefetch_hits),
+            get(&s.prefetch_wasted),
+        ));
+        if prefetch {
+            assert!(
+                get(&s.prefetch_issued) > 0 && get(&s.prefetch_hits) > 0,
+                "{:?}",
+                reads
+            );
+            // Issued reads were used or wasted, none left over after the last MoE layer.
+            assert_eq!(
+                get(&s.prefetch_issued),
+                get(&s.prefetch_hits) + get(&s.prefetch_wasted)
+            );
+        }
+    }
+    let ((off, ..), (on, _, wasted)) = (reads[0], reads[1]);
+    assert_eq!(
+        on,
+        off + wasted,
+        "reads without read-ahead {off}, with {on}, {wasted} wasted"
+    );
 }
 
 /// A source whose batch reads fail once for one record, the rest as the checkpoint's.
@@ -892,7 +970,7 @@ fn the_history_fill_takes_what_the_prefetcher_staged_instead_of_reading_it_again
     let tiers = rig.tiers(Some(file), true);
     let reads = |t: &TieredExperts| t.stats.store_reads.load(Relaxed);
     let ids: Vec<u32> = staged.iter().map(|&e| e as u32).collect();
-    tiers.prefetch(layer, &ids);
+    tiers.prefetch(layer, &ids, false);
     let deadline = std::time::Instant::now() + std::time::Duration::from_secs(20);
     while reads(&tiers) < staged.len() as u64 {
         assert!(

@@ -79,8 +79,10 @@ pub trait ExpertProvider: Send + Sync {
     }
 
     /// A prediction of layer `layer`'s picks (`ids`, any order, duplicates allowed), made one
-    /// MoE layer ahead; a provider may start reading them.
-    fn prefetch(&self, _layer: usize, _ids: &[u32]) {}
+    /// MoE layer ahead; a provider may start reading them. `prompt`: the forward has prompt
+    /// tokens (a chunk's picks cover most of a layer, and reading them must not crowd out
+    /// the current layer's).
+    fn prefetch(&self, _layer: usize, _ids: &[u32], _prompt: bool) {}
 
     /// Called once when serving ends (after the last forward): a provider settles what it
     /// owes (pending moves, its saved state) and reports.

@@ -110,6 +110,11 @@ pub struct TieredExperts {
     prefetcher: Option<Mutex<std::sync::mpsc::Sender<(usize, usize)>>>,
     /// The fetch thread's queue: a forward's store misses, read while its products run.
     fetcher: Option<Mutex<std::sync::mpsc::Sender<fetch::Job>>>,
+    /// A prompt chunk's predicted misses of the next MoE layer, waiting for the current
+    /// forward's products to end ([`TieredExperts::send_ahead`]), and the records then read
+    /// ahead, by (layer, expert), until that layer's forward takes them.
+    ahead_request: Mutex<Option<(usize, Vec<usize>)>>,
+    ahead: Mutex<HashMap<(usize, usize), Arc<Cell>>>,
     /// The write-back and prefetch threads, joined on drop: nothing of the tiers runs on
     /// while the process tears down (the CUDA driver and the store with it).
     threads: Vec<std::thread::JoinHandle<()>>,
@@ -232,6 +237,8 @@ impl TieredExperts {
             staged,
             prefetcher,
             fetcher,
+            ahead_request: Mutex::new(None),
+            ahead: Mutex::new(HashMap::new()),
             threads,
             stats,
             pins,
@@ -407,6 +414,13 @@ impl TieredExperts {
         let Some(fetcher) = &self.fetcher else {
             return Vec::new();
         };
+        {
+            // A read-ahead of this layer that was never sent (its forward failed early).
+            let mut request = self.ahead_request.lock().expect("read-ahead request");
+            if request.as_ref().is_some_and(|(l, _)| *l == layer) {
+                *request = None;
+            }
+        }
         let mut seen = std::collections::HashSet::new();
         let missing: Vec<usize> = {
             let l = self.layer(layer);
@@ -424,26 +438,109 @@ impl TieredExperts {
                 })
                 .collect()
         };
-        if missing.len() < 2 {
-            return Vec::new();
+        // What was read ahead for this layer serves its misses; the rest of it is wasted.
+        let mut cells: Vec<Option<Arc<Cell>>> = Vec::with_capacity(missing.len());
+        {
+            let mut ahead = self.ahead.lock().expect("read-ahead map");
+            cells.extend(missing.iter().map(|&e| ahead.remove(&(layer, e))));
+            let before = ahead.len();
+            ahead.retain(|&(l, _), _| l != layer);
+            self.stats
+                .prefetch_wasted
+                .fetch_add((before - ahead.len()) as u64, Ordering::Relaxed);
         }
-        let cells: Vec<Arc<Cell>> = missing.iter().map(|_| Arc::default()).collect();
-        let job = fetch::Job {
-            layer,
-            experts: missing.clone(),
-            cells: cells.clone(),
-        };
-        if fetcher.lock().expect("fetch queue").send(job).is_err() {
-            // The fetch thread is gone (shutting down): the lookups read them.
-            return Vec::new();
+        let read_ahead = cells.iter().filter(|c| c.is_some()).count();
+        self.stats
+            .prefetch_hits
+            .fetch_add(read_ahead as u64, Ordering::Relaxed);
+        // The rest in one batch (one alone is left to its lookup).
+        let new: Vec<usize> = missing
+            .iter()
+            .zip(&cells)
+            .filter(|(_, c)| c.is_none())
+            .map(|(&e, _)| e)
+            .collect();
+        if new.len() >= 2 {
+            let fresh: Vec<Arc<Cell>> = new.iter().map(|_| Arc::default()).collect();
+            let job = fetch::Job {
+                layer,
+                experts: new,
+                cells: fresh.clone(),
+            };
+            // If the fetch thread is gone (shutting down), the lookups read them.
+            if fetcher.lock().expect("fetch queue").send(job).is_ok() {
+                let mut fresh = fresh.into_iter();
+                for c in cells.iter_mut().filter(|c| c.is_none()) {
+                    *c = fresh.next();
+                }
+            }
         }
+        // In the order the products first need them (the admissions follow it too).
+        let coming: Vec<(usize, Arc<Cell>)> = missing
+            .into_iter()
+            .zip(cells)
+            .filter_map(|(e, c)| Some((e, c?)))
+            .collect();
         if !self.plan.fetch_overlap {
-            for cell in &cells {
+            for (_, cell) in &coming {
                 // An error stays in the cell for the pick that needs it.
                 let _ = Pick::Coming(cell.clone()).get(&self.stats);
             }
         }
-        missing.into_iter().zip(cells).collect()
+        coming
+    }
+
+    /// Sends the read-ahead a prompt chunk asked for ([`ExpertProvider::prefetch`]) to the
+    /// fetch thread, once the forward before it has admitted or dropped its own records: at
+    /// most one layer's misses are held beside the tiers (what the memory plan keeps room
+    /// for), and the next layer's reads overlap what runs before its experts (attention,
+    /// the shared expert, the dense layers between).
+    fn send_ahead(&self) {
+        let Some(fetcher) = &self.fetcher else { return };
+        let Some((layer, experts)) = self
+            .ahead_request
+            .lock()
+            .expect("read-ahead request")
+            .take()
+        else {
+            return;
+        };
+        // Placed meanwhile (the history fill, an admission): not read again.
+        let experts: Vec<usize> = {
+            let l = self.layer(layer);
+            experts
+                .into_iter()
+                .filter(|e| {
+                    !l.device.contains_key(e)
+                        && !l.ram.contains_key(e)
+                        && !l.in_flight.contains_key(e)
+                })
+                .collect()
+        };
+        if experts.is_empty() {
+            return;
+        }
+        let cells: Vec<Arc<Cell>> = experts.iter().map(|_| Arc::default()).collect();
+        {
+            let mut ahead = self.ahead.lock().expect("read-ahead map");
+            for (&e, cell) in experts.iter().zip(&cells) {
+                ahead.insert((layer, e), cell.clone());
+            }
+        }
+        self.stats
+            .prefetch_issued
+            .fetch_add(experts.len() as u64, Ordering::Relaxed);
+        let job = fetch::Job {
+            layer,
+            experts,
+            cells,
+        };
+        if fetcher.lock().expect("fetch queue").send(job).is_err() {
+            self.ahead
+                .lock()
+                .expect("read-ahead map")
+                .retain(|&(l, _), _| l != layer);
+        }
     }
 
     /// Finds (and moves, by policy) one picked expert; gives its weights, or the record on
@@ -728,6 +825,7 @@ impl Drop for Picked<'_> {
             }
             self.tiers.admit_fetched(self.layer, &self.coming);
         }
+        self.tiers.send_ahead();
     }
 }
 
@@ -800,11 +898,20 @@ impl ExpertProvider for TieredExperts {
         self.prefetcher.is_some()
     }
 
-    fn prefetch(&self, layer: usize, ids: &[u32]) {
+    /// Decode: the predicted misses go to the prefetcher, one record at a time, into the
+    /// staging map. A prompt chunk: they are read ahead in one batch by the fetch thread
+    /// once this forward's own records are admitted ([`TieredExperts::send_ahead`]).
+    fn prefetch(&self, layer: usize, ids: &[u32], prompt: bool) {
         let Some(tx) = &self.prefetcher else { return };
         let mut wanted: Vec<usize> = ids.iter().map(|&e| e as usize).collect();
         wanted.sort_unstable();
         wanted.dedup();
+        if prompt {
+            if self.fetcher.is_some() {
+                *self.ahead_request.lock().expect("read-ahead request") = Some((layer, wanted));
+            }
+            return;
+        }
         let missing: Vec<usize> = {
             let l = self.layer(layer);
             wanted

@@ -87,6 +87,10 @@ pub struct TierBenchArgs {
     /// `--no-fetch-overlap`), to measure what the overlap is worth.
     #[arg(long, env = "GLMFLASH_BENCH_NO_FETCH_OVERLAP")]
     pub no_fetch_overlap: bool,
+    /// Turn off layer-ahead prefetch (decode) and read-ahead (prompt chunks), as the tiers'
+    /// `--no-prefetch`.
+    #[arg(long, env = "GLMFLASH_BENCH_NO_PREFETCH")]
+    pub no_prefetch: bool,
     /// The store disk's O_DIRECT read bandwidth in GB/s (fio, same run), for the roofline.
     #[arg(long, env = "GLMFLASH_BENCH_DISK_GBPS")]
     pub disk_gbps: Option<f64>,

@@ -285,6 +285,7 @@ fn measure_all(
     let switches = Switches {
         pin: !args.flash.flash_no_pin,
         fetch_overlap: !args.tiers.no_fetch_overlap,
+        prefetch: !args.tiers.no_prefetch,
     };
     for r in &runs {
         if !["budget", "prefill", "exact", "vram", "fast", "zipf"].contains(r) {
@@ -458,11 +459,12 @@ fn source_record(source: &StoreSource) -> usize {
     source.record_bytes()
 }
 
-/// What `--flash-no-pin` and `--no-fetch-overlap` turn off.
+/// What `--flash-no-pin`, `--no-fetch-overlap` and `--no-prefetch` turn off.
 #[derive(Clone, Copy)]
 struct Switches {
     pin: bool,
     fetch_overlap: bool,
+    prefetch: bool,
 }
 
 impl Default for Switches {
@@ -470,6 +472,7 @@ impl Default for Switches {
         Switches {
             pin: true,
             fetch_overlap: true,
+            prefetch: true,
         }
     }
 }
@@ -488,6 +491,7 @@ fn tiered(
     let plan = TierPlan {
         pin: switches.pin,
         fetch_overlap: switches.fetch_overlap,
+        prefetch: switches.prefetch && mode.tiered(),
         ..TierPlan::new(mode, vram_slots, ram_slots, cfg.n_routed_experts)
     };
     TieredExperts::new(

@@ -111,6 +111,7 @@ fn measure(
     let plan = TierPlan {
         eviction: policy,
         fetch_overlap: !args.tiers.no_fetch_overlap,
+        prefetch: !args.tiers.no_prefetch,
         ..TierPlan::new(
             Mode::Nvme,
             args.tiers.vram_slots,
@@ -141,6 +142,8 @@ fn measure(
     let prefill_reads = tiers.stats.store_reads.load(Ordering::Relaxed);
     let prefill_parts = parts(&tiers);
     let prefill_busy = tiers.stats.fetch_busy_seconds();
+    let ahead_used = tiers.stats.prefetch_hits.load(Ordering::Relaxed);
+    let ahead_wasted = tiers.stats.prefetch_wasted.load(Ordering::Relaxed);
     let mut step = |logits: &mut Vec<f32>| -> anyhow::Result<()> {
         let next = crate::backend::cpu::ops::argmax(logits) as u32;
         *logits = model.decode_step(next, &mut cache)?;
@@ -216,6 +219,9 @@ fn measure(
             "store_records": prefill_reads,
             "store_gb": prefill_reads as f64 * record / 1e9,
             "fetch_overlap": tiers.plan().fetch_overlap,
+            "read_ahead": tiers.plan().prefetch,
+            "read_ahead_used": ahead_used,
+            "read_ahead_wasted": ahead_wasted,
             "ms": {
                 "total": prefill_s * 1e3,
                 "fetch_wait": prefill_parts[0] * 1e3,
