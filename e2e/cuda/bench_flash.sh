@@ -7,7 +7,7 @@
 # disk when fio exists. Results: $OUT/flash.json (and flash.log) for q4_k, $OUT/flash-exl3-3.json
 # (and .log) for exl3:3.
 #   e2e/cuda/bench_flash.sh [OUTDIR]     # env: BIN, FORMATS ("q4_k exl3:3"; default q4_k), RUNS, LAYERS, SCRATCH, PREFILL, DECODERS, NO_PIN=1
-#   (GLMFLASH_BENCH_NO_FETCH_OVERLAP=1: each forward reads its store misses before computing, the A/B of the overlap)
+#   (A/B switches: GLMFLASH_BENCH_NO_FETCH_OVERLAP=1 reads each forward's store misses before computing; GLMFLASH_BENCH_NO_PREFETCH=1 turns the read-ahead off)
 set -uo pipefail
 cd "$(dirname "$0")/../.."
 BIN="${BIN:-.device/glmflash-node}"
