@@ -319,7 +319,7 @@ impl<D: Device> Layer<D> {
                     && let Some((next, next_moe)) = next_moe
                 {
                     let predicted = next_moe.router.route(dev, x, pass.tokens)?;
-                    let prompt = pass.phases.iter().any(|p| *p == Phase::Prefill);
+                    let prompt = pass.phases.contains(&Phase::Prefill);
                     pass.experts.prefetch(next, &predicted.ids, prompt);
                 }
                 let (y, routing) = moe

@@ -817,14 +817,18 @@ impl Picked<'_> {
 impl Drop for Picked<'_> {
     fn drop(&mut self) {
         self.tiers.stats.add_part(StepPart::Compute, self.started);
-        if !self.coming.is_empty() {
+        let coming = std::mem::take(&mut self.coming);
+        if !coming.is_empty() {
             // A record still being read (the products failed early) is waited for here, so
             // the next forward's batch does not read it again.
-            for (_, cell) in &self.coming {
+            for (_, cell) in &coming {
                 let _ = Pick::Coming(cell.clone()).get(&self.tiers.stats);
             }
-            self.tiers.admit_fetched(self.layer, &self.coming);
+            self.tiers.admit_fetched(self.layer, &coming);
         }
+        // What the RAM tier did not admit is freed before the next layer is read ahead.
+        drop(coming);
+        self.picked.clear();
         self.tiers.send_ahead();
     }
 }

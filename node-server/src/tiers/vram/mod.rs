@@ -481,6 +481,15 @@ impl GpuTier {
                 .moe_picks(&mut run, &self.arena.buf, self.limit, &picks)?;
             self.computed[h].record(&kernels)?;
         }
+        if !staged.is_empty() {
+            // The staged host weights go as soon as their uploads are done: a prompt chunk
+            // stages most of a layer, and the tiers read the next layer ahead once this one's
+            // records are let go (one layer's reads beside the tiers, as the plan keeps room
+            // for). The kernels wait for these uploads anyway, and the next layer's routing
+            // waits for the kernels.
+            copies.synchronize()?;
+            self.staged_weights.clear();
+        }
         for (p, y) in &cpu_rows {
             self.cuda.moe_set_rows(&mut run, *p, y)?;
         }
