@@ -26,7 +26,7 @@ use super::stats::{StepPart, TierStats};
 use crate::model::mlp::SwiGlu;
 use crate::model::moe::{ExpertProvider, Phase, Routing, combine_experts_in};
 use background::{Room, handle_write_back, make_room, spawn_prefetcher, spawn_writer, timed_load};
-use fetch::{Cell, Pick};
+use fetch::{Cell, Pick, Picked};
 use std::collections::HashMap;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
@@ -405,144 +405,6 @@ impl TieredExperts {
             }
     }
 
-    /// Sends the picked experts of `layer` that no tier holds (and no prefetch staged) to
-    /// the fetch thread in one batch, in the order the products first need them: the store
-    /// serves them at queue depth while the products run, instead of one after another under
-    /// the layer's lock. One miss is left to the lookup itself. Without the plan's
-    /// `fetch_overlap` this waits for the whole batch.
-    fn start_fetch(&self, layer: usize, routing: &Routing) -> Vec<(usize, Arc<Cell>)> {
-        let Some(fetcher) = &self.fetcher else {
-            return Vec::new();
-        };
-        {
-            // A read-ahead of this layer that was never sent (its forward failed early).
-            let mut request = self.ahead_request.lock().expect("read-ahead request");
-            if request.as_ref().is_some_and(|(l, _)| *l == layer) {
-                *request = None;
-            }
-        }
-        let mut seen = std::collections::HashSet::new();
-        let missing: Vec<usize> = {
-            let l = self.layer(layer);
-            let staged = self.staged.lock().expect("staging lock");
-            routing
-                .ids
-                .iter()
-                .map(|&e| e as usize)
-                .filter(|&e| {
-                    seen.insert(e)
-                        && !l.device.contains_key(&e)
-                        && !l.ram.contains_key(&e)
-                        && !l.in_flight.contains_key(&e)
-                        && !staged.contains_key(&(layer, e))
-                })
-                .collect()
-        };
-        // What was read ahead for this layer serves its misses; the rest of it is wasted.
-        let mut cells: Vec<Option<Arc<Cell>>> = Vec::with_capacity(missing.len());
-        {
-            let mut ahead = self.ahead.lock().expect("read-ahead map");
-            cells.extend(missing.iter().map(|&e| ahead.remove(&(layer, e))));
-            let before = ahead.len();
-            ahead.retain(|&(l, _), _| l != layer);
-            self.stats
-                .prefetch_wasted
-                .fetch_add((before - ahead.len()) as u64, Ordering::Relaxed);
-        }
-        let read_ahead = cells.iter().filter(|c| c.is_some()).count();
-        self.stats
-            .prefetch_hits
-            .fetch_add(read_ahead as u64, Ordering::Relaxed);
-        // The rest in one batch (one alone is left to its lookup).
-        let new: Vec<usize> = missing
-            .iter()
-            .zip(&cells)
-            .filter(|(_, c)| c.is_none())
-            .map(|(&e, _)| e)
-            .collect();
-        if new.len() >= 2 {
-            let fresh: Vec<Arc<Cell>> = new.iter().map(|_| Arc::default()).collect();
-            let job = fetch::Job {
-                layer,
-                experts: new,
-                cells: fresh.clone(),
-            };
-            // If the fetch thread is gone (shutting down), the lookups read them.
-            if fetcher.lock().expect("fetch queue").send(job).is_ok() {
-                let mut fresh = fresh.into_iter();
-                for c in cells.iter_mut().filter(|c| c.is_none()) {
-                    *c = fresh.next();
-                }
-            }
-        }
-        // In the order the products first need them (the admissions follow it too).
-        let coming: Vec<(usize, Arc<Cell>)> = missing
-            .into_iter()
-            .zip(cells)
-            .filter_map(|(e, c)| Some((e, c?)))
-            .collect();
-        if !self.plan.fetch_overlap {
-            for (_, cell) in &coming {
-                // An error stays in the cell for the pick that needs it.
-                let _ = Pick::Coming(cell.clone()).get(&self.stats);
-            }
-        }
-        coming
-    }
-
-    /// Sends the read-ahead a prompt chunk asked for ([`ExpertProvider::prefetch`]) to the
-    /// fetch thread, once the forward before it has admitted or dropped its own records: at
-    /// most one layer's misses are held beside the tiers (what the memory plan keeps room
-    /// for), and the next layer's reads overlap what runs before its experts (attention,
-    /// the shared expert, the dense layers between).
-    fn send_ahead(&self) {
-        let Some(fetcher) = &self.fetcher else { return };
-        let Some((layer, experts)) = self
-            .ahead_request
-            .lock()
-            .expect("read-ahead request")
-            .take()
-        else {
-            return;
-        };
-        // Placed meanwhile (the history fill, an admission): not read again.
-        let experts: Vec<usize> = {
-            let l = self.layer(layer);
-            experts
-                .into_iter()
-                .filter(|e| {
-                    !l.device.contains_key(e)
-                        && !l.ram.contains_key(e)
-                        && !l.in_flight.contains_key(e)
-                })
-                .collect()
-        };
-        if experts.is_empty() {
-            return;
-        }
-        let cells: Vec<Arc<Cell>> = experts.iter().map(|_| Arc::default()).collect();
-        {
-            let mut ahead = self.ahead.lock().expect("read-ahead map");
-            for (&e, cell) in experts.iter().zip(&cells) {
-                ahead.insert((layer, e), cell.clone());
-            }
-        }
-        self.stats
-            .prefetch_issued
-            .fetch_add(experts.len() as u64, Ordering::Relaxed);
-        let job = fetch::Job {
-            layer,
-            experts,
-            cells,
-        };
-        if fetcher.lock().expect("fetch queue").send(job).is_err() {
-            self.ahead
-                .lock()
-                .expect("read-ahead map")
-                .retain(|&(l, _), _| l != layer);
-        }
-    }
-
     /// Finds (and moves, by policy) one picked expert; gives its weights, or the record on
     /// its way from the store (`coming`: admitted by [`TieredExperts::admit_fetched`] once
     /// the products are done). Moves down a tier are decided here and queued in `jobs` for
@@ -660,33 +522,6 @@ impl TieredExperts {
         jobs.push(WriteBack::Release(moved));
         self.stats.promotions.fetch_add(1, Ordering::Relaxed);
     }
-
-    /// After the products: the records the fetch thread read for them are admitted as a
-    /// lookup's own read would have been (unless another path placed them meanwhile).
-    fn admit_fetched(&self, layer: usize, coming: &[(usize, Arc<Cell>)]) {
-        if coming.is_empty() {
-            return;
-        }
-        let started = std::time::Instant::now();
-        let mut jobs = Vec::new();
-        {
-            let mut l = self.layer(layer);
-            for (e, cell) in coming {
-                let e = *e;
-                let Some(w) = cell.read() else { continue };
-                if l.device.contains_key(&e)
-                    || l.ram.contains_key(&e)
-                    || l.in_flight.contains_key(&e)
-                {
-                    continue;
-                }
-                self.admit(layer, &mut l, e, w, &mut jobs);
-            }
-        }
-        let at = self.stats.add_part(StepPart::Resolve, started);
-        self.write_back(jobs);
-        self.stats.add_part(StepPart::WriteBack, at);
-    }
 }
 
 impl Drop for TieredExperts {
@@ -751,20 +586,6 @@ impl TieredExperts {
         })
     }
 
-    /// The products' order of the distinct experts `routing` picked: those at hand first,
-    /// then the records on their way, in the order the fetch thread reads them.
-    fn product_order(&self, picked: &Picked, routing: &Routing) -> Vec<usize> {
-        let mut seen = std::collections::HashSet::new();
-        let (mut ready, mut coming): (Vec<usize>, Vec<usize>) = routing
-            .ids
-            .iter()
-            .map(|&e| e as usize)
-            .filter(|&e| seen.insert(e))
-            .partition(|e| matches!(picked.picked[e], Pick::Ready(_)));
-        ready.append(&mut coming);
-        ready
-    }
-
     /// The GPU tier with `layer`'s device slots made to match its residents, and the lane
     /// the mode puts non-resident decode picks on.
     fn gpu_for(
@@ -790,46 +611,6 @@ impl TieredExperts {
         let mut g = gpu.lock().unwrap_or_else(|e| e.into_inner());
         g.reconcile(layer, &residents)?;
         Ok(Some((g, lane)))
-    }
-}
-
-/// A `forward`'s picks between resolving and the products' end: each distinct expert's
-/// weights or its record on the way. Dropped (whichever way the products return), it counts
-/// their time and admits the records read for them.
-struct Picked<'a> {
-    tiers: &'a TieredExperts,
-    layer: usize,
-    picked: HashMap<usize, Pick>,
-    coming: Vec<(usize, Arc<Cell>)>,
-    started: std::time::Instant,
-}
-
-impl Picked<'_> {
-    /// The weights of picked expert `e` (waiting for its record if it is still being read).
-    fn get(&self, e: usize) -> anyhow::Result<Arc<SwiGlu>> {
-        self.picked
-            .get(&e)
-            .ok_or_else(|| anyhow::anyhow!("expert {e} was not picked"))?
-            .get(&self.tiers.stats)
-    }
-}
-
-impl Drop for Picked<'_> {
-    fn drop(&mut self) {
-        self.tiers.stats.add_part(StepPart::Compute, self.started);
-        let coming = std::mem::take(&mut self.coming);
-        if !coming.is_empty() {
-            // A record still being read (the products failed early) is waited for here, so
-            // the next forward's batch does not read it again.
-            for (_, cell) in &coming {
-                let _ = Pick::Coming(cell.clone()).get(&self.tiers.stats);
-            }
-            self.tiers.admit_fetched(self.layer, &coming);
-        }
-        // What the RAM tier did not admit is freed before the next layer is read ahead.
-        drop(coming);
-        self.picked.clear();
-        self.tiers.send_ahead();
     }
 }
 

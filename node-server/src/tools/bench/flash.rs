@@ -299,15 +299,8 @@ fn measure_all(
     let source = Arc::new(StoreSource::open(store, model_dir, &cfg)?);
     let record = source_record(&source);
     let started = Instant::now();
-    let placeholder: Arc<dyn ExpertProvider> = Arc::new(tiered(
-        &cfg,
-        &source,
-        Mode::Nvme,
-        1,
-        1,
-        Switches::default(),
-        None,
-    )?);
+    let placeholder: Arc<dyn ExpertProvider> =
+        Arc::new(tiered(&cfg, &source, Mode::Nvme, 1, 1, switches, None)?);
     let mut model = crate::tiers::vram::load_dense_on_gpu(model_dir, placeholder, cuda.clone())?;
     eprintln!(
         "dense model on the GPU in {:.1}s",
@@ -465,16 +458,6 @@ struct Switches {
     pin: bool,
     fetch_overlap: bool,
     prefetch: bool,
-}
-
-impl Default for Switches {
-    fn default() -> Switches {
-        Switches {
-            pin: true,
-            fetch_overlap: true,
-            prefetch: true,
-        }
-    }
 }
 
 /// Cold tiers over `source` with these slots per MoE layer (LFU, prefetch on), their
