@@ -487,11 +487,27 @@ async fn tiered_server_exports_the_tier_metrics() {
     assert!(text.contains(r#"glmflash_memory_bytes{kind="pinned_ram"}"#));
 }
 
-/// A source that records how it is asked: one expert at a time or in batches.
+/// A source that records how it is asked (one expert at a time or in batches) and, when
+/// told, fails one record's batch read once, delivering it last (after the products had the
+/// others to start on).
 struct Counting {
     inner: CheckpointSource,
     singles: std::sync::atomic::AtomicUsize,
     batches: std::sync::Mutex<Vec<usize>>,
+    fail_once: Option<(usize, usize)>,
+    failed: std::sync::atomic::AtomicBool,
+}
+
+impl Counting {
+    fn new(dir: &std::path::Path, fail_once: Option<(usize, usize)>) -> Arc<Counting> {
+        Arc::new(Counting {
+            inner: CheckpointSource::open(dir).unwrap(),
+            singles: Default::default(),
+            batches: Default::default(),
+            fail_once,
+            failed: Default::default(),
+        })
+    }
 }
 
 impl glmflash_node::tiers::source::ExpertSource for Counting {
@@ -511,8 +527,22 @@ impl glmflash_node::tiers::source::ExpertSource for Counting {
         deliver: &(dyn Fn(usize, anyhow::Result<glmflash_node::model::mlp::SwiGlu>) + Sync),
     ) {
         self.batches.lock().unwrap().push(keys.len());
-        for (i, &(l, e)) in keys.iter().enumerate() {
-            deliver(i, self.inner.load(l, e));
+        let mut order: Vec<usize> = (0..keys.len()).collect();
+        order.sort_by_key(|&i| Some(keys[i]) == self.fail_once);
+        for i in order {
+            let (l, e) = keys[i];
+            if Some(keys[i]) == self.fail_once
+                && !self.failed.swap(true, std::sync::atomic::Ordering::SeqCst)
+            {
+                deliver(
+                    i,
+                    Err(anyhow::anyhow!(
+                        "injected: layer {l}, expert {e} unreadable"
+                    )),
+                );
+            } else {
+                deliver(i, self.inner.load(l, e));
+            }
         }
     }
 
@@ -521,21 +551,23 @@ impl glmflash_node::tiers::source::ExpertSource for Counting {
     }
 }
 
-/// A prefill's store misses of a layer are read in one batch (at queue depth on the real
-/// store), not one after another; the logits stay bit-identical.
-#[test]
-fn a_layers_store_misses_are_read_in_one_batch() {
+/// `tiny_mixed`, its untiered model and the 30-token prompt these tests serve.
+fn tiny_mixed() -> (PathBuf, Model, Vec<u32>) {
     let dir = fixture("tiny_mixed");
     let untiered = Model::load(&dir).unwrap();
     let prompt: Vec<u32> = (0..30)
         .map(|i| (i * 29 + 7) % untiered.cfg.vocab_size as u32)
         .collect();
+    (dir, untiered, prompt)
+}
+
+/// A prefill's store misses of a layer are read in one batch (at queue depth on the real
+/// store), not one after another; the logits stay bit-identical.
+#[test]
+fn a_layers_store_misses_are_read_in_one_batch() {
+    let (dir, untiered, prompt) = tiny_mixed();
     let expected = run(&untiered, &prompt);
-    let source = Arc::new(Counting {
-        inner: CheckpointSource::open(&dir).unwrap(),
-        singles: Default::default(),
-        batches: Default::default(),
-    });
+    let source = Counting::new(&dir, None);
     let tiers = Arc::new(
         TieredExperts::new(
             source.clone(),
@@ -607,11 +639,7 @@ fn overlap_tiers(
 /// depends on when the write-back thread settled the moves down, on and off alike.)
 #[test]
 fn products_overlapping_the_reads_change_nothing_but_the_wait() {
-    let dir = fixture("tiny_mixed");
-    let untiered = Model::load(&dir).unwrap();
-    let prompt: Vec<u32> = (0..30)
-        .map(|i| (i * 29 + 7) % untiered.cfg.vocab_size as u32)
-        .collect();
+    let (dir, untiered, prompt) = tiny_mixed();
     let expected = run(&untiered, &prompt);
     let reads = |t: &TieredExperts| {
         t.stats
@@ -625,11 +653,7 @@ fn products_overlapping_the_reads_change_nothing_but_the_wait() {
     ] {
         let mut prompt_reads = Vec::new();
         for overlap in [true, false] {
-            let source = Arc::new(Counting {
-                inner: CheckpointSource::open(&dir).unwrap(),
-                singles: Default::default(),
-                batches: Default::default(),
-            });
+            let source = Counting::new(&dir, None);
             let tiers = overlap_tiers(source.clone(), &untiered.cfg, mode, slots, overlap);
             let model = Model::builder().experts(tiers.clone()).load(&dir).unwrap();
             let cold = overlap_tiers(
@@ -681,11 +705,7 @@ fn products_overlapping_the_reads_change_nothing_but_the_wait() {
 /// counted as wasted (a prediction no token picked).
 #[test]
 fn a_prompts_next_layer_is_read_ahead_and_nothing_twice() {
-    let dir = fixture("tiny_mixed");
-    let untiered = Model::load(&dir).unwrap();
-    let prompt: Vec<u32> = (0..30)
-        .map(|i| (i * 29 + 7) % untiered.cfg.vocab_size as u32)
-        .collect();
+    let (dir, untiered, prompt) = tiny_mixed();
     let expected = untiered.prefill(&prompt).unwrap().0;
     let experts = untiered.cfg.n_routed_experts;
     let get = |c: &std::sync::atomic::AtomicU64| c.load(std::sync::atomic::Ordering::Relaxed);
@@ -740,59 +760,11 @@ fn a_prompts_next_layer_is_read_ahead_and_nothing_twice() {
     );
 }
 
-/// A source whose batch reads fail once for one record, the rest as the checkpoint's.
-struct FailOnce {
-    inner: CheckpointSource,
-    bad: (usize, usize),
-    failed: std::sync::atomic::AtomicBool,
-}
-
-impl glmflash_node::tiers::source::ExpertSource for FailOnce {
-    fn load(
-        &self,
-        layer: usize,
-        expert: usize,
-    ) -> anyhow::Result<glmflash_node::model::mlp::SwiGlu> {
-        self.inner.load(layer, expert)
-    }
-
-    fn load_each(
-        &self,
-        keys: &[(usize, usize)],
-        deliver: &(dyn Fn(usize, anyhow::Result<glmflash_node::model::mlp::SwiGlu>) + Sync),
-    ) {
-        // The failing record last, after the products had the others to start on.
-        let mut order: Vec<usize> = (0..keys.len()).collect();
-        order.sort_by_key(|&i| keys[i] == self.bad);
-        for i in order {
-            let (l, e) = keys[i];
-            if keys[i] == self.bad && !self.failed.swap(true, std::sync::atomic::Ordering::SeqCst) {
-                deliver(
-                    i,
-                    Err(anyhow::anyhow!(
-                        "injected: layer {l}, expert {e} unreadable"
-                    )),
-                );
-            } else {
-                deliver(i, self.inner.load(l, e));
-            }
-        }
-    }
-
-    fn record_bytes(&self) -> usize {
-        self.inner.record_bytes()
-    }
-}
-
 /// A record that fails while the products run fails that forward with the record's error
 /// (no hang, nothing admitted from it), and the tiers serve the next request bit-exactly.
 #[test]
 fn a_read_failing_under_the_products_fails_that_forward_only() {
-    let dir = fixture("tiny_mixed");
-    let untiered = Model::load(&dir).unwrap();
-    let prompt: Vec<u32> = (0..30)
-        .map(|i| (i * 29 + 7) % untiered.cfg.vocab_size as u32)
-        .collect();
+    let (dir, untiered, prompt) = tiny_mixed();
     let expected = run(&untiered, &prompt);
     let first_moe = untiered.cfg.moe_layers().iter().position(|&m| m).unwrap();
     // The expert the prompt's first token picks first in the first MoE layer is surely read.
@@ -806,11 +778,7 @@ fn a_read_failing_under_the_products_fails_that_forward_only() {
         .unwrap();
     drop(model);
     drop(probe);
-    let source = Arc::new(FailOnce {
-        inner: CheckpointSource::open(&dir).unwrap(),
-        bad: (first_moe, picked),
-        failed: Default::default(),
-    });
+    let source = Counting::new(&dir, Some((first_moe, picked)));
     let tiers = overlap_tiers(source.clone(), &untiered.cfg, Mode::NvmeExact, (1, 2), true);
     let model = Model::builder().experts(tiers.clone()).load(&dir).unwrap();
     let Err(err) = model.prefill(&prompt) else {

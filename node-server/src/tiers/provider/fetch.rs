@@ -170,13 +170,7 @@ impl TieredExperts {
                 .ids
                 .iter()
                 .map(|&e| e as usize)
-                .filter(|&e| {
-                    seen.insert(e)
-                        && !l.device.contains_key(&e)
-                        && !l.ram.contains_key(&e)
-                        && !l.in_flight.contains_key(&e)
-                        && !staged.contains_key(&(layer, e))
-                })
+                .filter(|&e| seen.insert(e) && !l.holds(e) && !staged.contains_key(&(layer, e)))
                 .collect()
         };
         // What was read ahead for this layer serves its misses; the rest of it is wasted.
@@ -249,14 +243,7 @@ impl TieredExperts {
         // Placed meanwhile (the history fill, an admission): not read again.
         let experts: Vec<usize> = {
             let l = self.layer(layer);
-            experts
-                .into_iter()
-                .filter(|e| {
-                    !l.device.contains_key(e)
-                        && !l.ram.contains_key(e)
-                        && !l.in_flight.contains_key(e)
-                })
-                .collect()
+            experts.into_iter().filter(|&e| !l.holds(e)).collect()
         };
         if experts.is_empty() {
             return;
@@ -297,10 +284,7 @@ impl TieredExperts {
             for (e, cell) in coming {
                 let e = *e;
                 let Some(w) = cell.read() else { continue };
-                if l.device.contains_key(&e)
-                    || l.ram.contains_key(&e)
-                    || l.in_flight.contains_key(&e)
-                {
+                if l.holds(e) {
                     continue;
                 }
                 self.admit(layer, &mut l, e, w, &mut jobs);

@@ -77,6 +77,15 @@ struct Layer {
     ram_policy: Box<dyn Policy>,
 }
 
+impl Layer {
+    /// Whether a tier holds `expert` (a write-back in flight counts: it is on its way to RAM).
+    fn holds(&self, expert: usize) -> bool {
+        self.device.contains_key(&expert)
+            || self.ram.contains_key(&expert)
+            || self.in_flight.contains_key(&expert)
+    }
+}
+
 /// Work for the write-back thread.
 enum WriteBack {
     /// Move the in-flight device victim `(layer, expert)` into a RAM slot (pinning it).
@@ -699,14 +708,7 @@ impl ExpertProvider for TieredExperts {
         }
         let missing: Vec<usize> = {
             let l = self.layer(layer);
-            wanted
-                .into_iter()
-                .filter(|e| {
-                    !l.device.contains_key(e)
-                        && !l.ram.contains_key(e)
-                        && !l.in_flight.contains_key(e)
-                })
-                .collect()
+            wanted.into_iter().filter(|&e| !l.holds(e)).collect()
         };
         let tx = tx.lock().expect("prefetch queue");
         for e in missing {

@@ -129,9 +129,7 @@ fn fill_slots(
     wanted: &[(usize, Vec<usize>)],
     stop: &std::sync::atomic::AtomicBool,
 ) -> anyhow::Result<usize> {
-    let held = |l: &Layer, e: &usize| {
-        l.device.contains_key(e) || l.ram.contains_key(e) || l.in_flight.contains_key(e)
-    };
+    let held = |l: &Layer, e: &usize| l.holds(*e);
     let lock = |layer: usize| shared.layers[layer].lock().expect("tier lock");
     let stage = || staged.lock().expect("staging lock");
     let mut loaded = 0;
