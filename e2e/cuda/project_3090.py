@@ -50,7 +50,9 @@ def measured_rates(flash, decoder):
     lane_gbs = lane_bytes / (parts["compute"] / 1e3) / 1e9 if parts["compute"] > 0 else float("inf")
     pick_ms = (parts["resolve"] + parts["write_back"]) / (moe_layers * k)
     budget = runs["budget"]
-    fetch_ms = budget["tier_ms_per_step"]["fetch"]
+    # The store's own reading time: the fetch thread's (benches since session 25, whose
+    # `fetch` part is the products' wait for records), else the `fetch` part (read first).
+    fetch_ms = budget.get("fetch_busy_ms_per_step", budget["tier_ms_per_step"]["fetch"])
     store_bytes = budget["bytes_per_token"]["nvme"]
     store_gbs = store_bytes / (fetch_ms / 1e3) / 1e9 if fetch_ms > 0 else bw["store_o_direct_gb_s"]
     return {
