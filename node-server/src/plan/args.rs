@@ -52,6 +52,10 @@ pub struct PlanArgs {
     /// Host memory kept outside the RAM tier, MiB.
     #[arg(long, env = "GLMFLASH_RAM_RESERVE_MIB", default_value_t = 2048)]
     pub ram_reserve_mib: u64,
+    /// The server's --vram-copy-down: VRAM residents keep no host copy, so the RAM tier
+    /// gets their memory.
+    #[arg(long, env = "GLMFLASH_VRAM_COPY_DOWN")]
+    pub vram_copy_down: bool,
     /// Tokens of cache, shared by the batch (the seed runs 131,072 with batch 8).
     #[arg(long, env = "GLMFLASH_CONTEXT_LENGTH", default_value_t = 131_072)]
     pub context: usize,
@@ -214,6 +218,7 @@ pub fn checkpoint_inputs(
         ram_limit: machine.memory.cgroup_limit,
         ram_available: machine.memory.mem_available,
         ram_reserve: request.ram_reserve,
+        copy_down: request.copy_down,
         context: shape.context,
         batch: shape.batch,
         cache_dtype,
@@ -292,6 +297,7 @@ impl PlanArgs {
             ram_limit: self.ram_limit,
             ram_available: Some(self.ram_available),
             ram_reserve: self.ram_reserve_mib << 20,
+            copy_down: self.vram_copy_down,
             context: self.context,
             batch: self.batch,
             cache_dtype: self.cache_dtype,

@@ -73,6 +73,8 @@ pub struct PlanInputs {
     pub ram_available: Option<u64>,
     /// Host memory kept outside the RAM tier.
     pub ram_reserve: u64,
+    /// The VRAM residents keep no host copy (`--vram-copy-down`).
+    pub copy_down: bool,
     /// Tokens of cache, shared by the batch.
     pub context: usize,
     /// Sequences at once (each with its own KDA state).
@@ -242,6 +244,7 @@ impl PlanInputs {
             ram_budget: None,
             ram_reserve: self.ram_reserve,
             vram_reserve: self.vram_reserve,
+            copy_down: self.copy_down,
         }
     }
 }

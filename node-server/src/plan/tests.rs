@@ -22,6 +22,7 @@ fn seed_box(cfg: Config, experts: Storage, dense: Storage, head: Storage) -> Pla
         ram_limit: Some(55 * GIB),
         ram_available: None,
         ram_reserve: 2048 * MIB,
+        copy_down: false,
         context: 131_072,
         batch: 8,
         cache_dtype: CacheDtype::F32,

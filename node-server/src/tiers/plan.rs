@@ -48,6 +48,10 @@ pub struct TierPlan {
     /// A forward's store misses read while its products run, each product waiting for its
     /// own record only (off: the whole batch is read first, as before).
     pub fetch_overlap: bool,
+    /// A GPU device tier's residents keep no host copy: the slot holds the only one, and a
+    /// victim is copied down from it (device to host) on its way to RAM. Without a GPU the
+    /// device tier is CPU memory and this does nothing.
+    pub copy_down: bool,
     pub eviction: PolicyKind,
     pub aging_period: u64,
     /// Entries of the write-back ring.
@@ -74,6 +78,7 @@ impl TierPlan {
             staging_slots: STAGING_SLOTS,
             prefetch: mode.tiered(),
             fetch_overlap: true,
+            copy_down: false,
             eviction: PolicyKind::Lfu,
             aging_period: AGING_PERIOD,
             writeback_ring: 64,
@@ -131,6 +136,9 @@ pub struct SlotRequest {
     pub ram_reserve: u64,
     /// VRAM kept free besides the dense weights, the staging and the GPU workspace.
     pub vram_reserve: u64,
+    /// The VRAM residents keep no host copy ([`TierPlan::copy_down`]): with a GPU, the RAM
+    /// budget does not hold them.
+    pub copy_down: bool,
 }
 
 /// The machine, as far as sizing goes.
@@ -149,7 +157,7 @@ pub struct Sizing {
     pub ram_slots: usize,
     /// How the device slots were chosen: "flag", "flag-total", "cpu-default" or "free-vram".
     pub device_basis: &'static str,
-    /// Of `ram.held`: the device residents' host copies (issue 17 item 4 would drop them).
+    /// Of `ram.held`: the device residents' host copies (none on a GPU with `copy_down`).
     pub device_copies: u64,
     /// Of the RAM budget: the records one forward may hold beside the tiers, a prompt
     /// chunk's reads of every expert of a layer that no tier holds (read, computed, then
@@ -163,7 +171,7 @@ pub struct Sizing {
 /// holds after the dense weights, the reserve, the GPU workspace and the staging slots (a
 /// fixed default without a GPU). RAM slots: the flags, else the cgroup budget less what the
 /// process holds, which includes the dense weights still to load and the device residents'
-/// host copies (they keep one, for the CPU lane and to go down to RAM when evicted).
+/// host copies (kept unless `copy_down` on a GPU: then a victim is copied down from VRAM).
 pub fn size_tiers(model: &ModelSizes, request: &SlotRequest, machine: &MachineFacts) -> Sizing {
     let layers = model.moe_layers.max(1) as u64;
     let (device_slots, device_basis) = match (
@@ -183,7 +191,11 @@ pub fn size_tiers(model: &ModelSizes, request: &SlotRequest, machine: &MachineFa
         }
     };
     let device_slots = device_slots.min(model.experts);
-    let device_copies = device_slots as u64 * layers * model.record_bytes;
+    let device_copies = if request.copy_down && machine.free_vram.is_some() {
+        0
+    } else {
+        device_slots as u64 * layers * model.record_bytes
+    };
     let ram = sizing::plan_ram_tier(
         &machine.memory,
         model.dense_bytes + device_copies,
@@ -271,6 +283,7 @@ mod tests {
             ram_budget: None,
             ram_reserve: 2048 * MIB,
             vram_reserve: 1024 * MIB,
+            copy_down: false,
         }
     }
 
@@ -379,6 +392,44 @@ mod tests {
         };
         let f = size_tiers(&flash(1_000), &flagged, &machine(None, Some(64 << 30)));
         assert_eq!((f.ram_slots, f.prompt_reads), (102, 0));
+    }
+
+    #[test]
+    fn copying_victims_down_gives_the_device_copies_to_the_ram_tier_on_a_gpu_only() {
+        let down = SlotRequest {
+            device_slots: Some(20),
+            copy_down: true,
+            ..request()
+        };
+        let keep = SlotRequest {
+            copy_down: false,
+            ..down.clone()
+        };
+        let gpu = machine(Some(1 << 40), Some(64 << 30));
+        let (k, d) = (
+            size_tiers(&flash(1_000), &keep, &gpu),
+            size_tiers(&flash(1_000), &down, &gpu),
+        );
+        assert_eq!(k.device_copies, 20 * 42 * 14 * MIB);
+        assert_eq!(d.device_copies, 0);
+        assert_eq!(k.ram.held - d.ram.held, k.device_copies);
+        // 840 records more of budget: more RAM slots a layer, as many as fit beside the
+        // prompt chunk's reads.
+        assert!(
+            d.ram_slots > k.ram_slots,
+            "{} vs {}",
+            d.ram_slots,
+            k.ram_slots
+        );
+        let need = |r: u64| (42 * r + 288 - 20 - r) * 14 * MIB;
+        let r = d.ram_slots as u64;
+        assert!(need(r) <= d.ram.budget && need(r + 1) > d.ram.budget);
+        // Without a GPU the device tier is CPU memory: its residents are the copies.
+        let cpu = machine(None, Some(64 << 30));
+        assert_eq!(
+            size_tiers(&flash(1_000), &down, &cpu).device_copies,
+            k.device_copies
+        );
     }
 
     #[test]

@@ -27,6 +27,8 @@ pub struct TierStats {
     pub store_read_latency: ReadLatency,
     /// Device victims the write-back ring has moved into RAM.
     pub written_back: AtomicU64,
+    /// Of the device victims, those read back from their VRAM slot (no host copy kept).
+    pub copied_down: AtomicU64,
     /// Decode picks computed in place from RAM (the CPU lane).
     pub cpu_lane: AtomicU64,
     /// Nanoseconds `forward` spent per part, indexed by [`StepPart`].

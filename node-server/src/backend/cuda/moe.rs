@@ -630,6 +630,19 @@ impl SlotArena {
         }
         Ok(())
     }
+
+    /// Slot `slot`'s bytes on the host, copied on `stream` after the work queued on it (the
+    /// slot's own write included); returns once they are here.
+    pub fn read(&self, stream: &Arc<CudaStream>, slot: usize) -> Result<Vec<u8>, CudaError> {
+        if slot >= self.slots {
+            return Err(CudaError::Invalid(format!(
+                "slot {slot} of an arena of {}",
+                self.slots
+            )));
+        }
+        let base = slot * self.layout.slot_bytes;
+        Ok(stream.clone_dtoh(&self.buf.slice(base..base + self.layout.slot_bytes))?)
+    }
 }
 
 #[cfg(test)]

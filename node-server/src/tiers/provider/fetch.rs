@@ -55,6 +55,9 @@ impl Cell {
 pub(super) enum Pick {
     Ready(Arc<SwiGlu>),
     Coming(Arc<Cell>),
+    /// In a VRAM slot, with no host copy ([`super::TierPlan::copy_down`]): the GPU tier
+    /// computes it from the slot.
+    InSlot,
 }
 
 impl Pick {
@@ -63,6 +66,9 @@ impl Pick {
     pub(super) fn get(&self, stats: &TierStats) -> anyhow::Result<Arc<SwiGlu>> {
         match self {
             Pick::Ready(w) => Ok(w.clone()),
+            Pick::InSlot => {
+                anyhow::bail!("it is in a VRAM slot and has no host copy")
+            }
             Pick::Coming(cell) => {
                 let started = std::time::Instant::now();
                 let w = cell.wait();
@@ -304,7 +310,7 @@ impl TieredExperts {
             .iter()
             .map(|&e| e as usize)
             .filter(|&e| seen.insert(e))
-            .partition(|e| matches!(picked.picked[e], Pick::Ready(_)));
+            .partition(|e| !matches!(picked.picked[e], Pick::Coming(_)));
         ready.append(&mut coming);
         ready
     }
@@ -328,6 +334,7 @@ impl Picked<'_> {
             .get(&e)
             .ok_or_else(|| anyhow::anyhow!("expert {e} was not picked"))?
             .get(&self.tiers.stats)
+            .map_err(|err| err.context(format!("expert {e} of layer {}", self.layer)))
     }
 }
 

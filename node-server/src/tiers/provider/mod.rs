@@ -25,6 +25,7 @@ use super::source::ExpertSource;
 use super::stats::{StepPart, TierStats};
 use crate::model::mlp::SwiGlu;
 use crate::model::moe::{ExpertProvider, Phase, Routing, combine_experts_in};
+use anyhow::Context;
 use background::{Room, handle_write_back, make_room, spawn_prefetcher, spawn_writer, timed_load};
 use fetch::{Cell, Pick, Picked};
 use std::collections::HashMap;
@@ -69,7 +70,9 @@ impl Tier {
 }
 
 struct Layer {
-    device: HashMap<usize, Arc<SwiGlu>>,
+    /// The device tier's residents and their host weights; on a GPU tier that copies victims
+    /// down ([`TierPlan::copy_down`]) `None` once the resident's slot holds it.
+    device: HashMap<usize, Option<Arc<SwiGlu>>>,
     ram: HashMap<usize, Pinned>,
     /// Device victims queued on the write-back ring, on their way into RAM.
     in_flight: HashMap<usize, Arc<SwiGlu>>,
@@ -272,15 +275,23 @@ impl TieredExperts {
         Some(g.stats())
     }
 
-    /// `"gpu: N picks, M on the CPU lane, X MiB host->device"` when the device tier is a GPU.
+    /// `"gpu: N picks, M on the CPU lane, X MiB host->device, ..."` when the device tier is a
+    /// GPU.
     pub fn gpu_summary(&self) -> Option<String> {
         let g = self.gpu.as_ref()?.lock().unwrap_or_else(|e| e.into_inner());
         Some(format!(
-            "gpu ({}): {} picks on the GPU, {} on the CPU lane, {} MiB host->device, {} MiB of RAM residents registered with CUDA",
+            "gpu ({}): {} picks on the GPU, {} on the CPU lane, {} MiB host->device, {} victims copied down ({} MiB; residents' host copies {}), {} MiB of RAM residents registered with CUDA",
             g.cuda().describe(),
             g.gpu_picks,
             g.cpu_picks,
             g.h2d_bytes >> 20,
+            self.stats.copied_down.load(Ordering::Relaxed),
+            g.d2h_bytes >> 20,
+            if self.plan.copy_down {
+                "dropped"
+            } else {
+                "kept"
+            },
             self.pins.registered_bytes.load(Ordering::Relaxed) >> 20
         ))
     }
@@ -439,7 +450,7 @@ impl TieredExperts {
         };
         if let Some(w) = l.device.get(&expert) {
             count(Tier::Device);
-            return Ok(Pick::Ready(w.clone()));
+            return Ok(w.clone().map_or(Pick::InSlot, Pick::Ready));
         }
         if let Some(w) = l.in_flight.get(&expert) {
             // On its way down to RAM: served from where it is, left to the writer.
@@ -506,7 +517,9 @@ impl TieredExperts {
     }
 
     /// Promotes a RAM resident into the device tier when it has room or the policy prefers
-    /// it; the device victim goes in flight to RAM (no duplicates: it leaves the device map).
+    /// it; the device victim goes in flight to RAM (no duplicates: it leaves the device map),
+    /// copied down from its VRAM slot when it has no host copy. A copy-down that fails leaves
+    /// both where they were.
     fn promote(&self, layer: usize, l: &mut Layer, expert: usize, jobs: &mut Vec<WriteBack>) {
         if !l.ram.contains_key(&expert) || self.device_slots == 0 {
             return;
@@ -520,14 +533,30 @@ impl TieredExperts {
                 _ => return,
             }
         };
+        let down = match victim {
+            None => None,
+            Some(v) => {
+                let w = match l.device[&v].clone() {
+                    Some(w) => w,
+                    None => match self.copy_down(layer, v) {
+                        Ok(w) => w,
+                        Err(e) => {
+                            tracing::warn!(layer, expert = v, error = %e, "copying a VRAM victim down failed; it stays");
+                            return;
+                        }
+                    },
+                };
+                Some((v, w))
+            }
+        };
         let moved = l.ram.remove(&expert).expect("checked above");
-        if let Some(v) = victim {
-            let down = l.device.remove(&v).expect("victim is resident");
+        if let Some((v, down)) = down {
+            l.device.remove(&v);
             self.stats.demotions.fetch_add(1, Ordering::Relaxed);
             l.in_flight.insert(v, down);
             jobs.push(WriteBack::Demote { layer, expert: v });
         }
-        l.device.insert(expert, moved.weights().clone());
+        l.device.insert(expert, Some(moved.weights().clone()));
         jobs.push(WriteBack::Release(moved));
         self.stats.promotions.fetch_add(1, Ordering::Relaxed);
     }
@@ -564,14 +593,24 @@ impl TieredExperts {
         let resolved = {
             let mut l = self.layer(layer);
             // One lookup per distinct expert, in the phase of the first token that picked it.
-            routing.ids.iter().enumerate().try_for_each(|(i, &e)| {
+            let resolved = routing.ids.iter().enumerate().try_for_each(|(i, &e)| {
                 let e = e as usize;
                 if let std::collections::hash_map::Entry::Vacant(slot) = picked.entry(e) {
                     let phase = routing.phase(i / routing.k.max(1));
                     slot.insert(self.resolve(layer, &mut l, e, phase, &mut jobs, &coming)?);
                 }
                 anyhow::Ok(())
-            })
+            });
+            // A VRAM resident a later pick's promotion evicted leaves its slot: the products
+            // take it from its copy on the way down.
+            for (e, pick) in picked.iter_mut() {
+                if matches!(pick, Pick::InSlot)
+                    && let Some(w) = l.in_flight.get(e)
+                {
+                    *pick = Pick::Ready(w.clone());
+                }
+            }
+            resolved
         };
         let at = self.stats.add_part(StepPart::Resolve, started);
         self.write_back(jobs);
@@ -595,8 +634,26 @@ impl TieredExperts {
         })
     }
 
+    /// Device resident `expert` of `layer`, which has no host copy, read back from its VRAM
+    /// slot (the caller holds the layer's lock: the slot cannot be given to another expert
+    /// meanwhile).
+    fn copy_down(&self, layer: usize, expert: usize) -> anyhow::Result<Arc<SwiGlu>> {
+        let gpu = self
+            .gpu
+            .as_ref()
+            .context("a device resident without a host copy, and no GPU tier")?;
+        let w = gpu
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .copy_down(layer, expert)?;
+        self.stats.copied_down.fetch_add(1, Ordering::Relaxed);
+        Ok(Arc::new(w))
+    }
+
     /// The GPU tier with `layer`'s device slots made to match its residents, and the lane
-    /// the mode puts non-resident decode picks on.
+    /// the mode puts non-resident decode picks on. With `copy_down` the residents' host
+    /// copies go once their slots hold them (the layer's lock is held throughout, so no
+    /// resident leaves between the write and the drop).
     fn gpu_for(
         &self,
         layer: usize,
@@ -609,16 +666,20 @@ impl TieredExperts {
         let Some(gpu) = &self.gpu else {
             return Ok(None);
         };
-        let residents: Vec<(usize, Arc<SwiGlu>)> = {
-            let l = self.layer(layer);
-            l.device.iter().map(|(e, w)| (*e, w.clone())).collect()
-        };
         let lane = match self.mode {
             Mode::Fast | Mode::Nvme => super::vram::Lane::CpuForDecode,
             Mode::Exact | Mode::NvmeExact => super::vram::Lane::GpuOnly,
         };
+        // Lock order: a layer, then the GPU tier (nothing holding the GPU tier waits for a
+        // layer).
+        let mut l = self.layer(layer);
+        let residents: Vec<(usize, Option<Arc<SwiGlu>>)> =
+            l.device.iter().map(|(e, w)| (*e, w.clone())).collect();
         let mut g = gpu.lock().unwrap_or_else(|e| e.into_inner());
         g.reconcile(layer, &residents)?;
+        if self.plan.copy_down {
+            l.device.values_mut().for_each(|w| *w = None);
+        }
         Ok(Some((g, lane)))
     }
 }

@@ -170,7 +170,7 @@ fn fill_slots(
                     shared.stats.prefetch_wasted.fetch_add(1, Ordering::Relaxed);
                 }
                 if l.device.len() < device_slots {
-                    l.device.insert(e, w);
+                    l.device.insert(e, Some(w));
                 } else if l.ram.len() < shared.ram_slots {
                     l.ram.insert(e, Pinned::new(w, &shared.pins));
                 } else {

@@ -225,8 +225,10 @@ pub struct GpuTier {
     copied: Vec<CudaEvent>,
     computed: Vec<CudaEvent>,
     limit: f32,
-    /// Bytes copied host -> device (slot writes and staging).
+    /// Bytes copied host -> device (slot writes and staging), and device -> host (victims
+    /// copied down).
     pub h2d_bytes: u64,
+    pub d2h_bytes: u64,
     /// Picks computed on the GPU and on the CPU lane.
     pub gpu_picks: u64,
     pub cpu_picks: u64,
@@ -323,6 +325,7 @@ impl GpuTier {
             computed,
             limit: sample.limit,
             h2d_bytes: 0,
+            d2h_bytes: 0,
             gpu_picks: 0,
             cpu_picks: 0,
             steps: 0,
@@ -331,11 +334,12 @@ impl GpuTier {
         })
     }
 
-    /// Makes `layer`'s slots hold exactly `residents` (the device tier's experts).
+    /// Makes `layer`'s slots hold exactly `residents` (the device tier's experts, with their
+    /// host weights where they have them: one not yet in a slot must).
     pub fn reconcile(
         &mut self,
         layer: usize,
-        residents: &[(usize, Arc<SwiGlu>)],
+        residents: &[(usize, Option<Arc<SwiGlu>>)],
     ) -> anyhow::Result<()> {
         let Some(base) = self.base[layer] else {
             return Ok(());
@@ -347,6 +351,9 @@ impl GpuTier {
             if map.contains_key(e) {
                 continue;
             }
+            let Some(w) = w else {
+                bail!("expert {e} of layer {layer} has neither a VRAM slot nor a host copy");
+            };
             let used: std::collections::HashSet<u32> = map.values().copied().collect();
             let Some(slot) = (base..base + self.per_layer as u32).find(|s| !used.contains(s))
             else {
@@ -360,6 +367,17 @@ impl GpuTier {
             map.insert(*e, slot);
         }
         Ok(())
+    }
+
+    /// Resident `expert` of `layer` read back from its slot (after the work queued on the
+    /// kernel stream): the same matrices, bit for bit, as the expert written there.
+    pub fn copy_down(&mut self, layer: usize, expert: usize) -> anyhow::Result<SwiGlu> {
+        let &slot = self.slot_of[layer]
+            .get(&expert)
+            .with_context(|| format!("expert {expert} of layer {layer} has no VRAM slot"))?;
+        let bytes = self.arena.read(self.cuda.stream(), slot as usize)?;
+        self.d2h_bytes += bytes.len() as u64;
+        expert_from_slot(&self.arena.layout, &bytes, self.limit)
     }
 
     /// `out += sum_j w[t, j] * expert(ids[t, j])(x[t])`: residents from their slots, the rest

@@ -246,7 +246,12 @@ fn budget(
     record: usize,
 ) -> anyhow::Result<Budget> {
     let f = &args.flash;
-    let plan = budget_plan(&f.flash_plan, format, record)?;
+    let flags = if args.tiers.vram_copy_down {
+        format!("{} --vram-copy-down", f.flash_plan)
+    } else {
+        f.flash_plan.clone()
+    };
+    let plan = budget_plan(&flags, format, record)?;
     let (vram_slots, ram_slots) = (
         plan.vram_expert_slots_per_layer,
         plan.ram_expert_slots_per_layer,
@@ -286,6 +291,7 @@ fn measure_all(
         pin: !args.flash.flash_no_pin,
         fetch_overlap: !args.tiers.no_fetch_overlap,
         prefetch: !args.tiers.no_prefetch,
+        copy_down: args.tiers.vram_copy_down,
     };
     for r in &runs {
         if !["budget", "prefill", "exact", "vram", "fast", "zipf"].contains(r) {
@@ -443,6 +449,12 @@ fn measure_all(
         "expert_format": plan_storage(format).name(),
         "bandwidths": bw.json(),
         "budget": budget.json,
+        "switches": {
+            "pin": switches.pin,
+            "fetch_overlap": switches.fetch_overlap,
+            "prefetch": switches.prefetch,
+            "vram_copy_down": switches.copy_down,
+        },
         "runs": results,
     }))
 }
@@ -452,12 +464,13 @@ fn source_record(source: &StoreSource) -> usize {
     source.record_bytes()
 }
 
-/// What `--flash-no-pin`, `--no-fetch-overlap` and `--no-prefetch` turn off.
+/// What `--flash-no-pin`, `--no-fetch-overlap` and `--no-prefetch` turn off, `--vram-copy-down` on.
 #[derive(Clone, Copy)]
 struct Switches {
     pin: bool,
     fetch_overlap: bool,
     prefetch: bool,
+    copy_down: bool,
 }
 
 /// Cold tiers over `source` with these slots per MoE layer (LFU, prefetch on), their
@@ -475,6 +488,7 @@ fn tiered(
         pin: switches.pin,
         fetch_overlap: switches.fetch_overlap,
         prefetch: switches.prefetch && mode.tiered(),
+        copy_down: switches.copy_down,
         ..TierPlan::new(mode, vram_slots, ram_slots, cfg.n_routed_experts)
     };
     TieredExperts::new(

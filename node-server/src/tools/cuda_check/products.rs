@@ -117,6 +117,21 @@ pub(super) fn check_moe(
             for (e, expert) in ex.iter().enumerate() {
                 write_slot(cuda.stream(), &mut arena, experts - 1 - e, expert)?;
             }
+            // A victim copied down (issue 17 item 4): every slot read back and rebuilt gives
+            // its expert's products, bit for bit.
+            let probe = randn(rng, 3 * hidden, 1.0);
+            let (mut back, mut orig) = (Vec::new(), Vec::new());
+            for (e, expert) in ex.iter().enumerate() {
+                let bytes = arena.read(cuda.stream(), experts - 1 - e)?;
+                let copy = crate::tiers::vram::expert_from_slot(&layout, &bytes, limit)?;
+                back.extend(copy.forward(&probe, 3));
+                orig.extend(expert.forward(&probe, 3));
+            }
+            cases.push(same_bits_case(
+                format!("moe {name} slots read back (copy-down): same bits"),
+                &back,
+                &orig,
+            ));
             // EXL3 at 100 tokens: groups of ~25 picks, a prompt chunk's (the kernel that
             // decodes a tile once for several passes). Only with --wide: racecheck runs out of
             // host memory on the other kernels of this case (measured 2026-12-04: 130 GB);
