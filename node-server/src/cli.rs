@@ -386,7 +386,7 @@ pub struct GenerationArgs {
     #[arg(long, env = "GLMFLASH_PROMPT")]
     pub prompt: String,
     /// Feed the prompt as plain text, without the chat template.
-    #[arg(long, env = "GLMFLASH_RAW")]
+    #[arg(long, env = "GLMFLASH_RAW", value_parser = clap::builder::BoolishValueParser::new())]
     pub raw: bool,
     #[arg(long, env = "GLMFLASH_MAX_TOKENS", default_value_t = 128)]
     pub max_tokens: usize,

@@ -142,7 +142,8 @@ fn run(command: Command) -> anyhow::Result<()> {
                 "{}",
                 serde_json::json!({"logits": logits, "greedy": greedy_tokens, "decode_logits": decode_logits})
             );
-            Ok(())
+            // The tiers' one-line summary on stderr (what moved where), as `generate` ends.
+            model.experts().finish()
         }
         Command::Generate { model, generation } => {
             let loaded = model.load(Shape::one_sequence())?;

@@ -330,3 +330,81 @@ fn store_check_flag_picks_the_digest_reads_compare() {
     let (model, _) = serve_command(&f, &["--mode", "nvme"]);
     assert_eq!(model.tier.store_check, StoreCheck::Crc32c);
 }
+
+/// `--vram-copy-down` (or its variable at `1`, as a container sets it): the server and `plan`
+/// both give the VRAM residents' host copies to the RAM tier, on a GPU only.
+#[test]
+fn copying_victims_down_gives_the_ram_tier_the_copies_in_plan_and_server() {
+    let f = fixture();
+    let gpu = ["--vram-mib", "200000", "--context", "4096", "--batch", "2"];
+    let cap = ["--ram-limit", "3GiB"];
+    let kept = plan_command(&f, &[&gpu[..], &cap].concat());
+    let down = plan_command(&f, &[&gpu[..], &cap, &["--vram-copy-down"]].concat());
+    assert!(kept.ram_device_copies_bytes > 0);
+    assert_eq!(down.ram_device_copies_bytes, 0);
+    assert_eq!(
+        kept.ram_held_bytes - down.ram_held_bytes,
+        kept.ram_device_copies_bytes
+    );
+    assert_eq!(
+        down.ram_budget_bytes - kept.ram_budget_bytes,
+        kept.ram_device_copies_bytes
+    );
+    let serve = |flags: &[&str]| {
+        server_plan(
+            &f,
+            &[
+                &[
+                    "--context-length",
+                    "4096",
+                    "--max-batch-size",
+                    "2",
+                    "--mode",
+                    "nvme",
+                ],
+                flags,
+            ]
+            .concat(),
+            &machine(Some(200_000 * MIB), Some(3 * GIB)),
+        )
+        .unwrap()
+    };
+    assert_eq!(serve(&["--vram-copy-down"]).ram_device_copies_bytes, 0);
+    assert_eq!(
+        serve(&[]).ram_device_copies_bytes,
+        kept.ram_device_copies_bytes
+    );
+    // The variable as containers set it ("1"; clap's plain bool flags take only true/false).
+    let json = |env: &str| -> serde_json::Value {
+        let out = std::process::Command::new(env!("CARGO_BIN_EXE_glmflash-node"))
+            .args([
+                "plan",
+                "--json",
+                "--model",
+                &path(&f.model),
+                "--store",
+                &path(&f.store),
+            ])
+            .args(gpu)
+            .args(cap)
+            .env("GLMFLASH_VRAM_COPY_DOWN", env)
+            .output()
+            .unwrap();
+        assert!(
+            out.status.success(),
+            "{}",
+            String::from_utf8_lossy(&out.stderr)
+        );
+        serde_json::from_slice(&out.stdout).unwrap()
+    };
+    let on = json("1");
+    assert_eq!(on["ram_device_copies_bytes"], 0, "{on}");
+    assert_eq!(
+        on["ram_expert_slots_per_layer"],
+        down.ram_expert_slots_per_layer as u64
+    );
+    assert_eq!(
+        json("0")["ram_expert_slots_per_layer"],
+        kept.ram_expert_slots_per_layer as u64
+    );
+}

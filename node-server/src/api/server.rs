@@ -53,7 +53,7 @@ pub struct ServeArgs {
     #[arg(long, env = "GLMFLASH_API_KEY_FILE")]
     pub api_key_file: Option<PathBuf>,
     /// Require a key for `/metrics` too (when keys are set).
-    #[arg(long, env = "GLMFLASH_PROTECT_METRICS")]
+    #[arg(long, env = "GLMFLASH_PROTECT_METRICS", value_parser = clap::builder::BoolishValueParser::new())]
     pub protect_metrics: bool,
     /// Largest request body in bytes (413 beyond).
     #[arg(long, env = "GLMFLASH_MAX_BODY_BYTES", default_value_t = 32 << 20)]
@@ -61,7 +61,7 @@ pub struct ServeArgs {
     /// Run prompt chunks and decode steps with every activation and sequence cache on the
     /// GPU when the model's dense weights are on one (`--device cuda`); `false` keeps the
     /// activations and caches on the host around each device product.
-    #[arg(long, env = "GLMFLASH_GPU_FORWARD", default_value_t = true, action = clap::ArgAction::Set)]
+    #[arg(long, env = "GLMFLASH_GPU_FORWARD", default_value_t = true, action = clap::ArgAction::Set, value_parser = clap::builder::BoolishValueParser::new())]
     pub gpu_forward: bool,
     /// Prompt tokens per scheduler tick of the sequences on the GPU: the GPU forward's
     /// activations grow with it (about 0.7 MB a token at GLM-5.3-Flash's widths); VRAM

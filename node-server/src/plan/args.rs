@@ -54,7 +54,7 @@ pub struct PlanArgs {
     pub ram_reserve_mib: u64,
     /// The server's --vram-copy-down: VRAM residents keep no host copy, so the RAM tier
     /// gets their memory.
-    #[arg(long, env = "GLMFLASH_VRAM_COPY_DOWN")]
+    #[arg(long, env = "GLMFLASH_VRAM_COPY_DOWN", value_parser = clap::builder::BoolishValueParser::new())]
     pub vram_copy_down: bool,
     /// Tokens of cache, shared by the batch (the seed runs 131,072 with batch 8).
     #[arg(long, env = "GLMFLASH_CONTEXT_LENGTH", default_value_t = 131_072)]

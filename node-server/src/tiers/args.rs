@@ -57,19 +57,19 @@ pub struct TierArgs {
     #[arg(long, env = "GLMFLASH_WRITEBACK_RING", default_value_t = 64)]
     pub writeback_ring: usize,
     /// Do not mlock the RAM tier.
-    #[arg(long, env = "GLMFLASH_NO_PIN")]
+    #[arg(long, env = "GLMFLASH_NO_PIN", value_parser = clap::builder::BoolishValueParser::new())]
     pub no_pin: bool,
     /// Turn off layer-ahead prefetch of predicted experts.
-    #[arg(long, env = "GLMFLASH_NO_PREFETCH")]
+    #[arg(long, env = "GLMFLASH_NO_PREFETCH", value_parser = clap::builder::BoolishValueParser::new())]
     pub no_prefetch: bool,
     /// Read a forward's store misses in full before computing any of its experts, instead
     /// of computing each as its record arrives (what the overlap is worth, measured).
-    #[arg(long, env = "GLMFLASH_NO_FETCH_OVERLAP")]
+    #[arg(long, env = "GLMFLASH_NO_FETCH_OVERLAP", value_parser = clap::builder::BoolishValueParser::new())]
     pub no_fetch_overlap: bool,
     /// On a GPU, keep no host copy of a VRAM resident: a victim is copied down from its slot
     /// on its way to RAM, and the RAM tier gets the memory the copies took (one record per
     /// VRAM slot). `plan` has the same flag.
-    #[arg(long, env = "GLMFLASH_VRAM_COPY_DOWN")]
+    #[arg(long, env = "GLMFLASH_VRAM_COPY_DOWN", value_parser = clap::builder::BoolishValueParser::new())]
     pub vram_copy_down: bool,
     /// Routing history file: read at start to warm the tiers (policies at once, slots filled
     /// in the background while serving), written at exit.

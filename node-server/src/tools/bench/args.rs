@@ -44,19 +44,19 @@ pub struct BenchArgs {
     /// Time the engine's token draw instead of a model: one draw per sequence of each
     /// `--streams` size over `--vocab` random logits, the sequences in turn and as the engine
     /// draws them (in parallel), at temperature 1 (not with --model).
-    #[arg(long, env = "GLMFLASH_BENCH_SAMPLING", conflicts_with_all = ["model", "tiered", "flash"])]
+    #[arg(long, env = "GLMFLASH_BENCH_SAMPLING", conflicts_with_all = ["model", "tiered", "flash"], value_parser = clap::builder::BoolishValueParser::new())]
     pub sampling: bool,
     /// Time the CPU lane of the near-exact modes instead of a model: a decode step's
     /// `--top-k` routed experts of `--hidden` x `--expert-width` in `--expert-format` (also
     /// exl3:RATE), one token row each, in parallel, by the exact kernels and by the lane's
     /// integer kernels, cycling through `--experts` experts (cold) or repeating `--top-k`
     /// (hot) (not with --model).
-    #[arg(long, env = "GLMFLASH_BENCH_LANE", conflicts_with_all = ["model", "tiered", "flash", "sampling"])]
+    #[arg(long, env = "GLMFLASH_BENCH_LANE", conflicts_with_all = ["model", "tiered", "flash", "sampling"], value_parser = clap::builder::BoolishValueParser::new())]
     pub lane: bool,
     /// With `--device cuda`: also time the host's side of the CUDA calls a decode step makes
     /// (a launch, a stream-ordered allocation and free, a small upload), 20,000 of each, and
     /// report microseconds a call (`cuda_call_costs_us`).
-    #[arg(long, env = "GLMFLASH_BENCH_CALL_COSTS")]
+    #[arg(long, env = "GLMFLASH_BENCH_CALL_COSTS", value_parser = clap::builder::BoolishValueParser::new())]
     pub call_costs: bool,
 }
 
@@ -65,7 +65,7 @@ pub struct TierBenchArgs {
     /// Measure decode through the expert tiers (experts read from a packed store) instead of
     /// with every expert in memory, on a random model it writes (not with --model: a
     /// checkpoint's tiers are measured through `serve` or `generate` with --mode).
-    #[arg(long, env = "GLMFLASH_BENCH_TIERED", conflicts_with = "model")]
+    #[arg(long, env = "GLMFLASH_BENCH_TIERED", conflicts_with = "model", value_parser = clap::builder::BoolishValueParser::new())]
     pub tiered: bool,
     /// Where the model and its packed stores are written (a disk filesystem with O_DIRECT);
     /// removed afterwards.
@@ -85,15 +85,15 @@ pub struct TierBenchArgs {
     pub warmup_tokens: usize,
     /// Read each forward's store misses in full before computing its experts (the tiers'
     /// `--no-fetch-overlap`), to measure what the overlap is worth.
-    #[arg(long, env = "GLMFLASH_BENCH_NO_FETCH_OVERLAP")]
+    #[arg(long, env = "GLMFLASH_BENCH_NO_FETCH_OVERLAP", value_parser = clap::builder::BoolishValueParser::new())]
     pub no_fetch_overlap: bool,
     /// Turn off layer-ahead prefetch (decode) and read-ahead (prompt chunks), as the tiers'
     /// `--no-prefetch`.
-    #[arg(long, env = "GLMFLASH_BENCH_NO_PREFETCH")]
+    #[arg(long, env = "GLMFLASH_BENCH_NO_PREFETCH", value_parser = clap::builder::BoolishValueParser::new())]
     pub no_prefetch: bool,
     /// Keep no host copy of a VRAM resident (the tiers' `--vram-copy-down`); `--flash`
     /// sizes its budget with the flag too, so the RAM tier gets those copies' memory.
-    #[arg(long, env = "GLMFLASH_BENCH_VRAM_COPY_DOWN")]
+    #[arg(long, env = "GLMFLASH_BENCH_VRAM_COPY_DOWN", value_parser = clap::builder::BoolishValueParser::new())]
     pub vram_copy_down: bool,
     /// The store disk's O_DIRECT read bandwidth in GB/s (fio, same run), for the roofline.
     #[arg(long, env = "GLMFLASH_BENCH_DISK_GBPS")]
@@ -105,7 +105,7 @@ pub struct FlashBenchArgs {
     /// Benchmark a random model at GLM-5.3-Flash width under the RTX 3090 box's budget
     /// (needs --device cuda; writes about 4.1 GB of store per MoE layer into --scratch; not
     /// with --model: the model is its own).
-    #[arg(long, env = "GLMFLASH_BENCH_FLASH", conflicts_with = "model")]
+    #[arg(long, env = "GLMFLASH_BENCH_FLASH", conflicts_with = "model", value_parser = clap::builder::BoolishValueParser::new())]
     pub flash: bool,
     /// MoE layers of the random model (the real one has 42).
     #[arg(long, env = "GLMFLASH_BENCH_FLASH_LAYERS", default_value_t = 8)]

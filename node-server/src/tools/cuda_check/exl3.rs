@@ -35,8 +35,14 @@ pub(super) fn random_linear(
     let trellis: Vec<u8> = (0..k / 16 * n / 16 * len * 2)
         .map(|_| rng.random())
         .collect();
-    let suh = randn(rng, k, 1.0);
-    let svh = randn(rng, n, 0.05);
+    // f16 values, as a checkpoint stores the scales (a slot read back keeps them so).
+    let f16 = |v: Vec<f32>| -> Vec<f32> {
+        v.into_iter()
+            .map(|x| half::f16::from_f32(x).to_f32())
+            .collect()
+    };
+    let suh = f16(randn(rng, k, 1.0));
+    let svh = f16(randn(rng, n, 0.05));
     let lin = Exl3Linear::new(&[k / 16, n / 16, len], &trellis, suh, svh, cb)?;
     Ok(if bias {
         lin.with_bias(randn(rng, n, 0.1))?

@@ -46,7 +46,7 @@ pub struct CudaCheckArgs {
     #[arg(long, env = "GLMFLASH_SEED")]
     pub seed: Option<u64>,
     /// Also run the widest shapes (GLM-5.3-Flash expert size: hidden 4096, inter 2048).
-    #[arg(long, env = "GLMFLASH_CHECK_WIDE")]
+    #[arg(long, env = "GLMFLASH_CHECK_WIDE", value_parser = clap::builder::BoolishValueParser::new())]
     pub wide: bool,
     #[arg(long, env = "GLMFLASH_CUDA_DEVICE", default_value_t = 0)]
     pub cuda_device: usize,
