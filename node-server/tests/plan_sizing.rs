@@ -144,7 +144,8 @@ fn the_servers_sizing_is_plans_for_the_same_inputs() {
         // would need two records more: its own row of 3 less the read it saves).
         let vram_mib = before_slots.div_ceil(MIB) + vram_mib;
         let vram_slots = (vram_mib * MIB - before_slots) / layer_row;
-        let held = open.ram_held_bytes - 16 * layer_row + vram_slots * layer_row;
+        // (The VRAM residents keep no host copy: what is held does not move with them.)
+        let held = open.ram_held_bytes;
         let reads = (16 - vram_slots - ram_slots) * f.record;
         let cap = held + 2048 * MIB + ram_slots * layer_row + reads + f.record / 2;
         let box_flags = [
@@ -331,15 +332,16 @@ fn store_check_flag_picks_the_digest_reads_compare() {
     assert_eq!(model.tier.store_check, StoreCheck::Crc32c);
 }
 
-/// `--vram-copy-down` (or its variable at `1`, as a container sets it): the server and `plan`
-/// both give the VRAM residents' host copies to the RAM tier, on a GPU only.
+/// By default the server and `plan` both give the VRAM residents' host copies to the RAM tier
+/// (a victim is copied down from VRAM); `--vram-host-copies` (or its variable at `1`, as a
+/// container sets it) keeps them.
 #[test]
 fn copying_victims_down_gives_the_ram_tier_the_copies_in_plan_and_server() {
     let f = fixture();
     let gpu = ["--vram-mib", "200000", "--context", "4096", "--batch", "2"];
     let cap = ["--ram-limit", "3GiB"];
-    let kept = plan_command(&f, &[&gpu[..], &cap].concat());
-    let down = plan_command(&f, &[&gpu[..], &cap, &["--vram-copy-down"]].concat());
+    let kept = plan_command(&f, &[&gpu[..], &cap, &["--vram-host-copies"]].concat());
+    let down = plan_command(&f, &[&gpu[..], &cap].concat());
     assert!(kept.ram_device_copies_bytes > 0);
     assert_eq!(down.ram_device_copies_bytes, 0);
     assert_eq!(
@@ -369,9 +371,9 @@ fn copying_victims_down_gives_the_ram_tier_the_copies_in_plan_and_server() {
         )
         .unwrap()
     };
-    assert_eq!(serve(&["--vram-copy-down"]).ram_device_copies_bytes, 0);
+    assert_eq!(serve(&[]).ram_device_copies_bytes, 0);
     assert_eq!(
-        serve(&[]).ram_device_copies_bytes,
+        serve(&["--vram-host-copies"]).ram_device_copies_bytes,
         kept.ram_device_copies_bytes
     );
     // The variable as containers set it ("1"; clap's plain bool flags take only true/false).
@@ -387,7 +389,7 @@ fn copying_victims_down_gives_the_ram_tier_the_copies_in_plan_and_server() {
             ])
             .args(gpu)
             .args(cap)
-            .env("GLMFLASH_VRAM_COPY_DOWN", env)
+            .env("GLMFLASH_VRAM_HOST_COPIES", env)
             .output()
             .unwrap();
         assert!(
@@ -397,14 +399,14 @@ fn copying_victims_down_gives_the_ram_tier_the_copies_in_plan_and_server() {
         );
         serde_json::from_slice(&out.stdout).unwrap()
     };
-    let on = json("1");
-    assert_eq!(on["ram_device_copies_bytes"], 0, "{on}");
+    let off = json("0");
+    assert_eq!(off["ram_device_copies_bytes"], 0, "{off}");
     assert_eq!(
-        on["ram_expert_slots_per_layer"],
+        off["ram_expert_slots_per_layer"],
         down.ram_expert_slots_per_layer as u64
     );
     assert_eq!(
-        json("0")["ram_expert_slots_per_layer"],
+        json("1")["ram_expert_slots_per_layer"],
         kept.ram_expert_slots_per_layer as u64
     );
 }

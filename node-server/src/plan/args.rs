@@ -52,10 +52,10 @@ pub struct PlanArgs {
     /// Host memory kept outside the RAM tier, MiB.
     #[arg(long, env = "GLMFLASH_RAM_RESERVE_MIB", default_value_t = 2048)]
     pub ram_reserve_mib: u64,
-    /// The server's --vram-copy-down: VRAM residents keep no host copy, so the RAM tier
-    /// gets their memory.
-    #[arg(long, env = "GLMFLASH_VRAM_COPY_DOWN", value_parser = clap::builder::BoolishValueParser::new())]
-    pub vram_copy_down: bool,
+    /// The server's --vram-host-copies: every VRAM resident keeps a host copy, which the RAM
+    /// tier then does not get (by default a victim is copied down from VRAM instead).
+    #[arg(long, env = "GLMFLASH_VRAM_HOST_COPIES", value_parser = clap::builder::BoolishValueParser::new())]
+    pub vram_host_copies: bool,
     /// Tokens of cache, shared by the batch (the seed runs 131,072 with batch 8).
     #[arg(long, env = "GLMFLASH_CONTEXT_LENGTH", default_value_t = 131_072)]
     pub context: usize,
@@ -297,7 +297,7 @@ impl PlanArgs {
             ram_limit: self.ram_limit,
             ram_available: Some(self.ram_available),
             ram_reserve: self.ram_reserve_mib << 20,
-            copy_down: self.vram_copy_down,
+            copy_down: !self.vram_host_copies,
             context: self.context,
             batch: self.batch,
             cache_dtype: self.cache_dtype,

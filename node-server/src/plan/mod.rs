@@ -73,7 +73,7 @@ pub struct PlanInputs {
     pub ram_available: Option<u64>,
     /// Host memory kept outside the RAM tier.
     pub ram_reserve: u64,
-    /// The VRAM residents keep no host copy (`--vram-copy-down`).
+    /// The VRAM residents keep no host copy (the default; `--vram-host-copies` keeps them).
     pub copy_down: bool,
     /// Tokens of cache, shared by the batch.
     pub context: usize,
@@ -151,7 +151,7 @@ pub struct MemoryPlan {
     /// (no GPU: the device tier is CPU memory).
     pub vram_basis: &'static str,
     /// RAM: what the process holds outside the RAM tier (the dense weights' host copies,
-    /// the device residents' host copies).
+    /// the device residents' host copies when they keep them).
     pub ram_held_bytes: u64,
     /// Of `ram_held_bytes`: the device residents' host copies.
     pub ram_device_copies_bytes: u64,
@@ -198,8 +198,9 @@ pub enum PlanError {
         vram_mib: u64,
     },
     #[error(
-        "the memory cap cannot hold the process: {held_mib} MiB held (dense weights and the \
-         VRAM residents' host copies) plus a {reserve_mib} MiB reserve against {limit_mib} MiB"
+        "the memory cap cannot hold the process: {held_mib} MiB held (dense weights, and the \
+         VRAM residents' host copies with --vram-host-copies) plus a {reserve_mib} MiB reserve \
+         against {limit_mib} MiB"
     )]
     Ram {
         held_mib: u64,

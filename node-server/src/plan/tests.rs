@@ -22,7 +22,7 @@ fn seed_box(cfg: Config, experts: Storage, dense: Storage, head: Storage) -> Pla
         ram_limit: Some(55 * GIB),
         ram_available: None,
         ram_reserve: 2048 * MIB,
-        copy_down: false,
+        copy_down: true,
         context: 131_072,
         batch: 8,
         cache_dtype: CacheDtype::F32,
@@ -97,14 +97,24 @@ fn exl3_flash_on_a_3090_holds_the_seeds_vram_experts() {
         plan.ram_expert_slots + plan.vram_expert_slots + plan.store_only_experts,
         42 * 288
     );
-    // Of what is held, the VRAM residents' host copies: one record each, shown on a line of
-    // their own.
+    // Of what is held, the VRAM residents' host copies: none by default (a victim is copied
+    // down from VRAM); with `--vram-host-copies` one record each, shown on a line of their own.
+    assert_eq!(plan.ram_device_copies_bytes, 0);
+    let kept = super::plan(&PlanInputs {
+        copy_down: false,
+        ..seed_box(flash(), exl3(3.0), exl3(3.05), exl3(6.0))
+    })
+    .unwrap();
     assert_eq!(
-        plan.ram_device_copies_bytes,
-        plan.vram_expert_slots as u64 * plan.record_bytes
+        kept.ram_device_copies_bytes,
+        kept.vram_expert_slots as u64 * kept.record_bytes
     );
-    assert!(plan.ram_device_copies_bytes < plan.ram_held_bytes);
-    let table = plan.table();
+    assert!(kept.ram_device_copies_bytes < kept.ram_held_bytes);
+    assert_eq!(
+        plan.ram_budget_bytes - kept.ram_budget_bytes,
+        kept.ram_device_copies_bytes
+    );
+    let table = kept.table();
     assert!(
         table.contains("held: VRAM residents' host copies"),
         "{table}"
@@ -137,7 +147,8 @@ fn vram_slots_are_sized_by_the_vram_tiers_layout() {
         + p.vram_expert_bytes;
     assert!(used <= p.vram_bytes && p.vram_bytes - used < 42 * 9_510_912);
     // The RAM budget holds the slots and a prompt chunk's reads of every expert no tier
-    // holds (288 - 36 VRAM - 90 RAM = 162 records at once): the most slots for which both fit.
+    // holds (288 - 36 VRAM - 127 RAM = 125 records at once): the most slots for which both
+    // fit (90 a layer when the VRAM residents keep host copies).
     let (r, d) = (
         p.ram_expert_slots_per_layer as u64,
         p.vram_expert_slots_per_layer as u64,
@@ -145,7 +156,7 @@ fn vram_slots_are_sized_by_the_vram_tiers_layout() {
     let need = |r: u64| (42 * r + 288 - d - r) * p.record_bytes;
     assert!(need(r) <= p.ram_budget_bytes && need(r + 1) > p.ram_budget_bytes);
     assert_eq!(p.ram_prompt_reads_bytes, (288 - d - r) * p.record_bytes);
-    assert_eq!((d, r), (36, 90), "{}", p.table());
+    assert_eq!((d, r), (36, 127), "{}", p.table());
     // An average rate gets the slot of the trellis rate above it (3.05 -> 3.5).
     let avg = plan(&seed_box(flash(), exl3(3.05), exl3(3.05), exl3(6.0))).unwrap();
     let up = MoeLayout::exl3(4096, 2048, form(3.5), form(3.5)).unwrap();
@@ -248,7 +259,6 @@ fn sizing_rules() {
     .unwrap();
     assert_eq!(open.ram_budget_bytes, 55 * GIB - 2048 * MIB);
     // All in VRAM: every token's bytes come from HBM.
-    // (The VRAM residents keep host copies: all in VRAM needs the memory for all of them.)
     let big = plan(&PlanInputs {
         vram: 200 * GIB,
         ram_limit: None,

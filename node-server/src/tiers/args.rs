@@ -66,11 +66,11 @@ pub struct TierArgs {
     /// of computing each as its record arrives (what the overlap is worth, measured).
     #[arg(long, env = "GLMFLASH_NO_FETCH_OVERLAP", value_parser = clap::builder::BoolishValueParser::new())]
     pub no_fetch_overlap: bool,
-    /// On a GPU, keep no host copy of a VRAM resident: a victim is copied down from its slot
-    /// on its way to RAM, and the RAM tier gets the memory the copies took (one record per
-    /// VRAM slot). `plan` has the same flag.
-    #[arg(long, env = "GLMFLASH_VRAM_COPY_DOWN", value_parser = clap::builder::BoolishValueParser::new())]
-    pub vram_copy_down: bool,
+    /// On a GPU, keep a host copy of every VRAM resident (one record per VRAM slot, out of the
+    /// RAM tier's budget). By default a resident's VRAM slot holds its only copy, and a victim
+    /// is copied down from it on its way to RAM. `plan` has the same flag.
+    #[arg(long, env = "GLMFLASH_VRAM_HOST_COPIES", value_parser = clap::builder::BoolishValueParser::new())]
+    pub vram_host_copies: bool,
     /// Routing history file: read at start to warm the tiers (policies at once, slots filled
     /// in the background while serving), written at exit.
     #[arg(long, env = "GLMFLASH_HISTORY")]
@@ -118,7 +118,7 @@ impl TierArgs {
             ram_budget: self.ram_budget_mib.map(|m| m << 20),
             ram_reserve: self.ram_reserve_mib << 20,
             vram_reserve: self.vram_reserve_mib << 20,
-            copy_down: self.vram_copy_down,
+            copy_down: !self.vram_host_copies,
         }
     }
 
@@ -131,7 +131,7 @@ impl TierArgs {
         Placement::Tiered(TierPlan {
             prefetch: mode.tiered() && !self.no_prefetch,
             fetch_overlap: !self.no_fetch_overlap,
-            copy_down: self.vram_copy_down,
+            copy_down: !self.vram_host_copies,
             eviction: self.eviction,
             writeback_ring: self.writeback_ring,
             pin: !self.no_pin,

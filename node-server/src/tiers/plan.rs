@@ -78,7 +78,7 @@ impl TierPlan {
             staging_slots: STAGING_SLOTS,
             prefetch: mode.tiered(),
             fetch_overlap: true,
-            copy_down: false,
+            copy_down: true,
             eviction: PolicyKind::Lfu,
             aging_period: AGING_PERIOD,
             writeback_ring: 64,

@@ -91,10 +91,10 @@ pub struct TierBenchArgs {
     /// `--no-prefetch`.
     #[arg(long, env = "GLMFLASH_BENCH_NO_PREFETCH", value_parser = clap::builder::BoolishValueParser::new())]
     pub no_prefetch: bool,
-    /// Keep no host copy of a VRAM resident (the tiers' `--vram-copy-down`); `--flash`
-    /// sizes its budget with the flag too, so the RAM tier gets those copies' memory.
-    #[arg(long, env = "GLMFLASH_BENCH_VRAM_COPY_DOWN", value_parser = clap::builder::BoolishValueParser::new())]
-    pub vram_copy_down: bool,
+    /// Keep a host copy of every VRAM resident (the tiers' `--vram-host-copies`); `--flash`
+    /// sizes its budget with the flag too, so the RAM tier loses those copies' memory.
+    #[arg(long, env = "GLMFLASH_BENCH_VRAM_HOST_COPIES", value_parser = clap::builder::BoolishValueParser::new())]
+    pub vram_host_copies: bool,
     /// The store disk's O_DIRECT read bandwidth in GB/s (fio, same run), for the roofline.
     #[arg(long, env = "GLMFLASH_BENCH_DISK_GBPS")]
     pub disk_gbps: Option<f64>,

@@ -246,8 +246,8 @@ fn budget(
     record: usize,
 ) -> anyhow::Result<Budget> {
     let f = &args.flash;
-    let flags = if args.tiers.vram_copy_down {
-        format!("{} --vram-copy-down", f.flash_plan)
+    let flags = if args.tiers.vram_host_copies {
+        format!("{} --vram-host-copies", f.flash_plan)
     } else {
         f.flash_plan.clone()
     };
@@ -291,7 +291,7 @@ fn measure_all(
         pin: !args.flash.flash_no_pin,
         fetch_overlap: !args.tiers.no_fetch_overlap,
         prefetch: !args.tiers.no_prefetch,
-        copy_down: args.tiers.vram_copy_down,
+        copy_down: !args.tiers.vram_host_copies,
     };
     for r in &runs {
         if !["budget", "prefill", "exact", "vram", "fast", "zipf"].contains(r) {
@@ -303,7 +303,7 @@ fn measure_all(
     let bw = measure_bandwidths(cuda, store, &cfg)?;
     eprintln!("{}", bw.json());
     let source = Arc::new(StoreSource::open(store, model_dir, &cfg)?);
-    let record = source_record(&source);
+    let record = crate::tiers::source::ExpertSource::record_bytes(source.as_ref());
     let started = Instant::now();
     let placeholder: Arc<dyn ExpertProvider> =
         Arc::new(tiered(&cfg, &source, Mode::Nvme, 1, 1, switches, None)?);
@@ -459,12 +459,8 @@ fn measure_all(
     }))
 }
 
-fn source_record(source: &StoreSource) -> usize {
-    use crate::tiers::source::ExpertSource;
-    source.record_bytes()
-}
-
-/// What `--flash-no-pin`, `--no-fetch-overlap` and `--no-prefetch` turn off, `--vram-copy-down` on.
+/// What `--flash-no-pin`, `--no-fetch-overlap`, `--no-prefetch` and `--vram-host-copies` turn
+/// off.
 #[derive(Clone, Copy)]
 struct Switches {
     pin: bool,
@@ -883,8 +879,9 @@ mod tests {
             (131_072, 8, 42)
         );
         assert_eq!(plan.dense_format, "exl3:3.05");
-        // 63 RAM slots a layer before a prompt chunk's store reads were planned (session 25).
-        assert_eq!((b.vram_slots, b.ram_slots), (24, 58));
+        // 63 RAM slots a layer before a prompt chunk's store reads were planned (session 25),
+        // 58 while the VRAM residents kept host copies (before session 26).
+        assert_eq!((b.vram_slots, b.ram_slots), (24, 83));
         assert_eq!(b.vram_slots, plan.vram_expert_slots_per_layer);
         assert!(
             b.json["plan"]
