@@ -17,6 +17,8 @@ use glmflash_node::store::{
 use glmflash_node::tiers::source::expert_from_record;
 use std::path::PathBuf;
 
+#[path = "support/node.rs"]
+mod node;
 #[path = "support/runs.rs"]
 mod runs;
 
@@ -290,17 +292,7 @@ fn mixed_rate_checkpoint(dir: &std::path::Path) {
 
 /// `glmflash-node plan --model DIR --json`.
 fn plan_json(dir: &std::path::Path) -> serde_json::Value {
-    let out = std::process::Command::new(env!("CARGO_BIN_EXE_glmflash-node"))
-        .args(["plan", "--json", "--model"])
-        .arg(dir)
-        .output()
-        .unwrap();
-    assert!(
-        out.status.success(),
-        "{}",
-        String::from_utf8_lossy(&out.stderr)
-    );
-    serde_json::from_slice(&out.stdout).unwrap()
+    node::json(node::node(["plan", "--json", "--model"]).arg(dir))
 }
 
 /// Layers at different rates: one record size (the largest layout's), each layer's layout in

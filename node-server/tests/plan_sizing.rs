@@ -3,6 +3,9 @@
 //! server's sizing rules (free VRAM, the cgroup cap, the flags, the modes, the floor) each move
 //! it as they say.
 
+#[path = "support/node.rs"]
+mod node;
+
 use clap::Parser;
 use glmflash_node::cli::{Cli, Command, ModelArgs, vram_floor_problem};
 use glmflash_node::model::checkpoint::DType;
@@ -377,9 +380,9 @@ fn copying_victims_down_gives_the_ram_tier_the_copies_in_plan_and_server() {
         kept.ram_device_copies_bytes
     );
     // The variable as containers set it ("1"; clap's plain bool flags take only true/false).
-    let json = |env: &str| -> serde_json::Value {
-        let out = std::process::Command::new(env!("CARGO_BIN_EXE_glmflash-node"))
-            .args([
+    let json = |env: &str| {
+        node::json(
+            node::node([
                 "plan",
                 "--json",
                 "--model",
@@ -389,15 +392,8 @@ fn copying_victims_down_gives_the_ram_tier_the_copies_in_plan_and_server() {
             ])
             .args(gpu)
             .args(cap)
-            .env("GLMFLASH_VRAM_HOST_COPIES", env)
-            .output()
-            .unwrap();
-        assert!(
-            out.status.success(),
-            "{}",
-            String::from_utf8_lossy(&out.stderr)
-        );
-        serde_json::from_slice(&out.stdout).unwrap()
+            .env("GLMFLASH_VRAM_HOST_COPIES", env),
+        )
     };
     let off = json("0");
     assert_eq!(off["ram_device_copies_bytes"], 0, "{off}");
