@@ -50,6 +50,31 @@ copied() {
     *) grep -qE "[1-9][0-9]* victims copied down" "$work/t.err" || { echo "$1: no VRAM victim was copied down"; fail=1; } ;;
   esac
 }
+# The tier modes on the GPU for MODEL and TOKENS (GREEDY steps) against REF (the untiered GPU run),
+# over the packed STORE: `identical` runs nvme-exact (copy-down and --vram-host-copies, at 2 and 1
+# VRAM slots) and exact, bit for bit; `kl` runs nvme (CPU lane) both ways and fast, within the KL bound.
+tier_modes() {
+  local model=$1 tokens=$2 greedy=$3 ref=$4 name=$5 store=$6 how=$7 args runs
+  if [ "$how" = identical ]; then
+    runs=("--mode nvme-exact --store $store --vram-slots 2 --ram-slots 3" \
+          "--mode nvme-exact --store $store --vram-slots 1 --ram-slots 1" \
+          "--mode nvme-exact --vram-host-copies --store $store --vram-slots 2 --ram-slots 3" \
+          "--mode nvme-exact --vram-host-copies --store $store --vram-slots 1 --ram-slots 1" \
+          "--mode exact")
+  else
+    runs=("--mode nvme --store $store --vram-slots 2 --ram-slots 3" \
+          "--mode nvme --vram-host-copies --store $store --vram-slots 2 --ram-slots 3" "--mode fast")
+  fi
+  for args in "${runs[@]}"; do
+    "$BIN" logits --model "$model" --tokens "$tokens" --greedy "$greedy" --device cuda $args > "$work/t.json" 2>"$work/t.err" || { fail=1; tail -3 "$work/t.err"; }
+    copied "$args"
+    if [ "$how" = identical ]; then
+      python3 e2e/cuda/compare_logits.py "$work/t.json" "$ref" --identical --name "$name ${args%% --store*}" || fail=1
+    else
+      python3 e2e/cuda/compare_logits.py "$work/t.json" "$ref" --kl --name "$name ${args%% --store*} vs exact" || fail=1
+    fi
+  done
+}
 "$BIN" make-demo-model --out "$work/demo" >/dev/null 2>&1 || fail=1
 demo_tokens=1,2,3,4,5,6,7,8,9,10,11,12,13,14,15,16,17,18,19,20
 
@@ -111,15 +136,7 @@ for fmt in bf16 q4_k; do
   model="$work/demo"; [ $fmt = bf16 ] || model="$work/demo_$fmt"
   store="$(mktemp -d -p "$PWD" .store.XXXX)"
   "$BIN" pack-store --model "$model" --store "$store/s" >/dev/null 2>&1 || { echo "pack-store failed"; fail=1; }
-  for args in "--mode nvme-exact --store $store/s --vram-slots 2 --ram-slots 3" \
-              "--mode nvme-exact --store $store/s --vram-slots 1 --ram-slots 1" \
-              "--mode nvme-exact --vram-host-copies --store $store/s --vram-slots 2 --ram-slots 3" \
-              "--mode nvme-exact --vram-host-copies --store $store/s --vram-slots 1 --ram-slots 1" \
-              "--mode exact"; do
-    "$BIN" logits --model "$model" --tokens $demo_tokens --greedy 24 --device cuda $args > "$work/t.json" 2>"$work/t.err" || { fail=1; tail -3 "$work/t.err"; }
-    copied "$args"
-    python3 e2e/cuda/compare_logits.py "$work/t.json" "$work/$fmt.cuda.json" --identical --name "$fmt ${args%% --store*}" || fail=1
-  done
+  tier_modes "$model" "$demo_tokens" 24 "$work/$fmt.cuda.json" "$fmt" "$store/s" identical
   # A 400-token prompt: slots of 32+ picks through cuBLAS, tiered as untiered.
   for down in "" --vram-host-copies; do
     args="--mode nvme-exact $down --store $store/s --vram-slots 2 --ram-slots 3"
@@ -127,12 +144,7 @@ for fmt in bf16 q4_k; do
     copied "$args"
     python3 e2e/cuda/compare_logits.py "$work/t.json" "$work/long.$fmt.cuda.json" --identical --name "$fmt 400 tokens nvme-exact $down" || fail=1
   done
-  for args in "--mode nvme --store $store/s --vram-slots 2 --ram-slots 3" \
-              "--mode nvme --vram-host-copies --store $store/s --vram-slots 2 --ram-slots 3" "--mode fast"; do
-    "$BIN" logits --model "$model" --tokens $demo_tokens --greedy 24 --device cuda $args > "$work/t.json" 2>"$work/t.err" || { fail=1; tail -3 "$work/t.err"; }
-    copied "$args"
-    python3 e2e/cuda/compare_logits.py "$work/t.json" "$work/$fmt.cuda.json" --kl --name "$fmt ${args%% --store*} vs exact" || fail=1
-  done
+  tier_modes "$model" "$demo_tokens" 24 "$work/$fmt.cuda.json" "$fmt" "$store/s" kl
   rm -rf "$store"
 done
 
@@ -144,21 +156,8 @@ for fx in e2e/fixtures/exl3/exl3_*; do
   check_fixture "$fx"; name=$(basename "$fx"); tok=$(tokens_of "$fx/reference.json")
   store="$(mktemp -d -p "$PWD" .store.XXXX)"
   "$BIN" pack-store --model "$fx" --store "$store/s" >/dev/null 2>&1 || { echo "pack-store $name failed"; fail=1; }
-  for args in "--mode nvme-exact --store $store/s --vram-slots 2 --ram-slots 3" \
-              "--mode nvme-exact --store $store/s --vram-slots 1 --ram-slots 1" \
-              "--mode nvme-exact --vram-host-copies --store $store/s --vram-slots 2 --ram-slots 3" \
-              "--mode nvme-exact --vram-host-copies --store $store/s --vram-slots 1 --ram-slots 1" \
-              "--mode exact"; do
-    "$BIN" logits --model "$fx" --tokens "$tok" --greedy 16 --device cuda $args > "$work/t.json" 2>"$work/t.err" || { fail=1; tail -3 "$work/t.err"; }
-    copied "$args"
-    python3 e2e/cuda/compare_logits.py "$work/t.json" "$work/$name.cuda.json" --identical --name "$name ${args%% --store*}" || fail=1
-  done
-  for args in "--mode nvme --store $store/s --vram-slots 2 --ram-slots 3" \
-              "--mode nvme --vram-host-copies --store $store/s --vram-slots 2 --ram-slots 3" "--mode fast"; do
-    "$BIN" logits --model "$fx" --tokens "$tok" --greedy 16 --device cuda $args > "$work/t.json" 2>"$work/t.err" || { fail=1; tail -3 "$work/t.err"; }
-    copied "$args"
-    python3 e2e/cuda/compare_logits.py "$work/t.json" "$work/$name.cuda.json" --kl --name "$name ${args%% --store*} vs exact" || fail=1
-  done
+  tier_modes "$fx" "$tok" 16 "$work/$name.cuda.json" "$name" "$store/s" identical
+  tier_modes "$fx" "$tok" 16 "$work/$name.cuda.json" "$name" "$store/s" kl
   rm -rf "$store"
 done
 
