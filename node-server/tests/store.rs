@@ -321,6 +321,37 @@ fn concurrent_requests_for_one_record_share_one_read() {
     assert!(r.read(0, 0).is_err(), "layer 0 is dense: no record");
 }
 
+/// A batch larger than the registered buffers goes to the engine a window at a time (each
+/// window's buffers free for the next): every key is still delivered once, with its index.
+#[test]
+fn a_batch_past_the_registered_buffers_is_read_in_windows_each_key_once() {
+    let f = packed();
+    for engine in [EngineChoice::Uring, EngineChoice::Pread] {
+        let r = StoreReader::open(
+            &f.store,
+            None,
+            ReaderOptions {
+                engine,
+                queue_depth: 3,
+                registered_buffers: 3,
+                ..ReaderOptions::default()
+            },
+        )
+        .unwrap();
+        let keys: Vec<(usize, usize)> = (0..10).map(|i| (1 + i % 3, i)).collect();
+        let seen: Vec<std::sync::Mutex<Vec<(usize, usize)>>> =
+            keys.iter().map(|_| Default::default()).collect();
+        r.read_each(&keys, &|i, rec| {
+            let rec = rec.expect("record reads");
+            seen[i].lock().unwrap().push((rec.layer(), rec.expert()));
+        });
+        for (i, s) in seen.iter().enumerate() {
+            assert_eq!(*s.lock().unwrap(), vec![keys[i]], "key {i} via {engine:?}");
+        }
+        assert_eq!(r.reads_issued(), 10);
+    }
+}
+
 #[test]
 fn rerun_on_a_complete_store_does_nothing() {
     let f = packed();

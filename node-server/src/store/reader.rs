@@ -323,11 +323,33 @@ impl StoreReader {
             .collect()
     }
 
-    /// Reads many records with one submission and hands each to `deliver` (with its index in
-    /// `keys`) as soon as it is read and checked, on the current rayon pool's threads: what a
-    /// caller does with a record (decode it, start computing with it) overlaps the reads
-    /// still in flight. Every key is delivered exactly once, before this returns.
+    /// Reads many records and hands each to `deliver` (with its index in `keys`) as soon as it
+    /// is read and checked, on the current rayon pool's threads: what a caller does with a
+    /// record (decode it, start computing with it) overlaps the reads still in flight. Every
+    /// key is delivered exactly once, before this returns.
+    ///
+    /// The keys go to the engine a window at a time, as many as it has registered buffers (else
+    /// its queue depth): a record let go once delivered gives its buffer back to the next
+    /// window. Submitted at once, reads past the registered buffers each took a fresh
+    /// allocation that the read then faulted in, page by page: a layer's batch of misses read
+    /// at 0.55-0.7 of the windowed rate (`examples/store_bench.rs`, session 26).
     pub fn read_each(
+        &self,
+        keys: &[(usize, usize)],
+        deliver: &(dyn Fn(usize, Result<Arc<RecordBuf>, ReadError>) + Sync),
+    ) {
+        let window = match self.engine.pool() {
+            Some(_) => self.opts.registered_buffers,
+            None => self.opts.queue_depth,
+        }
+        .max(1);
+        for (w, chunk) in keys.chunks(window).enumerate() {
+            self.read_window(chunk, &|i, r| deliver(w * window + i, r));
+        }
+    }
+
+    /// [`StoreReader::read_each`] of one window, in one submission.
+    fn read_window(
         &self,
         keys: &[(usize, usize)],
         deliver: &(dyn Fn(usize, Result<Arc<RecordBuf>, ReadError>) + Sync),
