@@ -83,9 +83,8 @@ fn flip_byte(path: &Path, offset: u64) {
 }
 
 fn reader(store: &Path, engine: EngineChoice) -> StoreReader {
-    StoreReader::open(
+    reader_with(
         store,
-        None,
         ReaderOptions {
             engine,
             queue_depth: 8,
@@ -93,7 +92,21 @@ fn reader(store: &Path, engine: EngineChoice) -> StoreReader {
             ..ReaderOptions::default()
         },
     )
-    .expect("open store")
+}
+
+fn reader_with(store: &Path, options: ReaderOptions) -> StoreReader {
+    StoreReader::open(store, None, options).expect("open store")
+}
+
+/// Readers of `store` with `options` through each engine (io_uring, then pread).
+fn both_engines(store: &Path, options: ReaderOptions) -> [(EngineChoice, StoreReader); 2] {
+    [EngineChoice::Uring, EngineChoice::Pread].map(|engine| {
+        let options = ReaderOptions {
+            engine,
+            ..options.clone()
+        };
+        (engine, reader_with(store, options))
+    })
 }
 
 #[test]
@@ -326,18 +339,12 @@ fn concurrent_requests_for_one_record_share_one_read() {
 #[test]
 fn a_batch_past_the_registered_buffers_is_read_in_windows_each_key_once() {
     let f = packed();
-    for engine in [EngineChoice::Uring, EngineChoice::Pread] {
-        let r = StoreReader::open(
-            &f.store,
-            None,
-            ReaderOptions {
-                engine,
-                queue_depth: 3,
-                registered_buffers: 3,
-                ..ReaderOptions::default()
-            },
-        )
-        .unwrap();
+    let windows = ReaderOptions {
+        queue_depth: 3,
+        registered_buffers: 3,
+        ..ReaderOptions::default()
+    };
+    for (engine, r) in both_engines(&f.store, windows) {
         let keys: Vec<(usize, usize)> = (0..10).map(|i| (1 + i % 3, i)).collect();
         let seen: Vec<std::sync::Mutex<Vec<(usize, usize)>>> =
             keys.iter().map(|_| Default::default()).collect();
@@ -679,17 +686,11 @@ fn a_store_from_another_model_is_refused() {
 #[test]
 fn an_injected_read_error_fails_only_that_request() {
     let f = packed();
-    for engine in [EngineChoice::Uring, EngineChoice::Pread] {
-        let r = StoreReader::open(
-            &f.store,
-            None,
-            ReaderOptions {
-                engine,
-                fail_record: Some((3, 7)),
-                ..ReaderOptions::default()
-            },
-        )
-        .unwrap();
+    let failing = ReaderOptions {
+        fail_record: Some((3, 7)),
+        ..ReaderOptions::default()
+    };
+    for (_, r) in both_engines(&f.store, failing) {
         let out = r.read_many(&[(3, 6), (3, 7), (3, 8)]);
         assert!(out[0].is_ok() && out[2].is_ok());
         let e = out[1].as_ref().unwrap_err();
