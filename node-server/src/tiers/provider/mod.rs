@@ -279,8 +279,15 @@ impl TieredExperts {
     /// GPU.
     pub fn gpu_summary(&self) -> Option<String> {
         let g = self.gpu.as_ref()?.lock().unwrap_or_else(|e| e.into_inner());
+        let parts = g.stats().parts;
+        let parts = parts
+            .mean_ms()
+            .iter()
+            .map(|(name, ms)| format!("{name} {ms:.3}"))
+            .collect::<Vec<_>>()
+            .join(", ");
         Some(format!(
-            "gpu ({}): {} picks on the GPU, {} on the CPU lane, {} MiB host->device, {} victims copied down ({} MiB; residents' host copies {}), {} MiB of RAM residents registered with CUDA",
+            "gpu ({}): {} picks on the GPU, {} on the CPU lane, {} MiB host->device, {} victims copied down ({} MiB; residents' host copies {}), {} MiB of RAM residents registered with CUDA; a sampled MoE step's parts alone, ms: {parts}",
             g.cuda().describe(),
             g.gpu_picks,
             g.cpu_picks,

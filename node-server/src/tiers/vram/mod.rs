@@ -235,6 +235,8 @@ pub struct GpuTier {
     /// MoE steps computed, and the last sampled one's wall time (synchronised).
     steps: u64,
     step_seconds: f64,
+    /// The sampled steps' parts, each timed on its own.
+    parts: StepParts,
     /// The last step's staged host weights (kept until its copies are surely done).
     staged_weights: Vec<Arc<SwiGlu>>,
 }
@@ -246,6 +248,50 @@ enum Rows<'a> {
     Device(&'a CudaSlice<f32>),
 }
 
+/// What the parts of a MoE step cost on their own, summed over the sampled steps (every
+/// [`STEP_SAMPLE`]th). A sampled step runs its parts one after another, the device
+/// synchronised between them, so each is timed alone; the other steps overlap them (resident
+/// picks on the GPU, the CPU lane, the staged uploads), and their measured time against these
+/// parts' sum and their slowest shows how much.
+#[derive(Clone, Copy, Debug, Default, PartialEq)]
+pub struct StepParts {
+    /// Steps sampled.
+    pub steps: u64,
+    /// The resident picks' kernels (the rows gathered, every pick in a VRAM slot computed).
+    pub gpu: f64,
+    /// The CPU lane's products, its waits for store reads included.
+    pub lane: f64,
+    /// The staged picks: their uploads (and waits for their store reads) and their kernels.
+    pub staged: f64,
+    /// The whole sampled step: the parts, the rows' moves and the combine.
+    pub wall: f64,
+}
+
+impl StepParts {
+    /// What was added to `self` since `before`.
+    pub fn since(&self, before: &StepParts) -> StepParts {
+        StepParts {
+            steps: self.steps - before.steps,
+            gpu: self.gpu - before.gpu,
+            lane: self.lane - before.lane,
+            staged: self.staged - before.staged,
+            wall: self.wall - before.wall,
+        }
+    }
+
+    /// Milliseconds a sampled step spent per part, on average.
+    pub fn mean_ms(&self) -> [(&'static str, f64); 4] {
+        let n = self.steps.max(1) as f64;
+        [
+            ("gpu", self.gpu),
+            ("lane", self.lane),
+            ("staged", self.staged),
+            ("wall", self.wall),
+        ]
+        .map(|(name, s)| (name, s * 1e3 / n))
+    }
+}
+
 /// What [`GpuTier`] reports to the metrics.
 #[derive(Clone, Copy, Debug, Default)]
 pub struct GpuStats {
@@ -253,6 +299,8 @@ pub struct GpuStats {
     pub gpu_picks: u64,
     pub cpu_picks: u64,
     pub step_seconds: f64,
+    /// The sampled steps' parts.
+    pub parts: StepParts,
     pub vram_used: u64,
     pub vram_total: u64,
 }
@@ -330,6 +378,7 @@ impl GpuTier {
             cpu_picks: 0,
             steps: 0,
             step_seconds: 0.0,
+            parts: StepParts::default(),
             staged_weights: Vec::new(),
         })
     }
@@ -456,9 +505,23 @@ impl GpuTier {
                 }
             }
         }
-        // Launches are asynchronous: the CPU lane below overlaps the resident picks.
+        // Launches are asynchronous: the CPU lane below overlaps the resident picks (but for a
+        // sampled step, which times its parts one at a time).
         self.cuda
             .moe_picks(&mut run, &self.arena.buf, self.limit, &on_gpu)?;
+        let mut part = started;
+        let mut lap = |cuda: &Cuda, seconds: &mut f64| -> anyhow::Result<()> {
+            if sampled {
+                cuda.synchronize()?;
+                cuda.copy_stream().synchronize()?;
+                let now = std::time::Instant::now();
+                *seconds += (now - part).as_secs_f64();
+                part = now;
+            }
+            Ok(())
+        };
+        let mut parts = StepParts::default();
+        lap(&self.cuda, &mut parts.gpu)?;
         let host_rows = match x {
             Rows::Device(x) if !on_cpu.is_empty() => {
                 let mut rows = self.cuda.download(x)?;
@@ -476,6 +539,7 @@ impl GpuTier {
                 Ok((p, w.forward_lane(&host_rows[t * hidden..(t + 1) * hidden])))
             })
             .collect::<anyhow::Result<_>>()?;
+        lap(&self.cuda, &mut parts.lane)?;
         // Staged experts in rounds of a half's slots, halves alternating: the copy stream
         // fills a half once the kernels that read it last are done (`computed`), and the
         // kernels take it once its copies are (`copied`). The host weights are held until
@@ -508,6 +572,7 @@ impl GpuTier {
             copies.synchronize()?;
             self.staged_weights.clear();
         }
+        lap(&self.cuda, &mut parts.staged)?;
         for (p, y) in &cpu_rows {
             self.cuda.moe_set_rows(&mut run, *p, y)?;
         }
@@ -517,6 +582,11 @@ impl GpuTier {
         if sampled {
             self.cuda.synchronize()?;
             self.step_seconds = started.elapsed().as_secs_f64();
+            self.parts.steps += 1;
+            self.parts.gpu += parts.gpu;
+            self.parts.lane += parts.lane;
+            self.parts.staged += parts.staged;
+            self.parts.wall += self.step_seconds;
         }
         Ok(y)
     }
@@ -528,6 +598,7 @@ impl GpuTier {
             gpu_picks: self.gpu_picks,
             cpu_picks: self.cpu_picks,
             step_seconds: self.step_seconds,
+            parts: self.parts,
             vram_used: (total - free) as u64,
             vram_total: total as u64,
         }

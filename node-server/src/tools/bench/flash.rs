@@ -19,7 +19,11 @@
 //! bytes of one step need at the bandwidths measured in the same run (HBM copy, pinned H2D,
 //! RAM read, store O_DIRECT at depth) over the measured step time, where the GPU's and the
 //! CPU lane's reads overlap and H2D and store reads add:
-//! `need = max(gpu bytes / HBM, cpu-lane bytes / RAM) + h2d bytes / H2D + store bytes / store`.
+//! `need = max(gpu bytes / HBM, cpu-lane bytes / RAM) + h2d bytes / H2D + store bytes / store`,
+//! and beside it the bound of a step that overlaps all four (`roofline_ratio_overlapped`: the
+//! slowest part's time over the step's). `moe_step_parts` has the GPU tier's sampled MoE
+//! steps timed part by part (resident picks' kernels, CPU lane, staged picks), to set beside
+//! the step's measured time.
 //! Results print as JSON lines on stderr as they finish and as one JSON document at the end,
 //! whose `expert_format` names the records measured.
 //!
@@ -29,6 +33,7 @@
 
 use super::args::{BenchArgs, plan_storage};
 use super::common::{measure_read_bandwidth, set_router_bias};
+use super::figures::{Measured, figures, snapshot};
 use crate::backend::cuda::Cuda;
 use crate::model::checkpoint::DType;
 use crate::model::config::Config;
@@ -39,9 +44,8 @@ use crate::model::{Gpu, SeqCache};
 use crate::model::{Model, random};
 use crate::store::{ChecksumPolicy, Manifest, PartFormat, ReaderOptions, StoreReader};
 use crate::tiers::plan::TierPlan;
-use crate::tiers::provider::{Mode, Tier, TieredExperts};
+use crate::tiers::provider::{Mode, TieredExperts};
 use crate::tiers::source::StoreSource;
-use crate::tiers::stats::StepPart;
 use anyhow::{Context, bail};
 use serde_json::{Value, json};
 use std::path::Path;
@@ -151,13 +155,14 @@ fn set_skew(model_dir: &Path, store: &Path, skew: f32) -> anyhow::Result<()> {
     Ok(())
 }
 
-struct Bandwidths {
-    hbm: f64,
-    h2d_pinned: f64,
-    h2d_pageable: f64,
-    ram: f64,
-    store_raw: f64,
-    store_checked: f64,
+/// The rates a flash run measures, bytes a second.
+pub(super) struct Bandwidths {
+    pub(super) hbm: f64,
+    pub(super) h2d_pinned: f64,
+    pub(super) h2d_pageable: f64,
+    pub(super) ram: f64,
+    pub(super) store_raw: f64,
+    pub(super) store_checked: f64,
 }
 
 impl Bandwidths {
@@ -506,119 +511,6 @@ impl Tagged for Value {
         self["run"] = json!(run);
         self
     }
-}
-
-/// Counters of the tiers (and their GPU) at one moment.
-#[derive(Clone, Copy, Default)]
-struct Snapshot {
-    /// Lookups per tier (device, RAM, store) in the phase measured.
-    lookups: [u64; 3],
-    store_reads: u64,
-    h2d: u64,
-    gpu_picks: u64,
-    cpu_picks: u64,
-    /// Seconds the tiers' `forward` spent per part (`StepPart::ALL`).
-    parts: [f64; 4],
-    /// Seconds the fetch thread spent reading.
-    fetch_busy: f64,
-}
-
-fn snapshot(tiers: Option<&Arc<TieredExperts>>, phase: usize) -> Snapshot {
-    let Some(t) = tiers else {
-        return Snapshot::default();
-    };
-    t.flush();
-    let s = &t.stats;
-    let gpu = t.gpu_stats();
-    Snapshot {
-        lookups: [Tier::Device, Tier::Ram, Tier::Store]
-            .map(|tier| s.lookups[tier as usize][phase].load(Ordering::Relaxed)),
-        store_reads: s.store_reads.load(Ordering::Relaxed),
-        h2d: gpu.as_ref().map_or(0, |g| g.h2d_bytes),
-        gpu_picks: gpu.as_ref().map_or(0, |g| g.gpu_picks),
-        cpu_picks: gpu.as_ref().map_or(0, |g| g.cpu_picks),
-        parts: StepPart::ALL.map(|p| s.part_seconds(p)),
-        fetch_busy: s.fetch_busy_seconds(),
-    }
-}
-
-/// One measured run: the counters around it, its steps, the tokens they made, its time.
-#[derive(Clone, Copy)]
-struct Measured {
-    before: Snapshot,
-    after: Snapshot,
-    steps: usize,
-    tokens: usize,
-    secs: f64,
-}
-
-/// Tier figures and the roofline of a measured run.
-fn figures(model: &Model, run: Measured, all_vram: bool, bw: &Bandwidths, record: usize) -> Value {
-    let Measured {
-        before,
-        after,
-        steps,
-        tokens,
-        secs,
-    } = run;
-    let cfg = &model.cfg;
-    let picks =
-        (cfg.moe_layers().iter().filter(|&&m| m).count() * cfg.num_experts_per_tok * tokens) as f64;
-    let mut lookups: Vec<f64> = (0..3)
-        .map(|i| (after.lookups[i] - before.lookups[i]) as f64)
-        .collect();
-    if all_vram {
-        lookups = vec![picks, 0.0, 0.0];
-    }
-    let total = lookups.iter().sum::<f64>().max(1.0);
-    let record = record as f64;
-    let store_bytes = (after.store_reads - before.store_reads) as f64 * record;
-    let h2d = (after.h2d - before.h2d) as f64;
-    let cpu_picks = (after.cpu_picks - before.cpu_picks) as f64;
-    let gpu_picks = if all_vram {
-        picks
-    } else {
-        (after.gpu_picks - before.gpu_picks) as f64
-    };
-    let dense =
-        (model.weight_bytes() - model.routed_expert_bytes() - model.embedding_bytes()) as f64;
-    let n = steps as f64;
-    let gpu_bytes = dense * n + gpu_picks * record;
-    let cpu_bytes = cpu_picks * record;
-    let need = (gpu_bytes / bw.hbm).max(cpu_bytes / bw.ram)
-        + h2d / bw.h2d_pinned
-        + store_bytes / bw.store_raw;
-    let t = tokens as f64;
-    json!({
-        "tokens": tokens,
-        "steps": steps,
-        "tok_s": t / secs,
-        "ms_per_step": secs * 1e3 / n,
-        "hit_rate": {
-            "vram": lookups[0] / total,
-            "ram": lookups[1] / total,
-            "nvme": lookups[2] / total,
-        },
-        "bytes_per_token": {
-            "vram_experts": lookups[0] * record / t,
-            "ram_experts": lookups[1] * record / t,
-            "nvme": store_bytes / t,
-            "h2d": h2d / t,
-            "dense_hbm": dense * n / t,
-        },
-        "cpu_lane_share": cpu_picks / (cpu_picks + gpu_picks).max(1.0),
-        "time_needed_ms_per_step": need * 1e3 / n,
-        "roofline_ratio": need / secs,
-        "tier_ms_per_step": StepPart::ALL
-            .iter()
-            .map(|&p| {
-                let i = p as usize;
-                (p.name().to_string(), json!((after.parts[i] - before.parts[i]) * 1e3 / n))
-            })
-            .collect::<serde_json::Map<_, _>>(),
-        // The fetch thread's reading, in the background of the parts above when it overlaps.
-        "fetch_busy_ms_per_step": (after.fetch_busy - before.fetch_busy) * 1e3 / n,
-    })
 }
 
 fn prompt(len: usize, salt: u32, vocab: usize) -> Vec<u32> {

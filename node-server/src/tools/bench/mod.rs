@@ -6,6 +6,7 @@
 
 mod args;
 mod common;
+mod figures;
 mod flash;
 mod lane;
 mod plain;
