@@ -6,13 +6,15 @@
 //! synthetic store of about GIB GiB (default 1) of 3 MiB records (bf16 gate/up 512x1024,
 //! down 1024x512) in DIR (default: a temporary directory under /tmp), then reads every
 //! record once in a shuffled order per configuration. Reads bypass the page cache (O_DIRECT),
-//! so the numbers are the disk's.
+//! so the numbers are the disk's. `... -- DIR GIB batch [ROUNDS]` times only the fetch thread's
+//! way (one batch, each record decoded where it was checked) against chunks of 32.
 
 use glmflash_node::quant::Format;
 use glmflash_node::store::{
     self, ALIGN, ChecksumPolicy, EngineChoice, Manifest, Part, PartFormat, Parts, ReaderOptions,
     RecordCheck, RecordEntry, StoreReader,
 };
+use glmflash_node::tiers::source::expert_from_record;
 use sha2::{Digest, Sha256};
 use std::io::Write;
 use std::path::Path;
@@ -29,6 +31,12 @@ fn main() -> anyhow::Result<()> {
         }
     };
     let gib: f64 = args.get(1).map(|s| s.parse()).transpose()?.unwrap_or(1.0);
+    // `batch [ROUNDS]`: only the fetch thread's way against chunks, in ROUNDS turns (default 2).
+    let only_batch = args.get(2).is_some_and(|a| a == "batch");
+    let rounds: usize = match only_batch {
+        true => args.get(3).map(|s| s.parse()).transpose()?.unwrap_or(2),
+        false => 2,
+    };
     let m = build_store(&dir, gib)?;
     let total = m.data_bytes() as f64;
     println!(
@@ -56,7 +64,7 @@ fn main() -> anyhow::Result<()> {
     }
     drop(warm);
     println!("engine    qd  checksum  GB/s");
-    for qd in [1, 8, 32] {
+    for qd in [1, 8, 32].into_iter().filter(|_| !only_batch) {
         for (engine, name) in [
             (EngineChoice::Uring, "io_uring"),
             (EngineChoice::Pread, "pread"),
@@ -106,15 +114,19 @@ fn main() -> anyhow::Result<()> {
     // The tiers' fetch thread hands the reader a layer's misses in one batch, beyond the 32
     // registered buffers (the rest read into buffers of their own), against the chunks of 32
     // above; each way twice, in turns.
-    for round in 0..2 {
+    for round in 0..rounds {
         for whole in [false, true] {
             let reader = StoreReader::open(&dir, None, ReaderOptions::default())?;
             let started = Instant::now();
             if whole {
-                // As the fetch thread reads: each record let go once delivered.
+                // As the fetch thread reads: each record decoded into an expert (its bytes
+                // copied out) where it was checked, then let go.
                 let failed = std::sync::atomic::AtomicBool::new(false);
                 reader.read_each(&order, &|_, r| {
-                    if r.is_err() {
+                    let decoded = r
+                        .map_err(anyhow::Error::from)
+                        .and_then(|r| expert_from_record(&r, 7.0));
+                    if decoded.is_err() {
                         failed.store(true, std::sync::atomic::Ordering::Relaxed);
                     }
                 });
@@ -139,6 +151,9 @@ fn main() -> anyhow::Result<()> {
         }
     }
 
+    if only_batch {
+        return Ok(());
+    }
     let buf = vec![7u8; 64 << 20];
     let rounds = 4;
     for name in ["sha256", "crc32c"] {

@@ -360,6 +360,31 @@ fn a_batch_past_the_registered_buffers_is_read_in_windows_each_key_once() {
 }
 
 #[test]
+fn the_next_window_is_read_while_a_window_is_delivered() {
+    let f = packed();
+    // Windows of two: half the buffers, so the next window's reads have buffers too.
+    let opts = ReaderOptions {
+        queue_depth: 4,
+        registered_buffers: 4,
+        ..ReaderOptions::default()
+    };
+    for (engine, r) in both_engines(&f.store, opts) {
+        let keys: Vec<(usize, usize)> = (0..9).map(|i| (1 + i % 3, i)).collect();
+        let issued_at: Vec<std::sync::Mutex<u64>> =
+            keys.iter().map(|_| Default::default()).collect();
+        r.read_each(&keys, &|i, rec| {
+            rec.expect("record reads");
+            *issued_at[i].lock().unwrap() = r.reads_issued();
+        });
+        for (i, at) in issued_at.iter().enumerate() {
+            let after_next = ((i / 2 + 2) * 2).min(keys.len()) as u64;
+            assert_eq!(*at.lock().unwrap(), after_next, "key {i} via {engine:?}");
+        }
+        assert_eq!(r.reads_issued(), keys.len() as u64);
+    }
+}
+
+#[test]
 fn rerun_on_a_complete_store_does_nothing() {
     let f = packed();
     let data = f.store.join(store::DATA);

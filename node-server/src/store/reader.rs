@@ -165,6 +165,14 @@ enum State {
     Done(Outcome),
 }
 
+/// What a key of a submitted window does: read its record (and share the read), wait for a
+/// read already in flight, or fail at once.
+enum Role {
+    Leader(usize, Arc<Shared>),
+    Follower(Arc<Shared>),
+    Failed(ReadError),
+}
+
 /// One record's read in flight, shared by everyone who asked for it.
 struct Shared {
     state: Mutex<State>,
@@ -328,37 +336,39 @@ impl StoreReader {
     /// record (decode it, start computing with it) overlaps the reads still in flight. Every
     /// key is delivered exactly once, before this returns.
     ///
-    /// The keys go to the engine a window at a time, as many as it has registered buffers (else
-    /// its queue depth): a record let go once delivered gives its buffer back to the next
-    /// window. Submitted at once, reads past the registered buffers each took a fresh
-    /// allocation that the read then faulted in, page by page: a layer's batch of misses read
-    /// at 0.55-0.7 of the windowed rate (`examples/store_bench.rs`, session 26).
+    /// The keys go to the engine in windows of half its registered buffers (else of half its
+    /// queue depth), the next window submitted before the last one's records are delivered: a
+    /// record let go once delivered gives its buffer back to the window after next, and the
+    /// disk always has a window to read while the callers check and decode the one before.
+    /// Submitted at once, reads past the registered buffers each took a fresh allocation that
+    /// the read then faulted in, page by page: a layer's batch of misses read at 0.55-0.7 of
+    /// the windowed rate (`examples/store_bench.rs`, session 26).
     pub fn read_each(
         &self,
         keys: &[(usize, usize)],
         deliver: &(dyn Fn(usize, Result<Arc<RecordBuf>, ReadError>) + Sync),
     ) {
-        let window = match self.engine.pool() {
+        let buffers = match self.engine.pool() {
             Some(_) => self.opts.registered_buffers,
             None => self.opts.queue_depth,
-        }
-        .max(1);
+        };
+        let window = (buffers / 2).max(1);
+        let mut pending: Option<(usize, Vec<Role>)> = None;
         for (w, chunk) in keys.chunks(window).enumerate() {
-            self.read_window(chunk, &|i, r| deliver(w * window + i, r));
+            let submitted = self.submit_window(chunk);
+            if let Some((base, roles)) = pending.take() {
+                self.deliver_window(roles, &|i, r| deliver(base + i, r));
+            }
+            pending = Some((w * window, submitted));
+        }
+        if let Some((base, roles)) = pending {
+            self.deliver_window(roles, &|i, r| deliver(base + i, r));
         }
     }
 
-    /// [`StoreReader::read_each`] of one window, in one submission.
-    fn read_window(
-        &self,
-        keys: &[(usize, usize)],
-        deliver: &(dyn Fn(usize, Result<Arc<RecordBuf>, ReadError>) + Sync),
-    ) {
-        enum Role {
-            Leader(usize, Arc<Shared>),
-            Follower(Arc<Shared>),
-            Failed(ReadError),
-        }
+    /// Submits the reads of one window of [`StoreReader::read_each`] in one submission: each
+    /// key's role, in order (a key already in flight follows that read).
+    fn submit_window(&self, keys: &[(usize, usize)]) -> Vec<Role> {
         let mut roles = Vec::with_capacity(keys.len());
         let mut requests = Vec::new();
         {
@@ -397,8 +407,17 @@ impl StoreReader {
         self.issued
             .fetch_add(requests.len() as u64, Ordering::Relaxed);
         self.engine.submit(requests);
+        roles
+    }
+
+    /// Waits for a submitted window's reads and delivers each (by its index in the window).
+    fn deliver_window(
+        &self,
+        roles: Vec<Role>,
+        deliver: &(dyn Fn(usize, Result<Arc<RecordBuf>, ReadError>) + Sync),
+    ) {
         // Leaders first (checked, and delivered, on all cores): a follower may be waiting on
-        // a leader in this very call.
+        // a leader in this very window.
         let leaders: Vec<(usize, usize, &Arc<Shared>)> = roles
             .iter()
             .enumerate()
