@@ -385,6 +385,30 @@ fn the_next_window_is_read_while_a_window_is_delivered() {
 }
 
 #[test]
+fn a_key_asked_twice_in_one_batch_is_read_once_and_delivered_twice() {
+    let f = packed();
+    let opts = ReaderOptions {
+        queue_depth: 2,
+        registered_buffers: 2,
+        ..ReaderOptions::default()
+    };
+    for (engine, r) in both_engines(&f.store, opts) {
+        // Windows of one key: the repeats are windows apart.
+        let keys = [(1, 0), (2, 1), (1, 0), (3, 2), (2, 1), (1, 0)];
+        let seen: Vec<std::sync::Mutex<Vec<(usize, usize)>>> =
+            keys.iter().map(|_| Default::default()).collect();
+        r.read_each(&keys, &|i, rec| {
+            let rec = rec.expect("record reads");
+            seen[i].lock().unwrap().push((rec.layer(), rec.expert()));
+        });
+        for (i, s) in seen.iter().enumerate() {
+            assert_eq!(*s.lock().unwrap(), vec![keys[i]], "key {i} via {engine:?}");
+        }
+        assert_eq!(r.reads_issued(), 3, "via {engine:?}");
+    }
+}
+
+#[test]
 fn rerun_on_a_complete_store_does_nothing() {
     let f = packed();
     let data = f.store.join(store::DATA);

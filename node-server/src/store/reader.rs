@@ -334,7 +334,8 @@ impl StoreReader {
     /// Reads many records and hands each to `deliver` (with its index in `keys`) as soon as it
     /// is read and checked, on the current rayon pool's threads: what a caller does with a
     /// record (decode it, start computing with it) overlaps the reads still in flight. Every
-    /// key is delivered exactly once, before this returns.
+    /// key is delivered exactly once, before this returns; a key given twice is read once and
+    /// delivered at both indices.
     ///
     /// The keys go to the engine in windows of half its registered buffers (else of half its
     /// queue depth), the next window submitted before the last one's records are delivered: a
@@ -353,16 +354,39 @@ impl StoreReader {
             None => self.opts.queue_depth,
         };
         let window = (buffers / 2).max(1);
+        // A key asked twice is read once: its record goes to every index that asked (windows
+        // end their reads, so a repeat in a later window would read it again).
+        let mut unique: Vec<(usize, usize)> = Vec::with_capacity(keys.len());
+        let mut asked: Vec<Vec<usize>> = Vec::with_capacity(keys.len());
+        let mut first: HashMap<(usize, usize), usize> = HashMap::with_capacity(keys.len());
+        for (i, &key) in keys.iter().enumerate() {
+            match first.get(&key) {
+                Some(&u) => asked[u].push(i),
+                None => {
+                    first.insert(key, unique.len());
+                    unique.push(key);
+                    asked.push(vec![i]);
+                }
+            }
+        }
+        let deliver_all = |base: usize| {
+            let asked = &asked;
+            move |u: usize, r: Result<Arc<RecordBuf>, ReadError>| {
+                for &i in &asked[base + u] {
+                    deliver(i, r.clone());
+                }
+            }
+        };
         let mut pending: Option<(usize, Vec<Role>)> = None;
-        for (w, chunk) in keys.chunks(window).enumerate() {
+        for (w, chunk) in unique.chunks(window).enumerate() {
             let submitted = self.submit_window(chunk);
             if let Some((base, roles)) = pending.take() {
-                self.deliver_window(roles, &|i, r| deliver(base + i, r));
+                self.deliver_window(roles, &deliver_all(base));
             }
             pending = Some((w * window, submitted));
         }
         if let Some((base, roles)) = pending {
-            self.deliver_window(roles, &|i, r| deliver(base + i, r));
+            self.deliver_window(roles, &deliver_all(base));
         }
     }
 
