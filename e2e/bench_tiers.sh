@@ -59,7 +59,7 @@ import json, sys
 b = json.load(open(sys.argv[1]))
 qd1, qd8 = float(sys.argv[2]), float(sys.argv[3])
 print(f"\nmemory read {b['memory_read_gb_s']:.1f} GB/s; fio O_DIRECT QD1 {qd1:.2f} GB/s, QD8 {qd8:.2f} GB/s\n")
-print("| routing | policy | top-10% pick share | decode tok/s | hit vram / ram / nvme | MiB/token vram / ram / nvme | store read GB/s (vs fio QD1) | ms/token needed / measured | roofline ratio |")
+print("| routing | policy | top-10% pick share | decode tok/s | hit vram / ram / nvme | MiB/token vram / ram / nvme | store read GB/s (vs fio QD1) | ms/token needed / measured | roofline ratio (serial / overlapped) |")
 print("|---|---|---|---|---|---|---|---|---|")
 for r in b["runs"]:
     h, by = r["hit_rate"], r["bytes_per_token"]
@@ -68,5 +68,6 @@ for r in b["runs"]:
           f"| {h['vram']:.2f} / {h['ram']:.2f} / {h['nvme']:.2f} "
           f"| {mib(by['vram']):.1f} / {mib(by['ram']):.1f} / {mib(by['nvme']):.1f} "
           f"| {r['store_read_gb_s']:.2f} ({r['store_read_gb_s'] / qd1:.2f}x) "
-          f"| {r['time_needed_ms_per_token']:.1f} / {r['time_measured_ms_per_token']:.1f} | {r['roofline_ratio']:.2f} |")
+          f"| {r['time_needed_ms_per_token']:.1f} / {r['time_measured_ms_per_token']:.1f} "
+          f"| {r['roofline_ratio']:.2f} / {r['roofline_ratio_overlapped']:.2f} |")
 PY

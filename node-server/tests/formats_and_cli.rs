@@ -369,6 +369,17 @@ fn tiered_bench_packs_the_expert_format_it_reports() {
     // gate and up 256 x 256 and down 256 x 256 in q4_k: 144 bytes a 256-value row.
     let record = report["runs"][0]["record_bytes"].as_f64().unwrap();
     assert_eq!(record, (3 * 256 * 144) as f64);
+    // Without --disk-gbps the store's rate is measured, and the roofline counts its reads:
+    // one after the products (serial) and under them (the slower alone).
+    for run in report["runs"].as_array().unwrap() {
+        let disk = run["store_o_direct_gb_s"].as_f64().unwrap();
+        let (serial, overlapped) = (
+            run["roofline_ratio"].as_f64().unwrap(),
+            run["roofline_ratio_overlapped"].as_f64().unwrap(),
+        );
+        assert!(disk > 0.0 && disk.is_finite(), "{run}");
+        assert!(overlapped > 0.0 && serial >= overlapped, "{run}");
+    }
     let out = bench("exl3:3");
     assert!(!out.status.success());
     let err = String::from_utf8_lossy(&out.stderr);

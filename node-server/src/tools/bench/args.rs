@@ -95,7 +95,8 @@ pub struct TierBenchArgs {
     /// sizes its budget with the flag too, so the RAM tier loses those copies' memory.
     #[arg(long, env = "GLMFLASH_BENCH_VRAM_HOST_COPIES", value_parser = clap::builder::BoolishValueParser::new())]
     pub vram_host_copies: bool,
-    /// The store disk's O_DIRECT read bandwidth in GB/s (fio, same run), for the roofline.
+    /// The store disk's O_DIRECT read bandwidth in GB/s, for the roofline (default: measured,
+    /// every record of the bench's store read once at depth).
     #[arg(long, env = "GLMFLASH_BENCH_DISK_GBPS")]
     pub disk_gbps: Option<f64>,
 }

@@ -24,6 +24,31 @@ pub fn measure_read_bandwidth() -> f64 {
     (len * 4) as f64 / best
 }
 
+/// The store's O_DIRECT read rate, bytes a second: `keys`' records read in chunks of 32 (the
+/// registered buffers) through the default reader (io_uring at depth), with `checksum`.
+pub fn store_read_rate(
+    store: &Path,
+    keys: &[(usize, usize)],
+    checksum: crate::store::ChecksumPolicy,
+) -> anyhow::Result<f64> {
+    let reader = crate::store::StoreReader::open(
+        store,
+        None,
+        crate::store::ReaderOptions {
+            checksum,
+            ..Default::default()
+        },
+    )?;
+    let record = reader.manifest().record_size as f64;
+    let started = Instant::now();
+    for chunk in keys.chunks(32) {
+        for r in reader.read_many(chunk) {
+            r?;
+        }
+    }
+    Ok(keys.len() as f64 * record / started.elapsed().as_secs_f64())
+}
+
 /// Rewrites every router's `e_score_correction_bias` in place: the expert of popularity rank
 /// `r` (a fixed shuffle of the ids) gets `-skew * ln(1 + r)`; `skew` 0 zeroes the biases.
 pub fn set_router_bias(file: &Path, experts: usize, skew: f32) -> anyhow::Result<()> {

@@ -32,7 +32,7 @@
 //! rewrites only the store.
 
 use super::args::{BenchArgs, plan_storage};
-use super::common::{measure_read_bandwidth, set_router_bias};
+use super::common::{measure_read_bandwidth, set_router_bias, store_read_rate};
 use super::figures::{Measured, figures, snapshot};
 use crate::backend::cuda::Cuda;
 use crate::model::checkpoint::DType;
@@ -42,7 +42,7 @@ use crate::model::glm5::Step;
 use crate::model::moe::ExpertProvider;
 use crate::model::{Gpu, SeqCache};
 use crate::model::{Model, random};
-use crate::store::{ChecksumPolicy, Manifest, PartFormat, ReaderOptions, StoreReader};
+use crate::store::{ChecksumPolicy, Manifest, PartFormat};
 use crate::tiers::plan::TierPlan;
 use crate::tiers::provider::{Mode, TieredExperts};
 use crate::tiers::source::StoreSource;
@@ -186,31 +186,13 @@ fn measure_bandwidths(cuda: &Cuda, store: &Path, cfg: &Config) -> anyhow::Result
         .iter()
         .flat_map(|&l| (0..64).map(move |i| (l, (i * 37 + l) % cfg.n_routed_experts)))
         .collect();
-    let store_rate = |checksum| -> anyhow::Result<f64> {
-        let reader = StoreReader::open(
-            store,
-            None,
-            ReaderOptions {
-                checksum,
-                ..ReaderOptions::default()
-            },
-        )?;
-        let record = reader.manifest().record_size as f64;
-        let started = Instant::now();
-        for chunk in keys.chunks(32) {
-            for r in reader.read_many(chunk) {
-                r?;
-            }
-        }
-        Ok(keys.len() as f64 * record / started.elapsed().as_secs_f64())
-    };
     Ok(Bandwidths {
         hbm: cuda.copy_bandwidth(1 << 30)?,
         h2d_pinned: cuda.h2d_bandwidth(256 << 20, true)?,
         h2d_pageable: cuda.h2d_bandwidth(256 << 20, false)?,
         ram: measure_read_bandwidth(),
-        store_raw: store_rate(ChecksumPolicy::Never)?,
-        store_checked: store_rate(ChecksumPolicy::Always)?,
+        store_raw: store_read_rate(store, &keys, ChecksumPolicy::Never)?,
+        store_checked: store_read_rate(store, &keys, ChecksumPolicy::Always)?,
     })
 }
 
