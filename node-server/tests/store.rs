@@ -339,23 +339,36 @@ fn concurrent_requests_for_one_record_share_one_read() {
 #[test]
 fn a_batch_past_the_registered_buffers_is_read_in_windows_each_key_once() {
     let f = packed();
-    let windows = ReaderOptions {
-        queue_depth: 3,
-        registered_buffers: 3,
-        ..ReaderOptions::default()
-    };
-    for (engine, r) in both_engines(&f.store, windows) {
+    for (engine, r) in both_engines(&f.store, buffers(3)) {
         let keys: Vec<(usize, usize)> = (0..10).map(|i| (1 + i % 3, i)).collect();
-        let seen: Vec<std::sync::Mutex<Vec<(usize, usize)>>> =
-            keys.iter().map(|_| Default::default()).collect();
-        r.read_each(&keys, &|i, rec| {
-            let rec = rec.expect("record reads");
-            seen[i].lock().unwrap().push((rec.layer(), rec.expert()));
-        });
-        for (i, s) in seen.iter().enumerate() {
-            assert_eq!(*s.lock().unwrap(), vec![keys[i]], "key {i} via {engine:?}");
-        }
+        assert_each_key_delivered_once(&r, &keys, engine);
         assert_eq!(r.reads_issued(), 10);
+    }
+}
+
+/// `n` registered buffers (and a queue as deep).
+fn buffers(n: usize) -> ReaderOptions {
+    ReaderOptions {
+        queue_depth: n,
+        registered_buffers: n,
+        ..ReaderOptions::default()
+    }
+}
+
+/// `read_each` of `keys` delivers each index its own key's record, once.
+fn assert_each_key_delivered_once(
+    r: &StoreReader,
+    keys: &[(usize, usize)],
+    engine: impl std::fmt::Debug,
+) {
+    let seen: Vec<std::sync::Mutex<Vec<(usize, usize)>>> =
+        keys.iter().map(|_| Default::default()).collect();
+    r.read_each(keys, &|i, rec| {
+        let rec = rec.expect("record reads");
+        seen[i].lock().unwrap().push((rec.layer(), rec.expert()));
+    });
+    for (i, s) in seen.iter().enumerate() {
+        assert_eq!(*s.lock().unwrap(), vec![keys[i]], "key {i} via {engine:?}");
     }
 }
 
@@ -363,12 +376,7 @@ fn a_batch_past_the_registered_buffers_is_read_in_windows_each_key_once() {
 fn the_next_window_is_read_while_a_window_is_delivered() {
     let f = packed();
     // Windows of two: half the buffers, so the next window's reads have buffers too.
-    let opts = ReaderOptions {
-        queue_depth: 4,
-        registered_buffers: 4,
-        ..ReaderOptions::default()
-    };
-    for (engine, r) in both_engines(&f.store, opts) {
+    for (engine, r) in both_engines(&f.store, buffers(4)) {
         let keys: Vec<(usize, usize)> = (0..9).map(|i| (1 + i % 3, i)).collect();
         let issued_at: Vec<std::sync::Mutex<u64>> =
             keys.iter().map(|_| Default::default()).collect();
@@ -387,23 +395,10 @@ fn the_next_window_is_read_while_a_window_is_delivered() {
 #[test]
 fn a_key_asked_twice_in_one_batch_is_read_once_and_delivered_twice() {
     let f = packed();
-    let opts = ReaderOptions {
-        queue_depth: 2,
-        registered_buffers: 2,
-        ..ReaderOptions::default()
-    };
-    for (engine, r) in both_engines(&f.store, opts) {
+    for (engine, r) in both_engines(&f.store, buffers(2)) {
         // Windows of one key: the repeats are windows apart.
         let keys = [(1, 0), (2, 1), (1, 0), (3, 2), (2, 1), (1, 0)];
-        let seen: Vec<std::sync::Mutex<Vec<(usize, usize)>>> =
-            keys.iter().map(|_| Default::default()).collect();
-        r.read_each(&keys, &|i, rec| {
-            let rec = rec.expect("record reads");
-            seen[i].lock().unwrap().push((rec.layer(), rec.expert()));
-        });
-        for (i, s) in seen.iter().enumerate() {
-            assert_eq!(*s.lock().unwrap(), vec![keys[i]], "key {i} via {engine:?}");
-        }
+        assert_each_key_delivered_once(&r, &keys, engine);
         assert_eq!(r.reads_issued(), 3, "via {engine:?}");
     }
 }

@@ -24,6 +24,16 @@ pub fn measure_read_bandwidth() -> f64 {
     (len * 4) as f64 / best
 }
 
+/// Each tier's share of `lookups` (device, RAM, store), as the benches report it.
+pub fn hit_rates(lookups: &[f64]) -> serde_json::Value {
+    let total = lookups.iter().sum::<f64>().max(1.0);
+    serde_json::json!({
+        "vram": lookups[0] / total,
+        "ram": lookups[1] / total,
+        "nvme": lookups[2] / total,
+    })
+}
+
 /// The store's O_DIRECT read rate, bytes a second: `keys`' records read in chunks of 32 (the
 /// registered buffers) through the default reader (io_uring at depth), with `checksum`.
 pub fn store_read_rate(

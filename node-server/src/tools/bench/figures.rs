@@ -80,7 +80,6 @@ pub(super) fn figures(
     if all_vram {
         lookups = vec![picks, 0.0, 0.0];
     }
-    let total = lookups.iter().sum::<f64>().max(1.0);
     let record = record as f64;
     let store_bytes = (after.store_reads - before.store_reads) as f64 * record;
     let h2d = (after.h2d - before.h2d) as f64;
@@ -110,11 +109,7 @@ pub(super) fn figures(
         "steps": steps,
         "tok_s": t / secs,
         "ms_per_step": secs * 1e3 / n,
-        "hit_rate": {
-            "vram": lookups[0] / total,
-            "ram": lookups[1] / total,
-            "nvme": lookups[2] / total,
-        },
+        "hit_rate": super::common::hit_rates(&lookups),
         "bytes_per_token": {
             "vram_experts": lookups[0] * record / t,
             "ram_experts": lookups[1] * record / t,

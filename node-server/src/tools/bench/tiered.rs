@@ -190,7 +190,6 @@ fn measure(
     let n = args.decode_tokens as f64;
     let record = tiers.record_bytes() as f64;
     let lookups: Vec<f64> = (0..3).map(|i| (lookups1[i] - lookups0[i]) as f64).collect();
-    let total: f64 = lookups.iter().sum();
     let store_bytes = (reads1 - reads0) as f64 * record;
     let store_read_s = read_s1 - read_s0;
     // Bytes a token needs: the non-expert weights once, each picked expert once from memory
@@ -247,11 +246,7 @@ fn measure(
         },
         "decode_tokens": args.decode_tokens,
         "decode_tok_s": n / decode_s,
-        "hit_rate": {
-            "vram": lookups[0] / total,
-            "ram": lookups[1] / total,
-            "nvme": lookups[2] / total,
-        },
+        "hit_rate": super::common::hit_rates(&lookups),
         "bytes_per_token": {
             "vram": lookups[0] * record / n,
             "ram": lookups[1] * record / n,
