@@ -70,7 +70,9 @@ c = {(x['set'], x['kernel']): x['weights_gb_per_s'] for x in d['cases']}
 print(json.dumps({'round': $round, 'format': '$fmt', 'threads': $t, 'engine': 'glmflash lane',
                   'cold': c[('cold', 'lane')], 'hot': c[('hot', 'lane')], 'kernel': d['lane_kernels'],
                   'read_gb_s': d['memory_read_gb_per_s']}))" >> "$OUT/runs.jsonl"
-      # The repacked layout for q4_K only: this ggml's q8_0 repack crashes under mul_mat_id here.
+      # The repacked layout for q4_K only: this ggml has no repacked q8_0 layout for x86 (its
+      # repack buffer would take the tensor with no layout and crash), so llama.cpp keeps q8_0
+      # weights in plain rows: plain is its default for q8_0 here.
       layouts="plain"
       [ "$fmt" = q4_k ] && layouts="repack plain"
       for layout in $layouts; do
