@@ -279,8 +279,8 @@ impl TieredExperts {
     /// GPU.
     pub fn gpu_summary(&self) -> Option<String> {
         let g = self.gpu.as_ref()?.lock().unwrap_or_else(|e| e.into_inner());
-        let parts = g.stats().parts;
-        let parts = parts
+        let parts = g
+            .parts
             .mean_ms()
             .iter()
             .map(|(name, ms)| format!("{name} {ms:.3}"))

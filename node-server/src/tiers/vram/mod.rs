@@ -236,7 +236,7 @@ pub struct GpuTier {
     steps: u64,
     step_seconds: f64,
     /// The sampled steps' parts, each timed on its own.
-    parts: StepParts,
+    pub parts: StepParts,
     /// The last step's staged host weights (kept until its copies are surely done).
     staged_weights: Vec<Arc<SwiGlu>>,
 }
@@ -520,8 +520,7 @@ impl GpuTier {
             }
             Ok(())
         };
-        let mut parts = StepParts::default();
-        lap(&self.cuda, &mut parts.gpu)?;
+        lap(&self.cuda, &mut self.parts.gpu)?;
         let host_rows = match x {
             Rows::Device(x) if !on_cpu.is_empty() => {
                 let mut rows = self.cuda.download(x)?;
@@ -539,7 +538,7 @@ impl GpuTier {
                 Ok((p, w.forward_lane(&host_rows[t * hidden..(t + 1) * hidden])))
             })
             .collect::<anyhow::Result<_>>()?;
-        lap(&self.cuda, &mut parts.lane)?;
+        lap(&self.cuda, &mut self.parts.lane)?;
         // Staged experts in rounds of a half's slots, halves alternating: the copy stream
         // fills a half once the kernels that read it last are done (`computed`), and the
         // kernels take it once its copies are (`copied`). The host weights are held until
@@ -572,7 +571,7 @@ impl GpuTier {
             copies.synchronize()?;
             self.staged_weights.clear();
         }
-        lap(&self.cuda, &mut parts.staged)?;
+        lap(&self.cuda, &mut self.parts.staged)?;
         for (p, y) in &cpu_rows {
             self.cuda.moe_set_rows(&mut run, *p, y)?;
         }
@@ -583,9 +582,6 @@ impl GpuTier {
             self.cuda.synchronize()?;
             self.step_seconds = started.elapsed().as_secs_f64();
             self.parts.steps += 1;
-            self.parts.gpu += parts.gpu;
-            self.parts.lane += parts.lane;
-            self.parts.staged += parts.staged;
             self.parts.wall += self.step_seconds;
         }
         Ok(y)
