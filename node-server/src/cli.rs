@@ -274,7 +274,11 @@ impl ModelArgs {
                 });
             }
             (Placement::Untiered, Some(cuda)) => {
-                let (model, vram) = crate::tiers::vram::load_model_on_gpu(&self.model, cuda)?;
+                let (model, vram) = crate::tiers::vram::load_model_on_gpu(
+                    &self.model,
+                    cuda,
+                    self.tier.vram_host_copies,
+                )?;
                 return Ok(Loaded {
                     model,
                     experts: ServedExperts::Vram(vram),
@@ -293,13 +297,20 @@ impl ModelArgs {
             &tier_plan,
             cuda.clone(),
         )?);
+        let model = match cuda {
+            None => Model::builder().experts(tiers.clone()).load(&self.model)?,
+            Some(cuda) => crate::tiers::vram::load_dense_on_gpu(
+                &self.model,
+                tiers.clone(),
+                cuda,
+                self.tier.vram_host_copies,
+            )?,
+        };
+        // The slots fill from the history once the dense weights' host copies are given back:
+        // the plan's RAM tier counts on their memory.
         if tier_plan.history.is_some() {
             tiers.open_history(&crate::store::quick_fingerprint(&self.model)?)?;
         }
-        let model = match cuda {
-            None => Model::builder().experts(tiers.clone()).load(&self.model)?,
-            Some(cuda) => crate::tiers::vram::load_dense_on_gpu(&self.model, tiers.clone(), cuda)?,
-        };
         Ok(Loaded {
             model,
             experts: ServedExperts::Tiered(tiers),

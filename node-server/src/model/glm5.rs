@@ -9,7 +9,7 @@
 use super::checkpoint::Checkpoint;
 use super::config::{AttnKind, Config, IndexerKind, MlpKind};
 use super::device::{CacheDtype, Device, Host};
-use super::kda::{Kda, KdaMode, KdaState};
+use super::kda::{Kda, KdaMode, KdaState, QkvProjection};
 use super::loader::{LoadError, Loader};
 use super::mhc::HyperConnection;
 use super::mla::{Mla, MlaCache, MlaPath};
@@ -466,6 +466,49 @@ impl Layer {
 }
 
 impl Weights {
+    /// Gives back the host bytes of every matrix a device copy holds ([`Matrix::release_host`]),
+    /// but MLA's `kv_b`, which the forwards read by rows (a GPU decoder makes its f32 table
+    /// from them); returns the bytes freed. Host forwards then run every product on the
+    /// device, with no CPU fallback.
+    pub fn release_host_copies(&mut self) -> usize {
+        let mut mats: Vec<&mut Matrix> = vec![&mut self.lm_head];
+        for layer in &mut self.layers {
+            mats.push(&mut layer.attn_hc.proj);
+            mats.push(&mut layer.ffn_hc.proj);
+            match &mut layer.attention {
+                Attention::Kda(k) => {
+                    match &mut k.qkv {
+                        QkvProjection::Split { q, k, v } => mats.extend([q, k, v]),
+                        QkvProjection::Fused(qkv) => mats.push(qkv),
+                    }
+                    mats.extend([
+                        &mut k.f_a,
+                        &mut k.f_b,
+                        &mut k.b_proj,
+                        &mut k.g_a,
+                        &mut k.g_b,
+                        &mut k.o_proj,
+                    ]);
+                }
+                Attention::Mla(m) => {
+                    mats.extend([&mut m.q_a, &mut m.q_b, &mut m.kv_a, &mut m.o_proj]);
+                    if let Some(ix) = &mut m.indexer {
+                        mats.extend([&mut ix.wq_b, &mut ix.wk, &mut ix.weights_proj, &mut ix.gate]);
+                    }
+                }
+            }
+            let (router, mlp) = match &mut layer.feed_forward {
+                FeedForward::Dense(mlp) => (None, Some(mlp)),
+                FeedForward::Moe(moe) => (Some(&mut moe.router.weight), moe.shared.as_mut()),
+            };
+            mats.extend(router);
+            if let Some(mlp) = mlp {
+                mats.extend([&mut mlp.gate, &mut mlp.up, &mut mlp.down]);
+            }
+        }
+        mats.into_iter().map(Matrix::release_host).sum()
+    }
+
     /// These weights on `dev`.
     pub fn place<E: Device>(&self, dev: &E) -> anyhow::Result<Weights<E>> {
         Ok(Weights {

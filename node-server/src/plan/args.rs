@@ -52,8 +52,9 @@ pub struct PlanArgs {
     /// Host memory kept outside the RAM tier, MiB.
     #[arg(long, env = "GLMFLASH_RAM_RESERVE_MIB", default_value_t = 2048)]
     pub ram_reserve_mib: u64,
-    /// The server's --vram-host-copies: every VRAM resident keeps a host copy, which the RAM
-    /// tier then does not get (by default a victim is copied down from VRAM instead).
+    /// The server's --vram-host-copies: every VRAM resident and the dense weights keep a host
+    /// copy, which the RAM tier then does not get (by default a victim is copied down from
+    /// VRAM instead, and the dense weights' host bytes are given back once loaded).
     #[arg(long, env = "GLMFLASH_VRAM_HOST_COPIES", value_parser = clap::builder::BoolishValueParser::new())]
     pub vram_host_copies: bool,
     /// Tokens of cache, shared by the batch (the seed runs 131,072 with batch 8).

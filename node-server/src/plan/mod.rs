@@ -155,6 +155,9 @@ pub struct MemoryPlan {
     pub ram_held_bytes: u64,
     /// Of `ram_held_bytes`: the device residents' host copies.
     pub ram_device_copies_bytes: u64,
+    /// Not held: the dense weights' host bytes given back once the GPU holds them (0 without
+    /// a GPU, or with `--vram-host-copies`).
+    pub ram_dense_given_back_bytes: u64,
     /// Of the RAM budget: a prompt chunk's store reads, held beside the tiers while a layer
     /// computes (see [`crate::tiers::plan::Sizing::prompt_reads`]).
     pub ram_prompt_reads_bytes: u64,
@@ -198,9 +201,9 @@ pub enum PlanError {
         vram_mib: u64,
     },
     #[error(
-        "the memory cap cannot hold the process: {held_mib} MiB held (dense weights, and the \
-         VRAM residents' host copies with --vram-host-copies) plus a {reserve_mib} MiB reserve \
-         against {limit_mib} MiB"
+        "the memory cap cannot hold the process: {held_mib} MiB held (the dense weights while \
+         they load; then the ones the host keeps, and with --vram-host-copies the copies of what \
+         VRAM holds) plus a {reserve_mib} MiB reserve against {limit_mib} MiB"
     )]
     Ram {
         held_mib: u64,
@@ -286,6 +289,7 @@ pub fn plan_with(
     let mut by_kind: BTreeMap<&'static str, u64> = BTreeMap::new();
     let mut dense_bytes = 0;
     let mut host_only = 0;
+    let mut host_kept = 0;
     for t in weights::tensors(cfg) {
         if t.kind == Kind::RoutedExperts {
             continue;
@@ -295,6 +299,9 @@ pub fn plan_with(
         dense_bytes += bytes;
         if t.kind == Kind::Embedding {
             host_only += bytes;
+        }
+        if !weights::given_back_with_gpu(&t) {
+            host_kept += bytes;
         }
     }
     // A sequence never holds more than the model's positions.
@@ -308,6 +315,7 @@ pub fn plan_with(
         slot_bytes,
         dense_bytes,
         host_only_bytes: host_only,
+        host_kept_bytes: host_kept,
         cache_bytes: cache,
         gpu_workspace_bytes: workspace,
     };
@@ -333,12 +341,15 @@ pub fn plan_with(
     }
     let sizing = size_tiers(&sizes, request, machine);
     let sized_from_cap = request.ram_slots.is_none() && request.ram_budget.is_none();
+    // While the model loads, every dense weight is in host memory before the GPU's copies
+    // let their host bytes go (the RAM tier fills after).
+    let load_peak = machine.memory.rss + dense_bytes;
     if let Some(limit) = machine.memory.cgroup_limit
         && sized_from_cap
-        && sizing.ram.held + request.ram_reserve > limit
+        && (sizing.ram.held + request.ram_reserve > limit || load_peak > limit)
     {
         return Err(PlanError::Ram {
-            held_mib: mib(sizing.ram.held),
+            held_mib: mib(sizing.ram.held.max(load_peak)),
             reserve_mib: mib(request.ram_reserve),
             limit_mib: mib(limit),
         });
@@ -412,6 +423,7 @@ pub fn plan_with(
         vram_expert_bytes: (vram_slots * moe_layers) as u64 * slot_bytes,
         vram_basis: sizing.device_basis,
         ram_held_bytes: sizing.ram.held,
+        ram_dense_given_back_bytes: dense_bytes - sizing.dense_held,
         ram_device_copies_bytes: if mode.tiered() {
             sizing.device_copies
         } else {
@@ -584,7 +596,7 @@ impl MemoryPlan {
                 .unwrap_or(0),
         ));
         text(row(
-            "held: dense weights, the process".into(),
+            "held: dense weights kept, the process".into(),
             self.ram_held_bytes
                 .saturating_sub(self.ram_device_copies_bytes),
         ));
@@ -592,6 +604,12 @@ impl MemoryPlan {
             "held: VRAM residents' host copies".into(),
             self.ram_device_copies_bytes,
         ));
+        if self.ram_dense_given_back_bytes > 0 {
+            text(row(
+                "not held: dense weights on the GPU".into(),
+                self.ram_dense_given_back_bytes,
+            ));
+        }
         text(row("reserve".into(), self.ram_reserve_bytes));
         text(row(
             format!(

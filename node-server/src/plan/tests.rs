@@ -110,10 +110,16 @@ fn exl3_flash_on_a_3090_holds_the_seeds_vram_experts() {
         kept.vram_expert_slots as u64 * kept.record_bytes
     );
     assert!(kept.ram_device_copies_bytes < kept.ram_held_bytes);
+    // The flag keeps the dense weights' host copies too: by default the host gives back all
+    // but the embedding, MLA's kv_b and the vectors (3.47 GiB of EXL3 matrices here).
+    assert_eq!(kept.ram_dense_given_back_bytes, 0);
+    let given = plan.ram_dense_given_back_bytes;
+    assert!(given > 3 * GIB && given < plan.vram_weight_bytes, "{given}");
     assert_eq!(
         plan.ram_budget_bytes - kept.ram_budget_bytes,
-        kept.ram_device_copies_bytes
+        kept.ram_device_copies_bytes + given
     );
+    assert!(plan.table().contains("not held: dense weights on the GPU"));
     let table = kept.table();
     assert!(
         table.contains("held: VRAM residents' host copies"),
@@ -147,8 +153,9 @@ fn vram_slots_are_sized_by_the_vram_tiers_layout() {
         + p.vram_expert_bytes;
     assert!(used <= p.vram_bytes && p.vram_bytes - used < 42 * 9_510_912);
     // The RAM budget holds the slots and a prompt chunk's reads of every expert no tier
-    // holds (288 - 36 VRAM - 127 RAM = 125 records at once): the most slots for which both
-    // fit (90 a layer when the VRAM residents keep host copies).
+    // holds (288 - 36 VRAM - 136 RAM = 116 records at once): the most slots for which both
+    // fit (127 a layer while the dense weights kept host copies, before session 28; 90 when
+    // the VRAM residents keep them too, `--vram-host-copies`).
     let (r, d) = (
         p.ram_expert_slots_per_layer as u64,
         p.vram_expert_slots_per_layer as u64,
@@ -156,7 +163,7 @@ fn vram_slots_are_sized_by_the_vram_tiers_layout() {
     let need = |r: u64| (42 * r + 288 - d - r) * p.record_bytes;
     assert!(need(r) <= p.ram_budget_bytes && need(r + 1) > p.ram_budget_bytes);
     assert_eq!(p.ram_prompt_reads_bytes, (288 - d - r) * p.record_bytes);
-    assert_eq!((d, r), (36, 127), "{}", p.table());
+    assert_eq!((d, r), (36, 136), "{}", p.table());
     // An average rate gets the slot of the trellis rate above it (3.05 -> 3.5).
     let avg = plan(&seed_box(flash(), exl3(3.05), exl3(3.05), exl3(6.0))).unwrap();
     let up = MoeLayout::exl3(4096, 2048, form(3.5), form(3.5)).unwrap();
@@ -195,9 +202,11 @@ fn q4k_experts_and_q8_dense_hold_fewer() {
 fn sizing_rules() {
     let base = seed_box(flash(), exl3(3.0), exl3(3.05), exl3(6.0));
     let p0 = plan(&base).unwrap();
-    // More cap: the extra over whole records per layer goes to the RAM tier.
+    // More cap: the extra over whole records goes to the RAM tier; a slot in each of the 42
+    // layers takes 41 records of it, as a prompt chunk's reads of the experts no tier holds
+    // shrink by one.
     let more = plan(&PlanInputs {
-        ram_limit: Some(55 * GIB + 42 * 10 * p0.record_bytes),
+        ram_limit: Some(55 * GIB + 41 * 10 * p0.record_bytes),
         ..base.clone()
     })
     .unwrap();
@@ -285,10 +294,23 @@ fn refuses_with_the_numbers() {
     );
     let tight = PlanInputs {
         ram_limit: Some(4 * GIB),
-        ..base
+        ..base.clone()
     };
     let e = plan(&tight).unwrap_err().to_string();
     assert!(e.contains("memory cap") && e.contains("4096 MiB"), "{e}");
+    // A cap that holds what the host keeps and the reserve, but not every dense weight while
+    // they load (before the GPU's copies let their host bytes go): refused with the peak.
+    let p = plan(&base).unwrap();
+    let dense: u64 = p.weights.values().sum();
+    let kept = dense - p.ram_dense_given_back_bytes;
+    let limit = (kept + p.ram_reserve_bytes).max(dense - 64 * MIB) + MIB;
+    assert!(limit < dense, "{kept} {dense}");
+    let loading = PlanInputs {
+        ram_limit: Some(limit),
+        ..base
+    };
+    let e = plan(&loading).unwrap_err().to_string();
+    assert!(e.contains(&format!("{} MiB held", dense >> 20)), "{e}");
 }
 
 #[test]

@@ -275,6 +275,16 @@ pub fn tensors(cfg: &Config) -> Vec<Tensor> {
     inv.out
 }
 
+/// Whether the host gives `t`'s bytes back once the GPU holds it
+/// ([`crate::model::Weights::release_host_copies`]): every weight matrix but the embedding,
+/// MLA's `kv_b` (read by rows) and the routed experts (the tiers' business); not the weight
+/// vectors.
+pub fn given_back_with_gpu(t: &Tensor) -> bool {
+    t.shape.len() == 2
+        && !matches!(t.kind, Kind::Embedding | Kind::Small | Kind::RoutedExperts)
+        && !t.name.ends_with(".kv_b_proj.weight")
+}
+
 /// The non-expert linear weights of `cfg` (the head included, the embedding not), named under
 /// the text model's prefix as a converter finds them (`layers.3.mlp.down_proj.weight`).
 pub fn linear_names(cfg: &Config) -> std::collections::BTreeSet<String> {

@@ -66,9 +66,11 @@ pub struct TierArgs {
     /// of computing each as its record arrives (what the overlap is worth, measured).
     #[arg(long, env = "GLMFLASH_NO_FETCH_OVERLAP", value_parser = clap::builder::BoolishValueParser::new())]
     pub no_fetch_overlap: bool,
-    /// On a GPU, keep a host copy of every VRAM resident (one record per VRAM slot, out of the
-    /// RAM tier's budget). By default a resident's VRAM slot holds its only copy, and a victim
-    /// is copied down from it on its way to RAM. `plan` has the same flag.
+    /// On a GPU, keep a host copy of every weight in VRAM: of every VRAM resident expert (one
+    /// record per VRAM slot) and of the dense weights, out of the RAM tier's budget. By default
+    /// a resident's VRAM slot holds its only copy (a victim is copied down from it on its way
+    /// to RAM), and the dense weights' host bytes are given back once loaded (the host keeps the
+    /// embedding and MLA's kv_b). `plan` has the same flag.
     #[arg(long, env = "GLMFLASH_VRAM_HOST_COPIES", value_parser = clap::builder::BoolishValueParser::new())]
     pub vram_host_copies: bool,
     /// Routing history file: read at start to warm the tiers (policies at once, slots filled

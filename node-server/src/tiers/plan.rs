@@ -104,6 +104,10 @@ pub struct ModelSizes {
     /// Of `dense_bytes`, what stays in host memory only (the embedding table: one row per
     /// token goes up).
     pub host_only_bytes: u64,
+    /// Of `dense_bytes`, what the host keeps when the GPU holds the rest without host copies
+    /// ([`SlotRequest::copy_down`]): `host_only_bytes`, MLA's `kv_b` (read by rows) and the
+    /// weight vectors.
+    pub host_kept_bytes: u64,
     /// The sequences' caches in VRAM, when sized here (else `SlotRequest::vram_reserve`
     /// covers them).
     pub cache_bytes: u64,
@@ -136,8 +140,9 @@ pub struct SlotRequest {
     pub ram_reserve: u64,
     /// VRAM kept free besides the dense weights, the staging and the GPU workspace.
     pub vram_reserve: u64,
-    /// The VRAM residents keep no host copy ([`TierPlan::copy_down`]): with a GPU, the RAM
-    /// budget does not hold them.
+    /// What VRAM holds keeps no host copy: neither the VRAM residents ([`TierPlan::copy_down`])
+    /// nor the dense weights (their host bytes are given back once loaded, but
+    /// [`ModelSizes::host_kept_bytes`]). With a GPU, the RAM budget does not hold them.
     pub copy_down: bool,
 }
 
@@ -159,6 +164,9 @@ pub struct Sizing {
     pub device_basis: &'static str,
     /// Of `ram.held`: the device residents' host copies (none on a GPU with `copy_down`).
     pub device_copies: u64,
+    /// Of `ram.held`: the dense weights the host keeps (on a GPU with `copy_down`, only
+    /// [`ModelSizes::host_kept_bytes`]).
+    pub dense_held: u64,
     /// Of the RAM budget: the records one forward may hold beside the tiers, a prompt
     /// chunk's reads of every expert of a layer that no tier holds (read, computed, then
     /// admitted or dropped); the RAM slots are what is left. 0 when the slots or the budget
@@ -171,7 +179,8 @@ pub struct Sizing {
 /// holds after the dense weights, the reserve, the GPU workspace and the staging slots (a
 /// fixed default without a GPU). RAM slots: the flags, else the cgroup budget less what the
 /// process holds, which includes the dense weights still to load and the device residents'
-/// host copies (kept unless `copy_down` on a GPU: then a victim is copied down from VRAM).
+/// host copies (unless `copy_down` on a GPU: then a victim is copied down from VRAM, and of
+/// the dense weights the host keeps only [`ModelSizes::host_kept_bytes`]).
 pub fn size_tiers(model: &ModelSizes, request: &SlotRequest, machine: &MachineFacts) -> Sizing {
     let layers = model.moe_layers.max(1) as u64;
     let (device_slots, device_basis) = match (
@@ -191,14 +200,17 @@ pub fn size_tiers(model: &ModelSizes, request: &SlotRequest, machine: &MachineFa
         }
     };
     let device_slots = device_slots.min(model.experts);
-    let device_copies = if request.copy_down && machine.free_vram.is_some() {
-        0
+    let (device_copies, dense_held) = if request.copy_down && machine.free_vram.is_some() {
+        (0, model.host_kept_bytes.min(model.dense_bytes))
     } else {
-        device_slots as u64 * layers * model.record_bytes
+        (
+            device_slots as u64 * layers * model.record_bytes,
+            model.dense_bytes,
+        )
     };
     let ram = sizing::plan_ram_tier(
         &machine.memory,
-        model.dense_bytes + device_copies,
+        dense_held + device_copies,
         request.ram_reserve,
         request.ram_budget,
         model.record_bytes,
@@ -228,6 +240,7 @@ pub fn size_tiers(model: &ModelSizes, request: &SlotRequest, machine: &MachineFa
         ram_slots,
         device_basis,
         device_copies,
+        dense_held,
         prompt_reads,
         ram,
     }
@@ -295,6 +308,7 @@ mod tests {
             slot_bytes: 14 * MIB,
             dense_bytes: dense_mib * MIB,
             host_only_bytes: 0,
+            host_kept_bytes: 0,
             cache_bytes: 0,
             gpu_workspace_bytes: 0,
         }
@@ -406,13 +420,19 @@ mod tests {
             ..down.clone()
         };
         let gpu = machine(Some(1 << 40), Some(64 << 30));
+        // Of 1,000 MiB of dense weights the host keeps 300 once the GPU holds the rest.
+        let model = ModelSizes {
+            host_kept_bytes: 300 * MIB,
+            ..flash(1_000)
+        };
         let (k, d) = (
-            size_tiers(&flash(1_000), &keep, &gpu),
-            size_tiers(&flash(1_000), &down, &gpu),
+            size_tiers(&model, &keep, &gpu),
+            size_tiers(&model, &down, &gpu),
         );
         assert_eq!(k.device_copies, 20 * 42 * 14 * MIB);
         assert_eq!(d.device_copies, 0);
-        assert_eq!(k.ram.held - d.ram.held, k.device_copies);
+        assert_eq!((k.dense_held, d.dense_held), (1_000 * MIB, 300 * MIB));
+        assert_eq!(k.ram.held - d.ram.held, k.device_copies + 700 * MIB);
         // 840 records more of budget: more RAM slots a layer, as many as fit beside the
         // prompt chunk's reads.
         assert!(
@@ -424,11 +444,13 @@ mod tests {
         let need = |r: u64| (42 * r + 288 - 20 - r) * 14 * MIB;
         let r = d.ram_slots as u64;
         assert!(need(r) <= d.ram.budget && need(r + 1) > d.ram.budget);
-        // Without a GPU the device tier is CPU memory: its residents are the copies.
+        // Without a GPU the device tier is CPU memory: its residents are the copies, and the
+        // dense weights have no other home.
         let cpu = machine(None, Some(64 << 30));
+        let c = size_tiers(&model, &down, &cpu);
         assert_eq!(
-            size_tiers(&flash(1_000), &down, &cpu).device_copies,
-            k.device_copies
+            (c.device_copies, c.dense_held),
+            (k.device_copies, 1_000 * MIB)
         );
     }
 

@@ -62,7 +62,8 @@ pub fn parse_limit(text: &str) -> Option<u64> {
     t.parse::<u64>().ok().filter(|&v| v < V1_UNLIMITED_ABOVE)
 }
 
-fn rss_bytes() -> u64 {
+/// This process's resident set size (0 where /proc cannot say).
+pub fn rss_bytes() -> u64 {
     let status = std::fs::read_to_string("/proc/self/status").unwrap_or_default();
     status
         .lines()

@@ -43,6 +43,12 @@ enum Data {
     Packed(Format, Vec<u8>),
     /// `W^T` of the EXL3 layer (`cols` inputs, `rows` outputs).
     Exl3(Box<Exl3Linear>),
+    /// The host bytes were given back once the device copy held them
+    /// ([`Matrix::release_host`]): products run on the device only.
+    Released {
+        /// The row format the matrix had (`None`: an EXL3 trellis).
+        format: Option<Format>,
+    },
 }
 
 /// A `rows x cols` weight matrix (`y = W x`): rows stored in one [`Format`], or an EXL3
@@ -66,6 +72,13 @@ impl std::fmt::Debug for Matrix {
                 self.cols,
                 lin.rate(),
                 lin.codebook()
+            ),
+            Data::Released { format } => write!(
+                f,
+                "Matrix({}x{} {}, host copy released)",
+                self.rows,
+                self.cols,
+                format.map_or("exl3", Format::name)
             ),
             _ => write!(
                 f,
@@ -160,6 +173,7 @@ impl Matrix {
             Data::F32(_) => Some(Format::F32),
             Data::Packed(format, _) => Some(*format),
             Data::Exl3(_) => None,
+            Data::Released { format } => *format,
         }
     }
 
@@ -181,6 +195,24 @@ impl Matrix {
         self.device.as_ref()
     }
 
+    /// Gives the host bytes back when a device copy holds the weights (every product runs
+    /// there from now on, with no CPU fallback); returns the bytes freed (0 without a device
+    /// copy, or when already released).
+    pub fn release_host(&mut self) -> usize {
+        if self.device.is_none() {
+            return 0;
+        }
+        let freed = self.storage_bytes();
+        let format = self.format();
+        self.data = Data::Released { format };
+        freed
+    }
+
+    /// Whether the host bytes were given back ([`Matrix::release_host`]).
+    pub fn host_released(&self) -> bool {
+        matches!(self.data, Data::Released { .. })
+    }
+
     /// Device bytes of this matrix's device copy (0 when it has none).
     pub fn device_bytes(&self) -> usize {
         self.device.as_ref().map_or(0, |d| d.bytes())
@@ -192,6 +224,7 @@ impl Matrix {
             Data::F32(v) => (v.as_ptr().cast(), v.len() * 4),
             Data::Packed(_, b) => (b.as_ptr(), b.len()),
             Data::Exl3(lin) => lin.trellis_span(),
+            Data::Released { .. } => (std::ptr::null(), 0),
         }
     }
 
@@ -201,6 +234,7 @@ impl Matrix {
             Data::F32(v) => v.len() * 4,
             Data::Packed(_, b) => b.len(),
             Data::Exl3(lin) => lin.stored_bytes(),
+            Data::Released { .. } => 0,
         }
     }
 
@@ -210,7 +244,7 @@ impl Matrix {
         match &self.data {
             Data::F32(_) => self.to_bytes().map(std::borrow::Cow::Owned),
             Data::Packed(_, b) => Some(std::borrow::Cow::Borrowed(b)),
-            Data::Exl3(_) => None,
+            Data::Exl3(_) | Data::Released { .. } => None,
         }
     }
 
@@ -219,7 +253,7 @@ impl Matrix {
         match &self.data {
             Data::F32(v) => Some(v.iter().flat_map(|x| x.to_le_bytes()).collect()),
             Data::Packed(_, b) => Some(b.clone()),
-            Data::Exl3(_) => None,
+            Data::Exl3(_) | Data::Released { .. } => None,
         }
     }
 
@@ -258,6 +292,7 @@ impl Matrix {
         match &self.data {
             Data::F32(v) => out[..(r1 - r0) * c].copy_from_slice(&v[r0 * c..r1 * c]),
             Data::Exl3(lin) => lin.dequantize_rows(r0, r1, &mut out[..(r1 - r0) * c]),
+            Data::Released { .. } => released(self),
             Data::Packed(format, b) => {
                 let rb = format.row_bytes(c).expect("validated at construction");
                 for r in r0..r1 {
@@ -287,7 +322,7 @@ impl Matrix {
             && match &self.data {
                 Data::Packed(format, _) => quant::lane::supported(*format, self.cols),
                 Data::Exl3(lin) => lin.lane_integer(),
-                Data::F32(_) => false,
+                Data::F32(_) | Data::Released { .. } => false,
             }
     }
 
@@ -352,6 +387,7 @@ impl Matrix {
             }
         }
         match &self.data {
+            Data::Released { .. } => released(self),
             Data::F32(w) => gemm::gemm_xwt(x, n, w, rows, cols, y, 0),
             Data::Exl3(lin) if n <= EXL3_FUSED_MAX_TOKENS => lin.forward(x, n, y),
             Data::Exl3(lin) => exl3_by_strips(lin, x, n, y),
@@ -395,6 +431,16 @@ impl Matrix {
             }
         }
     }
+}
+
+/// What a CPU read of a released matrix meets: its device copy failed (the first failure was
+/// logged) and there are no host bytes to fall back on.
+#[cold]
+fn released(m: &Matrix) -> ! {
+    panic!(
+        "{m:?}: its device product failed and its host copy was given back at load \
+         (--vram-host-copies keeps it)"
+    )
 }
 
 /// `y = x W` of an EXL3 layer for many tokens: the input rotated once, then per strip of

@@ -294,10 +294,11 @@ impl ExpertProvider for VramExperts {
 }
 
 /// The model in `dir` with every routed expert in VRAM and every dense weight on the GPU,
-/// and the experts' provider (for its metrics).
+/// and the experts' provider (for its metrics). `host_copies`: as [`load_dense_on_gpu`].
 pub fn load_model_on_gpu(
     dir: &std::path::Path,
     cuda: Arc<Cuda>,
+    host_copies: bool,
 ) -> anyhow::Result<(crate::model::Model, Arc<VramExperts>)> {
     let cfg = crate::model::config::Config::from_file(&dir.join("config.json"))?;
     let moe = cfg.moe_layers();
@@ -308,17 +309,24 @@ pub fn load_model_on_gpu(
         &moe,
         cfg.n_routed_experts,
     )?);
-    Ok((load_dense_on_gpu(dir, vram.clone(), cuda)?, vram))
+    Ok((
+        load_dense_on_gpu(dir, vram.clone(), cuda, host_copies)?,
+        vram,
+    ))
 }
 
 /// The model in `dir` with every dense weight on the GPU and routed experts from `experts`.
+/// Without `host_copies` the host bytes of every weight the GPU holds are given back once
+/// loaded ([`crate::model::Weights::release_host_copies`]; the memory plan counts them
+/// so): the host keeps the embedding and MLA's `kv_b`.
 pub fn load_dense_on_gpu(
     dir: &std::path::Path,
     experts: Arc<dyn ExpertProvider>,
     cuda: Arc<Cuda>,
+    host_copies: bool,
 ) -> anyhow::Result<crate::model::Model> {
     let placer = crate::backend::cuda::matrix::CudaPlacer::new(cuda, 1)?;
-    let model = crate::model::Model::builder()
+    let mut model = crate::model::Model::builder()
         .experts(experts)
         .placer(&placer)
         .load(dir)?;
@@ -329,5 +337,27 @@ pub fn load_dense_on_gpu(
         dense_mib = placer.placed_bytes() >> 20,
         "dense weights on the GPU"
     );
+    if !host_copies {
+        let rss = crate::tiers::sizing::rss_bytes();
+        let freed = model.weights.release_host_copies();
+        give_back_freed_memory();
+        tracing::info!(
+            freed_mib = freed >> 20,
+            rss_mib_before = rss >> 20,
+            rss_mib_after = crate::tiers::sizing::rss_bytes() >> 20,
+            "the dense weights' host copies given back (the GPU holds them; --vram-host-copies keeps them)"
+        );
+    }
     Ok(model)
+}
+
+/// Returns the heap's free pages to the system (glibc keeps blocks under the mmap threshold
+/// in its heap after they are freed), so what was given back leaves the process's RSS.
+#[allow(unsafe_code)] // malloc_trim, the one libc call that does it
+fn give_back_freed_memory() {
+    #[cfg(all(target_os = "linux", target_env = "gnu"))]
+    // SAFETY: malloc_trim only returns free heap pages to the system; it touches no live block.
+    unsafe {
+        libc::malloc_trim(0);
+    }
 }

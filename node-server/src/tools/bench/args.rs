@@ -91,8 +91,9 @@ pub struct TierBenchArgs {
     /// `--no-prefetch`.
     #[arg(long, env = "GLMFLASH_BENCH_NO_PREFETCH", value_parser = clap::builder::BoolishValueParser::new())]
     pub no_prefetch: bool,
-    /// Keep a host copy of every VRAM resident (the tiers' `--vram-host-copies`); `--flash`
-    /// sizes its budget with the flag too, so the RAM tier loses those copies' memory.
+    /// Keep a host copy of every VRAM resident and of the dense weights (the tiers'
+    /// `--vram-host-copies`); `--flash` sizes its budget with the flag too, so the RAM tier
+    /// loses those copies' memory.
     #[arg(long, env = "GLMFLASH_BENCH_VRAM_HOST_COPIES", value_parser = clap::builder::BoolishValueParser::new())]
     pub vram_host_copies: bool,
     /// The store disk's O_DIRECT read bandwidth in GB/s, for the roofline (default: measured,

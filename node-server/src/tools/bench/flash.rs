@@ -294,7 +294,12 @@ fn measure_all(
     let started = Instant::now();
     let placeholder: Arc<dyn ExpertProvider> =
         Arc::new(tiered(&cfg, &source, Mode::Nvme, 1, 1, switches, None)?);
-    let mut model = crate::tiers::vram::load_dense_on_gpu(model_dir, placeholder, cuda.clone())?;
+    let mut model = crate::tiers::vram::load_dense_on_gpu(
+        model_dir,
+        placeholder,
+        cuda.clone(),
+        args.tiers.vram_host_copies,
+    )?;
     eprintln!(
         "dense model on the GPU in {:.1}s",
         started.elapsed().as_secs_f64()
@@ -404,8 +409,12 @@ fn measure_all(
             )?))
         };
         let placeholder: Arc<dyn ExpertProvider> = fresh()?;
-        let mut model =
-            crate::tiers::vram::load_dense_on_gpu(model_dir, placeholder, cuda.clone())?;
+        let mut model = crate::tiers::vram::load_dense_on_gpu(
+            model_dir,
+            placeholder,
+            cuda.clone(),
+            args.tiers.vram_host_copies,
+        )?;
         for name in decoders(args)? {
             let tiers = fresh()?;
             model.set_experts(tiers.clone());
@@ -754,8 +763,9 @@ mod tests {
         );
         assert_eq!(plan.dense_format, "exl3:3.05");
         // 63 RAM slots a layer before a prompt chunk's store reads were planned (session 25),
-        // 58 while the VRAM residents kept host copies (before session 26).
-        assert_eq!((b.vram_slots, b.ram_slots), (24, 83));
+        // 58 while the VRAM residents kept host copies (before session 26), 83 while the dense
+        // weights did (before session 28).
+        assert_eq!((b.vram_slots, b.ram_slots), (24, 89));
         assert_eq!(b.vram_slots, plan.vram_expert_slots_per_layer);
         assert!(
             b.json["plan"]

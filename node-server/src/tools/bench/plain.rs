@@ -202,7 +202,12 @@ fn measure(dir: &std::path::Path, args: &BenchArgs) -> anyhow::Result<Value> {
             )
         }
         crate::backend::Device::Cuda(cuda) => {
-            let model = crate::tiers::vram::load_model_on_gpu(dir, cuda.clone())?.0;
+            let model = crate::tiers::vram::load_model_on_gpu(
+                dir,
+                cuda.clone(),
+                args.tiers.vram_host_copies,
+            )?
+            .0;
             let g = GpuDecoder::new(cuda, &model)?;
             let timed = time_gpu(&model, &g, args)?;
             let bw = cuda.copy_bandwidth(1 << 30)?;

@@ -37,7 +37,7 @@ pub(super) fn check_decode(
 
         // Every routed expert in VRAM: the decoder hands the provider its device rows
         // (`DeviceExperts`), the CPU reference goes through the same provider's host path.
-        let (model, _) = crate::tiers::vram::load_model_on_gpu(&demo, cuda.clone())?;
+        let (model, _) = crate::tiers::vram::load_model_on_gpu(&demo, cuda.clone(), false)?;
         decode_cases(cuda, &model, "demo experts in VRAM", rng, cases)
     })();
     let _ = std::fs::remove_dir_all(&dir);
