@@ -335,9 +335,10 @@ fn store_check_flag_picks_the_digest_reads_compare() {
     assert_eq!(model.tier.store_check, StoreCheck::Crc32c);
 }
 
-/// By default the server and `plan` both give the VRAM residents' host copies to the RAM tier
-/// (a victim is copied down from VRAM); `--vram-host-copies` (or its variable at `1`, as a
-/// container sets it) keeps them.
+/// By default the server and `plan` both give the VRAM residents' host copies and the dense
+/// weights' to the RAM tier (a victim is copied down from VRAM; the dense weights' host bytes
+/// go once loaded); `--vram-host-copies` (or its variable at `1`, as a container sets it)
+/// keeps them.
 #[test]
 fn copying_victims_down_gives_the_ram_tier_the_copies_in_plan_and_server() {
     let f = fixture();
@@ -347,14 +348,11 @@ fn copying_victims_down_gives_the_ram_tier_the_copies_in_plan_and_server() {
     let down = plan_command(&f, &[&gpu[..], &cap].concat());
     assert!(kept.ram_device_copies_bytes > 0);
     assert_eq!(down.ram_device_copies_bytes, 0);
-    assert_eq!(
-        kept.ram_held_bytes - down.ram_held_bytes,
-        kept.ram_device_copies_bytes
-    );
-    assert_eq!(
-        down.ram_budget_bytes - kept.ram_budget_bytes,
-        kept.ram_device_copies_bytes
-    );
+    assert_eq!(kept.ram_dense_given_back_bytes, 0);
+    assert!(down.ram_dense_given_back_bytes > 0);
+    let given = kept.ram_device_copies_bytes + down.ram_dense_given_back_bytes;
+    assert_eq!(kept.ram_held_bytes - down.ram_held_bytes, given);
+    assert_eq!(down.ram_budget_bytes - kept.ram_budget_bytes, given);
     let serve = |flags: &[&str]| {
         server_plan(
             &f,
@@ -374,10 +372,20 @@ fn copying_victims_down_gives_the_ram_tier_the_copies_in_plan_and_server() {
         )
         .unwrap()
     };
-    assert_eq!(serve(&[]).ram_device_copies_bytes, 0);
     assert_eq!(
-        serve(&["--vram-host-copies"]).ram_device_copies_bytes,
-        kept.ram_device_copies_bytes
+        (
+            serve(&[]).ram_device_copies_bytes,
+            serve(&[]).ram_dense_given_back_bytes
+        ),
+        (0, down.ram_dense_given_back_bytes)
+    );
+    let serve_kept = serve(&["--vram-host-copies"]);
+    assert_eq!(
+        (
+            serve_kept.ram_device_copies_bytes,
+            serve_kept.ram_dense_given_back_bytes
+        ),
+        (kept.ram_device_copies_bytes, 0)
     );
     // The variable as containers set it ("1"; clap's plain bool flags take only true/false).
     let json = |env: &str| {
