@@ -505,6 +505,17 @@ impl GpuTier {
                 }
             }
         }
+        // The CPU lane's rows come down before the resident picks launch: a copy queued behind
+        // their kernels would hold the lane until they end.
+        let host_rows = match x {
+            Rows::Device(x) if !on_cpu.is_empty() => {
+                let mut rows = self.cuda.download(x)?;
+                rows.truncate(tokens * hidden);
+                std::borrow::Cow::Owned(rows)
+            }
+            Rows::Device(_) => std::borrow::Cow::Borrowed(&[][..]),
+            Rows::Host(x) => std::borrow::Cow::Borrowed(x),
+        };
         // Launches are asynchronous: the CPU lane below overlaps the resident picks (but for a
         // sampled step, which times its parts one at a time).
         self.cuda
@@ -521,15 +532,6 @@ impl GpuTier {
             Ok(())
         };
         lap(&self.cuda, &mut self.parts.gpu)?;
-        let host_rows = match x {
-            Rows::Device(x) if !on_cpu.is_empty() => {
-                let mut rows = self.cuda.download(x)?;
-                rows.truncate(tokens * hidden);
-                std::borrow::Cow::Owned(rows)
-            }
-            Rows::Device(_) => std::borrow::Cow::Borrowed(&[][..]),
-            Rows::Host(x) => std::borrow::Cow::Borrowed(x),
-        };
         let cpu_rows: Vec<(usize, Vec<f32>)> = on_cpu
             .par_iter()
             .map(|&p| {
