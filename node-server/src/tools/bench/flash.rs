@@ -292,14 +292,23 @@ fn measure_all(
     let source = Arc::new(StoreSource::open(store, model_dir, &cfg)?);
     let record = crate::tiers::source::ExpertSource::record_bytes(source.as_ref());
     let started = Instant::now();
-    let placeholder: Arc<dyn ExpertProvider> =
-        Arc::new(tiered(&cfg, &source, Mode::Nvme, 1, 1, switches, None)?);
-    let mut model = crate::tiers::vram::load_dense_on_gpu(
-        model_dir,
-        placeholder,
-        cuda.clone(),
-        args.tiers.vram_host_copies,
-    )?;
+    let dense_on_gpu = |experts: Arc<dyn ExpertProvider>| {
+        crate::tiers::vram::load_dense_on_gpu(
+            model_dir,
+            experts,
+            cuda.clone(),
+            args.tiers.vram_host_copies,
+        )
+    };
+    let mut model = dense_on_gpu(Arc::new(tiered(
+        &cfg,
+        &source,
+        Mode::Nvme,
+        1,
+        1,
+        switches,
+        None,
+    )?))?;
     eprintln!(
         "dense model on the GPU in {:.1}s",
         started.elapsed().as_secs_f64()
@@ -408,13 +417,7 @@ fn measure_all(
                 Some(cuda),
             )?))
         };
-        let placeholder: Arc<dyn ExpertProvider> = fresh()?;
-        let mut model = crate::tiers::vram::load_dense_on_gpu(
-            model_dir,
-            placeholder,
-            cuda.clone(),
-            args.tiers.vram_host_copies,
-        )?;
+        let mut model = dense_on_gpu(fresh()?)?;
         for name in decoders(args)? {
             let tiers = fresh()?;
             model.set_experts(tiers.clone());
