@@ -292,7 +292,7 @@ impl Matrix {
         match &self.data {
             Data::F32(v) => out[..(r1 - r0) * c].copy_from_slice(&v[r0 * c..r1 * c]),
             Data::Exl3(lin) => lin.dequantize_rows(r0, r1, &mut out[..(r1 - r0) * c]),
-            Data::Released { .. } => released(self),
+            Data::Released { .. } => released(self, "its rows were read on the CPU"),
             Data::Packed(format, b) => {
                 let rb = format.row_bytes(c).expect("validated at construction");
                 for r in r0..r1 {
@@ -387,7 +387,7 @@ impl Matrix {
             }
         }
         match &self.data {
-            Data::Released { .. } => released(self),
+            Data::Released { .. } => released(self, "its device product failed"),
             Data::F32(w) => gemm::gemm_xwt(x, n, w, rows, cols, y, 0),
             Data::Exl3(lin) if n <= EXL3_FUSED_MAX_TOKENS => lin.forward(x, n, y),
             Data::Exl3(lin) => exl3_by_strips(lin, x, n, y),
@@ -433,14 +433,11 @@ impl Matrix {
     }
 }
 
-/// What a CPU read of a released matrix meets: its device copy failed (the first failure was
-/// logged) and there are no host bytes to fall back on.
+/// What a CPU read of a released matrix meets (`why`: a failed device product, whose error
+/// was logged, or a row read): there are no host bytes to fall back on.
 #[cold]
-fn released(m: &Matrix) -> ! {
-    panic!(
-        "{m:?}: its device product failed and its host copy was given back at load \
-         (--vram-host-copies keeps it)"
-    )
+fn released(m: &Matrix, why: &str) -> ! {
+    panic!("{m:?}: {why}, but its host copy was given back at load (--vram-host-copies keeps it)")
 }
 
 /// `y = x W` of an EXL3 layer for many tokens: the input rotated once, then per strip of
