@@ -101,13 +101,15 @@ __device__ __forceinline__ i64 row_bytes(int fmt, int cols) {
     }
 }
 
-// One warp's partial dots of row `w` (format FMT, `cols` values) with `nt` <= TOK_TILE
+// One warp's partial dots of row `w` (format FMT, `cols` values) with `nt` <= TILE
 // token rows of x (`x + t * ldx`), added into acc[t]. Lanes split the row in a fixed
-// pattern, so results repeat bit for bit; the caller reduces across the warp.
-template <int FMT>
+// pattern, so results repeat bit for bit, whatever the TILE: each token's sum takes the same
+// products in the same order (a smaller TILE only carries fewer accumulators, for decode's
+// one to four tokens); the caller reduces across the warp.
+template <int FMT, int TILE = TOK_TILE>
 __device__ __forceinline__ void row_dots(const u8* __restrict__ w, int cols,
                                          const float* __restrict__ x, i64 ldx, int nt,
-                                         float acc[TOK_TILE]) {
+                                         float* acc) {
     const int lane = threadIdx.x & (WARP - 1);
     if (FMT == FMT_F32 || FMT == FMT_F16 || FMT == FMT_BF16) {
         // 16-byte loads where the row, x and the stride allow it (every cudaMalloc'd matrix
@@ -119,7 +121,9 @@ __device__ __forceinline__ void row_dots(const u8* __restrict__ w, int cols,
         if (vec) {
             const uint4* wv = (const uint4*)w;
             const int nv = cols / per;
-#pragma unroll 2
+            // With few tokens, four passes' loads in flight a lane (2 KB a warp): a short
+            // row's warp is otherwise latency-bound (the lm head's 154,880 rows of 8 KB).
+#pragma unroll(TILE <= 4 ? 4 : 2)
             for (int j = lane; j < nv; j += WARP) {
                 const uint4 q = wv[j];
                 float v[8];
@@ -138,7 +142,7 @@ __device__ __forceinline__ void row_dots(const u8* __restrict__ w, int cols,
                     }
                 }
 #pragma unroll
-                for (int t = 0; t < TOK_TILE; t++) {
+                for (int t = 0; t < TILE; t++) {
                     if (t < nt) {
                         const float4* xv = (const float4*)(x + t * ldx + (i64)j * per);
 #pragma unroll
@@ -157,7 +161,7 @@ __device__ __forceinline__ void row_dots(const u8* __restrict__ w, int cols,
             for (int i = lane; i < cols; i += WARP) {
                 float v = wf[i];
 #pragma unroll
-                for (int t = 0; t < TOK_TILE; t++)
+                for (int t = 0; t < TILE; t++)
                     if (t < nt) acc[t] = fmaf(v, x[t * ldx + i], acc[t]);
             }
         } else {
@@ -165,7 +169,7 @@ __device__ __forceinline__ void row_dots(const u8* __restrict__ w, int cols,
             for (int i = lane; i < cols; i += WARP) {
                 float v = FMT == FMT_F16 ? f16_to_f32(wh[i]) : bf16_to_f32(wh[i]);
 #pragma unroll
-                for (int t = 0; t < TOK_TILE; t++)
+                for (int t = 0; t < TILE; t++)
                     if (t < nt) acc[t] = fmaf(v, x[t * ldx + i], acc[t]);
             }
         }
@@ -178,7 +182,7 @@ __device__ __forceinline__ void row_dots(const u8* __restrict__ w, int cols,
             float v = d * (float)(signed char)blk[2 + lane];
             const int i = b * 32 + lane;
 #pragma unroll
-            for (int t = 0; t < TOK_TILE; t++)
+            for (int t = 0; t < TILE; t++)
                 if (t < nt) acc[t] = fmaf(v, x[t * ldx + i], acc[t]);
         }
     } else {
@@ -216,7 +220,7 @@ __device__ __forceinline__ void row_dots(const u8* __restrict__ w, int cols,
                 const float lo = ds[0] * (float)(byte & 0x0F) - dm[0];
                 const float hi = ds[1] * (float)(byte >> 4) - dm[1];
 #pragma unroll
-                for (int t = 0; t < TOK_TILE; t++) {
+                for (int t = 0; t < TILE; t++) {
                     if (t < nt) {
                         acc[t] = fmaf(lo, x[t * ldx + base + e], acc[t]);
                         acc[t] = fmaf(hi, x[t * ldx + base + 32 + e], acc[t]);
@@ -236,3 +240,4 @@ __device__ __forceinline__ void row_dots(const u8* __restrict__ w, int cols,
         case FMT_Q8_0: CALL(FMT_Q8_0); break; \
         default: CALL(FMT_Q4_K); break;       \
     }
+

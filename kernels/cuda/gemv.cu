@@ -1,23 +1,23 @@
 // Weight-matrix products y[t, r] = W[r] . x[t] for a matrix in any weight format: one warp
 // per output row (`matvec`), or one block per row for matrices of too few rows to fill the
-// GPU that way (`matvec_split`); TOK_TILE tokens per pass over the row.
+// GPU that way (`matvec_split`); up to TOK_TILE tokens per pass over the row.
 #include "common.cuh"
 
-template <int FMT>
+template <int FMT, int TILE>
 __device__ void matvec_rows(const u8* __restrict__ w, i64 rb, int rows, int cols,
                             const float* __restrict__ x, int n, float* __restrict__ y) {
     const int warps = blockDim.x / WARP;
     const int r = blockIdx.x * warps + threadIdx.x / WARP;
     if (r >= rows) return;
     const u8* row = w + (i64)r * rb;
-    for (int t0 = 0; t0 < n; t0 += TOK_TILE) {
-        const int nt = min(TOK_TILE, n - t0);
-        float acc[TOK_TILE];
+    for (int t0 = 0; t0 < n; t0 += TILE) {
+        const int nt = min(TILE, n - t0);
+        float acc[TILE];
 #pragma unroll
-        for (int t = 0; t < TOK_TILE; t++) acc[t] = 0.0f;
-        row_dots<FMT>(row, cols, x + (i64)t0 * cols, cols, nt, acc);
+        for (int t = 0; t < TILE; t++) acc[t] = 0.0f;
+        row_dots<FMT, TILE>(row, cols, x + (i64)t0 * cols, cols, nt, acc);
 #pragma unroll
-        for (int t = 0; t < TOK_TILE; t++) {
+        for (int t = 0; t < TILE; t++) {
             const float v = warp_sum(acc[t]);
             if (t < nt && (threadIdx.x & (WARP - 1)) == 0) y[(i64)(t0 + t) * rows + r] = v;
         }
@@ -28,7 +28,7 @@ __device__ void matvec_rows(const u8* __restrict__ w, i64 rb, int rows, int cols
 extern "C" __global__ void matvec(const u8* __restrict__ w, int fmt, int rows, int cols,
                                   const float* __restrict__ x, int n, float* __restrict__ y) {
     const i64 rb = row_bytes(fmt, cols);
-#define CALL(F) matvec_rows<F>(w, rb, rows, cols, x, n, y)
+#define CALL(F) matvec_rows<F, TOK_TILE>(w, rb, rows, cols, x, n, y)
     DISPATCH_FORMAT(fmt, CALL)
 #undef CALL
 }
@@ -39,23 +39,23 @@ extern "C" __global__ void matvec(const u8* __restrict__ w, int fmt, int rows, i
 // One block per row: warp i takes the i-th of SPLIT_WARPS column segments (whole 256-value
 // super-blocks, so every format's bytes split there), and the partial dots are summed in
 // warp order, so results repeat bit for bit.
-template <int FMT>
+template <int FMT, int TILE>
 __device__ void matvec_split_row(const u8* __restrict__ w, i64 rb, int cols,
                                  const float* __restrict__ x, int n, float* __restrict__ y,
                                  int rows) {
-    __shared__ float part[SPLIT_WARPS][TOK_TILE];
+    __shared__ float part[SPLIT_WARPS][TILE];
     const int r = blockIdx.x, wid = threadIdx.x / WARP, lane = threadIdx.x & (WARP - 1);
     const int seg = ((cols + SPLIT_WARPS - 1) / SPLIT_WARPS + 255) / 256 * 256;
     const int c0 = min(cols, wid * seg), c1 = min(cols, c0 + seg);
     const u8* row = w + (i64)r * rb + row_bytes(FMT, c0);
-    for (int t0 = 0; t0 < n; t0 += TOK_TILE) {
-        const int nt = min(TOK_TILE, n - t0);
-        float acc[TOK_TILE];
+    for (int t0 = 0; t0 < n; t0 += TILE) {
+        const int nt = min(TILE, n - t0);
+        float acc[TILE];
 #pragma unroll
-        for (int t = 0; t < TOK_TILE; t++) acc[t] = 0.0f;
-        if (c1 > c0) row_dots<FMT>(row, c1 - c0, x + (i64)t0 * cols + c0, cols, nt, acc);
+        for (int t = 0; t < TILE; t++) acc[t] = 0.0f;
+        if (c1 > c0) row_dots<FMT, TILE>(row, c1 - c0, x + (i64)t0 * cols + c0, cols, nt, acc);
 #pragma unroll
-        for (int t = 0; t < TOK_TILE; t++) {
+        for (int t = 0; t < TILE; t++) {
             const float v = warp_sum(acc[t]);
             if (lane == 0) part[wid][t] = v;
         }
@@ -74,10 +74,40 @@ extern "C" __global__ void matvec_split(const u8* __restrict__ w, int fmt, int r
                                         const float* __restrict__ x, int n,
                                         float* __restrict__ y) {
     const i64 rb = row_bytes(fmt, cols);
-#define CALL(F) matvec_split_row<F>(w, rb, cols, x, n, y, rows)
+#define CALL(F) matvec_split_row<F, TOK_TILE>(w, rb, cols, x, n, y, rows)
     DISPATCH_FORMAT(fmt, CALL)
 #undef CALL
 }
+
+// `matvec` and `matvec_split` for the float formats (f32, f16, bf16) and at most T tokens a
+// pass (1, 2 or 4: decode's batches): kernels of their own, so a warp holds only the
+// accumulators it uses and the registers of the block formats' dots do not bound their
+// occupancy. The same bits as `matvec`: each token's sum takes the same products in the same
+// order whatever the tile.
+#define FLOAT_CALL(KERNEL, T, ...)                                       \
+    switch (fmt) {                                                       \
+        case FMT_F32: KERNEL<FMT_F32, T>(__VA_ARGS__); break;            \
+        case FMT_F16: KERNEL<FMT_F16, T>(__VA_ARGS__); break;            \
+        default: KERNEL<FMT_BF16, T>(__VA_ARGS__); break;                \
+    }
+#define MATVEC_FLOAT(T)                                                                       \
+    extern "C" __global__ void matvec_t##T(const u8* __restrict__ w, int fmt, int rows,      \
+                                           int cols, const float* __restrict__ x, int n,     \
+                                           float* __restrict__ y) {                          \
+        const i64 rb = row_bytes(fmt, cols);                                                  \
+        FLOAT_CALL(matvec_rows, T, w, rb, rows, cols, x, n, y)                                \
+    }                                                                                         \
+    extern "C" __global__ void matvec_split_t##T(const u8* __restrict__ w, int fmt, int rows,\
+                                                 int cols, const float* __restrict__ x,       \
+                                                 int n, float* __restrict__ y) {              \
+        const i64 rb = row_bytes(fmt, cols);                                                  \
+        FLOAT_CALL(matvec_split_row, T, w, rb, cols, x, n, y, rows)                           \
+    }
+MATVEC_FLOAT(1)
+MATVEC_FLOAT(2)
+MATVEC_FLOAT(4)
+#undef MATVEC_FLOAT
+#undef FLOAT_CALL
 
 // out[i] = value i of an f16 or bf16 run of weights (a tile widened for cuBLAS SGEMM, so
 // products of many tokens keep f32 activations). Grid-stride over `count` values.

@@ -16,6 +16,12 @@ pub const SOURCES: &[(&str, &str, &[&str])] = &[
         &[
             "matvec",
             "matvec_split",
+            "matvec_t1",
+            "matvec_t2",
+            "matvec_t4",
+            "matvec_split_t1",
+            "matvec_split_t2",
+            "matvec_split_t4",
             "widen_f32",
             "dequant_rows",
             "split_bf16x3",

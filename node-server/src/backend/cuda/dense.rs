@@ -233,17 +233,36 @@ impl Cuda {
         let (fmt, rows_i, cols_i, n_i) =
             (kernel_format_id(format), rows as i32, cols as i32, n as i32);
         // A warp per row leaves most of the GPU idle below a few thousand rows (the mHC,
-        // router and gate projections): those rows get a block each instead.
+        // router and gate projections): those rows get a block each instead. A float format
+        // at four tokens or fewer (decode) takes the kernel of the fewest accumulators that
+        // hold them: the same bits, more warps resident (gemv.cu's `matvec_t*`).
         let split = rows < SPLIT_BELOW_ROWS;
-        let (name, cfg) = if split {
-            let cfg = LaunchConfig {
+        let float = matches!(format, Format::F32 | Format::F16 | Format::Bf16);
+        let name = match (
+            split,
+            if float {
+                self.matvec_tile(n)
+            } else {
+                MATVEC_TILE
+            },
+        ) {
+            (false, 1) => "matvec_t1",
+            (false, 2) => "matvec_t2",
+            (false, 4) => "matvec_t4",
+            (false, _) => "matvec",
+            (true, 1) => "matvec_split_t1",
+            (true, 2) => "matvec_split_t2",
+            (true, 4) => "matvec_split_t4",
+            (true, _) => "matvec_split",
+        };
+        let cfg = if split {
+            LaunchConfig {
                 grid_dim: (rows as u32, 1, 1),
                 block_dim: (SPLIT_THREADS, 1, 1),
                 shared_mem_bytes: 0,
-            };
-            ("matvec_split", cfg)
+            }
         } else {
-            ("matvec", rows_config(rows, 1))
+            rows_config(rows, 1)
         };
         let mut b = self.stream.launch_builder(self.kernel(name));
         b.arg(w)
@@ -253,7 +272,8 @@ impl Cuda {
             .arg(x)
             .arg(&n_i)
             .arg(y);
-        // SAFETY: both kernels take `matvec`'s argument list in gemv.cu; the sizes were
+        // SAFETY: every one of these kernels takes `matvec`'s argument list in gemv.cu (the
+        // `_t*` ones only float formats, which `name` keeps to); the sizes were
         // checked above, and the grid covers `rows` rows (a warp each, or a block of
         // SPLIT_WARPS warps each).
         unsafe { b.launch(cfg) }?;

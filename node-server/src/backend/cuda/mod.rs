@@ -122,6 +122,9 @@ fn check_product(
     Ok(())
 }
 
+/// `TOK_TILE` in kernels/cuda/common.cuh: the most tokens one `matvec` pass carries.
+const MATVEC_TILE: usize = 8;
+
 /// Matrices of fewer rows go through `matvec_split` (a block per row).
 const SPLIT_BELOW_ROWS: usize = 2048;
 /// Threads of a `matvec_split` block (its SPLIT_WARPS warps).
@@ -158,6 +161,9 @@ pub struct Cuda {
     poison: std::sync::atomic::AtomicBool,
     /// Blocks a dense EXL3 GEMV aims for (N/16 strips times its K slices; see exl3.rs).
     gemv_blocks: std::sync::atomic::AtomicUsize,
+    /// `matvec`'s tokens a pass are always [`MATVEC_TILE`] (the kernel's widest) when set:
+    /// the same bits as the tile fitted to the tokens, for checks and A/B timings.
+    matvec_wide_tile: std::sync::atomic::AtomicBool,
     /// cuBLAS on `stream`, started at the first many-token product (`Err`: it would not start).
     blas: std::sync::OnceLock<Result<std::sync::Mutex<CudaBlas>, String>>,
     /// One zero, passed where a kernel takes an optional vector it will not read.
@@ -244,6 +250,7 @@ impl Cuda {
             kernels,
             poison: Default::default(),
             gemv_blocks: exl3::GEMV_BLOCKS.into(),
+            matvec_wide_tile: Default::default(),
             blas: Default::default(),
         }))
     }
@@ -436,6 +443,29 @@ impl Cuda {
     pub fn set_gemv_blocks(&self, blocks: usize) {
         self.gemv_blocks
             .store(blocks.max(1), std::sync::atomic::Ordering::Relaxed);
+    }
+
+    /// `matvec` with its widest token tile whatever the tokens (see `matvec_wide_tile`).
+    pub fn set_matvec_wide_tile(&self, on: bool) {
+        self.matvec_wide_tile
+            .store(on, std::sync::atomic::Ordering::Relaxed);
+    }
+
+    /// Tokens a float-format `matvec` pass carries for `n` tokens: the fewest of 1, 2, 4 and
+    /// [`MATVEC_TILE`] that hold them (a row's warp then keeps only the accumulators it uses).
+    fn matvec_tile(&self, n: usize) -> usize {
+        if self
+            .matvec_wide_tile
+            .load(std::sync::atomic::Ordering::Relaxed)
+        {
+            return MATVEC_TILE;
+        }
+        match n {
+            0 | 1 => 1,
+            2 => 2,
+            3 | 4 => 4,
+            _ => MATVEC_TILE,
+        }
     }
 
     /// Poison scratch and output buffers with NaN before kernels write them.

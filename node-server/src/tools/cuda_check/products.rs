@@ -3,6 +3,7 @@
 
 use super::*;
 use crate::quant::exl3::Codebook;
+use std::time::Instant;
 
 pub(super) fn check_matvec(
     cuda: &Cuda,
@@ -23,7 +24,7 @@ pub(super) fn check_matvec(
         for &(rows, cols) in shapes.iter().chain(odd.iter().filter(|_| float)) {
             let m = random_matrix(rng, rows, cols, format)?;
             let w = cuda.upload(&m.to_bytes().context("a row-format matrix")?)?;
-            for n in [1usize, 3, 8, 9, 17] {
+            for n in [1usize, 2, 3, 4, 5, 8, 9, 17] {
                 let x = randn(rng, n * cols, 1.0);
                 let want = m.matmul(&x, n);
                 let dx = cuda.upload(&x)?;
@@ -36,9 +37,75 @@ pub(super) fn check_matvec(
                     &want,
                     F32_BOUND,
                 ));
+                // The token tile fitted to n against the widest: the same sums, same bits.
+                cuda.set_matvec_wide_tile(true);
+                let mut dy = cuda.alloc_f32(n * rows)?;
+                let wide_tile = cuda
+                    .matvec(&w, format, rows, cols, &dx, n, &mut dy)
+                    .and_then(|()| cuda.download(&dy));
+                cuda.set_matvec_wide_tile(false);
+                cases.push(same_bits_case(
+                    format!(
+                        "matvec {} {rows}x{cols} n={n} widest tile: same bits",
+                        format.name()
+                    ),
+                    &wide_tile?[..n * rows],
+                    &got[..n * rows],
+                ));
             }
         }
     }
+    if wide {
+        matvec_speed(cuda, rng)?;
+    }
+    Ok(())
+}
+
+/// Prints `matvec`'s time and weight bytes read per second for GLM-5.3-Flash-width bf16
+/// matrices (the lm head, the dense MLP's gate, a KDA projection) at 1 and 4 tokens, with the
+/// token tile fitted to the tokens and with the widest (the kernel before the fitted tiles).
+fn matvec_speed(cuda: &Cuda, rng: &mut ChaCha8Rng) -> anyhow::Result<()> {
+    cuda.set_poison(false);
+    let copy = cuda.copy_bandwidth(1 << 30)?;
+    println!(
+        "device copy bandwidth {:.0} GB/s (read + write)",
+        copy / 1e9
+    );
+    for (rows, cols) in [(154_880usize, 4096usize), (12_288, 4096), (4096, 4096)] {
+        // A random row of bf16 values repeated: the values do not matter to the speed.
+        let row: Vec<u8> = randn(rng, cols, 1.0)
+            .into_iter()
+            .flat_map(|v| half::bf16::from_f32(v).to_le_bytes())
+            .collect();
+        let bytes = row.repeat(rows);
+        let w = cuda.upload(&bytes)?;
+        drop(bytes);
+        for n in [1usize, 4] {
+            let dx = cuda.upload(&randn(rng, n * cols, 1.0))?;
+            let mut dy = cuda.alloc_f32(n * rows)?;
+            for wide_tile in [false, true] {
+                cuda.set_matvec_wide_tile(wide_tile);
+                cuda.matvec(&w, Format::Bf16, rows, cols, &dx, n, &mut dy)?;
+                cuda.synchronize()?;
+                let reps = 30;
+                let started = Instant::now();
+                for _ in 0..reps {
+                    cuda.matvec(&w, Format::Bf16, rows, cols, &dx, n, &mut dy)?;
+                }
+                cuda.synchronize()?;
+                let secs = started.elapsed().as_secs_f64() / reps as f64;
+                println!(
+                    "matvec bf16 {rows}x{cols} n={n} {} tile: {:.1} us, {:.0} GB/s of weights ({:.2} of the copy rate)",
+                    if wide_tile { "widest" } else { "fitted" },
+                    secs * 1e6,
+                    (rows * cols * 2) as f64 / secs / 1e9,
+                    (rows * cols * 2) as f64 / secs / (copy / 2.0)
+                );
+            }
+            cuda.set_matvec_wide_tile(false);
+        }
+    }
+    cuda.set_poison(true);
     Ok(())
 }
 
