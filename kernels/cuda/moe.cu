@@ -8,8 +8,10 @@
 
 // WIDE: x holds the group's token rows gathered in entry order (`moe_gather`), so a tile of
 // TOK_TILE picks is one strided block and each weight row is read once a tile, not once a
-// pick; act is then written by entry. Each pick's sums see the same products in the same
-// order either way: the same bits.
+// pick; act is then written by entry. Else each pick's row is its own dot (a tile of one: a
+// warp keeps one pair of accumulators and reduces only what it computed; decode's groups are
+// of one pick). Each pick's sums see the same products in the same order either way: the
+// same bits.
 template <int FMT, bool WIDE>
 __device__ void gate_up_rows(const u8* __restrict__ arena, const i64* __restrict__ group_base,
                              const int* __restrict__ group_start, const int* __restrict__ group_len,
@@ -21,35 +23,36 @@ __device__ void gate_up_rows(const u8* __restrict__ arena, const i64* __restrict
     const int r = blockIdx.x * warps + threadIdx.x / WARP;
     const int g = blockIdx.y;
     if (r >= inter || g >= *count) return;
+    constexpr int TILE = WIDE ? TOK_TILE : 1;
     const i64 rb = row_bytes(FMT, hidden);
     const u8* gate = arena + group_base[g] + (i64)r * rb;
     const u8* up = arena + group_base[g] + up_off + (i64)r * rb;
     const int start = group_start[g], len = group_len[g];
-    for (int p0 = 0; p0 < len; p0 += TOK_TILE) {
-        const int nt = min(TOK_TILE, len - p0);
+    for (int p0 = 0; p0 < len; p0 += TILE) {
+        const int nt = min(TILE, len - p0);
         // Gather this tile's token rows by pointer: tokens of one group are not contiguous.
-        float ga[TOK_TILE], ua[TOK_TILE];
+        float ga[TILE], ua[TILE];
 #pragma unroll
-        for (int t = 0; t < TOK_TILE; t++) ga[t] = ua[t] = 0.0f;
+        for (int t = 0; t < TILE; t++) ga[t] = ua[t] = 0.0f;
         if (WIDE) {
             const float* xt = x + (i64)(start + p0) * hidden;
             row_dots<FMT>(gate, hidden, xt, hidden, nt, ga);
             row_dots<FMT>(up, hidden, xt, hidden, nt, ua);
         }
 #pragma unroll
-        for (int t = 0; t < TOK_TILE; t++) {
+        for (int t = 0; t < TILE; t++) {
             if (!WIDE && t < nt) {
                 const int p = pick_list[start + p0 + t];
                 const float* xt = x + (i64)(p / k) * hidden;
-                float a1[TOK_TILE] = {0.0f}, a2[TOK_TILE] = {0.0f};
-                row_dots<FMT>(gate, hidden, xt, 0, 1, a1);
-                row_dots<FMT>(up, hidden, xt, 0, 1, a2);
+                float a1[1] = {0.0f}, a2[1] = {0.0f};
+                row_dots<FMT, 1>(gate, hidden, xt, 0, 1, a1);
+                row_dots<FMT, 1>(up, hidden, xt, 0, 1, a2);
                 ga[t] = a1[0];
                 ua[t] = a2[0];
             }
         }
 #pragma unroll
-        for (int t = 0; t < TOK_TILE; t++) {
+        for (int t = 0; t < TILE; t++) {
             const float gv = warp_sum(ga[t]);
             const float uv = warp_sum(ua[t]);
             if (t < nt && (threadIdx.x & (WARP - 1)) == 0) {
@@ -71,26 +74,27 @@ __device__ void down_rows(const u8* __restrict__ arena, const i64* __restrict__ 
     const int r = blockIdx.x * warps + threadIdx.x / WARP;
     const int g = blockIdx.y;
     if (r >= hidden || g >= *count) return;
+    constexpr int TILE = WIDE ? TOK_TILE : 1;
     const i64 rb = row_bytes(FMT, inter);
     const u8* down = arena + group_base[g] + down_off + (i64)r * rb;
     const int start = group_start[g], len = group_len[g];
-    for (int p0 = 0; p0 < len; p0 += TOK_TILE) {
-        const int nt = min(TOK_TILE, len - p0);
-        float acc[TOK_TILE];
+    for (int p0 = 0; p0 < len; p0 += TILE) {
+        const int nt = min(TILE, len - p0);
+        float acc[TILE];
 #pragma unroll
-        for (int t = 0; t < TOK_TILE; t++) acc[t] = 0.0f;
+        for (int t = 0; t < TILE; t++) acc[t] = 0.0f;
         if (WIDE) row_dots<FMT>(down, inter, act + (i64)(start + p0) * inter, inter, nt, acc);
 #pragma unroll
-        for (int t = 0; t < TOK_TILE; t++) {
+        for (int t = 0; t < TILE; t++) {
             if (!WIDE && t < nt) {
                 const int p = pick_list[start + p0 + t];
-                float a[TOK_TILE] = {0.0f};
-                row_dots<FMT>(down, inter, act + (i64)p * inter, 0, 1, a);
+                float a[1] = {0.0f};
+                row_dots<FMT, 1>(down, inter, act + (i64)p * inter, 0, 1, a);
                 acc[t] = a[0];
             }
         }
 #pragma unroll
-        for (int t = 0; t < TOK_TILE; t++) {
+        for (int t = 0; t < TILE; t++) {
             const float v = warp_sum(acc[t]);
             if (t < nt && (threadIdx.x & (WARP - 1)) == 0) {
                 const int p = pick_list[start + p0 + t];
