@@ -84,30 +84,44 @@ extern "C" __global__ void matvec_split(const u8* __restrict__ w, int fmt, int r
 // accumulators it uses and the registers of the block formats' dots do not bound their
 // occupancy. The same bits as `matvec`: each token's sum takes the same products in the same
 // order whatever the tile.
-#define FLOAT_CALL(KERNEL, T, ...)                                       \
-    switch (fmt) {                                                       \
-        case FMT_F32: KERNEL<FMT_F32, T>(__VA_ARGS__); break;            \
-        case FMT_F16: KERNEL<FMT_F16, T>(__VA_ARGS__); break;            \
-        default: KERNEL<FMT_BF16, T>(__VA_ARGS__); break;                \
+template <int T>
+__device__ void matvec_float(const u8* __restrict__ w, int fmt, int rows, int cols,
+                             const float* __restrict__ x, int n, float* __restrict__ y) {
+    const i64 rb = row_bytes(fmt, cols);
+    switch (fmt) {
+        case FMT_F32: matvec_rows<FMT_F32, T>(w, rb, rows, cols, x, n, y); break;
+        case FMT_F16: matvec_rows<FMT_F16, T>(w, rb, rows, cols, x, n, y); break;
+        default: matvec_rows<FMT_BF16, T>(w, rb, rows, cols, x, n, y); break;
     }
-#define MATVEC_FLOAT(T)                                                                       \
-    extern "C" __global__ void matvec_t##T(const u8* __restrict__ w, int fmt, int rows,      \
-                                           int cols, const float* __restrict__ x, int n,     \
-                                           float* __restrict__ y) {                          \
-        const i64 rb = row_bytes(fmt, cols);                                                  \
-        FLOAT_CALL(matvec_rows, T, w, rb, rows, cols, x, n, y)                                \
-    }                                                                                         \
-    extern "C" __global__ void matvec_split_t##T(const u8* __restrict__ w, int fmt, int rows,\
-                                                 int cols, const float* __restrict__ x,       \
-                                                 int n, float* __restrict__ y) {              \
-        const i64 rb = row_bytes(fmt, cols);                                                  \
-        FLOAT_CALL(matvec_split_row, T, w, rb, cols, x, n, y, rows)                           \
+}
+
+template <int T>
+__device__ void matvec_split_float(const u8* __restrict__ w, int fmt, int rows, int cols,
+                                   const float* __restrict__ x, int n, float* __restrict__ y) {
+    const i64 rb = row_bytes(fmt, cols);
+    switch (fmt) {
+        case FMT_F32: matvec_split_row<FMT_F32, T>(w, rb, cols, x, n, y, rows); break;
+        case FMT_F16: matvec_split_row<FMT_F16, T>(w, rb, cols, x, n, y, rows); break;
+        default: matvec_split_row<FMT_BF16, T>(w, rb, cols, x, n, y, rows); break;
     }
-MATVEC_FLOAT(1)
-MATVEC_FLOAT(2)
-MATVEC_FLOAT(4)
-#undef MATVEC_FLOAT
-#undef FLOAT_CALL
+}
+
+#define MATVEC_ARGS                                                                       \
+    const u8 *__restrict__ w, int fmt, int rows, int cols, const float *__restrict__ x, \
+        int n, float *__restrict__ y
+extern "C" __global__ void matvec_t1(MATVEC_ARGS) { matvec_float<1>(w, fmt, rows, cols, x, n, y); }
+extern "C" __global__ void matvec_t2(MATVEC_ARGS) { matvec_float<2>(w, fmt, rows, cols, x, n, y); }
+extern "C" __global__ void matvec_t4(MATVEC_ARGS) { matvec_float<4>(w, fmt, rows, cols, x, n, y); }
+extern "C" __global__ void matvec_split_t1(MATVEC_ARGS) {
+    matvec_split_float<1>(w, fmt, rows, cols, x, n, y);
+}
+extern "C" __global__ void matvec_split_t2(MATVEC_ARGS) {
+    matvec_split_float<2>(w, fmt, rows, cols, x, n, y);
+}
+extern "C" __global__ void matvec_split_t4(MATVEC_ARGS) {
+    matvec_split_float<4>(w, fmt, rows, cols, x, n, y);
+}
+#undef MATVEC_ARGS
 
 // out[i] = value i of an f16 or bf16 run of weights (a tile widened for cuBLAS SGEMM, so
 // products of many tokens keep f32 activations). Grid-stride over `count` values.
