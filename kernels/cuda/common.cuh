@@ -176,6 +176,8 @@ __device__ __forceinline__ void row_dots(const u8* __restrict__ w, int cols,
     } else if (FMT == FMT_Q8_0) {
         // Block b: f16 scale then 32 int8; lane l takes value l of every block.
         const int blocks = cols / 32;
+        // With few tokens, several blocks' loads in flight a lane (as the float formats').
+#pragma unroll(TILE <= 4 ? 4 : 1)
         for (int b = 0; b < blocks; b++) {
             const u8* blk = w + (i64)b * 34;
             float d = f16_to_f32(load_u16(blk));
@@ -192,6 +194,9 @@ __device__ __forceinline__ void row_dots(const u8* __restrict__ w, int cols,
         const int blocks = cols / 256;
         const int c = lane >> 3;
         const int q0 = (lane & 7) * 4;
+        // With few tokens, several super-blocks' loads in flight a lane (a row of 4,096 values
+        // is only 16 super-blocks: one at a time, a warp waits on memory at each).
+#pragma unroll(TILE <= 4 ? 4 : 1)
         for (int b = 0; b < blocks; b++) {
             const u8* blk = w + (i64)b * 144;
             const float d = f16_to_f32(load_u16(blk));
