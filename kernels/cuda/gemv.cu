@@ -84,42 +84,46 @@ extern "C" __global__ void matvec_split(const u8* __restrict__ w, int fmt, int r
 // accumulators it uses and the registers of the block formats' dots do not bound their
 // occupancy. The same bits as `matvec`: each token's sum takes the same products in the same
 // order whatever the tile.
-template <int T>
+template <int FMT, int T, bool SPLIT>
+__device__ void matvec_float_rows(const u8* __restrict__ w, i64 rb, int rows, int cols,
+                                  const float* __restrict__ x, int n, float* __restrict__ y) {
+    if (SPLIT)
+        matvec_split_row<FMT, T>(w, rb, cols, x, n, y, rows);
+    else
+        matvec_rows<FMT, T>(w, rb, rows, cols, x, n, y);
+}
+
+template <int T, bool SPLIT>
 __device__ void matvec_float(const u8* __restrict__ w, int fmt, int rows, int cols,
                              const float* __restrict__ x, int n, float* __restrict__ y) {
     const i64 rb = row_bytes(fmt, cols);
     switch (fmt) {
-        case FMT_F32: matvec_rows<FMT_F32, T>(w, rb, rows, cols, x, n, y); break;
-        case FMT_F16: matvec_rows<FMT_F16, T>(w, rb, rows, cols, x, n, y); break;
-        default: matvec_rows<FMT_BF16, T>(w, rb, rows, cols, x, n, y); break;
-    }
-}
-
-template <int T>
-__device__ void matvec_split_float(const u8* __restrict__ w, int fmt, int rows, int cols,
-                                   const float* __restrict__ x, int n, float* __restrict__ y) {
-    const i64 rb = row_bytes(fmt, cols);
-    switch (fmt) {
-        case FMT_F32: matvec_split_row<FMT_F32, T>(w, rb, cols, x, n, y, rows); break;
-        case FMT_F16: matvec_split_row<FMT_F16, T>(w, rb, cols, x, n, y, rows); break;
-        default: matvec_split_row<FMT_BF16, T>(w, rb, cols, x, n, y, rows); break;
+        case FMT_F32: matvec_float_rows<FMT_F32, T, SPLIT>(w, rb, rows, cols, x, n, y); break;
+        case FMT_F16: matvec_float_rows<FMT_F16, T, SPLIT>(w, rb, rows, cols, x, n, y); break;
+        default: matvec_float_rows<FMT_BF16, T, SPLIT>(w, rb, rows, cols, x, n, y); break;
     }
 }
 
 #define MATVEC_ARGS                                                                       \
     const u8 *__restrict__ w, int fmt, int rows, int cols, const float *__restrict__ x, \
         int n, float *__restrict__ y
-extern "C" __global__ void matvec_t1(MATVEC_ARGS) { matvec_float<1>(w, fmt, rows, cols, x, n, y); }
-extern "C" __global__ void matvec_t2(MATVEC_ARGS) { matvec_float<2>(w, fmt, rows, cols, x, n, y); }
-extern "C" __global__ void matvec_t4(MATVEC_ARGS) { matvec_float<4>(w, fmt, rows, cols, x, n, y); }
+extern "C" __global__ void matvec_t1(MATVEC_ARGS) {
+    matvec_float<1, false>(w, fmt, rows, cols, x, n, y);
+}
+extern "C" __global__ void matvec_t2(MATVEC_ARGS) {
+    matvec_float<2, false>(w, fmt, rows, cols, x, n, y);
+}
+extern "C" __global__ void matvec_t4(MATVEC_ARGS) {
+    matvec_float<4, false>(w, fmt, rows, cols, x, n, y);
+}
 extern "C" __global__ void matvec_split_t1(MATVEC_ARGS) {
-    matvec_split_float<1>(w, fmt, rows, cols, x, n, y);
+    matvec_float<1, true>(w, fmt, rows, cols, x, n, y);
 }
 extern "C" __global__ void matvec_split_t2(MATVEC_ARGS) {
-    matvec_split_float<2>(w, fmt, rows, cols, x, n, y);
+    matvec_float<2, true>(w, fmt, rows, cols, x, n, y);
 }
 extern "C" __global__ void matvec_split_t4(MATVEC_ARGS) {
-    matvec_split_float<4>(w, fmt, rows, cols, x, n, y);
+    matvec_float<4, true>(w, fmt, rows, cols, x, n, y);
 }
 #undef MATVEC_ARGS
 

@@ -9,7 +9,6 @@ use super::*;
 use crate::backend::cuda::Exl3Weights;
 use crate::quant::exl3::{Codebook, Exl3Linear, Kernel};
 use std::collections::BTreeMap;
-use std::time::Instant;
 
 /// Tile lengths (int16 words) of every rate EXL3 defines.
 const TILE_LENS: [usize; 11] = [16, 24, 32, 40, 48, 56, 64, 80, 96, 112, 128];
@@ -317,12 +316,7 @@ fn check_exllamav3(cuda: &Arc<Cuda>, cases: &mut Vec<Case>) -> anyhow::Result<()
 /// Prints the GEMV's time and trellis bytes read per second (whole product: both rotations
 /// included) at GLM-5.3-Flash expert shapes, against the device's copy bandwidth.
 fn gemv_speed(cuda: &Arc<Cuda>, rng: &mut ChaCha8Rng) -> anyhow::Result<()> {
-    cuda.set_poison(false);
-    let copy = cuda.copy_bandwidth(1 << 30)?;
-    println!(
-        "device copy bandwidth {:.0} GB/s (read + write)",
-        copy / 1e9
-    );
+    copy_rate_for_speeds(cuda)?;
     // Expert gate/up and down, and a layer large enough that launch overheads do not hide
     // the kernel's own rate.
     for (k, n) in [(4096usize, 2048usize), (2048, 4096), (16384, 16384)] {
@@ -340,15 +334,8 @@ fn gemv_speed(cuda: &Arc<Cuda>, rng: &mut ChaCha8Rng) -> anyhow::Result<()> {
             for tokens in [1usize, 4, 8] {
                 let dx = cuda.upload(&randn(rng, tokens * k, 1.0))?;
                 let mut dy = cuda.alloc_f32(tokens * n)?;
-                cuda.exl3_matmul(&w, &dx, tokens, &mut dy)?;
-                cuda.synchronize()?;
-                let reps = 50;
-                let started = Instant::now();
-                for _ in 0..reps {
-                    cuda.exl3_matmul(&w, &dx, tokens, &mut dy)?;
-                }
-                cuda.synchronize()?;
-                let secs = started.elapsed().as_secs_f64() / reps as f64;
+                let secs =
+                    seconds_per_call(cuda, 50, || cuda.exl3_matmul(&w, &dx, tokens, &mut dy))?;
                 println!(
                     "{} n={tokens}: {:.1} us, {:.0} GB/s of trellis",
                     label(&lin),
@@ -392,15 +379,7 @@ fn dense_speed(cuda: &Arc<Cuda>, rng: &mut ChaCha8Rng) -> anyhow::Result<()> {
                             cuda.exl3_matmul_rotating_first(&w, &dx, tokens, dy)
                         }
                     };
-                    run(&mut dy)?;
-                    cuda.synchronize()?;
-                    let reps = 30;
-                    let started = Instant::now();
-                    for _ in 0..reps {
-                        run(&mut dy)?;
-                    }
-                    cuda.synchronize()?;
-                    let secs = started.elapsed().as_secs_f64() / reps as f64;
+                    let secs = seconds_per_call(cuda, 30, || run(&mut dy))?;
                     println!(
                         "dense {} n={tokens} blocks={blocks} {}: {:.1} us, {:.0} GB/s of trellis",
                         label(&lin),

@@ -116,6 +116,38 @@ fn same_bits_case(name: String, got: &[f32], want: &[f32]) -> Case {
     }
 }
 
+/// Before a speed print: poisoning off (it would add a fill to every timed call), and the
+/// device's copy rate (bytes read plus written a second), printed and returned.
+fn copy_rate_for_speeds(cuda: &Cuda) -> anyhow::Result<f64> {
+    cuda.set_poison(false);
+    let copy = cuda.copy_bandwidth(1 << 30)?;
+    println!(
+        "device copy bandwidth {:.0} GB/s (read + write)",
+        copy / 1e9
+    );
+    Ok(copy)
+}
+
+/// Seconds a call of `run` takes on the device: one call to warm up, then `reps` back to
+/// back between two synchronisations.
+fn seconds_per_call<E>(
+    cuda: &Cuda,
+    reps: usize,
+    mut run: impl FnMut() -> Result<(), E>,
+) -> anyhow::Result<f64>
+where
+    anyhow::Error: From<E>,
+{
+    run()?;
+    cuda.synchronize()?;
+    let started = std::time::Instant::now();
+    for _ in 0..reps {
+        run()?;
+    }
+    cuda.synchronize()?;
+    Ok(started.elapsed().as_secs_f64() / reps as f64)
+}
+
 fn randn(rng: &mut ChaCha8Rng, n: usize, scale: f32) -> Vec<f32> {
     (0..n)
         .map(|_| (rng.random::<f32>() * 2.0 - 1.0) * scale)

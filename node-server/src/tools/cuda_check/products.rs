@@ -3,7 +3,6 @@
 
 use super::*;
 use crate::quant::exl3::Codebook;
-use std::time::Instant;
 
 pub(super) fn check_matvec(
     cuda: &Cuda,
@@ -73,12 +72,7 @@ pub(super) fn check_matvec(
 /// token tile fitted to the tokens and with the widest (the kernel before the fitted tiles),
 /// against the device's copy rate (bytes read plus written a second: what HBM moves).
 fn matvec_speed(cuda: &Cuda, rng: &mut ChaCha8Rng) -> anyhow::Result<()> {
-    cuda.set_poison(false);
-    let copy = cuda.copy_bandwidth(1 << 30)?;
-    println!(
-        "device copy bandwidth {:.0} GB/s (read + write)",
-        copy / 1e9
-    );
+    let copy = copy_rate_for_speeds(cuda)?;
     for (rows, cols) in [(154_880usize, 4096usize), (12_288, 4096), (4096, 4096)] {
         // A random row of bf16 values repeated: the values do not matter to the speed.
         let row: Vec<u8> = randn(rng, cols, 1.0)
@@ -93,15 +87,9 @@ fn matvec_speed(cuda: &Cuda, rng: &mut ChaCha8Rng) -> anyhow::Result<()> {
             let mut dy = cuda.alloc_f32(n * rows)?;
             for wide_tile in [false, true] {
                 cuda.set_matvec_wide_tile(wide_tile);
-                cuda.matvec(&w, Format::Bf16, rows, cols, &dx, n, &mut dy)?;
-                cuda.synchronize()?;
-                let reps = 30;
-                let started = Instant::now();
-                for _ in 0..reps {
-                    cuda.matvec(&w, Format::Bf16, rows, cols, &dx, n, &mut dy)?;
-                }
-                cuda.synchronize()?;
-                let secs = started.elapsed().as_secs_f64() / reps as f64;
+                let secs = seconds_per_call(cuda, 30, || {
+                    cuda.matvec(&w, Format::Bf16, rows, cols, &dx, n, &mut dy)
+                })?;
                 println!(
                     "matvec bf16 {rows}x{cols} n={n} {} tile: {:.1} us, {:.0} GB/s of weights ({:.2} of the copy rate)",
                     if wide_tile { "widest" } else { "fitted" },
