@@ -329,7 +329,27 @@ pub struct CallCosts {
     pub alloc_launch_free_us: f64,
     /// A 64-byte upload from pageable host memory (positions, offsets).
     pub upload_us: f64,
+    /// Device microseconds a kernel of a chain of dependent launches on one stream, each
+    /// launched by the host ([`ChainCosts`]).
+    pub chain: ChainCosts,
 }
+
+/// Microseconds a kernel of a chain of [`CHAIN`] dependent `scale_values` launches takes,
+/// between two synchronisations, launched one by one and replayed as one captured graph: tiny
+/// kernels (4,096 values: the host's launch cost one by one, the device's floor a kernel as a
+/// graph) and 4 Mi-value kernels (~11 µs of HBM each on an H100, so the device is the bound
+/// either way, and the difference is the gap between dependent launches that a graph of a
+/// whole decode step would save, issue 17 item 1).
+#[derive(Clone, Copy, Debug, serde::Serialize)]
+pub struct ChainCosts {
+    pub tiny_launched_us: f64,
+    pub tiny_graph_us: f64,
+    pub large_launched_us: f64,
+    pub large_graph_us: f64,
+}
+
+/// Kernels in one chain of [`ChainCosts`].
+pub const CHAIN: usize = 256;
 
 impl Cuda {
     /// Times `reps` of each call kind back to back on the host (the device runs behind; each
@@ -375,13 +395,62 @@ impl Cuda {
             drop(self.upload(&host)?);
             Ok(())
         })?;
+        let (tiny_launched_us, tiny_graph_us) = self.chain_us(&own, 4096, 20)?;
+        let (large_launched_us, large_graph_us) = self.chain_us(&own, 4 << 20, 4)?;
         Ok(CallCosts {
             launch_us,
             launch_own_stream_us,
             alloc_free_us,
             alloc_launch_free_us,
             upload_us,
+            chain: ChainCosts {
+                tiny_launched_us,
+                tiny_graph_us,
+                large_launched_us,
+                large_graph_us,
+            },
         })
+    }
+
+    /// (launched one by one, replayed as a graph): microseconds a kernel of [`CHAIN`]
+    /// dependent `scale_values` launches over `len` values on `own` (a non-blocking stream:
+    /// the legacy default stream cannot be captured), over `rounds` chains after a warm-up.
+    fn chain_us(
+        &self,
+        own: &std::sync::Arc<cudarc::driver::CudaStream>,
+        len: usize,
+        rounds: usize,
+    ) -> Result<(f64, f64), CudaError> {
+        use cudarc::driver::sys::{CUgraphInstantiate_flags, CUstreamCaptureMode};
+        let mut buf = own.alloc_zeros::<f32>(len)?;
+        let n = len as i32;
+        let launch = |buf: &mut CudaSlice<f32>| -> Result<(), CudaError> {
+            let mut l = own.launch_builder(self.kernel("scale_values"));
+            l.arg(buf).arg(&1f32).arg(&n);
+            // SAFETY: buf holds len values, one thread each.
+            unsafe { l.launch(elem_config(len)) }?;
+            Ok(())
+        };
+        let time = |f: &mut dyn FnMut() -> Result<(), CudaError>| -> Result<f64, CudaError> {
+            f()?;
+            own.synchronize()?;
+            let started = std::time::Instant::now();
+            for _ in 0..rounds {
+                f()?;
+            }
+            own.synchronize()?;
+            Ok(started.elapsed().as_secs_f64() * 1e6 / (rounds * CHAIN) as f64)
+        };
+        let launched = time(&mut || (0..CHAIN).try_for_each(|_| launch(&mut buf)))?;
+        own.begin_capture(CUstreamCaptureMode::CU_STREAM_CAPTURE_MODE_THREAD_LOCAL)?;
+        // The capture ends whatever the launches did, so the stream is usable after an error.
+        let captured = (0..CHAIN).try_for_each(|_| launch(&mut buf));
+        let graph = own.end_capture(CUgraphInstantiate_flags(0))?;
+        captured?;
+        let graph =
+            graph.ok_or_else(|| CudaError::Invalid("the stream capture made no graph".into()))?;
+        let graphed = time(&mut || Ok(graph.launch()?))?;
+        Ok((launched, graphed))
     }
 }
 

@@ -23,7 +23,7 @@ use cudarc::driver::{
     CudaContext, CudaFunction, CudaSlice, CudaStream, DriverError, LaunchConfig, PushKernelArg,
 };
 use cudarc::nvrtc::{CompileOptions, Ptx};
-pub use elementwise::{CallCosts, KdaGates};
+pub use elementwise::{CallCosts, ChainCosts, KdaGates};
 pub use exl3::{Exl3Weights, GEMV_BLOCKS};
 pub use moe::{Exl3Form, MoeLayout, MoeRun, MoeStep, RouteSpec, SlotArena, SlotFormat};
 pub use moe_rows::MOE_GEMM_MIN_PICKS;

@@ -55,7 +55,8 @@ pub struct BenchArgs {
     pub lane: bool,
     /// With `--device cuda`: also time the host's side of the CUDA calls a decode step makes
     /// (a launch, a stream-ordered allocation and free, a small upload), 20,000 of each, and
-    /// report microseconds a call (`cuda_call_costs_us`).
+    /// the device's time a kernel in chains of 256 dependent launches, launched one by one and
+    /// replayed as a CUDA graph; report microseconds a call (`cuda_call_costs_us`).
     #[arg(long, env = "GLMFLASH_BENCH_CALL_COSTS", value_parser = clap::builder::BoolishValueParser::new())]
     pub call_costs: bool,
 }
