@@ -11,7 +11,8 @@ From the bench run (one stream of each run, decoder --decoder):
     the model's layers: launches, host work and kernels below their bandwidth;
   - `fast`: the CPU lane's achieved GB/s of expert bytes (its `compute` part, every pick there),
     and the tiers' bookkeeping a pick (`resolve` + `write_back`);
-  - `budget`: the store's achieved share of its O_DIRECT rate (`fetch` part against its bytes).
+  - `budget`: the store's achieved share of its O_DIRECT rate (`fetch` part against its bytes),
+    and the cost of admitting what it read into the RAM tier (pinning) per GB read.
 Assumptions, printed with the result: the per-layer fixed cost carries over from the bench
 machine (its host and launch costs, not the 3090's slower kernels); the lane's rate scales with
 the box's RAM bandwidth over the bench host's (at most 1x); the store keeps its achieved share of
@@ -55,12 +56,21 @@ def measured_rates(flash, decoder):
     fetch_ms = budget.get("fetch_busy_ms_per_step", budget["tier_ms_per_step"]["fetch"])
     store_bytes = budget["bytes_per_token"]["nvme"]
     store_gbs = store_bytes / (fetch_ms / 1e3) / 1e9 if fetch_ms > 0 else bw["store_o_direct_gb_s"]
+    # Admitting what the store read into the RAM tier (the tiers' `resolve` and `write_back`
+    # past their lookups: pinning, the registration with CUDA), on the step's path, per GB
+    # admitted: the `fast` run admits nothing, so its per-pick cost leaves this out.
+    bp = budget["tier_ms_per_step"]
+    picks_per_step = budget["streams"] * k * moe_layers
+    admit_ms = max(bp["resolve"] + bp["write_back"] - pick_ms * picks_per_step, 0.0)
+    step_store_gb = store_bytes * budget["streams"] / 1e9
+    admit_ms_per_gb = admit_ms / step_store_gb if step_store_gb > 0 else 0.0
     return {
         "gpu_fixed_ms_per_layer": fixed_ms,
         "lane_gb_s": lane_gbs,
         "bench_ram_gb_s": bw["ram_read_gb_s"],
         "tier_ms_per_pick": pick_ms,
         "store_share_of_o_direct": min(store_gbs / bw["store_o_direct_gb_s"], 1.0),
+        "admit_ms_per_gb": admit_ms_per_gb,
     }
 
 
@@ -75,9 +85,12 @@ def project(plan, rates, layers):
     store = traffic["nvme"]["bytes"] / (rates["store_share_of_o_direct"] * traffic["nvme"]["gbs"] * 1e9) * 1e3
     h2d = traffic["h2d"]["seconds"] * 1e3
     tiers = rates["tier_ms_per_pick"] * picks
-    parts = {"gpu": gpu, "cpu lane": lane, "store": store, "h2d": h2d, "tier bookkeeping": tiers}
+    admit = rates["admit_ms_per_gb"] * traffic["nvme"]["bytes"] / 1e9
+    parts = {"gpu": gpu, "cpu lane": lane, "store": store, "h2d": h2d, "tier bookkeeping": tiers,
+             "ram admissions": admit}
     serial = sum(parts.values())
-    overlapped = max(gpu, lane, store, h2d) + tiers
+    # Bookkeeping and admissions run on the step's thread, beside none of the others.
+    overlapped = max(gpu, lane, store, h2d) + tiers + admit
     return parts, serial, overlapped, lane_gbs
 
 
@@ -96,8 +109,8 @@ def main():
           f"{flash['experts']}, {flash['expert_format']}):")
     print(f"  GPU fixed cost {rates['gpu_fixed_ms_per_layer']:.3f} ms a layer a step; CPU lane "
           f"{rates['lane_gb_s']:.1f} GB/s (host RAM {rates['bench_ram_gb_s']:.1f}); tiers "
-          f"{rates['tier_ms_per_pick'] * 1e3:.1f} us a pick; store at {rates['store_share_of_o_direct']:.2f} "
-          "of its O_DIRECT rate")
+          f"{rates['tier_ms_per_pick'] * 1e3:.1f} us a pick; RAM admissions {rates['admit_ms_per_gb']:.1f} ms "
+          f"a GB read; store at {rates['store_share_of_o_direct']:.2f} of its O_DIRECT rate")
     print(f"projected ({plan['moe_layers']} MoE layers, {a.layers} layers; slots a layer: VRAM "
           f"{plan['vram_expert_slots_per_layer']}, RAM {plan['ram_expert_slots_per_layer']}, store "
           f"{plan['experts_per_layer'] - plan['vram_expert_slots_per_layer'] - plan['ram_expert_slots_per_layer']}"
