@@ -101,6 +101,67 @@ __device__ __forceinline__ i64 row_bytes(int fmt, int cols) {
     }
 }
 
+// Q8_0 block b of a row (f16 scale then 32 int8): lane l takes value l; row_dots' step.
+template <int TILE>
+__device__ __forceinline__ void q8_0_block_dots(const u8* __restrict__ w, int b,
+                                                const float* __restrict__ x, i64 ldx, int nt,
+                                                float* acc) {
+    const int lane = threadIdx.x & (WARP - 1);
+    const u8* blk = w + (i64)b * 34;
+    float d = f16_to_f32(load_u16(blk));
+    float v = d * (float)(signed char)blk[2 + lane];
+    const int i = b * 32 + lane;
+#pragma unroll
+    for (int t = 0; t < TILE; t++)
+        if (t < nt) acc[t] = fmaf(v, x[t * ldx + i], acc[t]);
+}
+
+// Q4_K super-block b of a row (256 values, 144 bytes); row_dots' step. Lane l reads 4 quant
+// bytes of chunk c = l / 8: low nibbles are values 64c + 4(l%8) .. +4 (sub-block 2c), high
+// nibbles the same 32 later (sub-block 2c + 1).
+template <int TILE>
+__device__ __forceinline__ void q4_k_block_dots(const u8* __restrict__ w, int b,
+                                                const float* __restrict__ x, i64 ldx, int nt,
+                                                float* acc) {
+    const int lane = threadIdx.x & (WARP - 1);
+    const int c = lane >> 3;
+    const int q0 = (lane & 7) * 4;
+    const u8* blk = w + (i64)b * 144;
+    const float d = f16_to_f32(load_u16(blk));
+    const float dmin = f16_to_f32(load_u16(blk + 2));
+    const u8* s = blk + 4;
+    float ds[2], dm[2];
+#pragma unroll
+    for (int h = 0; h < 2; h++) {
+        const int j = 2 * c + h;
+        int sc, m;
+        if (j < 4) {
+            sc = s[j] & 63;
+            m = s[j + 4] & 63;
+        } else {
+            sc = (s[j + 4] & 0x0F) | ((s[j - 4] >> 6) << 4);
+            m = (s[j + 4] >> 4) | ((s[j] >> 6) << 4);
+        }
+        ds[h] = d * (float)sc;
+        dm[h] = dmin * (float)m;
+    }
+    const u32 qs = *(const u32*)(blk + 16 + 32 * c + q0);
+    const int base = b * 256 + 64 * c + q0;
+#pragma unroll
+    for (int e = 0; e < 4; e++) {
+        const u32 byte = (qs >> (8 * e)) & 0xFF;
+        const float lo = ds[0] * (float)(byte & 0x0F) - dm[0];
+        const float hi = ds[1] * (float)(byte >> 4) - dm[1];
+#pragma unroll
+        for (int t = 0; t < TILE; t++) {
+            if (t < nt) {
+                acc[t] = fmaf(lo, x[t * ldx + base + e], acc[t]);
+                acc[t] = fmaf(hi, x[t * ldx + base + 32 + e], acc[t]);
+            }
+        }
+    }
+}
+
 // One warp's partial dots of row `w` (format FMT, `cols` values) with `nt` <= TILE
 // token rows of x (`x + t * ldx`), added into acc[t]. Lanes split the row in a fixed
 // pattern, so results repeat bit for bit, whatever the TILE: each token's sum takes the same
@@ -174,64 +235,24 @@ __device__ __forceinline__ void row_dots(const u8* __restrict__ w, int cols,
             }
         }
     } else if (FMT == FMT_Q8_0) {
-        // Block b: f16 scale then 32 int8; lane l takes value l of every block.
+        // Block b: f16 scale then 32 int8; lane l takes value l of every block. With few
+        // tokens, four blocks' loads in flight a lane (as the float formats').
         const int blocks = cols / 32;
-        // With few tokens, several blocks' loads in flight a lane (as the float formats').
-#pragma unroll(TILE <= 4 ? 4 : 1)
-        for (int b = 0; b < blocks; b++) {
-            const u8* blk = w + (i64)b * 34;
-            float d = f16_to_f32(load_u16(blk));
-            float v = d * (float)(signed char)blk[2 + lane];
-            const int i = b * 32 + lane;
-#pragma unroll
-            for (int t = 0; t < TILE; t++)
-                if (t < nt) acc[t] = fmaf(v, x[t * ldx + i], acc[t]);
+        if (TILE <= 4) {
+#pragma unroll 4
+            for (int b = 0; b < blocks; b++) q8_0_block_dots<TILE>(w, b, x, ldx, nt, acc);
+        } else {
+            for (int b = 0; b < blocks; b++) q8_0_block_dots<TILE>(w, b, x, ldx, nt, acc);
         }
     } else {
-        // Q4_K super-block of 256 values (144 bytes). Lane l reads 4 quant bytes of chunk
-        // c = l / 8: low nibbles are values 64c + 4(l%8) .. +4 (sub-block 2c), high
-        // nibbles the same 32 later (sub-block 2c + 1).
+        // Q4_K: with few tokens, four super-blocks' loads in flight a lane (a row of 4,096
+        // values is only 16 super-blocks: one at a time, a warp waits on memory at each).
         const int blocks = cols / 256;
-        const int c = lane >> 3;
-        const int q0 = (lane & 7) * 4;
-        // With few tokens, several super-blocks' loads in flight a lane (a row of 4,096 values
-        // is only 16 super-blocks: one at a time, a warp waits on memory at each).
-#pragma unroll(TILE <= 4 ? 4 : 1)
-        for (int b = 0; b < blocks; b++) {
-            const u8* blk = w + (i64)b * 144;
-            const float d = f16_to_f32(load_u16(blk));
-            const float dmin = f16_to_f32(load_u16(blk + 2));
-            const u8* s = blk + 4;
-            float ds[2], dm[2];
-#pragma unroll
-            for (int h = 0; h < 2; h++) {
-                const int j = 2 * c + h;
-                int sc, m;
-                if (j < 4) {
-                    sc = s[j] & 63;
-                    m = s[j + 4] & 63;
-                } else {
-                    sc = (s[j + 4] & 0x0F) | ((s[j - 4] >> 6) << 4);
-                    m = (s[j + 4] >> 4) | ((s[j] >> 6) << 4);
-                }
-                ds[h] = d * (float)sc;
-                dm[h] = dmin * (float)m;
-            }
-            const u32 qs = *(const u32*)(blk + 16 + 32 * c + q0);
-            const int base = b * 256 + 64 * c + q0;
-#pragma unroll
-            for (int e = 0; e < 4; e++) {
-                const u32 byte = (qs >> (8 * e)) & 0xFF;
-                const float lo = ds[0] * (float)(byte & 0x0F) - dm[0];
-                const float hi = ds[1] * (float)(byte >> 4) - dm[1];
-#pragma unroll
-                for (int t = 0; t < TILE; t++) {
-                    if (t < nt) {
-                        acc[t] = fmaf(lo, x[t * ldx + base + e], acc[t]);
-                        acc[t] = fmaf(hi, x[t * ldx + base + 32 + e], acc[t]);
-                    }
-                }
-            }
+        if (TILE <= 4) {
+#pragma unroll 4
+            for (int b = 0; b < blocks; b++) q4_k_block_dots<TILE>(w, b, x, ldx, nt, acc);
+        } else {
+            for (int b = 0; b < blocks; b++) q4_k_block_dots<TILE>(w, b, x, ldx, nt, acc);
         }
     }
 }

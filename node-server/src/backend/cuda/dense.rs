@@ -238,14 +238,12 @@ impl Cuda {
         // hold them: the same bits, more warps resident (gemv.cu's `matvec_t*`).
         let split = rows < SPLIT_BELOW_ROWS;
         let float = matches!(format, Format::F32 | Format::F16 | Format::Bf16);
-        let name = match (
-            split,
-            if float {
-                self.matvec_tile(n)
-            } else {
-                MATVEC_TILE
-            },
-        ) {
+        let tile = if float {
+            self.matvec_tile(n)
+        } else {
+            MATVEC_TILE
+        };
+        let name = match (split, tile) {
             (false, 1) => "matvec_t1",
             (false, 2) => "matvec_t2",
             (false, 4) => "matvec_t4",
