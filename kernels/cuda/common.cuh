@@ -162,6 +162,25 @@ __device__ __forceinline__ void q4_k_block_dots(const u8* __restrict__ w, int b,
     }
 }
 
+// The values of 16 bytes of a float-format row (4 for f32, 8 for f16 and bf16) as f32.
+template <int FMT>
+__device__ __forceinline__ void widen16(const uint4 q, float v[8]) {
+    if (FMT == FMT_F32) {
+        v[0] = __uint_as_float(q.x);
+        v[1] = __uint_as_float(q.y);
+        v[2] = __uint_as_float(q.z);
+        v[3] = __uint_as_float(q.w);
+    } else {
+        const u32 words[4] = {q.x, q.y, q.z, q.w};
+#pragma unroll
+        for (int e = 0; e < 4; e++) {
+            const u16 lo = (u16)(words[e] & 0xFFFF), hi = (u16)(words[e] >> 16);
+            v[2 * e] = FMT == FMT_F16 ? f16_to_f32(lo) : bf16_to_f32(lo);
+            v[2 * e + 1] = FMT == FMT_F16 ? f16_to_f32(hi) : bf16_to_f32(hi);
+        }
+    }
+}
+
 // One warp's partial dots of row `w` (format FMT, `cols` values) with `nt` <= TILE
 // token rows of x (`x + t * ldx`), added into acc[t]. Lanes split the row in a fixed
 // pattern, so results repeat bit for bit, whatever the TILE: each token's sum takes the same
@@ -186,22 +205,8 @@ __device__ __forceinline__ void row_dots(const u8* __restrict__ w, int cols,
             // row's warp is otherwise latency-bound (the lm head's 154,880 rows of 8 KB).
 #pragma unroll(TILE <= 4 ? 4 : 2)
             for (int j = lane; j < nv; j += WARP) {
-                const uint4 q = wv[j];
                 float v[8];
-                if (FMT == FMT_F32) {
-                    v[0] = __uint_as_float(q.x);
-                    v[1] = __uint_as_float(q.y);
-                    v[2] = __uint_as_float(q.z);
-                    v[3] = __uint_as_float(q.w);
-                } else {
-                    const u32 words[4] = {q.x, q.y, q.z, q.w};
-#pragma unroll
-                    for (int e = 0; e < 4; e++) {
-                        const u16 lo = (u16)(words[e] & 0xFFFF), hi = (u16)(words[e] >> 16);
-                        v[2 * e] = FMT == FMT_F16 ? f16_to_f32(lo) : bf16_to_f32(lo);
-                        v[2 * e + 1] = FMT == FMT_F16 ? f16_to_f32(hi) : bf16_to_f32(hi);
-                    }
-                }
+                widen16<FMT>(wv[j], v);
 #pragma unroll
                 for (int t = 0; t < TILE; t++) {
                     if (t < nt) {

@@ -235,7 +235,8 @@ impl Cuda {
         // A warp per row leaves most of the GPU idle below a few thousand rows (the mHC,
         // router and gate projections): those rows get a block each instead. A float format
         // at four tokens or fewer (decode) takes the kernel of the fewest accumulators that
-        // hold them: the same bits, more warps resident (gemv.cu's `matvec_t*`).
+        // hold them: the same bits, more warps resident (gemv.cu's `matvec_t*`; at two and
+        // four tokens two rows a warp, sharing their loads of x).
         let split = rows < SPLIT_BELOW_ROWS;
         let float = matches!(format, Format::F32 | Format::F16 | Format::Bf16);
         let tile = if float {
@@ -259,6 +260,9 @@ impl Cuda {
                 block_dim: (SPLIT_THREADS, 1, 1),
                 shared_mem_bytes: 0,
             }
+        } else if matches!(name, "matvec_t2" | "matvec_t4") {
+            // Two rows a warp (gemv.cu's `matvec_rows2`).
+            rows_config(rows.div_ceil(2), 1)
         } else {
             rows_config(rows, 1)
         };
@@ -272,8 +276,8 @@ impl Cuda {
             .arg(y);
         // SAFETY: every one of these kernels takes `matvec`'s argument list in gemv.cu (the
         // `_t*` ones only float formats, which `name` keeps to); the sizes were
-        // checked above, and the grid covers `rows` rows (a warp each, or a block of
-        // SPLIT_WARPS warps each).
+        // checked above, and the grid covers `rows` rows (a warp each, two rows a warp for
+        // `matvec_t2`/`_t4`, or a block of SPLIT_WARPS warps each).
         unsafe { b.launch(cfg) }?;
         Ok(())
     }
