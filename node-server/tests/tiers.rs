@@ -91,6 +91,15 @@ fn every_mode_and_cap_is_bit_identical_to_untiered() {
                 got == expected,
                 "{name} {mode:?} device {device} ram {ram}: logits differ"
             );
+            // Experts stored as bytes (not f32 values) live in the pinned arena's slots.
+            if name == "tiny_bf16" || name.starts_with("exl3/") {
+                let arena = tiers.arena().expect("an arena for byte-stored experts");
+                let ram: usize = (0..moe.len())
+                    .map(|l| tiers.layer_residents(l).1.len())
+                    .sum();
+                assert_eq!(tiers.residents_in_arena(), ram, "{name} {mode:?}");
+                assert!(arena.slots() - arena.free_slots() >= ram, "{name} {mode:?}");
+            }
             for layer in (0..moe.len()).filter(|&l| moe[l]) {
                 let (d, r) = tiers.layer_residents(layer);
                 assert!(
@@ -167,6 +176,12 @@ fn packed_store_source_is_bit_identical_too() {
                 run(&model, &prompt) == expected,
                 "{name} {mode:?} from the store: logits differ"
             );
+            if name.starts_with("exl3/") {
+                assert!(
+                    tiers.residents_in_arena() > 0,
+                    "{name} {mode:?}: arena used"
+                );
+            }
             if mode.tiered() {
                 let issued = tiers
                     .stats
@@ -548,6 +563,10 @@ impl glmflash_node::tiers::source::ExpertSource for Counting {
 
     fn record_bytes(&self) -> usize {
         self.inner.record_bytes()
+    }
+
+    fn slot_bytes(&self) -> Option<usize> {
+        self.inner.slot_bytes()
     }
 }
 

@@ -17,6 +17,7 @@
 //! * [`set_force_portable`] or `GLMFLASH_FORCE_PORTABLE=1` (read once) disable
 //!   the SIMD path, e.g. to compare both paths in tests and benchmarks.
 
+pub mod bytes;
 pub mod exl3;
 mod float;
 pub mod lane;
@@ -27,6 +28,7 @@ mod q8_0;
 #[cfg(target_arch = "x86_64")]
 mod simd_x86;
 
+pub use bytes::{Backing, Bytes};
 use std::sync::OnceLock;
 use std::sync::atomic::{AtomicU8, Ordering};
 

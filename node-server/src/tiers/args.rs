@@ -195,7 +195,7 @@ pub fn tier_summary(tiers: &TieredExperts) -> String {
         .join("; ");
     format!(
         "{tiers_part}; moved MiB nvme->ram {:.1}, ram->vram {:.1}, vram->ram {:.1}; \
-         pinned {:.1} MiB ({} refusals); prefetch: {} issued, {} hits, {} wasted; \
+         pinned {:.1} MiB ({} refusals, {} experts outside the pinned arena); prefetch: {} issued, {} hits, {} wasted; \
          store batches {:.2} s reading, products {:.2} s waiting ({}); \
          cpu lane {}; write-back ring {high}/{ring} peak, {stalls} stalls; {} policy",
         get(&s.store_reads) as f64 * record,
@@ -203,6 +203,7 @@ pub fn tier_summary(tiers: &TieredExperts) -> String {
         get(&s.written_back) as f64 * record,
         tiers.pins.pinned() as f64 / 1048576.0,
         get(&tiers.pins.failures),
+        tiers.pins.arena_fallbacks(),
         get(&s.prefetch_issued),
         get(&s.prefetch_hits),
         get(&s.prefetch_wasted),

@@ -2,6 +2,7 @@
 //! placement plan (decided once, from the flags and the machine), the eviction policy, and
 //! the tiered `ExpertProvider` over the store reader.
 
+pub mod arena;
 pub mod args;
 pub mod history;
 pub mod pin;

@@ -22,6 +22,9 @@ pub trait HostRegistrar: Send + Sync {
     /// The spans' owner is leaving the RAM tier: unregister them once no copy from them can
     /// be in flight, keeping `owner` (and so the memory) alive until then.
     fn release(&self, spans: Vec<(usize, usize)>, owner: Arc<SwiGlu>);
+    /// Unregisters spans registered with `register` whose memory is about to be freed, once
+    /// no copy from them can be in flight (waiting for the device when it must).
+    fn unregister(&self, spans: &[(usize, usize)]);
 }
 
 /// Pinned bytes now, and refusals so far.
@@ -35,6 +38,8 @@ pub struct PinStats {
     /// Pinning turned off (`--no-pin`): nothing is locked, nothing is counted as failed.
     pub disabled: AtomicBool,
     registrar: std::sync::OnceLock<Arc<dyn HostRegistrar>>,
+    /// The pinned arena's fallback counter, once there is an arena.
+    arena: std::sync::OnceLock<Arc<AtomicU64>>,
 }
 
 impl std::fmt::Debug for PinStats {
@@ -56,6 +61,24 @@ impl PinStats {
     pub fn set_registrar(&self, registrar: Arc<dyn HostRegistrar>) {
         let _ = self.registrar.set(registrar);
     }
+
+    /// Counts the pinned arena's memory (once, as it is pinned; its residents add nothing).
+    pub fn count_arena(&self, arena: &super::arena::RamArena, how: super::arena::ArenaPin) {
+        use super::arena::ArenaPin;
+        let bytes = arena.bytes() as u64;
+        if how != ArenaPin::None {
+            self.pinned_bytes.fetch_add(bytes, Ordering::Relaxed);
+        }
+        if how == ArenaPin::Registered {
+            self.registered_bytes.fetch_add(bytes, Ordering::Relaxed);
+        }
+        let _ = self.arena.set(arena.fallbacks_counter());
+    }
+
+    /// Experts kept outside the arena (no free slot): pinned one by one as before.
+    pub fn arena_fallbacks(&self) -> u64 {
+        self.arena.get().map_or(0, |c| c.load(Ordering::Relaxed))
+    }
 }
 
 /// A RAM-tier resident: the expert's weights, locked in memory while this lives.
@@ -64,13 +87,28 @@ pub struct Pinned {
     locked: Vec<(usize, usize)>,
     /// Whether `locked` was registered with the GPU rather than mlocked.
     registered: bool,
+    /// The weights are in a slot of the pinned arena ([`super::arena`]): pinned already.
+    in_arena: bool,
     stats: Arc<PinStats>,
 }
 
 impl Pinned {
-    /// Locks the expert's weight bytes (each of its three buffers): registered with the GPU
-    /// when there is a registrar, else mlocked; on refusal keeps it unpinned.
+    /// Locks the expert's weight bytes (each of its three buffers): nothing to do when they
+    /// are in a slot of the pinned arena; else registered with the GPU when there is a
+    /// registrar, else mlocked; on refusal keeps it unpinned.
     pub fn new(weights: Arc<SwiGlu>, stats: &Arc<PinStats>) -> Pinned {
+        let in_arena = [&weights.gate, &weights.up, &weights.down]
+            .iter()
+            .all(|m| m.storage().is_some_and(|b| b.pinned_backing()));
+        if in_arena {
+            return Pinned {
+                weights,
+                locked: Vec::new(),
+                registered: false,
+                in_arena: true,
+                stats: stats.clone(),
+            };
+        }
         let mut locked = Vec::with_capacity(3);
         let spans: Vec<(usize, usize)> = weights
             .storage_spans()
@@ -93,6 +131,7 @@ impl Pinned {
                 weights,
                 locked: spans,
                 registered: true,
+                in_arena: false,
                 stats: stats.clone(),
             };
         }
@@ -135,6 +174,7 @@ impl Pinned {
             weights,
             locked,
             registered: false,
+            in_arena: false,
             stats: stats.clone(),
         }
     }
@@ -143,9 +183,14 @@ impl Pinned {
         &self.weights
     }
 
+    /// Whether the weights are in a slot of the pinned arena.
+    pub fn in_arena(&self) -> bool {
+        self.in_arena
+    }
+
     /// Whether every buffer of the expert is locked.
     pub fn is_pinned(&self) -> bool {
-        self.locked.len() == 3
+        self.in_arena || self.locked.len() == 3
     }
 
     /// Unlocks and hands back the weights (the expert leaves the RAM tier).

@@ -34,6 +34,28 @@ pub trait ExpertSource: Send + Sync {
     }
     /// Bytes of one expert record as this source stores it.
     fn record_bytes(&self) -> usize;
+    /// Bytes an expert's three matrices take in memory, each from a page of its own: what a
+    /// slot of the RAM tier's pinned arena must hold ([`super::arena`]). `None` when not
+    /// known without reading one, or when they are f32 values (kept as floats, not bytes).
+    fn slot_bytes(&self) -> Option<usize> {
+        None
+    }
+}
+
+/// [`ExpertSource::slot_bytes`] of experts laid out as `parts`.
+pub fn slot_bytes_of(parts: &Parts) -> Option<usize> {
+    let page = |n: usize| n.div_ceil(crate::store::ALIGN) * crate::store::ALIGN;
+    parts
+        .all()
+        .iter()
+        .map(|p| match p.format {
+            PartFormat::Rows(crate::quant::Format::F32) => None,
+            PartFormat::Rows(_) => Some(page(p.length)),
+            PartFormat::Exl3 { rate, .. } => {
+                Some(page(Exl3Linear::stream_len(p.cols, p.rows, rate)))
+            }
+        })
+        .sum()
 }
 
 /// Experts read from the checkpoint itself (the untiered source, and the tiers' source until
@@ -42,6 +64,7 @@ pub struct CheckpointSource {
     ckpt: Checkpoint,
     cfg: Config,
     record_bytes: usize,
+    slot_bytes: Option<usize>,
 }
 
 impl CheckpointSource {
@@ -60,6 +83,7 @@ impl CheckpointSource {
         )?;
         Ok(CheckpointSource {
             record_bytes: e.storage_bytes(),
+            slot_bytes: super::arena::slot_len_of(&e),
             ckpt,
             cfg,
         })
@@ -78,6 +102,10 @@ impl ExpertSource for CheckpointSource {
 
     fn record_bytes(&self) -> usize {
         self.record_bytes
+    }
+
+    fn slot_bytes(&self) -> Option<usize> {
+        self.slot_bytes
     }
 }
 
@@ -156,6 +184,15 @@ impl ExpertSource for StoreSource {
 
     fn record_bytes(&self) -> usize {
         self.record_bytes
+    }
+
+    /// The largest of the store's layouts (a layer may have its own).
+    fn slot_bytes(&self) -> Option<usize> {
+        let m = self.reader.manifest();
+        std::iter::once(&m.parts)
+            .chain(m.layer_parts.values())
+            .map(slot_bytes_of)
+            .try_fold(0, |most, b| b.map(|b| most.max(b)))
     }
 }
 

@@ -40,7 +40,7 @@ const EXL3_STRIP_COLUMNS: usize = 64;
 enum Data {
     F32(Vec<f32>),
     /// Rows in a block or 16-bit float format.
-    Packed(Format, Vec<u8>),
+    Packed(Format, quant::Bytes),
     /// `W^T` of the EXL3 layer (`cols` inputs, `rows` outputs).
     Exl3(Box<Exl3Linear>),
     /// The host bytes were given back once the device copy held them
@@ -153,7 +153,7 @@ impl Matrix {
         Ok(Matrix {
             rows,
             cols,
-            data: Data::Packed(format, bytes),
+            data: Data::Packed(format, bytes.into()),
             device: None,
         })
     }
@@ -228,6 +228,37 @@ impl Matrix {
         }
     }
 
+    /// The bytes the weights are kept in, where they are bytes: a row format's rows or an
+    /// EXL3 trellis as laid out here (`None` for f32 values and released weights).
+    pub fn storage(&self) -> Option<&quant::Bytes> {
+        match &self.data {
+            Data::Packed(_, b) => Some(b),
+            Data::Exl3(lin) => Some(lin.stream()),
+            Data::F32(_) | Data::Released { .. } => None,
+        }
+    }
+
+    /// This matrix with its weights kept in `bytes`: the same bytes [`Matrix::storage`]
+    /// gives, in other memory (a slot of the RAM tier's pinned arena); the old buffer is not
+    /// copied. Panics for a matrix without byte storage or for bytes of another length.
+    pub fn with_storage(&self, bytes: quant::Bytes) -> Matrix {
+        let data = match &self.data {
+            Data::Packed(format, b) => {
+                assert_eq!(bytes.len(), b.len(), "with_storage: other bytes");
+                debug_assert!(bytes[..] == b[..], "with_storage: other bytes");
+                Data::Packed(*format, bytes)
+            }
+            Data::Exl3(lin) => Data::Exl3(Box::new(lin.with_stream(bytes))),
+            Data::F32(_) | Data::Released { .. } => panic!("with_storage: {self:?} has no bytes"),
+        };
+        Matrix {
+            rows: self.rows,
+            cols: self.cols,
+            data,
+            device: self.device.clone(),
+        }
+    }
+
     /// Bytes the weights occupy (an EXL3 matrix: as stored in its checkpoint).
     pub fn storage_bytes(&self) -> usize {
         match &self.data {
@@ -252,7 +283,7 @@ impl Matrix {
     pub fn to_bytes(&self) -> Option<Vec<u8>> {
         match &self.data {
             Data::F32(v) => Some(v.iter().flat_map(|x| x.to_le_bytes()).collect()),
-            Data::Packed(_, b) => Some(b.clone()),
+            Data::Packed(_, b) => Some(b.to_vec()),
             Data::Exl3(_) | Data::Released { .. } => None,
         }
     }

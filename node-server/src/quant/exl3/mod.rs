@@ -223,7 +223,7 @@ pub struct Exl3Linear {
     /// by strip (the checkpoint goes row of tiles by row): a strip's product reads its tiles
     /// as one sequential run, which the hardware prefetches from DRAM, where the checkpoint's
     /// order puts each tile on another page.
-    stream: Vec<u8>,
+    stream: super::Bytes,
     suh: Vec<f32>,
     svh: Vec<f32>,
     bias: Option<Vec<f32>>,
@@ -312,7 +312,7 @@ impl Exl3Linear {
             n,
             rate,
             codebook,
-            stream,
+            stream: stream.into(),
             suh,
             svh,
             bias: None,
@@ -353,6 +353,12 @@ impl Exl3Linear {
             f16s(svh),
             codebook,
         )
+    }
+
+    /// Bytes of the trellis of a layer of `k` inputs and `n` outputs as laid out here (what
+    /// [`Exl3Linear::stream`] holds).
+    pub fn stream_len(k: usize, n: usize, rate: Rate) -> usize {
+        k / 16 * (n / 16) * rate.tile_bytes() + trellis::TAIL
     }
 
     /// Bytes of a layer without bias as [`Exl3Linear::from_stored`] reads it.
@@ -436,6 +442,28 @@ impl Exl3Linear {
     /// The trellis as stored here (start and length in bytes, for pinning them in RAM).
     pub fn trellis_span(&self) -> (*const u8, usize) {
         (self.stream.as_ptr(), self.stream.len())
+    }
+
+    /// The trellis as stored here (the bytes [`Exl3Linear::trellis_span`] points at).
+    pub fn stream(&self) -> &super::Bytes {
+        &self.stream
+    }
+
+    /// This layer with its trellis kept in `stream` (the same bytes [`Exl3Linear::stream`]
+    /// gives, in other memory) instead of its own buffer.
+    pub fn with_stream(&self, stream: super::Bytes) -> Exl3Linear {
+        assert_eq!(stream.len(), self.stream.len(), "with_stream: other bytes");
+        debug_assert!(stream[..] == self.stream[..], "with_stream: other bytes");
+        Exl3Linear {
+            k: self.k,
+            n: self.n,
+            rate: self.rate,
+            codebook: self.codebook,
+            stream,
+            suh: self.suh.clone(),
+            svh: self.svh.clone(),
+            bias: self.bias.clone(),
+        }
     }
 
     /// Bytes as stored in an EXL3 checkpoint: trellis, f16 `suh` and `svh`, f16 bias.

@@ -58,11 +58,23 @@ pub(super) fn timed_load(
 pub(super) fn handle_write_back(shared: &Shared, job: WriteBack) {
     match job {
         WriteBack::Demote { layer, expert } => {
+            // Copied into a slot of the pinned arena first, outside the layer's lock (the
+            // victim stays in flight, served from where it is, meanwhile).
+            let moved = shared.arena.as_ref().and_then(|arena| {
+                let w = shared.layers[layer]
+                    .lock()
+                    .expect("tier lock")
+                    .in_flight
+                    .get(&expert)
+                    .cloned()?;
+                arena.adopt(&w).map(Arc::new)
+            });
             let evicted = {
                 let mut l = shared.layers[layer].lock().expect("tier lock");
                 let Some(w) = l.in_flight.remove(&expert) else {
                     return;
                 };
+                let w = moved.unwrap_or(w);
                 shared.stats.written_back.fetch_add(1, Ordering::Relaxed);
                 let l = &mut *l;
                 match make_room(&mut l.ram, l.ram_policy.as_ref(), shared.ram_slots, expert) {

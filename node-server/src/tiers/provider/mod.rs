@@ -15,6 +15,7 @@
 
 mod background;
 mod fetch;
+mod report;
 mod warm;
 
 use super::pin::{PinStats, Pinned};
@@ -101,6 +102,8 @@ enum WriteBack {
 struct Shared {
     layers: Vec<Mutex<Layer>>,
     ram_slots: usize,
+    /// The pinned arena RAM residents live in (none with pinning off or f32 experts).
+    arena: Option<Arc<super::arena::RamArena>>,
     pins: Arc<PinStats>,
     stats: Arc<TierStats>,
 }
@@ -170,6 +173,7 @@ impl TieredExperts {
         let stats = Arc::new(TierStats::default());
         let pins = Arc::new(PinStats::default());
         pins.disabled.store(!plan.pin, Ordering::Relaxed);
+        let mut sample_slot = None;
         let gpu = match gpu {
             Some(cuda) => {
                 let first = moe_layers
@@ -177,6 +181,7 @@ impl TieredExperts {
                     .position(|&m| m)
                     .ok_or_else(|| anyhow::anyhow!("no MoE layer"))?;
                 let sample = source.load(first, 0)?;
+                sample_slot = super::arena::slot_len_of(&sample);
                 let tier = super::vram::GpuTier::new(
                     cuda,
                     &sample,
@@ -189,6 +194,37 @@ impl TieredExperts {
                 Some(tier)
             }
             None => None,
+        };
+        let moe_count = moe_layers.iter().filter(|&&m| m).count();
+        // The RAM tier's slots (and the device tier's where its residents keep host weights:
+        // without a GPU, or keeping host copies), plus room for the records in flight.
+        let resident_slots = if mode.tiered() {
+            let host_device = if gpu.is_none() || !plan.copy_down {
+                device_slots
+            } else {
+                0
+            };
+            (ram_slots + host_device) * moe_count + super::arena::IN_FLIGHT_SLOTS
+        } else {
+            experts * moe_count
+        };
+        let arena = match source.slot_bytes().or(sample_slot) {
+            Some(slot_len) if plan.pin && resident_slots > 0 => {
+                Some(super::arena::RamArena::start(
+                    slot_len,
+                    resident_slots,
+                    gpu.as_ref().map(|g| &g.registrar),
+                    &pins,
+                ))
+            }
+            _ => None,
+        };
+        let source: Arc<dyn ExpertSource> = match &arena {
+            Some(arena) => Arc::new(super::arena::ArenaSource {
+                inner: source,
+                arena: arena.clone(),
+            }),
+            None => source,
         };
         let mut layers = Vec::with_capacity(moe_layers.len());
         for (l, &moe) in moe_layers.iter().enumerate() {
@@ -214,6 +250,7 @@ impl TieredExperts {
         let shared = Arc::new(Shared {
             layers,
             ram_slots,
+            arena,
             pins: pins.clone(),
             stats: stats.clone(),
         });
@@ -269,40 +306,6 @@ impl TieredExperts {
         &self.plan
     }
 
-    /// The GPU device tier's counters, when there is one.
-    pub fn gpu_stats(&self) -> Option<super::vram::GpuStats> {
-        let g = self.gpu.as_ref()?.lock().unwrap_or_else(|e| e.into_inner());
-        Some(g.stats())
-    }
-
-    /// `"gpu: N picks, M on the CPU lane, X MiB host->device, ..."` when the device tier is a
-    /// GPU.
-    pub fn gpu_summary(&self) -> Option<String> {
-        let g = self.gpu.as_ref()?.lock().unwrap_or_else(|e| e.into_inner());
-        let parts = g
-            .parts
-            .mean_ms()
-            .iter()
-            .map(|(name, ms)| format!("{name} {ms:.3}"))
-            .collect::<Vec<_>>()
-            .join(", ");
-        Some(format!(
-            "gpu ({}): {} picks on the GPU, {} on the CPU lane, {} MiB host->device, {} victims copied down ({} MiB; residents' host copies {}), {} MiB of RAM residents registered with CUDA; a sampled MoE step's parts alone, ms: {parts}",
-            g.cuda().describe(),
-            g.gpu_picks,
-            g.cpu_picks,
-            g.h2d_bytes >> 20,
-            self.stats.copied_down.load(Ordering::Relaxed),
-            g.d2h_bytes >> 20,
-            if self.plan.copy_down {
-                "dropped"
-            } else {
-                "kept"
-            },
-            self.pins.registered_bytes.load(Ordering::Relaxed) >> 20
-        ))
-    }
-
     fn layer(&self, layer: usize) -> std::sync::MutexGuard<'_, Layer> {
         self.shared.layers[layer].lock().expect("tier lock")
     }
@@ -354,82 +357,6 @@ impl TieredExperts {
 
     pub fn mode(&self) -> Mode {
         self.mode
-    }
-
-    /// The routing history so far, bound to `fingerprint`.
-    pub fn history(&self, fingerprint: &str) -> super::history::RoutingHistory {
-        super::history::RoutingHistory {
-            version: super::history::HISTORY_VERSION,
-            fingerprint: fingerprint.to_string(),
-            experts: self.experts,
-            counts: self
-                .picks
-                .iter()
-                .map(|row| row.iter().map(|c| c.load(Ordering::Relaxed)).collect())
-                .collect(),
-        }
-    }
-
-    /// Experts the prefetcher has read ahead that no lookup has taken yet.
-    pub fn staged_count(&self) -> usize {
-        self.staged.lock().expect("staging lock").len()
-    }
-
-    /// Device and RAM residents of `layer` (for invariant checks and the tier summary).
-    pub fn layer_residents(&self, layer: usize) -> (Vec<usize>, Vec<usize>) {
-        let (device, ram, _) = self.layer_snapshot(layer);
-        (device, ram)
-    }
-
-    /// Device residents, RAM residents and write-backs in flight of `layer`, taken at one
-    /// instant (under the layer's lock), each sorted.
-    pub fn layer_snapshot(&self, layer: usize) -> (Vec<usize>, Vec<usize>, Vec<usize>) {
-        let l = self.layer(layer);
-        let sorted = |keys: Vec<usize>| {
-            let mut k = keys;
-            k.sort_unstable();
-            k
-        };
-        (
-            sorted(l.device.keys().copied().collect()),
-            sorted(l.ram.keys().copied().collect()),
-            sorted(l.in_flight.keys().copied().collect()),
-        )
-    }
-
-    /// Where `(layer, expert)` resides now.
-    /// (A write-back in flight counts as RAM, where it is going.)
-    pub fn residency(&self, layer: usize, expert: usize) -> Tier {
-        let l = self.layer(layer);
-        if l.device.contains_key(&expert) {
-            Tier::Device
-        } else if l.ram.contains_key(&expert) || l.in_flight.contains_key(&expert) {
-            Tier::Ram
-        } else {
-            Tier::Store
-        }
-    }
-
-    /// Resident experts per tier, all MoE layers (write-backs in flight count as RAM).
-    pub fn resident(&self, tier: Tier) -> usize {
-        self.shared
-            .layers
-            .iter()
-            .map(|l| {
-                let l = l.lock().expect("tier lock");
-                let ram = l.ram.len() + l.in_flight.len();
-                match tier {
-                    Tier::Device => l.device.len(),
-                    Tier::Ram => ram,
-                    Tier::Store => self.experts.saturating_sub(l.device.len() + ram),
-                }
-            })
-            .sum::<usize>()
-            - match tier {
-                // Dense layers have no experts to hold.
-                Tier::Store => (self.shared.layers.len() - self.moe_layers) * self.experts,
-                _ => 0,
-            }
     }
 
     /// Finds (and moves, by policy) one picked expert; gives its weights, or the record on

@@ -117,6 +117,12 @@ pub struct CudaRegistrar {
     cuda: Arc<Cuda>,
     pending: Mutex<Vec<Released>>,
     refused: std::sync::atomic::AtomicBool,
+    /// The RAM tier's arena, whose dropped slots are free again after each drain (weak: the
+    /// arena holds this registrar).
+    arena: std::sync::OnceLock<std::sync::Weak<crate::tiers::arena::RamArena>>,
+    /// Dropped arena slots, free once both streams pass these events (recorded after the
+    /// drop: every copy from a slot was queued before its expert dropped).
+    arena_waiting: Mutex<Vec<(Vec<usize>, [CudaEvent; 2])>>,
 }
 
 impl CudaRegistrar {
@@ -125,11 +131,39 @@ impl CudaRegistrar {
             cuda,
             pending: Mutex::new(Vec::new()),
             refused: Default::default(),
+            arena: Default::default(),
+            arena_waiting: Default::default(),
         }
     }
 
-    /// Unregisters the released residents (after synchronising the stream).
+    /// The arena whose dropped slots [`CudaRegistrar::drain`] frees.
+    pub fn set_arena(&self, arena: &Arc<crate::tiers::arena::RamArena>) {
+        let _ = self.arena.set(Arc::downgrade(arena));
+    }
+
+    /// Frees the arena's dropped slots whose copies are done (without waiting for the
+    /// device), and unregisters the released residents (after synchronising the streams, so
+    /// no copy reads them any more).
     pub fn drain(&self) -> anyhow::Result<()> {
+        if let Some(arena) = self.arena.get().and_then(std::sync::Weak::upgrade) {
+            let mut waiting = self.arena_waiting.lock().unwrap_or_else(|e| e.into_inner());
+            let mut i = 0;
+            while i < waiting.len() {
+                if waiting[i].1.iter().all(|e| e.is_complete()) {
+                    arena.give_back(waiting.swap_remove(i).0);
+                } else {
+                    i += 1;
+                }
+            }
+            let slots = arena.take_released();
+            if !slots.is_empty() {
+                let events = [
+                    self.cuda.stream().record_event(None)?,
+                    self.cuda.copy_stream().record_event(None)?,
+                ];
+                waiting.push((slots, events));
+            }
+        }
         let pending = std::mem::take(&mut *self.pending.lock().unwrap_or_else(|e| e.into_inner()));
         if pending.is_empty() {
             return Ok(());
@@ -188,6 +222,21 @@ impl super::pin::HostRegistrar for CudaRegistrar {
             .lock()
             .unwrap_or_else(|e| e.into_inner())
             .push((spans, owner));
+    }
+
+    fn unregister(&self, spans: &[(usize, usize)]) {
+        if spans.is_empty() {
+            return;
+        }
+        if let Err(e) = self.cuda.synchronize() {
+            tracing::warn!(error = %e, "synchronising before unregistering host memory failed");
+        }
+        for &(ptr, _) in spans {
+            // SAFETY: registered by `register`; the device is idle, so no copy reads it.
+            if let Err(e) = unsafe { self.cuda.unregister_host(ptr as *const u8) } {
+                tracing::warn!(error = %e, "cuMemHostUnregister failed");
+            }
+        }
     }
 }
 
