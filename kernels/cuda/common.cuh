@@ -118,8 +118,11 @@ __device__ __forceinline__ void q8_0_block_dots(const u8* __restrict__ w, int b,
 
 // Q4_K super-block b of a row (256 values, 144 bytes); row_dots' step. Lane l reads 4 quant
 // bytes of chunk c = l / 8: low nibbles are values 64c + 4(l%8) .. +4 (sub-block 2c), high
-// nibbles the same 32 later (sub-block 2c + 1).
-template <int TILE>
+// nibbles the same 32 later (sub-block 2c + 1). The block's header (d, dmin and the 12 scale
+// bytes) comes in as four words, as the quants already do (a row starts 4-byte aligned);
+// with XV (x 16-byte aligned, its stride a multiple of four) a token's eight x values as two
+// float4 loads. The products and their order are the same either way: the same bits.
+template <int TILE, bool XV>
 __device__ __forceinline__ void q4_k_block_dots(const u8* __restrict__ w, int b,
                                                 const float* __restrict__ x, i64 ldx, int nt,
                                                 float* acc) {
@@ -127,36 +130,70 @@ __device__ __forceinline__ void q4_k_block_dots(const u8* __restrict__ w, int b,
     const int c = lane >> 3;
     const int q0 = (lane & 7) * 4;
     const u8* blk = w + (i64)b * 144;
-    const float d = f16_to_f32(load_u16(blk));
-    const float dmin = f16_to_f32(load_u16(blk + 2));
-    const u8* s = blk + 4;
+    const u32* head = (const u32*)blk;
+    const u32 dd = head[0];
+    const float d = f16_to_f32((u16)(dd & 0xFFFF));
+    const float dmin = f16_to_f32((u16)(dd >> 16));
+    // Scale byte i is byte i % 4 of word 1 + i / 4.
+    const u32 s0 = head[1], s1 = head[2], s2 = head[3];
     float ds[2], dm[2];
 #pragma unroll
     for (int h = 0; h < 2; h++) {
-        const int j = 2 * c + h;
+        const int j = 2 * c + h, sh = 8 * (j & 3);
+        // s[j & 3], s[4 + (j & 3)], s[8 + (j & 3)]: for j < 4 s[j] and s[j + 4]; for j >= 4
+        // s[j - 4], s[j] and s[j + 4].
+        const int lo4 = (s0 >> sh) & 0xFF, mid = (s1 >> sh) & 0xFF, hi4 = (s2 >> sh) & 0xFF;
         int sc, m;
         if (j < 4) {
-            sc = s[j] & 63;
-            m = s[j + 4] & 63;
+            sc = lo4 & 63;
+            m = mid & 63;
         } else {
-            sc = (s[j + 4] & 0x0F) | ((s[j - 4] >> 6) << 4);
-            m = (s[j + 4] >> 4) | ((s[j] >> 6) << 4);
+            sc = (hi4 & 0x0F) | ((lo4 >> 6) << 4);
+            m = (hi4 >> 4) | ((mid >> 6) << 4);
         }
         ds[h] = d * (float)sc;
         dm[h] = dmin * (float)m;
     }
     const u32 qs = *(const u32*)(blk + 16 + 32 * c + q0);
     const int base = b * 256 + 64 * c + q0;
+    if constexpr (TILE > 4 || !XV) {
+        // Eight tokens (or x not aligned for float4): x read where it is used (holding eight
+        // tokens' values ahead would take 64 more registers).
 #pragma unroll
-    for (int e = 0; e < 4; e++) {
-        const u32 byte = (qs >> (8 * e)) & 0xFF;
-        const float lo = ds[0] * (float)(byte & 0x0F) - dm[0];
-        const float hi = ds[1] * (float)(byte >> 4) - dm[1];
+        for (int e = 0; e < 4; e++) {
+            const u32 byte = (qs >> (8 * e)) & 0xFF;
+            const float lo = ds[0] * (float)(byte & 0x0F) - dm[0];
+            const float hi = ds[1] * (float)(byte >> 4) - dm[1];
+#pragma unroll
+            for (int t = 0; t < TILE; t++) {
+                if (t < nt) {
+                    acc[t] = fmaf(lo, x[t * ldx + base + e], acc[t]);
+                    acc[t] = fmaf(hi, x[t * ldx + base + 32 + e], acc[t]);
+                }
+            }
+        }
+    } else {
+        float4 xl[TILE], xh[TILE];
 #pragma unroll
         for (int t = 0; t < TILE; t++) {
             if (t < nt) {
-                acc[t] = fmaf(lo, x[t * ldx + base + e], acc[t]);
-                acc[t] = fmaf(hi, x[t * ldx + base + 32 + e], acc[t]);
+                xl[t] = *(const float4*)(x + t * ldx + base);
+                xh[t] = *(const float4*)(x + t * ldx + base + 32);
+            }
+        }
+#pragma unroll
+        for (int e = 0; e < 4; e++) {
+            const u32 byte = (qs >> (8 * e)) & 0xFF;
+            const float lo = ds[0] * (float)(byte & 0x0F) - dm[0];
+            const float hi = ds[1] * (float)(byte >> 4) - dm[1];
+#pragma unroll
+            for (int t = 0; t < TILE; t++) {
+                if (t < nt) {
+                    const float a = e == 0 ? xl[t].x : e == 1 ? xl[t].y : e == 2 ? xl[t].z : xl[t].w;
+                    const float z = e == 0 ? xh[t].x : e == 1 ? xh[t].y : e == 2 ? xh[t].z : xh[t].w;
+                    acc[t] = fmaf(lo, a, acc[t]);
+                    acc[t] = fmaf(hi, z, acc[t]);
+                }
             }
         }
     }
@@ -253,11 +290,15 @@ __device__ __forceinline__ void row_dots(const u8* __restrict__ w, int cols,
         // Q4_K: with few tokens, four super-blocks' loads in flight a lane (a row of 4,096
         // values is only 16 super-blocks: one at a time, a warp waits on memory at each).
         const int blocks = cols / 256;
-        if (TILE <= 4) {
+        const bool xv = TILE <= 4 && ((unsigned long long)x & 15) == 0 && (ldx & 3) == 0;
+        if (TILE <= 4 && xv) {
 #pragma unroll 4
-            for (int b = 0; b < blocks; b++) q4_k_block_dots<TILE>(w, b, x, ldx, nt, acc);
+            for (int b = 0; b < blocks; b++) q4_k_block_dots<TILE, true>(w, b, x, ldx, nt, acc);
+        } else if (TILE <= 4) {
+#pragma unroll 4
+            for (int b = 0; b < blocks; b++) q4_k_block_dots<TILE, false>(w, b, x, ldx, nt, acc);
         } else {
-            for (int b = 0; b < blocks; b++) q4_k_block_dots<TILE>(w, b, x, ldx, nt, acc);
+            for (int b = 0; b < blocks; b++) q4_k_block_dots<TILE, false>(w, b, x, ldx, nt, acc);
         }
     }
 }
