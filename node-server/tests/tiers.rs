@@ -143,7 +143,12 @@ fn every_mode_and_cap_is_bit_identical_to_untiered() {
 #[test]
 fn packed_store_source_is_bit_identical_too() {
     use glmflash_node::tiers::source::StoreSource;
-    for name in ["tiny_mixed", "tiny_fused", "exl3/exl3_mul1_3bpw"] {
+    for name in [
+        "tiny_mixed",
+        "tiny_fused",
+        "tiny_bf16",
+        "exl3/exl3_mul1_3bpw",
+    ] {
         let dir = fixture(name);
         let store = tempfile::tempdir_in(env!("CARGO_TARGET_TMPDIR")).unwrap();
         glmflash_node::store::pack_store(&dir, store.path(), &Default::default()).unwrap();

@@ -54,7 +54,8 @@ impl AlignedBuf {
         unsafe { std::slice::from_raw_parts_mut(self.ptr.as_ptr(), self.len) }
     }
 
-    fn as_mut_ptr(&mut self) -> *mut u8 {
+    /// The start of the buffer, for writes through raw pointers (taken once, while owned).
+    pub fn as_mut_ptr(&mut self) -> *mut u8 {
         self.ptr.as_ptr()
     }
 }

@@ -49,6 +49,9 @@ pub enum ArenaPin {
 
 pub struct RamArena {
     chunks: Vec<AlignedBuf>,
+    /// Each chunk's start, taken while the arena owned it alone (slots are written through
+    /// these, never through a shared borrow of the chunk).
+    bases: Vec<std::ptr::NonNull<u8>>,
     slot_len: usize,
     per_chunk: usize,
     count: usize,
@@ -63,6 +66,13 @@ pub struct RamArena {
     /// Experts kept in buffers of their own (no free slot, or larger than a slot).
     pub fallbacks: Arc<AtomicU64>,
 }
+
+// SAFETY: the chunks are owned like `AlignedBuf`s (which are Send and Sync); `bases` only
+// point into them, and a slot's memory is written by the one `SlotWriter` that leased it, then
+// only read until the slot is free again.
+unsafe impl Send for RamArena {}
+// SAFETY: as above; the free and released lists are behind mutexes.
+unsafe impl Sync for RamArena {}
 
 impl std::fmt::Debug for RamArena {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
@@ -79,11 +89,16 @@ impl RamArena {
     pub fn new(slot_len: usize, count: usize) -> Arc<RamArena> {
         let slot_len = align_up(slot_len.max(1));
         let per_chunk = (CHUNK_BYTES / slot_len).max(1);
-        let chunks = (0..count.div_ceil(per_chunk))
+        let mut chunks: Vec<AlignedBuf> = (0..count.div_ceil(per_chunk))
             .map(|c| AlignedBuf::new(slot_len * per_chunk.min(count - c * per_chunk)))
+            .collect();
+        let bases = chunks
+            .iter_mut()
+            .map(|c| std::ptr::NonNull::new(c.as_mut_ptr()).expect("an allocation"))
             .collect();
         Arc::new(RamArena {
             chunks,
+            bases,
             slot_len,
             per_chunk,
             count,
@@ -202,15 +217,10 @@ impl RamArena {
         how
     }
 
-    /// `w` with its three matrices' bytes copied into a free slot (the matrices then read
-    /// them there); `None` when no slot is free, `w` does not fit one, or a matrix has no
-    /// byte storage (f32 values).
-    pub fn adopt(self: &Arc<Self>, w: &SwiGlu) -> Option<SwiGlu> {
-        let stored = [&w.gate, &w.up, &w.down].map(|m| m.storage());
-        if stored.iter().any(Option::is_none) {
-            return None;
-        }
-        let lens = stored.map(|b| b.map_or(0, |b| b.len()));
+    /// A free slot for an expert whose three matrices take `lens` bytes (each region from a
+    /// page of its own), to write them into; `None` (counted) when no slot is free or they do
+    /// not fit one.
+    pub fn lease(self: &Arc<Self>, lens: [usize; 3]) -> Option<SlotWriter> {
         let fallback = || {
             self.fallbacks.fetch_add(1, Ordering::Relaxed);
             None
@@ -221,29 +231,37 @@ impl RamArena {
         let Some(index) = self.free.lock().unwrap_or_else(|e| e.into_inner()).pop() else {
             return fallback();
         };
-        let slot = Slot {
-            arena: self.clone(),
-            index,
-        };
-        let base = slot.ptr();
         let mut offsets = [0usize; 3];
-        let mut at = 0;
-        for (i, src) in stored.iter().enumerate() {
-            let src = src.expect("checked above");
-            // SAFETY: the slot is this call's alone until it is shared below, and
-            // `at + src.len()` stays inside it (the sum was checked against `slot_len`).
-            unsafe { std::ptr::copy_nonoverlapping(src.as_ptr(), base.add(at), src.len()) };
-            offsets[i] = at;
-            at += align_up(src.len());
+        for i in 1..3 {
+            offsets[i] = offsets[i - 1] + align_up(lens[i - 1]);
         }
-        let backing: Arc<dyn Backing> = Arc::new(slot);
-        let moved = |m: &crate::backend::cpu::Matrix, i: usize| {
-            m.with_storage(Bytes::shared(backing.clone(), offsets[i], lens[i]))
-        };
+        Some(SlotWriter {
+            slot: Slot {
+                arena: self.clone(),
+                index,
+            },
+            offsets,
+            lens,
+        })
+    }
+
+    /// `w` with its three matrices' bytes copied into a free slot (the matrices then read
+    /// them there); `None` when no slot is free, `w` does not fit one, or a matrix has no
+    /// byte storage (f32 values).
+    pub fn adopt(self: &Arc<Self>, w: &SwiGlu) -> Option<SwiGlu> {
+        let stored = [&w.gate, &w.up, &w.down].map(|m| m.storage());
+        if stored.iter().any(Option::is_none) {
+            return None;
+        }
+        let mut slot = self.lease(stored.map(|b| b.map_or(0, |b| b.len())))?;
+        for (i, src) in stored.iter().enumerate() {
+            slot.region(i).copy_from_slice(src.expect("checked above"));
+        }
+        let [gate, up, down] = slot.finish();
         Some(SwiGlu {
-            gate: moved(&w.gate, 0),
-            up: moved(&w.up, 1),
-            down: moved(&w.down, 2),
+            gate: w.gate.with_storage(gate),
+            up: w.up.with_storage(up),
+            down: w.down.with_storage(down),
             limit: w.limit,
         })
     }
@@ -268,11 +286,9 @@ impl RamArena {
     }
 
     fn slot_ptr(&self, index: usize) -> *mut u8 {
-        let chunk = &self.chunks[index / self.per_chunk];
+        let base = self.bases[index / self.per_chunk];
         // SAFETY: `index % per_chunk` slots of `slot_len` fit the chunk (sized so in `new`).
-        unsafe {
-            (chunk.as_slice().as_ptr() as *mut u8).add((index % self.per_chunk) * self.slot_len)
-        }
+        unsafe { base.as_ptr().add((index % self.per_chunk) * self.slot_len) }
     }
 }
 
@@ -329,6 +345,32 @@ impl Drop for Slot {
         list.lock()
             .unwrap_or_else(|e| e.into_inner())
             .push(self.index);
+    }
+}
+
+/// A leased slot being written: three regions, each a matrix's bytes; [`SlotWriter::finish`]
+/// shares them (dropped unfinished, the slot goes back).
+pub struct SlotWriter {
+    slot: Slot,
+    offsets: [usize; 3],
+    lens: [usize; 3],
+}
+
+impl SlotWriter {
+    /// Region `i` (0 gate, 1 up, 2 down) to write.
+    pub fn region(&mut self, i: usize) -> &mut [u8] {
+        // SAFETY: the regions lie inside the slot (their lengths were checked against
+        // `slot_len` at the lease) and apart; this writer owns the slot alone, and the
+        // `&mut self` borrow keeps the region exclusive.
+        unsafe {
+            std::slice::from_raw_parts_mut(self.slot.ptr().add(self.offsets[i]), self.lens[i])
+        }
+    }
+
+    /// The three regions' bytes, sharing the slot (free again when the last of them drops).
+    pub fn finish(self) -> [Bytes; 3] {
+        let backing: Arc<dyn Backing> = Arc::new(self.slot);
+        [0, 1, 2].map(|i| Bytes::shared(backing.clone(), self.offsets[i], self.lens[i]))
     }
 }
 

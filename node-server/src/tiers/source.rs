@@ -40,6 +40,12 @@ pub trait ExpertSource: Send + Sync {
     fn slot_bytes(&self) -> Option<usize> {
         None
     }
+    /// Decodes experts straight into slots of `arena` from now on (true), instead of into
+    /// buffers of their own that [`super::arena::ArenaSource`] then copies there (false).
+    fn place_in(&self, arena: &std::sync::Arc<super::arena::RamArena>) -> bool {
+        let _ = arena;
+        false
+    }
 }
 
 /// [`ExpertSource::slot_bytes`] of experts laid out as `parts`.
@@ -114,6 +120,8 @@ pub struct StoreSource {
     reader: crate::store::StoreReader,
     limit: f32,
     record_bytes: usize,
+    /// The RAM tier's pinned arena, which records are decoded into when it has a free slot.
+    arena: std::sync::OnceLock<std::sync::Arc<super::arena::RamArena>>,
 }
 
 impl StoreSource {
@@ -144,6 +152,7 @@ impl StoreSource {
             record_bytes: reader.manifest().record_size,
             reader,
             limit: cfg.swiglu_limit,
+            arena: std::sync::OnceLock::new(),
         })
     }
 
@@ -155,7 +164,7 @@ impl StoreSource {
 impl ExpertSource for StoreSource {
     fn load(&self, layer: usize, expert: usize) -> anyhow::Result<SwiGlu> {
         let record = self.reader.read(layer, expert)?;
-        expert_from_record(&record, self.limit)
+        expert_from_record_in(&record, self.limit, self.arena.get())
     }
 
     fn load_many(&self, keys: &[(usize, usize)]) -> Vec<anyhow::Result<SwiGlu>> {
@@ -163,7 +172,7 @@ impl ExpertSource for StoreSource {
         self.reader
             .read_many(keys)
             .into_par_iter()
-            .map(|r| expert_from_record(&*r?, self.limit))
+            .map(|r| expert_from_record_in(&*r?, self.limit, self.arena.get()))
             .collect()
     }
 
@@ -177,13 +186,17 @@ impl ExpertSource for StoreSource {
             deliver(
                 i,
                 r.map_err(anyhow::Error::from)
-                    .and_then(|r| expert_from_record(&r, self.limit)),
+                    .and_then(|r| expert_from_record_in(&r, self.limit, self.arena.get())),
             );
         });
     }
 
     fn record_bytes(&self) -> usize {
         self.record_bytes
+    }
+
+    fn place_in(&self, arena: &std::sync::Arc<super::arena::RamArena>) -> bool {
+        self.arena.set(arena.clone()).is_ok()
     }
 
     /// The largest of the store's layouts (a layer may have its own).
@@ -200,13 +213,30 @@ impl ExpertSource for StoreSource {
 /// as matrices, their bytes copied out of the record (rows as they are; an EXL3 weight into
 /// the layout its fused products read).
 pub fn expert_from_record(record: &RecordBuf, limit: f32) -> anyhow::Result<SwiGlu> {
-    expert_from_bytes(record.layout(), record.bytes(), limit).with_context(|| {
-        format!(
-            "record of layer {}, expert {}",
-            record.layer(),
-            record.expert()
-        )
-    })
+    expert_from_record_in(record, limit, None)
+}
+
+/// [`expert_from_record`], its matrices' bytes written straight into a slot of `arena` when it
+/// has one free (else into buffers of their own).
+pub fn expert_from_record_in(
+    record: &RecordBuf,
+    limit: f32,
+    arena: Option<&std::sync::Arc<super::arena::RamArena>>,
+) -> anyhow::Result<SwiGlu> {
+    let (parts, bytes) = (record.layout(), record.bytes());
+    let placed = match arena {
+        Some(arena) => expert_in_slot(parts, bytes, limit, arena),
+        None => None,
+    };
+    placed
+        .unwrap_or_else(|| expert_from_bytes(parts, bytes, limit))
+        .with_context(|| {
+            format!(
+                "record of layer {}, expert {}",
+                record.layer(),
+                record.expert()
+            )
+        })
 }
 
 /// The expert whose record bytes (laid out as `parts`) are `bytes`, as [`expert_from_record`].
@@ -231,6 +261,65 @@ pub fn expert_from_bytes(parts: &Parts, bytes: &[u8], limit: f32) -> anyhow::Res
         down: matrix(&parts.down)?,
         limit,
     })
+}
+
+/// The expert of `bytes` (laid out as `parts`) decoded into a slot of `arena`: each row
+/// format's rows copied there, each EXL3 trellis laid out there. `None` when a matrix is f32
+/// values or the arena has no free slot.
+fn expert_in_slot(
+    parts: &Parts,
+    bytes: &[u8],
+    limit: f32,
+    arena: &std::sync::Arc<super::arena::RamArena>,
+) -> Option<anyhow::Result<SwiGlu>> {
+    use crate::quant::exl3::Exl3Parts;
+    enum Piece<'a> {
+        Rows(crate::quant::Format, &'a [u8]),
+        Exl3(Exl3Parts, &'a [u8]),
+    }
+    let mut pieces = Vec::with_capacity(3);
+    for p in parts.all() {
+        let stored = &bytes[p.offset..p.offset + p.length];
+        pieces.push(match p.format {
+            PartFormat::Rows(crate::quant::Format::F32) => return None,
+            PartFormat::Rows(format) => Piece::Rows(format, stored),
+            PartFormat::Exl3 { rate, codebook } => {
+                match Exl3Parts::stored(p.cols, p.rows, rate, codebook, stored) {
+                    Ok((layer, trellis)) => Piece::Exl3(layer, trellis),
+                    Err(e) => return Some(Err(e.into())),
+                }
+            }
+        });
+    }
+    let len = |piece: &Piece| match piece {
+        Piece::Rows(_, stored) => stored.len(),
+        Piece::Exl3(layer, _) => layer.stream_len(),
+    };
+    let mut slot = arena.lease([len(&pieces[0]), len(&pieces[1]), len(&pieces[2])])?;
+    for (i, piece) in pieces.iter().enumerate() {
+        match piece {
+            Piece::Rows(_, stored) => slot.region(i).copy_from_slice(stored),
+            Piece::Exl3(layer, trellis) => layer.lay_out(trellis, slot.region(i)),
+        }
+    }
+    let placed = slot.finish();
+    let mut matrices = Vec::with_capacity(3);
+    for ((piece, p), held) in pieces.into_iter().zip(parts.all()).zip(placed) {
+        matrices.push(match piece {
+            Piece::Rows(format, _) => match Matrix::from_bytes(p.rows, p.cols, format, held) {
+                Ok(m) => m,
+                Err(e) => return Some(Err(e.into())),
+            },
+            Piece::Exl3(layer, _) => Matrix::from_exl3(layer.with_stream(held)),
+        });
+    }
+    let [gate, up, down]: [Matrix; 3] = matrices.try_into().ok()?;
+    Some(Ok(SwiGlu {
+        gate,
+        up,
+        down,
+        limit,
+    }))
 }
 
 /// `bytes` in a buffer with two spare pages after them, so that no two such buffers touch

@@ -131,8 +131,9 @@ impl Matrix {
         rows: usize,
         cols: usize,
         format: Format,
-        bytes: Vec<u8>,
+        bytes: impl Into<quant::Bytes>,
     ) -> Result<Matrix, MatrixError> {
+        let bytes = bytes.into();
         let expected = rows * format.row_bytes(cols)?;
         if bytes.len() != expected {
             return Err(MatrixError::Size {
@@ -153,7 +154,7 @@ impl Matrix {
         Ok(Matrix {
             rows,
             cols,
-            data: Data::Packed(format, bytes.into()),
+            data: Data::Packed(format, bytes),
             device: None,
         })
     }

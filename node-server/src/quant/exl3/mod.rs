@@ -19,6 +19,7 @@
 
 mod hadamard;
 mod lane;
+mod parts;
 mod portable;
 #[cfg(target_arch = "x86_64")]
 mod simd_x86;
@@ -26,6 +27,7 @@ mod trellis;
 
 use rayon::prelude::*;
 
+pub use parts::Exl3Parts;
 use trellis::TILE_VALUES;
 
 /// The codebook mapping a 16-bit trellis state to a weight.
@@ -250,73 +252,10 @@ impl Exl3Linear {
         svh: Vec<f32>,
         codebook: Codebook,
     ) -> Result<Exl3Linear, Exl3Error> {
-        let shape_err = |reason: String| Exl3Error::Shape {
-            shape: shape.to_vec(),
-            reason,
-        };
-        let &[kt, nt, len] = shape else {
-            return Err(shape_err(
-                "expected 3 dimensions [K/16, N/16, 16*bits]".into(),
-            ));
-        };
-        let rate = Rate::from_tile_len(len)?;
-        if rate.is_half() && codebook != Codebook::Mul1 {
-            return Err(Exl3Error::HalfRateCodebook { rate, codebook });
-        }
-        let block_tiles = hadamard::BLOCK / 16;
-        if kt == 0 || nt == 0 || !kt.is_multiple_of(block_tiles) || !nt.is_multiple_of(block_tiles)
-        {
-            return Err(shape_err(format!(
-                "K = {} and N = {} must be positive multiples of {}",
-                16 * kt,
-                16 * nt,
-                hadamard::BLOCK
-            )));
-        }
-        let values = kt
-            .checked_mul(nt)
-            .and_then(|t| t.checked_mul(len))
-            .ok_or_else(|| shape_err("too large".into()))?;
-        if trellis.len() != 2 * values {
-            return Err(Exl3Error::Length {
-                what: "trellis",
-                unit: "bytes",
-                expected: 2 * values,
-                got: trellis.len(),
-            });
-        }
-        let (k, n) = (16 * kt, 16 * nt);
-        for (what, got, expected) in [("suh", suh.len(), k), ("svh", svh.len(), n)] {
-            if got != expected {
-                return Err(Exl3Error::Length {
-                    what,
-                    unit: "values",
-                    expected,
-                    got,
-                });
-            }
-        }
-        // Written in order, each strip's tiles read a row of tiles apart.
-        let tile_bytes = rate.tile_bytes();
-        let mut stream = vec![0u8; kt * nt * tile_bytes + trellis::TAIL];
-        for (i, out) in stream
-            .chunks_exact_mut(tile_bytes)
-            .take(kt * nt)
-            .enumerate()
-        {
-            let at = ((i % kt) * nt + i / kt) * 2 * len;
-            trellis::store_tile(&trellis[at..at + 2 * len], out);
-        }
-        Ok(Exl3Linear {
-            k,
-            n,
-            rate,
-            codebook,
-            stream: stream.into(),
-            suh,
-            svh,
-            bias: None,
-        })
+        let parts = Exl3Parts::checked(shape, trellis.len(), suh, svh, codebook)?;
+        let mut stream = vec![0u8; parts.stream_len()];
+        parts.lay_out(trellis, &mut stream);
+        Ok(parts.with_stream(stream.into()))
     }
 
     /// A layer of `k` inputs and `n` outputs from its bytes as a checkpoint stores them, one
@@ -329,30 +268,10 @@ impl Exl3Linear {
         codebook: Codebook,
         bytes: &[u8],
     ) -> Result<Exl3Linear, Exl3Error> {
-        let trellis = rate.trellis_bytes(k, n);
-        let expected = Exl3Linear::stored_len(k, n, rate);
-        if bytes.len() != expected {
-            return Err(Exl3Error::Length {
-                what: "stored layer",
-                unit: "bytes",
-                expected,
-                got: bytes.len(),
-            });
-        }
-        let f16s = |b: &[u8]| {
-            let mut v = vec![0f32; b.len() / 2];
-            super::dequantize_row(super::Format::F16, b, &mut v).expect("two bytes a value");
-            v
-        };
-        let (trellis, scales) = bytes.split_at(trellis);
-        let (suh, svh) = scales.split_at(2 * k);
-        Exl3Linear::new(
-            &[k / 16, n / 16, rate.tile_words()],
-            trellis,
-            f16s(suh),
-            f16s(svh),
-            codebook,
-        )
+        let (parts, trellis) = Exl3Parts::stored(k, n, rate, codebook, bytes)?;
+        let mut stream = vec![0u8; parts.stream_len()];
+        parts.lay_out(trellis, &mut stream);
+        Ok(parts.with_stream(stream.into()))
     }
 
     /// Bytes of the trellis of a layer of `k` inputs and `n` outputs as laid out here (what

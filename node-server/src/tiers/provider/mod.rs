@@ -219,12 +219,13 @@ impl TieredExperts {
             }
             _ => None,
         };
+        // Records decoded into slots where the source can (the store), else copied there.
         let source: Arc<dyn ExpertSource> = match &arena {
-            Some(arena) => Arc::new(super::arena::ArenaSource {
+            Some(arena) if !source.place_in(arena) => Arc::new(super::arena::ArenaSource {
                 inner: source,
                 arena: arena.clone(),
             }),
-            None => source,
+            _ => source,
         };
         let mut layers = Vec::with_capacity(moe_layers.len());
         for (l, &moe) in moe_layers.iter().enumerate() {
