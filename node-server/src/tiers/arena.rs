@@ -190,18 +190,27 @@ impl RamArena {
             }
         } else {
             // SAFETY: each span is a live chunk this arena owns until it drops, which unlocks.
-            let locked = spans
+            let done = spans
                 .iter()
-                .all(|&(p, l)| unsafe { libc::mlock(p as *const libc::c_void, l) } == 0);
-            if locked {
-                ArenaPin::Mlocked
-            } else {
+                .take_while(|&&(p, l)| unsafe { libc::mlock(p as *const libc::c_void, l) } == 0)
+                .count();
+            let locked = done == spans.len();
+            if !locked {
+                let err = std::io::Error::last_os_error();
+                for &(p, l) in &spans[..done] {
+                    // SAFETY: locked just above; all or nothing.
+                    unsafe { libc::munlock(p as *const libc::c_void, l) };
+                }
                 tracing::warn!(
-                    error = %std::io::Error::last_os_error(),
+                    error = %err,
                     "cannot mlock the RAM tier's arena; it stays unpinned. Raise the limit: \
                      `ulimit -l unlimited`, docker `--ulimit memlock=-1`, or in Kubernetes add \
                      the IPC_LOCK capability"
                 );
+            }
+            if locked {
+                ArenaPin::Mlocked
+            } else {
                 ArenaPin::None
             }
         };
