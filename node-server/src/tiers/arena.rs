@@ -164,11 +164,18 @@ impl RamArena {
             .iter()
             .map(|c| (c.as_slice().as_ptr() as usize, c.len()))
             .collect();
-        spans.par_iter().for_each(|&(ptr, len)| {
+        let bases: Vec<(usize, usize)> = self
+            .bases
+            .iter()
+            .zip(&self.chunks)
+            .map(|(b, c)| (b.as_ptr() as usize, c.len()))
+            .collect();
+        bases.par_iter().for_each(|&(base, len)| {
             for page in (0..len).step_by(4096) {
-                // SAFETY: inside the chunk's live allocation, which nothing else uses yet;
-                // a volatile write of the zero already there maps the page.
-                unsafe { std::ptr::write_volatile((ptr + page) as *mut u8, 0) };
+                // SAFETY: inside the chunk's live allocation (through the pointer taken when
+                // the arena owned it alone), which nothing else uses yet; a volatile write of
+                // the zero already there maps the page.
+                unsafe { std::ptr::write_volatile((base + page) as *mut u8, 0) };
             }
         });
         let how = if let Some(r) = registrar {

@@ -371,17 +371,18 @@ impl Exl3Linear {
     /// This layer with its trellis kept in `stream` (the same bytes [`Exl3Linear::stream`]
     /// gives, in other memory) instead of its own buffer.
     pub fn with_stream(&self, stream: super::Bytes) -> Exl3Linear {
-        assert_eq!(stream.len(), self.stream.len(), "with_stream: other bytes");
         debug_assert!(stream[..] == self.stream[..], "with_stream: other bytes");
-        Exl3Linear {
+        let parts = Exl3Parts {
             k: self.k,
             n: self.n,
             rate: self.rate,
             codebook: self.codebook,
-            stream,
             suh: self.suh.clone(),
             svh: self.svh.clone(),
+        };
+        Exl3Linear {
             bias: self.bias.clone(),
+            ..parts.with_stream(stream)
         }
     }
 

@@ -7,12 +7,12 @@ use super::*;
 /// out into memory of the caller's ([`Exl3Parts::lay_out`], e.g. a slot of the RAM tier's
 /// pinned arena), then [`Exl3Parts::with_stream`].
 pub struct Exl3Parts {
-    k: usize,
-    n: usize,
-    rate: Rate,
-    codebook: Codebook,
-    suh: Vec<f32>,
-    svh: Vec<f32>,
+    pub(super) k: usize,
+    pub(super) n: usize,
+    pub(super) rate: Rate,
+    pub(super) codebook: Codebook,
+    pub(super) suh: Vec<f32>,
+    pub(super) svh: Vec<f32>,
 }
 
 impl Exl3Parts {
