@@ -116,34 +116,51 @@ __device__ __forceinline__ void q8_0_block_dots(const u8* __restrict__ w, int b,
         if (t < nt) acc[t] = fmaf(v, x[t * ldx + i], acc[t]);
 }
 
-// Q4_K super-block b of a row (256 values, 144 bytes); row_dots' step. Lane l reads 4 quant
-// bytes of chunk c = l / 8: low nibbles are values 64c + 4(l%8) .. +4 (sub-block 2c), high
-// nibbles the same 32 later (sub-block 2c + 1). The block's header (d, dmin and the 12 scale
-// bytes) comes in as four words, as the quants already do (a row starts 4-byte aligned);
-// with XV (x 16-byte aligned, its stride a multiple of four) a token's eight x values as two
-// float4 loads. The products and their order are the same either way: the same bits.
+// A lane's bytes of Q4_K super-block b of a row (256 values, 144 bytes): the block's header
+// (d, dmin and the 12 scale bytes) as four words (a row starts 4-byte aligned) and its four
+// quant bytes. Lane l reads the quants of chunk c = l / 8: low nibbles are values
+// 64c + 4(l%8) .. +4 (sub-block 2c), high nibbles the same 32 later (sub-block 2c + 1).
+struct Q4kLane {
+    u32 head[4];
+    u32 qs;
+};
+
+__device__ __forceinline__ Q4kLane q4_k_lane(const u8* __restrict__ w, int b) {
+    const int lane = threadIdx.x & (WARP - 1);
+    const u8* blk = w + (i64)b * 144;
+    const u32* head = (const u32*)blk;
+    Q4kLane r;
+#pragma unroll
+    for (int i = 0; i < 4; i++) r.head[i] = head[i];
+    r.qs = *(const u32*)(blk + 16 + 32 * (lane >> 3) + (lane & 7) * 4);
+    return r;
+}
+
+// row_dots' Q4_K step: block b's products from its lane bytes `r` with `nt` <= TILE token
+// rows of x, added into acc[t]. With XV (x 16-byte aligned, its stride a multiple of four) a
+// token's eight x values come as two float4 loads. The products and their order are the same
+// either way: the same bits.
 template <int TILE, bool XV>
-__device__ __forceinline__ void q4_k_block_dots(const u8* __restrict__ w, int b,
-                                                const float* __restrict__ x, i64 ldx, int nt,
-                                                float* acc) {
+__device__ __forceinline__ void q4_k_lane_dots(const Q4kLane& r, int b,
+                                               const float* __restrict__ x, i64 ldx, int nt,
+                                               float* acc) {
     const int lane = threadIdx.x & (WARP - 1);
     const int c = lane >> 3;
     const int q0 = (lane & 7) * 4;
-    const u8* blk = w + (i64)b * 144;
-    const u32* head = (const u32*)blk;
-    const u32 dd = head[0];
+    const u32 dd = r.head[0];
     const float d = f16_to_f32((u16)(dd & 0xFFFF));
     const float dmin = f16_to_f32((u16)(dd >> 16));
     // Scale byte i is byte i % 4 of word 1 + i / 4.
-    const u32 s0 = head[1], s1 = head[2], s2 = head[3];
+    const u32 s0 = r.head[1], s1 = r.head[2], s2 = r.head[3];
     float ds[2], dm[2];
 #pragma unroll
     for (int h = 0; h < 2; h++) {
         const int j = 2 * c + h, sh = 8 * (j & 3);
         // s[j & 3], s[4 + (j & 3)], s[8 + (j & 3)]: for j < 4 s[j] and s[j + 4]; for j >= 4
-        // s[j - 4], s[j] and s[j + 4].
-        const int lo4 = (s0 >> sh) & 0xFF, mid = (s1 >> sh) & 0xFF, hi4 = (s2 >> sh) & 0xFF;
-        int sc, m;
+        // s[j - 4], s[j] and s[j + 4]. (j < 4 is lanes 0-15: a select of both forms instead of
+        // the branch made a decode step's 8 q4_k picks 19% slower on the H100.)
+        const u32 lo4 = (s0 >> sh) & 0xFF, mid = (s1 >> sh) & 0xFF, hi4 = (s2 >> sh) & 0xFF;
+        u32 sc, m;
         if (j < 4) {
             sc = lo4 & 63;
             m = mid & 63;
@@ -154,26 +171,14 @@ __device__ __forceinline__ void q4_k_block_dots(const u8* __restrict__ w, int b,
         ds[h] = d * (float)sc;
         dm[h] = dmin * (float)m;
     }
-    const u32 qs = *(const u32*)(blk + 16 + 32 * c + q0);
+    const u32 qs = r.qs;
     const int base = b * 256 + 64 * c + q0;
-    if constexpr (TILE > 4 || !XV) {
-        // Eight tokens (or x not aligned for float4): x read where it is used (holding eight
-        // tokens' values ahead would take 64 more registers).
-#pragma unroll
-        for (int e = 0; e < 4; e++) {
-            const u32 byte = (qs >> (8 * e)) & 0xFF;
-            const float lo = ds[0] * (float)(byte & 0x0F) - dm[0];
-            const float hi = ds[1] * (float)(byte >> 4) - dm[1];
-#pragma unroll
-            for (int t = 0; t < TILE; t++) {
-                if (t < nt) {
-                    acc[t] = fmaf(lo, x[t * ldx + base + e], acc[t]);
-                    acc[t] = fmaf(hi, x[t * ldx + base + 32 + e], acc[t]);
-                }
-            }
-        }
-    } else {
-        float4 xl[TILE], xh[TILE];
+    // At four tokens or fewer with XV, a token's eight x values as two float4 loads; else
+    // (eight tokens, or x not aligned for float4) x read where it is used (holding eight
+    // tokens' values ahead would take 64 more registers).
+    constexpr bool V = TILE <= 4 && XV;
+    float4 xl[TILE], xh[TILE];
+    if constexpr (V) {
 #pragma unroll
         for (int t = 0; t < TILE; t++) {
             if (t < nt) {
@@ -181,22 +186,36 @@ __device__ __forceinline__ void q4_k_block_dots(const u8* __restrict__ w, int b,
                 xh[t] = *(const float4*)(x + t * ldx + base + 32);
             }
         }
+    }
 #pragma unroll
-        for (int e = 0; e < 4; e++) {
-            const u32 byte = (qs >> (8 * e)) & 0xFF;
-            const float lo = ds[0] * (float)(byte & 0x0F) - dm[0];
-            const float hi = ds[1] * (float)(byte >> 4) - dm[1];
+    for (int e = 0; e < 4; e++) {
+        const u32 byte = (qs >> (8 * e)) & 0xFF;
+        const float lo = ds[0] * (float)(byte & 0x0F) - dm[0];
+        const float hi = ds[1] * (float)(byte >> 4) - dm[1];
 #pragma unroll
-            for (int t = 0; t < TILE; t++) {
-                if (t < nt) {
-                    const float a = e == 0 ? xl[t].x : e == 1 ? xl[t].y : e == 2 ? xl[t].z : xl[t].w;
-                    const float z = e == 0 ? xh[t].x : e == 1 ? xh[t].y : e == 2 ? xh[t].z : xh[t].w;
-                    acc[t] = fmaf(lo, a, acc[t]);
-                    acc[t] = fmaf(hi, z, acc[t]);
+        for (int t = 0; t < TILE; t++) {
+            if (t < nt) {
+                float a, z;
+                if constexpr (V) {
+                    a = e == 0 ? xl[t].x : e == 1 ? xl[t].y : e == 2 ? xl[t].z : xl[t].w;
+                    z = e == 0 ? xh[t].x : e == 1 ? xh[t].y : e == 2 ? xh[t].z : xh[t].w;
+                } else {
+                    a = x[t * ldx + base + e];
+                    z = x[t * ldx + base + 32 + e];
                 }
+                acc[t] = fmaf(lo, a, acc[t]);
+                acc[t] = fmaf(hi, z, acc[t]);
             }
         }
     }
+}
+
+// Q4_K super-block b of a row; row_dots' step (see q4_k_lane_dots).
+template <int TILE, bool XV>
+__device__ __forceinline__ void q4_k_block_dots(const u8* __restrict__ w, int b,
+                                                const float* __restrict__ x, i64 ldx, int nt,
+                                                float* acc) {
+    q4_k_lane_dots<TILE, XV>(q4_k_lane(w, b), b, x, ldx, nt, acc);
 }
 
 // The values of 16 bytes of a float-format row (4 for f32, 8 for f16 and bf16) as f32.
@@ -299,6 +318,54 @@ __device__ __forceinline__ void row_dots(const u8* __restrict__ w, int cols,
             for (int b = 0; b < blocks; b++) q4_k_block_dots<TILE, false>(w, b, x, ldx, nt, acc);
         } else {
             for (int b = 0; b < blocks; b++) q4_k_block_dots<TILE, false>(w, b, x, ldx, nt, acc);
+        }
+    }
+}
+
+// row_dots<FMT_Q4_K, 1> of two rows `w0` and `w1` against one token row x (a MoE pick's gate
+// and up), BLOCKS super-blocks of both rows loaded before any is used. The headers are loaded
+// once a warp, not once a lane: lane l holds word l % 4 of the header of block-row l / 4 of
+// each 8 (block-row i: block i / 2 of row i % 2), and the lanes read them back by shuffles. A
+// warp so keeps 2 x BLOCKS x 144 bytes in flight in few registers, where two row_dots passes
+// wait on memory at every fourth block of each row. Each accumulator takes its row's products
+// in row_dots' order: the same bits. Falls back to row_dots when x is not 16-byte aligned or
+// the row is not a whole number of BLOCKS.
+template <int BLOCKS>
+__device__ __forceinline__ void q4_k_pair_dots(const u8* __restrict__ w0, const u8* __restrict__ w1,
+                                               int cols, const float* __restrict__ x,
+                                               float* acc) {
+    constexpr int ROWS = 2;
+    static_assert((ROWS * BLOCKS) % 8 == 0, "header words fill whole lanes");
+    const int blocks = cols / 256;
+    if (((unsigned long long)x & 15) != 0 || blocks % BLOCKS != 0) {
+#pragma unroll
+        for (int r = 0; r < ROWS; r++) {
+            row_dots<FMT_Q4_K, 1>(r == 0 ? w0 : w1, cols, x, 0, 1, acc + r);
+        }
+        return;
+    }
+    const int lane = threadIdx.x & (WARP - 1);
+    const int qoff = 16 + 32 * (lane >> 3) + (lane & 7) * 4;
+    constexpr int BR = ROWS * BLOCKS, HEADS = BR / 8;
+    for (int b = 0; b < blocks; b += BLOCKS) {
+        u32 hw[HEADS], q[BR];
+#pragma unroll
+        for (int i = 0; i < HEADS; i++) {
+            const int br = 8 * i + (lane >> 2);
+            const u8* w = br % ROWS == 0 ? w0 : w1;
+            hw[i] = *(const u32*)(w + (i64)(b + br / ROWS) * 144 + 4 * (lane & 3));
+        }
+#pragma unroll
+        for (int br = 0; br < BR; br++)
+            q[br] = *(const u32*)((br % ROWS == 0 ? w0 : w1) + (i64)(b + br / ROWS) * 144 + qoff);
+#pragma unroll
+        for (int br = 0; br < BR; br++) {
+            Q4kLane r;
+#pragma unroll
+            for (int i = 0; i < 4; i++)
+                r.head[i] = __shfl_sync(0xffffffffu, hw[br / 8], 4 * (br % 8) + i);
+            r.qs = q[br];
+            q4_k_lane_dots<1, true>(r, b + br / ROWS, x, 0, 1, acc + br % ROWS);
         }
     }
 }

@@ -35,7 +35,7 @@ use anyhow::Context;
 use blocks::{check_dsa, check_kda, check_mhc, check_mla, check_mla_seqs};
 use exl3::check_exl3;
 use model::check_decode;
-use products::{check_dense, check_matvec, check_moe, check_router, check_small_ops};
+use products::{check_dense, check_matvec, check_moe, check_router, check_small_ops, moe_speeds};
 use rand::{Rng, SeedableRng};
 use rand_chacha::ChaCha8Rng;
 use std::sync::Arc;
@@ -51,7 +51,8 @@ pub struct CudaCheckArgs {
     #[arg(long, env = "GLMFLASH_CUDA_DEVICE", default_value_t = 0)]
     pub cuda_device: usize,
     /// Run only these groups of checks (comma-separated; default all): ops, matvec, dense,
-    /// moe, small, router, mhc, kda, mla, dsa, decode, exl3.
+    /// moe, small, router, mhc, kda, mla, dsa, decode, exl3; and `moe-speed` (only when named:
+    /// the decode MoE step's timings that `moe --wide` prints too, without its checks).
     #[arg(long, env = "GLMFLASH_CHECK_ONLY", value_delimiter = ',')]
     pub only: Vec<String>,
 }
@@ -60,9 +61,20 @@ pub struct CudaCheckArgs {
 /// interface on the host and the GPU; the others check kernels the interface does not reach
 /// one by one (each format's matvec, forced KDA forms, the expanded MLA layout, the fused
 /// MoE launches, EXL3's decode and products against exllamav3's) and the whole model.
-const GROUPS: [&str; 12] = [
-    "ops", "matvec", "dense", "moe", "small", "router", "mhc", "kda", "mla", "dsa", "decode",
+const GROUPS: [&str; 13] = [
+    "ops",
+    "matvec",
+    "dense",
+    "moe",
+    "small",
+    "router",
+    "mhc",
+    "kda",
+    "mla",
+    "dsa",
+    "decode",
     "exl3",
+    "moe-speed",
 ];
 
 /// One compared case.
@@ -180,7 +192,8 @@ pub fn run(args: &CudaCheckArgs) -> anyhow::Result<bool> {
     let mut rng = ChaCha8Rng::seed_from_u64(seed);
     let mut cases = Vec::new();
     for group in GROUPS {
-        if !args.only.is_empty() && !args.only.iter().any(|g| g == group) {
+        let named = args.only.iter().any(|g| g == group);
+        if (!args.only.is_empty() || group == "moe-speed") && !named {
             continue;
         }
         let (cuda, rng, cases) = (&cuda, &mut rng, &mut cases);
@@ -199,6 +212,7 @@ pub fn run(args: &CudaCheckArgs) -> anyhow::Result<bool> {
             }
             "dsa" => check_dsa(cuda, rng, cases)?,
             "decode" => check_decode(cuda, rng, cases)?,
+            "moe-speed" => moe_speeds(cuda, rng)?,
             _ => check_exl3(cuda, rng, args.wide, cases)?,
         }
     }

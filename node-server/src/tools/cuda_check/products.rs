@@ -170,16 +170,9 @@ pub(super) fn check_moe(
         .map(|(gu, down)| ExpertForm::Exl3(gu, down));
         for form in rows.into_iter().chain(exl3) {
             let limit = 7.0;
-            let ex: Vec<SwiGlu> = (0..experts)
-                .map(|_| form.expert(rng, hidden, inter, limit))
-                .collect::<anyhow::Result<_>>()?;
-            let layout = crate::tiers::vram::layout_of(&ex[0])?;
-            let name = form.name();
             // Slots in reverse order, so slot and expert numbers differ.
-            let mut arena = SlotArena::new(cuda, layout, experts)?;
-            for (e, expert) in ex.iter().enumerate() {
-                write_slot(cuda.stream(), &mut arena, experts - 1 - e, expert)?;
-            }
+            let (ex, layout, arena) = form.in_arena(cuda, rng, (hidden, inter), experts, true)?;
+            let name = form.name();
             // A victim copied down (issue 17 item 4): every slot read back and rebuilt gives
             // its expert's products, bit for bit.
             let probe = randn(rng, 3 * hidden, 1.0);
@@ -201,6 +194,9 @@ pub(super) fn check_moe(
             // the wide kernel alone is racecheck-clean.
             // Row formats at 200 tokens (--wide): groups of ~50 picks, which go through cuBLAS
             // on the slot's widened weights.
+            if hidden == 4096 && matches!(name.as_str(), "q4_k/q4_k" | "exl3 3mul1/3mul1") {
+                moe_speed(cuda, rng, &arena.buf, layout, experts, k, &name)?;
+            }
             let counts: &[usize] = match form {
                 ExpertForm::Exl3(..) if hidden == 512 && wide => &[1, 4, 33, 100],
                 ExpertForm::Rows(..) if hidden == 512 && wide => &[1, 4, 33, 200],
@@ -343,14 +339,7 @@ pub(super) fn check_moe(
         // slot: the launches over entries must still take every one.
         let (hidden, inter, experts, k, tokens) = (64usize, 32usize, 4usize, 4usize, 16_400usize);
         let form = ExpertForm::Rows(Format::F32, Format::F32);
-        let ex: Vec<SwiGlu> = (0..experts)
-            .map(|_| form.expert(rng, hidden, inter, 7.0))
-            .collect::<anyhow::Result<_>>()?;
-        let layout = crate::tiers::vram::layout_of(&ex[0])?;
-        let mut arena = SlotArena::new(cuda, layout, experts)?;
-        for (e, expert) in ex.iter().enumerate() {
-            write_slot(cuda.stream(), &mut arena, e, expert)?;
-        }
+        let (ex, layout, arena) = form.in_arena(cuda, rng, (hidden, inter), experts, false)?;
         let x = randn(rng, tokens * hidden, 2.0);
         let routing = random_routing(rng, tokens, experts, k);
         let mut want = vec![0f32; tokens * hidden];
@@ -377,6 +366,72 @@ pub(super) fn check_moe(
             F32_BOUND,
         ));
     }
+    Ok(())
+}
+
+/// Only the routed-expert step's timings of `check_moe --wide` (`--only moe-speed`): q4_k and
+/// 3 bpw mul1 EXL3 experts at GLM-5.3-Flash width, 12 in the arena.
+pub(super) fn moe_speeds(cuda: &Cuda, rng: &mut ChaCha8Rng) -> anyhow::Result<()> {
+    let (hidden, inter, experts, k) = (4096, 2048, 12, 8);
+    for form in [
+        ExpertForm::Rows(Format::Q4K, Format::Q4K),
+        ExpertForm::Exl3((48, Codebook::Mul1), (48, Codebook::Mul1)),
+    ] {
+        let (_, layout, arena) = form.in_arena(cuda, rng, (hidden, inter), experts, true)?;
+        moe_speed(cuda, rng, &arena.buf, layout, experts, k, &form.name())?;
+    }
+    Ok(())
+}
+
+/// Prints the routed-expert step's time (`moe_routed`: the device grouping, both launches and
+/// the combine, as a decode step runs it) at 1 and 4 tokens over the `experts` slots of
+/// `arena`, and the bytes of the distinct experts it reads a second against the copy rate.
+fn moe_speed(
+    cuda: &Cuda,
+    rng: &mut ChaCha8Rng,
+    arena: &cudarc::driver::CudaSlice<u8>,
+    layout: crate::backend::cuda::MoeLayout,
+    experts: usize,
+    k: usize,
+    name: &str,
+) -> anyhow::Result<()> {
+    let copy = copy_rate_for_speeds(cuda)?;
+    let slot_of: Vec<i32> = (0..experts).map(|e| (experts - 1 - e) as i32).collect();
+    let d_slots = cuda.upload(&slot_of)?;
+    for tokens in [1usize, 4] {
+        let routing = random_routing(rng, tokens, experts, k);
+        let mut distinct = routing.ids.clone();
+        distinct.sort_unstable();
+        distinct.dedup();
+        let ids: Vec<i32> = routing.ids.iter().map(|&e| e as i32).collect();
+        let (d_ids, d_w) = (cuda.upload(&ids)?, cuda.upload(&routing.weights)?);
+        let d_x = cuda.upload(&randn(rng, tokens * layout.hidden, 1.0))?;
+        let secs = seconds_per_call(cuda, 50, || {
+            cuda.moe_routed(
+                arena,
+                layout,
+                7.0,
+                &d_x,
+                &d_ids,
+                &d_w,
+                &d_slots.slice(..),
+                tokens,
+                k,
+            )
+            .map(drop)
+        })?;
+        let bytes = (distinct.len() * layout.slot_bytes) as f64;
+        println!(
+            "moe {name} h{} i{} T={tokens} k={k} ({} experts): {:.1} us, {:.0} GB/s of experts ({:.2} of the copy rate)",
+            layout.hidden,
+            layout.inter,
+            distinct.len(),
+            secs * 1e6,
+            bytes / secs / 1e9,
+            bytes / secs / copy
+        );
+    }
+    cuda.set_poison(true);
     Ok(())
 }
 
@@ -417,6 +472,28 @@ impl ExpertForm {
                 }
             }
         })
+    }
+
+    /// `experts` random experts of this form (limit 7) written to the slots of a new arena,
+    /// expert e in slot e, or in slot `experts - 1 - e` when `reversed`.
+    fn in_arena(
+        self,
+        cuda: &Cuda,
+        rng: &mut ChaCha8Rng,
+        (hidden, inter): (usize, usize),
+        experts: usize,
+        reversed: bool,
+    ) -> anyhow::Result<(Vec<SwiGlu>, crate::backend::cuda::MoeLayout, SlotArena)> {
+        let ex: Vec<SwiGlu> = (0..experts)
+            .map(|_| self.expert(rng, hidden, inter, 7.0))
+            .collect::<anyhow::Result<_>>()?;
+        let layout = crate::tiers::vram::layout_of(&ex[0])?;
+        let mut arena = SlotArena::new(cuda, layout, experts)?;
+        for (e, expert) in ex.iter().enumerate() {
+            let slot = if reversed { experts - 1 - e } else { e };
+            write_slot(cuda.stream(), &mut arena, slot, expert)?;
+        }
+        Ok((ex, layout, arena))
     }
 
     fn name(self) -> String {
