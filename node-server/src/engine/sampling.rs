@@ -93,9 +93,13 @@ impl Sampler {
     /// 155k-value row is not copied again).
     pub fn sample_owned(&mut self, mut adjusted: Vec<f32>) -> Sampled {
         let p = &self.params;
-        for v in adjusted.iter_mut() {
-            if v.is_nan() {
-                *v = f32::NEG_INFINITY;
+        // A NaN counts as -inf, written only where there is one: the check alone vectorises
+        // (rewriting a decode step's 154,880 logits took ~60 us of the host's time a token).
+        if adjusted.iter().fold(false, |any, v| any | v.is_nan()) {
+            for v in adjusted.iter_mut() {
+                if v.is_nan() {
+                    *v = f32::NEG_INFINITY;
+                }
             }
         }
         if p.repetition_penalty != 1.0 {
