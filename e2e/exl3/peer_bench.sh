@@ -42,6 +42,10 @@ exec > >(tee -a "$OUT/log.txt") 2>&1
 export NVIDIA_TF32_OVERRIDE=0 TORCH_CUDA_ARCH_LIST=9.0 MAX_JOBS=16 PYTHONUNBUFFERED=1
 export TORCH_EXTENSIONS_DIR=$W/torch_ext
 export PYTHONPATH=$W/site${PYTHONPATH:+:$PYTHONPATH}
+# The built extension carried gzipped (`cat ext.so.gz.part* > .device/ext.so.gz`: 16 MB, not 25.6).
+if [ ! -f "$REPO/.device/ext/exllamav3_ext.so" ] && [ -f "$REPO/.device/ext.so.gz" ]; then
+  mkdir -p "$REPO/.device/ext" && gunzip -c "$REPO/.device/ext.so.gz" > "$REPO/.device/ext/exllamav3_ext.so"
+fi
 if [ -f "$REPO/.device/ext/exllamav3_ext.so" ]; then export PYTHONPATH=$REPO/.device/ext:$PYTHONPATH; fi
 export GLMFLASH_KERNEL_CACHE=${GLMFLASH_KERNEL_CACHE:-$W/kernel-cache}
 source e2e/cuda/nvrtc_path.sh
