@@ -37,6 +37,16 @@ impl Decoder<Gpu> {
         Decoder::on(Gpu::new(cuda), model)
     }
 
+    /// [`Decoder::new`] with a second queue for the work beside the main one, or without,
+    /// whatever `GLMFLASH_SIDE_STREAM` says (checks compare the two).
+    pub fn with_side_stream(
+        cuda: &Arc<Cuda>,
+        model: &Model,
+        side: bool,
+    ) -> anyhow::Result<GpuDecoder> {
+        Decoder::on(Gpu::with_side_stream(cuda, side), model)
+    }
+
     /// The device the decoder runs on.
     pub fn device(&self) -> &Arc<Cuda> {
         self.dev.cuda()

@@ -232,28 +232,56 @@ impl<D: Device> Kda<D> {
     ) -> anyhow::Result<D::Buf> {
         let tokens: usize = spans.iter().map(|s| s.1).sum();
         let spec = self.spec;
-        let (c, dh) = (spec.channels(), spec.head_dim);
-        let qkv = self.qkv.apply(dev, x, tokens)?;
-        let mut g = dev.matmul(&self.f_b, &dev.matmul(&self.f_a, x, tokens)?, tokens)?;
-        let mut beta = dev.matmul(&self.b_proj, x, tokens)?;
         let gates = KdaGates {
             heads: spec.heads,
-            head_dim: dh,
+            head_dim: spec.head_dim,
             lower_bound: self.lower_bound,
         };
-        dev.kda_gates(gates, &mut g, &self.dt_bias, &self.a_log, &mut beta, tokens)?;
-        let out_gate = dev.matmul(&self.g_b, &dev.matmul(&self.g_a, x, tokens)?, tokens)?;
+        // The gates' small products beside the qkv projection (on a second queue where the
+        // device has one); the rest after both.
+        dev.beside(
+            |dev| {
+                let mut g = dev.matmul(&self.f_b, &dev.matmul(&self.f_a, x, tokens)?, tokens)?;
+                let mut beta = dev.matmul(&self.b_proj, x, tokens)?;
+                dev.kda_gates(gates, &mut g, &self.dt_bias, &self.a_log, &mut beta, tokens)?;
+                let out_gate = dev.matmul(&self.g_b, &dev.matmul(&self.g_a, x, tokens)?, tokens)?;
+                Ok([g, beta, out_gate])
+            },
+            |dev| self.qkv.apply(dev, x, tokens),
+            |dev, [g, beta, out_gate], qkv| {
+                self.mix(dev, &qkv, g, beta, out_gate, spans, states, mode)
+            },
+        )
+    }
+
+    /// [`Kda::forward`] from the projections: the conv and the delta rule per sequence (or
+    /// one launch for a decode batch), the gated norm and the output projection.
+    #[allow(clippy::too_many_arguments)]
+    fn mix(
+        &self,
+        dev: &D,
+        qkv: &D::Buf,
+        g: &D::Buf,
+        beta: &D::Buf,
+        out_gate: &D::Buf,
+        spans: &[(usize, usize)],
+        states: &mut [&mut KdaState<D>],
+        mode: KdaMode,
+    ) -> anyhow::Result<D::Buf> {
+        let tokens: usize = spans.iter().map(|s| s.1).sum();
+        let spec = self.spec;
+        let (c, dh) = (spec.channels(), spec.head_dim);
 
         // A decode step of several sequences (one token each: the recurrent form in either
         // mode), one launch per op where the device has it.
         let decode = spans.len() > 1
             && (spans.iter().enumerate()).all(|(s, &(first, len))| first == s && len == 1);
         let batched = match decode {
-            true => dev.kda_decode(spec, &self.conv, &qkv, &g, &beta, states)?,
+            true => dev.kda_decode(spec, &self.conv, qkv, g, beta, states)?,
             false => None,
         };
         if let Some(mut core) = batched {
-            dev.gated_rms_norm(&mut core, &out_gate, &self.o_norm, dh, self.eps)?;
+            dev.gated_rms_norm(&mut core, out_gate, &self.o_norm, dh, self.eps)?;
             return dev.matmul(&self.o_proj, &core, tokens);
         }
         // One sequence's output is the whole core; several are put in their rows.
@@ -261,13 +289,13 @@ impl<D: Device> Kda<D> {
             .then(|| dev.zeros(tokens * c))
             .transpose()?;
         for (&(first, len), state) in spans.iter().zip(states.iter_mut()) {
-            let mixed = dev.kda_conv(spec, &self.conv, &qkv, first, len, &mut state.conv)?;
+            let mixed = dev.kda_conv(spec, &self.conv, qkv, first, len, &mut state.conv)?;
             let out = dev.kda_delta(
                 spec,
                 mode,
                 &mixed,
-                &g,
-                &beta,
+                g,
+                beta,
                 first,
                 len,
                 &mut state.recurrent,
@@ -281,7 +309,7 @@ impl<D: Device> Kda<D> {
             anyhow::bail!("KDA: no sequence in the batch");
         };
         // Gated RMSNorm per head, then the output projection.
-        dev.gated_rms_norm(&mut core, &out_gate, &self.o_norm, dh, self.eps)?;
+        dev.gated_rms_norm(&mut core, out_gate, &self.o_norm, dh, self.eps)?;
         dev.matmul(&self.o_proj, &core, tokens)
     }
 }

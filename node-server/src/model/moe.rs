@@ -468,28 +468,36 @@ impl<D: Device> Moe<D> {
         want_routing: bool,
     ) -> anyhow::Result<(D::Buf, Option<Routing>)> {
         let tokens = phases.len();
-        let shared = |dev: &D, mut out: D::Buf| -> anyhow::Result<D::Buf> {
-            if let Some(shared) = &self.shared {
-                let s = dev.timed("moe shared", || shared.run(dev, x, tokens))?;
-                dev.add(&mut out, &s, tokens * self.hidden)?;
+        let routed = |dev: &D| -> anyhow::Result<(D::Buf, Option<Routing>)> {
+            if !want_routing {
+                let routed = dev.timed("moe routed", || {
+                    dev.routed_experts(&self.router, experts, layer, x, phases)
+                })?;
+                if let Some(out) = routed {
+                    return Ok((out, None));
+                }
             }
-            Ok(out)
-        };
-        if !want_routing {
-            let routed = dev.timed("moe routed", || {
-                dev.routed_experts(&self.router, experts, layer, x, phases)
+            let routing = Routing {
+                phases: phases.to_vec(),
+                ..dev.timed("moe route", || self.router.route(dev, x, tokens))?
+            };
+            let out = dev.timed("moe experts", || {
+                dev.experts(experts, layer, x, &routing, self.hidden)
             })?;
-            if let Some(out) = routed {
-                return Ok((shared(dev, out)?, None));
-            }
-        }
-        let routing = Routing {
-            phases: phases.to_vec(),
-            ..dev.timed("moe route", || self.router.route(dev, x, tokens))?
+            Ok((out, Some(routing)))
         };
-        let out = dev.timed("moe experts", || {
-            dev.experts(experts, layer, x, &routing, self.hidden)
-        })?;
-        Ok((shared(dev, out)?, Some(routing)))
+        let Some(shared) = &self.shared else {
+            return routed(dev);
+        };
+        // The shared expert beside the routed ones (on a second queue where the device has
+        // one), added after them.
+        dev.beside(
+            |dev| dev.timed("moe shared", || shared.run(dev, x, tokens)),
+            routed,
+            |dev, s, (mut out, routing)| {
+                dev.add(&mut out, s, tokens * self.hidden)?;
+                Ok((out, routing))
+            },
+        )
     }
 }

@@ -90,12 +90,23 @@ impl CudaMatrix {
 
     /// `W x` for each of `n` token rows of `x` (`[n, cols]`, on this device): `[n, rows]`.
     pub fn apply(&self, x: &CudaSlice<f32>, n: usize) -> Result<CudaSlice<f32>, CudaError> {
-        let mut y = self.cuda.alloc_f32(n * self.rows)?;
+        self.apply_on(&self.cuda, x, n)
+    }
+
+    /// [`CudaMatrix::apply`] queued on `cuda`, a queue of the device the weights are on (its
+    /// own or a [`Cuda::side`] of it).
+    pub fn apply_on(
+        &self,
+        cuda: &Cuda,
+        x: &CudaSlice<f32>,
+        n: usize,
+    ) -> Result<CudaSlice<f32>, CudaError> {
+        let mut y = cuda.alloc_f32(n * self.rows)?;
         match &self.weights {
-            DeviceData::Rows { w, format } => self
-                .cuda
-                .matmul(w, *format, self.rows, self.cols, x, n, &mut y)?,
-            DeviceData::Exl3(w) => self.cuda.exl3_matmul(w, x, n, &mut y)?,
+            DeviceData::Rows { w, format } => {
+                cuda.matmul(w, *format, self.rows, self.cols, x, n, &mut y)?
+            }
+            DeviceData::Exl3(w) => cuda.exl3_matmul(w, x, n, &mut y)?,
         }
         Ok(y)
     }

@@ -157,13 +157,14 @@ pub struct Cuda {
     arch: String,
     kernels: HashMap<&'static str, CudaFunction>,
     /// Fill scratch buffers with NaN before kernels write them (checks: an unwritten output
-    /// then shows as NaN instead of a plausible zero).
-    poison: std::sync::atomic::AtomicBool,
+    /// then shows as NaN instead of a plausible zero). Shared with [`Cuda::side`]'s queues, as
+    /// are the next two settings.
+    poison: Arc<std::sync::atomic::AtomicBool>,
     /// Blocks a dense EXL3 GEMV aims for (N/16 strips times its K slices; see exl3.rs).
-    gemv_blocks: std::sync::atomic::AtomicUsize,
+    gemv_blocks: Arc<std::sync::atomic::AtomicUsize>,
     /// `matvec`'s tokens a pass are always [`MATVEC_TILE`] (the kernel's widest) when set:
     /// the same bits as the tile fitted to the tokens, for checks and A/B timings.
-    matvec_wide_tile: std::sync::atomic::AtomicBool,
+    matvec_wide_tile: Arc<std::sync::atomic::AtomicBool>,
     /// cuBLAS on `stream`, started at the first many-token product (`Err`: it would not start).
     blas: std::sync::OnceLock<Result<std::sync::Mutex<CudaBlas>, String>>,
     /// One zero, passed where a kernel takes an optional vector it will not read.
@@ -249,10 +250,42 @@ impl Cuda {
             arch,
             kernels,
             poison: Default::default(),
-            gemv_blocks: exl3::GEMV_BLOCKS.into(),
+            gemv_blocks: Arc::new(exl3::GEMV_BLOCKS.into()),
             matvec_wide_tile: Default::default(),
             blas: Default::default(),
         }))
+    }
+
+    /// A second queue of the same device: a non-blocking stream whose kernels run beside
+    /// this one's, with tickets of its own (launches on two streams at once must not share
+    /// them), the kernels, the copy stream and the settings shared. Nothing orders the two
+    /// streams but [`Cuda::after`]; a buffer is freed on the stream that allocated it.
+    pub fn side(&self) -> Result<Arc<Cuda>, CudaError> {
+        let stream = self.ctx.new_stream()?;
+        let unread = stream.alloc_zeros::<f32>(1)?;
+        let tickets = stream.alloc_zeros::<u32>(TICKETS)?;
+        Ok(Arc::new(Cuda {
+            unread,
+            tickets,
+            staging: Default::default(),
+            ctx: self.ctx.clone(),
+            stream,
+            copy: self.copy.clone(),
+            name: self.name.clone(),
+            arch: self.arch.clone(),
+            kernels: self.kernels.clone(),
+            poison: self.poison.clone(),
+            gemv_blocks: self.gemv_blocks.clone(),
+            matvec_wide_tile: self.matvec_wide_tile.clone(),
+            blas: Default::default(),
+        }))
+    }
+
+    /// Work queued on this stream from now on waits for everything queued on `other`'s so
+    /// far: `event` recorded there (an event may be recorded again once this returns).
+    pub fn after(&self, other: &Cuda, event: &cudarc::driver::CudaEvent) -> Result<(), CudaError> {
+        event.record(&other.stream)?;
+        Ok(self.stream.wait(event)?)
     }
 
     /// `"NVIDIA H200 (sm_90)"`.
@@ -484,7 +517,7 @@ impl Cuda {
         &self.copy
     }
 
-    /// An event for ordering the two streams (no timing).
+    /// An event for ordering two streams ([`Cuda::after`]; no timing).
     pub fn event(&self) -> Result<cudarc::driver::CudaEvent, CudaError> {
         Ok(self.ctx.new_event(Some(
             cudarc::driver::sys::CUevent_flags::CU_EVENT_DISABLE_TIMING,

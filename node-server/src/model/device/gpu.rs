@@ -11,6 +11,10 @@ use cudarc::driver::CudaSlice;
 use std::collections::BTreeMap;
 use std::sync::{Arc, Mutex};
 
+mod side;
+use side::Side;
+pub use side::side_stream;
+
 type Buf = CudaSlice<f32>;
 
 /// Queries of one attention launch (its scratch holds a score per selected token of each
@@ -27,13 +31,19 @@ pub struct Gpu {
     /// `GLMFLASH_GPU_PROFILE` set (the synchronisations cost overlap). With
     /// `GLMFLASH_GPU_PROFILE=host`, no synchronisation: the host's own time per phase
     /// (queueing its launches), which is what bounds a step whose GPU waits on the host.
-    profile: Option<Mutex<BTreeMap<&'static str, (f64, u64)>>>,
+    profile: Option<Arc<Profile>>,
     /// The profile times the host alone (`GLMFLASH_GPU_PROFILE=host`).
     host_profile: bool,
     /// Nanoseconds the host spent in downloads (each waits for the work queued before it):
     /// a step that spends none of its time here is bound by the host's launches.
     waited_ns: std::sync::atomic::AtomicU64,
+    /// The second queue [`Device::beside`] runs its side work on, made at its first use;
+    /// `None`: the side work runs on this queue, before the main work.
+    side: Option<Mutex<Option<Side>>>,
 }
+
+/// Seconds and runs per phase.
+type Profile = Mutex<BTreeMap<&'static str, (f64, u64)>>;
 
 /// Device values that grow by appended rows (the caches of MLA layers), as bytes of their
 /// dtype (the bytes [`CacheRows::to_le_bytes`] gives): pushes round f32 rows to it, the
@@ -53,12 +63,19 @@ impl GrowBuf {
 }
 
 impl Gpu {
+    /// The device behind `cuda`, with a second queue when [`side_stream`] says so.
     pub fn new(cuda: &Arc<Cuda>) -> Gpu {
+        Gpu::with_side_stream(cuda, side_stream())
+    }
+
+    /// The device behind `cuda`, with a second queue for [`Device::beside`] or without.
+    pub fn with_side_stream(cuda: &Arc<Cuda>, side: bool) -> Gpu {
         Gpu {
             cuda: cuda.clone(),
             profile: std::env::var_os("GLMFLASH_GPU_PROFILE").map(|_| Default::default()),
             host_profile: std::env::var_os("GLMFLASH_GPU_PROFILE").is_some_and(|v| v == "host"),
             waited_ns: Default::default(),
+            side: side.then(|| Mutex::new(None)),
         }
     }
 
@@ -349,7 +366,17 @@ impl Device for Gpu {
     }
 
     fn matmul(&self, w: &CudaMatrix, x: &Buf, n: usize) -> anyhow::Result<Buf> {
-        Ok(w.apply(x, n)?)
+        Ok(w.apply_on(&self.cuda, x, n)?)
+    }
+
+    /// On a second stream when the device has one (see `side.rs`).
+    fn beside<A, B, C>(
+        &self,
+        side: impl FnOnce(&Self) -> anyhow::Result<A>,
+        main: impl FnOnce(&Self) -> anyhow::Result<B>,
+        join: impl FnOnce(&Self, &A, B) -> anyhow::Result<C>,
+    ) -> anyhow::Result<C> {
+        self.run_beside(side, main, join)
     }
 
     fn rms_norm(

@@ -150,6 +150,19 @@ pub trait Device: Send + Sync + Sized {
         width: usize,
         src: &Self::Buf,
     ) -> anyhow::Result<()>;
+    /// What `join` makes of `side`'s and `main`'s results, the two independent: a device
+    /// with a second queue runs `side` there beside `main` (see `Gpu`); here `side` runs
+    /// first. Every value is the same either way.
+    fn beside<A, B, C>(
+        &self,
+        side: impl FnOnce(&Self) -> anyhow::Result<A>,
+        main: impl FnOnce(&Self) -> anyhow::Result<B>,
+        join: impl FnOnce(&Self, &A, B) -> anyhow::Result<C>,
+    ) -> anyhow::Result<C> {
+        let a = side(self)?;
+        let b = main(self)?;
+        join(self, &a, b)
+    }
     /// `f`, timed as phase `name` where the device keeps a profile.
     fn timed<T>(
         &self,

@@ -56,14 +56,23 @@ pub(super) fn decode_cases(
         .map(|_| rng.random_range(0..vocab))
         .collect();
     let (logits, mut cpu_cache) = model.prefill(&prompt)?;
-    let decoder = GpuDecoder::new(cuda, model)?;
+    let decoder = GpuDecoder::with_side_stream(cuda, model, false)?;
     let mut seq = decoder.sequence(&cpu_cache)?;
+    // The same steps with the shared experts on a second stream: the same bits.
+    let beside = GpuDecoder::with_side_stream(cuda, model, true)?;
+    let mut beside_seq = beside.sequence(&cpu_cache)?;
     let mut next = ops::argmax(&logits) as u32;
     for step in 0..DECODE_STEPS {
         let want = model.decode_step(next, &mut cpu_cache)?;
         let got = decoder.step(model, &mut seq, next)?;
         let label = format!("decode {name} step {step}");
         cases.push(case(format!("{label} logits"), &got, &want, DECODE_BOUND));
+        let side = beside.step(model, &mut beside_seq, next)?;
+        let same = side
+            .iter()
+            .map(|v| v.to_bits())
+            .eq(got.iter().map(|v| v.to_bits()));
+        cases.push(exact_case(format!("{label} side stream: same bits"), same));
         let (g, w) = (ops::argmax(&got), ops::argmax(&want));
         cases.push(exact_case(format!("{label} greedy token"), g == w));
         next = w as u32;
@@ -71,7 +80,11 @@ pub(super) fn decode_cases(
     let gpu_cache = decoder.to_host(&seq)?;
     compare_caches(&format!("decode {name}"), &gpu_cache, &cpu_cache, cases);
     decode_batch_cases(model, &decoder, name, rng, cases)?;
-    prefill_cases(model, &decoder, name, rng, cases)
+    prefill_cases(model, &decoder, name, rng, cases)?;
+    // Batches and prompt chunks with the second stream (cuBLAS on it too), against the CPU.
+    let name = format!("{name}, side stream");
+    decode_batch_cases(model, &beside, &name, rng, cases)?;
+    prefill_cases(model, &beside, &name, rng, cases)
 }
 
 /// `GpuDecoder::forward` over prompt chunks: a fresh sequence's prompt in three uneven
