@@ -230,8 +230,7 @@ impl<D: Device> Kda<D> {
         states: &mut [&mut KdaState<D>],
         mode: KdaMode,
     ) -> anyhow::Result<D::Buf> {
-        let tokens: usize = spans.iter().map(|s| s.1).sum();
-        let spec = self.spec;
+        let (spec, tokens) = (self.spec, qkv_rows(spans));
         let gates = KdaGates {
             heads: spec.heads,
             head_dim: spec.head_dim,
@@ -248,28 +247,23 @@ impl<D: Device> Kda<D> {
                 Ok([g, beta, out_gate])
             },
             |dev| self.qkv.apply(dev, x, tokens),
-            |dev, [g, beta, out_gate], qkv| {
-                self.mix(dev, &qkv, g, beta, out_gate, spans, states, mode)
-            },
+            |dev, gates, qkv| self.mix(dev, &qkv, gates, spans, states, mode),
         )
     }
 
-    /// [`Kda::forward`] from the projections: the conv and the delta rule per sequence (or
-    /// one launch for a decode batch), the gated norm and the output projection.
-    #[allow(clippy::too_many_arguments)]
+    /// [`Kda::forward`] from the projections (`gates`: the decay, beta and the output gate):
+    /// the conv and the delta rule per sequence (or one launch for a decode batch), the gated
+    /// norm and the output projection.
     fn mix(
         &self,
         dev: &D,
         qkv: &D::Buf,
-        g: &D::Buf,
-        beta: &D::Buf,
-        out_gate: &D::Buf,
+        [g, beta, out_gate]: &[D::Buf; 3],
         spans: &[(usize, usize)],
         states: &mut [&mut KdaState<D>],
         mode: KdaMode,
     ) -> anyhow::Result<D::Buf> {
-        let tokens: usize = spans.iter().map(|s| s.1).sum();
-        let spec = self.spec;
+        let (spec, tokens) = (self.spec, qkv_rows(spans));
         let (c, dh) = (spec.channels(), spec.head_dim);
 
         // A decode step of several sequences (one token each: the recurrent form in either
@@ -312,6 +306,11 @@ impl<D: Device> Kda<D> {
         dev.gated_rms_norm(&mut core, out_gate, &self.o_norm, dh, self.eps)?;
         dev.matmul(&self.o_proj, &core, tokens)
     }
+}
+
+/// Token rows of a batch of sequences' `(first row, rows)` spans.
+fn qkv_rows(spans: &[(usize, usize)]) -> usize {
+    spans.iter().map(|s| s.1).sum()
 }
 
 /// The per-channel log decay `g` (`[rows, C]`, <= 0) from the forget gate's output, in place.

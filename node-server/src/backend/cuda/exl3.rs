@@ -122,7 +122,10 @@ impl Cuda {
         }
         let gemv = n < WIDEN_MIN_TOKENS;
         let plan = gemv.then(|| {
-            let blocks = self.gemv_blocks.load(std::sync::atomic::Ordering::Relaxed);
+            let blocks = self
+                .settings
+                .gemv_blocks
+                .load(std::sync::atomic::Ordering::Relaxed);
             GemvPlan::of(w.k, w.n, n, blocks)
         });
         if let Some(plan) = &plan

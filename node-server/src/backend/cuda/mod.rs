@@ -156,15 +156,8 @@ pub struct Cuda {
     name: String,
     arch: String,
     kernels: HashMap<&'static str, CudaFunction>,
-    /// Fill scratch buffers with NaN before kernels write them (checks: an unwritten output
-    /// then shows as NaN instead of a plausible zero). Shared with [`Cuda::side`]'s queues, as
-    /// are the next two settings.
-    poison: Arc<std::sync::atomic::AtomicBool>,
-    /// Blocks a dense EXL3 GEMV aims for (N/16 strips times its K slices; see exl3.rs).
-    gemv_blocks: Arc<std::sync::atomic::AtomicUsize>,
-    /// `matvec`'s tokens a pass are always [`MATVEC_TILE`] (the kernel's widest) when set:
-    /// the same bits as the tile fitted to the tokens, for checks and A/B timings.
-    matvec_wide_tile: Arc<std::sync::atomic::AtomicBool>,
+    /// Settings shared with the device's other queues ([`Cuda::side`]).
+    settings: Settings,
     /// cuBLAS on `stream`, started at the first many-token product (`Err`: it would not start).
     blas: std::sync::OnceLock<Result<std::sync::Mutex<CudaBlas>, String>>,
     /// One zero, passed where a kernel takes an optional vector it will not read.
@@ -177,6 +170,19 @@ pub struct Cuda {
     /// a copy into pageable memory goes through the driver's bounce buffer and faults in
     /// fresh pages each time, ~1 ms for a step's 4 x 155k logits.
     staging: std::sync::Mutex<Option<cudarc::driver::PinnedHostSlice<f32>>>,
+}
+
+/// The settings a device's queues share ([`Cuda::side`]).
+#[derive(Clone)]
+struct Settings {
+    /// Fill scratch buffers with NaN before kernels write them (checks: an unwritten output
+    /// then shows as NaN instead of a plausible zero).
+    poison: Arc<std::sync::atomic::AtomicBool>,
+    /// Blocks a dense EXL3 GEMV aims for (N/16 strips times its K slices; see exl3.rs).
+    gemv_blocks: Arc<std::sync::atomic::AtomicUsize>,
+    /// `matvec`'s tokens a pass are always [`MATVEC_TILE`] (the kernel's widest) when set:
+    /// the same bits as the tile fitted to the tokens, for checks and A/B timings.
+    matvec_wide_tile: Arc<std::sync::atomic::AtomicBool>,
 }
 
 /// Tickets [`Cuda`] keeps: groups one launch may count (one per token row of a grid).
@@ -237,6 +243,23 @@ impl Cuda {
                 kernels.insert(*k, module.load_function(k)?);
             }
         }
+        let settings = Settings {
+            poison: Default::default(),
+            gemv_blocks: Arc::new(exl3::GEMV_BLOCKS.into()),
+            matvec_wide_tile: Default::default(),
+        };
+        Cuda::on_stream(ctx, stream, copy, (name, arch), kernels, settings)
+    }
+
+    /// A device handle that queues on `stream`, with tickets and scratch state of its own.
+    fn on_stream(
+        ctx: Arc<CudaContext>,
+        stream: Arc<CudaStream>,
+        copy: Arc<CudaStream>,
+        (name, arch): (String, String),
+        kernels: HashMap<&'static str, CudaFunction>,
+        settings: Settings,
+    ) -> Result<Arc<Cuda>, CudaError> {
         let unread = stream.alloc_zeros::<f32>(1)?;
         let tickets = stream.alloc_zeros::<u32>(TICKETS)?;
         Ok(Arc::new(Cuda {
@@ -249,9 +272,7 @@ impl Cuda {
             name,
             arch,
             kernels,
-            poison: Default::default(),
-            gemv_blocks: Arc::new(exl3::GEMV_BLOCKS.into()),
-            matvec_wide_tile: Default::default(),
+            settings,
             blas: Default::default(),
         }))
     }
@@ -261,24 +282,20 @@ impl Cuda {
     /// them), the kernels, the copy stream and the settings shared. Nothing orders the two
     /// streams but [`Cuda::after`]; a buffer is freed on the stream that allocated it.
     pub fn side(&self) -> Result<Arc<Cuda>, CudaError> {
-        let stream = self.ctx.new_stream()?;
-        let unread = stream.alloc_zeros::<f32>(1)?;
-        let tickets = stream.alloc_zeros::<u32>(TICKETS)?;
-        Ok(Arc::new(Cuda {
-            unread,
-            tickets,
-            staging: Default::default(),
-            ctx: self.ctx.clone(),
-            stream,
-            copy: self.copy.clone(),
-            name: self.name.clone(),
-            arch: self.arch.clone(),
-            kernels: self.kernels.clone(),
-            poison: self.poison.clone(),
-            gemv_blocks: self.gemv_blocks.clone(),
-            matvec_wide_tile: self.matvec_wide_tile.clone(),
-            blas: Default::default(),
-        }))
+        let names = (self.name.clone(), self.arch.clone());
+        let (kernels, copy, settings) = (
+            self.kernels.clone(),
+            self.copy.clone(),
+            self.settings.clone(),
+        );
+        Cuda::on_stream(
+            self.ctx.clone(),
+            self.ctx.new_stream()?,
+            copy,
+            names,
+            kernels,
+            settings,
+        )
     }
 
     /// Work queued on this stream from now on waits for everything queued on `other`'s so
@@ -462,7 +479,11 @@ impl Cuda {
 
     /// A scratch buffer of `len` floats: zeros, or NaN when poisoning (see [`Cuda::set_poison`]).
     pub fn alloc_f32(&self, len: usize) -> Result<CudaSlice<f32>, CudaError> {
-        if self.poison.load(std::sync::atomic::Ordering::Relaxed) {
+        if self
+            .settings
+            .poison
+            .load(std::sync::atomic::Ordering::Relaxed)
+        {
             return Ok(self.stream.clone_htod(&vec![f32::NAN; len.max(1)])?);
         }
         // SAFETY: any bits are a valid f32, and every caller writes a scratch buffer before
@@ -474,13 +495,15 @@ impl Cuda {
     /// Sets the blocks a dense EXL3 GEMV aims for (timing checks try several; results then
     /// differ in their sums' order, never in their bounds).
     pub fn set_gemv_blocks(&self, blocks: usize) {
-        self.gemv_blocks
+        self.settings
+            .gemv_blocks
             .store(blocks.max(1), std::sync::atomic::Ordering::Relaxed);
     }
 
     /// `matvec` with its widest token tile whatever the tokens (see `matvec_wide_tile`).
     pub fn set_matvec_wide_tile(&self, on: bool) {
-        self.matvec_wide_tile
+        self.settings
+            .matvec_wide_tile
             .store(on, std::sync::atomic::Ordering::Relaxed);
     }
 
@@ -488,6 +511,7 @@ impl Cuda {
     /// [`MATVEC_TILE`] that hold them (a row's warp then keeps only the accumulators it uses).
     fn matvec_tile(&self, n: usize) -> usize {
         if self
+            .settings
             .matvec_wide_tile
             .load(std::sync::atomic::Ordering::Relaxed)
         {
@@ -503,7 +527,9 @@ impl Cuda {
 
     /// Poison scratch and output buffers with NaN before kernels write them.
     pub fn set_poison(&self, on: bool) {
-        self.poison.store(on, std::sync::atomic::Ordering::Relaxed);
+        self.settings
+            .poison
+            .store(on, std::sync::atomic::Ordering::Relaxed);
     }
 
     /// Waits for both streams (kernels and copies).
