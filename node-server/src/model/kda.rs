@@ -230,7 +230,8 @@ impl<D: Device> Kda<D> {
         states: &mut [&mut KdaState<D>],
         mode: KdaMode,
     ) -> anyhow::Result<D::Buf> {
-        let (spec, tokens) = (self.spec, qkv_rows(spans));
+        let tokens: usize = spans.iter().map(|s| s.1).sum();
+        let spec = self.spec;
         let gates = KdaGates {
             heads: spec.heads,
             head_dim: spec.head_dim,
@@ -263,7 +264,8 @@ impl<D: Device> Kda<D> {
         states: &mut [&mut KdaState<D>],
         mode: KdaMode,
     ) -> anyhow::Result<D::Buf> {
-        let (spec, tokens) = (self.spec, qkv_rows(spans));
+        let tokens: usize = spans.iter().map(|s| s.1).sum();
+        let spec = self.spec;
         let (c, dh) = (spec.channels(), spec.head_dim);
 
         // A decode step of several sequences (one token each: the recurrent form in either
@@ -306,11 +308,6 @@ impl<D: Device> Kda<D> {
         dev.gated_rms_norm(&mut core, out_gate, &self.o_norm, dh, self.eps)?;
         dev.matmul(&self.o_proj, &core, tokens)
     }
-}
-
-/// Token rows of a batch of sequences' `(first row, rows)` spans.
-fn qkv_rows(spans: &[(usize, usize)]) -> usize {
-    spans.iter().map(|s| s.1).sum()
 }
 
 /// The per-channel log decay `g` (`[rows, C]`, <= 0) from the forget gate's output, in place.
