@@ -7,6 +7,8 @@
 
 // Most streams the kernels take (the model uses 4); the host checks.
 #define MHC_MAX_N 8
+// Columns a `mhc_collapse` thread holds in registers for the norm (4,096 at 256 threads).
+#define MHC_HELD 16
 
 // Entry idx (< 32 E) of a warp's E-registers-a-lane array `v` (entry idx in lane idx mod 32,
 // register idx / 32). Every lane of the warp must call it.
@@ -182,6 +184,20 @@ extern "C" __global__ void mhc_collapse(const float* __restrict__ logits,
     __shared__ float w_pre[MHC_MAX_N], w_post[MHC_MAX_N], w_comb[MHC_MAX_N * MHC_MAX_N];
     const int t = blockIdx.y;
     const float* l = logits + (i64)t * (2 + n) * n;
+    const float* row = streams + (i64)t * n * d;
+    // The model's case (4 streams, a row of at most MHC_HELD columns a thread) with the norm:
+    // the thread's columns j = this thread, + blockDim.x, ... are loaded before the weights
+    // are derived, so their loads are in flight while warp 0 balances (they need no weight).
+    const bool held = has_norm && n == 4 && d <= MHC_HELD * (int)blockDim.x;
+    float h[MHC_HELD][4];
+    if (held) {
+#pragma unroll
+        for (int m = 0; m < MHC_HELD; m++) {
+            const int j = threadIdx.x + m * blockDim.x;
+#pragma unroll
+            for (int i = 0; i < 4; i++) h[m][i] = j < d ? row[(i64)i * d + j] : 0.0f;
+        }
+    }
     if (threadIdx.x < WARP) {
         if (n == 4)  // the model's streams
             mhc_weights<1, 4>(l, base, s0, s1, s2, n, eps, iters, w_pre, w_post, w_comb);
@@ -196,12 +212,28 @@ extern "C" __global__ void mhc_collapse(const float* __restrict__ logits,
         for (int i = threadIdx.x; i < n * n; i += blockDim.x)
             comb[(i64)t * n * n + i] = w_comb[i];
     }
-    const float* row = streams + (i64)t * n * d;
+    if (held) {
+        // The same sums in the same order as the loop below and `mhc_pre_sum`.
+        float ss = 0.0f, own = 0.0f;
+#pragma unroll
+        for (int m = 0; m < MHC_HELD; m++) {
+            if (threadIdx.x + m * (int)blockDim.x >= d) break;
+            float v = 0.0f;
+#pragma unroll
+            for (int i = 0; i < 4; i++) v = __fadd_rn(v, __fmul_rn(w_pre[i], h[m][i]));
+            ss = fmaf(v, v, ss);
+            if (m == (int)blockIdx.x) own = v;
+        }
+        const float inv = 1.0f / sqrtf(block_sum(ss) / (float)d + norm_eps);
+        const int k = blockIdx.x * blockDim.x + threadIdx.x;
+        if (k < d) collapsed[(i64)t * d + k] = norm_weight[k] * (own * inv);
+        return;
+    }
     float inv = 1.0f;
     if (has_norm) {
         // The row's columns j = this thread, + blockDim.x, ... in order, four columns' n
         // stream values loaded at a time (one value at a time, a call waited out L2 once a
-        // value: 19.8 us at d = 4,096 on an H100, 14.5 us so).
+        // value: 19.8 us at d = 4,096 on an H100, 14.5 us so; 8.1 held, as above).
         float ss = 0.0f;
         const int step = blockDim.x;
         int j = threadIdx.x;
