@@ -153,16 +153,9 @@ extern "C" __global__ void __launch_bounds__(MHC_PROJECT_THREADS) mhc_project(
 }
 
 // The pre-weighted sum of a column's n stream values (`s[i d]`), in the CPU's order.
-// The n values are loaded together, then summed.
 __device__ __forceinline__ float mhc_pre_sum(const float* w_pre, const float* s, int n, int d) {
-    float v[MHC_MAX_N];
-#pragma unroll
-    for (int i = 0; i < MHC_MAX_N; i++)
-        if (i < n) v[i] = s[(i64)i * d];
     float acc = 0.0f;
-#pragma unroll
-    for (int i = 0; i < MHC_MAX_N; i++)
-        if (i < n) acc = __fadd_rn(acc, __fmul_rn(w_pre[i], v[i]));
+    for (int i = 0; i < n; i++) acc = __fadd_rn(acc, __fmul_rn(w_pre[i], s[(i64)i * d]));
     return acc;
 }
 
@@ -231,29 +224,8 @@ extern "C" __global__ void mhc_collapse(const float* __restrict__ logits,
     }
     float inv = 1.0f;
     if (has_norm) {
-        // The row's columns j = this thread, + blockDim.x, ... in order, four columns' n
-        // stream values loaded at a time (one value at a time, a call waited out L2 once a
-        // value: 19.8 us at d = 4,096 on an H100, 14.5 us so; 8.1 held, as above).
         float ss = 0.0f;
-        const int step = blockDim.x;
-        int j = threadIdx.x;
-        for (; j + 3 * step < d; j += 4 * step) {
-            float s[4][MHC_MAX_N];
-#pragma unroll
-            for (int q = 0; q < 4; q++)
-#pragma unroll
-                for (int i = 0; i < MHC_MAX_N; i++)
-                    if (i < n) s[q][i] = row[(i64)i * d + j + q * step];
-#pragma unroll
-            for (int q = 0; q < 4; q++) {
-                float v = 0.0f;
-#pragma unroll
-                for (int i = 0; i < MHC_MAX_N; i++)
-                    if (i < n) v = __fadd_rn(v, __fmul_rn(w_pre[i], s[q][i]));
-                ss = fmaf(v, v, ss);
-            }
-        }
-        for (; j < d; j += step) {
+        for (int j = threadIdx.x; j < d; j += blockDim.x) {
             const float v = mhc_pre_sum(w_pre, row + j, n, d);
             ss = fmaf(v, v, ss);
         }
