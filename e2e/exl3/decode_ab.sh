@@ -11,6 +11,7 @@
 # `peer_bench.sh build` of a later call then finds it done); the timings wait for it to end.
 #   OLD=.device/glmflash-node-old NEW=.device/glmflash-node [PEER=1] bash e2e/exl3/decode_ab.sh OUTDIR
 #   ENVS="base: pool:GLMFLASH_POOL_KEEP_MIB=0" bash e2e/exl3/decode_ab.sh OUTDIR   # one build, env A/B
+#   CHECK_ONLY= DEVICE_ONLY= (set and empty) skip steps 1 and 2
 #   LANE_FORMATS="q4_k exl3:3" also times the CPU lane's kernels (`bench --lane`) of OLD and NEW
 set -uo pipefail
 cd "$(dirname "$0")/../.."
@@ -28,14 +29,14 @@ if [ "${PEER:-0}" = 1 ]; then
   log "exllamav3 extension: JIT build in the background"
   BUDGET_S=5 OUT="$OUT/peer" bash e2e/exl3/peer_bench.sh build 1 > "$OUT/peer_build.txt" 2>&1
 fi
-if [ -n "${CHECK_ONLY:-mhc,exl3}" ]; then
-  log "cuda-check --wide --only ${CHECK_ONLY:-mhc,exl3}"
-  "$NEW" cuda-check --wide --only "${CHECK_ONLY:-mhc,exl3}" > "$OUT/cuda_check.txt" 2>&1 || rc=1
+if [ -n "${CHECK_ONLY-mhc,exl3}" ]; then
+  log "cuda-check --wide --only ${CHECK_ONLY-mhc,exl3}"
+  "$NEW" cuda-check --wide --only "${CHECK_ONLY-mhc,exl3}" > "$OUT/cuda_check.txt" 2>&1 || rc=1
   grep -E "FAIL" "$OUT/cuda_check.txt" | head -20; tail -2 "$OUT/cuda_check.txt"
 fi
-if [ -n "${DEVICE_ONLY:-model}" ]; then
-  log "device_check ONLY=${DEVICE_ONLY:-model}"
-  BIN="$NEW" ONLY="${DEVICE_ONLY:-model}" timeout -k 5 "${DEVICE_S:-300}" bash e2e/cuda/device_check.sh "$OUT/device" \
+if [ -n "${DEVICE_ONLY-model}" ]; then
+  log "device_check ONLY=${DEVICE_ONLY-model}"
+  BIN="$NEW" ONLY="${DEVICE_ONLY-model}" timeout -k 5 "${DEVICE_S:-300}" bash e2e/cuda/device_check.sh "$OUT/device" \
     > "$OUT/device_check.txt" 2>&1 || rc=1
   grep -E "PASS|FAIL|rel|==" "$OUT/device_check.txt" | tail -30
 fi

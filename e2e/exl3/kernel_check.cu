@@ -16,6 +16,7 @@
 #include <cmath>
 #include <vector>
 #include <random>
+#include <array>
 
 #define CK(x) do { cudaError_t e = (x); if (e != cudaSuccess) { printf("CUDA %s at %d: %s\n", #x, __LINE__, cudaGetErrorString(e)); exit(2); } } while (0)
 
@@ -71,7 +72,11 @@ static void product(const Dev& d, const float* x, int n, float* y, float* xr, fl
     exl3_rotate_input<<<dim3(d.K / 128, n), 128>>>(x, d.suh, d.K, gemm ? 0 : 1, xr);
     int splits = 1;
     if (!gemm) {
-        int kt = d.K / 16, ntl = d.N / 16;
+#ifdef EXL3_STRIP
+        int kt = d.K / 16, ntl = d.N / EXL3_STRIP;  // a block per strip of outputs
+#else
+        int kt = d.K / 16, ntl = d.N / 16;  // builds before the 32-output strip
+#endif
         int maxs = kt / EXL3_GEMV_WARPS > 1 ? kt / EXL3_GEMV_WARPS : 1;
         splits = (g_blocks + ntl - 1) / ntl; if (splits < 1) splits = 1; if (splits > maxs) splits = maxs;
         int per = (kt + splits - 1) / splits;
@@ -82,7 +87,7 @@ static void product(const Dev& d, const float* x, int n, float* y, float* xr, fl
         for (int kt0 = 0; kt0 < d.K / 16; kt0 += tps) {
             int kt1 = kt0 + tps < d.K / 16 ? kt0 + tps : d.K / 16;
             int tiles = (kt1 - kt0) * (d.N / 16);
-            exl3_reconstruct<<<(tiles + 7) / 8, 256>>>(d.tr, d.halves, d.cb, d.N, kt0, kt1, wide);
+            exl3_reconstruct<<<(tiles + 7) / 8, 256>>>(d.tr, d.halves, d.cb, d.N, kt0, kt1, 0, wide);
             float alpha = 1.f, beta = kt0 == 0 ? 0.f : 1.f;
             cublasSgemm(blas, CUBLAS_OP_N, CUBLAS_OP_N, d.N, n, 16 * (kt1 - kt0), &alpha, wide, d.N, xr + 16 * kt0, d.K, &beta, part, d.N);
         }
@@ -121,7 +126,7 @@ int main(int argc, char** argv) {
         // reconstruct, bit for bit
         float* rec; CK(cudaMalloc(&rec, (size_t)K * N * 4)); CK(cudaMemset(rec, 0xFF, (size_t)K * N * 4));
         int tiles = K / 16 * N / 16;
-        exl3_reconstruct<<<(tiles + 7) / 8, 256>>>(d.tr, halves, cb, N, 0, K / 16, rec);
+        exl3_reconstruct<<<(tiles + 7) / 8, 256>>>(d.tr, halves, cb, N, 0, K / 16, 0, rec);
         CK(cudaGetLastError());
         std::vector<float> got((size_t)K * N); CK(cudaMemcpy(got.data(), rec, got.size() * 4, cudaMemcpyDeviceToHost));
         size_t diff = 0; for (size_t i = 0; i < got.size(); i++) diff += memcmp(&got[i], &what[i], 4) != 0;
@@ -166,13 +171,27 @@ int main(int argc, char** argv) {
     }
     printf("worst rel vs f64 definition: 3inst %.3e mcg %.3e mul1 %.3e\n", worst[0], worst[1], worst[2]);
     if (!quick && !check_only) {
-        int shapes[3][2] = {{4096, 2048}, {2048, 4096}, {16384, 16384}};
-        int rates[4] = {4, 6, 8, 16};
-        for (auto& s : shapes) for (int ri = 0; ri < 4; ri++) for (int cb = 0; cb < 3; cb++) {
-            int halves = rates[ri];
+        // KC_SHAPES="K:N:halves,..." times those shapes (mul1) instead of the default set.
+        std::vector<std::array<int, 3>> list;
+        if (const char* e = getenv("KC_SHAPES")) {
+            for (const char* c = e; *c;) {
+                std::array<int, 3> v{};
+                if (sscanf(c, "%d:%d:%d", &v[0], &v[1], &v[2]) == 3) list.push_back(v);
+                while (*c && *c != ',') c++;
+                if (*c) c++;
+            }
+        } else {
+            int shapes[3][2] = {{4096, 2048}, {2048, 4096}, {16384, 16384}};
+            int rates[4] = {4, 6, 8, 16};
+            for (auto& s : shapes) for (int halves : rates) {
+                if (s[0] == 16384 && halves == 16) continue;
+                list.push_back({s[0], s[1], halves});
+            }
+        }
+        for (auto& s : list) for (int cb = 0; cb < 3; cb++) {
+            int halves = s[2];
             if ((halves & 1) && cb != 2) continue;
-            if (cb != 2 && halves != 6) continue;
-            if (s[0] == 16384 && halves == 16) continue;
+            if (cb != 2 && (halves != 6 || getenv("KC_SHAPES"))) continue;
             Dev d; d.K = s[0]; d.N = s[1]; d.halves = halves; d.cb = cb;
             size_t words = (size_t)d.K / 16 * d.N / 16 * 4 * halves;
             std::vector<uint32_t> tr(words); for (auto& w : tr) w = rng();
