@@ -12,10 +12,10 @@ set -euo pipefail
 cd "$(dirname "$0")/../.."
 TOOLS="${CUDA_TOOLS:-$PWD/.cuda-tools}"
 BIN="$TOOLS/nvidia/cu13/bin"
-if [ ! -x "$BIN/nvcc" ] || [ ! -x "$TOOLS/nvidia/cu13/nvvm/bin/cicc" ]; then
+if [ ! -x "$BIN/nvcc" ] || [ ! -x "$BIN/nvdisasm" ] || [ ! -x "$TOOLS/nvidia/cu13/nvvm/bin/cicc" ]; then
   mkdir -p "$TOOLS/wheels"
   echo "fetching the CUDA compiler wheels into $TOOLS (once)" >&2
-  python3 -m pip download -q --no-deps -d "$TOOLS/wheels" nvidia-cuda-nvcc nvidia-cuda-cuobjdump \
+  python3 -m pip download -q --no-deps -d "$TOOLS/wheels" nvidia-cuda-nvcc nvidia-cuda-cuobjdump nvidia-cuda-nvdisasm \
     nvidia-cuda-crt nvidia-nvvm nvidia-cuda-runtime nvidia-cuda-cccl >&2
   for w in "$TOOLS"/wheels/*.whl; do python3 -m zipfile -e "$w" "$TOOLS"; done
   chmod +x "$BIN"/* "$TOOLS/nvidia/cu13/nvvm/bin/"* 2>/dev/null || true
