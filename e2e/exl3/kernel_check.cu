@@ -18,6 +18,11 @@
 #include <random>
 #include <array>
 
+// Outputs a GEMV block computes: kernels before the 32-output strip took 16.
+#ifndef EXL3_STRIP
+#define EXL3_STRIP 16
+#endif
+
 #define CK(x) do { cudaError_t e = (x); if (e != cudaSuccess) { printf("CUDA %s at %d: %s\n", #x, __LINE__, cudaGetErrorString(e)); exit(2); } } while (0)
 
 static float h2f_host(unsigned short b) { __half_raw r; r.x = b; return __half2float(__half(r)); }
@@ -72,11 +77,7 @@ static void product(const Dev& d, const float* x, int n, float* y, float* xr, fl
     exl3_rotate_input<<<dim3(d.K / 128, n), 128>>>(x, d.suh, d.K, gemm ? 0 : 1, xr);
     int splits = 1;
     if (!gemm) {
-#ifdef EXL3_STRIP
         int kt = d.K / 16, ntl = d.N / EXL3_STRIP;  // a block per strip of outputs
-#else
-        int kt = d.K / 16, ntl = d.N / 16;  // builds before the 32-output strip
-#endif
         int maxs = kt / EXL3_GEMV_WARPS > 1 ? kt / EXL3_GEMV_WARPS : 1;
         splits = (g_blocks + ntl - 1) / ntl; if (splits < 1) splits = 1; if (splits > maxs) splits = maxs;
         int per = (kt + splits - 1) / splits;
