@@ -28,10 +28,12 @@
 #define EXL3_HSCALE 0.08838835f
 // Warps of an `exl3_gemv` block: each takes every GEMV_WARPS-th tile of the block's slice.
 #define EXL3_GEMV_WARPS 8
-// Tiles a warp keeps in flight, and the words of a ring slot: a tile (at 8 bpw 4 x 16 words)
-// and its first four words again, so that a lane's four words never wrap around the slot.
-#define EXL3_RING 8  // even: a step takes two tiles
-#define EXL3_RING_WORDS 68
+// Outputs a GEMV block computes (a strip: two n-tiles, a pair), the pairs of tiles a warp
+// keeps in flight, and the words of a ring slot: each tile of the pair (at 8 bpw 4 x 16 words)
+// and its first four words again, so that a lane's four words never wrap around the tile.
+#define EXL3_STRIP 32
+#define EXL3_RING 4
+#define EXL3_SLOT_WORDS 136
 // GEMV blocks an SM keeps (the register budget: 4 gives 64 registers a thread).
 #ifndef EXL3_GEMV_MIN_BLOCKS
 #define EXL3_GEMV_MIN_BLOCKS 4
@@ -333,24 +335,27 @@ __device__ void exl3_rotate_slice(const float* __restrict__ x, const float* __re
     __syncthreads();
 }
 
-// part[s * slice + t * N + 16 nt .. + 16] = xr[t, K slice s] What[K slice s, 16 nt .. 16 nt + 16]
+// part[s * slice + t * N + 32 st .. + 32] = xr[t, K slice s] What[K slice s, 32 st .. 32 st + 32]
 // for every token t < tokens (xr in the split form of `exl3_store_split`, rows K words
-// apart), TOK_TILE tokens a pass. The block's strip nt is blockIdx.x and its slice s
-// blockIdx.y; EXL3_GEMV_WARPS warps; slice s is k-tiles [s * per, (s + 1) * per). Every block
-// writes its outputs, an empty slice zeros. `red` is the block's shared scratch and `ring`
-// this warp's tile ring (declared by the kernel: one array for every instantiation).
+// apart), TOK_TILE tokens a pass. The block's strip st (32 outputs: n-tiles 2 st and 2 st + 1,
+// a pair that lies contiguous in the trellis) is blockIdx.x and its slice s blockIdx.y;
+// EXL3_GEMV_WARPS warps; slice s is k-tiles [s * per, (s + 1) * per). Every block writes its
+// outputs, an empty slice zeros. `red` is the block's shared scratch and `ring` this warp's
+// pair ring (declared by the kernel: one array for every instantiation).
 //
-// Warp w takes the slice's tiles w, w + W, w + 2 W, ... in order. Its next EXL3_RING tiles are
-// always in flight, copied global -> shared by cp.async: a tile is only 16 H bytes, so the
-// bytes a GPU keeps in flight (what sets a GEMV's speed once HBM latency dominates) come from
-// many tiles a warp, which registers could not hold.
+// Warp w takes the slice's k-tiles w, w + W, w + 2 W, ... in order, each as its pair of
+// tiles, which share the k-tile's activations. Its next EXL3_RING pairs are always in flight,
+// copied global -> shared by cp.async (one instruction a pair): a tile is only 16 H bytes, so
+// the bytes a GPU keeps in flight (what sets a GEMV's speed once HBM latency dominates) come
+// from many tiles a warp, which registers could not hold. The loop is unrolled over the ring,
+// so that every slot's shared address is a constant.
 //
 // The products run on the tensor cores: a lane's eight decoded weights are by the format's
 // design its part of the mma's A (the tile transposed: output columns are A's rows), the
 // pass's tokens are B's columns (lane 4 c + q holds token c's values 2 q, 2 q + 1, 2 q + 8,
 // 2 q + 9), hi and lo parts in two accumulators of their own. A column of B never meets
 // another in an mma, so a token's sums take the same steps in the same order whatever the
-// other tokens of its pass are.
+// other tokens of its pass are; and a column's sums do not depend on the other tile of its pair.
 //
 // With ROT the block rotates its own slice of the input first: `xs` is then unread and x (f32
 // rows of K) and suh give the slice, which each pass writes in the split form to `xsh` (the
@@ -359,13 +364,14 @@ __device__ void exl3_rotate_slice(const float* __restrict__ x, const float* __re
 template <int H, int CB, bool ROT, int SW = 1>
 __device__ void exl3_gemv_pass(const u32* __restrict__ trellis, int k, int n, int per,
                                const u32* __restrict__ xs, int tokens, float* __restrict__ part,
-                               i64 slice, float (*red)[TOK_TILE][16],
-                               u32 (*ring)[EXL3_RING_WORDS], const float* __restrict__ x,
+                               i64 slice, float (*red)[TOK_TILE][EXL3_STRIP],
+                               u32 (*ring)[EXL3_SLOT_WORDS], const float* __restrict__ x,
                                const float* __restrict__ suh, u32* xsh) {
     static_assert(!ROT || SW == 1, "a block rotates one pass's tokens at a time");
     const int lane = threadIdx.x & (WARP - 1), wid = threadIdx.x / WARP;
-    const int nt = blockIdx.x, s = blockIdx.y;
-    const int k_tiles = k / 16, n_tiles = n / 16, tile_words = 4 * H;
+    const int st = blockIdx.x, s = blockIdx.y;
+    const int k_tiles = k / 16, n_tiles = n / 16;
+    constexpr int tile_words = 4 * H, half_slot = 4 * H + 4;
     const int kt0 = min(k_tiles, s * per), kt1 = min(k_tiles, kt0 + per);
     const int q = lane & 3, c0 = lane >> 2;
     constexpr int W = EXL3_GEMV_WARPS;
@@ -374,26 +380,41 @@ __device__ void exl3_gemv_pass(const u32* __restrict__ trellis, int k, int n, in
     const int first = kt0 + wid;
     const int count = first < kt1 ? (kt1 - first + W - 1) / W : 0;
     const i64 step = (i64)W * n_tiles * tile_words;
-    // This lane's 16 bytes of the warp's first tile.
-    const u32* src = trellis + ((i64)first * n_tiles + nt) * tile_words + 4 * lane;
-    // Lanes below H copy chunk `lane` of a tile to the slot's word 4 lane; lane H copies
-    // chunk 0 again, after the tile's 4 H words.
-    const bool copies = lane <= H;
-    if (lane == H) src -= 4 * H;
-    // Shared-space addresses in ring slot 0: where this lane's chunk lands, and its first word.
+    // The warp's first pair.
+    const u32* src = trellis + ((i64)first * n_tiles + 2 * st) * tile_words;
+    // A pair's slot: each tile's 4 H words, then its first 4 words again (so that a lane's
+    // words never wrap around the tile), 2 (H + 1) chunks of 16 bytes. Chunk L is copied by
+    // lane L (and L - 32 where there are more than 32: 8 bpw).
+    constexpr int chunks = 2 * (H + 1);
+    constexpr int rounds = (chunks + WARP - 1) / WARP;
+    int from[rounds];
+    u32 to[rounds];
+#pragma unroll
+    for (int r = 0; r < rounds; r++) {
+        const int l = lane + WARP * r, t = l / (H + 1), c = l % (H + 1);
+        from[r] = t * tile_words + (c == H ? 0 : 4 * c);
+        to[r] = 4 * (t * half_slot + 4 * c);
+    }
+    // Shared-space addresses in ring slot 0: where this lane's chunks land, and its first word.
     const u32 slot0 = (u32)__cvta_generic_to_shared(ring[0]);
-    const u32 put = slot0 + 16 * lane;
     const u32 get = slot0 + 4 * w0;
+    constexpr u32 slot_bytes = 4 * EXL3_SLOT_WORDS;
     constexpr int span = exl3_lane_span<H>();
-    float* dst = part + (i64)s * slice + 16 * nt;
+    float* dst = part + (i64)s * slice + EXL3_STRIP * st;
+    // Copies the pair whose chunks this lane reads at `at` into the slot at `slot`.
+    auto copy_pair = [&](u32 slot, const u32* const at[rounds]) {
+#pragma unroll
+        for (int r = 0; r < rounds; r++)
+            if (lane + WARP * r < chunks) exl3_cp16_at(slot + to[r], at[r]);
+    };
     // A sweep takes SW passes of TOK_TILE tokens through the slice together: each tile is
     // copied and decoded once for all of them, and each pass keeps accumulators of its own,
     // which see the same products in the same order as a sweep of one pass would give them.
     for (int t0 = 0; t0 < tokens; t0 += SW * TOK_TILE) {
         const int passes = SW == 1 ? 1 : min(SW, (tokens - t0 + TOK_TILE - 1) / TOK_TILE);
         // This lane's B column of pass pp is token t0 + TOK_TILE pp + c0: its 4 words of each
-        // tile, W tiles a step. A column past the pass's tokens reads the pass's first token's
-        // words: its sums are never stored, and a column of B never meets another in an mma.
+        // k-tile, W k-tiles a step. A column past the pass's tokens reads the pass's first
+        // token's words: its sums are never stored, and a column of B never meets another.
         const uint4* xq[SW];
 #pragma unroll
         for (int pp = 0; pp < SW; pp++) {
@@ -402,86 +423,81 @@ __device__ void exl3_gemv_pass(const u32* __restrict__ trellis, int k, int n, in
             xq[pp] = ROT ? (const uint4*)(xsh + (i64)row * per * 16) + 4 * (first - kt0) + q
                          : (const uint4*)(xs + (i64)(tp + row) * k) + 4 * first + q;
         }
-        float hi[SW][4], lo[SW][4];
+        float hi[SW][2][4], lo[SW][2][4];
 #pragma unroll
         for (int pp = 0; pp < SW; pp++)
 #pragma unroll
-            for (int j = 0; j < 4; j++) hi[pp][j] = lo[pp][j] = 0.0f;
-        const u32* next = src;
+            for (int j = 0; j < 8; j++) hi[pp][j >> 2][j & 3] = lo[pp][j >> 2][j & 3] = 0.0f;
+        // This lane's chunks of the next pair to copy.
+        const u32* next[rounds];
 #pragma unroll
-        for (int m = 0; m < EXL3_RING; m++, next += step) {
-            if (m < count && copies) exl3_cp16_at(put + m * 4 * EXL3_RING_WORDS, next);
+        for (int r = 0; r < rounds; r++) next[r] = src + from[r];
+#pragma unroll
+        for (int m = 0; m < EXL3_RING; m++) {
+            if (m < count) copy_pair(slot0 + m * slot_bytes, next);
             exl3_cp_commit();
+#pragma unroll
+            for (int r = 0; r < rounds; r++) next[r] += step;
         }
         if (ROT)
             exl3_rotate_slice(x, suh, k, kt0, kt1, t0, min(TOK_TILE, tokens - t0), per * 16,
                               &red[wid][0][0], xsh);
-        // Two tiles a step (m and m + 1: the ring's slots 2 i and 2 i + 1), in the order a tile a
-        // step would take them, so the sums are the same; the waits, syncs and addresses are
-        // shared by the two.
-        for (int m = 0; m < count; m += 2, next += 2 * step) {
-            // The second tile of a step always runs: past the slice's last tile (an odd
-            // count) its words are a stale slot's, which decode to finite weights, and its
-            // activations zeros, so it adds exact zeros. No branch, one copy of the code.
-            const bool two = m + 1 < count;
-            uint4 xv0[SW], xv1[SW];
+        // Pairs a round of the loop takes, each slot's address a constant (at 8 bpw one: the
+        // unrolled round would not fit the register budget).
+        constexpr int round = H == 16 ? 1 : EXL3_RING;
+        for (int m0 = 0; m0 < count; m0 += round) {
 #pragma unroll
-            for (int pp = 0; pp < SW; pp++) {
-                xv1[pp] = make_uint4(0u, 0u, 0u, 0u);
-                if (pp < passes) {
-                    xv0[pp] = ROT ? xq[pp][0] : __ldg(xq[pp]);
-                    if (two) xv1[pp] = ROT ? xq[pp][4 * W] : __ldg(xq[pp] + 4 * W);
+            for (int uu = 0; uu < round; uu++) {
+                const int m = m0 + uu, u = round == EXL3_RING ? uu : m % EXL3_RING;
+                if (m >= count) break;
+                uint4 xv[SW];
+#pragma unroll
+                for (int pp = 0; pp < SW; pp++)
+                    if (pp < passes) xv[pp] = ROT ? xq[pp][4 * W * uu] : __ldg(xq[pp] + 4 * W * uu);
+                exl3_cp_wait<EXL3_RING - 1>();  // pair m has landed (this lane's part)
+                __syncwarp();                    // ... and every lane's
+                // Each tile's words are read just before its decode (fewer live registers).
+#pragma unroll
+                for (int t = 0; t < 2; t++) {
+                    u32 a[4] = {0u, 0u, 0u, 0u};
+#pragma unroll
+                    for (int i = 0; i < span; i++)
+                        a[i] = exl3_lds(get + u * slot_bytes + 4 * (t * half_slot + i));
+                    u32 p[4];
+                    exl3_decode_pairs<H, CB>(a, o, p);
+                    // A: (row c0, k 2q..), (row c0 + 8, k 2q..), (row c0, k 2q + 8..),
+                    // (c0 + 8, 2q + 8..).
+                    const u32 frag[4] = {p[0], p[2], p[1], p[3]};
+#pragma unroll
+                    for (int pp = 0; pp < SW; pp++)
+                        if (pp < passes) {
+                            exl3_mma(hi[pp][t], frag, xv[pp].x, xv[pp].y);
+                            exl3_mma(lo[pp][t], frag, xv[pp].z, xv[pp].w);
+                        }
                 }
-                xq[pp] += 8 * W;
+                __syncwarp();  // all lanes have read the slot before it is refilled
+                // Pair m + EXL3_RING into the slot just read (an empty group past the last
+                // pair, so that every lane's group count stays in step with m).
+                if (m + EXL3_RING < count) copy_pair(slot0 + u * slot_bytes, next);
+                exl3_cp_commit();
+#pragma unroll
+                for (int r = 0; r < rounds; r++) next[r] += step;
             }
-            const u32 slot = (m % EXL3_RING) * 4 * EXL3_RING_WORDS;
-            constexpr u32 next_slot = 4 * EXL3_RING_WORDS;
-            exl3_cp_wait<EXL3_RING - 2>();  // tiles m and m + 1 have landed (this lane's part)
-            __syncwarp();                     // ... and every lane's
-            u32 a0[4] = {0u, 0u, 0u, 0u}, a1[4] = {0u, 0u, 0u, 0u};
 #pragma unroll
-            for (int i = 0; i < span; i++) a0[i] = exl3_lds(get + slot + 4 * i);
-#pragma unroll
-            for (int i = 0; i < span; i++) a1[i] = exl3_lds(get + slot + next_slot + 4 * i);
-            __syncwarp();  // all lanes have read the slots before they are refilled
-            // Tiles m + EXL3_RING and m + 1 + EXL3_RING into the slots just read (an empty
-            // group past the last tile, so that every lane's group count stays in step with m).
-            if (m + EXL3_RING < count && copies) exl3_cp16_at(put + slot, next);
-            exl3_cp_commit();
-            if (m + 1 + EXL3_RING < count && copies)
-                exl3_cp16_at(put + slot + next_slot, next + step);
-            exl3_cp_commit();
-            u32 p[4];
-            exl3_decode_pairs<H, CB>(a0, o, p);
-            // A: (row c0, k 2q..), (row c0 + 8, k 2q..), (row c0, k 2q + 8..), (c0 + 8, 2q + 8..).
-            const u32 frag0[4] = {p[0], p[2], p[1], p[3]};
-#pragma unroll
-            for (int pp = 0; pp < SW; pp++)
-                if (pp < passes) {
-                    exl3_mma(hi[pp], frag0, xv0[pp].x, xv0[pp].y);
-                    exl3_mma(lo[pp], frag0, xv0[pp].z, xv0[pp].w);
-                }
-            exl3_decode_pairs<H, CB>(a1, o, p);
-            const u32 frag1[4] = {p[0], p[2], p[1], p[3]};
-#pragma unroll
-            for (int pp = 0; pp < SW; pp++)
-                if (pp < passes) {
-                    exl3_mma(hi[pp], frag1, xv1[pp].x, xv1[pp].y);
-                    exl3_mma(lo[pp], frag1, xv1[pp].z, xv1[pp].w);
-                }
+            for (int pp = 0; pp < SW; pp++) xq[pp] += 4 * W * round;
         }
 #pragma unroll
         for (int pp = 0; pp < SW; pp++) {
             if (pp >= passes) break;
             const int tp = t0 + TOK_TILE * pp, nt_tok = min(TOK_TILE, tokens - tp);
-            // Lane 4 c0 + q holds columns c0 and c0 + 8 of tokens 2 q and 2 q + 1.
+            // Lane 4 c0 + q holds columns c0 and c0 + 8 of each tile, tokens 2 q and 2 q + 1.
 #pragma unroll
-            for (int j = 0; j < 4; j++)
-                red[wid][2 * q + (j & 1)][c0 + 8 * (j >> 1)] =
-                    fmaf(lo[pp][j], EXL3_LO_UNSCALE, hi[pp][j]);
+            for (int j = 0; j < 8; j++)
+                red[wid][2 * q + (j & 1)][16 * (j >> 2) + c0 + 8 * ((j >> 1) & 1)] =
+                    fmaf(lo[pp][j >> 2][j & 3], EXL3_LO_UNSCALE, hi[pp][j >> 2][j & 3]);
             __syncthreads();
-            if (threadIdx.x < TOK_TILE * 16) {
-                const int t = threadIdx.x / 16, c = threadIdx.x % 16;
+            if (threadIdx.x < TOK_TILE * EXL3_STRIP) {
+                const int t = threadIdx.x / EXL3_STRIP, c = threadIdx.x % EXL3_STRIP;
                 if (t < nt_tok) {
                     float v = 0.0f;
                     for (int i = 0; i < EXL3_GEMV_WARPS; i++) v += red[i][t][c];
@@ -537,8 +553,8 @@ __device__ void exl3_finish_block(const float* __restrict__ part, int splits, in
 }
 
 // A whole product's GEMV and output rotation: `exl3_gemv_pass` writes the block's partial
-// sums to part ([splits, tokens, N]); the last of the 8 strips x splits blocks of each 128
-// outputs to finish (tickets[nt / 8], left at zero) adds the slices in order, rotates and
+// sums to part ([splits, tokens, N]); the last of the 4 strips x splits blocks of each 128
+// outputs to finish (tickets[st / 4], left at zero) adds the slices in order, rotates and
 // scales them into y ([tokens, N]) as `exl3_rotate_output` does. `halves` is twice the bits
 // per weight (2..16); xs as `exl3_rotate_input` writes it with `split`, or with `rotate` each
 // block rotates its slice of x itself (per a multiple of 8; dynamic shared memory of
@@ -549,10 +565,10 @@ extern "C" __global__ void __launch_bounds__(256, EXL3_GEMV_MIN_BLOCKS) exl3_gem
     const float* __restrict__ svh, const float* __restrict__ bias, int has_bias,
     u32* __restrict__ tickets, float* __restrict__ y, const float* __restrict__ x,
     const float* __restrict__ suh, int rotate) {
-    __shared__ float red[EXL3_GEMV_WARPS][TOK_TILE][16];
-    __shared__ __align__(16) u32 ring[EXL3_GEMV_WARPS][EXL3_RING][EXL3_RING_WORDS];
+    __shared__ float red[EXL3_GEMV_WARPS][TOK_TILE][EXL3_STRIP];
+    __shared__ __align__(16) u32 ring[EXL3_GEMV_WARPS][EXL3_RING][EXL3_SLOT_WORDS];
     extern __shared__ __align__(16) u32 xsh[];
-    u32(*mine)[EXL3_RING_WORDS] = ring[threadIdx.x / WARP];
+    u32(*mine)[EXL3_SLOT_WORDS] = ring[threadIdx.x / WARP];
 #define CALL(H, CB)                                                                          \
     if (rotate)                                                                              \
         exl3_gemv_pass<H, CB, true>(trellis, k, n, per, xs, tokens, part, (i64)tokens * n, red, \
@@ -562,8 +578,9 @@ extern "C" __global__ void __launch_bounds__(256, EXL3_GEMV_MIN_BLOCKS) exl3_gem
                                      red, mine, x, suh, xsh);
     EXL3_DISPATCH(halves, codebook, CALL)
 #undef CALL
-    if (last_of_group(tickets + blockIdx.x / 8, 8 * gridDim.y))
-        exl3_finish_block(part, gridDim.y, tokens, n, blockIdx.x / 8, svh, bias, has_bias, y);
+    constexpr int strips = 128 / EXL3_STRIP;  // strips of a ticket's 128 outputs
+    if (last_of_group(tickets + blockIdx.x / strips, strips * gridDim.y))
+        exl3_finish_block(part, gridDim.y, tokens, n, blockIdx.x / strips, svh, bias, has_bias, y);
 }
 
 template <int H, int CB>
@@ -660,7 +677,7 @@ extern "C" __global__ void exl3_moe_rotate_in(const u8* __restrict__ arena,
 // built on the device has no count the host knows): for group g = blockIdx.z mod cap and part
 // z = blockIdx.z div cap, part[z, s, start_g + t, :] = xr[z, start_g + t, K slice s] What_z
 // (t < len_g), What_z's trellis at group_base[g] + trellis_off_z. xr is [parts, entries, K] in
-// the split form, part [parts, splits, entries, N]. Grid (N / 16, splits, cap * parts),
+// the split form, part [parts, splits, entries, N]. Grid (N / 32, splits, cap * parts),
 // EXL3_GEMV_WARPS warps. SW token passes a sweep.
 template <int SW>
 __device__ void exl3_moe_gemv_body(const u8* __restrict__ arena, int halves, int codebook,
@@ -671,8 +688,8 @@ __device__ void exl3_moe_gemv_body(const u8* __restrict__ arena, int halves, int
                                    i64 trellis_off1, int k, int n, int per,
                                    const u32* __restrict__ xr, int entries,
                                    float* __restrict__ part) {
-    __shared__ float red[EXL3_GEMV_WARPS][TOK_TILE][16];
-    __shared__ __align__(16) u32 ring[EXL3_GEMV_WARPS][EXL3_RING][EXL3_RING_WORDS];
+    __shared__ float red[EXL3_GEMV_WARPS][TOK_TILE][EXL3_STRIP];
+    __shared__ __align__(16) u32 ring[EXL3_GEMV_WARPS][EXL3_RING][EXL3_SLOT_WORDS];
     const int g = blockIdx.z % cap, z = blockIdx.z / cap;
     if (g >= *count) return;  // room of a table built on the device that stayed empty
     const u32* trellis =

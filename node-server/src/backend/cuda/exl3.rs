@@ -13,18 +13,23 @@ use super::moe::{Exl3Form, MoeRun, Part};
 use super::*;
 use crate::quant::exl3::Exl3Linear;
 
-/// Blocks the GEMV aims for (a few per SM of the largest GPUs): N/16 strips times the K slices.
+/// Blocks the GEMV aims for, counted as N/16 strips times the K slices (it launches half as
+/// many: a block takes two of those strips).
 pub const GEMV_BLOCKS: usize = 512;
 /// Threads of a GEMV block: `EXL3_GEMV_WARPS` warps.
 const GEMV_THREADS: u32 = 256;
+/// Outputs of a GEMV block (`EXL3_STRIP`: two 16-wide n-tiles). The K split still counts
+/// 16-wide strips, as it did when a block took one: the same slices, so the same sums.
+const STRIP: usize = 32;
 /// Warps of an `exl3_reconstruct` block (a tile each).
 const RECONSTRUCT_WARPS: u32 = 8;
 /// Rows and columns of one Hadamard block (a rotation launch's block).
 const HADAMARD: usize = 128;
 /// Token rows of one product: a rotation launch has a row of blocks per token.
 const MAX_GRID_Y: usize = 65_535;
-/// Blocks an expert matrix's grouped GEMV aims for per slot (N/16 strips times K slices); a
-/// function of the shape alone, so a pick's sums never depend on what shares its launch.
+/// Blocks an expert matrix's grouped GEMV aims for per slot (N/16 strips times K slices, half
+/// as many launched, as for `GEMV_BLOCKS`); a function of the shape alone, so a pick's sums
+/// never depend on what shares its launch.
 const MOE_GEMV_BLOCKS: usize = 256;
 
 /// An EXL3 layer's tensors on one GPU: `K` inputs, `N` outputs.
@@ -209,7 +214,7 @@ impl Cuda {
             .arg(&w.suh)
             .arg(&rotate);
         let cfg = LaunchConfig {
-            grid_dim: ((w.n / 16) as u32, plan.splits as u32, 1),
+            grid_dim: ((w.n / STRIP) as u32, plan.splits as u32, 1),
             block_dim: (GEMV_THREADS, 1, 1),
             shared_mem_bytes: shared as u32,
         };
@@ -470,7 +475,7 @@ impl Cuda {
             .arg(&entries_i)
             .arg(&mut part);
         let cfg = LaunchConfig {
-            grid_dim: ((n / 16) as u32, splits as u32, parts * cap as u32),
+            grid_dim: ((n / STRIP) as u32, splits as u32, parts * cap as u32),
             block_dim: (GEMV_THREADS, 1, 1),
             shared_mem_bytes: 0,
         };
