@@ -34,6 +34,10 @@
 #define EXL3_STRIP 32
 #define EXL3_RING 4
 #define EXL3_SLOT_WORDS 136
+// Pairs a round of the GEMV's loop takes (EXL3_RING: every slot address a constant).
+#ifndef EXL3_ROUND
+#define EXL3_ROUND EXL3_RING
+#endif
 // GEMV blocks an SM keeps (the register budget: 4 gives 64 registers a thread).
 #ifndef EXL3_GEMV_MIN_BLOCKS
 #define EXL3_GEMV_MIN_BLOCKS 4
@@ -444,7 +448,7 @@ __device__ void exl3_gemv_pass(const u32* __restrict__ trellis, int k, int n, in
                               &red[wid][0][0], xsh);
         // Pairs a round of the loop takes, each slot's address a constant (at 8 bpw one: the
         // unrolled round would not fit the register budget).
-        constexpr int round = H == 16 ? 1 : EXL3_RING;
+        constexpr int round = H == 16 ? 1 : EXL3_ROUND;
         for (int m0 = 0; m0 < count; m0 += round) {
 #pragma unroll
             for (int uu = 0; uu < round; uu++) {
