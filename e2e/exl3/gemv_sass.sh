@@ -29,16 +29,19 @@ cat > "$WORK/one.cu" <<'EOF'
 extern "C" __global__ void __launch_bounds__(256, MIN_BLOCKS) gemv_one(
     const u32* __restrict__ trellis, int k, int n, int per, const u32* __restrict__ xs,
     int tokens, float* __restrict__ part, const float* x, const float* suh) {
-#ifdef EXL3_SLOT_WORDS  // a block takes a strip of 32 outputs
-    __shared__ float red[EXL3_GEMV_WARPS][TOK_TILE][EXL3_STRIP];
+#ifdef EXL3_SLOT_WORDS  // a block takes a strip of 32 outputs; the sums reduce in the rings
     __shared__ __align__(16) u32 ring[EXL3_GEMV_WARPS][EXL3_RING][EXL3_SLOT_WORDS];
+    __shared__ float scratch[EXL3_GEMV_WARPS * 128];
+    extern __shared__ __align__(16) u32 xsh[];
+    exl3_gemv_pass<G_H, G_CB, G_ROT, G_SW>(trellis, k, n, per, xs, tokens, part, (i64)tokens * n,
+                                           ring, scratch, x, suh, xsh);
 #else  // builds before it: 16 outputs
     __shared__ float red[EXL3_GEMV_WARPS][TOK_TILE][16];
     __shared__ __align__(16) u32 ring[EXL3_GEMV_WARPS][EXL3_RING][EXL3_RING_WORDS];
-#endif
     extern __shared__ __align__(16) u32 xsh[];
     exl3_gemv_pass<G_H, G_CB, G_ROT, G_SW>(trellis, k, n, per, xs, tokens, part, (i64)tokens * n, red,
                                    ring[threadIdx.x / WARP], x, suh, xsh);
+#endif
 }
 EOF
 sw="${SW:-1}"

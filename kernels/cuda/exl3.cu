@@ -344,8 +344,9 @@ __device__ void exl3_rotate_slice(const float* __restrict__ x, const float* __re
 // apart), TOK_TILE tokens a pass. The block's strip st (32 outputs: n-tiles 2 st and 2 st + 1,
 // a pair that lies contiguous in the trellis) is blockIdx.x and its slice s blockIdx.y;
 // EXL3_GEMV_WARPS warps; slice s is k-tiles [s * per, (s + 1) * per). Every block writes its
-// outputs, an empty slice zeros. `red` is the block's shared scratch and `ring` this warp's
-// pair ring (declared by the kernel: one array for every instantiation).
+// outputs, an empty slice zeros. `rings` are the block's warps' pair rings (declared by the
+// kernel: one array for every instantiation), also the reduction's scratch after the loop;
+// `scratch` (with ROT) the input rotation's 128 floats a warp.
 //
 // Warp w takes the slice's k-tiles w, w + W, w + 2 W, ... in order, each as its pair of
 // tiles, which share the k-tile's activations. Its next EXL3_RING pairs are always in flight,
@@ -368,8 +369,8 @@ __device__ void exl3_rotate_slice(const float* __restrict__ x, const float* __re
 template <int H, int CB, bool ROT, int SW = 1>
 __device__ void exl3_gemv_pass(const u32* __restrict__ trellis, int k, int n, int per,
                                const u32* __restrict__ xs, int tokens, float* __restrict__ part,
-                               i64 slice, float (*red)[TOK_TILE][EXL3_STRIP],
-                               u32 (*ring)[EXL3_SLOT_WORDS], const float* __restrict__ x,
+                               i64 slice, u32 (*rings)[EXL3_RING][EXL3_SLOT_WORDS],
+                               float* scratch, const float* __restrict__ x,
                                const float* __restrict__ suh, u32* xsh) {
     static_assert(!ROT || SW == 1, "a block rotates one pass's tokens at a time");
     const int lane = threadIdx.x & (WARP - 1), wid = threadIdx.x / WARP;
@@ -379,6 +380,11 @@ __device__ void exl3_gemv_pass(const u32* __restrict__ trellis, int k, int n, in
     const int kt0 = min(k_tiles, s * per), kt1 = min(k_tiles, kt0 + per);
     const int q = lane & 3, c0 = lane >> 2;
     constexpr int W = EXL3_GEMV_WARPS;
+    u32(*ring)[EXL3_SLOT_WORDS] = rings[wid];
+    // The reduction's scratch, after the loop: each warp's TOK_TILE x 32 sums in its own ring
+    // (no copy is in flight then), read across the warps as red(i)[t * 32 + c].
+    auto red = [&](int i) { return (float*)&rings[i][0][0]; };
+    static_assert(TOK_TILE * EXL3_STRIP <= EXL3_RING * EXL3_SLOT_WORDS, "sums fit a warp's ring");
     int w0, o;
     exl3_lane_window<H>(lane, w0, o);
     const int first = kt0 + wid;
@@ -445,7 +451,7 @@ __device__ void exl3_gemv_pass(const u32* __restrict__ trellis, int k, int n, in
         }
         if (ROT)
             exl3_rotate_slice(x, suh, k, kt0, kt1, t0, min(TOK_TILE, tokens - t0), per * 16,
-                              &red[wid][0][0], xsh);
+                              scratch + 128 * wid, xsh);
         // Pairs a round of the loop takes, each slot's address a constant (at 8 bpw one: the
         // unrolled round would not fit the register budget).
         constexpr int round = H == 16 ? 1 : EXL3_ROUND;
@@ -497,14 +503,14 @@ __device__ void exl3_gemv_pass(const u32* __restrict__ trellis, int k, int n, in
             // Lane 4 c0 + q holds columns c0 and c0 + 8 of each tile, tokens 2 q and 2 q + 1.
 #pragma unroll
             for (int j = 0; j < 8; j++)
-                red[wid][2 * q + (j & 1)][16 * (j >> 2) + c0 + 8 * ((j >> 1) & 1)] =
+                red(wid)[EXL3_STRIP * (2 * q + (j & 1)) + 16 * (j >> 2) + c0 + 8 * ((j >> 1) & 1)] =
                     fmaf(lo[pp][j >> 2][j & 3], EXL3_LO_UNSCALE, hi[pp][j >> 2][j & 3]);
             __syncthreads();
             if (threadIdx.x < TOK_TILE * EXL3_STRIP) {
                 const int t = threadIdx.x / EXL3_STRIP, c = threadIdx.x % EXL3_STRIP;
                 if (t < nt_tok) {
                     float v = 0.0f;
-                    for (int i = 0; i < EXL3_GEMV_WARPS; i++) v += red[i][t][c];
+                    for (int i = 0; i < EXL3_GEMV_WARPS; i++) v += red(i)[EXL3_STRIP * t + c];
                     dst[(i64)(tp + t) * n + c] = v * EXL3_XUNSCALE;
                 }
             }
@@ -569,17 +575,16 @@ extern "C" __global__ void __launch_bounds__(256, EXL3_GEMV_MIN_BLOCKS) exl3_gem
     const float* __restrict__ svh, const float* __restrict__ bias, int has_bias,
     u32* __restrict__ tickets, float* __restrict__ y, const float* __restrict__ x,
     const float* __restrict__ suh, int rotate) {
-    __shared__ float red[EXL3_GEMV_WARPS][TOK_TILE][EXL3_STRIP];
     __shared__ __align__(16) u32 ring[EXL3_GEMV_WARPS][EXL3_RING][EXL3_SLOT_WORDS];
+    __shared__ float scratch[EXL3_GEMV_WARPS * 128];  // the input rotation's, a warp's 128
     extern __shared__ __align__(16) u32 xsh[];
-    u32(*mine)[EXL3_SLOT_WORDS] = ring[threadIdx.x / WARP];
 #define CALL(H, CB)                                                                          \
     if (rotate)                                                                              \
-        exl3_gemv_pass<H, CB, true>(trellis, k, n, per, xs, tokens, part, (i64)tokens * n, red, \
-                                    mine, x, suh, xsh);                                      \
+        exl3_gemv_pass<H, CB, true>(trellis, k, n, per, xs, tokens, part, (i64)tokens * n,    \
+                                    ring, scratch, x, suh, xsh);                             \
     else                                                                                     \
-        exl3_gemv_pass<H, CB, false>(trellis, k, n, per, xs, tokens, part, (i64)tokens * n,     \
-                                     red, mine, x, suh, xsh);
+        exl3_gemv_pass<H, CB, false>(trellis, k, n, per, xs, tokens, part, (i64)tokens * n,   \
+                                     ring, scratch, x, suh, xsh);
     EXL3_DISPATCH(halves, codebook, CALL)
 #undef CALL
     constexpr int strips = 128 / EXL3_STRIP;  // strips of a ticket's 128 outputs
@@ -692,7 +697,6 @@ __device__ void exl3_moe_gemv_body(const u8* __restrict__ arena, int halves, int
                                    i64 trellis_off1, int k, int n, int per,
                                    const u32* __restrict__ xr, int entries,
                                    float* __restrict__ part) {
-    __shared__ float red[EXL3_GEMV_WARPS][TOK_TILE][EXL3_STRIP];
     __shared__ __align__(16) u32 ring[EXL3_GEMV_WARPS][EXL3_RING][EXL3_SLOT_WORDS];
     const int g = blockIdx.z % cap, z = blockIdx.z / cap;
     if (g >= *count) return;  // room of a table built on the device that stayed empty
@@ -703,8 +707,8 @@ __device__ void exl3_moe_gemv_body(const u8* __restrict__ arena, int halves, int
     float* out = part + (i64)z * gridDim.y * slice + (i64)group_start[g] * n;
     const int len = group_len[g];
 #define CALL(H, CB)                                                                     \
-    exl3_gemv_pass<H, CB, false, SW>(trellis, k, n, per, x, len, out, slice, red,         \
-                                     ring[threadIdx.x / WARP], nullptr, nullptr, nullptr)
+    exl3_gemv_pass<H, CB, false, SW>(trellis, k, n, per, x, len, out, slice, ring, nullptr, \
+                                     nullptr, nullptr, nullptr)
     EXL3_DISPATCH(halves, codebook, CALL)
 #undef CALL
 }
