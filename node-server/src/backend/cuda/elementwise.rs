@@ -320,8 +320,8 @@ impl Cuda {
 pub struct CallCosts {
     /// A 4,096-value `scale_values` launch on the compute stream.
     pub launch_us: f64,
-    /// The same launch on a fresh non-blocking stream (the compute stream is the legacy
-    /// default stream, which graphs cannot capture).
+    /// The same launch on a fresh non-blocking stream (the compute stream is one too; this
+    /// one has no other work queued).
     pub launch_own_stream_us: f64,
     /// A stream-ordered allocation of 16 KiB and its free.
     pub alloc_free_us: f64,
@@ -413,8 +413,8 @@ impl Cuda {
     }
 
     /// (launched one by one, replayed as a graph): microseconds a kernel of [`CHAIN`]
-    /// dependent `scale_values` launches over `len` values on `own` (a non-blocking stream:
-    /// the legacy default stream cannot be captured), over `rounds` chains after a warm-up.
+    /// dependent `scale_values` launches over `len` values on `own` (a non-blocking stream
+    /// with nothing else queued), over `rounds` chains after a warm-up.
     fn chain_us(
         &self,
         own: &std::sync::Arc<cudarc::driver::CudaStream>,

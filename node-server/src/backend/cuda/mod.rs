@@ -233,7 +233,10 @@ impl Cuda {
         let (major, minor) = ctx.compute_capability()?;
         let arch = format!("sm_{major}{minor}");
         let name = ctx.name()?;
-        let stream = ctx.default_stream();
+        // A stream of its own, not the legacy default stream: that one synchronises with every
+        // blocking stream and cannot be captured into a graph (issue 17 item 1). Nothing here
+        // relied on its implicit ordering: the copy stream is non-blocking, ordered by events.
+        let stream = ctx.new_stream()?;
         let copy = ctx.new_stream()?;
         let mut kernels = HashMap::new();
         for (file, _, names) in glmflash_kernels::SOURCES {
