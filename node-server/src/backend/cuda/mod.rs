@@ -552,6 +552,15 @@ impl Cuda {
             cudarc::driver::sys::CUevent_flags::CU_EVENT_DISABLE_TIMING,
         ))?)
     }
+
+    /// An event that records the time it completes at ([`CudaEvent::elapsed_ms`] between two).
+    ///
+    /// [`CudaEvent::elapsed_ms`]: cudarc::driver::CudaEvent::elapsed_ms
+    pub fn timing_event(&self) -> Result<cudarc::driver::CudaEvent, CudaError> {
+        Ok(self
+            .ctx
+            .new_event(Some(cudarc::driver::sys::CUevent_flags::CU_EVENT_DEFAULT))?)
+    }
 }
 
 fn rows_config(rows: usize, groups: u32) -> LaunchConfig {

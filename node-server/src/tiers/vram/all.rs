@@ -11,6 +11,15 @@ use cudarc::driver::CudaSlice;
 use std::sync::Arc;
 use std::sync::Mutex;
 
+/// Events recorded around a sampled MoE step on the device, read once both have completed
+/// (at the next sample or scrape: nothing waits for them).
+struct StepTimer {
+    start: cudarc::driver::CudaEvent,
+    end: cudarc::driver::CudaEvent,
+    /// `end` recorded and not yet read.
+    pending: bool,
+}
+
 /// Every routed expert in VRAM.
 pub struct VramExperts {
     cuda: Arc<Cuda>,
@@ -24,9 +33,12 @@ pub struct VramExperts {
     slot_table_at: Vec<usize>,
     /// Picks served, by phase (prefill, decode).
     picks: [std::sync::atomic::AtomicU64; 2],
-    /// Seconds of the last MoE step (f64 bits; each step ends with the result's download,
-    /// so its wall time is the device time plus the copies).
+    /// Seconds of the last timed MoE step (f64 bits): a step from host rows, its wall time
+    /// (it ends with the result's download, so the device time plus the copies); a step on
+    /// the device, its device time between the events of [`StepTimer`].
     step_seconds: std::sync::atomic::AtomicU64,
+    /// The events around the last sampled step on the device.
+    timer: Mutex<Option<StepTimer>>,
     /// Bytes copied in at load.
     loaded_bytes: u64,
     /// Steps taken through [`DeviceExperts::forward_device`] (every STEP_SAMPLE-th is timed).
@@ -109,6 +121,7 @@ impl VramExperts {
             slot_table_at,
             picks: Default::default(),
             step_seconds: Default::default(),
+            timer: Default::default(),
             loaded_bytes: need as u64,
             device_steps: Default::default(),
         })
@@ -118,6 +131,7 @@ impl VramExperts {
     /// product on the GPU, the VRAM in use, the last step's time.
     pub fn metrics_snapshot(&self) -> crate::metrics::TierSnapshot {
         use std::sync::atomic::Ordering::Relaxed;
+        self.read_timer();
         let (free, total) = self.cuda.mem_info().unwrap_or((0, 0));
         let slots = self.slots.iter().map(Vec::len).sum::<usize>() as u64;
         let [prefill, decode] = [&self.picks[0], &self.picks[1]].map(|c| c.load(Relaxed));
@@ -166,25 +180,57 @@ impl VramExperts {
         }
     }
 
-    /// Runs `step` for a MoE step, timing every STEP_SAMPLE-th between two synchronisations
-    /// for the step-time gauge (nothing else here waits for the device).
+    /// Runs `step` for a MoE step, timing every STEP_SAMPLE-th on the device by two events
+    /// around it for the step-time gauge (read later: nothing here waits for the device).
     fn sampled<T>(&self, step: impl FnOnce() -> anyhow::Result<T>) -> anyhow::Result<T> {
         use std::sync::atomic::Ordering::Relaxed;
-        let sampled = self
+        if !self
             .device_steps
             .fetch_add(1, Relaxed)
-            .is_multiple_of(STEP_SAMPLE);
-        if sampled {
-            self.cuda.synchronize()?;
+            .is_multiple_of(STEP_SAMPLE)
+        {
+            return step();
         }
-        let started = std::time::Instant::now();
+        self.read_timer();
+        let mut timer = self.timer.lock().unwrap_or_else(|e| e.into_inner());
+        if timer.is_none() {
+            *timer = Some(StepTimer {
+                start: self.cuda.timing_event()?,
+                end: self.cuda.timing_event()?,
+                pending: false,
+            });
+        }
+        let t = timer.as_mut().expect("made above");
+        if t.pending {
+            // The last sample has not completed yet: this step goes untimed.
+            drop(timer);
+            return step();
+        }
+        t.start.record(self.cuda.stream())?;
+        drop(timer);
         let out = step()?;
-        if sampled {
-            self.cuda.synchronize()?;
-            let secs = started.elapsed().as_secs_f64();
-            self.step_seconds.store(secs.to_bits(), Relaxed);
-        }
+        let mut timer = self.timer.lock().unwrap_or_else(|e| e.into_inner());
+        let t = timer.as_mut().expect("made above");
+        t.end.record(self.cuda.stream())?;
+        t.pending = true;
         Ok(out)
+    }
+
+    /// Stores the last sampled step's device time if both its events have completed.
+    fn read_timer(&self) {
+        let mut timer = self.timer.lock().unwrap_or_else(|e| e.into_inner());
+        let Some(t) = timer.as_mut().filter(|t| t.pending) else {
+            return;
+        };
+        if !t.end.try_is_complete().unwrap_or(false) {
+            return;
+        }
+        t.pending = false;
+        if let Ok(ms) = t.start.elapsed_ms(&t.end) {
+            let secs = f64::from(ms) / 1e3;
+            self.step_seconds
+                .store(secs.to_bits(), std::sync::atomic::Ordering::Relaxed);
+        }
     }
 }
 
