@@ -38,7 +38,7 @@ pub struct VramExperts {
     /// the device, its device time between the events of [`StepTimer`].
     step_seconds: std::sync::atomic::AtomicU64,
     /// The events around the last sampled step on the device.
-    timer: Mutex<Option<StepTimer>>,
+    timer: Mutex<StepTimer>,
     /// Bytes copied in at load.
     loaded_bytes: u64,
     /// Steps taken through [`DeviceExperts::forward_device`] (every STEP_SAMPLE-th is timed).
@@ -112,6 +112,11 @@ impl VramExperts {
             mib = need >> 20,
             "every routed expert in VRAM"
         );
+        let timer = Mutex::new(StepTimer {
+            start: cuda.timing_event()?,
+            end: cuda.timing_event()?,
+            pending: false,
+        });
         Ok(VramExperts {
             cuda,
             arena: Mutex::new(arena),
@@ -121,7 +126,7 @@ impl VramExperts {
             slot_table_at,
             picks: Default::default(),
             step_seconds: Default::default(),
-            timer: Default::default(),
+            timer,
             loaded_bytes: need as u64,
             device_steps: Default::default(),
         })
@@ -192,37 +197,25 @@ impl VramExperts {
             return step();
         }
         self.read_timer();
-        let mut timer = self.timer.lock().unwrap_or_else(|e| e.into_inner());
-        if timer.is_none() {
-            *timer = Some(StepTimer {
-                start: self.cuda.timing_event()?,
-                end: self.cuda.timing_event()?,
-                pending: false,
-            });
-        }
-        let t = timer.as_mut().expect("made above");
-        if t.pending {
+        let timer = self.timer.lock().unwrap_or_else(|e| e.into_inner());
+        if timer.pending {
             // The last sample has not completed yet: this step goes untimed.
             drop(timer);
             return step();
         }
-        t.start.record(self.cuda.stream())?;
+        timer.start.record(self.cuda.stream())?;
         drop(timer);
         let out = step()?;
         let mut timer = self.timer.lock().unwrap_or_else(|e| e.into_inner());
-        let t = timer.as_mut().expect("made above");
-        t.end.record(self.cuda.stream())?;
-        t.pending = true;
+        timer.end.record(self.cuda.stream())?;
+        timer.pending = true;
         Ok(out)
     }
 
     /// Stores the last sampled step's device time if both its events have completed.
     fn read_timer(&self) {
-        let mut timer = self.timer.lock().unwrap_or_else(|e| e.into_inner());
-        let Some(t) = timer.as_mut().filter(|t| t.pending) else {
-            return;
-        };
-        if !t.end.try_is_complete().unwrap_or(false) {
+        let mut t = self.timer.lock().unwrap_or_else(|e| e.into_inner());
+        if !t.pending || !t.end.try_is_complete().unwrap_or(false) {
             return;
         }
         t.pending = false;
