@@ -49,6 +49,20 @@ __device__ __forceinline__ u16 f32_to_bf16_rn(float f) {
     return ((x & round_bit) != 0 && (x & (3u * round_bit - 1u)) != 0) ? (u16)(hi + 1) : hi;
 }
 
+// Stores v as value i of a sequence cache in format fmt: f32 as it is, bf16 and f16 rounded to
+// nearest even (what `half`'s from_f32 gives on the host).
+__device__ __forceinline__ void cache_put(u8* __restrict__ cache, i64 i, int fmt, float v) {
+    if (fmt == FMT_F32) {
+        ((float*)cache)[i] = v;
+    } else if (fmt == FMT_BF16) {
+        ((u16*)cache)[i] = f32_to_bf16_rn(v);
+    } else {
+        u16 h;
+        asm("cvt.rn.f16.f32 %0, %1;" : "=h"(h) : "f"(v));
+        ((u16*)cache)[i] = h;
+    }
+}
+
 __device__ __forceinline__ float warp_sum(float v) {
     for (int o = WARP / 2; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
     return v;

@@ -7,16 +7,13 @@
 
 #define TOPK_THREADS 256
 
-// keys, gates: [tokens, di] in format fmt (cache_load); ape: [kpool, di]. out: [pools, di],
-// the keys of pools first_pool .. first_pool + pools. One thread per (pool, channel).
-extern "C" __global__ void dsa_pool_keys(const u8* __restrict__ keys,
-                                         const u8* __restrict__ gates, int fmt,
-                                         const float* __restrict__ ape, int di, int kpool,
-                                         int first_pool, int pools, float* __restrict__ out) {
-    const i64 t = (i64)blockIdx.x * blockDim.x + threadIdx.x;
-    if (t >= (i64)pools * di) return;
-    const int p = (int)(t / di), c = (int)(t % di);
-    const i64 tok0 = (i64)(first_pool + p) * kpool;
+// Channel c of the key of pool `pool` from keys and gates ([tokens, di] in format fmt,
+// cache_load) and ape ([kpool, di]): a softmax over the pool's tokens of gate + ape weights
+// their keys, in the CPU's order of operations.
+__device__ float pool_key_channel(const u8* __restrict__ keys, const u8* __restrict__ gates,
+                                  int fmt, const float* __restrict__ ape, int di, int kpool,
+                                  i64 pool, int c) {
+    const i64 tok0 = pool * kpool;
     float m = __int_as_float(0xff800000);
     for (int j = 0; j < kpool; j++)
         m = fmaxf(m, __fadd_rn(cache_load(gates, (tok0 + j) * di + c, fmt), ape[(i64)j * di + c]));
@@ -31,7 +28,57 @@ extern "C" __global__ void dsa_pool_keys(const u8* __restrict__ keys,
         const float w = __fdiv_rn(expf(__fsub_rn(l, m)), sum);
         key = __fadd_rn(key, __fmul_rn(w, cache_load(keys, (tok0 + j) * di + c, fmt)));
     }
-    out[t] = key;
+    return key;
+}
+
+// out: [pools, di], the keys of pools first_pool .. first_pool + pools. One thread per
+// (pool, channel).
+extern "C" __global__ void dsa_pool_keys(const u8* __restrict__ keys,
+                                         const u8* __restrict__ gates, int fmt,
+                                         const float* __restrict__ ape, int di, int kpool,
+                                         int first_pool, int pools, float* __restrict__ out) {
+    const i64 t = (i64)blockIdx.x * blockDim.x + threadIdx.x;
+    if (t >= (i64)pools * di) return;
+    const int p = (int)(t / di), c = (int)(t % di);
+    out[t] = pool_key_channel(keys, gates, fmt, ape, di, kpool, first_pool + p, c);
+}
+
+// A decode graph's pool step: the keys hold tokens0 + *step tokens after this step's push; when
+// that completes a pool, its key is stored (in format fmt) as row `pool` of pool_keys, the
+// bits dsa_pool_keys then cache_store give. One thread per channel.
+extern "C" __global__ void dsa_pool_step(const u8* __restrict__ keys,
+                                         const u8* __restrict__ gates, int fmt,
+                                         const float* __restrict__ ape, int di, int kpool,
+                                         i64 tokens0, const int* __restrict__ step,
+                                         u8* __restrict__ pool_keys) {
+    const int c = blockIdx.x * blockDim.x + threadIdx.x;
+    const i64 tokens = tokens0 + *step;
+    if (c >= di || tokens % kpool != 0) return;
+    const i64 pool = tokens / kpool - 1;
+    cache_put(pool_keys, pool * di + c, fmt, pool_key_channel(keys, gates, fmt, ape, di, kpool, pool, c));
+}
+
+// A decode graph's selection plan for `queries` consecutive queries, the first seeing
+// vis0 + *step tokens: per query its candidate pools, visible tokens and first output place
+// (out_off), and the attention's offsets (sel_off, queries + 1), as dsa_select_dev works them
+// out on the host. One thread.
+extern "C" __global__ void dsa_plan(i64 vis0, const int* __restrict__ step, int queries,
+                                    int kpool, int budget_pools, int select_tail,
+                                    int* __restrict__ candidates, int* __restrict__ visible,
+                                    i64* __restrict__ out_off, int* __restrict__ sel_off) {
+    if (blockIdx.x != 0 || threadIdx.x != 0) return;
+    i64 off = 0;
+    for (int b = 0; b < queries; b++) {
+        const i64 vis = vis0 + *step + b;
+        const int cand = (int)(vis / kpool);
+        const int tail = select_tail ? (int)(vis % kpool) : 0;
+        candidates[b] = cand;
+        visible[b] = (int)vis;
+        out_off[b] = off;
+        sel_off[b] = (int)off;
+        off += (i64)min(budget_pools, cand) * kpool + tail;
+    }
+    sel_off[queries] = (int)off;
 }
 
 // `ops::dot` exactly: eight strided partial sums, summed in order, plus the tail; b is the n

@@ -31,21 +31,15 @@ __device__ float attn_block_reduce(float v, bool is_max) {
 }
 
 // Rows pushed onto a sequence cache: src's n values become the cache's values at .. at + n,
-// f32 as they are, bf16 and f16 rounded to nearest even. One thread per value.
+// f32 as they are, bf16 and f16 rounded to nearest even. One thread per value. With `step`
+// (a replayed decode graph's steps since its capture, on the device), the values go
+// `*step * n` further on: each step pushes n values.
 extern "C" __global__ void cache_store(const float* __restrict__ src, u8* __restrict__ cache,
-                                       int fmt, i64 at, i64 n) {
+                                       int fmt, i64 at, i64 n, const int* __restrict__ step) {
     const i64 i = (i64)blockIdx.x * blockDim.x + threadIdx.x;
     if (i >= n) return;
-    const float v = src[i];
-    if (fmt == FMT_F32) {
-        ((float*)cache)[at + i] = v;
-    } else if (fmt == FMT_BF16) {
-        ((u16*)cache)[at + i] = f32_to_bf16_rn(v);
-    } else {
-        u16 h;
-        asm("cvt.rn.f16.f32 %0, %1;" : "=h"(h) : "f"(v));
-        ((u16*)cache)[at + i] = h;
-    }
+    const i64 base = step ? at + (i64)*step * n : at;
+    cache_put(cache, base + i, fmt, src[i]);
 }
 
 // q: [queries * heads, dk] (row = query * heads + head). Token j's key for head h is dk

@@ -65,6 +65,34 @@ impl Model {
             return Ok(Vec::new());
         }
         let spans = self.check_batch(steps)?;
+        if hooks.is_none()
+            && let Some(logits) = dev.decode_graph(self, w, steps)?
+        {
+            return Ok(logits);
+        }
+        let (logits, counts) = self.logits_on(dev, w, steps, &spans, hooks)?;
+        let (width, v) = (D::mat_rows(&w.lm_head), self.cfg.vocab_size);
+        let out = dev.download_rows(logits, &counts, width, v)?;
+        if let Some(hk) = hooks {
+            hk.tensor("logits", &out.concat(), v);
+        }
+        for (step, &(_, len)) in steps.iter_mut().zip(&spans) {
+            step.cache.len += len;
+        }
+        Ok(out)
+    }
+
+    /// [`Model::forward_on`] up to the logits, left on the device (`[rows, lm_head rows]`),
+    /// with the rows each step gets; the caches' token counts are not advanced. `spans`: what
+    /// [`Model::check_batch`] gave for `steps`.
+    pub(crate) fn logits_on<D: Device>(
+        &self,
+        dev: &D,
+        w: &Weights<D>,
+        steps: &mut [Step<D>],
+        spans: &[(usize, usize)],
+        hooks: Option<&dyn ForwardHooks>,
+    ) -> anyhow::Result<(D::Buf, Vec<usize>)> {
         let tokens = spans.last().map_or(0, |&(start, len)| start + len);
         let phases: Vec<Phase> = steps
             .iter()
@@ -80,7 +108,7 @@ impl Model {
         let pass = Pass {
             dev,
             cfg: &self.cfg,
-            spans: &spans,
+            spans,
             tokens,
             phases: &phases,
             options: self.options,
@@ -101,16 +129,12 @@ impl Model {
                     });
             streams = layer.forward(li, &pass, steps, streams, &mut carried, next_moe)?;
         }
-        let logits = dev.timed("lm head", || self.head(w, steps, &pass, &streams))?;
-        for (step, &(_, len)) in steps.iter_mut().zip(&spans) {
-            step.cache.len += len;
-        }
-        Ok(logits)
+        dev.timed("lm head", || self.head(w, steps, &pass, &streams))
     }
 
     /// Checks each step of a batch (tokens to feed, ids in the vocabulary, a cache of this
     /// model) and gives its rows in the batch: `(first row, tokens)` per step.
-    fn check_batch<D: Device>(&self, steps: &[Step<D>]) -> anyhow::Result<Vec<(usize, usize)>> {
+    pub(crate) fn check_batch<D: Device>(&self, steps: &[Step<D>]) -> anyhow::Result<Vec<(usize, usize)>> {
         let cfg = &self.cfg;
         let mut spans = Vec::with_capacity(steps.len());
         let mut tokens = 0;
@@ -143,31 +167,38 @@ impl Model {
         steps: &[Step<D>],
         pass: &Pass<D>,
     ) -> anyhow::Result<D::Buf> {
-        let (d, n) = (self.cfg.hidden_size, self.cfg.hc_mult);
-        let mut embedded = Vec::with_capacity(pass.tokens * d);
+        let d = self.cfg.hidden_size;
+        let embedded = self.embedded_rows(steps);
+        if let Some(h) = pass.hooks {
+            h.tensor("embed", &embedded, d);
+        }
+        // Every stream starts as the token's embedding.
+        pass.dev.take_repeated(embedded, d, self.cfg.hc_mult)
+    }
+
+    /// The batch's tokens' embedding rows, in order (`[tokens, hidden]`).
+    pub(crate) fn embedded_rows<D: Device>(&self, steps: &[Step<D>]) -> Vec<f32> {
+        let tokens: usize = steps.iter().map(|s| s.tokens.len()).sum();
+        let mut embedded = Vec::with_capacity(tokens * self.cfg.hidden_size);
         for step in steps {
             for &t in step.tokens {
                 embedded.extend_from_slice(&self.embed.row_f32(t as usize));
             }
         }
-        if let Some(h) = pass.hooks {
-            h.tensor("embed", &embedded, d);
-        }
-        // Every stream starts as the token's embedding.
-        pass.dev.take_repeated(embedded, d, n)
+        embedded
     }
 
     /// The stream mean, the final norm and the head on the rows whose logits each step
-    /// wants. Logits per step, as [`Model::forward_on`] gives them.
+    /// wants: the logits on the device, and how many rows each step has.
     fn head<D: Device>(
         &self,
         w: &Weights<D>,
         steps: &[Step<D>],
         pass: &Pass<D>,
         streams: &D::Buf,
-    ) -> anyhow::Result<Vec<Vec<f32>>> {
+    ) -> anyhow::Result<(D::Buf, Vec<usize>)> {
         let (cfg, dev) = (&self.cfg, pass.dev);
-        let (d, n, v) = (cfg.hidden_size, cfg.hc_mult, cfg.vocab_size);
+        let (d, n) = (cfg.hidden_size, cfg.hc_mult);
         // Rows whose logits are wanted.
         let mut rows = Vec::new();
         let mut counts = Vec::with_capacity(steps.len());
@@ -188,12 +219,7 @@ impl Model {
         };
         hooked.tap("norm", &h, d)?;
         let logits = dev.matmul(&w.lm_head, &h, rows.len())?;
-        let width = D::mat_rows(&w.lm_head);
-        let out = dev.download_rows(logits, &counts, width, v)?;
-        if let Some(hk) = pass.hooks {
-            hk.tensor("logits", &out.concat(), v);
-        }
-        Ok(out)
+        Ok((logits, counts))
     }
 }
 

@@ -118,6 +118,10 @@ pub trait DeviceExperts {
         false
     }
 
+    /// Counts `tokens` x `k` decode picks of `layer` that a replayed graph of
+    /// [`DeviceExperts::forward_routed`]'s launches made (a replay runs no host code).
+    fn count_replayed(&self, _layer: usize, _tokens: usize, _k: usize) {}
+
     /// [`DeviceExperts::forward_device`] with the router's picks on the device (`ids` int32
     /// and `weights`, `[tokens, k]`, as the router kernel wrote them; `phases` per token):
     /// nothing waits for the host. Only where [`DeviceExperts::routes`] said so.

@@ -12,7 +12,7 @@ use crate::quant::Format;
 use cudarc::driver::{CudaSlice, CudaView, DevicePtr, LaunchConfig, PushKernelArg};
 
 /// Threads per block of the attention and top-k kernels.
-const ATTN_BLOCK: u32 = 256;
+pub(super) const ATTN_BLOCK: u32 = 256;
 /// `ATTN_MAX_DK` in mla.cu: the widest query row the kernel keeps in shared memory.
 const ATTN_MAX_DK: usize = 1024;
 /// From this many queries in a launch, the absorbed layout runs `mla_attend_shared` (a block
@@ -36,7 +36,7 @@ pub struct DsaSpec {
 pub type CacheBytes<'a> = (&'a CudaSlice<u8>, CacheDtype);
 
 /// The kernels' format id of a cache dtype (`FMT_*` in common.cuh).
-fn cache_format(dtype: CacheDtype) -> i32 {
+pub(super) fn cache_format(dtype: CacheDtype) -> i32 {
     kernel_format_id(match dtype {
         CacheDtype::F32 => Format::F32,
         CacheDtype::Bf16 => Format::Bf16,
@@ -75,10 +75,23 @@ fn check_attend(
     Ok(())
 }
 
-/// Token selections on the device: query `i`'s tokens are `tokens[offsets[i]..offsets[i + 1]]`.
+/// Token selections on the device: query `i`'s tokens are `tokens[offsets[i]..offsets[i + 1]]`,
+/// the offsets known on the host, or, for a selection a decode graph plans on the device
+/// ([`Cuda::dsa_select_step`]), in `planned`.
 pub struct DeviceSelections {
     pub tokens: CudaSlice<u32>,
+    /// Empty when `planned`.
     pub offsets: Vec<usize>,
+    pub planned: Option<Planned>,
+}
+
+/// Selection offsets worked out on the device (a decode graph's: they change with each replay).
+pub struct Planned {
+    /// `[queries + 1]`: query i's tokens are `tokens[offsets[i]..offsets[i + 1]]`.
+    pub offsets: CudaSlice<i32>,
+    pub queries: usize,
+    /// The most tokens a query of this step can select (the attention's scratch per row).
+    pub max_picks: usize,
 }
 
 impl Cuda {
@@ -108,8 +121,9 @@ impl Cuda {
         let d_q = self.upload(q)?;
         let d_kv = self.upload_f32_bytes(kv)?;
         let d_sel = DeviceSelections {
-            tokens: self.stream.clone_htod(&flat_or_one(flat))?,
+            tokens: self.upload(&flat_or_one(flat))?,
             offsets,
+            planned: None,
         };
         let mut out = self.alloc_f32(queries * layout.heads * layout.dv)?;
         let kv = (&d_kv, CacheDtype::F32);
@@ -145,18 +159,7 @@ impl Cuda {
         offsets: &[usize],
         out: &mut CudaSlice<f32>,
     ) -> Result<(), CudaError> {
-        let AttnLayout {
-            heads,
-            dk,
-            dv,
-            stride,
-            head_step,
-            k_off,
-            v_off,
-            scale,
-        } = *layout;
         let queries = offsets.len().saturating_sub(1);
-        let rows = queries * heads;
         check_attend("mla_sparse_attend", layout, queries, q, out)?;
         if tokens.len() < offsets.last().copied().unwrap_or(0) {
             return Err(CudaError::Invalid(format!(
@@ -165,12 +168,71 @@ impl Cuda {
                 tokens.len()
             )));
         }
-        if rows == 0 {
+        if queries * layout.heads == 0 {
             return Ok(());
         }
         let max_picks = offsets.windows(2).map(|w| w[1] - w[0]).max().unwrap_or(0);
         let offsets_i: Vec<i32> = offsets.iter().map(|&o| o as i32).collect();
-        let d_off = self.stream.clone_htod(&offsets_i)?;
+        let d_off = self.upload(&offsets_i)?;
+        self.attend_offsets(q, (kv, kv_dtype), layout, tokens, &d_off, queries, max_picks, out)
+    }
+
+    /// [`Cuda::mla_sparse_attend_part_dev`] for selections a decode graph planned on the device.
+    pub fn mla_sparse_attend_planned(
+        &self,
+        q: &CudaSlice<f32>,
+        kv: CacheBytes,
+        layout: &AttnLayout,
+        sel: &DeviceSelections,
+        out: &mut CudaSlice<f32>,
+    ) -> Result<(), CudaError> {
+        let Some(p) = &sel.planned else {
+            return Err(CudaError::Invalid(
+                "mla_sparse_attend_planned of a selection with host offsets".into(),
+            ));
+        };
+        check_attend("mla_sparse_attend_planned", layout, p.queries, q, out)?;
+        if sel.tokens.len() < p.queries * p.max_picks || p.offsets.len() < p.queries + 1 {
+            return Err(CudaError::Invalid(format!(
+                "mla_sparse_attend_planned: {} tokens and {} offsets for {} queries of up to {}",
+                sel.tokens.len(),
+                p.offsets.len(),
+                p.queries,
+                p.max_picks
+            )));
+        }
+        let (queries, max_picks) = (p.queries, p.max_picks);
+        self.attend_offsets(q, kv, layout, &sel.tokens, &p.offsets, queries, max_picks, out)
+    }
+
+    /// The attention launch for `queries` queries whose selections `d_off` (`[queries + 1]`,
+    /// on the device) delimits in `tokens`, none longer than `max_picks`.
+    #[allow(clippy::too_many_arguments)]
+    fn attend_offsets(
+        &self,
+        q: &CudaSlice<f32>,
+        (kv, kv_dtype): CacheBytes,
+        layout: &AttnLayout,
+        tokens: &CudaSlice<u32>,
+        d_off: &CudaSlice<i32>,
+        queries: usize,
+        max_picks: usize,
+        out: &mut CudaSlice<f32>,
+    ) -> Result<(), CudaError> {
+        let AttnLayout {
+            heads,
+            dk,
+            dv,
+            head_step,
+            k_off,
+            v_off,
+            stride,
+            scale,
+        } = *layout;
+        let rows = queries * heads;
+        if rows == 0 {
+            return Ok(());
+        }
         if queries >= MLA_SHARED_MIN_QUERIES && (head_step, k_off, v_off) == (0, 0, 0) && dk == dv {
             let mut scratch = self.alloc_f32(rows * max_picks)?;
             let (kv_fmt, heads_i, dk_i, max_i) = (
@@ -185,7 +247,7 @@ impl Cuda {
                 .arg(kv)
                 .arg(&kv_fmt)
                 .arg(tokens)
-                .arg(&d_off)
+                .arg(d_off)
                 .arg(&heads_i)
                 .arg(&dk_i)
                 .arg(&stride_l)
@@ -204,7 +266,7 @@ impl Cuda {
             return Ok(());
         }
         let kv = (kv, kv_dtype);
-        self.sparse_attend_rows(q, kv, tokens, &d_off, layout, queries, max_picks, None, out)
+        self.sparse_attend_rows(q, kv, tokens, d_off, layout, queries, max_picks, None, out)
     }
 
     /// `mla_sparse_attend` over `queries` queries' rows (sizes checked by the caller), each
@@ -330,7 +392,7 @@ impl Cuda {
             .max()
             .unwrap_or(0);
         let (kv_of, picks_of) = (self.upload(&kv_of)?, self.upload(&picks_of)?);
-        let d_off = self.stream.clone_htod(&offsets)?;
+        let d_off = self.upload(&offsets)?;
         self.sparse_attend_rows(
             q,
             (kv0, dtype),
@@ -491,16 +553,20 @@ impl Cuda {
         }
         let total = offsets.last().copied().unwrap_or(0);
         // Unwritten entries stay u32::MAX, which no selection can hold.
-        let mut tokens = self.stream.clone_htod(&vec![u32::MAX; total.max(1)])?;
+        let mut tokens = self.upload(&vec![u32::MAX; total.max(1)])?;
         let max_cand = candidates.iter().copied().max().unwrap_or(0).max(0) as usize;
         if queries == 0 {
-            return Ok(DeviceSelections { tokens, offsets });
+            return Ok(DeviceSelections {
+                tokens,
+                offsets,
+                planned: None,
+            });
         }
         let s = &self.stream;
-        let d_cand = s.clone_htod(&candidates)?;
-        let d_vis = s.clone_htod(&visible)?;
+        let d_cand = self.upload(&candidates)?;
+        let d_vis = self.upload(&visible)?;
         let out_off: Vec<i64> = offsets[..queries].iter().map(|&o| o as i64).collect();
-        let d_off = s.clone_htod(&out_off)?;
+        let d_off = self.upload(&out_off)?;
         let mut scores = self.alloc_f32(queries * max_cand)?;
         let (heads_i, dim_i, max_i) = (heads as i32, dim as i32, max_cand as i32);
         let scale = (dim as f32).powf(-0.5);
@@ -546,7 +612,11 @@ impl Cuda {
         // SAFETY: one block per query; it writes exactly the `count` tokens of its range
         // [offsets[b], offsets[b + 1]) computed above with the kernel's own formula.
         unsafe { b.launch(cfg) }?;
-        Ok(DeviceSelections { tokens, offsets })
+        Ok(DeviceSelections {
+            tokens,
+            offsets,
+            planned: None,
+        })
     }
 }
 
@@ -559,6 +629,8 @@ impl Cuda {
 
     /// Stores `src`'s values in `cache` (values of `dtype`) from value `at` on: f32 bit for
     /// bit, bf16 and f16 rounded to nearest even as `half`'s `from_f32` rounds on the host.
+    /// With `step` (a replayed decode graph's steps since its capture, on the device), from
+    /// `at + step * n` on.
     pub fn cache_store(
         &self,
         src: &CudaView<f32>,
@@ -566,6 +638,7 @@ impl Cuda {
         dtype: CacheDtype,
         at: usize,
         n: usize,
+        step: Option<&CudaSlice<i32>>,
     ) -> Result<(), CudaError> {
         if src.len() < n || cache.len() < (at + n) * dtype.bytes() {
             return Err(CudaError::Invalid(format!(
@@ -579,10 +652,16 @@ impl Cuda {
             return Ok(());
         }
         let (at_l, n_l, fmt) = (at as i64, n as i64, cache_format(dtype));
+        let null = 0u64;
         let mut b = self.stream.launch_builder(self.kernel("cache_store"));
         b.arg(src).arg(cache).arg(&fmt).arg(&at_l).arg(&n_l);
+        match step {
+            Some(step) => b.arg(step),
+            None => b.arg(&null),
+        };
         // SAFETY: one thread per value; src holds n values and the cache room for values
-        // at .. at + n of its dtype (checked above).
+        // at .. at + n of its dtype (checked above); with a step count, its caller (a decode
+        // graph) has made room for every replay's values before it launches one.
         unsafe { b.launch(LaunchConfig::for_num_elems(n as u32)) }?;
         Ok(())
     }

@@ -11,8 +11,10 @@ use crate::quant::Format;
 
 pub mod attn;
 mod dense;
+mod dsa_step;
 mod elementwise;
 mod exl3;
+mod graph;
 mod groups;
 pub mod matrix;
 mod moe;
@@ -25,6 +27,7 @@ use cudarc::driver::{
 use cudarc::nvrtc::{CompileOptions, Ptx};
 pub use elementwise::{CallCosts, ChainCosts, KdaGates};
 pub use exl3::{Exl3Weights, GEMV_BLOCKS};
+pub use graph::StepGraph;
 pub use moe::{Exl3Form, MoeLayout, MoeRun, MoeStep, RouteSpec, SlotArena, SlotFormat};
 pub use moe_rows::MOE_GEMM_MIN_PICKS;
 pub use ops::{KdaForm, KdaSpec, MhcCollapse, MhcSpec};
@@ -183,6 +186,10 @@ struct Settings {
     /// `matvec`'s tokens a pass are always [`MATVEC_TILE`] (the kernel's widest) when set:
     /// the same bits as the tile fitted to the tokens, for checks and A/B timings.
     matvec_wide_tile: Arc<std::sync::atomic::AtomicBool>,
+    /// The queues' work is being captured into a graph ([`Cuda::capture`]): nothing may wait
+    /// for the device or copy from pageable host memory, and the ops that read a decode
+    /// step's position take it from the graph's step count.
+    capturing: Arc<std::sync::atomic::AtomicBool>,
 }
 
 /// Tickets [`Cuda`] keeps: groups one launch may count (one per token row of a grid).
@@ -250,6 +257,7 @@ impl Cuda {
             poison: Default::default(),
             gemv_blocks: Arc::new(exl3::GEMV_BLOCKS.into()),
             matvec_wide_tile: Default::default(),
+            capturing: Default::default(),
         };
         Cuda::on_stream(ctx, stream, copy, (name, arch), kernels, settings)
     }
@@ -427,10 +435,13 @@ impl Cuda {
             .unwrap_or_else(|| panic!("kernel {name} is listed in glmflash_kernels::SOURCES"))
     }
 
+    /// `host` in a fresh device buffer. Refused while capturing a graph: the graph would copy
+    /// whatever the host memory holds at each replay (or the driver refuses pageable memory).
     pub fn upload<T: cudarc::driver::DeviceRepr>(
         &self,
         host: &[T],
     ) -> Result<CudaSlice<T>, CudaError> {
+        self.not_capturing("an upload")?;
         Ok(self.stream.clone_htod(host)?)
     }
 
@@ -438,6 +449,7 @@ impl Cuda {
         &self,
         dev: &CudaSlice<T>,
     ) -> Result<Vec<T>, CudaError> {
+        self.not_capturing("a download")?;
         Ok(self.stream.clone_dtoh(dev)?)
     }
 
@@ -456,6 +468,7 @@ impl Cuda {
         if dev.is_empty() {
             return Ok(f(&[]));
         }
+        self.not_capturing("a download")?;
         let mut staging = self.staging.lock().unwrap_or_else(|e| e.into_inner());
         if staging.as_ref().is_none_or(|s| s.len() < dev.len()) {
             *staging = None;
@@ -480,19 +493,17 @@ impl Cuda {
         Ok(f(dst))
     }
 
-    /// A scratch buffer of `len` floats: zeros, or NaN when poisoning (see [`Cuda::set_poison`]).
+    /// A scratch buffer of `len` floats, unwritten (NaN when poisoning: see [`Cuda::set_poison`]).
     pub fn alloc_f32(&self, len: usize) -> Result<CudaSlice<f32>, CudaError> {
-        if self
-            .settings
-            .poison
-            .load(std::sync::atomic::Ordering::Relaxed)
-        {
-            return Ok(self.stream.clone_htod(&vec![f32::NAN; len.max(1)])?);
-        }
         // SAFETY: any bits are a valid f32, and every caller writes a scratch buffer before
         // reading it: cuda-check runs every kernel wrapper and the decode step with each
         // buffer poisoned with NaN instead, where a read before a write would show.
-        Ok(unsafe { self.stream.alloc::<f32>(len.max(1)) }?)
+        let mut buf = unsafe { self.stream.alloc::<f32>(len.max(1)) }?;
+        let poison = self.settings.poison.load(std::sync::atomic::Ordering::Relaxed);
+        if poison {
+            self.fill_bits(&mut buf, f32::NAN.to_bits())?;
+        }
+        Ok(buf)
     }
 
     /// Sets the blocks a dense EXL3 GEMV aims for (timing checks try several; results then

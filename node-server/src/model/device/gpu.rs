@@ -11,7 +11,10 @@ use cudarc::driver::CudaSlice;
 use std::collections::BTreeMap;
 use std::sync::{Arc, Mutex};
 
+mod absorb;
+mod graph;
 mod side;
+use graph::Graphs;
 use side::Side;
 pub use side::side_stream;
 
@@ -40,6 +43,8 @@ pub struct Gpu {
     /// The second queue [`Device::beside`] runs its side work on, made at its first use;
     /// `None`: the side work runs on this queue, before the main work.
     side: Option<Mutex<Option<Side>>>,
+    /// Decode steps captured as graphs, and the inputs of one being captured.
+    graphs: Graphs,
 }
 
 /// Seconds and runs per phase.
@@ -76,6 +81,7 @@ impl Gpu {
             host_profile: std::env::var_os("GLMFLASH_GPU_PROFILE").is_some_and(|v| v == "host"),
             waited_ns: Default::default(),
             side: side.then(|| Mutex::new(None)),
+            graphs: Default::default(),
         }
     }
 
@@ -99,43 +105,6 @@ impl Gpu {
     pub fn take_waited(&self) -> f64 {
         let ns = self.waited_ns.swap(0, std::sync::atomic::Ordering::Relaxed);
         ns as f64 * 1e-9
-    }
-
-    /// Absorbed MLA attention for query rows `first .. first + len` of `q` (`[.., heads,
-    /// nope]`), in launches of at most `per` rows: each launch absorbs its rows' queries,
-    /// `attend(a, m, q_lat, o_lat)` attends rows `a .. a + m` (counted from `first`), and the
-    /// values are absorbed out into `[len, heads, v_dim]`.
-    #[allow(clippy::too_many_arguments)]
-    fn absorbed(
-        &self,
-        spec: MlaSpec,
-        kv_b: &Buf,
-        q: &Buf,
-        first: usize,
-        len: usize,
-        per: usize,
-        attend: impl Fn(usize, usize, &Buf, &mut Buf) -> anyhow::Result<()>,
-    ) -> anyhow::Result<Buf> {
-        let cuda = &*self.cuda;
-        let MlaSpec {
-            heads: h,
-            nope,
-            v_dim: vd,
-            rank: r,
-        } = spec;
-        let mut attn = self.alloc(len * h * vd)?;
-        for a in (0..len).step_by(per.max(1)) {
-            let m = per.min(len - a);
-            let t0 = first + a;
-            let mut q_lat = self.alloc(m * h * r)?;
-            let qi = q.slice(t0 * h * nope..(t0 + m) * h * nope);
-            cuda.mla_absorb_q(&qi, kv_b, h, nope, vd, r, m, &mut q_lat)?;
-            let mut o_lat = self.alloc(m * h * r)?;
-            attend(a, m, &q_lat, &mut o_lat)?;
-            let mut dst = attn.slice_mut(a * h * vd..(a + m) * h * vd);
-            cuda.mla_absorb_out(&o_lat, kv_b, h, nope, vd, r, m, &mut dst)?;
-        }
-        Ok(attn)
     }
 
     /// `copy` (a download: waiting for the device, then the copy), its time added to the
@@ -241,9 +210,17 @@ impl Device for Gpu {
         })
     }
 
+    /// In a decode graph's capture the rows are the graph's input, which holds them already.
     fn take_repeated(&self, rows: Vec<f32>, width: usize, copies: usize) -> anyhow::Result<Buf> {
-        let src = self.upload(&rows)?;
         let mut out = self.alloc(rows.len() * copies)?;
+        if let Some(inputs) = self.graphs.inputs(&self.cuda).as_ref() {
+            if inputs.emb.len() != rows.len() {
+                bail!("a graph's input of {} values for {} rows", inputs.emb.len(), rows.len());
+            }
+            self.cuda.repeat_rows(&inputs.emb, width, copies, &mut out)?;
+            return Ok(out);
+        }
+        let src = self.upload(&rows)?;
         self.cuda.repeat_rows(&src, width, copies, &mut out)?;
         Ok(out)
     }
@@ -284,13 +261,21 @@ impl Device for Gpu {
         Ok(DeviceSelections {
             tokens: self.cuda.upload(&flat)?,
             offsets,
+            planned: None,
         })
     }
 
     fn selections_download(&self, sel: &DeviceSelections) -> anyhow::Result<Vec<Vec<u32>>> {
         let flat: Vec<u32> = self.cuda.download(&sel.tokens)?;
-        Ok(sel
-            .offsets
+        let planned: Vec<usize>;
+        let offsets = match &sel.planned {
+            Some(p) => {
+                planned = self.cuda.download(&p.offsets)?.iter().map(|&o| o as usize).collect();
+                &planned
+            }
+            None => &sel.offsets,
+        };
+        Ok(offsets
             .windows(2)
             .map(|w| flat[w[0]..w[1]].to_vec())
             .collect())
@@ -301,7 +286,8 @@ impl Device for Gpu {
     }
 
     /// Grows the buffer by a quarter (or to what is needed) when full: a cache holds at most
-    /// a quarter more than its values, which the engine's VRAM budget counts.
+    /// a quarter more than its values, which the engine's VRAM budget counts. In a decode
+    /// graph's capture the values go `count * width` further at each replay.
     fn push(
         &self,
         g: &mut GrowBuf,
@@ -310,20 +296,13 @@ impl Device for Gpu {
         count: usize,
         width: usize,
     ) -> anyhow::Result<()> {
-        let (s, n, size) = (self.cuda.stream(), count * width, g.dtype.bytes());
-        if g.len + n > g.capacity() {
-            let cap = g.capacity();
-            let values = (cap + cap / GROWTH_SLACK).max(g.len + n);
-            let mut grown = s.alloc_zeros::<u8>(values * size)?;
-            if g.len > 0 {
-                let mut dst = grown.slice_mut(..g.len * size);
-                s.memcpy_dtod(&g.buf.slice(..g.len * size), &mut dst)?;
-            }
-            g.buf = grown;
-        }
+        let n = count * width;
+        self.make_room(g, n)?;
         let rows = src.slice(first * width..first * width + n);
+        let inputs = self.graphs.inputs(&self.cuda);
+        let step = inputs.as_ref().map(|i| &i.step);
         self.cuda
-            .cache_store(&rows, &mut g.buf, g.dtype, g.len, n)?;
+            .cache_store(&rows, &mut g.buf, g.dtype, g.len, n, step)?;
         g.len += n;
         Ok(())
     }
@@ -367,6 +346,15 @@ impl Device for Gpu {
 
     fn matmul(&self, w: &CudaMatrix, x: &Buf, n: usize) -> anyhow::Result<Buf> {
         Ok(w.apply_on(&self.cuda, x, n)?)
+    }
+
+    fn decode_graph(
+        &self,
+        model: &crate::model::glm5::Model,
+        w: &crate::model::glm5::Weights<Gpu>,
+        steps: &mut [crate::model::glm5::Step<Gpu>],
+    ) -> anyhow::Result<Option<Vec<Vec<f32>>>> {
+        self.decode_step(model, w, steps)
     }
 
     /// On a second stream when the device has one (see `side.rs`).
@@ -539,6 +527,10 @@ impl Device for Gpu {
         beta: &Buf,
         states: &mut [&mut crate::model::kda::KdaState<Gpu>],
     ) -> anyhow::Result<Option<Buf>> {
+        // Its state tables are uploads, which a graph's capture refuses: then one a sequence.
+        if self.cuda.capturing() {
+            return Ok(None);
+        }
         let n = states.len();
         let (mut mixed, mut out) = (
             self.alloc(n * 3 * spec.channels())?,
@@ -598,6 +590,15 @@ impl Device for Gpu {
             bail!("the GPU runs MLA on the absorbed path only");
         }
         let layout = AttnLayout::absorbed(spec.heads, spec.rank, spec.scale());
+        if sel.planned.is_some() {
+            // Planned on the device (a decode graph): the step's few queries in one launch.
+            return self.absorbed(spec, kv_b, q, first, len, len, |_, _, q_lat, o_lat| {
+                let kv = (&latents.buf, latents.dtype);
+                Ok(self
+                    .cuda
+                    .mla_sparse_attend_planned(q_lat, kv, &layout, sel, o_lat)?)
+            });
+        }
         self.absorbed(
             spec,
             kv_b,
@@ -628,7 +629,8 @@ impl Device for Gpu {
         latents: &[&GrowBuf],
         sels: &[&DeviceSelections],
     ) -> anyhow::Result<Option<Buf>> {
-        if latents.len() != sels.len() {
+        // Its tables are uploads, which a graph's capture refuses: then one launch a sequence.
+        if latents.len() != sels.len() || self.cuda.capturing() {
             return Ok(None);
         }
         let layout = AttnLayout::absorbed(spec.heads, spec.rank, spec.scale());
@@ -665,6 +667,9 @@ impl Device for Gpu {
         let (di, kpool) = (spec.dim, spec.kpool);
         let pool = pool_keys.len / di;
         let complete = (keys.len / di) / kpool;
+        if let Some(inputs) = self.graphs.inputs(&self.cuda).as_ref() {
+            return self.pool_step(spec, ape, keys, gates, pool_keys, &inputs.step);
+        }
         if complete > pool {
             let n = complete - pool;
             let mut key = self.alloc(n * di)?;
@@ -693,6 +698,12 @@ impl Device for Gpu {
         let (mut q_copy, mut w_copy) = (None, None);
         let qi = self.rows_from(q, first, len, hi * di, &mut q_copy)?;
         let wi = self.rows_from(weights, first, len, hi, &mut w_copy)?;
+        if let Some(inputs) = self.graphs.inputs(&self.cuda).as_ref() {
+            let keys = (&pool_keys.buf, pool_keys.dtype);
+            let room = pool_keys.capacity() / di;
+            let step = &inputs.step;
+            return Ok(self.cuda.dsa_select_step(qi, wi, keys, room, spec, pos, len, step)?);
+        }
         let at: Vec<usize> = (pos..pos + len).collect();
         Ok(self.cuda.dsa_select_dev(
             qi,

@@ -163,6 +163,18 @@ pub trait Device: Send + Sync + Sized {
         let b = main(self)?;
         join(self, &a, b)
     }
+    /// A batch of decode steps (one new token each, no hooks) as one replayed graph where the
+    /// device keeps them (see `gpu/graph.rs`): the logits per step, each cache advanced as
+    /// [`crate::model::glm5::Model::forward_on`] advances it, the same bits. `None`: run the
+    /// forward op by op.
+    fn decode_graph(
+        &self,
+        _model: &crate::model::glm5::Model,
+        _w: &crate::model::glm5::Weights<Self>,
+        _steps: &mut [crate::model::glm5::Step<Self>],
+    ) -> anyhow::Result<Option<Vec<Vec<f32>>>> {
+        Ok(None)
+    }
     /// `f`, timed as phase `name` where the device keeps a profile.
     fn timed<T>(
         &self,

@@ -187,8 +187,12 @@ impl VramExperts {
 
     /// Runs `step` for a MoE step, timing every STEP_SAMPLE-th on the device by two events
     /// around it for the step-time gauge (read later: nothing here waits for the device).
+    /// A step captured into a graph goes untimed (its events would not be recorded).
     fn sampled<T>(&self, step: impl FnOnce() -> anyhow::Result<T>) -> anyhow::Result<T> {
         use std::sync::atomic::Ordering::Relaxed;
+        if self.cuda.capturing() {
+            return step();
+        }
         if !self
             .device_steps
             .fetch_add(1, Relaxed)
@@ -257,6 +261,10 @@ impl DeviceExperts for VramExperts {
     /// small enough for one grouping launch.
     fn routes(&self, layer: usize, picks: usize) -> bool {
         self.slots.get(layer).is_some_and(|row| !row.is_empty()) && Cuda::moe_routes(picks)
+    }
+
+    fn count_replayed(&self, _layer: usize, tokens: usize, k: usize) {
+        self.count_phases(&vec![Phase::Decode; tokens], tokens, k);
     }
 
     fn forward_routed(

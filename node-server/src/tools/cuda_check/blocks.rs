@@ -445,6 +445,7 @@ pub(super) fn check_mla_seqs(
                 sels.push(DeviceSelections {
                     tokens: cuda.upload(&[lead.clone(), sel.clone()].concat())?,
                     offsets: vec![lead.len(), lead.len() + sel.len()],
+                    planned: None,
                 });
             }
             let row = heads * rank;

@@ -5,6 +5,7 @@
 
 mod blocks;
 mod exl3;
+mod graph;
 mod model;
 mod per_op;
 mod products;
@@ -51,7 +52,7 @@ pub struct CudaCheckArgs {
     #[arg(long, env = "GLMFLASH_CUDA_DEVICE", default_value_t = 0)]
     pub cuda_device: usize,
     /// Run only these groups of checks (comma-separated; default all): ops, matvec, dense,
-    /// moe, small, router, mhc, kda, mla, dsa, decode, exl3; and `moe-speed` (only when named:
+    /// moe, small, router, mhc, kda, mla, dsa, decode, graph, exl3; and `moe-speed` (only when named:
     /// the decode MoE step's timings that `moe --wide` prints too, without its checks).
     #[arg(long, env = "GLMFLASH_CHECK_ONLY", value_delimiter = ',')]
     pub only: Vec<String>,
@@ -61,7 +62,7 @@ pub struct CudaCheckArgs {
 /// interface on the host and the GPU; the others check kernels the interface does not reach
 /// one by one (each format's matvec, forced KDA forms, the expanded MLA layout, the fused
 /// MoE launches, EXL3's decode and products against exllamav3's) and the whole model.
-const GROUPS: [&str; 13] = [
+const GROUPS: [&str; 14] = [
     "ops",
     "matvec",
     "dense",
@@ -73,6 +74,7 @@ const GROUPS: [&str; 13] = [
     "mla",
     "dsa",
     "decode",
+    "graph",
     "exl3",
     "moe-speed",
 ];
@@ -212,6 +214,7 @@ pub fn run(args: &CudaCheckArgs) -> anyhow::Result<bool> {
             }
             "dsa" => check_dsa(cuda, rng, cases)?,
             "decode" => check_decode(cuda, rng, cases)?,
+            "graph" => graph::check_graph(cuda, rng, cases)?,
             "moe-speed" => moe_speeds(cuda, rng)?,
             _ => check_exl3(cuda, rng, args.wide, cases)?,
         }

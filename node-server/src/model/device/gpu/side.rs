@@ -32,6 +32,7 @@ impl Gpu {
                 host_profile: self.host_profile,
                 waited_ns: Default::default(),
                 side: None,
+                graphs: Default::default(),
             };
             *side = Some(Side {
                 gpu: Box::new(gpu),
@@ -58,13 +59,21 @@ impl Gpu {
         let queue = self.side_queue()?;
         let Side { gpu, events } = queue.as_ref().expect("made above");
         gpu.cuda.after(&self.cuda, &events[0])?;
-        let a = side(gpu)?;
-        let b = main(self)?;
-        self.cuda.after(&gpu.cuda, &events[1])?;
-        let c = join(self, &a, b);
-        let ordered = gpu.cuda.after(&self.cuda, &events[2]);
-        drop(a);
-        ordered?;
-        c
+        let out = (|| {
+            let a = side(gpu)?;
+            let b = main(self)?;
+            self.cuda.after(&gpu.cuda, &events[1])?;
+            let c = join(self, &a, b);
+            let ordered = gpu.cuda.after(&self.cuda, &events[2]);
+            drop(a);
+            ordered?;
+            c
+        })();
+        if self.cuda.capturing() {
+            // A capture ends on the stream it began on: the side queue's last work (the free)
+            // joins back into it, after an error too.
+            self.cuda.after(&gpu.cuda, &events[0])?;
+        }
+        out
     }
 }
