@@ -79,9 +79,11 @@ impl Cuda {
         out_len: usize,
         run: impl FnOnce() -> anyhow::Result<CudaSlice<f32>>,
     ) -> anyhow::Result<StepGraph> {
-        // Allocated before the capture: page-locking memory is no stream operation.
+        // Page-locked before the capture (no stream operation), and its address taken before
+        // too (cudarc waits for the buffer's last copy there, which a capture refuses).
         // SAFETY: only the first `out_len` values, each written by the graph's copy, are read.
         let mut out = unsafe { self.ctx.alloc_pinned_with_flags::<f32>(out_len.max(1), 0) }?;
+        let host = out.as_mut_slice()?.as_mut_ptr();
         self.stream
             .begin_capture(CUstreamCaptureMode::CU_STREAM_CAPTURE_MODE_THREAD_LOCAL)?;
         self.settings.capturing.store(true, Relaxed);
@@ -89,18 +91,23 @@ impl Cuda {
             if dev.len() != out_len {
                 anyhow::bail!("a captured output of {} values, {out_len} expected", dev.len());
             }
-            let dst = &mut out.as_mut_slice()?[..out_len];
             let (src, _record) = dev.device_ptr(&self.stream);
-            // SAFETY: `dst` is page-locked and lives as long as the graph, and each replay
-            // ends (the owner synchronises) before it is read.
+            // SAFETY: `host` holds `out_len` page-locked values and lives as long as the graph;
+            // each replay ends (the owner synchronises) before they are read.
             unsafe {
-                cudarc::driver::result::memcpy_dtoh_async(dst, src, self.stream.cu_stream())
-            }?;
+                sys::cuMemcpyDtoHAsync_v2(host.cast(), src, out_len * 4, self.stream.cu_stream())
+            }
+            .result()?;
             Ok(())
         });
         self.settings.capturing.store(false, Relaxed);
+        // An error a drop left with the context (a free refused inside a failed capture) would
+        // fail the end of the capture before it ends, leaving the stream capturing: it belongs
+        // to this capture.
+        let left = self.ctx.check_err();
         let graph = self.stream.end_capture(CUgraphInstantiate_flags(0));
         captured?;
+        left?;
         let graph = graph?.ok_or_else(|| anyhow::anyhow!("the stream capture made no graph"))?;
         Ok(StepGraph {
             graph,

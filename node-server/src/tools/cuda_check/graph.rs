@@ -22,12 +22,11 @@ pub(super) fn check_graph(
     }
     let dir = std::env::temp_dir().join(format!("glmflash-graph-check-{}", std::process::id()));
     let result = (|| -> anyhow::Result<()> {
-        // Pools of 4 with a budget of 2 (the indexer chooses among many), no tail pool.
+        // Pools of 4 with a budget of 2: the indexer chooses among many.
         let random = dir.join("random");
         let mut config = scaled_config(512, 256, 8, 1, 16, 256, 4);
         config["index_topk"] = serde_json::json!(8);
         config["index_kpool"] = serde_json::json!(4);
-        config["index_kpool_always_select_tail"] = serde_json::json!(false);
         write_random_checkpoint(&random, &config, rng.random(), DType::F32)?;
         let (model, _) = load_model_on_gpu(&random, cuda.clone(), false)?;
         graph_cases(cuda, &model, "random f32 kpool 4", rng, cases)?;

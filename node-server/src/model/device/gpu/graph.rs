@@ -146,6 +146,10 @@ impl Gpu {
             return Ok(Some(out));
         }
 
+        if self.side.is_some() {
+            // The second queue is made outside the capture (making one is no stream operation).
+            drop(self.side_queue()?);
+        }
         let before = lens_of(steps);
         let mut inputs = Inputs {
             step: self.cuda.stream().alloc_zeros::<i32>(1)?,
@@ -170,7 +174,8 @@ impl Gpu {
                 set_lens(steps, &before);
                 kept.off = true;
                 let why = match captured {
-                    Err(e) => format!("{e:#}"),
+                    // With RUST_BACKTRACE=1, where the refused call was made.
+                    Err(e) => format!("{e:?}"),
                     Ok(_) => "a replay would advance the caches otherwise than the step".into(),
                 };
                 tracing::warn!(error = %why, "decode steps run op by op: a step could not be captured as a graph");

@@ -20,7 +20,7 @@ pub fn side_stream() -> bool {
 
 impl Gpu {
     /// The second queue, made now if it is not yet.
-    fn side_queue(&self) -> anyhow::Result<std::sync::MutexGuard<'_, Option<Side>>> {
+    pub(super) fn side_queue(&self) -> anyhow::Result<std::sync::MutexGuard<'_, Option<Side>>> {
         let cell = self.side.as_ref().expect("called with a side queue");
         let mut side = cell.lock().unwrap_or_else(|e| e.into_inner());
         if side.is_none() {
