@@ -42,6 +42,20 @@ extern "C" __global__ void cache_store(const float* __restrict__ src, u8* __rest
     cache_put(cache, base + i, fmt, src[i]);
 }
 
+// A decode graph's batched attention offsets: query s's selection is its sequence's own,
+// planned on the device (offsets of[s][0 .. 2]); sel_off gets them as one list (n + 1 values).
+extern "C" __global__ void sel_offsets_gather(const unsigned long long* __restrict__ of, int n,
+                                              int* __restrict__ sel_off) {
+    if (blockIdx.x != 0 || threadIdx.x != 0) return;
+    int off = 0;
+    sel_off[0] = 0;
+    for (int s = 0; s < n; s++) {
+        const int* o = (const int*)of[s];
+        off += o[1] - o[0];
+        sel_off[s + 1] = off;
+    }
+}
+
 // q: [queries * heads, dk] (row = query * heads + head). Token j's key for head h is dk
 // values at kv + j * stride + h * head_step + k_off, its value dv values at ... + v_off;
 // kv holds values of format kv_fmt (cache_load).

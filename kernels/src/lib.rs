@@ -101,6 +101,7 @@ pub const SOURCES: &[(&str, &str, &[&str])] = &[
             "mla_absorb_q",
             "mla_absorb_out",
             "cache_store",
+            "sel_offsets_gather",
         ],
     ),
     (

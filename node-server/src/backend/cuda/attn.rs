@@ -363,13 +363,24 @@ impl Cuda {
             Vec::with_capacity(n + 1),
         );
         offsets.push(0i32);
-        let mut guards = Vec::with_capacity(2 * n);
+        // Selections a decode graph planned on the device: their offsets stay there.
+        let (mut planned_of, mut planned_max) = (Vec::new(), 0usize);
+        let mut guards = Vec::with_capacity(3 * n);
         for ((kv, kv_dtype), sel) in seqs {
-            let [start, end] = sel.offsets[..] else {
-                return Err(CudaError::Invalid(format!(
-                    "mla_sparse_attend_seqs takes one query a sequence, not {}",
-                    sel.offsets.len().saturating_sub(1)
-                )));
+            let (start, end) = match (&sel.planned, &sel.offsets[..]) {
+                (Some(p), _) if p.queries == 1 => {
+                    let (o, guard) = p.offsets.device_ptr(&self.stream);
+                    planned_of.push(o);
+                    guards.push(guard);
+                    planned_max = planned_max.max(p.max_picks);
+                    (0, p.max_picks)
+                }
+                (None, &[start, end]) => (start, end),
+                _ => {
+                    return Err(CudaError::Invalid(
+                        "mla_sparse_attend_seqs takes one query a sequence".into(),
+                    ));
+                }
             };
             if *kv_dtype != dtype || end < start || sel.tokens.len() < end {
                 return Err(CudaError::Invalid(format!(
@@ -386,13 +397,28 @@ impl Cuda {
             guards.push(guard);
             offsets.push(offsets.last().copied().unwrap_or(0) + (end - start) as i32);
         }
-        let max_picks = offsets
-            .windows(2)
-            .map(|w| (w[1] - w[0]) as usize)
-            .max()
-            .unwrap_or(0);
-        let (kv_of, picks_of) = (self.upload(&kv_of)?, self.upload(&picks_of)?);
-        let d_off = self.upload(&offsets)?;
+        if !planned_of.is_empty() && planned_of.len() != n {
+            return Err(CudaError::Invalid(
+                "mla_sparse_attend_seqs: planned and host selections in one launch".into(),
+            ));
+        }
+        // The tables stay the same for a graph's life (cache addresses are in its key, and
+        // the selections are its own allocations).
+        let (kv_of, picks_of) = (self.upload_table(&kv_of)?, self.upload_table(&picks_of)?);
+        let (d_off, max_picks) = if planned_of.is_empty() {
+            let max_picks = offsets.windows(2).map(|w| (w[1] - w[0]) as usize).max();
+            (self.upload(&offsets)?, max_picks.unwrap_or(0))
+        } else {
+            let of = self.upload_table(&planned_of)?;
+            let mut d_off = self.stream.alloc_zeros::<i32>(n + 1)?;
+            let n_i = n as i32;
+            let mut b = self.stream.launch_builder(self.kernel("sel_offsets_gather"));
+            b.arg(&of).arg(&n_i).arg(&mut d_off);
+            // SAFETY: one thread reads two offsets of each of the n planned selections and
+            // writes n + 1 offsets.
+            unsafe { b.launch(LaunchConfig::for_num_elems(1)) }?;
+            (d_off, planned_max)
+        };
         self.sparse_attend_rows(
             q,
             (kv0, dtype),

@@ -15,7 +15,36 @@ pub struct StepGraph {
     out: PinnedHostSlice<f32>,
     /// Values of `out` the graph writes.
     out_len: usize,
+    /// What the graph's table copies read at each replay.
+    _tables: TableArena,
 }
+
+/// Bytes of page-locked memory a capture's tables may take.
+const TABLE_BYTES: usize = 64 << 10;
+
+/// Page-locked memory holding the tables a graph copies to the device at each replay: tables
+/// that stay the same for as long as the graph may be replayed (addresses of buffers whose
+/// place is part of the graph's key, or that the graph allocates itself).
+pub(super) struct TableArena {
+    host: PinnedHostSlice<u8>,
+    /// `host`'s first byte (taken outside the capture: cudarc waits for the buffer's last
+    /// copy when asked for it, which a capture refuses).
+    at: usize,
+    used: usize,
+}
+
+impl TableArena {
+    fn new(cuda: &Cuda) -> Result<TableArena, CudaError> {
+        // SAFETY: bytes are written (by `upload_table`) before any copy reads them.
+        let mut host = unsafe { cuda.ctx.alloc_pinned_with_flags::<u8>(TABLE_BYTES, 0) }?;
+        let at = host.as_mut_slice()?.as_mut_ptr() as usize;
+        Ok(TableArena { host, at, used: 0 })
+    }
+}
+
+// SAFETY: the arena's memory is only written by its owner (behind a lock) and read by copies
+// the owner orders.
+unsafe impl Send for TableArena {}
 
 // SAFETY: the graph and executable handles are used by one thread at a time (the owner keeps
 // a StepGraph behind a lock), which is all the driver asks of graph objects.
@@ -55,6 +84,59 @@ impl Cuda {
         Ok(())
     }
 
+    /// `host` (a table that stays the same for as long as a graph being captured may be
+    /// replayed) in a fresh device buffer: while capturing, copied from page-locked memory the
+    /// graph keeps (a pageable copy cannot be captured); else [`Cuda::upload`].
+    pub fn upload_table<T: cudarc::driver::DeviceRepr>(
+        &self,
+        host: &[T],
+    ) -> Result<CudaSlice<T>, CudaError> {
+        if !self.capturing() {
+            return self.upload(host);
+        }
+        let mut tables = self.tables.lock().unwrap_or_else(|e| e.into_inner());
+        let Some(arena) = tables.as_mut() else {
+            return Err(CudaError::Invalid(
+                "a table upload inside a capture on a queue without a table arena".into(),
+            ));
+        };
+        let bytes = std::mem::size_of_val(host);
+        let start = arena.used.next_multiple_of(16);
+        if start + bytes > arena.host.len() {
+            return Err(CudaError::Invalid(format!(
+                "a captured graph's tables outgrow {TABLE_BYTES} bytes"
+            )));
+        }
+        // SAFETY: `start .. start + bytes` lies inside the arena (checked above), which no copy
+        // reads yet (its graph is still being captured); T is plain data (DeviceRepr).
+        unsafe {
+            std::ptr::copy_nonoverlapping(
+                host.as_ptr().cast::<u8>(),
+                (arena.at + start) as *mut u8,
+                bytes,
+            )
+        };
+        arena.used = start + bytes;
+        // SAFETY: the copy below writes every element before any kernel reads it.
+        let mut dev = unsafe { self.stream.alloc::<T>(host.len().max(1)) }?;
+        {
+            let (dst, _record) =
+                cudarc::driver::DevicePtrMut::device_ptr_mut(&mut dev, &self.stream);
+            // SAFETY: the arena's bytes live as long as the graph (moved into it), the device
+            // buffer holds `bytes`, and the copy is a captured node on this stream.
+            unsafe {
+                sys::cuMemcpyHtoDAsync_v2(
+                    dst,
+                    (arena.at + start) as *const std::ffi::c_void,
+                    bytes,
+                    self.stream.cu_stream(),
+                )
+            }
+            .result()?;
+        }
+        Ok(dev)
+    }
+
     /// Copies `host` into the start of `dst` on the compute stream (not capturable: outside a
     /// graph, before its launch).
     pub fn copy_in(&self, host: &[f32], dst: &mut CudaSlice<f32>) -> Result<(), CudaError> {
@@ -84,6 +166,7 @@ impl Cuda {
         // SAFETY: only the first `out_len` values, each written by the graph's copy, are read.
         let mut out = unsafe { self.ctx.alloc_pinned_with_flags::<f32>(out_len.max(1), 0) }?;
         let host = out.as_mut_slice()?.as_mut_ptr();
+        *self.tables.lock().unwrap_or_else(|e| e.into_inner()) = Some(TableArena::new(self)?);
         self.stream
             .begin_capture(CUstreamCaptureMode::CU_STREAM_CAPTURE_MODE_THREAD_LOCAL)?;
         self.settings.capturing.store(true, Relaxed);
@@ -106,6 +189,7 @@ impl Cuda {
         // to this capture.
         let left = self.ctx.check_err();
         let graph = self.stream.end_capture(CUgraphInstantiate_flags(0));
+        let tables = self.tables.lock().unwrap_or_else(|e| e.into_inner()).take();
         captured?;
         left?;
         let graph = graph?.ok_or_else(|| anyhow::anyhow!("the stream capture made no graph"))?;
@@ -113,6 +197,7 @@ impl Cuda {
             graph,
             out,
             out_len,
+            _tables: tables.expect("made before the capture"),
         })
     }
 }

@@ -173,6 +173,9 @@ pub struct Cuda {
     /// a copy into pageable memory goes through the driver's bounce buffer and faults in
     /// fresh pages each time, ~1 ms for a step's 4 x 155k logits.
     staging: std::sync::Mutex<Option<cudarc::driver::PinnedHostSlice<f32>>>,
+    /// While a graph is captured on this queue: the page-locked memory its tables are copied
+    /// from at each replay ([`Cuda::upload_table`]).
+    tables: std::sync::Mutex<Option<graph::TableArena>>,
 }
 
 /// The settings a device's queues share ([`Cuda::side`]).
@@ -277,6 +280,7 @@ impl Cuda {
             unread,
             tickets,
             staging: Default::default(),
+            tables: Default::default(),
             ctx,
             stream,
             copy,

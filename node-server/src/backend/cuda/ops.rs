@@ -619,7 +619,7 @@ impl Cuda {
             recurrents.push(p);
             guards.push(guard);
         }
-        let (convs, recurrents) = (self.upload(&convs)?, self.upload(&recurrents)?);
+        let (convs, recurrents) = (self.upload_table(&convs)?, self.upload_table(&recurrents)?);
         let (w_i, k_i, h_i, d_i) = (w as i32, k as i32, h as i32, d as i32);
         let mut b = self.stream.launch_builder(self.kernel("kda_conv_seqs"));
         b.arg(qkv)

@@ -527,10 +527,6 @@ impl Device for Gpu {
         beta: &Buf,
         states: &mut [&mut crate::model::kda::KdaState<Gpu>],
     ) -> anyhow::Result<Option<Buf>> {
-        // Its state tables are uploads, which a graph's capture refuses: then one a sequence.
-        if self.cuda.capturing() {
-            return Ok(None);
-        }
         let n = states.len();
         let (mut mixed, mut out) = (
             self.alloc(n * 3 * spec.channels())?,
@@ -629,8 +625,7 @@ impl Device for Gpu {
         latents: &[&GrowBuf],
         sels: &[&DeviceSelections],
     ) -> anyhow::Result<Option<Buf>> {
-        // Its tables are uploads, which a graph's capture refuses: then one launch a sequence.
-        if latents.len() != sels.len() || self.cuda.capturing() {
+        if latents.len() != sels.len() {
             return Ok(None);
         }
         let layout = AttnLayout::absorbed(spec.heads, spec.rank, spec.scale());
