@@ -107,7 +107,13 @@ pub const SOURCES: &[(&str, &str, &[&str])] = &[
     (
         "dsa.cu",
         include_str!("../cuda/dsa.cu"),
-        &["dsa_pool_keys", "dsa_pool_step", "dsa_plan", "dsa_scores", "dsa_topk_tokens"],
+        &[
+            "dsa_pool_keys",
+            "dsa_pool_step",
+            "dsa_plan",
+            "dsa_scores",
+            "dsa_topk_tokens",
+        ],
     ),
 ];
 

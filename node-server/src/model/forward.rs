@@ -134,7 +134,10 @@ impl Model {
 
     /// Checks each step of a batch (tokens to feed, ids in the vocabulary, a cache of this
     /// model) and gives its rows in the batch: `(first row, tokens)` per step.
-    pub(crate) fn check_batch<D: Device>(&self, steps: &[Step<D>]) -> anyhow::Result<Vec<(usize, usize)>> {
+    pub(crate) fn check_batch<D: Device>(
+        &self,
+        steps: &[Step<D>],
+    ) -> anyhow::Result<Vec<(usize, usize)>> {
         let cfg = &self.cfg;
         let mut spans = Vec::with_capacity(steps.len());
         let mut tokens = 0;

@@ -174,7 +174,16 @@ impl Cuda {
         let max_picks = offsets.windows(2).map(|w| w[1] - w[0]).max().unwrap_or(0);
         let offsets_i: Vec<i32> = offsets.iter().map(|&o| o as i32).collect();
         let d_off = self.upload(&offsets_i)?;
-        self.attend_offsets(q, (kv, kv_dtype), layout, tokens, &d_off, queries, max_picks, out)
+        self.attend_offsets(
+            q,
+            (kv, kv_dtype),
+            layout,
+            tokens,
+            &d_off,
+            queries,
+            max_picks,
+            out,
+        )
     }
 
     /// [`Cuda::mla_sparse_attend_part_dev`] for selections a decode graph planned on the device.
@@ -202,7 +211,16 @@ impl Cuda {
             )));
         }
         let (queries, max_picks) = (p.queries, p.max_picks);
-        self.attend_offsets(q, kv, layout, &sel.tokens, &p.offsets, queries, max_picks, out)
+        self.attend_offsets(
+            q,
+            kv,
+            layout,
+            &sel.tokens,
+            &p.offsets,
+            queries,
+            max_picks,
+            out,
+        )
     }
 
     /// The attention launch for `queries` queries whose selections `d_off` (`[queries + 1]`,
@@ -412,7 +430,9 @@ impl Cuda {
             let of = self.upload_table(&planned_of)?;
             let mut d_off = self.stream.alloc_zeros::<i32>(n + 1)?;
             let n_i = n as i32;
-            let mut b = self.stream.launch_builder(self.kernel("sel_offsets_gather"));
+            let mut b = self
+                .stream
+                .launch_builder(self.kernel("sel_offsets_gather"));
             b.arg(&of).arg(&n_i).arg(&mut d_off);
             // SAFETY: one thread reads two offsets of each of the n planned selections and
             // writes n + 1 offsets.

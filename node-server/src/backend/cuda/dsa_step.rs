@@ -96,11 +96,16 @@ impl Cuda {
         }
         let budget = topk / kpool;
         let max_picks = budget * kpool + if select_tail { kpool - 1 } else { 0 };
-        let mut tokens = self.stream.alloc_zeros::<u32>((queries * max_picks).max(1))?;
+        let mut tokens = self
+            .stream
+            .alloc_zeros::<u32>((queries * max_picks).max(1))?;
         // Unwritten entries stay u32::MAX, which no selection can hold.
         self.fill_bits(&mut tokens, u32::MAX)?;
         let s = &self.stream;
-        let (mut cand, mut vis) = (s.alloc_zeros::<i32>(queries)?, s.alloc_zeros::<i32>(queries)?);
+        let (mut cand, mut vis) = (
+            s.alloc_zeros::<i32>(queries)?,
+            s.alloc_zeros::<i32>(queries)?,
+        );
         let mut out_off = s.alloc_zeros::<i64>(queries)?;
         let mut offsets = s.alloc_zeros::<i32>(queries + 1)?;
         let (vis0, queries_i) = (pos as i64 + 1, queries as i32);

@@ -172,7 +172,10 @@ impl Cuda {
         self.settings.capturing.store(true, Relaxed);
         let captured = run().and_then(|dev| {
             if dev.len() != out_len {
-                anyhow::bail!("a captured output of {} values, {out_len} expected", dev.len());
+                anyhow::bail!(
+                    "a captured output of {} values, {out_len} expected",
+                    dev.len()
+                );
             }
             let (src, _record) = dev.device_ptr(&self.stream);
             // SAFETY: `host` holds `out_len` page-locked values and lives as long as the graph;

@@ -503,7 +503,10 @@ impl Cuda {
         // reading it: cuda-check runs every kernel wrapper and the decode step with each
         // buffer poisoned with NaN instead, where a read before a write would show.
         let mut buf = unsafe { self.stream.alloc::<f32>(len.max(1)) }?;
-        let poison = self.settings.poison.load(std::sync::atomic::Ordering::Relaxed);
+        let poison = self
+            .settings
+            .poison
+            .load(std::sync::atomic::Ordering::Relaxed);
         if poison {
             self.fill_bits(&mut buf, f32::NAN.to_bits())?;
         }

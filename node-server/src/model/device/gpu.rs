@@ -215,9 +215,14 @@ impl Device for Gpu {
         let mut out = self.alloc(rows.len() * copies)?;
         if let Some(inputs) = self.graphs.inputs(&self.cuda).as_ref() {
             if inputs.emb.len() != rows.len() {
-                bail!("a graph's input of {} values for {} rows", inputs.emb.len(), rows.len());
+                bail!(
+                    "a graph's input of {} values for {} rows",
+                    inputs.emb.len(),
+                    rows.len()
+                );
             }
-            self.cuda.repeat_rows(&inputs.emb, width, copies, &mut out)?;
+            self.cuda
+                .repeat_rows(&inputs.emb, width, copies, &mut out)?;
             return Ok(out);
         }
         let src = self.upload(&rows)?;
@@ -270,7 +275,12 @@ impl Device for Gpu {
         let planned: Vec<usize>;
         let offsets = match &sel.planned {
             Some(p) => {
-                planned = self.cuda.download(&p.offsets)?.iter().map(|&o| o as usize).collect();
+                planned = self
+                    .cuda
+                    .download(&p.offsets)?
+                    .iter()
+                    .map(|&o| o as usize)
+                    .collect();
                 &planned
             }
             None => &sel.offsets,
@@ -697,7 +707,9 @@ impl Device for Gpu {
             let keys = (&pool_keys.buf, pool_keys.dtype);
             let room = pool_keys.capacity() / di;
             let step = &inputs.step;
-            return Ok(self.cuda.dsa_select_step(qi, wi, keys, room, spec, pos, len, step)?);
+            return Ok(self
+                .cuda
+                .dsa_select_step(qi, wi, keys, room, spec, pos, len, step)?);
         }
         let at: Vec<usize> = (pos..pos + len).collect();
         Ok(self.cuda.dsa_select_dev(

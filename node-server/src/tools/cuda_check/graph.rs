@@ -86,7 +86,14 @@ fn step_op_cases(
             cuda.cache_store(&key.slice(..), &mut by_host, dtype, pool * di, di, None)?;
         }
         cuda.fill_bits(&mut step, r as u32)?;
-        cuda.dsa_pool_step((&keys, &gates, dtype), &ape, kpool, first, &step, &mut by_step)?;
+        cuda.dsa_pool_step(
+            (&keys, &gates, dtype),
+            &ape,
+            kpool,
+            first,
+            &step,
+            &mut by_step,
+        )?;
     }
     let same = cuda.download(&by_host)? == cuda.download(&by_step)?;
     cases.push(exact_case(format!("{name} pool keys"), same));
@@ -149,7 +156,11 @@ fn graph_cases(
     for _ in 0..ALONE_STEPS {
         let got = graphs.step(model, &mut a[0], token)?;
         let want = eager.step(model, &mut b[0], token)?;
-        failed += usize::from(got.iter().map(|v| v.to_bits()).ne(want.iter().map(|v| v.to_bits())));
+        failed += usize::from(
+            got.iter()
+                .map(|v| v.to_bits())
+                .ne(want.iter().map(|v| v.to_bits())),
+        );
         token = ops::argmax(&want) as u32;
     }
     cases.push(exact_case(
@@ -166,7 +177,10 @@ fn graph_cases(
             let got = graphs.step_batch(model, &mut sa, &toks)?;
             let want = eager.step_batch(model, &mut sb, &toks)?;
             let same = bits(&got) == bits(&want);
-            cases.push(exact_case(format!("{name}: batch {members:?} step {step}"), same));
+            cases.push(exact_case(
+                format!("{name}: batch {members:?} step {step}"),
+                same,
+            ));
             for (i, wv) in members.clone().zip(&want) {
                 next[i] = ops::argmax(wv) as u32;
             }
@@ -185,7 +199,10 @@ fn graph_cases(
         (4..=8).contains(&captures) && captures + replays == steps,
     ));
     let (c, r) = eager.dev().graph_counts();
-    cases.push(exact_case(format!("{name}: none op by op"), (c, r) == (0, 0)));
+    cases.push(exact_case(
+        format!("{name}: none op by op"),
+        (c, r) == (0, 0),
+    ));
     Ok(())
 }
 

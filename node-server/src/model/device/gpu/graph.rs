@@ -89,7 +89,9 @@ impl Graphs {
 impl Gpu {
     /// Decode steps as graphs on this device, or op by op (checks compare the two).
     pub fn set_decode_graphs(&self, on: bool) {
-        self.graphs.on.store(on, std::sync::atomic::Ordering::Relaxed);
+        self.graphs
+            .on
+            .store(on, std::sync::atomic::Ordering::Relaxed);
     }
 
     /// (graphs captured, replays) so far on this device.
@@ -122,7 +124,11 @@ impl Gpu {
         // A replay moves every sequence on by the same count of steps.
         let replays = |e: &Entry| {
             let r = lens[0].wrapping_sub(e.lens[0]);
-            e.key == key && e.lens.iter().zip(&lens).all(|(a, b)| b.wrapping_sub(*a) == r)
+            e.key == key
+                && e.lens
+                    .iter()
+                    .zip(&lens)
+                    .all(|(a, b)| b.wrapping_sub(*a) == r)
         };
         if let Some(i) = kept.graphs.iter().position(replays) {
             let mut e = kept.graphs.remove(i);
@@ -156,13 +162,22 @@ impl Gpu {
             emb: self.alloc(rows.len())?,
         };
         self.cuda.copy_in(&rows, &mut inputs.emb)?;
-        *self.graphs.capture.lock().unwrap_or_else(|e| e.into_inner()) = Some(inputs);
+        *self
+            .graphs
+            .capture
+            .lock()
+            .unwrap_or_else(|e| e.into_inner()) = Some(inputs);
         let spans: Vec<(usize, usize)> = (0..n).map(|s| (s, 1)).collect();
         let started = std::time::Instant::now();
-        let captured = self
-            .cuda
-            .capture(n * width, || Ok(model.logits_on(self, w, steps, &spans, None)?.0));
-        let inputs = self.graphs.capture.lock().unwrap_or_else(|e| e.into_inner()).take();
+        let captured = self.cuda.capture(n * width, || {
+            Ok(model.logits_on(self, w, steps, &spans, None)?.0)
+        });
+        let inputs = self
+            .graphs
+            .capture
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .take();
         let after = lens_of(steps);
         // The rule a replay advances the caches by must give what the capture's run did.
         set_lens(steps, &before);
@@ -218,10 +233,13 @@ impl Gpu {
         if !Arc::ptr_eq(dev.device(), &self.cuda) || experts.wants_prefetch() {
             return false;
         }
-        w.layers.iter().enumerate().all(|(li, l)| match &l.feed_forward {
-            FeedForward::Moe(moe) => dev.routes(li, steps.len() * moe.router.spec.k),
-            FeedForward::Dense(_) => true,
-        })
+        w.layers
+            .iter()
+            .enumerate()
+            .all(|(li, l)| match &l.feed_forward {
+                FeedForward::Moe(moe) => dev.routes(li, steps.len() * moe.router.spec.k),
+                FeedForward::Dense(_) => true,
+            })
     }
 
     /// Room in every cache of the batch for one more token's rows.
