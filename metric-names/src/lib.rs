@@ -64,7 +64,8 @@ pub const PIN_FAILURES_TOTAL: &str = "glmflash_pin_failures_total";
 pub const GPU_H2D_BYTES_TOTAL: &str = "glmflash_gpu_host_to_device_bytes_total";
 /// Routed-expert products by `lane` (`gpu` | `cpu`): the CPU lane's share of the work.
 pub const EXPERT_PRODUCTS_TOTAL: &str = "glmflash_expert_products_total";
-/// Seconds of one MoE layer's expert step on the GPU, sampled every 64th step (synchronised).
+/// Seconds of one MoE layer's expert step on the GPU, sampled every 64th step run op by op (by
+/// two timing events; decode steps replayed as a CUDA graph are not sampled).
 pub const GPU_MOE_STEP_SECONDS: &str = "glmflash_gpu_moe_step_seconds";
 
 /// Seconds the tiered expert provider has spent per `part` of its steps: `fetch` (the

@@ -411,7 +411,8 @@ impl Metrics {
             ),
             gpu_step: prometheus::Gauge::new(
                 GPU_MOE_STEP_SECONDS,
-                "Seconds of one MoE layer's expert step on the GPU (sampled every 64th step).",
+                "Seconds of one MoE layer's expert step on the GPU (sampled every 64th step run \
+                 op by op; decode steps replayed as a CUDA graph are not sampled).",
             )?,
             step_parts: prometheus::CounterVec::new(
                 Opts::new(
