@@ -15,7 +15,8 @@ use crate::engine::sampling::SamplingParams;
 use crate::metrics::Metrics;
 use crate::model::Model;
 use crate::model::decoder::{
-    DEFAULT_GPU_CHUNK, GROWTH_SLACK, GpuDecoder, MAX_ROWS, placed_device, workspace_bytes,
+    DEFAULT_GPU_CHUNK, GROWTH_SLACK, GpuDecoder, MAX_ROWS, decode_graphs_bytes, placed_device,
+    workspace_bytes,
 };
 use crate::model::moe::ExpertProvider;
 use crate::tokenizer::TextCodec;
@@ -361,7 +362,8 @@ fn fit_on_gpu(
     context: usize,
     capacity: &mut usize,
 ) -> Option<GpuDecoder> {
-    let workspace = workspace_bytes(cfg, config.gpu_chunk_size + config.max_batch_size, context);
+    let workspace = workspace_bytes(cfg, config.gpu_chunk_size + config.max_batch_size, context)
+        + decode_graphs_bytes(cfg, config.max_batch_size, context);
     let free = match decoder.device().mem_info() {
         Ok((free, _)) => free,
         Err(e) => {

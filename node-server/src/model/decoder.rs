@@ -14,7 +14,7 @@ use crate::backend::cuda::matrix::CudaMatrix;
 use anyhow::bail;
 use std::sync::Arc;
 
-pub use super::device::{ATTN_QUERIES, GROWTH_SLACK};
+pub use super::device::{ATTN_QUERIES, DECODE_GRAPHS_KEPT, GROWTH_SLACK};
 pub use super::forward::MAX_ROWS;
 
 /// Tokens of room a sequence's caches are made with on a device beyond what they hold.
@@ -210,6 +210,34 @@ pub const DEFAULT_GPU_CHUNK: usize = 2048;
 /// attention group's scratch, and a weight tile widened for cuBLAS. An estimate from the
 /// widths, counted per buffer; the stream-ordered allocator's rounding comes on top.
 pub fn workspace_bytes(cfg: &Config, rows: usize, context: usize) -> usize {
+    let h = cfg.num_attention_heads;
+    let group = ATTN_QUERIES * h * (cfg.index_topk + 2 * cfg.kv_lora_rank);
+    // One weight tile widened for cuBLAS at a time, in prompt chunks.
+    let widened = if rows >= crate::backend::cuda::WIDEN_MIN_TOKENS {
+        crate::backend::cuda::WIDEN_TILE_VALUES
+    } else {
+        0
+    };
+    (rows * row_values(cfg, context) + group + widened) * std::mem::size_of::<f32>()
+}
+
+/// Bytes of device memory the decode steps captured as CUDA graphs hold on top of
+/// [`workspace_bytes`] (each graph keeps its step's buffers for as long as it is kept:
+/// [`DECODE_GRAPHS_KEPT`] of them, each for up to `rows` sequences of up to `context` tokens,
+/// with its attention scratch and logits); none when graphs are off.
+pub fn decode_graphs_bytes(cfg: &Config, rows: usize, context: usize) -> usize {
+    if !super::device::decode_graphs() {
+        return 0;
+    }
+    let attention = cfg.num_attention_heads * (cfg.index_topk + cfg.index_kpool);
+    let step = rows * (row_values(cfg, context) + attention + cfg.vocab_size);
+    DECODE_GRAPHS_KEPT * step * std::mem::size_of::<f32>()
+}
+
+/// f32 values one token row of a forward call holds at most at once: the residual streams
+/// (three copies live at once) plus the widest sublayer's buffers (KDA, MLA with its indexer
+/// and its pool scores for sequences of up to `context` tokens, or an MLP).
+fn row_values(cfg: &Config, context: usize) -> usize {
     let (d, n, h) = (cfg.hidden_size, cfg.hc_mult, cfg.num_attention_heads);
     let c = cfg.kda_dim();
     let (di, hi) = (cfg.index_head_dim, cfg.index_n_heads);
@@ -225,15 +253,7 @@ pub fn workspace_bytes(cfg: &Config, rows: usize, context: usize) -> usize {
         + context / cfg.index_kpool.max(1);
     let shared = cfg.moe_intermediate_size * cfg.n_shared_experts.max(1);
     let mlp = 3 * cfg.intermediate_size.max(shared) + cfg.n_routed_experts + d;
-    let per_row = streams + kda.max(mla).max(mlp);
-    let group = ATTN_QUERIES * h * (cfg.index_topk + 2 * cfg.kv_lora_rank);
-    // One weight tile widened for cuBLAS at a time, in prompt chunks.
-    let widened = if rows >= crate::backend::cuda::WIDEN_MIN_TOKENS {
-        crate::backend::cuda::WIDEN_TILE_VALUES
-    } else {
-        0
-    };
-    (rows * per_row + group + widened) * std::mem::size_of::<f32>()
+    streams + kda.max(mla).max(mlp)
 }
 
 /// The GPU that holds `model`'s dense weights (its output projection's device copy), if any.
@@ -262,5 +282,9 @@ mod tests {
         assert!((600_000..800_000).contains(&per_row), "{per_row}");
         assert!((1200 << 20..1700 << 20).contains(&chunk), "{chunk}");
         assert!(decode < 300 << 20, "{decode}");
+        // The decode graphs of 8-sequence batches: tens of MiB (when graphs are on).
+        let graphs = decode_graphs_bytes(&cfg, 8, 131_072);
+        println!("decode graphs {} MiB", graphs >> 20);
+        assert!(graphs < 128 << 20, "{graphs}");
     }
 }

@@ -74,6 +74,16 @@ impl Cuda {
             | s.poison.load(Relaxed) as u64
     }
 
+    /// Gives the memory of dropped graphs back to the device (the driver keeps it for later
+    /// graphs until asked); best effort.
+    pub fn trim_graph_memory(&self) {
+        // SAFETY: a plain driver call on this context's device.
+        let r = unsafe { sys::cuDeviceGraphMemTrim(self.ctx.cu_device()) };
+        if let Err(e) = r.result() {
+            tracing::debug!(error = %e, "the graphs' memory was not trimmed");
+        }
+    }
+
     /// Sets every 32-bit word of `buf` to `bits`, on the compute stream (capturable).
     pub fn fill_bits<T>(&self, buf: &mut CudaSlice<T>, bits: u32) -> Result<(), CudaError> {
         let words = buf.num_bytes() / 4;

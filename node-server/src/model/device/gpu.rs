@@ -16,6 +16,7 @@ mod graph;
 mod side;
 mod timing;
 use graph::Graphs;
+pub use graph::{DECODE_GRAPHS_KEPT, decode_graphs};
 use side::Side;
 pub use side::side_stream;
 

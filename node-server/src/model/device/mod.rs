@@ -19,7 +19,7 @@ pub use crate::backend::CacheDtype;
 pub use crate::backend::cuda::attn::DsaSpec;
 pub use crate::backend::cuda::{KdaGates, KdaSpec, MhcCollapse, MhcSpec, RouteSpec};
 pub use cache_rows::CacheRows;
-pub use gpu::{ATTN_QUERIES, GROWTH_SLACK, Gpu, GrowBuf};
+pub use gpu::{ATTN_QUERIES, DECODE_GRAPHS_KEPT, GROWTH_SLACK, Gpu, GrowBuf, decode_graphs};
 pub use host::Host;
 
 use super::kda::KdaMode;

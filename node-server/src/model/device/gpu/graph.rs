@@ -23,8 +23,9 @@ use crate::backend::cuda::StepGraph;
 use crate::model::glm5::{Attention, FeedForward, LayerCache, Model, Step, Weights};
 use cudarc::driver::DevicePtr;
 
-/// Graphs kept at once (each holds its step's scratch memory); the least recently used goes.
-const KEPT: usize = 8;
+/// Graphs kept at once (each holds its step's buffers); the least recently used goes. A
+/// layout outlives few changes of a batch (a finished sequence ends every layout it was in).
+pub const DECODE_GRAPHS_KEPT: usize = 4;
 
 /// Whether decode steps run as CUDA graphs: on unless `GLMFLASH_DECODE_GRAPH=0` (op by op,
 /// for A/B runs and as a fallback).
@@ -211,8 +212,9 @@ impl Gpu {
         };
         let out = self.waited(|| e.graph.replay(&self.cuda, split))?;
         kept.captures += 1;
-        if kept.graphs.len() >= KEPT {
-            kept.graphs.remove(0);
+        if kept.graphs.len() >= DECODE_GRAPHS_KEPT {
+            drop(kept.graphs.remove(0));
+            self.cuda.trim_graph_memory();
         }
         kept.graphs.push(e);
         for s in steps.iter_mut() {
