@@ -608,11 +608,66 @@ impl Cuda {
                 planned: None,
             });
         }
-        let s = &self.stream;
         let d_cand = self.upload(&candidates)?;
         let d_vis = self.upload(&visible)?;
         let out_off: Vec<i64> = offsets[..queries].iter().map(|&o| o as i64).collect();
         let d_off = self.upload(&out_off)?;
+        let plan = SelectPlan {
+            candidates: &d_cand,
+            visible: &d_vis,
+            out_off: &d_off,
+            max_cand,
+        };
+        self.select_launches(
+            q,
+            weights,
+            (pool_keys, keys_dtype),
+            spec,
+            queries,
+            plan,
+            &mut tokens,
+        )?;
+        Ok(DeviceSelections {
+            tokens,
+            offsets,
+            planned: None,
+        })
+    }
+}
+
+/// Where each query's selection comes from, on the device: its candidate pools and visible
+/// tokens, and the first place of its tokens; `max_cand` bounds the candidates (the scores'
+/// row length).
+pub(super) struct SelectPlan<'a> {
+    pub candidates: &'a CudaSlice<i32>,
+    pub visible: &'a CudaSlice<i32>,
+    pub out_off: &'a CudaSlice<i64>,
+    pub max_cand: usize,
+}
+
+impl Cuda {
+    /// The pool scores and the top pools to tokens of `queries` queries (`dsa_scores` then
+    /// `dsa_topk_tokens`) as `plan` places them; the caller has checked q, weights and
+    /// pool_keys hold the rows the candidates need, and sized `tokens` for the plan's places.
+    #[allow(clippy::too_many_arguments)]
+    pub(super) fn select_launches(
+        &self,
+        q: &CudaSlice<f32>,
+        weights: &CudaSlice<f32>,
+        (pool_keys, keys_dtype): CacheBytes,
+        spec: DsaSpec,
+        queries: usize,
+        plan: SelectPlan,
+        tokens: &mut CudaSlice<u32>,
+    ) -> Result<(), CudaError> {
+        let DsaSpec {
+            heads,
+            dim,
+            kpool,
+            topk,
+            select_tail,
+        } = spec;
+        let (s, max_cand) = (&self.stream, plan.max_cand);
         let mut scores = self.alloc_f32(queries * max_cand)?;
         let (heads_i, dim_i, max_i) = (heads as i32, dim as i32, max_cand as i32);
         let scale = (dim as f32).powf(-0.5);
@@ -623,7 +678,7 @@ impl Cuda {
                 .arg(weights)
                 .arg(pool_keys)
                 .arg(&keys_fmt)
-                .arg(&d_cand)
+                .arg(plan.candidates)
                 .arg(&heads_i)
                 .arg(&dim_i)
                 .arg(&scale)
@@ -635,34 +690,30 @@ impl Cuda {
                 block_dim: (ATTN_BLOCK, 1, 1),
                 shared_mem_bytes: 0,
             };
-            // SAFETY: one warp per (pool < candidates[b] <= pools, query b); q, weights and
-            // pool_keys were checked to hold those rows, scores has max_cand per query.
+            // SAFETY: one warp per (pool < candidates[b] <= max_cand, query b); the caller
+            // checked q, weights and pool_keys hold those rows; scores has max_cand per query.
             unsafe { b.launch(cfg) }?;
         }
         let (budget_i, kpool_i, tail_i) = ((topk / kpool) as i32, kpool as i32, select_tail as i32);
         let mut b = s.launch_builder(self.kernel("dsa_topk_tokens"));
         b.arg(&scores)
-            .arg(&d_cand)
-            .arg(&d_vis)
-            .arg(&d_off)
+            .arg(plan.candidates)
+            .arg(plan.visible)
+            .arg(plan.out_off)
             .arg(&max_i)
             .arg(&budget_i)
             .arg(&kpool_i)
             .arg(&tail_i)
-            .arg(&mut tokens);
+            .arg(tokens);
         let cfg = LaunchConfig {
             grid_dim: (queries as u32, 1, 1),
             block_dim: (ATTN_BLOCK, 1, 1),
             shared_mem_bytes: 0,
         };
-        // SAFETY: one block per query; it writes exactly the `count` tokens of its range
-        // [offsets[b], offsets[b + 1]) computed above with the kernel's own formula.
+        // SAFETY: one block per query; it writes its count of tokens (the plan's formula, the
+        // kernel's own) from its planned place, inside `tokens` (the caller sized it).
         unsafe { b.launch(cfg) }?;
-        Ok(DeviceSelections {
-            tokens,
-            offsets,
-            planned: None,
-        })
+        Ok(())
     }
 }
 

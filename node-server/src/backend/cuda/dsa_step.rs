@@ -3,7 +3,7 @@
 //! the graph's step count (a device value the host sets before each launch), with the bits
 //! [`Cuda::dsa_pool_keys_dev`], [`Cuda::cache_store`] and [`Cuda::dsa_select_dev`] give.
 
-use super::attn::{ATTN_BLOCK, CacheBytes, DeviceSelections, DsaSpec, Planned, cache_format};
+use super::attn::{CacheBytes, DeviceSelections, DsaSpec, Planned, SelectPlan, cache_format};
 use super::{Cuda, CudaError};
 use cudarc::driver::{CudaSlice, LaunchConfig, PushKernelArg};
 
@@ -126,51 +126,21 @@ impl Cuda {
 
         // The scores' rows are as long as the pools there is room for; a query scores only
         // its candidates (the rest of the grid returns at once).
-        let max_cand = room_pools;
-        let mut scores = self.alloc_f32(queries * max_cand)?;
-        let (heads_i, dim_i, max_i) = (heads as i32, dim as i32, max_cand as i32);
-        let scale = (dim as f32).powf(-0.5);
-        let keys_fmt = cache_format(keys_dtype);
-        if max_cand > 0 {
-            let mut b = s.launch_builder(self.kernel("dsa_scores"));
-            b.arg(q)
-                .arg(weights)
-                .arg(pool_keys)
-                .arg(&keys_fmt)
-                .arg(&cand)
-                .arg(&heads_i)
-                .arg(&dim_i)
-                .arg(&scale)
-                .arg(&max_i)
-                .arg(&mut scores);
-            let warps = ATTN_BLOCK / 32;
-            let cfg = LaunchConfig {
-                grid_dim: ((max_cand as u32).div_ceil(warps), queries as u32, 1),
-                block_dim: (ATTN_BLOCK, 1, 1),
-                shared_mem_bytes: 0,
-            };
-            // SAFETY: one warp per (pool < candidates[b] <= room_pools, query b): the plan's
-            // candidates are the complete pools, which the pool keys have room for.
-            unsafe { b.launch(cfg) }?;
-        }
-        let mut b = s.launch_builder(self.kernel("dsa_topk_tokens"));
-        b.arg(&scores)
-            .arg(&cand)
-            .arg(&vis)
-            .arg(&out_off)
-            .arg(&max_i)
-            .arg(&budget_i)
-            .arg(&kpool_i)
-            .arg(&tail_i)
-            .arg(&mut tokens);
-        let cfg = LaunchConfig {
-            grid_dim: (queries as u32, 1, 1),
-            block_dim: (ATTN_BLOCK, 1, 1),
-            shared_mem_bytes: 0,
+        let plan = SelectPlan {
+            candidates: &cand,
+            visible: &vis,
+            out_off: &out_off,
+            max_cand: room_pools,
         };
-        // SAFETY: one block per query; it writes the plan's count of tokens (at most
-        // `max_picks`) from its planned place, inside `queries * max_picks`.
-        unsafe { b.launch(cfg) }?;
+        self.select_launches(
+            q,
+            weights,
+            (pool_keys, keys_dtype),
+            spec,
+            queries,
+            plan,
+            &mut tokens,
+        )?;
         Ok(DeviceSelections {
             tokens,
             offsets: Vec::new(),

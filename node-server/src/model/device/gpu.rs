@@ -639,12 +639,12 @@ impl Device for Gpu {
         gates: &GrowBuf,
         pool_keys: &mut GrowBuf,
     ) -> anyhow::Result<()> {
-        let (di, kpool) = (spec.dim, spec.kpool);
-        let pool = pool_keys.len / di;
-        let complete = (keys.len / di) / kpool;
         if let Some(inputs) = self.graphs.inputs(&self.cuda).as_ref() {
             return self.pool_step(spec, ape, keys, gates, pool_keys, &inputs.step);
         }
+        let (di, kpool) = (spec.dim, spec.kpool);
+        let pool = pool_keys.len / di;
+        let complete = (keys.len / di) / kpool;
         if complete > pool {
             let n = complete - pool;
             let mut key = self.alloc(n * di)?;
