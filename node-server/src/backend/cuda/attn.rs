@@ -598,8 +598,7 @@ impl Cuda {
             offsets.push(offsets.last().copied().unwrap_or(0) + count);
         }
         let total = offsets.last().copied().unwrap_or(0);
-        // Unwritten entries stay u32::MAX, which no selection can hold.
-        let mut tokens = self.upload(&vec![u32::MAX; total.max(1)])?;
+        let mut tokens = self.unselected(total)?;
         let max_cand = candidates.iter().copied().max().unwrap_or(0).max(0) as usize;
         if queries == 0 {
             return Ok(DeviceSelections {
@@ -718,6 +717,15 @@ impl Cuda {
 }
 
 impl Cuda {
+    /// A buffer for `len` selected tokens, every entry u32::MAX (which no selection can hold)
+    /// until the selection kernels write it.
+    pub(super) fn unselected(&self, len: usize) -> Result<CudaSlice<u32>, CudaError> {
+        // SAFETY: every word is set below, before any kernel reads the buffer.
+        let mut tokens = unsafe { self.stream.alloc::<u32>(len.max(1)) }?;
+        self.fill_bits(&mut tokens, u32::MAX)?;
+        Ok(tokens)
+    }
+
     /// f32 values as the bytes of an f32 cache.
     fn upload_f32_bytes(&self, values: &[f32]) -> Result<CudaSlice<u8>, CudaError> {
         let bytes: Vec<u8> = flat_or_one(values.iter().flat_map(|v| v.to_le_bytes()).collect());

@@ -96,11 +96,7 @@ impl Cuda {
         }
         let budget = topk / kpool;
         let max_picks = budget * kpool + if select_tail { kpool - 1 } else { 0 };
-        let mut tokens = self
-            .stream
-            .alloc_zeros::<u32>((queries * max_picks).max(1))?;
-        // Unwritten entries stay u32::MAX, which no selection can hold.
-        self.fill_bits(&mut tokens, u32::MAX)?;
+        let mut tokens = self.unselected(queries * max_picks)?;
         let s = &self.stream;
         let (mut cand, mut vis) = (
             s.alloc_zeros::<i32>(queries)?,

@@ -95,6 +95,26 @@ impl Gpu {
         Ok(self.cuda.alloc_f32(n)?)
     }
 
+    /// Room in `g` for `n` more values: grown by a quarter (or to what is needed) when full,
+    /// so a cache holds at most a quarter more than its values (the VRAM budget counts it).
+    fn make_room(&self, g: &mut GrowBuf, n: usize) -> anyhow::Result<()> {
+        if g.len + n <= g.capacity() {
+            return Ok(());
+        }
+        if self.cuda.capturing() {
+            bail!("a cache grows inside a graph's capture");
+        }
+        let (s, size, cap) = (self.cuda.stream(), g.dtype.bytes(), g.capacity());
+        let values = (cap + cap / GROWTH_SLACK).max(g.len + n);
+        let mut grown = s.alloc_zeros::<u8>(values * size)?;
+        if g.len > 0 {
+            let mut dst = grown.slice_mut(..g.len * size);
+            s.memcpy_dtod(&g.buf.slice(..g.len * size), &mut dst)?;
+        }
+        g.buf = grown;
+        Ok(())
+    }
+
     /// mHC's collapse into fresh buffers, with the input norm in the same launch when `norm`.
     fn collapse_with(
         &self,
@@ -265,9 +285,8 @@ impl Device for Gpu {
         g.len
     }
 
-    /// Grows the buffer by a quarter (or to what is needed) when full: a cache holds at most
-    /// a quarter more than its values, which the engine's VRAM budget counts. In a decode
-    /// graph's capture the values go `count * width` further at each replay.
+    /// Makes room first ([`Gpu::make_room`]). In a decode graph's capture the values go
+    /// `count * width` further at each replay.
     fn push(
         &self,
         g: &mut GrowBuf,

@@ -262,26 +262,6 @@ impl Gpu {
         Ok(())
     }
 
-    /// Room in `g` for `n` more values: grown by a quarter (or to what is needed) when full,
-    /// so a cache holds at most a quarter more than its values (the VRAM budget counts it).
-    pub(super) fn make_room(&self, g: &mut GrowBuf, n: usize) -> anyhow::Result<()> {
-        if g.len + n <= g.capacity() {
-            return Ok(());
-        }
-        if self.cuda.capturing() {
-            bail!("a cache grows inside a graph's capture");
-        }
-        let (s, size, cap) = (self.cuda.stream(), g.dtype.bytes(), g.capacity());
-        let values = (cap + cap / GROWTH_SLACK).max(g.len + n);
-        let mut grown = s.alloc_zeros::<u8>(values * size)?;
-        if g.len > 0 {
-            let mut dst = grown.slice_mut(..g.len * size);
-            s.memcpy_dtod(&g.buf.slice(..g.len * size), &mut dst)?;
-        }
-        g.buf = grown;
-        Ok(())
-    }
-
     /// [`Device::dsa_pools`] in a capture: the pool a replay's token completes, if any, found
     /// and stored on the device; the host counts what this step completes.
     pub(super) fn pool_step(
