@@ -197,6 +197,75 @@ extern "C" __global__ void matvec_split_t4(MATVEC_ARGS) {
 }
 #undef MATVEC_ARGS
 
+// Q4_K super-blocks of each of its two rows a `matvec_q4k_pairs` warp loads before using any.
+#define MATVEC_Q4K_BLOCKS 4
+
+// Q4_K at one token two rows a warp (rows 2 i and 2 i + 1 for warp i), both rows' super-blocks
+// in flight at once and their headers loaded once a warp (`q4_k_pair_dots`, as a MoE pick's
+// gate and up): each row's sum takes `row_dots`' products in its order, so the same bits as
+// `matvec_rows`. A last row without a partner computes itself twice and stores once.
+__device__ void matvec_q4k_pairs(const u8* __restrict__ w, i64 rb, int rows, int cols,
+                                 const float* __restrict__ x, float* __restrict__ y) {
+    const int warps = blockDim.x / WARP, lane = threadIdx.x & (WARP - 1);
+    const int r0 = 2 * (blockIdx.x * warps + threadIdx.x / WARP);
+    if (r0 >= rows) return;
+    const bool two = r0 + 1 < rows;
+    const u8* row0 = w + (i64)r0 * rb;
+    float acc[2] = {0.0f, 0.0f};
+    q4_k_pair_dots<MATVEC_Q4K_BLOCKS>(row0, two ? row0 + rb : row0, cols, x, acc);
+    const float v0 = warp_sum(acc[0]), v1 = warp_sum(acc[1]);
+    if (lane == 0) {
+        y[r0] = v0;
+        if (two) y[r0 + 1] = v1;
+    }
+}
+
+// `matvec` and `matvec_split` for the block formats (q8_0, q4_k) at most T tokens a pass (1,
+// 2 or 4: decode's batches), kernels of their own as the float formats' `matvec_t*`: a warp
+// holds only the accumulators it uses, and at four tokens or fewer `row_dots` keeps four
+// super-blocks' loads in flight a lane. The same bits as `matvec`. One token of q4_k without
+// the split: two rows a warp (`matvec_q4k_pairs`; the host's grid covers half as many warps).
+template <int T, bool SPLIT>
+__device__ void matvec_quant(const u8* __restrict__ w, int fmt, int rows, int cols,
+                             const float* __restrict__ x, int n, float* __restrict__ y) {
+    const i64 rb = row_bytes(fmt, cols);
+    if (fmt == FMT_Q8_0) {
+        if (SPLIT)
+            matvec_split_row<FMT_Q8_0, T>(w, rb, cols, x, n, y, rows);
+        else
+            matvec_rows<FMT_Q8_0, T>(w, rb, rows, cols, x, n, y);
+    } else if (SPLIT) {
+        matvec_split_row<FMT_Q4_K, T>(w, rb, cols, x, n, y, rows);
+    } else if (T == 1) {
+        matvec_q4k_pairs(w, rb, rows, cols, x, y);
+    } else {
+        matvec_rows<FMT_Q4_K, T>(w, rb, rows, cols, x, n, y);
+    }
+}
+
+#define MATVEC_ARGS                                                                       \
+    const u8 *__restrict__ w, int fmt, int rows, int cols, const float *__restrict__ x, \
+        int n, float *__restrict__ y
+extern "C" __global__ void matvec_q_t1(MATVEC_ARGS) {
+    matvec_quant<1, false>(w, fmt, rows, cols, x, n, y);
+}
+extern "C" __global__ void matvec_q_t2(MATVEC_ARGS) {
+    matvec_quant<2, false>(w, fmt, rows, cols, x, n, y);
+}
+extern "C" __global__ void matvec_q_t4(MATVEC_ARGS) {
+    matvec_quant<4, false>(w, fmt, rows, cols, x, n, y);
+}
+extern "C" __global__ void matvec_q_split_t1(MATVEC_ARGS) {
+    matvec_quant<1, true>(w, fmt, rows, cols, x, n, y);
+}
+extern "C" __global__ void matvec_q_split_t2(MATVEC_ARGS) {
+    matvec_quant<2, true>(w, fmt, rows, cols, x, n, y);
+}
+extern "C" __global__ void matvec_q_split_t4(MATVEC_ARGS) {
+    matvec_quant<4, true>(w, fmt, rows, cols, x, n, y);
+}
+#undef MATVEC_ARGS
+
 // out[i] = value i of an f16 or bf16 run of weights (a tile widened for cuBLAS SGEMM, so
 // products of many tokens keep f32 activations). Grid-stride over `count` values.
 extern "C" __global__ void widen_f32(const u16* __restrict__ w, int fmt, i64 count,

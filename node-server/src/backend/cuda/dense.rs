@@ -12,11 +12,11 @@ pub(super) enum HalfType {
 }
 
 impl Cuda {
-    /// [`Cuda::matvec`]'s product, through cuBLAS SGEMM for many tokens of a float-format
-    /// matrix (f32 from `GEMM_MIN_TOKENS`; f16 and bf16 from `WIDEN_MIN_TOKENS`, widened to
-    /// f32 a tile of rows at a time, so the product keeps f32 activations and f32 arithmetic:
-    /// no TF32; with [`prompt_gemm`], bf16 on the tensor cores instead,
-    /// [`Cuda::matmul_bf16x3`]), else through `matvec`.
+    /// [`Cuda::matvec`]'s product, through cuBLAS SGEMM for many tokens (f32 from
+    /// `GEMM_MIN_TOKENS`; f16, bf16, q8_0 and q4_k from `WIDEN_MIN_TOKENS`, widened to f32 a
+    /// tile of rows at a time, each value as `matvec` computes it, so the product keeps f32
+    /// activations and f32 arithmetic: no TF32; bf16 with [`prompt_gemm`] on the tensor cores
+    /// instead, [`Cuda::matmul_bf16x3`]), else through `matvec`.
     #[allow(clippy::too_many_arguments)]
     pub fn matmul(
         &self,
@@ -30,8 +30,7 @@ impl Cuda {
     ) -> Result<(), CudaError> {
         let min = match format {
             Format::F32 => GEMM_MIN_TOKENS,
-            Format::F16 | Format::Bf16 => WIDEN_MIN_TOKENS,
-            Format::Q8_0 | Format::Q4K => usize::MAX,
+            Format::F16 | Format::Bf16 | Format::Q8_0 | Format::Q4K => WIDEN_MIN_TOKENS,
         };
         if n < min || cols == 0 {
             return self.matvec(w, format, rows, cols, x, n, y);
@@ -48,12 +47,31 @@ impl Cuda {
         for r0 in (0..rows).step_by(tile) {
             let m = tile.min(rows - r0);
             if let Some(out) = widened.as_mut() {
-                let src = w.slice(r0 * cols * 2..(r0 + m) * cols * 2);
-                let (fmt, count) = (kernel_format_id(format), (m * cols) as i64);
-                let mut b = self.stream.launch_builder(self.kernel("widen_f32"));
-                b.arg(&src).arg(&fmt).arg(&count).arg(&mut *out);
-                // SAFETY: src holds m * cols 2-byte values, out at least as many f32.
-                unsafe { b.launch(LaunchConfig::for_num_elems((m * cols) as u32)) }?;
+                let fmt = kernel_format_id(format);
+                if matches!(format, Format::F16 | Format::Bf16) {
+                    let src = w.slice(r0 * cols * 2..(r0 + m) * cols * 2);
+                    let count = (m * cols) as i64;
+                    let mut b = self.stream.launch_builder(self.kernel("widen_f32"));
+                    b.arg(&src).arg(&fmt).arg(&count).arg(&mut *out);
+                    // SAFETY: src holds m * cols 2-byte values, out at least as many f32.
+                    unsafe { b.launch(LaunchConfig::for_num_elems((m * cols) as u32)) }?;
+                } else {
+                    // The block formats' values as `row_dots` computes them (`dequant_rows`).
+                    let rb = format
+                        .row_bytes(cols)
+                        .map_err(|e| CudaError::Invalid(format!("matmul rows: {e}")))?;
+                    let src = w.slice(r0 * rb..(r0 + m) * rb);
+                    let (rows_i, cols_i) = (m as i32, cols as i32);
+                    let mut b = self.stream.launch_builder(self.kernel("dequant_rows"));
+                    b.arg(&src)
+                        .arg(&fmt)
+                        .arg(&rows_i)
+                        .arg(&cols_i)
+                        .arg(&mut *out);
+                    // SAFETY: src holds m rows of `cols` values in `format` (check_product),
+                    // out at least m * cols f32; a block per row.
+                    unsafe { b.launch(block_per_row(m)) }?;
+                }
             }
             // SAFETY: an f32 matrix's bytes are rows * cols little-endian f32 (checked
             // above), the device's own byte order; the view covers exactly them.
@@ -233,26 +251,29 @@ impl Cuda {
         let (fmt, rows_i, cols_i, n_i) =
             (kernel_format_id(format), rows as i32, cols as i32, n as i32);
         // A warp per row leaves most of the GPU idle below a few thousand rows (the mHC,
-        // router and gate projections): those rows get a block each instead. A float format
-        // at four tokens or fewer (decode) takes the kernel of the fewest accumulators that
-        // hold them: the same bits, more warps resident (gemv.cu's `matvec_t*`; at two and
-        // four tokens two rows a warp, sharing their loads of x).
+        // router and gate projections): those rows get a block each instead. At four tokens
+        // or fewer (decode) every format takes the kernel of the fewest accumulators that
+        // hold them: the same bits, more warps resident (gemv.cu's `matvec_t*` for the float
+        // formats, at two and four tokens two rows a warp sharing their loads of x;
+        // `matvec_q_t*` for q8_0 and q4_k, q4_k at one token two rows a warp).
         let split = rows < SPLIT_BELOW_ROWS;
         let float = matches!(format, Format::F32 | Format::F16 | Format::Bf16);
-        let tile = if float {
-            self.matvec_tile(n)
-        } else {
-            MATVEC_TILE
-        };
-        let name = match (split, tile) {
-            (false, 1) => "matvec_t1",
-            (false, 2) => "matvec_t2",
-            (false, 4) => "matvec_t4",
-            (false, _) => "matvec",
-            (true, 1) => "matvec_split_t1",
-            (true, 2) => "matvec_split_t2",
-            (true, 4) => "matvec_split_t4",
-            (true, _) => "matvec_split",
+        let tile = self.matvec_tile(n);
+        let name = match (float, split, tile) {
+            (true, false, 1) => "matvec_t1",
+            (true, false, 2) => "matvec_t2",
+            (true, false, 4) => "matvec_t4",
+            (true, true, 1) => "matvec_split_t1",
+            (true, true, 2) => "matvec_split_t2",
+            (true, true, 4) => "matvec_split_t4",
+            (false, false, 1) => "matvec_q_t1",
+            (false, false, 2) => "matvec_q_t2",
+            (false, false, 4) => "matvec_q_t4",
+            (false, true, 1) => "matvec_q_split_t1",
+            (false, true, 2) => "matvec_q_split_t2",
+            (false, true, 4) => "matvec_q_split_t4",
+            (_, false, _) => "matvec",
+            (_, true, _) => "matvec_split",
         };
         let cfg = if split {
             LaunchConfig {
@@ -260,8 +281,10 @@ impl Cuda {
                 block_dim: (SPLIT_THREADS, 1, 1),
                 shared_mem_bytes: 0,
             }
-        } else if matches!(name, "matvec_t2" | "matvec_t4") {
-            // Two rows a warp (gemv.cu's `matvec_rows2`).
+        } else if matches!(name, "matvec_t2" | "matvec_t4")
+            || (name == "matvec_q_t1" && format == Format::Q4K)
+        {
+            // Two rows a warp (gemv.cu's `matvec_rows2`, `matvec_q4k_pairs`).
             rows_config(rows.div_ceil(2), 1)
         } else {
             rows_config(rows, 1)
@@ -274,10 +297,11 @@ impl Cuda {
             .arg(x)
             .arg(&n_i)
             .arg(y);
-        // SAFETY: every one of these kernels takes `matvec`'s argument list in gemv.cu (the
-        // `_t*` ones only float formats, which `name` keeps to); the sizes were
-        // checked above, and the grid covers `rows` rows (a warp each, two rows a warp for
-        // `matvec_t2`/`_t4`, or a block of SPLIT_WARPS warps each).
+        // SAFETY: every one of these kernels takes `matvec`'s argument list in gemv.cu
+        // (`matvec_t*` only float formats, `matvec_q_*` only q8_0 and q4_k, which `name`
+        // keeps to); the sizes were checked above, and the grid covers `rows` rows (a warp
+        // each, two rows a warp for `matvec_t2`/`_t4` and q4_k's `matvec_q_t1`, or a block of
+        // SPLIT_WARPS warps each).
         unsafe { b.launch(cfg) }?;
         Ok(())
     }

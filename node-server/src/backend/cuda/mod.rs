@@ -528,7 +528,7 @@ impl Cuda {
             .store(on, std::sync::atomic::Ordering::Relaxed);
     }
 
-    /// Tokens a float-format `matvec` pass carries for `n` tokens: the fewest of 1, 2, 4 and
+    /// Tokens a `matvec` pass carries for `n` tokens: the fewest of 1, 2, 4 and
     /// [`MATVEC_TILE`] that hold them (a row's warp then keeps only the accumulators it uses).
     fn matvec_tile(&self, n: usize) -> usize {
         if self
@@ -578,6 +578,15 @@ impl Cuda {
         Ok(self
             .ctx
             .new_event(Some(cudarc::driver::sys::CUevent_flags::CU_EVENT_DEFAULT))?)
+    }
+}
+
+/// One block of 256 threads per row, for `rows` rows.
+pub(super) fn block_per_row(rows: usize) -> LaunchConfig {
+    LaunchConfig {
+        grid_dim: (rows as u32, 1, 1),
+        block_dim: (256, 1, 1),
+        shared_mem_bytes: 0,
     }
 }
 

@@ -213,15 +213,6 @@ impl Cuda {
 /// with cuBLAS on the slot's widened weights (prompt chunks) instead of the fused kernels.
 pub const MOE_GEMM_MIN_PICKS: usize = 32;
 
-/// One block of 256 threads per row, for `rows` rows.
-fn block_per_row(rows: usize) -> LaunchConfig {
-    LaunchConfig {
-        grid_dim: (rows as u32, 1, 1),
-        block_dim: (256, 1, 1),
-        shared_mem_bytes: 0,
-    }
-}
-
 /// Picks a tile of the row kernels takes (`TOK_TILE` in common.cuh): groups longer than this
 /// run the gathered (`_wide`) kernels.
 const ROWS_TILE: usize = 8;

@@ -67,38 +67,41 @@ pub(super) fn check_matvec(
     Ok(())
 }
 
-/// Prints `matvec`'s time and weight bytes read per second for GLM-5.3-Flash-width bf16
-/// matrices (the lm head, the dense MLP's gate, a KDA projection) at 1 and 4 tokens, with the
+/// Prints `matvec`'s time and weight bytes read per second for GLM-5.3-Flash-width bf16 and
+/// q4_k matrices (the lm head, the dense MLP's gate, a KDA projection) at 1 and 4 tokens, with the
 /// token tile fitted to the tokens and with the widest (the kernel before the fitted tiles),
 /// against the device's copy rate (bytes read plus written a second: what HBM moves).
 fn matvec_speed(cuda: &Cuda, rng: &mut ChaCha8Rng) -> anyhow::Result<()> {
     let copy = copy_rate_for_speeds(cuda)?;
-    for (rows, cols) in [(154_880usize, 4096usize), (12_288, 4096), (4096, 4096)] {
-        // A random row of bf16 values repeated: the values do not matter to the speed.
-        let row: Vec<u8> = randn(rng, cols, 1.0)
-            .into_iter()
-            .flat_map(|v| half::bf16::from_f32(v).to_le_bytes())
-            .collect();
-        let bytes = row.repeat(rows);
-        let w = cuda.upload(&bytes)?;
-        drop(bytes);
-        for n in [1usize, 4] {
-            let dx = cuda.upload(&randn(rng, n * cols, 1.0))?;
-            let mut dy = cuda.alloc_f32(n * rows)?;
-            for wide_tile in [false, true] {
-                cuda.set_matvec_wide_tile(wide_tile);
-                let secs = seconds_per_call(cuda, 30, || {
-                    cuda.matvec(&w, Format::Bf16, rows, cols, &dx, n, &mut dy)
-                })?;
-                println!(
-                    "matvec bf16 {rows}x{cols} n={n} {} tile: {:.1} us, {:.0} GB/s of weights ({:.2} of the copy rate)",
-                    if wide_tile { "widest" } else { "fitted" },
-                    secs * 1e6,
-                    (rows * cols * 2) as f64 / secs / 1e9,
-                    (rows * cols * 2) as f64 / secs / copy
-                );
+    for format in [Format::Bf16, Format::Q4K] {
+        for (rows, cols) in [(154_880usize, 4096usize), (12_288, 4096), (4096, 4096)] {
+            // A random row repeated: the values do not matter to the speed.
+            let row = random_matrix(rng, 1, cols, format)?
+                .to_bytes()
+                .context("a row-format matrix")?;
+            let bytes = row.repeat(rows);
+            let w = cuda.upload(&bytes)?;
+            let size = bytes.len() as f64;
+            drop(bytes);
+            for n in [1usize, 4] {
+                let dx = cuda.upload(&randn(rng, n * cols, 1.0))?;
+                let mut dy = cuda.alloc_f32(n * rows)?;
+                for wide_tile in [false, true] {
+                    cuda.set_matvec_wide_tile(wide_tile);
+                    let secs = seconds_per_call(cuda, 30, || {
+                        cuda.matvec(&w, format, rows, cols, &dx, n, &mut dy)
+                    })?;
+                    println!(
+                        "matvec {} {rows}x{cols} n={n} {} tile: {:.1} us, {:.0} GB/s of weights ({:.2} of the copy rate)",
+                        format.name(),
+                        if wide_tile { "widest" } else { "fitted" },
+                        secs * 1e6,
+                        size / secs / 1e9,
+                        size / secs / copy
+                    );
+                }
+                cuda.set_matvec_wide_tile(false);
             }
-            cuda.set_matvec_wide_tile(false);
         }
     }
     cuda.set_poison(true);
@@ -106,15 +109,15 @@ fn matvec_speed(cuda: &Cuda, rng: &mut ChaCha8Rng) -> anyhow::Result<()> {
 }
 
 /// Dense matrices placed on the GPU as a model load places them (`Cuda::matmul`: cuBLAS for
-/// many tokens of f32, and of f16/bf16 widened a tile at a time: 4100 x 4096 is three tiles,
-/// the last of 4 rows).
+/// many tokens of f32, and of f16/bf16/q8_0/q4_k widened a tile at a time: 4100 x 4096 is
+/// three tiles, the last of 4 rows).
 pub(super) fn check_dense(
     cuda: &Arc<Cuda>,
     rng: &mut ChaCha8Rng,
     cases: &mut Vec<Case>,
 ) -> anyhow::Result<()> {
     let placer = CudaPlacer::new(cuda.clone(), 1)?;
-    for format in [Format::F32, Format::F16, Format::Bf16, Format::Q4K] {
+    for format in Format::ALL {
         for (rows, cols) in [(512usize, 256usize), (1000, 1536), (4100, 4096)] {
             let m = random_matrix(rng, rows, cols, format)?;
             // Called directly, not through Matrix::matmul, whose CPU fallback would hide a
