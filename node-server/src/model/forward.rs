@@ -181,13 +181,12 @@ impl Model {
 
     /// The batch's tokens' embedding rows, in order (`[tokens, hidden]`).
     pub(crate) fn embedded_rows<D: Device>(&self, steps: &[Step<D>]) -> Vec<f32> {
-        let tokens: usize = steps.iter().map(|s| s.tokens.len()).sum();
-        let mut embedded = Vec::with_capacity(tokens * self.cfg.hidden_size);
-        for step in steps {
-            for &t in step.tokens {
-                embedded.extend_from_slice(&self.embed.row_f32(t as usize));
-            }
-        }
+        let ids: Vec<usize> = steps
+            .iter()
+            .flat_map(|s| s.tokens.iter().map(|&t| t as usize))
+            .collect();
+        let mut embedded = vec![0f32; ids.len() * self.cfg.hidden_size];
+        self.embed.gather_rows_f32(&ids, &mut embedded);
         embedded
     }
 
