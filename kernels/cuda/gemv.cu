@@ -198,7 +198,9 @@ extern "C" __global__ void matvec_split_t4(MATVEC_ARGS) {
 #undef MATVEC_ARGS
 
 // Q4_K super-blocks of each of its two rows a `matvec_q4k_pairs` warp loads before using any.
+#ifndef MATVEC_Q4K_BLOCKS
 #define MATVEC_Q4K_BLOCKS 4
+#endif
 
 // Q4_K at one token two rows a warp (rows 2 i and 2 i + 1 for warp i), both rows' super-blocks
 // in flight at once and their headers loaded once a warp (`q4_k_pair_dots`, as a MoE pick's

@@ -8,7 +8,9 @@
 
 // Q4_K super-blocks of gate's and of up's row a decode pick's warp loads before using any
 // (q4_k_pair_dots: 2 x 4 of their 16 at hidden 4,096).
+#ifndef GATE_UP_BLOCKS
 #define GATE_UP_BLOCKS 4
+#endif
 
 // WIDE: x holds the group's token rows gathered in entry order (`moe_gather`), so a tile of
 // TOK_TILE picks is one strided block and each weight row is read once a tile, not once a

@@ -10,6 +10,7 @@
 use crate::quant::Format;
 
 pub mod attn;
+mod compile;
 mod dense;
 mod dsa_step;
 mod elementwise;
@@ -24,7 +25,6 @@ use cudarc::cublas::{CudaBlas, Gemm, GemmConfig, sys::cublasOperation_t};
 use cudarc::driver::{
     CudaContext, CudaFunction, CudaSlice, CudaStream, DriverError, LaunchConfig, PushKernelArg,
 };
-use cudarc::nvrtc::{CompileOptions, Ptx};
 pub use elementwise::{CallCosts, ChainCosts, KdaGates};
 pub use exl3::{Exl3Weights, GEMV_BLOCKS};
 pub use graph::StepGraph;
@@ -32,7 +32,7 @@ pub use moe::{Exl3Form, MoeLayout, MoeRun, MoeStep, RouteSpec, SlotArena, SlotFo
 pub use moe_rows::MOE_GEMM_MIN_PICKS;
 pub use ops::{KdaForm, KdaSpec, MhcCollapse, MhcSpec};
 use std::collections::HashMap;
-use std::path::{Path, PathBuf};
+use std::path::Path;
 use std::sync::Arc;
 
 #[derive(Debug, thiserror::Error)]
@@ -250,7 +250,7 @@ impl Cuda {
         let copy = ctx.new_stream()?;
         let mut kernels = HashMap::new();
         for (file, _, names) in glmflash_kernels::SOURCES {
-            let ptx = compile_cached(file, &arch, cache_dir)?;
+            let ptx = compile::compile_cached(file, &arch, cache_dir)?;
             let module = ctx.load_module(ptx)?;
             for k in names.iter() {
                 kernels.insert(*k, module.load_function(k)?);
@@ -605,98 +605,6 @@ fn norm_config(rows: usize, width: usize) -> LaunchConfig {
         block_dim: (threads, 1, 1),
         shared_mem_bytes: 0,
     }
-}
-
-/// PTX for `file` on `arch`, from `cache_dir` when a matching entry exists, else compiled
-/// with NVRTC (and written there).
-fn compile_cached(file: &str, arch: &str, cache_dir: Option<&Path>) -> Result<Ptx, CudaError> {
-    use sha2::{Digest, Sha256};
-    let src = glmflash_kernels::module_source(file).expect("file comes from SOURCES");
-    let nvrtc = nvrtc_version();
-    let key = {
-        let mut h = Sha256::new();
-        h.update(src.as_bytes());
-        h.update(arch.as_bytes());
-        h.update(nvrtc.as_bytes());
-        let d = h.finalize();
-        d.iter()
-            .take(12)
-            .map(|b| format!("{b:02x}"))
-            .collect::<String>()
-    };
-    let path: Option<PathBuf> =
-        cache_dir.map(|d| d.join(format!("{}-{arch}-{key}.ptx", file.trim_end_matches(".cu"))));
-    if let Some(p) = &path
-        && let Ok(text) = std::fs::read_to_string(p)
-    {
-        tracing::debug!(file, arch, path = %p.display(), "kernel PTX from the cache");
-        return Ok(Ptx::from_src(text));
-    }
-    if !nvrtc_present() {
-        return Err(CudaError::Unavailable(
-            "the CUDA runtime compiler (libnvrtc) was not found: install the CUDA toolkit (or the \
-             nvidia-cuda-nvrtc package) and put its lib directory on LD_LIBRARY_PATH"
-                .into(),
-        ));
-    }
-    let started = std::time::Instant::now();
-    let opts = CompileOptions {
-        arch: Some(static_arch(arch)),
-        options: vec!["--std=c++17".into(), "--generate-line-info".into()],
-        name: Some(file.to_string()),
-        ..Default::default()
-    };
-    let ptx = cudarc::nvrtc::compile_ptx_with_opts(&src, opts).map_err(|e| match e {
-        cudarc::nvrtc::CompileError::CompileError { log, .. } => CudaError::Compile {
-            file: file.into(),
-            arch: arch.into(),
-            log: log.to_string_lossy().into_owned(),
-        },
-        other => CudaError::Compile {
-            file: file.into(),
-            arch: arch.into(),
-            log: format!("{other:?}"),
-        },
-    })?;
-    tracing::info!(file, arch, nvrtc = %nvrtc, ms = started.elapsed().as_millis() as u64, "compiled kernels with NVRTC");
-    if let Some(p) = &path {
-        let write = || -> std::io::Result<()> {
-            std::fs::create_dir_all(p.parent().unwrap_or(Path::new(".")))?;
-            let tmp = p.with_extension("tmp");
-            std::fs::write(&tmp, ptx.to_src())?;
-            std::fs::rename(&tmp, p)
-        };
-        if let Err(e) = write() {
-            tracing::warn!(path = %p.display(), error = %e, "could not cache compiled kernels");
-        }
-    }
-    Ok(ptx)
-}
-
-fn nvrtc_version() -> String {
-    if !nvrtc_present() {
-        return "absent".into();
-    }
-    let (mut major, mut minor) = (0i32, 0i32);
-    // SAFETY: nvrtcVersion writes two ints through valid pointers; the library is present.
-    let status = unsafe { cudarc::nvrtc::sys::nvrtcVersion(&mut major, &mut minor) };
-    if status == cudarc::nvrtc::sys::nvrtcResult::NVRTC_SUCCESS {
-        format!("{major}.{minor}")
-    } else {
-        format!("unknown ({status:?})")
-    }
-}
-
-/// cudarc wants the arch as a `&'static str`; the common ones are literals, others leak once.
-fn static_arch(arch: &str) -> &'static str {
-    const KNOWN: [&str; 9] = [
-        "sm_75", "sm_80", "sm_86", "sm_87", "sm_89", "sm_90", "sm_100", "sm_120", "sm_121",
-    ];
-    KNOWN
-        .iter()
-        .find(|a| **a == arch)
-        .copied()
-        .unwrap_or_else(|| Box::leak(arch.to_string().into_boxed_str()))
 }
 
 #[cfg(test)]
