@@ -150,23 +150,15 @@ __device__ __forceinline__ Q4kLane q4_k_lane(const u8* __restrict__ w, int b) {
     return r;
 }
 
-// row_dots' Q4_K step: block b's products from its lane bytes `r` with `nt` <= TILE token
-// rows of x, added into acc[t]. With XV (x 16-byte aligned, its stride a multiple of four) a
-// token's eight x values come as two float4 loads. The products and their order are the same
-// either way: the same bits.
-template <int TILE, bool XV>
-__device__ __forceinline__ void q4_k_lane_dots(const Q4kLane& r, int b,
-                                               const float* __restrict__ x, i64 ldx, int nt,
-                                               float* acc) {
-    const int lane = threadIdx.x & (WARP - 1);
-    const int c = lane >> 3;
-    const int q0 = (lane & 7) * 4;
-    const u32 dd = r.head[0];
+// The scale and offset of the two sub-blocks of 32-byte quant chunk c (2c: low nibbles,
+// 2c + 1: high) of a Q4_K super-block from its header words: value = ds * q - dm.
+__device__ __forceinline__ void q4_k_chunk_scales(const u32 (&head)[4], int c, float (&ds)[2],
+                                                  float (&dm)[2]) {
+    const u32 dd = head[0];
     const float d = f16_to_f32((u16)(dd & 0xFFFF));
     const float dmin = f16_to_f32((u16)(dd >> 16));
     // Scale byte i is byte i % 4 of word 1 + i / 4.
-    const u32 s0 = r.head[1], s1 = r.head[2], s2 = r.head[3];
-    float ds[2], dm[2];
+    const u32 s0 = head[1], s1 = head[2], s2 = head[3];
 #pragma unroll
     for (int h = 0; h < 2; h++) {
         const int j = 2 * c + h, sh = 8 * (j & 3);
@@ -185,6 +177,21 @@ __device__ __forceinline__ void q4_k_lane_dots(const Q4kLane& r, int b,
         ds[h] = d * (float)sc;
         dm[h] = dmin * (float)m;
     }
+}
+
+// row_dots' Q4_K step: block b's products from its lane bytes `r` with `nt` <= TILE token
+// rows of x, added into acc[t]. With XV (x 16-byte aligned, its stride a multiple of four) a
+// token's eight x values come as two float4 loads. The products and their order are the same
+// either way: the same bits.
+template <int TILE, bool XV>
+__device__ __forceinline__ void q4_k_lane_dots(const Q4kLane& r, int b,
+                                               const float* __restrict__ x, i64 ldx, int nt,
+                                               float* acc) {
+    const int lane = threadIdx.x & (WARP - 1);
+    const int c = lane >> 3;
+    const int q0 = (lane & 7) * 4;
+    float ds[2], dm[2];
+    q4_k_chunk_scales(r.head, c, ds, dm);
     const u32 qs = r.qs;
     const int base = b * 256 + 64 * c + q0;
     // At four tokens or fewer with XV, a token's eight x values as two float4 loads; else
@@ -222,6 +229,94 @@ __device__ __forceinline__ void q4_k_lane_dots(const Q4kLane& r, int b,
             }
         }
     }
+}
+
+// How Q4_K lanes split a row. 0 (the default): lane l decodes 8 values of every super-block
+// (`q4_k_lane_dots`). 1: lane l decodes 32 values of one super-block of each group of four
+// (super-block l / 8 of the group, 32-byte chunk (l % 8) / 2, its half l % 2): one 16-byte load
+// of quants, and the header's scales decoded once for 32 values instead of 8. Each is one
+// order of sums for every kernel (`row_dots`, `q4_k_pair_dots`): results repeat within a
+// setting. A knob for A/B runs: GLMFLASH_KERNEL_DEFINES=Q4K_LANE32=1.
+#ifndef Q4K_LANE32
+#define Q4K_LANE32 0
+#endif
+
+// Q4K_LANE32's step: this lane's 32 values of super-block b of a row against `nt` <= TILE token
+// rows of x, added into acc[t]: for each of its 16 quant bytes in order, the low nibble (value
+// 64c + 16h + i, sub-block 2c) then the high (32 later, sub-block 2c + 1). With V (the row and
+// x 16-byte aligned, x's stride a multiple of four) the quants and header come as one 16-byte
+// load each and x as float4s; the products and their order are the same either way.
+template <int TILE, bool V>
+__device__ __forceinline__ void q4_k_lane32_dots(const u8* __restrict__ w, int b,
+                                                 const float* __restrict__ x, i64 ldx, int nt,
+                                                 float* acc) {
+    const int lane = threadIdx.x & (WARP - 1);
+    const int c = (lane & 7) >> 1, h = lane & 1;
+    const u8* blk = w + (i64)b * 144;
+    const u8* qp = blk + 16 + 32 * c + 16 * h;
+    u32 head[4], q[4];
+    if constexpr (V) {
+        const uint4 hv = *(const uint4*)blk, qv = *(const uint4*)qp;
+        head[0] = hv.x, head[1] = hv.y, head[2] = hv.z, head[3] = hv.w;
+        q[0] = qv.x, q[1] = qv.y, q[2] = qv.z, q[3] = qv.w;
+    } else {
+#pragma unroll
+        for (int i = 0; i < 4; i++) {
+            head[i] = ((const u32*)blk)[i];
+            q[i] = ((const u32*)qp)[i];
+        }
+    }
+    float ds[2], dm[2];
+    q4_k_chunk_scales(head, c, ds, dm);
+    const i64 base = (i64)b * 256 + 64 * c + 16 * h;
+#pragma unroll
+    for (int k = 0; k < 4; k++) {
+        float4 xl[TILE], xh[TILE];
+        if constexpr (V) {
+#pragma unroll
+            for (int t = 0; t < TILE; t++) {
+                if (t < nt) {
+                    xl[t] = *(const float4*)(x + t * ldx + base + 4 * k);
+                    xh[t] = *(const float4*)(x + t * ldx + base + 32 + 4 * k);
+                }
+            }
+        }
+        // The four low and the four high nibbles, each picked into a word by one byte permute.
+        const u32 lo4 = q[k] & 0x0F0F0F0Fu, hi4 = (q[k] >> 4) & 0x0F0F0F0Fu;
+#pragma unroll
+        for (int e = 0; e < 4; e++) {
+            const float ql = __int_as_float(__byte_perm(lo4, 0x4B000000u, 0x7540 + e)) - 8388608.0f;
+            const float qh = __int_as_float(__byte_perm(hi4, 0x4B000000u, 0x7540 + e)) - 8388608.0f;
+            const float lo = ds[0] * ql - dm[0];
+            const float hi = ds[1] * qh - dm[1];
+#pragma unroll
+            for (int t = 0; t < TILE; t++) {
+                if (t < nt) {
+                    float a, z;
+                    if constexpr (V) {
+                        a = e == 0 ? xl[t].x : e == 1 ? xl[t].y : e == 2 ? xl[t].z : xl[t].w;
+                        z = e == 0 ? xh[t].x : e == 1 ? xh[t].y : e == 2 ? xh[t].z : xh[t].w;
+                    } else {
+                        a = x[t * ldx + base + 4 * k + e];
+                        z = x[t * ldx + base + 32 + 4 * k + e];
+                    }
+                    acc[t] = fmaf(lo, a, acc[t]);
+                    acc[t] = fmaf(hi, z, acc[t]);
+                }
+            }
+        }
+    }
+}
+
+// Q4K_LANE32's row: this lane's super-blocks (one of each group of four) in order.
+template <int TILE, bool V>
+__device__ __forceinline__ void q4_k_lane32_row(const u8* __restrict__ w, int blocks,
+                                                const float* __restrict__ x, i64 ldx, int nt,
+                                                float* acc) {
+    const int sub = (threadIdx.x & (WARP - 1)) >> 3;
+#pragma unroll(TILE <= 4 ? 4 : 1)
+    for (int g = 0; g < blocks; g += 4)
+        if (g + sub < blocks) q4_k_lane32_dots<TILE, V>(w, g + sub, x, ldx, nt, acc);
 }
 
 // Q4_K super-block b of a row; row_dots' step (see q4_k_lane_dots).
@@ -324,6 +419,13 @@ __device__ __forceinline__ void row_dots(const u8* __restrict__ w, int cols,
         // values is only 16 super-blocks: one at a time, a warp waits on memory at each).
         const int blocks = cols / 256;
         const bool xv = TILE <= 4 && ((unsigned long long)x & 15) == 0 && (ldx & 3) == 0;
+#if Q4K_LANE32
+        if (xv && ((unsigned long long)w & 15) == 0)
+            q4_k_lane32_row<TILE, TILE <= 4>(w, blocks, x, ldx, nt, acc);
+        else
+            q4_k_lane32_row<TILE, false>(w, blocks, x, ldx, nt, acc);
+        return;
+#endif
         if (TILE <= 4 && xv) {
 #pragma unroll 4
             for (int b = 0; b < blocks; b++) q4_k_block_dots<TILE, true>(w, b, x, ldx, nt, acc);
@@ -351,6 +453,23 @@ __device__ __forceinline__ void q4_k_pair_dots(const u8* __restrict__ w0, const 
     constexpr int ROWS = 2;
     static_assert((ROWS * BLOCKS) % 8 == 0, "header words fill whole lanes");
     const int blocks = cols / 256;
+#if Q4K_LANE32
+    // Each row as row_dots<FMT_Q4_K, 1> takes it, the two rows' groups in turn.
+    const int sub = (threadIdx.x & (WARP - 1)) >> 3;
+    const bool v = ((unsigned long long)x & 15) == 0 &&
+                   (((unsigned long long)w0 | (unsigned long long)w1) & 15) == 0;
+    for (int g = 0; g < blocks; g += 4) {
+        if (g + sub >= blocks) break;
+        if (v) {
+            q4_k_lane32_dots<1, true>(w0, g + sub, x, 0, 1, acc);
+            q4_k_lane32_dots<1, true>(w1, g + sub, x, 0, 1, acc + 1);
+        } else {
+            q4_k_lane32_dots<1, false>(w0, g + sub, x, 0, 1, acc);
+            q4_k_lane32_dots<1, false>(w1, g + sub, x, 0, 1, acc + 1);
+        }
+    }
+    return;
+#endif
     if (((unsigned long long)x & 15) != 0 || blocks % BLOCKS != 0) {
 #pragma unroll
         for (int r = 0; r < ROWS; r++) {
