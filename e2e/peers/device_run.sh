@@ -165,7 +165,9 @@ run() {
   [ -f "$W/build.done" ] || [ -f "$W/build.pid" ] || skip llama || { log "no llama.cpp build: run build first"; return 1; }
   if [ ! -f "$W/build.done" ] && ! skip llama; then build "$(cap 120)" || log "llama.cpp not built: its half is skipped"; fi
   { nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader 2>/dev/null; nproc; } | tee "$OUT/gpu.txt"
-  { cat .peers/llama.cpp.version 2>/dev/null; nvcc --version 2>/dev/null | tail -1; "$BIN" --version 2>/dev/null; git log -1 --format='glmflash commit %h %cI' 2>/dev/null
+  { cat .peers/llama.cpp.version 2>/dev/null; nvcc --version 2>/dev/null | tail -1; "$BIN" --version 2>/dev/null
+    echo "glmflash binary sha256 $(sha256sum "$BIN" 2>/dev/null | cut -c1-16)"
+    git log -1 --format='glmflash tree commit %h %cI (the git metadata the device got, which may lag the binary)' 2>/dev/null
     python3 -c "import torch, transformers; print('torch', torch.__version__, 'transformers', transformers.__version__)"; } \
     | tee "$OUT/versions.txt"
 
