@@ -2,6 +2,7 @@
 """Decode speed of exllamav3 and of glmflash on the same EXL3 checkpoint (driver of peer_bench.sh).
 
   peer_bench.py exl3    --model DIR --out JSON [--batches 1,4] [--prompt-len 32] [--warmup 16] [--steps 128]
+                        [--prefill 512,8192]
   peer_bench.py client  --url http://127.0.0.1:PORT --vocab V --out JSON [same options]
   peer_bench.py summary --model DIR --out JSON PART.json...
 
@@ -14,6 +15,9 @@ batch): the first `warmup` of them are dropped, the next `steps` timed (calls be
 added nothing count in the time). Also records which MoE
 path each sparse layer can take (`bc` = the fused bsz<=8 decode kernels, `support_fused`) and a
 cache-free forward's logits statistics (finite, spread) as a health check.
+
+With --prefill, also each prompt length's prefill: one job of that many random ids and one new
+token through the same Generator, run twice, the second timed (prompt ids / seconds).
 
 `client` (any Python): glmflash's GPU decoder through `serve` (the only command that runs
 `GpuDecoder` on a checkpoint directory): for each B, B concurrent streaming /v1/completions
@@ -63,10 +67,12 @@ def cmd_exl3(args):
             json.dump(out, f, indent=1)
 
     batches = [int(b) for b in args.batches.split(",")]
+    prefill = [int(n) for n in args.prefill.split(",") if n]
     cfg = Config.from_directory(args.model)
     model = Model.from_config(cfg)
     ctx = args.prompt_len + args.warmup + args.steps + 64
-    cache = Cache(model, max_num_tokens=max(8192, 256 * ((max(batches) * ctx + 255) // 256 + 1)))
+    need = max([max(batches) * ctx] + [n + 64 for n in prefill])
+    cache = Cache(model, max_num_tokens=max(8192, 256 * ((need + 255) // 256 + 1)))
     model.load(device="cuda:0", progressbar=False)
     tokenizer = Tokenizer.from_config(cfg)
     out["load_s"] = time.time() - t0
@@ -128,6 +134,26 @@ def cmd_exl3(args):
             r.update(tok_s=tokens / secs, ms_per_step=secs * 1e3 / calls, steps_timed=calls)
         out["runs"].append(r)
         print(f"[exl3] batch {B}: {r}", flush=True)
+        save()
+    out["prefill"] = []
+    for n in prefill:
+        secs = []
+        for _ in range(2):  # the first warms the kernels for this length
+            job = Job(input_ids=torch.randint(0, V, (1, n), generator=g), max_new_tokens=1,
+                      min_new_tokens=1, stop_conditions=[], sampler=ArgmaxSampler(), identifier="prefill")
+            gen.enqueue(job)
+            start = time.perf_counter()
+            deadline = time.time() + args.time_limit
+            while gen.num_remaining_jobs() and time.time() < deadline:
+                gen.iterate()
+            secs.append(time.perf_counter() - start)
+            if gen.num_remaining_jobs():
+                gen.clear_queue()
+                secs = []
+                break
+        r = dict(prompt=n, warmup_s=secs[0], seconds=secs[1], tok_s=n / secs[1]) if secs else dict(prompt=n, error="timed out")
+        out["prefill"].append(r)
+        print(f"[exl3] prefill {r}", flush=True)
         save()
     out["total_s"] = time.time() - t0
     save()
@@ -256,11 +282,21 @@ def cmd_summary(args):
                                   ms_per_step=round(r["ms_per_step"], 3),
                                   weight_gb_s_at_most=round(step_bytes * steps_s / 1e9, 1)))
     res["table"] = table
+    # Prefill tok/s per prompt length, and glmflash's over exllamav3's.
+    peer = {r["prompt"]: r["tok_s"] for r in res["engines"].get("exllamav3", {}).get("prefill", []) if r.get("tok_s")}
+    res["prefill_table"] = [
+        dict(engine=name, prompt=r["prompt"], tok_s=round(r["tok_s"], 1),
+             over_exllamav3=round(r["tok_s"] / peer[r["prompt"]], 3) if r["prompt"] in peer else None)
+        for name, doc in res["engines"].items() for r in doc.get("prefill", []) if r.get("tok_s")]
     with open(args.out, "w") as f:
         json.dump(res, f, indent=1)
     print(f"{'engine':22} {'batch':>5} {'tok/s':>9} {'ms/step':>9} {'GB/s<=':>8}")
     for t in table:
         print(f"{t['engine']:22} {t['batch']:>5} {t['tok_s']:>9} {t['ms_per_step']:>9} {t['weight_gb_s_at_most']:>8}")
+    if res["prefill_table"]:
+        print(f"{'engine':22} {'prompt':>6} {'prefill tok/s':>14} {'/ exllamav3':>12}")
+        for t in res["prefill_table"]:
+            print(f"{t['engine']:22} {t['prompt']:>6} {t['tok_s']:>14} {str(t['over_exllamav3']):>12}")
 
 
 def main():
@@ -275,6 +311,8 @@ def main():
         s.add_argument("--steps", type=int, default=128)
         s.add_argument("--time-limit", type=float, default=120.0, help="seconds per batch size")
     sub.choices["exl3"].add_argument("--model", required=True)
+    sub.choices["exl3"].add_argument("--prefill", default="",
+                                     help="prompt lengths to time a prefill of, comma-separated (e.g. 512,8192)")
     sub.choices["client"].add_argument("--url", required=True)
     sub.choices["client"].add_argument("--vocab", type=int, required=True)
     sub.choices["client"].add_argument("--metrics-url",

@@ -24,7 +24,8 @@
 # Needs (repo-relative): .whl/exl3/*.whl (see README), the glmflash binary at $BIN (default
 # .device/glmflash-node) for the glmflash half; optional .device/ext/exllamav3_ext.so (skips the JIT).
 # Env: OUT (default ./peer_out), BUDGET_S (whole call, default 560), LAYERS (8), EXPERTS (64),
-# BATCHES (1,4), PROMPT (32), WARMUP (16), STEPS (128), PEER_WORK (/root/peerw), SKIP (exl3,glmflash),
+# BATCHES (1,4), PROMPT (32), WARMUP (16), STEPS (128), PREFILL (512,8192: prompt lengths whose prefill
+# both engines time; empty: none), PEER_WORK (/root/peerw), SKIP (exl3,glmflash),
 # PRESET (--flash; --small), DEVICE (cuda; cpu: with --small, a CPU smoke test of the script),
 # SERVE_ARGS (more `serve` flags, e.g. `--mode fast`: the experts in RAM on the CPU lane).
 # Results in $OUT: peer_bench.json (summary), exl3.json, glmflash_bench.json, glmflash_serve.json,
@@ -156,7 +157,7 @@ run() {
   elif ! skip exl3; then
     log "exllamav3 Generator: ${opts[*]}"
     timeout -k 10 "$(cap 300)" python3 e2e/exl3/peer_bench.py exl3 --model "$ck" --out "$OUT/exl3.json" "${opts[@]}" \
-      --time-limit 90 > "$OUT/exl3.log" 2>&1
+      --prefill "${PREFILL-512,8192}" --time-limit 90 > "$OUT/exl3.log" 2>&1
     log "exllamav3 rc=$?"; grep "^\[exl3\]" "$OUT/exl3.log" | cut -c1-400; tail -5 "$OUT/exl3.log"
   fi
 
@@ -168,8 +169,18 @@ run() {
       --streams "${BATCHES:-1,4}" \
       --decode-tokens "${STEPS:-128}" > "$W/bench.json" 2> "$OUT/glmflash_bench.log"
     log "glmflash bench rc=$?"; tail -3 "$OUT/glmflash_bench.log" | cut -c1-300
-    python3 -c "import json,sys; json.dump(dict(engine='glmflash-bench', decoder='GpuDecoder (bench --model)', \
-bench_json=json.load(open('$W/bench.json'))), open('$OUT/glmflash_bench.json','w'), indent=1)" 2>/dev/null
+    # Prefill at each PREFILL length: one sequence, its prompt in the engine's chunks (bench's
+    # prefill_tok_s; bench runs a warm-up prefill of its own first).
+    local pre=()
+    for n in $(echo "${PREFILL-512,8192}" | tr ',' ' '); do
+      log "glmflash bench --model: prefill of $n tokens"
+      timeout -k 10 "$(cap 120)" "$BIN" bench --model "$ck" --device "${DEVICE:-cuda}" --prompt-tokens "$n" \
+        --streams 1 --decode-tokens 1 > "$W/bench_prefill_$n.json" 2>> "$OUT/glmflash_bench.log" && pre+=("$W/bench_prefill_$n.json")
+    done
+    python3 -c "import json,sys; d=dict(engine='glmflash-bench', decoder='GpuDecoder (bench --model)', \
+bench_json=json.load(open('$W/bench.json'))); \
+d['prefill']=[dict(prompt=b['prefill_tokens'], tok_s=b['prefill_tok_s']) for b in map(lambda p: json.load(open(p)), sys.argv[1:])]; \
+json.dump(d, open('$OUT/glmflash_bench.json','w'), indent=1)" "${pre[@]}" 2>/dev/null
 
     log "glmflash serve (GpuDecoder) + streaming client"
     local port=18311
