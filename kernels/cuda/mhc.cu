@@ -100,16 +100,23 @@ __device__ void mhc_weights(const float* __restrict__ l, const float* __restrict
 
 // mHC's projection of each token's RMS-normed streams: logits[t, j] = (proj[j, :] . x[t, :])
 // * inv_t with inv_t = 1 / sqrt(mean(x[t, :]^2) + eps) — the norm's one scale a token taken
-// out of the dots, so the streams are read once and never copied. proj: [rows, width] f32;
+// out of the dots, so the streams are read once and never copied. proj: [rows, width] of W
+// (f32, or bf16 widened exactly: the same sums as f32 rows of the widened values);
 // x: [T, width]. Grid (ceil(width / MHC_PROJECT_COLS), T), MHC_PROJECT_THREADS threads: in
 // block (c, t) warp w takes rows w, w + 8, ... of columns [c COLS, (c + 1) COLS) (row `rows`
 // being x's sum of squares), each lane MHC_PROJECT_PER columns with its loads all in flight
 // at once, and writes the dots to part[t, c, 0 .. rows]; the last block of token t to finish
 // (tickets[t], left at zero) adds the chunks in order and writes the logits. Results repeat
 // bit for bit.
-extern "C" __global__ void __launch_bounds__(MHC_PROJECT_THREADS) mhc_project(
-    const float* __restrict__ proj, const float* __restrict__ x, int rows, int width, float eps,
-    float* __restrict__ part, u32* __restrict__ tickets, float* __restrict__ logits) {
+__device__ __forceinline__ float mhc_weight(const float* w, i64 i) { return w[i]; }
+__device__ __forceinline__ float mhc_weight(const u16* w, i64 i) { return bf16_to_f32(w[i]); }
+
+template <typename W>
+__device__ __forceinline__ void mhc_project_rows(const W* __restrict__ proj,
+                                                 const float* __restrict__ x, int rows,
+                                                 int width, float eps, float* __restrict__ part,
+                                                 u32* __restrict__ tickets,
+                                                 float* __restrict__ logits) {
     __shared__ float total[MHC_MAX_LOGITS + 1];
     const int t = blockIdx.y, c = blockIdx.x, chunks = gridDim.x;
     const int lane = threadIdx.x & (WARP - 1), wid = threadIdx.x / WARP;
@@ -128,12 +135,12 @@ extern "C" __global__ void __launch_bounds__(MHC_PROJECT_THREADS) mhc_project(
 #pragma unroll
             for (int i = 0; i < MHC_PROJECT_PER; i++) acc = fmaf(xv[i], xv[i], acc);
         } else {
-            const float* pj = proj + (i64)j * width;
+            const W* pj = proj + (i64)j * width;
             float p[MHC_PROJECT_PER];
 #pragma unroll
             for (int i = 0; i < MHC_PROJECT_PER; i++) {
                 const int col = col0 + WARP * i;
-                p[i] = col < width ? pj[col] : 0.0f;
+                p[i] = col < width ? mhc_weight(pj, col) : 0.0f;
             }
 #pragma unroll
             for (int i = 0; i < MHC_PROJECT_PER; i++) acc = fmaf(p[i], xv[i], acc);
@@ -150,6 +157,19 @@ extern "C" __global__ void __launch_bounds__(MHC_PROJECT_THREADS) mhc_project(
     __syncthreads();
     const float inv = 1.0f / sqrtf(total[rows] / (float)width + eps);
     for (int j = threadIdx.x; j < rows; j += blockDim.x) logits[(i64)t * rows + j] = total[j] * inv;
+}
+
+extern "C" __global__ void __launch_bounds__(MHC_PROJECT_THREADS) mhc_project(
+    const float* __restrict__ proj, const float* __restrict__ x, int rows, int width, float eps,
+    float* __restrict__ part, u32* __restrict__ tickets, float* __restrict__ logits) {
+    mhc_project_rows(proj, x, rows, width, eps, part, tickets, logits);
+}
+
+// mhc_project over bf16 weights (checkpoints that keep `hc_*_fn` in bf16).
+extern "C" __global__ void __launch_bounds__(MHC_PROJECT_THREADS) mhc_project_bf16(
+    const u16* __restrict__ proj, const float* __restrict__ x, int rows, int width, float eps,
+    float* __restrict__ part, u32* __restrict__ tickets, float* __restrict__ logits) {
+    mhc_project_rows(proj, x, rows, width, eps, part, tickets, logits);
 }
 
 // The pre-weighted sum of a column's n stream values (`s[i d]`), in the CPU's order.

@@ -82,7 +82,12 @@ pub const SOURCES: &[(&str, &str, &[&str])] = &[
     (
         "mhc.cu",
         include_str!("../cuda/mhc.cu"),
-        &["mhc_project", "mhc_collapse", "mhc_expand"],
+        &[
+            "mhc_project",
+            "mhc_project_bf16",
+            "mhc_collapse",
+            "mhc_expand",
+        ],
     ),
     (
         "kda.cu",

@@ -72,14 +72,11 @@ impl CudaMatrix {
         self.cols
     }
 
-    /// The weights as f32 rows (`[rows, cols]`), when that is their format.
-    pub fn f32_rows(&self) -> Option<&CudaSlice<u8>> {
+    /// The weights as rows (`[rows, cols]`) with their format, unless they are an EXL3 layer.
+    pub fn row_weights(&self) -> Option<(&CudaSlice<u8>, Format)> {
         match &self.weights {
-            DeviceData::Rows {
-                w,
-                format: Format::F32,
-            } => Some(w),
-            _ => None,
+            DeviceData::Rows { w, format } => Some((w, *format)),
+            DeviceData::Exl3(_) => None,
         }
     }
 

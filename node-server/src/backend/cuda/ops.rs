@@ -5,6 +5,7 @@
 //! downloads the results (what cuda-check and the host-side callers use).
 
 use super::{Cuda, CudaError};
+use crate::quant::Format;
 use cudarc::driver::{CudaSlice, DevicePtrMut, LaunchConfig, PushKernelArg};
 
 /// Threads per block of the column-per-thread mHC and conv kernels.
@@ -203,12 +204,14 @@ impl Cuda {
     /// mHC's projection of each token's RMS-normed streams, `logits[t] = proj (x[t] * inv_t)`
     /// with `inv_t = 1 / sqrt(mean(x[t]^2) + eps)`, computed as `(proj x[t]) * inv_t`: the
     /// streams (`x`, `[T, width]`) are read once, never normed in a copy. `proj` holds
-    /// `[rows, width]` f32 rows; `logits` gets `[T, rows]`. Two passes of one launch (each
+    /// `[rows, width]` rows of `format`, f32 or bf16 (bf16 gives the bits f32 rows of the
+    /// widened values give); `logits` gets `[T, rows]`. Two passes of one launch (each
     /// token's last block adds the others' partial sums in order: results repeat).
     #[allow(clippy::too_many_arguments)] // the kernel's arguments
     pub fn mhc_project(
         &self,
         proj: &CudaSlice<u8>,
+        format: Format,
         rows: usize,
         width: usize,
         x: &CudaSlice<f32>,
@@ -216,13 +219,26 @@ impl Cuda {
         eps: f32,
         logits: &mut CudaSlice<f32>,
     ) -> Result<(), CudaError> {
+        let kernel = match format {
+            Format::F32 => "mhc_project",
+            Format::Bf16 => "mhc_project_bf16",
+            other => {
+                return Err(CudaError::Invalid(format!(
+                    "mhc_project: {other:?} weights (the kernel takes f32 or bf16)"
+                )));
+            }
+        };
         if rows == 0 || rows > MHC_MAX_LOGITS || tokens > MAX_GRID_Y.min(super::TICKETS) {
             return Err(CudaError::Invalid(format!(
                 "mhc_project: {rows} rows of {tokens} tokens (the kernel takes 1..={MHC_MAX_LOGITS} \
                  rows and at most {MAX_GRID_Y} tokens)"
             )));
         }
-        too_short("mhc_project weights", proj.len(), rows * width * 4)?;
+        too_short(
+            "mhc_project weights",
+            proj.len(),
+            rows * width * format.block_bytes(),
+        )?;
         too_short("mhc_project x", x.len(), tokens * width)?;
         too_short("mhc_project logits", logits.len(), tokens * rows)?;
         if tokens == 0 || width == 0 {
@@ -231,7 +247,7 @@ impl Cuda {
         let chunks = width.div_ceil(MHC_PROJECT_COLS);
         let part = self.alloc_f32(tokens * chunks * (rows + 1))?;
         let (rows_i, width_i) = (rows as i32, width as i32);
-        let mut b = self.stream.launch_builder(self.kernel("mhc_project"));
+        let mut b = self.stream.launch_builder(self.kernel(kernel));
         b.arg(proj)
             .arg(x)
             .arg(&rows_i)
@@ -245,7 +261,8 @@ impl Cuda {
             block_dim: (MHC_PROJECT_THREADS, 1, 1),
             shared_mem_bytes: 0,
         };
-        // SAFETY: arguments match `mhc_project` in mhc.cu: proj holds rows x width f32, x and
+        // SAFETY: arguments match `mhc_project(_bf16)` in mhc.cu: proj holds rows x width
+        // values of its format, x and
         // logits `tokens` rows (checked above), part a (rows + 1)-value record per block; one
         // ticket per token row, fewer than TICKETS.
         unsafe { b.launch(cfg) }?;

@@ -6,6 +6,7 @@ use crate::backend::AttnLayout;
 use crate::backend::cuda::Cuda;
 use crate::backend::cuda::attn::DeviceSelections;
 use crate::backend::cuda::matrix::CudaMatrix;
+use crate::quant::Format;
 use anyhow::bail;
 use cudarc::driver::CudaSlice;
 use std::collections::BTreeMap;
@@ -420,8 +421,8 @@ impl Device for Gpu {
         Ok(qkv)
     }
 
-    /// The fused kernel for decode batches with f32 weights (what checkpoints hold); a prompt
-    /// chunk's tokens go through the norm and a cuBLAS product.
+    /// The fused kernel for decode batches with f32 or bf16 weights (what checkpoints hold); a
+    /// prompt chunk's tokens go through the norm and a cuBLAS product.
     fn mhc_logits(
         &self,
         proj: &CudaMatrix,
@@ -430,11 +431,14 @@ impl Device for Gpu {
         width: usize,
         eps: f32,
     ) -> anyhow::Result<Buf> {
-        match proj.f32_rows() {
-            Some(w) if t < crate::backend::cuda::GEMM_MIN_TOKENS && proj.cols() == width => {
+        match proj.row_weights() {
+            Some((w, format @ (Format::F32 | Format::Bf16)))
+                if t < crate::backend::cuda::GEMM_MIN_TOKENS && proj.cols() == width =>
+            {
                 let mut logits = self.alloc(t * proj.rows())?;
+                let rows = proj.rows();
                 self.cuda
-                    .mhc_project(w, proj.rows(), width, streams, t, eps, &mut logits)?;
+                    .mhc_project(w, format, rows, width, streams, t, eps, &mut logits)?;
                 Ok(logits)
             }
             _ => super::normed_product(self, proj, streams, t, width, eps),

@@ -34,7 +34,8 @@ pub(super) fn check_mhc(
                 let mut logits = cuda.alloc_f32(tokens * width)?;
                 if tokens < GEMM_MIN_TOKENS {
                     // The decode path: the norm folded into the projection, one launch.
-                    cuda.mhc_project(&w, width, n * d, &ds, tokens, cfg.rms_norm_eps, &mut logits)?;
+                    let eps = cfg.rms_norm_eps;
+                    cuda.mhc_project(&w, Format::F32, width, n * d, &ds, tokens, eps, &mut logits)?;
                 } else {
                     let mut normed = cuda.upload(streams)?;
                     cuda.rms_norm(&mut normed, None, n * d, cfg.rms_norm_eps)?;
@@ -122,6 +123,26 @@ pub(super) fn check_mhc(
                 &gpu,
                 &cpu,
                 F32_BOUND,
+            ));
+        }
+        // bf16 weights (checkpoints that keep `hc_*_fn` in bf16): the bits of f32 rows holding
+        // the widened values.
+        let half = random_matrix(rng, width, n * d, Format::Bf16)?;
+        let wide = half.convert(Format::F32)?;
+        let bytes = |m: &Matrix| m.to_bytes().context("a row-format matrix");
+        let (wh, ww) = (cuda.upload(&bytes(&half)?)?, cuda.upload(&bytes(&wide)?)?);
+        for tokens in [1usize, 5] {
+            let ds = cuda.upload(&randn(rng, tokens * n * d, 2.0))?;
+            let project = |w, format| -> anyhow::Result<Vec<f32>> {
+                let mut logits = cuda.alloc_f32(tokens * width)?;
+                let eps = cfg.rms_norm_eps;
+                cuda.mhc_project(w, format, width, n * d, &ds, tokens, eps, &mut logits)?;
+                Ok(cuda.download(&logits)?)
+            };
+            cases.push(same_bits_case(
+                format!("mhc_project n{n} d{d} T={tokens} bf16 weights: the widened f32's bits"),
+                &project(&wh, Format::Bf16)?,
+                &project(&ww, Format::F32)?,
             ));
         }
     }
