@@ -241,33 +241,39 @@ __device__ __forceinline__ void q4_k_lane_dots(const Q4kLane& r, int b,
 #define Q4K_LANE32 0
 #endif
 
-// Q4K_LANE32's step: this lane's 32 values of super-block b of a row against `nt` <= TILE token
-// rows of x, added into acc[t]: for each of its 16 quant bytes in order, the low nibble (value
-// 64c + 16h + i, sub-block 2c) then the high (32 later, sub-block 2c + 1). With V (the row and
-// x 16-byte aligned, x's stride a multiple of four) the quants and header come as one 16-byte
-// load each and x as float4s; the products and their order are the same either way.
-template <int TILE, bool V>
-__device__ __forceinline__ void q4_k_lane32_dots(const u8* __restrict__ w, int b,
+// Q4K_LANE32's step: this lane's 32 values of super-block b of each of R rows (w[r]) against
+// `nt` <= TILE token rows of x, added into acc[r * TILE + t]: for each of its 16 quant bytes in
+// order, the low nibble (value 64c + 16h + i, sub-block 2c) then the high (32 later, sub-block
+// 2c + 1). The rows share each x value a lane loads (R x fewer loads of x), and each row's sums
+// take the products in the order one row alone takes them: the same bits for any R. With V
+// (the rows and x 16-byte aligned, x's stride a multiple of four) the quants and header come as
+// one 16-byte load each and x as float4s; the products and their order are the same either way.
+template <int TILE, bool V, int R = 1>
+__device__ __forceinline__ void q4_k_lane32_dots(const u8* const* w, int b,
                                                  const float* __restrict__ x, i64 ldx, int nt,
                                                  float* acc) {
     const int lane = threadIdx.x & (WARP - 1);
     const int c = (lane & 7) >> 1, h = lane & 1;
-    const u8* blk = w + (i64)b * 144;
-    const u8* qp = blk + 16 + 32 * c + 16 * h;
-    u32 head[4], q[4];
-    if constexpr (V) {
-        const uint4 hv = *(const uint4*)blk, qv = *(const uint4*)qp;
-        head[0] = hv.x, head[1] = hv.y, head[2] = hv.z, head[3] = hv.w;
-        q[0] = qv.x, q[1] = qv.y, q[2] = qv.z, q[3] = qv.w;
-    } else {
+    u32 q[R][4];
+    float ds[R][2], dm[R][2];
 #pragma unroll
-        for (int i = 0; i < 4; i++) {
-            head[i] = ((const u32*)blk)[i];
-            q[i] = ((const u32*)qp)[i];
+    for (int r = 0; r < R; r++) {
+        const u8* blk = w[r] + (i64)b * 144;
+        const u8* qp = blk + 16 + 32 * c + 16 * h;
+        u32 head[4];
+        if constexpr (V) {
+            const uint4 hv = *(const uint4*)blk, qv = *(const uint4*)qp;
+            head[0] = hv.x, head[1] = hv.y, head[2] = hv.z, head[3] = hv.w;
+            q[r][0] = qv.x, q[r][1] = qv.y, q[r][2] = qv.z, q[r][3] = qv.w;
+        } else {
+#pragma unroll
+            for (int i = 0; i < 4; i++) {
+                head[i] = ((const u32*)blk)[i];
+                q[r][i] = ((const u32*)qp)[i];
+            }
         }
+        q4_k_chunk_scales(head, c, ds[r], dm[r]);
     }
-    float ds[2], dm[2];
-    q4_k_chunk_scales(head, c, ds, dm);
     const i64 base = (i64)b * 256 + 64 * c + 16 * h;
 #pragma unroll
     for (int k = 0; k < 4; k++) {
@@ -281,42 +287,56 @@ __device__ __forceinline__ void q4_k_lane32_dots(const u8* __restrict__ w, int b
                 }
             }
         }
-        // The four low and the four high nibbles, each picked into a word by one byte permute.
-        const u32 lo4 = q[k] & 0x0F0F0F0Fu, hi4 = (q[k] >> 4) & 0x0F0F0F0Fu;
 #pragma unroll
-        for (int e = 0; e < 4; e++) {
-            const float ql = __int_as_float(__byte_perm(lo4, 0x4B000000u, 0x7540 + e)) - 8388608.0f;
-            const float qh = __int_as_float(__byte_perm(hi4, 0x4B000000u, 0x7540 + e)) - 8388608.0f;
-            const float lo = ds[0] * ql - dm[0];
-            const float hi = ds[1] * qh - dm[1];
+        for (int r = 0; r < R; r++) {
+            // The four low and the four high nibbles, each picked into a word by a byte permute.
+            const u32 lo4 = q[r][k] & 0x0F0F0F0Fu, hi4 = (q[r][k] >> 4) & 0x0F0F0F0Fu;
 #pragma unroll
-            for (int t = 0; t < TILE; t++) {
-                if (t < nt) {
-                    float a, z;
-                    if constexpr (V) {
-                        a = e == 0 ? xl[t].x : e == 1 ? xl[t].y : e == 2 ? xl[t].z : xl[t].w;
-                        z = e == 0 ? xh[t].x : e == 1 ? xh[t].y : e == 2 ? xh[t].z : xh[t].w;
-                    } else {
-                        a = x[t * ldx + base + 4 * k + e];
-                        z = x[t * ldx + base + 32 + 4 * k + e];
+            for (int e = 0; e < 4; e++) {
+                const float ql =
+                    __int_as_float(__byte_perm(lo4, 0x4B000000u, 0x7540 + e)) - 8388608.0f;
+                const float qh =
+                    __int_as_float(__byte_perm(hi4, 0x4B000000u, 0x7540 + e)) - 8388608.0f;
+                const float lo = ds[r][0] * ql - dm[r][0];
+                const float hi = ds[r][1] * qh - dm[r][1];
+#pragma unroll
+                for (int t = 0; t < TILE; t++) {
+                    if (t < nt) {
+                        float a, z;
+                        if constexpr (V) {
+                            a = e == 0 ? xl[t].x : e == 1 ? xl[t].y : e == 2 ? xl[t].z : xl[t].w;
+                            z = e == 0 ? xh[t].x : e == 1 ? xh[t].y : e == 2 ? xh[t].z : xh[t].w;
+                        } else {
+                            a = x[t * ldx + base + 4 * k + e];
+                            z = x[t * ldx + base + 32 + 4 * k + e];
+                        }
+                        acc[r * TILE + t] = fmaf(lo, a, acc[r * TILE + t]);
+                        acc[r * TILE + t] = fmaf(hi, z, acc[r * TILE + t]);
                     }
-                    acc[t] = fmaf(lo, a, acc[t]);
-                    acc[t] = fmaf(hi, z, acc[t]);
                 }
             }
         }
     }
 }
 
-// Q4K_LANE32's row: this lane's super-blocks (one of each group of four) in order.
-template <int TILE, bool V>
-__device__ __forceinline__ void q4_k_lane32_row(const u8* __restrict__ w, int blocks,
-                                                const float* __restrict__ x, i64 ldx, int nt,
-                                                float* acc) {
+// Q4K_LANE32's rows: this lane's super-blocks (one of each group of four) of R rows in order
+// (acc as q4_k_lane32_dots'), V chosen from the pointers' alignment.
+template <int TILE, int R = 1>
+__device__ __forceinline__ void q4_k_lane32_rows(const u8* const* w, int blocks,
+                                                 const float* __restrict__ x, i64 ldx, int nt,
+                                                 float* acc) {
     const int sub = (threadIdx.x & (WARP - 1)) >> 3;
-#pragma unroll(TILE <= 4 ? 4 : 1)
-    for (int g = 0; g < blocks; g += 4)
-        if (g + sub < blocks) q4_k_lane32_dots<TILE, V>(w, g + sub, x, ldx, nt, acc);
+    unsigned long long addr = (unsigned long long)x;
+#pragma unroll
+    for (int r = 0; r < R; r++) addr |= (unsigned long long)w[r];
+    if (TILE <= 4 && (addr & 15) == 0 && (ldx & 3) == 0) {
+#pragma unroll(TILE * R <= 4 ? 4 : 1)
+        for (int g = 0; g < blocks; g += 4)
+            if (g + sub < blocks) q4_k_lane32_dots<TILE, TILE <= 4, R>(w, g + sub, x, ldx, nt, acc);
+    } else {
+        for (int g = 0; g < blocks; g += 4)
+            if (g + sub < blocks) q4_k_lane32_dots<TILE, false, R>(w, g + sub, x, ldx, nt, acc);
+    }
 }
 
 // Q4_K super-block b of a row; row_dots' step (see q4_k_lane_dots).
@@ -420,10 +440,8 @@ __device__ __forceinline__ void row_dots(const u8* __restrict__ w, int cols,
         const int blocks = cols / 256;
         const bool xv = TILE <= 4 && ((unsigned long long)x & 15) == 0 && (ldx & 3) == 0;
 #if Q4K_LANE32
-        if (xv && ((unsigned long long)w & 15) == 0)
-            q4_k_lane32_row<TILE, TILE <= 4>(w, blocks, x, ldx, nt, acc);
-        else
-            q4_k_lane32_row<TILE, false>(w, blocks, x, ldx, nt, acc);
+        const u8* const one[1] = {w};
+        q4_k_lane32_rows<TILE>(one, blocks, x, ldx, nt, acc);
         return;
 #endif
         if (TILE <= 4 && xv) {
@@ -454,20 +472,9 @@ __device__ __forceinline__ void q4_k_pair_dots(const u8* __restrict__ w0, const 
     static_assert((ROWS * BLOCKS) % 8 == 0, "header words fill whole lanes");
     const int blocks = cols / 256;
 #if Q4K_LANE32
-    // Each row as row_dots<FMT_Q4_K, 1> takes it, the two rows' groups in turn.
-    const int sub = (threadIdx.x & (WARP - 1)) >> 3;
-    const bool v = ((unsigned long long)x & 15) == 0 &&
-                   (((unsigned long long)w0 | (unsigned long long)w1) & 15) == 0;
-    for (int g = 0; g < blocks; g += 4) {
-        if (g + sub >= blocks) break;
-        if (v) {
-            q4_k_lane32_dots<1, true>(w0, g + sub, x, 0, 1, acc);
-            q4_k_lane32_dots<1, true>(w1, g + sub, x, 0, 1, acc + 1);
-        } else {
-            q4_k_lane32_dots<1, false>(w0, g + sub, x, 0, 1, acc);
-            q4_k_lane32_dots<1, false>(w1, g + sub, x, 0, 1, acc + 1);
-        }
-    }
+    // Each row as row_dots<FMT_Q4_K, 1> takes it, both rows from each x value loaded.
+    const u8* const rows[ROWS] = {w0, w1};
+    q4_k_lane32_rows<1, ROWS>(rows, blocks, x, 0, 1, acc);
     return;
 #endif
     if (((unsigned long long)x & 15) != 0 || blocks % BLOCKS != 0) {

@@ -222,6 +222,35 @@ __device__ void matvec_q4k_pairs(const u8* __restrict__ w, i64 rb, int rows, int
     }
 }
 
+// Q4_K at T tokens two rows a warp in the Q4K_LANE32 layout (rows 2 i and 2 i + 1 for warp i):
+// each x value a lane loads feeds both rows' sums. Each row's sums take `row_dots`' products in
+// its order: the same bits. A last row without a partner computes itself twice, stores once;
+// warps past the rows return (a grid of a warp a row launches twice the warps needed).
+template <int T>
+__device__ void matvec_q4k_rows2(const u8* __restrict__ w, i64 rb, int rows, int cols,
+                                 const float* __restrict__ x, int n, float* __restrict__ y) {
+    const int warps = blockDim.x / WARP, lane = threadIdx.x & (WARP - 1);
+    const int r0 = 2 * (blockIdx.x * warps + threadIdx.x / WARP);
+    if (r0 >= rows) return;
+    const bool two = r0 + 1 < rows;
+    const u8* const pair[2] = {w + (i64)r0 * rb, w + (i64)(two ? r0 + 1 : r0) * rb};
+    for (int t0 = 0; t0 < n; t0 += T) {
+        const int nt = min(T, n - t0);
+        float acc[2 * T];
+#pragma unroll
+        for (int i = 0; i < 2 * T; i++) acc[i] = 0.0f;
+        q4_k_lane32_rows<T, 2>(pair, cols / 256, x + (i64)t0 * cols, cols, nt, acc);
+#pragma unroll
+        for (int t = 0; t < T; t++) {
+            const float v0 = warp_sum(acc[t]), v1 = warp_sum(acc[T + t]);
+            if (t < nt && lane == 0) {
+                y[(i64)(t0 + t) * rows + r0] = v0;
+                if (two) y[(i64)(t0 + t) * rows + r0 + 1] = v1;
+            }
+        }
+    }
+}
+
 // `matvec` and `matvec_split` for the block formats (q8_0, q4_k) at most T tokens a pass (1,
 // 2 or 4: decode's batches), kernels of their own as the float formats' `matvec_t*`: a warp
 // holds only the accumulators it uses, and at four tokens or fewer `row_dots` keeps four
@@ -241,7 +270,11 @@ __device__ void matvec_quant(const u8* __restrict__ w, int fmt, int rows, int co
     } else if (T == 1) {
         matvec_q4k_pairs(w, rb, rows, cols, x, y);
     } else {
+#if Q4K_LANE32
+        matvec_q4k_rows2<T>(w, rb, rows, cols, x, n, y);
+#else
         matvec_rows<FMT_Q4_K, T>(w, rb, rows, cols, x, n, y);
+#endif
     }
 }
 
