@@ -197,15 +197,10 @@ extern "C" __global__ void matvec_split_t4(MATVEC_ARGS) {
 }
 #undef MATVEC_ARGS
 
-// Q4_K super-blocks of each of its two rows a `matvec_q4k_pairs` warp loads before using any.
-#ifndef MATVEC_Q4K_BLOCKS
-#define MATVEC_Q4K_BLOCKS 4
-#endif
-
-// Q4_K at one token two rows a warp (rows 2 i and 2 i + 1 for warp i), both rows' super-blocks
-// in flight at once and their headers loaded once a warp (`q4_k_pair_dots`, as a MoE pick's
-// gate and up): each row's sum takes `row_dots`' products in its order, so the same bits as
-// `matvec_rows`. A last row without a partner computes itself twice and stores once.
+// Q4_K at one token two rows a warp (rows 2 i and 2 i + 1 for warp i), each x value a lane
+// loads feeding both rows' sums: each row's sum takes `row_dots`' products in its order, so the
+// same bits as `matvec_rows`. A last row without a partner computes itself twice and stores
+// once. (matvec_q4k_rows2<1> in fewer registers: no loop over token tiles.)
 __device__ void matvec_q4k_pairs(const u8* __restrict__ w, i64 rb, int rows, int cols,
                                  const float* __restrict__ x, float* __restrict__ y) {
     const int warps = blockDim.x / WARP, lane = threadIdx.x & (WARP - 1);
@@ -213,8 +208,9 @@ __device__ void matvec_q4k_pairs(const u8* __restrict__ w, i64 rb, int rows, int
     if (r0 >= rows) return;
     const bool two = r0 + 1 < rows;
     const u8* row0 = w + (i64)r0 * rb;
+    const u8* const pair[2] = {row0, two ? row0 + rb : row0};
     float acc[2] = {0.0f, 0.0f};
-    q4_k_pair_dots<MATVEC_Q4K_BLOCKS>(row0, two ? row0 + rb : row0, cols, x, acc);
+    q4_k_lane32_rows<1, 2>(pair, cols / 256, x, 0, 1, acc);
     const float v0 = warp_sum(acc[0]), v1 = warp_sum(acc[1]);
     if (lane == 0) {
         y[r0] = v0;
@@ -222,10 +218,10 @@ __device__ void matvec_q4k_pairs(const u8* __restrict__ w, i64 rb, int rows, int
     }
 }
 
-// Q4_K at T tokens two rows a warp in the Q4K_LANE32 layout (rows 2 i and 2 i + 1 for warp i):
-// each x value a lane loads feeds both rows' sums. Each row's sums take `row_dots`' products in
-// its order: the same bits. A last row without a partner computes itself twice, stores once;
-// warps past the rows return (a grid of a warp a row launches twice the warps needed).
+// Q4_K at T tokens two rows a warp (rows 2 i and 2 i + 1 for warp i): each x value a lane
+// loads feeds both rows' sums (at four tokens x's loads are 28 times the weights' bytes). Each
+// row's sums take `row_dots`' products in its order: the same bits. A last row without a partner
+// computes itself twice and stores once; the host's grid covers half as many warps.
 template <int T>
 __device__ void matvec_q4k_rows2(const u8* __restrict__ w, i64 rb, int rows, int cols,
                                  const float* __restrict__ x, int n, float* __restrict__ y) {
@@ -253,9 +249,8 @@ __device__ void matvec_q4k_rows2(const u8* __restrict__ w, i64 rb, int rows, int
 
 // `matvec` and `matvec_split` for the block formats (q8_0, q4_k) at most T tokens a pass (1,
 // 2 or 4: decode's batches), kernels of their own as the float formats' `matvec_t*`: a warp
-// holds only the accumulators it uses, and at four tokens or fewer `row_dots` keeps four
-// super-blocks' loads in flight a lane. The same bits as `matvec`. One token of q4_k without
-// the split: two rows a warp (`matvec_q4k_pairs`; the host's grid covers half as many warps).
+// holds only the accumulators it uses. The same bits as `matvec`. q4_k without the split: two
+// rows a warp (`matvec_q4k_pairs`, `matvec_q4k_rows2`).
 template <int T, bool SPLIT>
 __device__ void matvec_quant(const u8* __restrict__ w, int fmt, int rows, int cols,
                              const float* __restrict__ x, int n, float* __restrict__ y) {
@@ -270,11 +265,7 @@ __device__ void matvec_quant(const u8* __restrict__ w, int fmt, int rows, int co
     } else if (T == 1) {
         matvec_q4k_pairs(w, rb, rows, cols, x, y);
     } else {
-#if Q4K_LANE32
         matvec_q4k_rows2<T>(w, rb, rows, cols, x, n, y);
-#else
-        matvec_rows<FMT_Q4_K, T>(w, rb, rows, cols, x, n, y);
-#endif
     }
 }
 

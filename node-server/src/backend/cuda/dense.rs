@@ -255,7 +255,7 @@ impl Cuda {
         // or fewer (decode) every format takes the kernel of the fewest accumulators that
         // hold them: the same bits, more warps resident (gemv.cu's `matvec_t*` for the float
         // formats, at two and four tokens two rows a warp sharing their loads of x;
-        // `matvec_q_t*` for q8_0 and q4_k, q4_k at one token two rows a warp).
+        // `matvec_q_t*` for q8_0 and q4_k, q4_k two rows a warp).
         let split = rows < SPLIT_BELOW_ROWS;
         let float = matches!(format, Format::F32 | Format::F16 | Format::Bf16);
         let tile = self.matvec_tile(n);
@@ -282,9 +282,9 @@ impl Cuda {
                 shared_mem_bytes: 0,
             }
         } else if matches!(name, "matvec_t2" | "matvec_t4")
-            || (name == "matvec_q_t1" && format == Format::Q4K)
+            || (name.starts_with("matvec_q_t") && format == Format::Q4K)
         {
-            // Two rows a warp (gemv.cu's `matvec_rows2`, `matvec_q4k_pairs`).
+            // Two rows a warp (gemv.cu's `matvec_rows2`, `matvec_q4k_pairs`, `matvec_q4k_rows2`).
             rows_config(rows.div_ceil(2), 1)
         } else {
             rows_config(rows, 1)
@@ -300,7 +300,7 @@ impl Cuda {
         // SAFETY: every one of these kernels takes `matvec`'s argument list in gemv.cu
         // (`matvec_t*` only float formats, `matvec_q_*` only q8_0 and q4_k, which `name`
         // keeps to); the sizes were checked above, and the grid covers `rows` rows (a warp
-        // each, two rows a warp for `matvec_t2`/`_t4` and q4_k's `matvec_q_t1`, or a block of
+        // each, two rows a warp for `matvec_t2`/`_t4` and q4_k's `matvec_q_t*`, or a block of
         // SPLIT_WARPS warps each).
         unsafe { b.launch(cfg) }?;
         Ok(())
