@@ -2,7 +2,7 @@
 //! `matvec` over every weight format, SwiGLU, RMSNorm and the gated RMSNorm.
 
 use super::*;
-use cudarc::driver::{DevicePtr, DevicePtrMut};
+use cudarc::driver::{CudaView, CudaViewMut, DevicePtr, DevicePtrMut};
 
 /// The half types of [`Cuda::gemm_half`].
 #[derive(Clone, Copy, Debug)]
@@ -37,7 +37,14 @@ impl Cuda {
         }
         check_product(w, format, rows, cols, x, n, y)?;
         if format == Format::Bf16 && prompt_gemm() {
-            return self.matmul_bf16x3(w, rows, cols, x, n, y);
+            return self.matmul_bf16x3(
+                &w.as_view(),
+                rows,
+                cols,
+                &x.as_view(),
+                n,
+                &mut y.as_view_mut(),
+            );
         }
         let tile = (WIDEN_TILE_VALUES / cols).clamp(1, rows);
         let mut widened = match format {
@@ -94,16 +101,17 @@ impl Cuda {
     /// (`split_bf16x3`: together x's 24 significant bits), and the weights as they are times
     /// each plane by cuBLAS (bf16 inputs, f32 sums), smallest plane first, summed in y. The
     /// products of bf16 values are exact in f32, so what remains from f32 arithmetic is the
-    /// summation order.
+    /// summation order. The caller checks the sizes (`w` rows x cols bf16, `x` n x cols, `y`
+    /// n x rows).
     #[allow(clippy::too_many_arguments)]
-    fn matmul_bf16x3(
+    pub(super) fn matmul_bf16x3(
         &self,
-        w: &CudaSlice<u8>,
+        w: &CudaView<u8>,
         rows: usize,
         cols: usize,
-        x: &CudaSlice<f32>,
+        x: &CudaView<f32>,
         n: usize,
-        y: &mut CudaSlice<f32>,
+        y: &mut CudaViewMut<f32>,
     ) -> Result<(), CudaError> {
         let count = n * cols;
         // Three planes of `count` halves, two a word.

@@ -402,6 +402,43 @@ pub(super) fn check_mla(
             F32_BOUND,
         ));
     }
+    // A prompt chunk over a bf16 cache (mla_attend_shared's 8-byte loads of the latents)
+    // against the CPU on the same rounded values.
+    {
+        use crate::model::device::CacheDtype;
+        let (heads, rank, cached, kpool, topk) = (64usize, 512usize, 2300usize, 16usize, 2048usize);
+        let rounded: Vec<half::bf16> = randn(rng, cached * rank, 1.7)
+            .into_iter()
+            .map(half::bf16::from_f32)
+            .collect();
+        let latents: Vec<f32> = rounded.iter().map(|v| v.to_f32()).collect();
+        let bytes: Vec<u8> = rounded.iter().flat_map(|v| v.to_le_bytes()).collect();
+        let positions: Vec<usize> = (2200..2300).collect();
+        let sel: Vec<Vec<u32>> = positions
+            .iter()
+            .map(|&p| random_selection(rng, p + 1, kpool, topk))
+            .collect();
+        let q = randn(rng, positions.len() * heads * rank, 4.0);
+        let layout = AttnLayout::absorbed(heads, rank, scale);
+        let want = sparse_attention(&q, &latents, &layout, &sel);
+        let mut offsets = vec![0usize];
+        for s in &sel {
+            offsets.push(offsets[offsets.len() - 1] + s.len());
+        }
+        let flat: Vec<u32> = sel.concat();
+        let (d_q, kv, tokens) = (cuda.upload(&q)?, cuda.upload(&bytes)?, cuda.upload(&flat)?);
+        let mut out = cuda.alloc_f32(q.len())?;
+        let cache = (&kv, CacheDtype::Bf16);
+        cuda.mla_sparse_attend_part_dev(&d_q, cache, &layout, &tokens, &offsets, &mut out)?;
+        let mut got = cuda.download(&out)?;
+        got.truncate(q.len());
+        cases.push(case(
+            format!("mla absorbed h{heads} r{rank} T={cached} q=100 bf16 cache"),
+            &got,
+            &want,
+            F32_BOUND,
+        ));
+    }
     // (heads, nope, v_dim, tokens, new tokens at the end, kpool, topk)
     let expanded = [
         (3usize, 24usize, 20usize, 50usize, 7usize, 4usize, 16usize),
