@@ -292,7 +292,7 @@ impl Cuda {
         } else if matches!(name, "matvec_t2" | "matvec_t4")
             || (name.starts_with("matvec_q_t") && format == Format::Q4K)
         {
-            // Two rows a warp (gemv.cu's `matvec_rows2`, `matvec_q4k_pairs`, `matvec_q4k_rows2`).
+            // Two rows a warp (gemv.cu's `matvec_rows2`, `matvec_q4k_pairs`).
             rows_config(rows.div_ceil(2), 1)
         } else {
             rows_config(rows, 1)
