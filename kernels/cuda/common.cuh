@@ -168,32 +168,41 @@ __device__ __forceinline__ void q4_k_chunk_scales(const u32 (&head)[4], int c, f
 // take the products in the order one row alone takes them: the same bits for any R. With V
 // (the rows and x 16-byte aligned, x's stride a multiple of four) the quants and header come as
 // one 16-byte load each and x as float4s; the products and their order are the same either way.
+// One lane's raw share of a super-block: its 16-byte header and its 16 bytes of quants.
+struct Q4kRaw {
+    u32 head[4], q[4];
+};
+
+// This lane's header and quants of super-block b of row w (q4_k_lane32_dots' chunk c, half h),
+// as one 16-byte load each with V, else as 4-byte loads.
+template <bool V>
+__device__ __forceinline__ void q4_k_lane32_load(const u8* w, int b, Q4kRaw& raw) {
+    const int lane = threadIdx.x & (WARP - 1);
+    const int c = (lane & 7) >> 1, h = lane & 1;
+    const u8* blk = w + (i64)b * 144;
+    const u8* qp = blk + 16 + 32 * c + 16 * h;
+    if constexpr (V) {
+        const uint4 hv = *(const uint4*)blk, qv = *(const uint4*)qp;
+        raw.head[0] = hv.x, raw.head[1] = hv.y, raw.head[2] = hv.z, raw.head[3] = hv.w;
+        raw.q[0] = qv.x, raw.q[1] = qv.y, raw.q[2] = qv.z, raw.q[3] = qv.w;
+    } else {
+#pragma unroll
+        for (int i = 0; i < 4; i++) {
+            raw.head[i] = ((const u32*)blk)[i];
+            raw.q[i] = ((const u32*)qp)[i];
+        }
+    }
+}
+
 template <int TILE, bool V, int R = 1>
-__device__ __forceinline__ void q4_k_lane32_dots(const u8* const* w, int b,
+__device__ __forceinline__ void q4_k_lane32_dots(const Q4kRaw* raw, int b,
                                                  const float* __restrict__ x, i64 ldx, int nt,
                                                  float* acc) {
     const int lane = threadIdx.x & (WARP - 1);
     const int c = (lane & 7) >> 1, h = lane & 1;
-    u32 q[R][4];
     float ds[R][2], dm[R][2];
 #pragma unroll
-    for (int r = 0; r < R; r++) {
-        const u8* blk = w[r] + (i64)b * 144;
-        const u8* qp = blk + 16 + 32 * c + 16 * h;
-        u32 head[4];
-        if constexpr (V) {
-            const uint4 hv = *(const uint4*)blk, qv = *(const uint4*)qp;
-            head[0] = hv.x, head[1] = hv.y, head[2] = hv.z, head[3] = hv.w;
-            q[r][0] = qv.x, q[r][1] = qv.y, q[r][2] = qv.z, q[r][3] = qv.w;
-        } else {
-#pragma unroll
-            for (int i = 0; i < 4; i++) {
-                head[i] = ((const u32*)blk)[i];
-                q[r][i] = ((const u32*)qp)[i];
-            }
-        }
-        q4_k_chunk_scales(head, c, ds[r], dm[r]);
-    }
+    for (int r = 0; r < R; r++) q4_k_chunk_scales(raw[r].head, c, ds[r], dm[r]);
     const i64 base = (i64)b * 256 + 64 * c + 16 * h;
 #pragma unroll
     for (int k = 0; k < 4; k++) {
@@ -210,7 +219,7 @@ __device__ __forceinline__ void q4_k_lane32_dots(const u8* const* w, int b,
 #pragma unroll
         for (int r = 0; r < R; r++) {
             // The four low and the four high nibbles, each picked into a word by a byte permute.
-            const u32 lo4 = q[r][k] & 0x0F0F0F0Fu, hi4 = (q[r][k] >> 4) & 0x0F0F0F0Fu;
+            const u32 lo4 = raw[r].q[k] & 0x0F0F0F0Fu, hi4 = (raw[r].q[k] >> 4) & 0x0F0F0F0Fu;
 #pragma unroll
             for (int e = 0; e < 4; e++) {
                 const float ql =
@@ -239,6 +248,14 @@ __device__ __forceinline__ void q4_k_lane32_dots(const u8* const* w, int b,
     }
 }
 
+// Super-blocks of a q4_k row whose loads a lane issues before computing on the first of them
+// (this lane's share of Q4K_AHEAD groups of four): the weights of a row's short dots (a routed
+// expert's 2,048- or 4,096-value rows: 2 or 4 groups) in flight together instead of one
+// group's at a time. Any value keeps the bits: the products and their order do not change.
+#ifndef Q4K_AHEAD
+#define Q4K_AHEAD 1
+#endif
+
 // Q4_K's rows: this lane's super-blocks (one of each group of four) of R rows in order
 // (acc as q4_k_lane32_dots'), V chosen from the pointers' alignment.
 template <int TILE, int R = 1>
@@ -250,12 +267,42 @@ __device__ __forceinline__ void q4_k_lane32_rows(const u8* const* w, int blocks,
 #pragma unroll
     for (int r = 0; r < R; r++) addr |= (unsigned long long)w[r];
     if (TILE <= 4 && (addr & 15) == 0 && (ldx & 3) == 0) {
+#if Q4K_AHEAD > 1
+        for (int g0 = 0; g0 < blocks; g0 += 4 * Q4K_AHEAD) {
+            Q4kRaw raw[Q4K_AHEAD][R];
+#pragma unroll
+            for (int a = 0; a < Q4K_AHEAD; a++) {
+                const int b = g0 + 4 * a + sub;
+#pragma unroll
+                for (int r = 0; r < R; r++)
+                    if (b < blocks) q4_k_lane32_load<TILE <= 4>(w[r], b, raw[a][r]);
+            }
+#pragma unroll
+            for (int a = 0; a < Q4K_AHEAD; a++) {
+                const int b = g0 + 4 * a + sub;
+                if (b < blocks) q4_k_lane32_dots<TILE, TILE <= 4, R>(raw[a], b, x, ldx, nt, acc);
+            }
+        }
+#else
 #pragma unroll(TILE * R <= 4 ? 4 : 1)
-        for (int g = 0; g < blocks; g += 4)
-            if (g + sub < blocks) q4_k_lane32_dots<TILE, TILE <= 4, R>(w, g + sub, x, ldx, nt, acc);
+        for (int g = 0; g < blocks; g += 4) {
+            if (g + sub < blocks) {
+                Q4kRaw raw[R];
+#pragma unroll
+                for (int r = 0; r < R; r++) q4_k_lane32_load<TILE <= 4>(w[r], g + sub, raw[r]);
+                q4_k_lane32_dots<TILE, TILE <= 4, R>(raw, g + sub, x, ldx, nt, acc);
+            }
+        }
+#endif
     } else {
-        for (int g = 0; g < blocks; g += 4)
-            if (g + sub < blocks) q4_k_lane32_dots<TILE, false, R>(w, g + sub, x, ldx, nt, acc);
+        for (int g = 0; g < blocks; g += 4) {
+            if (g + sub < blocks) {
+                Q4kRaw raw[R];
+#pragma unroll
+                for (int r = 0; r < R; r++) q4_k_lane32_load<false>(w[r], g + sub, raw[r]);
+                q4_k_lane32_dots<TILE, false, R>(raw, g + sub, x, ldx, nt, acc);
+            }
+        }
     }
 }
 
