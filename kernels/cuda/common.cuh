@@ -248,14 +248,6 @@ __device__ __forceinline__ void q4_k_lane32_dots(const Q4kRaw* raw, int b,
     }
 }
 
-// Super-blocks of a q4_k row whose loads a lane issues before computing on the first of them
-// (this lane's share of Q4K_AHEAD groups of four): the weights of a row's short dots (a routed
-// expert's 2,048- or 4,096-value rows: 2 or 4 groups) in flight together instead of one
-// group's at a time. Any value keeps the bits: the products and their order do not change.
-#ifndef Q4K_AHEAD
-#define Q4K_AHEAD 1
-#endif
-
 // Q4_K's rows: this lane's super-blocks (one of each group of four) of R rows in order
 // (acc as q4_k_lane32_dots'), V chosen from the pointers' alignment.
 template <int TILE, int R = 1>
@@ -267,23 +259,6 @@ __device__ __forceinline__ void q4_k_lane32_rows(const u8* const* w, int blocks,
 #pragma unroll
     for (int r = 0; r < R; r++) addr |= (unsigned long long)w[r];
     if (TILE <= 4 && (addr & 15) == 0 && (ldx & 3) == 0) {
-#if Q4K_AHEAD > 1
-        for (int g0 = 0; g0 < blocks; g0 += 4 * Q4K_AHEAD) {
-            Q4kRaw raw[Q4K_AHEAD][R];
-#pragma unroll
-            for (int a = 0; a < Q4K_AHEAD; a++) {
-                const int b = g0 + 4 * a + sub;
-#pragma unroll
-                for (int r = 0; r < R; r++)
-                    if (b < blocks) q4_k_lane32_load<TILE <= 4>(w[r], b, raw[a][r]);
-            }
-#pragma unroll
-            for (int a = 0; a < Q4K_AHEAD; a++) {
-                const int b = g0 + 4 * a + sub;
-                if (b < blocks) q4_k_lane32_dots<TILE, TILE <= 4, R>(raw[a], b, x, ldx, nt, acc);
-            }
-        }
-#else
 #pragma unroll(TILE * R <= 4 ? 4 : 1)
         for (int g = 0; g < blocks; g += 4) {
             if (g + sub < blocks) {
@@ -293,7 +268,6 @@ __device__ __forceinline__ void q4_k_lane32_rows(const u8* const* w, int blocks,
                 q4_k_lane32_dots<TILE, TILE <= 4, R>(raw, g + sub, x, ldx, nt, acc);
             }
         }
-#endif
     } else {
         for (int g = 0; g < blocks; g += 4) {
             if (g + sub < blocks) {
