@@ -130,26 +130,6 @@ __device__ __forceinline__ void q8_0_block_dots(const u8* __restrict__ w, int b,
         if (t < nt) acc[t] = fmaf(v, x[t * ldx + i], acc[t]);
 }
 
-// A lane's bytes of Q4_K super-block b of a row (256 values, 144 bytes): the block's header
-// (d, dmin and the 12 scale bytes) as four words (a row starts 4-byte aligned) and its four
-// quant bytes. Lane l reads the quants of chunk c = l / 8: low nibbles are values
-// 64c + 4(l%8) .. +4 (sub-block 2c), high nibbles the same 32 later (sub-block 2c + 1).
-struct Q4kLane {
-    u32 head[4];
-    u32 qs;
-};
-
-__device__ __forceinline__ Q4kLane q4_k_lane(const u8* __restrict__ w, int b) {
-    const int lane = threadIdx.x & (WARP - 1);
-    const u8* blk = w + (i64)b * 144;
-    const u32* head = (const u32*)blk;
-    Q4kLane r;
-#pragma unroll
-    for (int i = 0; i < 4; i++) r.head[i] = head[i];
-    r.qs = *(const u32*)(blk + 16 + 32 * (lane >> 3) + (lane & 7) * 4);
-    return r;
-}
-
 // The scale and offset of the two sub-blocks of 32-byte quant chunk c (2c: low nibbles,
 // 2c + 1: high) of a Q4_K super-block from its header words: value = ds * q - dm.
 __device__ __forceinline__ void q4_k_chunk_scales(const u32 (&head)[4], int c, float (&ds)[2],
@@ -179,101 +159,50 @@ __device__ __forceinline__ void q4_k_chunk_scales(const u32 (&head)[4], int c, f
     }
 }
 
-// row_dots' Q4_K step: block b's products from its lane bytes `r` with `nt` <= TILE token
-// rows of x, added into acc[t]. With XV (x 16-byte aligned, its stride a multiple of four) a
-// token's eight x values come as two float4 loads. The products and their order are the same
-// either way: the same bits.
-template <int TILE, bool XV>
-__device__ __forceinline__ void q4_k_lane_dots(const Q4kLane& r, int b,
-                                               const float* __restrict__ x, i64 ldx, int nt,
-                                               float* acc) {
-    const int lane = threadIdx.x & (WARP - 1);
-    const int c = lane >> 3;
-    const int q0 = (lane & 7) * 4;
-    float ds[2], dm[2];
-    q4_k_chunk_scales(r.head, c, ds, dm);
-    const u32 qs = r.qs;
-    const int base = b * 256 + 64 * c + q0;
-    // At four tokens or fewer with XV, a token's eight x values as two float4 loads; else
-    // (eight tokens, or x not aligned for float4) x read where it is used (holding eight
-    // tokens' values ahead would take 64 more registers).
-    constexpr bool V = TILE <= 4 && XV;
-    float4 xl[TILE], xh[TILE];
-    if constexpr (V) {
-#pragma unroll
-        for (int t = 0; t < TILE; t++) {
-            if (t < nt) {
-                xl[t] = *(const float4*)(x + t * ldx + base);
-                xh[t] = *(const float4*)(x + t * ldx + base + 32);
-            }
-        }
-    }
-#pragma unroll
-    for (int e = 0; e < 4; e++) {
-        const u32 byte = (qs >> (8 * e)) & 0xFF;
-        const float lo = ds[0] * (float)(byte & 0x0F) - dm[0];
-        const float hi = ds[1] * (float)(byte >> 4) - dm[1];
-#pragma unroll
-        for (int t = 0; t < TILE; t++) {
-            if (t < nt) {
-                float a, z;
-                if constexpr (V) {
-                    a = e == 0 ? xl[t].x : e == 1 ? xl[t].y : e == 2 ? xl[t].z : xl[t].w;
-                    z = e == 0 ? xh[t].x : e == 1 ? xh[t].y : e == 2 ? xh[t].z : xh[t].w;
-                } else {
-                    a = x[t * ldx + base + e];
-                    z = x[t * ldx + base + 32 + e];
-                }
-                acc[t] = fmaf(lo, a, acc[t]);
-                acc[t] = fmaf(hi, z, acc[t]);
-            }
-        }
-    }
-}
-
-// How Q4_K lanes split a row. 0 (the default): lane l decodes 8 values of every super-block
-// (`q4_k_lane_dots`). 1: lane l decodes 32 values of one super-block of each group of four
-// (super-block l / 8 of the group, 32-byte chunk (l % 8) / 2, its half l % 2): one 16-byte load
-// of quants, and the header's scales decoded once for 32 values instead of 8. Each is one
-// order of sums for every kernel (`row_dots`, `q4_k_pair_dots`): results repeat within a
-// setting. A knob for A/B runs: GLMFLASH_KERNEL_DEFINES=Q4K_LANE32=1.
-#ifndef Q4K_LANE32
-#define Q4K_LANE32 0
-#endif
-
-// Q4K_LANE32's step: this lane's 32 values of super-block b of each of R rows (w[r]) against
+// Q4_K's step: lane l takes 32 values of one super-block of each group of four (super-block
+// l / 8 of the group, 32-byte quant chunk c = (l % 8) / 2, its half h = l % 2), its header's
+// scales decoded once for them: this lane's 32 values of super-block b of each of R rows (w[r]) against
 // `nt` <= TILE token rows of x, added into acc[r * TILE + t]: for each of its 16 quant bytes in
 // order, the low nibble (value 64c + 16h + i, sub-block 2c) then the high (32 later, sub-block
 // 2c + 1). The rows share each x value a lane loads (R x fewer loads of x), and each row's sums
 // take the products in the order one row alone takes them: the same bits for any R. With V
 // (the rows and x 16-byte aligned, x's stride a multiple of four) the quants and header come as
 // one 16-byte load each and x as float4s; the products and their order are the same either way.
+// One lane's raw share of a super-block: its 16-byte header and its 16 bytes of quants.
+struct Q4kRaw {
+    u32 head[4], q[4];
+};
+
+// This lane's header and quants of super-block b of row w (q4_k_lane32_dots' chunk c, half h),
+// as one 16-byte load each with V, else as 4-byte loads.
+template <bool V>
+__device__ __forceinline__ void q4_k_lane32_load(const u8* w, int b, Q4kRaw& raw) {
+    const int lane = threadIdx.x & (WARP - 1);
+    const int c = (lane & 7) >> 1, h = lane & 1;
+    const u8* blk = w + (i64)b * 144;
+    const u8* qp = blk + 16 + 32 * c + 16 * h;
+    if constexpr (V) {
+        const uint4 hv = *(const uint4*)blk, qv = *(const uint4*)qp;
+        raw.head[0] = hv.x, raw.head[1] = hv.y, raw.head[2] = hv.z, raw.head[3] = hv.w;
+        raw.q[0] = qv.x, raw.q[1] = qv.y, raw.q[2] = qv.z, raw.q[3] = qv.w;
+    } else {
+#pragma unroll
+        for (int i = 0; i < 4; i++) {
+            raw.head[i] = ((const u32*)blk)[i];
+            raw.q[i] = ((const u32*)qp)[i];
+        }
+    }
+}
+
 template <int TILE, bool V, int R = 1>
-__device__ __forceinline__ void q4_k_lane32_dots(const u8* const* w, int b,
+__device__ __forceinline__ void q4_k_lane32_dots(const Q4kRaw* raw, int b,
                                                  const float* __restrict__ x, i64 ldx, int nt,
                                                  float* acc) {
     const int lane = threadIdx.x & (WARP - 1);
     const int c = (lane & 7) >> 1, h = lane & 1;
-    u32 q[R][4];
     float ds[R][2], dm[R][2];
 #pragma unroll
-    for (int r = 0; r < R; r++) {
-        const u8* blk = w[r] + (i64)b * 144;
-        const u8* qp = blk + 16 + 32 * c + 16 * h;
-        u32 head[4];
-        if constexpr (V) {
-            const uint4 hv = *(const uint4*)blk, qv = *(const uint4*)qp;
-            head[0] = hv.x, head[1] = hv.y, head[2] = hv.z, head[3] = hv.w;
-            q[r][0] = qv.x, q[r][1] = qv.y, q[r][2] = qv.z, q[r][3] = qv.w;
-        } else {
-#pragma unroll
-            for (int i = 0; i < 4; i++) {
-                head[i] = ((const u32*)blk)[i];
-                q[r][i] = ((const u32*)qp)[i];
-            }
-        }
-        q4_k_chunk_scales(head, c, ds[r], dm[r]);
-    }
+    for (int r = 0; r < R; r++) q4_k_chunk_scales(raw[r].head, c, ds[r], dm[r]);
     const i64 base = (i64)b * 256 + 64 * c + 16 * h;
 #pragma unroll
     for (int k = 0; k < 4; k++) {
@@ -290,7 +219,7 @@ __device__ __forceinline__ void q4_k_lane32_dots(const u8* const* w, int b,
 #pragma unroll
         for (int r = 0; r < R; r++) {
             // The four low and the four high nibbles, each picked into a word by a byte permute.
-            const u32 lo4 = q[r][k] & 0x0F0F0F0Fu, hi4 = (q[r][k] >> 4) & 0x0F0F0F0Fu;
+            const u32 lo4 = raw[r].q[k] & 0x0F0F0F0Fu, hi4 = (raw[r].q[k] >> 4) & 0x0F0F0F0Fu;
 #pragma unroll
             for (int e = 0; e < 4; e++) {
                 const float ql =
@@ -319,7 +248,7 @@ __device__ __forceinline__ void q4_k_lane32_dots(const u8* const* w, int b,
     }
 }
 
-// Q4K_LANE32's rows: this lane's super-blocks (one of each group of four) of R rows in order
+// Q4_K's rows: this lane's super-blocks (one of each group of four) of R rows in order
 // (acc as q4_k_lane32_dots'), V chosen from the pointers' alignment.
 template <int TILE, int R = 1>
 __device__ __forceinline__ void q4_k_lane32_rows(const u8* const* w, int blocks,
@@ -331,20 +260,24 @@ __device__ __forceinline__ void q4_k_lane32_rows(const u8* const* w, int blocks,
     for (int r = 0; r < R; r++) addr |= (unsigned long long)w[r];
     if (TILE <= 4 && (addr & 15) == 0 && (ldx & 3) == 0) {
 #pragma unroll(TILE * R <= 4 ? 4 : 1)
-        for (int g = 0; g < blocks; g += 4)
-            if (g + sub < blocks) q4_k_lane32_dots<TILE, TILE <= 4, R>(w, g + sub, x, ldx, nt, acc);
+        for (int g = 0; g < blocks; g += 4) {
+            if (g + sub < blocks) {
+                Q4kRaw raw[R];
+#pragma unroll
+                for (int r = 0; r < R; r++) q4_k_lane32_load<TILE <= 4>(w[r], g + sub, raw[r]);
+                q4_k_lane32_dots<TILE, TILE <= 4, R>(raw, g + sub, x, ldx, nt, acc);
+            }
+        }
     } else {
-        for (int g = 0; g < blocks; g += 4)
-            if (g + sub < blocks) q4_k_lane32_dots<TILE, false, R>(w, g + sub, x, ldx, nt, acc);
+        for (int g = 0; g < blocks; g += 4) {
+            if (g + sub < blocks) {
+                Q4kRaw raw[R];
+#pragma unroll
+                for (int r = 0; r < R; r++) q4_k_lane32_load<false>(w[r], g + sub, raw[r]);
+                q4_k_lane32_dots<TILE, false, R>(raw, g + sub, x, ldx, nt, acc);
+            }
+        }
     }
-}
-
-// Q4_K super-block b of a row; row_dots' step (see q4_k_lane_dots).
-template <int TILE, bool XV>
-__device__ __forceinline__ void q4_k_block_dots(const u8* __restrict__ w, int b,
-                                                const float* __restrict__ x, i64 ldx, int nt,
-                                                float* acc) {
-    q4_k_lane_dots<TILE, XV>(q4_k_lane(w, b), b, x, ldx, nt, acc);
 }
 
 // The values of 16 bytes of a float-format row (4 for f32, 8 for f16 and bf16) as f32.
@@ -435,78 +368,9 @@ __device__ __forceinline__ void row_dots(const u8* __restrict__ w, int cols,
             for (int b = 0; b < blocks; b++) q8_0_block_dots<TILE>(w, b, x, ldx, nt, acc);
         }
     } else {
-        // Q4_K: with few tokens, four super-blocks' loads in flight a lane (a row of 4,096
-        // values is only 16 super-blocks: one at a time, a warp waits on memory at each).
-        const int blocks = cols / 256;
-        const bool xv = TILE <= 4 && ((unsigned long long)x & 15) == 0 && (ldx & 3) == 0;
-#if Q4K_LANE32
+        // Q4_K: a lane's 32 values of one super-block of each group of four (q4_k_lane32_rows).
         const u8* const one[1] = {w};
-        q4_k_lane32_rows<TILE>(one, blocks, x, ldx, nt, acc);
-        return;
-#endif
-        if (TILE <= 4 && xv) {
-#pragma unroll 4
-            for (int b = 0; b < blocks; b++) q4_k_block_dots<TILE, true>(w, b, x, ldx, nt, acc);
-        } else if (TILE <= 4) {
-#pragma unroll 4
-            for (int b = 0; b < blocks; b++) q4_k_block_dots<TILE, false>(w, b, x, ldx, nt, acc);
-        } else {
-            for (int b = 0; b < blocks; b++) q4_k_block_dots<TILE, false>(w, b, x, ldx, nt, acc);
-        }
-    }
-}
-
-// row_dots<FMT_Q4_K, 1> of two rows `w0` and `w1` against one token row x (a MoE pick's gate
-// and up), BLOCKS super-blocks of both rows loaded before any is used. The headers are loaded
-// once a warp, not once a lane: lane l holds word l % 4 of the header of block-row l / 4 of
-// each 8 (block-row i: block i / 2 of row i % 2), and the lanes read them back by shuffles. A
-// warp so keeps 2 x BLOCKS x 144 bytes in flight in few registers, where two row_dots passes
-// wait on memory at every fourth block of each row. Each accumulator takes its row's products
-// in row_dots' order: the same bits. Falls back to row_dots when x is not 16-byte aligned or
-// the row is not a whole number of BLOCKS.
-template <int BLOCKS>
-__device__ __forceinline__ void q4_k_pair_dots(const u8* __restrict__ w0, const u8* __restrict__ w1,
-                                               int cols, const float* __restrict__ x,
-                                               float* acc) {
-    constexpr int ROWS = 2;
-    static_assert((ROWS * BLOCKS) % 8 == 0, "header words fill whole lanes");
-    const int blocks = cols / 256;
-#if Q4K_LANE32
-    // Each row as row_dots<FMT_Q4_K, 1> takes it, both rows from each x value loaded.
-    const u8* const rows[ROWS] = {w0, w1};
-    q4_k_lane32_rows<1, ROWS>(rows, blocks, x, 0, 1, acc);
-    return;
-#endif
-    if (((unsigned long long)x & 15) != 0 || blocks % BLOCKS != 0) {
-#pragma unroll
-        for (int r = 0; r < ROWS; r++) {
-            row_dots<FMT_Q4_K, 1>(r == 0 ? w0 : w1, cols, x, 0, 1, acc + r);
-        }
-        return;
-    }
-    const int lane = threadIdx.x & (WARP - 1);
-    const int qoff = 16 + 32 * (lane >> 3) + (lane & 7) * 4;
-    constexpr int BR = ROWS * BLOCKS, HEADS = BR / 8;
-    for (int b = 0; b < blocks; b += BLOCKS) {
-        u32 hw[HEADS], q[BR];
-#pragma unroll
-        for (int i = 0; i < HEADS; i++) {
-            const int br = 8 * i + (lane >> 2);
-            const u8* w = br % ROWS == 0 ? w0 : w1;
-            hw[i] = *(const u32*)(w + (i64)(b + br / ROWS) * 144 + 4 * (lane & 3));
-        }
-#pragma unroll
-        for (int br = 0; br < BR; br++)
-            q[br] = *(const u32*)((br % ROWS == 0 ? w0 : w1) + (i64)(b + br / ROWS) * 144 + qoff);
-#pragma unroll
-        for (int br = 0; br < BR; br++) {
-            Q4kLane r;
-#pragma unroll
-            for (int i = 0; i < 4; i++)
-                r.head[i] = __shfl_sync(0xffffffffu, hw[br / 8], 4 * (br % 8) + i);
-            r.qs = q[br];
-            q4_k_lane_dots<1, true>(r, b + br / ROWS, x, 0, 1, acc + br % ROWS);
-        }
+        q4_k_lane32_rows<TILE>(one, cols / 256, x, ldx, nt, acc);
     }
 }
 

@@ -24,11 +24,13 @@ __device__ void matvec_rows(const u8* __restrict__ w, i64 rb, int rows, int cols
     }
 }
 
-// `matvec_rows` two rows a warp (rows 2 i and 2 i + 1 for warp i), for the float formats at a
-// few tokens: each x value a lane loads feeds both rows' sums, halving the L1 traffic of x,
-// which at four tokens is eight times the weights' (16-byte loads of x per token for 16 bytes
-// of weights). Each row's sums take the same products in the same order as `row_dots` gives
-// a row alone: the same bits. A last row without a partner computes itself twice, stores once.
+// `matvec_rows` two rows a warp (rows 2 i and 2 i + 1 for warp i), for the float formats and
+// q4_k at a few tokens: each x value a lane loads feeds both rows' sums, halving the L1 traffic
+// of x, which at four tokens is eight times the weights' for the float formats (16-byte loads
+// of x per token for 16 bytes of weights) and 28 times for q4_k. Each row's sums take the same
+// products in the same order as `row_dots` gives a row alone: the same bits. A last row
+// without a partner computes itself twice, stores once; the host's grid covers half as many
+// warps.
 template <int FMT, int TILE>
 __device__ void matvec_rows2(const u8* __restrict__ w, i64 rb, int rows, int cols,
                              const float* __restrict__ x, int n, float* __restrict__ y) {
@@ -45,10 +47,14 @@ __device__ void matvec_rows2(const u8* __restrict__ w, i64 rb, int rows, int col
     for (int t0 = 0; t0 < n; t0 += TILE) {
         const int nt = min(TILE, n - t0);
         const float* xt = x + (i64)t0 * cols;
-        float a0[TILE], a1[TILE];
+        float acc[2 * TILE];
+        float *a0 = acc, *a1 = acc + TILE;
 #pragma unroll
         for (int t = 0; t < TILE; t++) a0[t] = a1[t] = 0.0f;
-        if (vec) {
+        if constexpr (FMT == FMT_Q4_K) {
+            const u8* const pair[2] = {row0, row1};
+            q4_k_lane32_rows<TILE, 2>(pair, cols / 256, xt, cols, nt, acc);
+        } else if (vec) {
             const uint4 *w0 = (const uint4*)row0, *w1 = (const uint4*)row1;
             const int nv = cols / per;
 #pragma unroll(TILE <= 2 ? 2 : 1)
@@ -197,15 +203,10 @@ extern "C" __global__ void matvec_split_t4(MATVEC_ARGS) {
 }
 #undef MATVEC_ARGS
 
-// Q4_K super-blocks of each of its two rows a `matvec_q4k_pairs` warp loads before using any.
-#ifndef MATVEC_Q4K_BLOCKS
-#define MATVEC_Q4K_BLOCKS 4
-#endif
-
-// Q4_K at one token two rows a warp (rows 2 i and 2 i + 1 for warp i), both rows' super-blocks
-// in flight at once and their headers loaded once a warp (`q4_k_pair_dots`, as a MoE pick's
-// gate and up): each row's sum takes `row_dots`' products in its order, so the same bits as
-// `matvec_rows`. A last row without a partner computes itself twice and stores once.
+// Q4_K at one token two rows a warp (rows 2 i and 2 i + 1 for warp i), each x value a lane
+// loads feeding both rows' sums: each row's sum takes `row_dots`' products in its order, so the
+// same bits as `matvec_rows`. A last row without a partner computes itself twice and stores
+// once. (`matvec_rows2<FMT_Q4_K, 1>` in fewer registers: no loop over token tiles.)
 __device__ void matvec_q4k_pairs(const u8* __restrict__ w, i64 rb, int rows, int cols,
                                  const float* __restrict__ x, float* __restrict__ y) {
     const int warps = blockDim.x / WARP, lane = threadIdx.x & (WARP - 1);
@@ -213,8 +214,9 @@ __device__ void matvec_q4k_pairs(const u8* __restrict__ w, i64 rb, int rows, int
     if (r0 >= rows) return;
     const bool two = r0 + 1 < rows;
     const u8* row0 = w + (i64)r0 * rb;
+    const u8* const pair[2] = {row0, two ? row0 + rb : row0};
     float acc[2] = {0.0f, 0.0f};
-    q4_k_pair_dots<MATVEC_Q4K_BLOCKS>(row0, two ? row0 + rb : row0, cols, x, acc);
+    q4_k_lane32_rows<1, 2>(pair, cols / 256, x, 0, 1, acc);
     const float v0 = warp_sum(acc[0]), v1 = warp_sum(acc[1]);
     if (lane == 0) {
         y[r0] = v0;
@@ -222,40 +224,10 @@ __device__ void matvec_q4k_pairs(const u8* __restrict__ w, i64 rb, int rows, int
     }
 }
 
-// Q4_K at T tokens two rows a warp in the Q4K_LANE32 layout (rows 2 i and 2 i + 1 for warp i):
-// each x value a lane loads feeds both rows' sums. Each row's sums take `row_dots`' products in
-// its order: the same bits. A last row without a partner computes itself twice, stores once;
-// warps past the rows return (a grid of a warp a row launches twice the warps needed).
-template <int T>
-__device__ void matvec_q4k_rows2(const u8* __restrict__ w, i64 rb, int rows, int cols,
-                                 const float* __restrict__ x, int n, float* __restrict__ y) {
-    const int warps = blockDim.x / WARP, lane = threadIdx.x & (WARP - 1);
-    const int r0 = 2 * (blockIdx.x * warps + threadIdx.x / WARP);
-    if (r0 >= rows) return;
-    const bool two = r0 + 1 < rows;
-    const u8* const pair[2] = {w + (i64)r0 * rb, w + (i64)(two ? r0 + 1 : r0) * rb};
-    for (int t0 = 0; t0 < n; t0 += T) {
-        const int nt = min(T, n - t0);
-        float acc[2 * T];
-#pragma unroll
-        for (int i = 0; i < 2 * T; i++) acc[i] = 0.0f;
-        q4_k_lane32_rows<T, 2>(pair, cols / 256, x + (i64)t0 * cols, cols, nt, acc);
-#pragma unroll
-        for (int t = 0; t < T; t++) {
-            const float v0 = warp_sum(acc[t]), v1 = warp_sum(acc[T + t]);
-            if (t < nt && lane == 0) {
-                y[(i64)(t0 + t) * rows + r0] = v0;
-                if (two) y[(i64)(t0 + t) * rows + r0 + 1] = v1;
-            }
-        }
-    }
-}
-
 // `matvec` and `matvec_split` for the block formats (q8_0, q4_k) at most T tokens a pass (1,
 // 2 or 4: decode's batches), kernels of their own as the float formats' `matvec_t*`: a warp
-// holds only the accumulators it uses, and at four tokens or fewer `row_dots` keeps four
-// super-blocks' loads in flight a lane. The same bits as `matvec`. One token of q4_k without
-// the split: two rows a warp (`matvec_q4k_pairs`; the host's grid covers half as many warps).
+// holds only the accumulators it uses. The same bits as `matvec`. q4_k without the split: two
+// rows a warp (`matvec_q4k_pairs`, `matvec_rows2`).
 template <int T, bool SPLIT>
 __device__ void matvec_quant(const u8* __restrict__ w, int fmt, int rows, int cols,
                              const float* __restrict__ x, int n, float* __restrict__ y) {
@@ -270,11 +242,7 @@ __device__ void matvec_quant(const u8* __restrict__ w, int fmt, int rows, int co
     } else if (T == 1) {
         matvec_q4k_pairs(w, rb, rows, cols, x, y);
     } else {
-#if Q4K_LANE32
-        matvec_q4k_rows2<T>(w, rb, rows, cols, x, n, y);
-#else
-        matvec_rows<FMT_Q4_K, T>(w, rb, rows, cols, x, n, y);
-#endif
+        matvec_rows2<FMT_Q4_K, T>(w, rb, rows, cols, x, n, y);
     }
 }
 

@@ -131,7 +131,9 @@ extern "C" __global__ void mla_sparse_attend(const float* __restrict__ q,
 // SH_DV channels over SH_VT tokens at a time, in selection order for each output. q is
 // `[queries, heads, d]`, token j's row the d values at kv + j * stride; scratch and out as
 // mla_sparse_attend's. blockDim 256. A query's results do not depend on the other queries of
-// the launch.
+// the launch. Each step's tiles come through registers (ShScoreTiles, ShSumTiles: 16-byte
+// loads, the next step's in flight while the block computes on the current one); d, stride and
+// max_picks are multiples of 4.
 #define SH_HEADS 64
 #define SH_TOK 128
 #define SH_CK 32
@@ -150,6 +152,109 @@ __device__ __forceinline__ void sh_fma_4x8(float (&acc)[4][8], const float4 a, c
         for (int k = 0; k < 8; k++) acc[i][k] = fmaf(av[i], bv[k], acc[i][k]);
 }
 
+// Four values of a sequence cache from index i (a multiple of 4) as f32: one 16-byte load of
+// f32, one 8-byte load of bf16 / f16.
+__device__ __forceinline__ float4 cache_load4(const u8* __restrict__ cache, i64 i, int fmt) {
+    if (fmt == FMT_F32) return *(const float4*)((const float*)cache + i);
+    const uint2 h = *(const uint2*)((const u16*)cache + i);
+    const u16 v[4] = {(u16)(h.x & 0xFFFF), (u16)(h.x >> 16), (u16)(h.y & 0xFFFF), (u16)(h.y >> 16)};
+    float f[4];
+#pragma unroll
+    for (int e = 0; e < 4; e++) f[e] = fmt == FMT_BF16 ? bf16_to_f32(v[e]) : f16_to_f32(v[e]);
+    return make_float4(f[0], f[1], f[2], f[3]);
+}
+
+__device__ __forceinline__ float f4_at(const float4 v, int e) {
+    return e == 0 ? v.x : e == 1 ? v.y : e == 2 ? v.z : v.w;
+}
+
+// The operands of one step of mla_attend_shared's loops, staged through registers: each thread
+// loads its share of the next tiles (16-byte loads, all in flight at once) while the block
+// computes on the current ones in shared memory, then stores them there. d, the cache's row
+// stride and max_picks are multiples of 4 (the host's condition for this kernel).
+// Scores: a chunk of SH_CK channels of SH_HEADS query heads (2 float4 a thread: head i / 8,
+// channels 4 (i % 8) ..) and of SH_TOK selected tokens' rows (4 float4: token i / 8).
+struct ShScoreTiles {
+    float4 q[2], k[4];
+};
+
+__device__ __forceinline__ void sh_fetch_scores(ShScoreTiles& r, const float* __restrict__ qb,
+                                                int hn, int d, const u8* __restrict__ kv,
+                                                int kv_fmt, const i64* rows, int c0) {
+    const float4 zero = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
+#pragma unroll
+    for (int j = 0; j < 2; j++) {
+        const int i = threadIdx.x + 256 * j, h = i / 8, c = c0 + 4 * (i % 8);
+        r.q[j] = h < hn && c < d ? *(const float4*)(qb + (i64)h * d + c) : zero;
+    }
+#pragma unroll
+    for (int j = 0; j < 4; j++) {
+        const int i = threadIdx.x + 256 * j, t = i / 8, c = c0 + 4 * (i % 8);
+        r.k[j] = rows[t] >= 0 && c < d ? cache_load4(kv, rows[t] + c, kv_fmt) : zero;
+    }
+}
+
+__device__ __forceinline__ void sh_store_scores(const ShScoreTiles& r, float* qs, float* ks) {
+#pragma unroll
+    for (int j = 0; j < 2; j++) {
+        const int i = threadIdx.x + 256 * j, h = i / 8, c = 4 * (i % 8);
+#pragma unroll
+        for (int e = 0; e < 4; e++) qs[(c + e) * SH_QPAD + h] = f4_at(r.q[j], e);
+    }
+#pragma unroll
+    for (int j = 0; j < 4; j++) {
+        const int i = threadIdx.x + 256 * j, t = i / 8, c = 4 * (i % 8);
+#pragma unroll
+        for (int e = 0; e < 4; e++) ks[(c + e) * SH_KPAD + t] = f4_at(r.k[j], e);
+    }
+}
+
+// Weighted sum: SH_VT selected tokens' probabilities for SH_HEADS heads (2 float4 a thread:
+// head i / 8, tokens 4 (i % 8) ..; zero past the selection) and their rows' SH_DV value
+// channels from v0 (4 float4: token i / 32, channels 4 (i % 32) ..).
+struct ShSumTiles {
+    float4 p[2], v[4];
+};
+
+__device__ __forceinline__ void sh_fetch_sums(ShSumTiles& r, const float* sc, int max_picks,
+                                              int hn, int n, int d, const u8* __restrict__ kv,
+                                              int kv_fmt, const u32* __restrict__ sel,
+                                              i64 stride, int j0, int v0) {
+    const float4 zero = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
+#pragma unroll
+    for (int j = 0; j < 2; j++) {
+        const int i = threadIdx.x + 256 * j, h = i / 8, t = j0 + 4 * (i % 8);
+        float4 p = zero;
+        if (h < hn && t < n) {
+            p = *(const float4*)(sc + (i64)h * max_picks + t);
+            // Past the selection the scratch row holds no probabilities.
+            if (t + 1 >= n) p.y = 0.0f;
+            if (t + 2 >= n) p.z = 0.0f;
+            if (t + 3 >= n) p.w = 0.0f;
+        }
+        r.p[j] = p;
+    }
+#pragma unroll
+    for (int j = 0; j < 4; j++) {
+        const int i = threadIdx.x + 256 * j, t = j0 + i / 32, c = v0 + 4 * (i % 32);
+        r.v[j] = t < n && c < d ? cache_load4(kv, (i64)sel[t] * stride + c, kv_fmt) : zero;
+    }
+}
+
+__device__ __forceinline__ void sh_store_sums(const ShSumTiles& r, float* qs, float* ks) {
+#pragma unroll
+    for (int j = 0; j < 2; j++) {
+        const int i = threadIdx.x + 256 * j, h = i / 8, t = 4 * (i % 8);
+#pragma unroll
+        for (int e = 0; e < 4; e++) qs[(t + e) * SH_QPAD + h] = f4_at(r.p[j], e);
+    }
+#pragma unroll
+    for (int j = 0; j < 4; j++) {
+        const int i = threadIdx.x + 256 * j;
+        *(float4*)&ks[(i / 32) * SH_KPAD + 4 * (i % 32)] = r.v[j];
+    }
+}
+
 extern "C" __global__ void __launch_bounds__(256) mla_attend_shared(const float* __restrict__ q, const u8* __restrict__ kv, int kv_fmt,
                       const u32* __restrict__ picks, const int* __restrict__ sel_off,
                       int heads, int d, i64 stride, float scale, int max_picks,
@@ -158,6 +263,8 @@ extern "C" __global__ void __launch_bounds__(256) mla_attend_shared(const float*
     // phase 3: qs [SH_VT][SH_QPAD] probabilities, ks [SH_VT][SH_KPAD] value channels.
     __shared__ __align__(16) float qs[SH_CK * SH_QPAD];
     __shared__ __align__(16) float ks[SH_CK * SH_KPAD];
+    // The current token tile's row offsets in the cache (-1 past the selection).
+    __shared__ i64 rows[SH_TOK];
     const int query = blockIdx.x, h0 = blockIdx.y * SH_HEADS;
     const int first = sel_off[query], n = sel_off[query + 1] - first;
     const int hn = min(SH_HEADS, heads - h0);
@@ -167,20 +274,18 @@ extern "C" __global__ void __launch_bounds__(256) mla_attend_shared(const float*
     const u32* sel = picks + first;
 
     for (int j0 = 0; j0 < n; j0 += SH_TOK) {
+        __syncthreads();
+        for (int t = tid; t < SH_TOK; t += blockDim.x)
+            rows[t] = j0 + t < n ? (i64)sel[j0 + t] * stride : -1;
+        __syncthreads();
+        ShScoreTiles next;
+        sh_fetch_scores(next, qb, hn, d, kv, kv_fmt, rows, 0);
         float acc[4][8] = {};
         for (int c0 = 0; c0 < d; c0 += SH_CK) {
             __syncthreads();
-            for (int i = tid; i < SH_HEADS * SH_CK; i += blockDim.x) {
-                const int h = i / SH_CK, c = i % SH_CK;
-                qs[c * SH_QPAD + h] = h < hn && c0 + c < d ? qb[(i64)h * d + c0 + c] : 0.0f;
-            }
-            for (int i = tid; i < SH_TOK * SH_CK; i += blockDim.x) {
-                const int t = i / SH_CK, c = i % SH_CK;
-                ks[c * SH_KPAD + t] = j0 + t < n && c0 + c < d
-                                          ? cache_load(kv, (i64)sel[j0 + t] * stride + c0 + c, kv_fmt)
-                                          : 0.0f;
-            }
+            sh_store_scores(next, qs, ks);
             __syncthreads();
+            if (c0 + SH_CK < d) sh_fetch_scores(next, qb, hn, d, kv, kv_fmt, rows, c0 + SH_CK);
 #pragma unroll 4
             for (int c = 0; c < SH_CK; c++) {
                 const float4 a = *(const float4*)&qs[c * SH_QPAD + th * 4];
@@ -219,19 +324,15 @@ extern "C" __global__ void __launch_bounds__(256) mla_attend_shared(const float*
 
     for (int v0 = 0; v0 < d; v0 += SH_DV) {
         float acc[4][8] = {};
+        ShSumTiles next;
+        __syncthreads();  // the softmax's rows, or the last pass's tiles, are done with
+        if (n > 0) sh_fetch_sums(next, sc, max_picks, hn, n, d, kv, kv_fmt, sel, stride, 0, v0);
         for (int j0 = 0; j0 < n; j0 += SH_VT) {
             __syncthreads();
-            for (int i = tid; i < SH_HEADS * SH_VT; i += blockDim.x) {
-                const int h = i / SH_VT, jj = i % SH_VT;
-                qs[jj * SH_QPAD + h] = h < hn && j0 + jj < n ? sc[(i64)h * max_picks + j0 + jj] : 0.0f;
-            }
-            for (int i = tid; i < SH_VT * SH_DV; i += blockDim.x) {
-                const int jj = i / SH_DV, c = i % SH_DV;
-                ks[jj * SH_KPAD + c] = j0 + jj < n && v0 + c < d
-                                           ? cache_load(kv, (i64)sel[j0 + jj] * stride + v0 + c, kv_fmt)
-                                           : 0.0f;
-            }
+            sh_store_sums(next, qs, ks);
             __syncthreads();
+            if (j0 + SH_VT < n)
+                sh_fetch_sums(next, sc, max_picks, hn, n, d, kv, kv_fmt, sel, stride, j0 + SH_VT, v0);
 #pragma unroll 4
             for (int jj = 0; jj < SH_VT; jj++) {
                 const float4 a = *(const float4*)&qs[jj * SH_QPAD + th * 4];

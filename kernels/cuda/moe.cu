@@ -6,12 +6,6 @@
 // (group g owns pick_list[group_start[g] .. group_start[g] + group_len[g]]).
 #include "common.cuh"
 
-// Q4_K super-blocks of gate's and of up's row a decode pick's warp loads before using any
-// (q4_k_pair_dots: 2 x 4 of their 16 at hidden 4,096).
-#ifndef GATE_UP_BLOCKS
-#define GATE_UP_BLOCKS 4
-#endif
-
 // WIDE: x holds the group's token rows gathered in entry order (`moe_gather`), so a tile of
 // TOK_TILE picks is one strided block and each weight row is read once a tile, not once a
 // pick; act is then written by entry. Else each pick's row is its own dot (a tile of one: a
@@ -52,8 +46,10 @@ __device__ void gate_up_rows(const u8* __restrict__ arena, const i64* __restrict
                 const float* xt = x + (i64)(p / k) * hidden;
                 float a1[1] = {0.0f}, a2[1] = {0.0f};
                 if constexpr (FMT == FMT_Q4_K) {
+                    // Gate's and up's rows from each x value loaded.
                     float a[2] = {0.0f, 0.0f};
-                    q4_k_pair_dots<GATE_UP_BLOCKS>(gate, up, hidden, xt, a);
+                    const u8* const rows[2] = {gate, up};
+                    q4_k_lane32_rows<1, 2>(rows, hidden / 256, xt, 0, 1, a);
                     a1[0] = a[0];
                     a2[0] = a[1];
                 } else {

@@ -251,7 +251,14 @@ impl Cuda {
         if rows == 0 {
             return Ok(());
         }
-        if queries >= MLA_SHARED_MIN_QUERIES && (head_step, k_off, v_off) == (0, 0, 0) && dk == dv {
+        if queries >= MLA_SHARED_MIN_QUERIES
+            && (head_step, k_off, v_off) == (0, 0, 0)
+            && dk == dv
+            && dk % 4 == 0
+            && stride % 4 == 0
+        {
+            // Scratch rows a multiple of 4 values: the kernel reads them 16 bytes at a time.
+            let max_picks = max_picks.next_multiple_of(4);
             let mut scratch = self.alloc_f32(rows * max_picks)?;
             let (kv_fmt, heads_i, dk_i, max_i) = (
                 cache_format(kv_dtype),
@@ -279,7 +286,8 @@ impl Cuda {
                 shared_mem_bytes: 0,
             };
             // SAFETY: a block per query and tile of 64 heads, rows of q and out as above; the
-            // scratch has `max_picks` floats per (query, head); every row lies inside `stride`.
+            // scratch has `max_picks` floats per (query, head); every row lies inside `stride`;
+            // d, stride and max_picks are multiples of 4 (its 16- and 8-byte loads are aligned).
             unsafe { b.launch(cfg) }?;
             return Ok(());
         }

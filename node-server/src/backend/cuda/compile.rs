@@ -86,7 +86,7 @@ pub(super) fn compile_cached(
 }
 
 /// The kernels' compile-time knobs set from `GLMFLASH_KERNEL_DEFINES` (`NAME=VALUE` or `NAME`,
-/// separated by spaces or commas; e.g. `MATVEC_Q4K_BLOCKS=8`), as NVRTC `-D` options: for
+/// separated by spaces or commas; e.g. `EXL3_GEMV_MIN_BLOCKS=2`), as NVRTC `-D` options: for
 /// trying a kernel variant on a machine without rebuilding (A/B timings and checks). Unset:
 /// none, the sources' defaults. Part of the kernel cache's key.
 fn kernel_defines() -> Result<&'static [String], CudaError> {

@@ -2,7 +2,7 @@
 //! `matvec` over every weight format, SwiGLU, RMSNorm and the gated RMSNorm.
 
 use super::*;
-use cudarc::driver::{DevicePtr, DevicePtrMut};
+use cudarc::driver::{CudaView, CudaViewMut, DevicePtr, DevicePtrMut};
 
 /// The half types of [`Cuda::gemm_half`].
 #[derive(Clone, Copy, Debug)]
@@ -37,7 +37,14 @@ impl Cuda {
         }
         check_product(w, format, rows, cols, x, n, y)?;
         if format == Format::Bf16 && prompt_gemm() {
-            return self.matmul_bf16x3(w, rows, cols, x, n, y);
+            return self.matmul_bf16x3(
+                &w.as_view(),
+                rows,
+                cols,
+                &x.as_view(),
+                n,
+                &mut y.as_view_mut(),
+            );
         }
         let tile = (WIDEN_TILE_VALUES / cols).clamp(1, rows);
         let mut widened = match format {
@@ -94,16 +101,17 @@ impl Cuda {
     /// (`split_bf16x3`: together x's 24 significant bits), and the weights as they are times
     /// each plane by cuBLAS (bf16 inputs, f32 sums), smallest plane first, summed in y. The
     /// products of bf16 values are exact in f32, so what remains from f32 arithmetic is the
-    /// summation order.
+    /// summation order. The caller checks the sizes (`w` rows x cols bf16, `x` n x cols, `y`
+    /// n x rows).
     #[allow(clippy::too_many_arguments)]
-    fn matmul_bf16x3(
+    pub(super) fn matmul_bf16x3(
         &self,
-        w: &CudaSlice<u8>,
+        w: &CudaView<u8>,
         rows: usize,
         cols: usize,
-        x: &CudaSlice<f32>,
+        x: &CudaView<f32>,
         n: usize,
-        y: &mut CudaSlice<f32>,
+        y: &mut CudaViewMut<f32>,
     ) -> Result<(), CudaError> {
         let count = n * cols;
         // Three planes of `count` halves, two a word.
@@ -255,7 +263,7 @@ impl Cuda {
         // or fewer (decode) every format takes the kernel of the fewest accumulators that
         // hold them: the same bits, more warps resident (gemv.cu's `matvec_t*` for the float
         // formats, at two and four tokens two rows a warp sharing their loads of x;
-        // `matvec_q_t*` for q8_0 and q4_k, q4_k at one token two rows a warp).
+        // `matvec_q_t*` for q8_0 and q4_k, q4_k two rows a warp).
         let split = rows < SPLIT_BELOW_ROWS;
         let float = matches!(format, Format::F32 | Format::F16 | Format::Bf16);
         let tile = self.matvec_tile(n);
@@ -282,7 +290,7 @@ impl Cuda {
                 shared_mem_bytes: 0,
             }
         } else if matches!(name, "matvec_t2" | "matvec_t4")
-            || (name == "matvec_q_t1" && format == Format::Q4K)
+            || (name.starts_with("matvec_q_t") && format == Format::Q4K)
         {
             // Two rows a warp (gemv.cu's `matvec_rows2`, `matvec_q4k_pairs`).
             rows_config(rows.div_ceil(2), 1)
@@ -300,7 +308,7 @@ impl Cuda {
         // SAFETY: every one of these kernels takes `matvec`'s argument list in gemv.cu
         // (`matvec_t*` only float formats, `matvec_q_*` only q8_0 and q4_k, which `name`
         // keeps to); the sizes were checked above, and the grid covers `rows` rows (a warp
-        // each, two rows a warp for `matvec_t2`/`_t4` and q4_k's `matvec_q_t1`, or a block of
+        // each, two rows a warp for `matvec_t2`/`_t4` and q4_k's `matvec_q_t*`, or a block of
         // SPLIT_WARPS warps each).
         unsafe { b.launch(cfg) }?;
         Ok(())

@@ -12,6 +12,7 @@ use super::groups::{GroupTables, Table};
 use super::moe::{Exl3Form, MoeRun, Part};
 use super::*;
 use crate::quant::exl3::Exl3Linear;
+use cudarc::driver::{CudaView, CudaViewMut};
 
 /// Blocks the GEMV aims for, counted as N/16 strips times the K slices (it launches half as
 /// many: a block takes two of those strips).
@@ -80,6 +81,36 @@ impl Exl3Weights {
     }
 }
 
+/// An EXL3 matrix's device tensors, borrowed: a layer's own ([`Exl3Weights::matrix`]) or a
+/// routed expert's pieces inside its slot ([`Cuda::moe_exl3_gemm`]).
+pub(super) struct Exl3Matrix<'a> {
+    /// `[K/16, N/16, 16 * bits]` int16, as in the checkpoint.
+    trellis: CudaView<'a, u8>,
+    suh: CudaView<'a, f32>,
+    svh: CudaView<'a, f32>,
+    /// `N` values.
+    bias: Option<CudaView<'a, f32>>,
+    k: usize,
+    n: usize,
+    halves: i32,
+    codebook: i32,
+}
+
+impl Exl3Weights {
+    pub(super) fn matrix(&self) -> Exl3Matrix<'_> {
+        Exl3Matrix {
+            trellis: self.trellis.as_view(),
+            suh: self.suh.as_view(),
+            svh: self.svh.as_view(),
+            bias: self.has_bias.then(|| self.bias.as_view()),
+            k: self.k,
+            n: self.n,
+            halves: self.halves,
+            codebook: self.codebook,
+        }
+    }
+}
+
 impl Cuda {
     /// `y[t] = x[t] W` for `n` token rows of `x` (`[n, K]`) into `y` (`[n, N]`), device buffers.
     pub fn exl3_matmul(
@@ -133,36 +164,63 @@ impl Cuda {
                 .load(std::sync::atomic::Ordering::Relaxed);
             GemvPlan::of(w.k, w.n, n, blocks)
         });
-        if let Some(plan) = &plan
-            && inside
-            && plan.rotates_inside()
-        {
+        let Some(plan) = &plan else {
+            let (x, mut y) = (x.slice(..n * k), y.slice_mut(..n * out));
+            return self.exl3_gemm_product(&w.matrix(), &x, n, &mut y);
+        };
+        if inside && plan.rotates_inside() {
             return self.exl3_gemv(w, Input::Raw(x), n, plan, y);
         }
-        // The GEMV's split form (a word a value), or the GEMM's two f16 planes (as many bytes).
+        // The GEMV's split form (a word a value).
         let mut xr = self.alloc_f32(n * k)?;
-        let (k_i, split, cfg) = (k as i32, if gemv { 1i32 } else { 2 }, rotation_config(k, n));
+        let (k_i, cfg) = (k as i32, rotation_config(k, n));
         let mut b = self.stream.launch_builder(self.kernel("exl3_rotate_input"));
-        b.arg(x).arg(&w.suh).arg(&k_i).arg(&split).arg(&mut xr);
+        b.arg(x).arg(&w.suh).arg(&k_i).arg(&1i32).arg(&mut xr);
         // SAFETY: x and xr hold n rows of K values (checked above; the GEMV's split form is a
         // word a value too), suh K; one block per 128 values of a row.
         unsafe { b.launch(cfg) }?;
-        if let Some(plan) = &plan {
-            return self.exl3_gemv(w, Input::Rotated(&xr), n, plan, y);
+        self.exl3_gemv(w, Input::Rotated(&xr), n, plan, y)
+    }
+
+    /// `y = x W` (`x` `[n, K]`, `y` `[n, N]`) for many token rows: the input rotated into the
+    /// GEMM's two f16 planes, `What` decoded to f16 for cuBLAS ([`Cuda::exl3_gemm`]), and the
+    /// output rotation. The sizes are the caller's to check (n at most 65,535: a rotation's
+    /// grid has a row a token).
+    pub(super) fn exl3_gemm_product(
+        &self,
+        w: &Exl3Matrix,
+        x: &CudaView<f32>,
+        n: usize,
+        y: &mut CudaViewMut<f32>,
+    ) -> Result<(), CudaError> {
+        let (k, out) = (w.k, w.n);
+        if x.len() < n * k || y.len() < n * out || n > MAX_GRID_Y {
+            return Err(CudaError::Invalid(format!(
+                "exl3 GEMM {k}x{out} of {n} rows: x {}, y {}",
+                x.len(),
+                y.len()
+            )));
         }
+        // The GEMM's two f16 planes: as many bytes as n x K floats.
+        let mut xr = self.alloc_f32(n * k)?;
+        let k_i = k as i32;
+        let mut b = self.stream.launch_builder(self.kernel("exl3_rotate_input"));
+        b.arg(x).arg(&w.suh).arg(&k_i).arg(&2i32).arg(&mut xr);
+        // SAFETY: x holds n rows of K values and xr two planes of n x K halves (checked
+        // above), suh K; one block per 128 values of a row.
+        unsafe { b.launch(rotation_config(k, n)) }?;
         let part = self.exl3_gemm(w, &xr, n)?;
-        let (n_i, out_i, has_bias) = (n as i32, out as i32, w.has_bias as i32);
+        let (n_i, out_i, has_bias) = (n as i32, out as i32, w.bias.is_some() as i32);
         let mut b = self
             .stream
             .launch_builder(self.kernel("exl3_rotate_output"));
-        b.arg(&part)
-            .arg(&1i32)
-            .arg(&n_i)
-            .arg(&out_i)
-            .arg(&w.svh)
-            .arg(&w.bias)
-            .arg(&has_bias)
-            .arg(y);
+        b.arg(&part).arg(&1i32).arg(&n_i).arg(&out_i).arg(&w.svh);
+        // Without a bias the kernel reads none: svh stands in for the pointer.
+        match &w.bias {
+            Some(bias) => b.arg(bias),
+            None => b.arg(&w.svh),
+        };
+        b.arg(&has_bias).arg(y);
         // SAFETY: part holds n x N values (one slice), y n x N, svh and the bias N (or the
         // kernel does not read the bias); one block per 128 outputs of a row.
         unsafe { b.launch(rotation_config(out, n)) }?;
@@ -234,7 +292,7 @@ impl Cuda {
     /// hi + lo 2^-11, as the GEMV takes it), scaled back by their alphas (powers of two).
     fn exl3_gemm(
         &self,
-        w: &Exl3Weights,
+        w: &Exl3Matrix,
         xs: &CudaSlice<f32>,
         n: usize,
     ) -> Result<CudaSlice<f32>, CudaError> {
@@ -292,14 +350,14 @@ impl Cuda {
         kt1: usize,
         out: &mut CudaSlice<f32>,
     ) -> Result<(), CudaError> {
-        self.exl3_reconstruct_into(w, kt0, kt1, false, out)
+        self.exl3_reconstruct_into(&w.matrix(), kt0, kt1, false, out)
     }
 
     /// [`Cuda::exl3_reconstruct`] as f32 values, or as their f16 bits with `half` (two a
     /// word of `out`).
     fn exl3_reconstruct_into(
         &self,
-        w: &Exl3Weights,
+        w: &Exl3Matrix,
         kt0: usize,
         kt1: usize,
         half: bool,
@@ -414,6 +472,86 @@ impl Cuda {
         // SAFETY: part_d holds splits x entries x hidden values; every pick index is below
         // tokens x k, the rows of yp.
         unsafe { b.launch(entry_config(entries, hidden, 1)) }?;
+        Ok(())
+    }
+
+    /// EXL3 slots with many picks each (`groups`: slot, its pick indices; a prompt chunk's):
+    /// per slot, the picks' token rows gathered, gate and up as [`Cuda::exl3_gemm_product`]s
+    /// (the slot's trellis decoded to f16 for cuBLAS, as a dense EXL3 layer's prompt products),
+    /// the clamped SwiGLU, down the same way, the rows scattered back to the picks. Another
+    /// order of sums than the grouped GEMV's.
+    pub(super) fn moe_exl3_gemm(
+        &self,
+        run: &mut MoeRun,
+        arena: &CudaSlice<u8>,
+        limit: f32,
+        groups: &[(u32, &[i32])],
+        gate_up: Exl3Form,
+        down: Exl3Form,
+    ) -> Result<(), CudaError> {
+        let l = run.layout;
+        let (h, i) = (l.hidden, l.inter);
+        let most = groups.iter().map(|(_, p)| p.len()).max().unwrap_or(0);
+        let (mut xg, mut y) = (self.alloc_f32(most * h)?, self.alloc_f32(most * h)?);
+        let (mut g, mut u) = (self.alloc_f32(most * i)?, self.alloc_f32(most * i)?);
+        let mut act = self.alloc_f32(most * i)?;
+        let hidden_i = h as i32;
+        for &(slot, picks) in groups {
+            let m = picks.len();
+            let base = slot as usize * l.slot_bytes;
+            // Matrix `part` at `off` in the slot: its trellis, suh and svh (f32, 256-byte
+            // aligned inside the slot: `MoeLayout::exl3_scales`).
+            let matrix = |off: usize, part: Part, form: Exl3Form| {
+                let (n, k) = part.shape(&l);
+                let [(suh, _), (svh, _)] = l.exl3_scales(part, form);
+                let at = base + off;
+                let f32s = |from: usize, len: usize| {
+                    let bytes = arena.slice(at + from..at + from + 4 * len);
+                    // SAFETY: the slot's scales are `len` f32 values at a 256-byte-aligned
+                    // offset (the layout's), inside the arena (checked by `moe_picks`).
+                    unsafe { bytes.transmute::<f32>(len) }.ok_or_else(|| {
+                        CudaError::Invalid("exl3 slot scales short of their size".into())
+                    })
+                };
+                let trellis = arena.slice(at..at + form.rate.trellis_bytes(k, n));
+                Ok::<_, CudaError>(Exl3Matrix {
+                    trellis,
+                    suh: f32s(suh, k)?,
+                    svh: f32s(svh, n)?,
+                    bias: None,
+                    k,
+                    n,
+                    halves: i32::from(form.rate.halves()),
+                    codebook: form.codebook as i32,
+                })
+            };
+            let rows: Vec<i32> = picks.iter().map(|&p| p / run.k as i32).collect();
+            let (d_rows, d_picks) = (
+                self.stream.clone_htod(&rows)?,
+                self.stream.clone_htod(picks)?,
+            );
+            let mut b = self.stream.launch_builder(self.kernel("moe_gather"));
+            b.arg(&run.x).arg(&d_rows).arg(&hidden_i).arg(&mut xg);
+            // SAFETY: m rows of xg, each a token row of x below `tokens`.
+            unsafe { b.launch(block_per_row(m)) }?;
+            let x = xg.slice(..m * h);
+            let gate = matrix(0, Part::GateUp, gate_up)?;
+            self.exl3_gemm_product(&gate, &x, m, &mut g.slice_mut(..m * i))?;
+            let up = matrix(l.up_offset, Part::GateUp, gate_up)?;
+            self.exl3_gemm_product(&up, &x, m, &mut u.slice_mut(..m * i))?;
+            let n = (m * i) as i64;
+            let mut b = self.stream.launch_builder(self.kernel("swiglu"));
+            b.arg(&g).arg(&u).arg(&limit).arg(&n).arg(&mut act);
+            // SAFETY: g, u and act hold at least m * inter values.
+            unsafe { b.launch(LaunchConfig::for_num_elems(n as u32)) }?;
+            let dn = matrix(l.down_offset, Part::Down, down)?;
+            self.exl3_gemm_product(&dn, &act.slice(..m * i), m, &mut y.slice_mut(..m * h))?;
+            let mut b = self.stream.launch_builder(self.kernel("moe_scatter"));
+            b.arg(&y).arg(&d_picks).arg(&hidden_i).arg(&mut run.yp);
+            // SAFETY: m rows of y, each to a pick's row of yp (every pick below tokens * k,
+            // checked by `moe_picks`).
+            unsafe { b.launch(block_per_row(m)) }?;
+        }
         Ok(())
     }
 

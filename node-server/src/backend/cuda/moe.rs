@@ -235,9 +235,10 @@ impl Cuda {
             });
             members[g].push(p as i32);
         }
-        if let (SlotFormat::Rows { gate_up, down }, true) = (layout.format, prompt_gemm()) {
-            // Slots with a prompt chunk's worth of picks: their weights widened once and
-            // cuBLAS over the gathered rows; the rest through the fused launches.
+        if prompt_gemm() {
+            // Slots with a prompt chunk's worth of picks: their weights widened once (row
+            // formats) or decoded once (EXL3) and cuBLAS over the gathered rows; the rest
+            // through the fused launches.
             let (big, small): (Vec<usize>, Vec<usize>) =
                 (0..members.len()).partition(|&g| members[g].len() >= MOE_GEMM_MIN_PICKS);
             if !big.is_empty() {
@@ -245,7 +246,14 @@ impl Cuda {
                     .iter()
                     .map(|&g| (slot_of_group[g], members[g].as_slice()))
                     .collect();
-                self.moe_rows_gemm(run, arena, limit, &groups, gate_up, down)?;
+                match layout.format {
+                    SlotFormat::Rows { gate_up, down } => {
+                        self.moe_rows_gemm(run, arena, limit, &groups, gate_up, down)?
+                    }
+                    SlotFormat::Exl3 { gate_up, down } => {
+                        self.moe_exl3_gemm(run, arena, limit, &groups, gate_up, down)?
+                    }
+                }
                 if small.is_empty() {
                     return Ok(());
                 }

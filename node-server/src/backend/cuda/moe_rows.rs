@@ -100,6 +100,8 @@ impl Cuda {
     /// gate, up and down widened to f32 (`dequant_rows`), the picks' token rows gathered,
     /// gate and up as cuBLAS SGEMMs, the clamped SwiGLU, down as an SGEMM, the rows scattered
     /// back to the picks. f32 throughout, as the fused kernels, in another summation order.
+    /// bf16 parts are not widened: their products run on the tensor cores as the dense bf16
+    /// products of a prompt do ([`Cuda::matmul_bf16x3`]: exact products, f32 sums).
     pub(super) fn moe_rows_gemm(
         &self,
         run: &mut MoeRun,
@@ -121,16 +123,22 @@ impl Cuda {
         for &(slot, picks) in groups {
             let m = picks.len();
             let base = slot as usize * layout.slot_bytes;
+            let part = |off: usize, fmt: Format, rows: usize, cols: usize| {
+                let bytes = rows
+                    * fmt
+                        .row_bytes(cols)
+                        .map_err(|e| CudaError::Invalid(format!("moe slot rows: {e}")))?;
+                Ok::<_, CudaError>(arena.slice(base + off..base + off + bytes))
+            };
             for (at, off, fmt, rows, cols) in [
                 (0, 0, gate_up, i, h),
                 (i * h, layout.up_offset, gate_up, i, h),
                 (2 * i * h, layout.down_offset, down, h, i),
             ] {
-                let bytes = rows
-                    * fmt
-                        .row_bytes(cols)
-                        .map_err(|e| CudaError::Invalid(format!("moe slot rows: {e}")))?;
-                let src = arena.slice(base + off..base + off + bytes);
+                if fmt == Format::Bf16 {
+                    continue;
+                }
+                let src = part(off, fmt, rows, cols)?;
                 let mut dst = w.slice_mut(at..at + rows * cols);
                 let (fmt_i, rows_i, cols_i) = (kernel_format_id(fmt), rows as i32, cols as i32);
                 let mut b = self.stream.launch_builder(self.kernel("dequant_rows"));
@@ -153,29 +161,41 @@ impl Cuda {
             // SAFETY: m rows of xg, each a token row of x below `tokens`.
             unsafe { b.launch(block_per_row(m)) }?;
             let x = xg.slice(..m * h);
-            self.sgemm_rows(&w.slice(..i * h), i, h, &x, m, &mut g.slice_mut(..m * i))?;
-            self.sgemm_rows(
-                &w.slice(i * h..2 * i * h),
-                i,
-                h,
-                &x,
-                m,
-                &mut u.slice_mut(..m * i),
-            )?;
+            if gate_up == Format::Bf16 {
+                let gate = part(0, gate_up, i, h)?;
+                self.matmul_bf16x3(&gate, i, h, &x, m, &mut g.slice_mut(..m * i))?;
+                let up = part(layout.up_offset, gate_up, i, h)?;
+                self.matmul_bf16x3(&up, i, h, &x, m, &mut u.slice_mut(..m * i))?;
+            } else {
+                self.sgemm_rows(&w.slice(..i * h), i, h, &x, m, &mut g.slice_mut(..m * i))?;
+                self.sgemm_rows(
+                    &w.slice(i * h..2 * i * h),
+                    i,
+                    h,
+                    &x,
+                    m,
+                    &mut u.slice_mut(..m * i),
+                )?;
+            }
             let n = (m * i) as i64;
             let mut b = self.stream.launch_builder(self.kernel("swiglu"));
             b.arg(&g).arg(&u).arg(&limit).arg(&n).arg(&mut act);
             // SAFETY: g, u and act hold at least m * inter values.
             unsafe { b.launch(LaunchConfig::for_num_elems(n as u32)) }?;
             let a = act.slice(..m * i);
-            self.sgemm_rows(
-                &w.slice(2 * i * h..),
-                h,
-                i,
-                &a,
-                m,
-                &mut y.slice_mut(..m * h),
-            )?;
+            if down == Format::Bf16 {
+                let d = part(layout.down_offset, down, h, i)?;
+                self.matmul_bf16x3(&d, h, i, &a, m, &mut y.slice_mut(..m * h))?;
+            } else {
+                self.sgemm_rows(
+                    &w.slice(2 * i * h..),
+                    h,
+                    i,
+                    &a,
+                    m,
+                    &mut y.slice_mut(..m * h),
+                )?;
+            }
             let mut b = self.stream.launch_builder(self.kernel("moe_scatter"));
             b.arg(&y).arg(&d_picks).arg(&hidden_i).arg(&mut run.yp);
             // SAFETY: m rows of y, each to a pick's row of yp (every pick below tokens * k,

@@ -380,9 +380,19 @@ pub(super) fn check_mla(
         (5, 72, 300, (220..300).collect(), 4, 64),
         (70, 40, 200, (130..200).collect(), 4, 256),
     ];
+    // The last shape again over a bf16 cache (its 8-byte loads of the latents), against the
+    // CPU on the same rounded values.
+    let bf16_chunk = (64, 512, 2300, (2200..2300).collect(), 16, 2048);
     let scale = 256f32.powf(-0.5);
-    for (heads, rank, cached, positions, kpool, topk) in absorbed {
-        let latents = randn(rng, cached * rank, 1.7);
+    let shapes = absorbed.into_iter().map(|s| (s, false));
+    for ((heads, rank, cached, positions, kpool, topk), bf16) in shapes.chain([(bf16_chunk, true)])
+    {
+        let mut latents = randn(rng, cached * rank, 1.7);
+        if bf16 {
+            latents
+                .iter_mut()
+                .for_each(|v| *v = half::bf16::from_f32(*v).to_f32());
+        }
         let sel: Vec<Vec<u32>> = positions
             .iter()
             .map(|&p| random_selection(rng, p + 1, kpool, topk))
@@ -390,12 +400,17 @@ pub(super) fn check_mla(
         let q = randn(rng, positions.len() * heads * rank, 4.0);
         let layout = AttnLayout::absorbed(heads, rank, scale);
         let want = sparse_attention(&q, &latents, &layout, &sel);
-        let got = cuda.mla_sparse_attend(&q, &latents, &layout, &sel)?;
+        let got = if bf16 {
+            mla_bf16_cache(cuda, &q, &latents, &layout, &sel)?
+        } else {
+            cuda.mla_sparse_attend(&q, &latents, &layout, &sel)?
+        };
         cases.push(case(
             format!(
-                "mla absorbed h{heads} r{rank} T={cached} q={} picks={}",
+                "mla absorbed h{heads} r{rank} T={cached} q={} picks={}{}",
                 positions.len(),
-                sel[0].len()
+                sel[0].len(),
+                if bf16 { " bf16 cache" } else { "" }
             ),
             &got,
             &want,
@@ -425,6 +440,33 @@ pub(super) fn check_mla(
         ));
     }
     Ok(())
+}
+
+/// `Cuda::mla_sparse_attend` over a bf16 cache holding `latents` (values bf16 already holds).
+fn mla_bf16_cache(
+    cuda: &Cuda,
+    q: &[f32],
+    latents: &[f32],
+    layout: &AttnLayout,
+    sel: &[Vec<u32>],
+) -> anyhow::Result<Vec<f32>> {
+    use crate::model::device::CacheDtype;
+    let bytes: Vec<u8> = latents
+        .iter()
+        .flat_map(|&v| half::bf16::from_f32(v).to_le_bytes())
+        .collect();
+    let mut offsets = vec![0usize];
+    for s in sel {
+        offsets.push(offsets[offsets.len() - 1] + s.len());
+    }
+    let (d_q, kv) = (cuda.upload(q)?, cuda.upload(&bytes)?);
+    let tokens = cuda.upload(&sel.concat())?;
+    let mut out = cuda.alloc_f32(q.len())?;
+    let cache = (&kv, CacheDtype::Bf16);
+    cuda.mla_sparse_attend_part_dev(&d_q, cache, layout, &tokens, &offsets, &mut out)?;
+    let mut got = cuda.download(&out)?;
+    got.truncate(q.len());
+    Ok(got)
 }
 
 /// A decode step's attention for several sequences in one launch (`mla_sparse_attend_seqs`:

@@ -195,13 +195,13 @@ pub(super) fn check_moe(
             // decodes a tile once for several passes). Only with --wide: racecheck runs out of
             // host memory on the other kernels of this case (measured 2026-12-04: 130 GB);
             // the wide kernel alone is racecheck-clean.
-            // Row formats at 200 tokens (--wide): groups of ~50 picks, which go through cuBLAS
-            // on the slot's widened weights.
+            // At 200 tokens (--wide): groups of ~50 picks, which go through cuBLAS on the
+            // slot's widened (row formats) or decoded (EXL3) weights.
             if hidden == 4096 && matches!(name.as_str(), "q4_k/q4_k" | "exl3 3mul1/3mul1") {
                 moe_speed(cuda, rng, &arena.buf, layout, experts, k, &name)?;
             }
             let counts: &[usize] = match form {
-                ExpertForm::Exl3(..) if hidden == 512 && wide => &[1, 4, 33, 100],
+                ExpertForm::Exl3(..) if hidden == 512 && wide => &[1, 4, 33, 100, 200],
                 ExpertForm::Rows(..) if hidden == 512 && wide => &[1, 4, 33, 200],
                 _ => &[1, 4, 33],
             };
@@ -316,8 +316,7 @@ pub(super) fn check_moe(
                         per_expert[e as usize] += 1;
                     }
                     let longest = per_expert.into_iter().max().unwrap_or(0);
-                    if matches!(form, ExpertForm::Rows(..))
-                        && crate::backend::cuda::prompt_gemm()
+                    if crate::backend::cuda::prompt_gemm()
                         && longest >= crate::backend::cuda::MOE_GEMM_MIN_PICKS
                     {
                         cases.push(case(
