@@ -194,13 +194,18 @@ __device__ __forceinline__ void sh_fetch_scores(ShScoreTiles& r, const float* __
     }
 }
 
-__device__ __forceinline__ void sh_store_scores(const ShScoreTiles& r, float* qs, float* ks) {
+// A thread's 2 float4 of a per-head tile (head i / 8, values 4 (i % 8) ..) into qs, value-major.
+__device__ __forceinline__ void sh_store_heads(const float4 (&v)[2], float* qs) {
 #pragma unroll
     for (int j = 0; j < 2; j++) {
         const int i = threadIdx.x + 256 * j, h = i / 8, c = 4 * (i % 8);
 #pragma unroll
-        for (int e = 0; e < 4; e++) qs[(c + e) * SH_QPAD + h] = f4_at(r.q[j], e);
+        for (int e = 0; e < 4; e++) qs[(c + e) * SH_QPAD + h] = f4_at(v[j], e);
     }
+}
+
+__device__ __forceinline__ void sh_store_scores(const ShScoreTiles& r, float* qs, float* ks) {
+    sh_store_heads(r.q, qs);
 #pragma unroll
     for (int j = 0; j < 4; j++) {
         const int i = threadIdx.x + 256 * j, t = i / 8, c = 4 * (i % 8);
@@ -242,12 +247,7 @@ __device__ __forceinline__ void sh_fetch_sums(ShSumTiles& r, const float* sc, in
 }
 
 __device__ __forceinline__ void sh_store_sums(const ShSumTiles& r, float* qs, float* ks) {
-#pragma unroll
-    for (int j = 0; j < 2; j++) {
-        const int i = threadIdx.x + 256 * j, h = i / 8, t = 4 * (i % 8);
-#pragma unroll
-        for (int e = 0; e < 4; e++) qs[(t + e) * SH_QPAD + h] = f4_at(r.p[j], e);
-    }
+    sh_store_heads(r.p, qs);
 #pragma unroll
     for (int j = 0; j < 4; j++) {
         const int i = threadIdx.x + 256 * j;
