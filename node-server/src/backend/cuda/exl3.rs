@@ -10,6 +10,7 @@
 
 use super::groups::{GroupTables, Table};
 use super::moe::{Exl3Form, MoeRun, Part};
+use super::moe_rows::SlotProduct;
 use super::*;
 use crate::quant::exl3::Exl3Linear;
 use cudarc::driver::{CudaView, CudaViewMut};
@@ -475,11 +476,9 @@ impl Cuda {
         Ok(())
     }
 
-    /// EXL3 slots with many picks each (`groups`: slot, its pick indices; a prompt chunk's):
-    /// per slot, the picks' token rows gathered, gate and up as [`Cuda::exl3_gemm_product`]s
-    /// (the slot's trellis decoded to f16 for cuBLAS, as a dense EXL3 layer's prompt products),
-    /// the clamped SwiGLU, down the same way, the rows scattered back to the picks. Another
-    /// order of sums than the grouped GEMV's.
+    /// EXL3 slots with many picks each ([`Cuda::moe_slots_gemm`]): gate, up and down as
+    /// [`Cuda::exl3_gemm_product`]s (the slot's trellis decoded to f16 for cuBLAS, as a dense
+    /// EXL3 layer's prompt products). Another order of sums than the grouped GEMV's.
     pub(super) fn moe_exl3_gemm(
         &self,
         run: &mut MoeRun,
@@ -490,69 +489,44 @@ impl Cuda {
         down: Exl3Form,
     ) -> Result<(), CudaError> {
         let l = run.layout;
-        let (h, i) = (l.hidden, l.inter);
-        let most = groups.iter().map(|(_, p)| p.len()).max().unwrap_or(0);
-        let (mut xg, mut y) = (self.alloc_f32(most * h)?, self.alloc_f32(most * h)?);
-        let (mut g, mut u) = (self.alloc_f32(most * i)?, self.alloc_f32(most * i)?);
-        let mut act = self.alloc_f32(most * i)?;
-        let hidden_i = h as i32;
-        for &(slot, picks) in groups {
-            let m = picks.len();
-            let base = slot as usize * l.slot_bytes;
-            // Matrix `part` at `off` in the slot: its trellis, suh and svh (f32, 256-byte
-            // aligned inside the slot: `MoeLayout::exl3_scales`).
-            let matrix = |off: usize, part: Part, form: Exl3Form| {
-                let (n, k) = part.shape(&l);
-                let [(suh, _), (svh, _)] = l.exl3_scales(part, form);
-                let at = base + off;
-                let f32s = |from: usize, len: usize| {
-                    let bytes = arena.slice(at + from..at + from + 4 * len);
-                    // SAFETY: the slot's scales are `len` f32 values at a 256-byte-aligned
-                    // offset (the layout's), inside the arena (checked by `moe_picks`).
-                    unsafe { bytes.transmute::<f32>(len) }.ok_or_else(|| {
-                        CudaError::Invalid("exl3 slot scales short of their size".into())
-                    })
-                };
-                let trellis = arena.slice(at..at + form.rate.trellis_bytes(k, n));
-                Ok::<_, CudaError>(Exl3Matrix {
-                    trellis,
-                    suh: f32s(suh, k)?,
-                    svh: f32s(svh, n)?,
-                    bias: None,
-                    k,
-                    n,
-                    halves: i32::from(form.rate.halves()),
-                    codebook: form.codebook as i32,
+        // Matrix `part` at `off` in `slot`: its trellis, suh and svh (f32, 256-byte aligned
+        // inside the slot: `MoeLayout::exl3_scales`).
+        let matrix = |slot: u32, off: usize, part: Part, form: Exl3Form| {
+            let (n, k) = part.shape(&l);
+            let [(suh, _), (svh, _)] = l.exl3_scales(part, form);
+            let at = slot as usize * l.slot_bytes + off;
+            let f32s = |from: usize, len: usize| {
+                let bytes = arena.slice(at + from..at + from + 4 * len);
+                // SAFETY: the slot's scales are `len` f32 values at a 256-byte-aligned
+                // offset (the layout's), inside the arena (checked by `moe_picks`).
+                unsafe { bytes.transmute::<f32>(len) }.ok_or_else(|| {
+                    CudaError::Invalid("exl3 slot scales short of their size".into())
                 })
             };
-            let rows: Vec<i32> = picks.iter().map(|&p| p / run.k as i32).collect();
-            let (d_rows, d_picks) = (
-                self.stream.clone_htod(&rows)?,
-                self.stream.clone_htod(picks)?,
-            );
-            let mut b = self.stream.launch_builder(self.kernel("moe_gather"));
-            b.arg(&run.x).arg(&d_rows).arg(&hidden_i).arg(&mut xg);
-            // SAFETY: m rows of xg, each a token row of x below `tokens`.
-            unsafe { b.launch(block_per_row(m)) }?;
-            let x = xg.slice(..m * h);
-            let gate = matrix(0, Part::GateUp, gate_up)?;
-            self.exl3_gemm_product(&gate, &x, m, &mut g.slice_mut(..m * i))?;
-            let up = matrix(l.up_offset, Part::GateUp, gate_up)?;
-            self.exl3_gemm_product(&up, &x, m, &mut u.slice_mut(..m * i))?;
-            let n = (m * i) as i64;
-            let mut b = self.stream.launch_builder(self.kernel("swiglu"));
-            b.arg(&g).arg(&u).arg(&limit).arg(&n).arg(&mut act);
-            // SAFETY: g, u and act hold at least m * inter values.
-            unsafe { b.launch(LaunchConfig::for_num_elems(n as u32)) }?;
-            let dn = matrix(l.down_offset, Part::Down, down)?;
-            self.exl3_gemm_product(&dn, &act.slice(..m * i), m, &mut y.slice_mut(..m * h))?;
-            let mut b = self.stream.launch_builder(self.kernel("moe_scatter"));
-            b.arg(&y).arg(&d_picks).arg(&hidden_i).arg(&mut run.yp);
-            // SAFETY: m rows of y, each to a pick's row of yp (every pick below tokens * k,
-            // checked by `moe_picks`).
-            unsafe { b.launch(block_per_row(m)) }?;
-        }
-        Ok(())
+            let trellis = arena.slice(at..at + form.rate.trellis_bytes(k, n));
+            Ok::<_, CudaError>(Exl3Matrix {
+                trellis,
+                suh: f32s(suh, k)?,
+                svh: f32s(svh, n)?,
+                bias: None,
+                k,
+                n,
+                halves: i32::from(form.rate.halves()),
+                codebook: form.codebook as i32,
+            })
+        };
+        self.moe_slots_gemm(run, limit, groups, |slot, m, product| match product {
+            SlotProduct::GateUp { x, mut g, mut u } => {
+                let gate = matrix(slot, 0, Part::GateUp, gate_up)?;
+                self.exl3_gemm_product(&gate, &x, m, &mut g)?;
+                let up = matrix(slot, l.up_offset, Part::GateUp, gate_up)?;
+                self.exl3_gemm_product(&up, &x, m, &mut u)
+            }
+            SlotProduct::Down { act, mut y } => {
+                let dn = matrix(slot, l.down_offset, Part::Down, down)?;
+                self.exl3_gemm_product(&dn, &act, m, &mut y)
+            }
+        })
     }
 
     /// The grouped GEMV of `exl3_moe_gemv` over the slots of `groups` (their tables on the

@@ -96,12 +96,70 @@ impl Cuda {
         Ok(())
     }
 
-    /// Row-format slots with many picks each (`groups`: slot, its pick indices): per slot, its
-    /// gate, up and down widened to f32 (`dequant_rows`), the picks' token rows gathered,
-    /// gate and up as cuBLAS SGEMMs, the clamped SwiGLU, down as an SGEMM, the rows scattered
-    /// back to the picks. f32 throughout, as the fused kernels, in another summation order.
-    /// bf16 parts are not widened: their products run on the tensor cores as the dense bf16
-    /// products of a prompt do ([`Cuda::matmul_bf16x3`]: exact products, f32 sums).
+    /// The routed experts of slots with many picks each (`groups`: slot, its pick indices; a
+    /// prompt chunk's), a slot at a time: the picks' token rows gathered, `products`' gate and
+    /// up of them ([`SlotProduct::GateUp`]), the clamped SwiGLU, `products`' down
+    /// ([`SlotProduct::Down`]), the rows scattered back to the picks.
+    pub(super) fn moe_slots_gemm(
+        &self,
+        run: &mut MoeRun,
+        limit: f32,
+        groups: &[(u32, &[i32])],
+        mut products: impl FnMut(u32, usize, SlotProduct<'_>) -> Result<(), CudaError>,
+    ) -> Result<(), CudaError> {
+        let (h, i) = (run.layout.hidden, run.layout.inter);
+        let most = groups.iter().map(|(_, p)| p.len()).max().unwrap_or(0);
+        let (mut xg, mut y) = (self.alloc_f32(most * h)?, self.alloc_f32(most * h)?);
+        let (mut g, mut u) = (self.alloc_f32(most * i)?, self.alloc_f32(most * i)?);
+        let mut act = self.alloc_f32(most * i)?;
+        let hidden_i = h as i32;
+        for &(slot, picks) in groups {
+            let m = picks.len();
+            let rows: Vec<i32> = picks.iter().map(|&p| p / run.k as i32).collect();
+            let (d_rows, d_picks) = (
+                self.stream.clone_htod(&rows)?,
+                self.stream.clone_htod(picks)?,
+            );
+            let mut b = self.stream.launch_builder(self.kernel("moe_gather"));
+            b.arg(&run.x).arg(&d_rows).arg(&hidden_i).arg(&mut xg);
+            // SAFETY: m rows of xg, each a token row of x below `tokens`.
+            unsafe { b.launch(block_per_row(m)) }?;
+            products(
+                slot,
+                m,
+                SlotProduct::GateUp {
+                    x: xg.slice(..m * h),
+                    g: g.slice_mut(..m * i),
+                    u: u.slice_mut(..m * i),
+                },
+            )?;
+            let n = (m * i) as i64;
+            let mut b = self.stream.launch_builder(self.kernel("swiglu"));
+            b.arg(&g).arg(&u).arg(&limit).arg(&n).arg(&mut act);
+            // SAFETY: g, u and act hold at least m * inter values.
+            unsafe { b.launch(LaunchConfig::for_num_elems(n as u32)) }?;
+            products(
+                slot,
+                m,
+                SlotProduct::Down {
+                    act: act.slice(..m * i),
+                    y: y.slice_mut(..m * h),
+                },
+            )?;
+            let mut b = self.stream.launch_builder(self.kernel("moe_scatter"));
+            b.arg(&y).arg(&d_picks).arg(&hidden_i).arg(&mut run.yp);
+            // SAFETY: m rows of y, each to a pick's row of yp (every pick below tokens * k,
+            // checked by `moe_picks`).
+            unsafe { b.launch(block_per_row(m)) }?;
+        }
+        Ok(())
+    }
+
+    /// Row-format slots with many picks each ([`Cuda::moe_slots_gemm`]): per slot, its gate, up
+    /// and down widened to f32 (`dequant_rows`) for cuBLAS SGEMMs. f32 throughout, as the fused
+    /// kernels, in another summation order. bf16 parts are not widened: their products run on
+    /// the tensor cores as the dense bf16 products of a prompt do ([`Cuda::matmul_bf16x3`]:
+    /// exact products, f32 sums).
     pub(super) fn moe_rows_gemm(
         &self,
         run: &mut MoeRun,
@@ -113,96 +171,57 @@ impl Cuda {
     ) -> Result<(), CudaError> {
         let layout = run.layout;
         let (h, i) = (layout.hidden, layout.inter);
-        let most = groups.iter().map(|(_, p)| p.len()).max().unwrap_or(0);
         let mut w = self.alloc_f32(3 * h * i)?;
-        let mut xg = self.alloc_f32(most * h)?;
-        let (mut g, mut u) = (self.alloc_f32(most * i)?, self.alloc_f32(most * i)?);
-        let mut act = self.alloc_f32(most * i)?;
-        let mut y = self.alloc_f32(most * h)?;
-        let hidden_i = h as i32;
-        for &(slot, picks) in groups {
-            let m = picks.len();
+        let part = |slot: u32, off: usize, fmt: Format, rows: usize, cols: usize| {
             let base = slot as usize * layout.slot_bytes;
-            let part = |off: usize, fmt: Format, rows: usize, cols: usize| {
-                let bytes = rows
-                    * fmt
-                        .row_bytes(cols)
-                        .map_err(|e| CudaError::Invalid(format!("moe slot rows: {e}")))?;
-                Ok::<_, CudaError>(arena.slice(base + off..base + off + bytes))
-            };
-            for (at, off, fmt, rows, cols) in [
-                (0, 0, gate_up, i, h),
-                (i * h, layout.up_offset, gate_up, i, h),
-                (2 * i * h, layout.down_offset, down, h, i),
-            ] {
-                if fmt == Format::Bf16 {
-                    continue;
+            let bytes = rows
+                * fmt
+                    .row_bytes(cols)
+                    .map_err(|e| CudaError::Invalid(format!("moe slot rows: {e}")))?;
+            Ok::<_, CudaError>(arena.slice(base + off..base + off + bytes))
+        };
+        self.moe_slots_gemm(run, limit, groups, |slot, m, product| match product {
+            SlotProduct::GateUp { x, mut g, mut u } => {
+                for (at, off, fmt, rows, cols) in [
+                    (0, 0, gate_up, i, h),
+                    (i * h, layout.up_offset, gate_up, i, h),
+                    (2 * i * h, layout.down_offset, down, h, i),
+                ] {
+                    if fmt == Format::Bf16 {
+                        continue;
+                    }
+                    let src = part(slot, off, fmt, rows, cols)?;
+                    let mut dst = w.slice_mut(at..at + rows * cols);
+                    let (fmt_i, rows_i, cols_i) = (kernel_format_id(fmt), rows as i32, cols as i32);
+                    let mut b = self.stream.launch_builder(self.kernel("dequant_rows"));
+                    b.arg(&src)
+                        .arg(&fmt_i)
+                        .arg(&rows_i)
+                        .arg(&cols_i)
+                        .arg(&mut dst);
+                    // SAFETY: src holds `rows` rows of `cols` values in `fmt` (the slot's
+                    // layout), dst rows * cols floats; a block per row.
+                    unsafe { b.launch(block_per_row(rows)) }?;
                 }
-                let src = part(off, fmt, rows, cols)?;
-                let mut dst = w.slice_mut(at..at + rows * cols);
-                let (fmt_i, rows_i, cols_i) = (kernel_format_id(fmt), rows as i32, cols as i32);
-                let mut b = self.stream.launch_builder(self.kernel("dequant_rows"));
-                b.arg(&src)
-                    .arg(&fmt_i)
-                    .arg(&rows_i)
-                    .arg(&cols_i)
-                    .arg(&mut dst);
-                // SAFETY: src holds `rows` rows of `cols` values in `fmt` (the slot's layout),
-                // dst rows * cols floats; a block per row.
-                unsafe { b.launch(block_per_row(rows)) }?;
+                if gate_up == Format::Bf16 {
+                    let gate = part(slot, 0, gate_up, i, h)?;
+                    self.matmul_bf16x3(&gate, i, h, &x, m, &mut g)?;
+                    let up = part(slot, layout.up_offset, gate_up, i, h)?;
+                    self.matmul_bf16x3(&up, i, h, &x, m, &mut u)
+                } else {
+                    self.sgemm_rows(&w.slice(..i * h), i, h, &x, m, &mut g)?;
+                    self.sgemm_rows(&w.slice(i * h..2 * i * h), i, h, &x, m, &mut u)
+                }
             }
-            let rows: Vec<i32> = picks.iter().map(|&p| p / run.k as i32).collect();
-            let (d_rows, d_picks) = (
-                self.stream.clone_htod(&rows)?,
-                self.stream.clone_htod(picks)?,
-            );
-            let mut b = self.stream.launch_builder(self.kernel("moe_gather"));
-            b.arg(&run.x).arg(&d_rows).arg(&hidden_i).arg(&mut xg);
-            // SAFETY: m rows of xg, each a token row of x below `tokens`.
-            unsafe { b.launch(block_per_row(m)) }?;
-            let x = xg.slice(..m * h);
-            if gate_up == Format::Bf16 {
-                let gate = part(0, gate_up, i, h)?;
-                self.matmul_bf16x3(&gate, i, h, &x, m, &mut g.slice_mut(..m * i))?;
-                let up = part(layout.up_offset, gate_up, i, h)?;
-                self.matmul_bf16x3(&up, i, h, &x, m, &mut u.slice_mut(..m * i))?;
-            } else {
-                self.sgemm_rows(&w.slice(..i * h), i, h, &x, m, &mut g.slice_mut(..m * i))?;
-                self.sgemm_rows(
-                    &w.slice(i * h..2 * i * h),
-                    i,
-                    h,
-                    &x,
-                    m,
-                    &mut u.slice_mut(..m * i),
-                )?;
+            SlotProduct::Down { act, mut y } => {
+                if down == Format::Bf16 {
+                    let d = part(slot, layout.down_offset, down, h, i)?;
+                    self.matmul_bf16x3(&d, h, i, &act, m, &mut y)
+                } else {
+                    self.sgemm_rows(&w.slice(2 * i * h..), h, i, &act, m, &mut y)
+                }
             }
-            let n = (m * i) as i64;
-            let mut b = self.stream.launch_builder(self.kernel("swiglu"));
-            b.arg(&g).arg(&u).arg(&limit).arg(&n).arg(&mut act);
-            // SAFETY: g, u and act hold at least m * inter values.
-            unsafe { b.launch(LaunchConfig::for_num_elems(n as u32)) }?;
-            let a = act.slice(..m * i);
-            if down == Format::Bf16 {
-                let d = part(layout.down_offset, down, h, i)?;
-                self.matmul_bf16x3(&d, h, i, &a, m, &mut y.slice_mut(..m * h))?;
-            } else {
-                self.sgemm_rows(
-                    &w.slice(2 * i * h..),
-                    h,
-                    i,
-                    &a,
-                    m,
-                    &mut y.slice_mut(..m * h),
-                )?;
-            }
-            let mut b = self.stream.launch_builder(self.kernel("moe_scatter"));
-            b.arg(&y).arg(&d_picks).arg(&hidden_i).arg(&mut run.yp);
-            // SAFETY: m rows of y, each to a pick's row of yp (every pick below tokens * k,
-            // checked by `moe_picks`).
-            unsafe { b.launch(block_per_row(m)) }?;
-        }
-        Ok(())
+        })
     }
 
     /// Row-major `y[n, rows] = x[n, cols] w[rows, cols]^T` in f32 by cuBLAS, the sizes
@@ -236,3 +255,19 @@ pub const MOE_GEMM_MIN_PICKS: usize = 32;
 /// Picks a tile of the row kernels takes (`TOK_TILE` in common.cuh): groups longer than this
 /// run the gathered (`_wide`) kernels.
 const ROWS_TILE: usize = 8;
+
+/// A slot's products in [`Cuda::moe_slots_gemm`], over its `m` picks' rows.
+pub(super) enum SlotProduct<'a> {
+    /// Gate and up of the gathered token rows `x` (`[m, hidden]`) into `g` and `u`
+    /// (`[m, inter]`).
+    GateUp {
+        x: CudaView<'a, f32>,
+        g: CudaViewMut<'a, f32>,
+        u: CudaViewMut<'a, f32>,
+    },
+    /// Down of the activations `act` (`[m, inter]`) into `y` (`[m, hidden]`).
+    Down {
+        act: CudaView<'a, f32>,
+        y: CudaViewMut<'a, f32>,
+    },
+}
