@@ -159,15 +159,6 @@ __device__ __forceinline__ void q4_k_chunk_scales(const u32 (&head)[4], int c, f
     }
 }
 
-// Q4_K's step: lane l takes 32 values of one super-block of each group of four (super-block
-// l / 8 of the group, 32-byte quant chunk c = (l % 8) / 2, its half h = l % 2), its header's
-// scales decoded once for them: this lane's 32 values of super-block b of each of R rows (w[r]) against
-// `nt` <= TILE token rows of x, added into acc[r * TILE + t]: for each of its 16 quant bytes in
-// order, the low nibble (value 64c + 16h + i, sub-block 2c) then the high (32 later, sub-block
-// 2c + 1). The rows share each x value a lane loads (R x fewer loads of x), and each row's sums
-// take the products in the order one row alone takes them: the same bits for any R. With V
-// (the rows and x 16-byte aligned, x's stride a multiple of four) the quants and header come as
-// one 16-byte load each and x as float4s; the products and their order are the same either way.
 // One lane's raw share of a super-block: its 16-byte header and its 16 bytes of quants.
 struct Q4kRaw {
     u32 head[4], q[4];
@@ -194,6 +185,16 @@ __device__ __forceinline__ void q4_k_lane32_load(const u8* w, int b, Q4kRaw& raw
     }
 }
 
+// Q4_K's step: lane l takes 32 values of one super-block of each group of four (super-block
+// l / 8 of the group, 32-byte quant chunk c = (l % 8) / 2, its half h = l % 2), its header's
+// scales decoded once for them: this lane's 32 values of super-block b of each of R rows
+// (`raw`, loaded by q4_k_lane32_load) against
+// `nt` <= TILE token rows of x, added into acc[r * TILE + t]: for each of its 16 quant bytes in
+// order, the low nibble (value 64c + 16h + i, sub-block 2c) then the high (32 later, sub-block
+// 2c + 1). The rows share each x value a lane loads (R x fewer loads of x), and each row's sums
+// take the products in the order one row alone takes them: the same bits for any R. With V
+// (the rows and x 16-byte aligned, x's stride a multiple of four) the quants and header come as
+// one 16-byte load each and x as float4s; the products and their order are the same either way.
 template <int TILE, bool V, int R = 1>
 __device__ __forceinline__ void q4_k_lane32_dots(const Q4kRaw* raw, int b,
                                                  const float* __restrict__ x, i64 ldx, int nt,
