@@ -300,6 +300,42 @@ __device__ __forceinline__ void widen16(const uint4 q, float v[8]) {
     }
 }
 
+// Values 4 h .. 4 h + 3 of 16 bytes of a float-format row as f32 (widen16's, a quarter at a
+// time; h < 1 for f32, < 2 for f16 and bf16).
+template <int FMT>
+__device__ __forceinline__ void widen4(const uint4 q, int h, float v[4]) {
+    if (FMT == FMT_F32) {
+        v[0] = __uint_as_float(q.x);
+        v[1] = __uint_as_float(q.y);
+        v[2] = __uint_as_float(q.z);
+        v[3] = __uint_as_float(q.w);
+    } else {
+        const u32 words[2] = {h == 0 ? q.x : q.z, h == 0 ? q.y : q.w};
+#pragma unroll
+        for (int e = 0; e < 2; e++) {
+            const u16 lo = (u16)(words[e] & 0xFFFF), hi = (u16)(words[e] >> 16);
+            v[2 * e] = FMT == FMT_F16 ? f16_to_f32(lo) : bf16_to_f32(lo);
+            v[2 * e + 1] = FMT == FMT_F16 ? f16_to_f32(hi) : bf16_to_f32(hi);
+        }
+    }
+}
+
+// row_dots of a float-format row without 16-byte loads (a misaligned row or x, or cols not a
+// multiple of 16 bytes' values): lane l takes values l, l + 32, ...
+template <int FMT, int TILE>
+__device__ __forceinline__ void float_row_dots_scalar(const u8* __restrict__ w, int cols,
+                                                      const float* __restrict__ x, i64 ldx,
+                                                      int nt, float* acc) {
+    for (int i = threadIdx.x & (WARP - 1); i < cols; i += WARP) {
+        const float v = FMT == FMT_F32   ? ((const float*)w)[i]
+                        : FMT == FMT_F16 ? f16_to_f32(((const u16*)w)[i])
+                                         : bf16_to_f32(((const u16*)w)[i]);
+#pragma unroll
+        for (int t = 0; t < TILE; t++)
+            if (t < nt) acc[t] = fmaf(v, x[t * ldx + i], acc[t]);
+    }
+}
+
 // One warp's partial dots of row `w` (format FMT, `cols` values) with `nt` <= TILE
 // token rows of x (`x + t * ldx`), added into acc[t]. Lanes split the row in a fixed
 // pattern, so results repeat bit for bit, whatever the TILE: each token's sum takes the same
@@ -341,22 +377,8 @@ __device__ __forceinline__ void row_dots(const u8* __restrict__ w, int cols,
                     }
                 }
             }
-        } else if (FMT == FMT_F32) {
-            const float* wf = (const float*)w;
-            for (int i = lane; i < cols; i += WARP) {
-                float v = wf[i];
-#pragma unroll
-                for (int t = 0; t < TILE; t++)
-                    if (t < nt) acc[t] = fmaf(v, x[t * ldx + i], acc[t]);
-            }
         } else {
-            const u16* wh = (const u16*)w;
-            for (int i = lane; i < cols; i += WARP) {
-                float v = FMT == FMT_F16 ? f16_to_f32(wh[i]) : bf16_to_f32(wh[i]);
-#pragma unroll
-                for (int t = 0; t < TILE; t++)
-                    if (t < nt) acc[t] = fmaf(v, x[t * ldx + i], acc[t]);
-            }
+            float_row_dots_scalar<FMT, TILE>(w, cols, x, ldx, nt, acc);
         }
     } else if (FMT == FMT_Q8_0) {
         // Block b: f16 scale then 32 int8; lane l takes value l of every block. With few

@@ -24,73 +24,93 @@ __device__ void matvec_rows(const u8* __restrict__ w, i64 rb, int rows, int cols
     }
 }
 
-// `matvec_rows` two rows a warp (rows 2 i and 2 i + 1 for warp i), for the float formats and
-// q4_k at a few tokens: each x value a lane loads feeds both rows' sums, halving the L1 traffic
-// of x, which at four tokens is eight times the weights' for the float formats (16-byte loads
-// of x per token for 16 bytes of weights) and 28 times for q4_k. Each row's sums take the same
-// products in the same order as `row_dots` gives a row alone: the same bits. A last row
-// without a partner computes itself twice, stores once; the host's grid covers half as many
-// warps.
-template <int FMT, int TILE>
-__device__ void matvec_rows2(const u8* __restrict__ w, i64 rb, int rows, int cols,
-                             const float* __restrict__ x, int n, float* __restrict__ y) {
+// Rows a warp of the four-token products (`matvec_t4`, q4_k's `matvec_q_t4`); the host's grid
+// reads the same knob. A tuning knob (GLMFLASH_KERNEL_DEFINES), 2 or 4.
+#ifndef T4_ROWS
+#define T4_ROWS 4
+#endif
+// Blocks (of 128 threads) an SM must hold of the four-token products: the registers a thread
+// may take. A tuning knob; unset, the compiler's choice.
+#ifdef T4_MIN_BLOCKS
+#define T4_BOUNDS __launch_bounds__(128, T4_MIN_BLOCKS)
+#else
+#define T4_BOUNDS
+#endif
+
+// `matvec_rows` R rows a warp (rows R i .. R i + R - 1 for warp i), for the float formats and
+// q4_k at a few tokens: each x value a lane loads feeds all R rows' sums, dividing the L1
+// traffic of x by R (at four tokens and one row it is eight times the weights' bytes for the
+// float formats: 16-byte loads of x per token for 16 bytes of weights; 28 times for q4_k).
+// Each row's sums take the same products in the same order as `row_dots` gives a row alone:
+// the same bits. Rows past the last compute the last row again and store nothing; the host's
+// grid covers 1 / R as many warps.
+template <int FMT, int TILE, int R>
+__device__ void matvec_rows_r(const u8* __restrict__ w, i64 rb, int rows, int cols,
+                              const float* __restrict__ x, int n, float* __restrict__ y) {
     const int warps = blockDim.x / WARP, lane = threadIdx.x & (WARP - 1);
-    const int r0 = 2 * (blockIdx.x * warps + threadIdx.x / WARP);
+    const int r0 = R * (blockIdx.x * warps + threadIdx.x / WARP);
     if (r0 >= rows) return;
-    const bool two = r0 + 1 < rows;
-    const u8* row0 = w + (i64)r0 * rb;
-    const u8* row1 = two ? row0 + rb : row0;
+    const u8* row[R];
+    unsigned long long addr = (unsigned long long)x;
+#pragma unroll
+    for (int r = 0; r < R; r++) {
+        row[r] = w + (i64)min(r0 + r, rows - 1) * rb;
+        addr |= (unsigned long long)row[r];
+    }
     const int per = FMT == FMT_F32 ? 4 : 8;  // values per 16 bytes
-    const bool vec = (((unsigned long long)row0 | (unsigned long long)row1 |
-                       (unsigned long long)x) & 15) == 0 &&
-                     (cols & 3) == 0 && cols % per == 0;
+    const bool vec = (addr & 15) == 0 && (cols & 3) == 0 && cols % per == 0;
     for (int t0 = 0; t0 < n; t0 += TILE) {
         const int nt = min(TILE, n - t0);
         const float* xt = x + (i64)t0 * cols;
-        float acc[2 * TILE];
-        float *a0 = acc, *a1 = acc + TILE;
+        float acc[R * TILE];  // row r, token t: acc[r * TILE + t]
 #pragma unroll
-        for (int t = 0; t < TILE; t++) a0[t] = a1[t] = 0.0f;
+        for (int i = 0; i < R * TILE; i++) acc[i] = 0.0f;
         if constexpr (FMT == FMT_Q4_K) {
-            const u8* const pair[2] = {row0, row1};
-            q4_k_lane32_rows<TILE, 2>(pair, cols / 256, xt, cols, nt, acc);
+            q4_k_lane32_rows<TILE, R>(row, cols / 256, xt, cols, nt, acc);
         } else if (vec) {
-            const uint4 *w0 = (const uint4*)row0, *w1 = (const uint4*)row1;
             const int nv = cols / per;
-#pragma unroll(TILE <= 2 ? 2 : 1)
+#pragma unroll(TILE * R <= 4 ? 2 : 1)
             for (int j = lane; j < nv; j += WARP) {
-                float v0[8], v1[8];
-                widen16<FMT>(w0[j], v0);
-                widen16<FMT>(w1[j], v1);
+                uint4 q[R];
 #pragma unroll
-                for (int t = 0; t < TILE; t++) {
-                    if (t < nt) {
-                        const float4* xv = (const float4*)(xt + (i64)t * cols + (i64)j * per);
+                for (int r = 0; r < R; r++) q[r] = ((const uint4*)row[r])[j];
+                // A quarter of the 16 bytes at a time (4 values a row), for every token: each
+                // sum still takes its products in row_dots' order, in fewer registers.
 #pragma unroll
-                        for (int h = 0; h < per / 4; h++) {
-                            const float4 a = xv[h];
-                            a0[t] = fmaf(v0[4 * h], a.x, a0[t]);
-                            a0[t] = fmaf(v0[4 * h + 1], a.y, a0[t]);
-                            a0[t] = fmaf(v0[4 * h + 2], a.z, a0[t]);
-                            a0[t] = fmaf(v0[4 * h + 3], a.w, a0[t]);
-                            a1[t] = fmaf(v1[4 * h], a.x, a1[t]);
-                            a1[t] = fmaf(v1[4 * h + 1], a.y, a1[t]);
-                            a1[t] = fmaf(v1[4 * h + 2], a.z, a1[t]);
-                            a1[t] = fmaf(v1[4 * h + 3], a.w, a1[t]);
+                for (int h = 0; h < per / 4; h++) {
+                    float v[R][4];
+#pragma unroll
+                    for (int r = 0; r < R; r++) widen4<FMT>(q[r], h, v[r]);
+#pragma unroll
+                    for (int t = 0; t < TILE; t++) {
+                        if (t < nt) {
+                            const float4 a =
+                                *(const float4*)(xt + (i64)t * cols + (i64)j * per + 4 * h);
+#pragma unroll
+                            for (int r = 0; r < R; r++) {
+                                float& s = acc[r * TILE + t];
+                                s = fmaf(v[r][0], a.x, s);
+                                s = fmaf(v[r][1], a.y, s);
+                                s = fmaf(v[r][2], a.z, s);
+                                s = fmaf(v[r][3], a.w, s);
+                            }
                         }
                     }
                 }
             }
         } else {
-            row_dots<FMT, TILE>(row0, cols, xt, cols, nt, a0);
-            row_dots<FMT, TILE>(row1, cols, xt, cols, nt, a1);
+            // What row_dots takes for these rows alone (the same alignment: rb is a multiple
+            // of 16 bytes whenever cols is of per values).
+#pragma unroll
+            for (int r = 0; r < R; r++)
+                float_row_dots_scalar<FMT, TILE>(row[r], cols, xt, cols, nt, acc + r * TILE);
         }
 #pragma unroll
         for (int t = 0; t < TILE; t++) {
-            const float v0 = warp_sum(a0[t]), v1 = warp_sum(a1[t]);
-            if (t < nt && lane == 0) {
-                y[(i64)(t0 + t) * rows + r0] = v0;
-                if (two) y[(i64)(t0 + t) * rows + r0 + 1] = v1;
+#pragma unroll
+            for (int r = 0; r < R; r++) {
+                const float v = warp_sum(acc[r * TILE + t]);
+                if (t < nt && lane == 0 && r0 + r < rows) y[(i64)(t0 + t) * rows + r0 + r] = v;
             }
         }
     }
@@ -156,8 +176,8 @@ extern "C" __global__ void matvec_split(const u8* __restrict__ w, int fmt, int r
 // accumulators it uses and the registers of the block formats' dots do not bound their
 // occupancy. The same bits as `matvec`: each token's sum takes the same products in the same
 // order whatever the tile.
-// Split (a block per row): `matvec_split_row`. One token: a row a warp (`matvec_rows`); two or
-// four: two rows a warp (`matvec_rows2`; the host's grid then covers half as many warps).
+// Split (a block per row): `matvec_split_row`. One token: a row a warp (`matvec_rows`); two:
+// two rows a warp, four: T4_ROWS (`matvec_rows_r`; the host's grid covers as many fewer warps).
 template <int FMT, int T, bool SPLIT>
 __device__ void matvec_float_rows(const u8* __restrict__ w, i64 rb, int rows, int cols,
                                   const float* __restrict__ x, int n, float* __restrict__ y) {
@@ -166,7 +186,7 @@ __device__ void matvec_float_rows(const u8* __restrict__ w, i64 rb, int rows, in
     else if (T == 1)
         matvec_rows<FMT, T>(w, rb, rows, cols, x, n, y);
     else
-        matvec_rows2<FMT, T>(w, rb, rows, cols, x, n, y);
+        matvec_rows_r<FMT, T, T == 2 ? 2 : T4_ROWS>(w, rb, rows, cols, x, n, y);
 }
 
 template <int T, bool SPLIT>
@@ -189,7 +209,7 @@ extern "C" __global__ void matvec_t1(MATVEC_ARGS) {
 extern "C" __global__ void matvec_t2(MATVEC_ARGS) {
     matvec_float<2, false>(w, fmt, rows, cols, x, n, y);
 }
-extern "C" __global__ void matvec_t4(MATVEC_ARGS) {
+extern "C" __global__ void T4_BOUNDS matvec_t4(MATVEC_ARGS) {
     matvec_float<4, false>(w, fmt, rows, cols, x, n, y);
 }
 extern "C" __global__ void matvec_split_t1(MATVEC_ARGS) {
@@ -206,7 +226,7 @@ extern "C" __global__ void matvec_split_t4(MATVEC_ARGS) {
 // Q4_K at one token two rows a warp (rows 2 i and 2 i + 1 for warp i), each x value a lane
 // loads feeding both rows' sums: each row's sum takes `row_dots`' products in its order, so the
 // same bits as `matvec_rows`. A last row without a partner computes itself twice and stores
-// once. (`matvec_rows2<FMT_Q4_K, 1>` in fewer registers: no loop over token tiles.)
+// once. (`matvec_rows_r<FMT_Q4_K, 1, 2>` in fewer registers: no loop over token tiles.)
 __device__ void matvec_q4k_pairs(const u8* __restrict__ w, i64 rb, int rows, int cols,
                                  const float* __restrict__ x, float* __restrict__ y) {
     const int warps = blockDim.x / WARP, lane = threadIdx.x & (WARP - 1);
@@ -227,7 +247,7 @@ __device__ void matvec_q4k_pairs(const u8* __restrict__ w, i64 rb, int rows, int
 // `matvec` and `matvec_split` for the block formats (q8_0, q4_k) at most T tokens a pass (1,
 // 2 or 4: decode's batches), kernels of their own as the float formats' `matvec_t*`: a warp
 // holds only the accumulators it uses. The same bits as `matvec`. q4_k without the split: two
-// rows a warp (`matvec_q4k_pairs`, `matvec_rows2`).
+// rows a warp (`matvec_q4k_pairs`, `matvec_rows_r`), T4_ROWS at four tokens.
 template <int T, bool SPLIT>
 __device__ void matvec_quant(const u8* __restrict__ w, int fmt, int rows, int cols,
                              const float* __restrict__ x, int n, float* __restrict__ y) {
@@ -242,7 +262,7 @@ __device__ void matvec_quant(const u8* __restrict__ w, int fmt, int rows, int co
     } else if (T == 1) {
         matvec_q4k_pairs(w, rb, rows, cols, x, y);
     } else {
-        matvec_rows2<FMT_Q4_K, T>(w, rb, rows, cols, x, n, y);
+        matvec_rows_r<FMT_Q4_K, T, T == 2 ? 2 : T4_ROWS>(w, rb, rows, cols, x, n, y);
     }
 }
 
@@ -255,7 +275,7 @@ extern "C" __global__ void matvec_q_t1(MATVEC_ARGS) {
 extern "C" __global__ void matvec_q_t2(MATVEC_ARGS) {
     matvec_quant<2, false>(w, fmt, rows, cols, x, n, y);
 }
-extern "C" __global__ void matvec_q_t4(MATVEC_ARGS) {
+extern "C" __global__ void T4_BOUNDS matvec_q_t4(MATVEC_ARGS) {
     matvec_quant<4, false>(w, fmt, rows, cols, x, n, y);
 }
 extern "C" __global__ void matvec_q_split_t1(MATVEC_ARGS) {

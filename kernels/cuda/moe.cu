@@ -6,12 +6,57 @@
 // (group g owns pick_list[group_start[g] .. group_start[g] + group_len[g]]).
 #include "common.cuh"
 
+// Rows a warp of moe_gate_up's q4_k rows (each a gate row and its up row); the host's grid reads
+// the same knob. A tuning knob (GLMFLASH_KERNEL_DEFINES): 1 or 2.
+#ifndef GATE_UP_ROWS
+#define GATE_UP_ROWS 1
+#endif
+
+// gate_up_rows<FMT_Q4_K, false> P gate rows and their up rows a warp (rows P i .. P i + P - 1 for
+// warp i), a pick at a time: the 2 P rows share each x value a lane loads, and each row's sum
+// takes its products in the order of the row alone (the same bits).
+template <int P>
+__device__ void gate_up_q4k_rows(const u8* __restrict__ arena, const i64* __restrict__ group_base,
+                                 const int* __restrict__ group_start,
+                                 const int* __restrict__ group_len,
+                                 const int* __restrict__ pick_list, const int* __restrict__ count,
+                                 i64 up_off, int inter, int hidden, int k, float limit,
+                                 const float* __restrict__ x, float* __restrict__ act) {
+    const int warps = blockDim.x / WARP, lane = threadIdx.x & (WARP - 1);
+    const int r0 = P * (blockIdx.x * warps + threadIdx.x / WARP);
+    const int g = blockIdx.y;
+    if (r0 >= inter || g >= *count) return;
+    const i64 rb = row_bytes(FMT_Q4_K, hidden);
+    const u8* gate = arena + group_base[g];
+    const u8* rows[2 * P];  // gate row r0 + i, then its up row
+#pragma unroll
+    for (int i = 0; i < P; i++) {
+        rows[2 * i] = gate + (i64)min(r0 + i, inter - 1) * rb;
+        rows[2 * i + 1] = rows[2 * i] + up_off;
+    }
+    const int start = group_start[g], len = group_len[g];
+    for (int e = 0; e < len; e++) {
+        const int p = pick_list[start + e];
+        float acc[2 * P];
+#pragma unroll
+        for (int i = 0; i < 2 * P; i++) acc[i] = 0.0f;
+        q4_k_lane32_rows<1, 2 * P>(rows, hidden / 256, x + (i64)(p / k) * hidden, 0, 1, acc);
+#pragma unroll
+        for (int i = 0; i < P; i++) {
+            const float gv = warp_sum(acc[2 * i]), uv = warp_sum(acc[2 * i + 1]);
+            if (lane == 0 && r0 + i < inter)
+                act[(i64)p * inter + r0 + i] =
+                    silu(fminf(gv, limit)) * fminf(fmaxf(uv, -limit), limit);
+        }
+    }
+}
+
 // WIDE: x holds the group's token rows gathered in entry order (`moe_gather`), so a tile of
 // TOK_TILE picks is one strided block and each weight row is read once a tile, not once a
 // pick; act is then written by entry. Else each pick's row is its own dot (a tile of one: a
 // warp keeps one pair of accumulators and reduces only what it computed; decode's groups are
 // of one pick). Each pick's sums see the same products in the same order either way: the
-// same bits.
+// same bits. q4_k without WIDE: gate_up_q4k_rows<GATE_UP_ROWS>.
 template <int FMT, bool WIDE>
 __device__ void gate_up_rows(const u8* __restrict__ arena, const i64* __restrict__ group_base,
                              const int* __restrict__ group_start, const int* __restrict__ group_len,
@@ -19,6 +64,11 @@ __device__ void gate_up_rows(const u8* __restrict__ arena, const i64* __restrict
                              i64 up_off, int inter, int hidden,
                              int k, float limit, const float* __restrict__ x,
                              float* __restrict__ act) {
+    if constexpr (!WIDE && FMT == FMT_Q4_K) {
+        gate_up_q4k_rows<GATE_UP_ROWS>(arena, group_base, group_start, group_len, pick_list,
+                                       count, up_off, inter, hidden, k, limit, x, act);
+        return;
+    }
     const int warps = blockDim.x / WARP;
     const int r = blockIdx.x * warps + threadIdx.x / WARP;
     const int g = blockIdx.y;
@@ -45,17 +95,8 @@ __device__ void gate_up_rows(const u8* __restrict__ arena, const i64* __restrict
                 const int p = pick_list[start + p0 + t];
                 const float* xt = x + (i64)(p / k) * hidden;
                 float a1[1] = {0.0f}, a2[1] = {0.0f};
-                if constexpr (FMT == FMT_Q4_K) {
-                    // Gate's and up's rows from each x value loaded.
-                    float a[2] = {0.0f, 0.0f};
-                    const u8* const rows[2] = {gate, up};
-                    q4_k_lane32_rows<1, 2>(rows, hidden / 256, xt, 0, 1, a);
-                    a1[0] = a[0];
-                    a2[0] = a[1];
-                } else {
-                    row_dots<FMT, 1>(gate, hidden, xt, 0, 1, a1);
-                    row_dots<FMT, 1>(up, hidden, xt, 0, 1, a2);
-                }
+                row_dots<FMT, 1>(gate, hidden, xt, 0, 1, a1);
+                row_dots<FMT, 1>(up, hidden, xt, 0, 1, a2);
                 ga[t] = a1[0];
                 ua[t] = a2[0];
             }
@@ -72,13 +113,60 @@ __device__ void gate_up_rows(const u8* __restrict__ arena, const i64* __restrict
     }
 }
 
-// WIDE: act holds the picks' activations by entry (gate_up_rows<FMT, true>).
+// Rows a warp of moe_down's q4_k rows; the host's grid reads the same knob. A tuning knob
+// (GLMFLASH_KERNEL_DEFINES): 1, 2 or 4.
+#ifndef DOWN_ROWS
+#define DOWN_ROWS 2
+#endif
+
+// down_rows<FMT_Q4_K, false> R rows a warp (rows R i .. R i + R - 1 for warp i), a pick at a
+// time: a q4_k row of an expert's intermediate width is only a few super-blocks (1,152 bytes at
+// 2,048), too little for a warp to keep the memory busy; the rows share each act value a lane
+// loads, and each row's sum takes its products in the order of the row alone (the same bits).
+template <int R>
+__device__ void down_q4k_rows(const u8* __restrict__ arena, const i64* __restrict__ group_base,
+                              const int* __restrict__ group_start,
+                              const int* __restrict__ group_len,
+                              const int* __restrict__ pick_list, const int* __restrict__ count,
+                              i64 down_off, int hidden, int inter,
+                              const float* __restrict__ act, float* __restrict__ yp) {
+    const int warps = blockDim.x / WARP, lane = threadIdx.x & (WARP - 1);
+    const int r0 = R * (blockIdx.x * warps + threadIdx.x / WARP);
+    const int g = blockIdx.y;
+    if (r0 >= hidden || g >= *count) return;
+    const i64 rb = row_bytes(FMT_Q4_K, inter);
+    const u8* down = arena + group_base[g] + down_off;
+    const u8* rows[R];
+#pragma unroll
+    for (int r = 0; r < R; r++) rows[r] = down + (i64)min(r0 + r, hidden - 1) * rb;
+    const int start = group_start[g], len = group_len[g];
+    for (int e = 0; e < len; e++) {
+        const int p = pick_list[start + e];
+        float acc[R];
+#pragma unroll
+        for (int r = 0; r < R; r++) acc[r] = 0.0f;
+        q4_k_lane32_rows<1, R>(rows, inter / 256, act + (i64)p * inter, 0, 1, acc);
+#pragma unroll
+        for (int r = 0; r < R; r++) {
+            const float v = warp_sum(acc[r]);
+            if (lane == 0 && r0 + r < hidden) yp[(i64)p * hidden + r0 + r] = v;
+        }
+    }
+}
+
+// WIDE: act holds the picks' activations by entry (gate_up_rows<FMT, true>). q4_k without
+// WIDE: down_q4k_rows<DOWN_ROWS>.
 template <int FMT, bool WIDE>
 __device__ void down_rows(const u8* __restrict__ arena, const i64* __restrict__ group_base,
                           const int* __restrict__ group_start, const int* __restrict__ group_len,
                           const int* __restrict__ pick_list, const int* __restrict__ count,
                           i64 down_off, int hidden, int inter,
                           const float* __restrict__ act, float* __restrict__ yp) {
+    if constexpr (!WIDE && FMT == FMT_Q4_K) {
+        down_q4k_rows<DOWN_ROWS>(arena, group_base, group_start, group_len, pick_list, count,
+                                 down_off, hidden, inter, act, yp);
+        return;
+    }
     const int warps = blockDim.x / WARP;
     const int r = blockIdx.x * warps + threadIdx.x / WARP;
     const int g = blockIdx.y;
@@ -115,7 +203,8 @@ __device__ void down_rows(const u8* __restrict__ arena, const i64* __restrict__ 
 
 // act[p, :] = silu(min(gate x_t, L)) * clamp(up x_t, -L, L) for every pick p of every group
 // (`*count` groups: the tables `moe_group` writes, or the host's).
-// Grid: (ceil(inter / warps per block), room for the groups).
+// Grid: (ceil(inter / warps per block), room for the groups); for q4_k, ceil(inter /
+// GATE_UP_ROWS) warps.
 extern "C" __global__ void moe_gate_up(const u8* __restrict__ arena, int fmt,
                                        const i64* __restrict__ group_base,
                                        const int* __restrict__ group_start,
@@ -147,7 +236,8 @@ extern "C" __global__ void moe_gate_up_wide(const u8* __restrict__ arena, int fm
 #undef CALL
 }
 
-// yp[p, :] = down act[p, :]. Grid: (ceil(hidden / warps per block), room for the groups).
+// yp[p, :] = down act[p, :]. Grid: (ceil(hidden / warps per block), room for the groups);
+// for q4_k, ceil(hidden / DOWN_ROWS) warps.
 extern "C" __global__ void moe_down(const u8* __restrict__ arena, int fmt,
                                     const i64* __restrict__ group_base,
                                     const int* __restrict__ group_start,

@@ -104,6 +104,16 @@ fn kernel_defines() -> Result<&'static [String], CudaError> {
         .map_err(|e| CudaError::Invalid(format!("GLMFLASH_KERNEL_DEFINES: {e}")))
 }
 
+/// The integer value knob `name` has in `GLMFLASH_KERNEL_DEFINES`, for a knob the host's launch
+/// must follow (the rows a warp of a product: its grid). None when unset or unparsable.
+pub(super) fn kernel_knob(name: &str) -> Option<i64> {
+    let prefix = format!("-D{name}=");
+    kernel_defines()
+        .ok()?
+        .iter()
+        .find_map(|d| d.strip_prefix(&prefix)?.parse().ok())
+}
+
 /// `NAME=VALUE` / `NAME` items (spaces or commas between them) as `-DNAME=VALUE` options.
 /// Names are C identifiers in capitals; values letters, digits, `.`, `_`, `+`, `-`.
 fn parse_kernel_defines(spec: &str) -> Result<Vec<String>, String> {

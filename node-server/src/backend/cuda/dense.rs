@@ -262,8 +262,8 @@ impl Cuda {
         // router and gate projections): those rows get a block each instead. At four tokens
         // or fewer (decode) every format takes the kernel of the fewest accumulators that
         // hold them: the same bits, more warps resident (gemv.cu's `matvec_t*` for the float
-        // formats, at two and four tokens two rows a warp sharing their loads of x;
-        // `matvec_q_t*` for q8_0 and q4_k, q4_k two rows a warp).
+        // formats, at two and four tokens two and four rows a warp sharing their loads of x;
+        // `matvec_q_t*` for q8_0 and q4_k, q4_k two rows a warp, four at four tokens).
         let split = rows < SPLIT_BELOW_ROWS;
         let float = matches!(format, Format::F32 | Format::F16 | Format::Bf16);
         let tile = self.matvec_tile(n);
@@ -289,10 +289,11 @@ impl Cuda {
                 block_dim: (SPLIT_THREADS, 1, 1),
                 shared_mem_bytes: 0,
             }
-        } else if matches!(name, "matvec_t2" | "matvec_t4")
-            || (name.starts_with("matvec_q_t") && format == Format::Q4K)
-        {
-            // Two rows a warp (gemv.cu's `matvec_rows2`, `matvec_q4k_pairs`).
+        } else if name == "matvec_t4" || (name == "matvec_q_t4" && format == Format::Q4K) {
+            // T4_ROWS rows a warp (gemv.cu's `matvec_rows_r`).
+            rows_config(rows.div_ceil(t4_rows()), 1)
+        } else if name == "matvec_t2" || (name.starts_with("matvec_q_t") && format == Format::Q4K) {
+            // Two rows a warp (gemv.cu's `matvec_rows_r`, `matvec_q4k_pairs`).
             rows_config(rows.div_ceil(2), 1)
         } else {
             rows_config(rows, 1)
@@ -308,8 +309,8 @@ impl Cuda {
         // SAFETY: every one of these kernels takes `matvec`'s argument list in gemv.cu
         // (`matvec_t*` only float formats, `matvec_q_*` only q8_0 and q4_k, which `name`
         // keeps to); the sizes were checked above, and the grid covers `rows` rows (a warp
-        // each, two rows a warp for `matvec_t2`/`_t4` and q4_k's `matvec_q_t*`, or a block of
-        // SPLIT_WARPS warps each).
+        // each, two rows a warp for `matvec_t2` and q4_k's `matvec_q_t1`/`_t2`, T4_ROWS for
+        // `matvec_t4` and q4_k's `matvec_q_t4`, or a block of SPLIT_WARPS warps each).
         unsafe { b.launch(cfg) }?;
         Ok(())
     }

@@ -590,6 +590,30 @@ pub(super) fn block_per_row(rows: usize) -> LaunchConfig {
     }
 }
 
+/// Rows a warp of the four-token products (gemv.cu's T4_ROWS: 4, or the knob's 2 or 4).
+fn t4_rows() -> usize {
+    match compile::kernel_knob("T4_ROWS") {
+        Some(2) => 2,
+        _ => 4,
+    }
+}
+
+/// Rows a warp of `moe_down`'s q4_k rows (moe.cu's DOWN_ROWS: 2, or the knob's 1, 2 or 4).
+fn down_rows() -> usize {
+    match compile::kernel_knob("DOWN_ROWS") {
+        Some(n @ (1 | 2 | 4)) => n as usize,
+        _ => 2,
+    }
+}
+
+/// Gate rows a warp of `moe_gate_up`'s q4_k rows (moe.cu's GATE_UP_ROWS: 1, or the knob's 2).
+fn gate_up_rows() -> usize {
+    match compile::kernel_knob("GATE_UP_ROWS") {
+        Some(2) => 2,
+        _ => 1,
+    }
+}
+
 fn rows_config(rows: usize, groups: u32) -> LaunchConfig {
     LaunchConfig {
         grid_dim: ((rows as u32).div_ceil(ROWS_PER_BLOCK), groups.max(1), 1),

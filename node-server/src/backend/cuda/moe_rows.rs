@@ -71,11 +71,18 @@ impl Cuda {
             .arg(&limit)
             .arg(x)
             .arg(&mut run.act);
+        // q4_k rows a pick at a time: GATE_UP_ROWS gate rows (and their up rows) a warp,
+        // moe.cu's `gate_up_q4k_rows`.
+        let warps = if gathered.is_none() && gate_up == Format::Q4K {
+            inter.div_ceil(gate_up_rows())
+        } else {
+            inter
+        };
         // SAFETY: every slot was checked to lie inside the arena (host tables) or comes from
         // the layer's slot table (device tables), every pick index below `tokens * k` (the
-        // rows of act and yp); the grid covers `inter` rows of each group the tables have
+        // rows of act and yp); `warps` warps cover `inter` rows of each group the tables have
         // room for, and blocks past the counted groups return.
-        unsafe { b.launch(rows_config(inter, room)) }?;
+        unsafe { b.launch(rows_config(warps, room)) }?;
 
         let mut b = s.launch_builder(self.kernel(down_kernel));
         b.arg(arena)
@@ -90,9 +97,15 @@ impl Cuda {
             .arg(&inter_i)
             .arg(&run.act)
             .arg(&mut run.yp);
+        // q4_k rows a pick at a time: DOWN_ROWS rows a warp (moe.cu's `down_q4k_rows`).
+        let warps = if gathered.is_none() && down == Format::Q4K {
+            hidden.div_ceil(down_rows())
+        } else {
+            hidden
+        };
         // SAFETY: as above, for `hidden` rows of the down projection (act by entry after the
-        // wide gate/up: entries <= tokens * k rows).
-        unsafe { b.launch(rows_config(hidden, room)) }?;
+        // wide gate/up: entries <= tokens * k rows), `warps` warps covering them.
+        unsafe { b.launch(rows_config(warps, room)) }?;
         Ok(())
     }
 

@@ -11,14 +11,16 @@ pub(super) fn check_matvec(
     cases: &mut Vec<Case>,
 ) -> anyhow::Result<()> {
     // Below 2048 rows `matvec_split` (a block per row; 37 x 512 leaves most of its warps
-    // without columns), from 2048 the warp per row (two rows a warp at 2-4 tokens of a float
-    // format: 2049 rows leave the last without a partner); 24 x 16384 is mHC's projection.
+    // without columns), from 2048 the warp per row (two rows a warp at 2 tokens and q4_k's 1,
+    // four at 4 tokens: 2049 and 2051 rows leave the last warp one and three rows);
+    // 24 x 16384 is mHC's projection.
     let mut shapes = vec![
         (37, 512),
         (256, 768),
         (1024, 2048),
         (24, 16384),
         (2049, 512),
+        (2051, 256),
     ];
     if wide {
         shapes.extend([(2048, 4096), (4096, 2048), (6144, 4096)]);
