@@ -116,6 +116,118 @@ __device__ void matvec_rows_r(const u8* __restrict__ w, i64 rb, int rows, int co
     }
 }
 
+// Threads of a warp-per-row block: the host's ROW_BLOCK.
+#define ROW_THREADS 128
+
+// Stages of the float formats' weight pipeline through shared memory (`matvec_rows_async`) at
+// one token and at four; 0: none, the weights loaded to registers (`matvec_rows`,
+// `matvec_rows_r`). Tuning knobs (GLMFLASH_KERNEL_DEFINES).
+#ifndef T1_STAGES
+#define T1_STAGES 0
+#endif
+#ifndef T4_STAGES
+#define T4_STAGES 0
+#endif
+
+// Copies 16 bytes from global memory to shared-space address `at` without passing through
+// registers (sm_80+); done for this thread at a `cp_async_wait` that covers its group.
+__device__ __forceinline__ void cp_async16(u32 at, const void* src) {
+    asm volatile("cp.async.cg.shared.global [%0], [%1], 16;\n" ::"r"(at), "l"(src));
+}
+__device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;\n" ::); }
+// Waits until at most N of this thread's copy groups are still in flight.
+template <int N>
+__device__ __forceinline__ void cp_async_wait() {
+    asm volatile("cp.async.wait_group %0;\n" ::"n"(N));
+}
+
+// `matvec_rows_r`'s 16-byte path for the float formats with each lane's weights streamed through
+// a ring of S stages in shared memory (`ring`: S * R * ROW_THREADS 16-byte slots), so a warp
+// has S * R * 512 bytes of loads in flight instead of R * 512 in registers. Each lane copies and
+// reads back only its own slots (its own copy groups complete for it at the wait; no barrier),
+// and takes the products in `matvec_rows_r`'s order: the same bits. Only for a 16-byte-aligned
+// w and x and cols a multiple of 16 bytes' values (the caller checks).
+template <int FMT, int TILE, int R, int S>
+__device__ void matvec_rows_async(const u8* __restrict__ w, i64 rb, int rows, int cols,
+                                  const float* __restrict__ x, int n, float* __restrict__ y,
+                                  uint4* ring) {
+    const int warps = blockDim.x / WARP, lane = threadIdx.x & (WARP - 1);
+    const int r0 = R * (blockIdx.x * warps + threadIdx.x / WARP);
+    if (r0 >= rows) return;
+    const uint4* row[R];
+#pragma unroll
+    for (int r = 0; r < R; r++) row[r] = (const uint4*)(w + (i64)min(r0 + r, rows - 1) * rb);
+    const int per = FMT == FMT_F32 ? 4 : 8;  // values per 16 bytes
+    const int nv = cols / per;
+    const int iters = lane < nv ? (nv - lane + WARP - 1) / WARP : 0;
+    const u32 base = (u32)__cvta_generic_to_shared(ring) + 16u * threadIdx.x;
+    // Slot (stage s, row r) of this thread.
+    auto slot = [&](int s, int r) { return base + 16u * ROW_THREADS * (u32)(s * R + r); };
+    for (int t0 = 0; t0 < n; t0 += TILE) {
+        const int nt = min(TILE, n - t0);
+        const float* xt = x + (i64)t0 * cols;
+        float acc[R * TILE];  // row r, token t: acc[r * TILE + t]
+#pragma unroll
+        for (int i = 0; i < R * TILE; i++) acc[i] = 0.0f;
+        // Pass i's 16 bytes of each row are this lane's j = lane + 32 i; group i holds them.
+#pragma unroll
+        for (int s = 0; s < S; s++) {
+            if (s < iters) {
+#pragma unroll
+                for (int r = 0; r < R; r++) cp_async16(slot(s, r), row[r] + lane + WARP * s);
+            }
+            cp_async_commit();
+        }
+        for (int i = 0; i < iters; i++) {
+            cp_async_wait<S - 1>();
+            const int s = i % S, j = lane + WARP * i;
+            uint4 q[R];
+#pragma unroll
+            for (int r = 0; r < R; r++)
+                asm volatile("ld.shared.v4.u32 {%0, %1, %2, %3}, [%4];\n"
+                             : "=r"(q[r].x), "=r"(q[r].y), "=r"(q[r].z), "=r"(q[r].w)
+                             : "r"(slot(s, r)));
+#pragma unroll
+            for (int h = 0; h < per / 4; h++) {
+                float v[R][4];
+#pragma unroll
+                for (int r = 0; r < R; r++) widen4<FMT>(q[r], h, v[r]);
+#pragma unroll
+                for (int t = 0; t < TILE; t++) {
+                    if (t < nt) {
+                        const float4 a =
+                            *(const float4*)(xt + (i64)t * cols + (i64)j * per + 4 * h);
+#pragma unroll
+                        for (int r = 0; r < R; r++) {
+                            float& acc_rt = acc[r * TILE + t];
+                            acc_rt = fmaf(v[r][0], a.x, acc_rt);
+                            acc_rt = fmaf(v[r][1], a.y, acc_rt);
+                            acc_rt = fmaf(v[r][2], a.z, acc_rt);
+                            acc_rt = fmaf(v[r][3], a.w, acc_rt);
+                        }
+                    }
+                }
+            }
+            // Stage s is read (its values are in registers): refill it with pass i + S.
+            if (i + S < iters) {
+#pragma unroll
+                for (int r = 0; r < R; r++)
+                    cp_async16(slot(s, r), row[r] + lane + WARP * (i + S));
+            }
+            cp_async_commit();
+        }
+        cp_async_wait<0>();
+#pragma unroll
+        for (int t = 0; t < TILE; t++) {
+#pragma unroll
+            for (int r = 0; r < R; r++) {
+                const float v = warp_sum(acc[r * TILE + t]);
+                if (t < nt && lane == 0 && r0 + r < rows) y[(i64)(t0 + t) * rows + r0 + r] = v;
+            }
+        }
+    }
+}
+
 // x: [n, cols] f32; y: [n, rows] f32; w: rows x row_bytes(fmt, cols) bytes.
 extern "C" __global__ void matvec(const u8* __restrict__ w, int fmt, int rows, int cols,
                                   const float* __restrict__ x, int n, float* __restrict__ y) {
@@ -178,25 +290,38 @@ extern "C" __global__ void matvec_split(const u8* __restrict__ w, int fmt, int r
 // order whatever the tile.
 // Split (a block per row): `matvec_split_row`. One token: a row a warp (`matvec_rows`); two:
 // two rows a warp, four: T4_ROWS (`matvec_rows_r`; the host's grid covers as many fewer warps).
+// With T1_STAGES / T4_STAGES set, `matvec_rows_async` where the rows and x allow 16-byte loads.
 template <int FMT, int T, bool SPLIT>
 __device__ void matvec_float_rows(const u8* __restrict__ w, i64 rb, int rows, int cols,
-                                  const float* __restrict__ x, int n, float* __restrict__ y) {
+                                  const float* __restrict__ x, int n, float* __restrict__ y,
+                                  uint4* ring) {
+    constexpr int R = T == 1 ? 1 : T == 2 ? 2 : T4_ROWS;
+    constexpr int S = T == 1 ? T1_STAGES : T == 4 ? T4_STAGES : 0;
+    const int per = FMT == FMT_F32 ? 4 : 8;
+    const bool vec = ((((unsigned long long)w | (unsigned long long)x) & 15) == 0 &&
+                      (cols & 3) == 0 && cols % per == 0);
     if (SPLIT)
         matvec_split_row<FMT, T>(w, rb, cols, x, n, y, rows);
+    else if (S > 0 && vec)
+        matvec_rows_async<FMT, T, R, (S > 0 ? S : 1)>(w, rb, rows, cols, x, n, y, ring);
     else if (T == 1)
         matvec_rows<FMT, T>(w, rb, rows, cols, x, n, y);
     else
-        matvec_rows_r<FMT, T, T == 2 ? 2 : T4_ROWS>(w, rb, rows, cols, x, n, y);
+        matvec_rows_r<FMT, T, R>(w, rb, rows, cols, x, n, y);
 }
 
 template <int T, bool SPLIT>
 __device__ void matvec_float(const u8* __restrict__ w, int fmt, int rows, int cols,
                              const float* __restrict__ x, int n, float* __restrict__ y) {
     const i64 rb = row_bytes(fmt, cols);
+    constexpr int S = SPLIT ? 0 : T == 1 ? T1_STAGES : T == 4 ? T4_STAGES : 0;
+    constexpr int R = T == 1 ? 1 : T == 2 ? 2 : T4_ROWS;
+    // One ring for whichever format runs (S stages of R rows' 16 bytes a thread).
+    __shared__ uint4 ring[S > 0 ? S * R * ROW_THREADS : 1];
     switch (fmt) {
-        case FMT_F32: matvec_float_rows<FMT_F32, T, SPLIT>(w, rb, rows, cols, x, n, y); break;
-        case FMT_F16: matvec_float_rows<FMT_F16, T, SPLIT>(w, rb, rows, cols, x, n, y); break;
-        default: matvec_float_rows<FMT_BF16, T, SPLIT>(w, rb, rows, cols, x, n, y); break;
+        case FMT_F32: matvec_float_rows<FMT_F32, T, SPLIT>(w, rb, rows, cols, x, n, y, ring); break;
+        case FMT_F16: matvec_float_rows<FMT_F16, T, SPLIT>(w, rb, rows, cols, x, n, y, ring); break;
+        default: matvec_float_rows<FMT_BF16, T, SPLIT>(w, rb, rows, cols, x, n, y, ring); break;
     }
 }
 

@@ -133,7 +133,8 @@ const SPLIT_BELOW_ROWS: usize = 2048;
 /// Threads of a `matvec_split` block (its SPLIT_WARPS warps).
 const SPLIT_THREADS: u32 = 256;
 
-/// Threads per block of the warp-per-row kernels (4 warps: 4 rows per block).
+/// Threads per block of the warp-per-row kernels (4 warps: 4 rows per block; gemv.cu's
+/// ROW_THREADS).
 const ROW_BLOCK: u32 = 128;
 const ROWS_PER_BLOCK: u32 = ROW_BLOCK / 32;
 
