@@ -29,13 +29,6 @@ __device__ void matvec_rows(const u8* __restrict__ w, i64 rb, int rows, int cols
 #ifndef T4_ROWS
 #define T4_ROWS 4
 #endif
-// Blocks (of 128 threads) an SM must hold of the four-token products: the registers a thread
-// may take. A tuning knob; unset, the compiler's choice.
-#ifdef T4_MIN_BLOCKS
-#define T4_BOUNDS __launch_bounds__(128, T4_MIN_BLOCKS)
-#else
-#define T4_BOUNDS
-#endif
 
 // `matvec_rows` R rows a warp (rows R i .. R i + R - 1 for warp i), for the float formats and
 // q4_k at a few tokens: each x value a lane loads feeds all R rows' sums, dividing the L1
@@ -334,7 +327,7 @@ extern "C" __global__ void matvec_t1(MATVEC_ARGS) {
 extern "C" __global__ void matvec_t2(MATVEC_ARGS) {
     matvec_float<2, false>(w, fmt, rows, cols, x, n, y);
 }
-extern "C" __global__ void T4_BOUNDS matvec_t4(MATVEC_ARGS) {
+extern "C" __global__ void matvec_t4(MATVEC_ARGS) {
     matvec_float<4, false>(w, fmt, rows, cols, x, n, y);
 }
 extern "C" __global__ void matvec_split_t1(MATVEC_ARGS) {
@@ -400,7 +393,7 @@ extern "C" __global__ void matvec_q_t1(MATVEC_ARGS) {
 extern "C" __global__ void matvec_q_t2(MATVEC_ARGS) {
     matvec_quant<2, false>(w, fmt, rows, cols, x, n, y);
 }
-extern "C" __global__ void T4_BOUNDS matvec_q_t4(MATVEC_ARGS) {
+extern "C" __global__ void matvec_q_t4(MATVEC_ARGS) {
     matvec_quant<4, false>(w, fmt, rows, cols, x, n, y);
 }
 extern "C" __global__ void matvec_q_split_t1(MATVEC_ARGS) {
