@@ -104,12 +104,23 @@ __device__ void mhc_weights(const float* __restrict__ l, const float* __restrict
 // (f32, or bf16 widened exactly: the same sums as f32 rows of the widened values);
 // x: [T, width]. Grid (ceil(width / MHC_PROJECT_COLS), T), MHC_PROJECT_THREADS threads: in
 // block (c, t) warp w takes rows w, w + 8, ... of columns [c COLS, (c + 1) COLS) (row `rows`
-// being x's sum of squares), each lane MHC_PROJECT_PER columns with its loads all in flight
-// at once, and writes the dots to part[t, c, 0 .. rows]; the last block of token t to finish
-// (tickets[t], left at zero) adds the chunks in order and writes the logits. Results repeat
-// bit for bit.
+// being x's sum of squares), each lane MHC_PROJECT_PER consecutive columns (16-byte loads where
+// width and the pointers allow, else one value at a time: the same products either way) with
+// its loads all in flight at once, and writes the dots to part[t, c, 0 .. rows]; the last
+// block of token t to finish (tickets[t], left at zero) sums the chunks, a warp a row (lane l
+// the chunks l, l + 32, ... in order, then the warp's fixed tree), and writes the logits.
+// Results repeat bit for bit.
 __device__ __forceinline__ float mhc_weight(const float* w, i64 i) { return w[i]; }
 __device__ __forceinline__ float mhc_weight(const u16* w, i64 i) { return bf16_to_f32(w[i]); }
+
+// Values col .. col + 7 of a row (16-byte aligned) as f32.
+__device__ __forceinline__ void mhc_weights8(const float* w, i64 col, float v[8]) {
+    const float4 a = *(const float4*)(w + col), b = *(const float4*)(w + col + 4);
+    v[0] = a.x, v[1] = a.y, v[2] = a.z, v[3] = a.w, v[4] = b.x, v[5] = b.y, v[6] = b.z, v[7] = b.w;
+}
+__device__ __forceinline__ void mhc_weights8(const u16* w, i64 col, float v[8]) {
+    widen16<FMT_BF16>(*(const uint4*)(w + col), v);
+}
 
 template <typename W>
 __device__ __forceinline__ void mhc_project_rows(const W* __restrict__ proj,
@@ -117,16 +128,21 @@ __device__ __forceinline__ void mhc_project_rows(const W* __restrict__ proj,
                                                  int width, float eps, float* __restrict__ part,
                                                  u32* __restrict__ tickets,
                                                  float* __restrict__ logits) {
+    static_assert(MHC_PROJECT_PER == 8, "a lane's columns are one 16-byte load of bf16");
     __shared__ float total[MHC_MAX_LOGITS + 1];
     const int t = blockIdx.y, c = blockIdx.x, chunks = gridDim.x;
     const int lane = threadIdx.x & (WARP - 1), wid = threadIdx.x / WARP;
-    const int col0 = c * MHC_PROJECT_COLS + lane;
+    const int col0 = c * MHC_PROJECT_COLS + lane * MHC_PROJECT_PER;
     const float* xt = x + (i64)t * width;
+    // Whole 16-byte loads: every row of x and proj aligned, and this lane's columns inside.
+    const bool vec = (width & 7) == 0 &&
+                     (((unsigned long long)x | (unsigned long long)proj) & 15) == 0;
     float xv[MHC_PROJECT_PER];
+    if (vec && col0 < width) {
+        mhc_weights8(xt, col0, xv);
+    } else {
 #pragma unroll
-    for (int i = 0; i < MHC_PROJECT_PER; i++) {
-        const int col = col0 + WARP * i;
-        xv[i] = col < width ? xt[col] : 0.0f;
+        for (int i = 0; i < MHC_PROJECT_PER; i++) xv[i] = col0 + i < width ? xt[col0 + i] : 0.0f;
     }
     float* mine = part + ((i64)t * chunks + c) * (rows + 1);
     for (int j = wid; j <= rows; j += MHC_PROJECT_THREADS / WARP) {
@@ -137,10 +153,12 @@ __device__ __forceinline__ void mhc_project_rows(const W* __restrict__ proj,
         } else {
             const W* pj = proj + (i64)j * width;
             float p[MHC_PROJECT_PER];
+            if (vec && col0 < width) {
+                mhc_weights8(pj, col0, p);
+            } else {
 #pragma unroll
-            for (int i = 0; i < MHC_PROJECT_PER; i++) {
-                const int col = col0 + WARP * i;
-                p[i] = col < width ? mhc_weight(pj, col) : 0.0f;
+                for (int i = 0; i < MHC_PROJECT_PER; i++)
+                    p[i] = col0 + i < width ? mhc_weight(pj, col0 + i) : 0.0f;
             }
 #pragma unroll
             for (int i = 0; i < MHC_PROJECT_PER; i++) acc = fmaf(p[i], xv[i], acc);
@@ -149,10 +167,12 @@ __device__ __forceinline__ void mhc_project_rows(const W* __restrict__ proj,
         if (lane == 0) mine[j] = acc;
     }
     if (!last_of_group(tickets + t, chunks)) return;
-    for (int j = threadIdx.x; j <= rows; j += blockDim.x) {
+    for (int j = wid; j <= rows; j += MHC_PROJECT_THREADS / WARP) {
         float s = 0.0f;
-        for (int k = 0; k < chunks; k++) s += __ldcg(part + ((i64)t * chunks + k) * (rows + 1) + j);
-        total[j] = s;
+        for (int k = lane; k < chunks; k += WARP)
+            s += __ldcg(part + ((i64)t * chunks + k) * (rows + 1) + j);
+        s = warp_sum(s);
+        if (lane == 0) total[j] = s;
     }
     __syncthreads();
     const float inv = 1.0f / sqrtf(total[rows] / (float)width + eps);
