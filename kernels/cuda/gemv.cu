@@ -30,6 +30,52 @@ __device__ void matvec_rows(const u8* __restrict__ w, i64 rb, int rows, int cols
 #define T4_ROWS 4
 #endif
 
+// Lane pass j of R float-format rows (their 16 bytes q[r], values j per .. j per + per - 1)
+// against `nt` <= TILE token rows of x (`xt + t cols`, 16-byte aligned), added into
+// acc[r * TILE + t]: a quarter of the 16 bytes at a time (4 values a row) for every token, so
+// each sum takes its products in row_dots' order, in fewer registers than widening them whole.
+template <int FMT, int TILE, int R>
+__device__ __forceinline__ void rows_pass16(const uint4 (&q)[R], const float* __restrict__ xt,
+                                            int cols, int j, int nt, float* acc) {
+    const int per = FMT == FMT_F32 ? 4 : 8;  // values per 16 bytes
+#pragma unroll
+    for (int h = 0; h < per / 4; h++) {
+        float v[R][4];
+#pragma unroll
+        for (int r = 0; r < R; r++) widen4<FMT>(q[r], h, v[r]);
+#pragma unroll
+        for (int t = 0; t < TILE; t++) {
+            if (t < nt) {
+                const float4 a = *(const float4*)(xt + (i64)t * cols + (i64)j * per + 4 * h);
+#pragma unroll
+                for (int r = 0; r < R; r++) {
+                    float& s = acc[r * TILE + t];
+                    s = fmaf(v[r][0], a.x, s);
+                    s = fmaf(v[r][1], a.y, s);
+                    s = fmaf(v[r][2], a.z, s);
+                    s = fmaf(v[r][3], a.w, s);
+                }
+            }
+        }
+    }
+}
+
+// The warp's sums of R rows (from r0; those from `rows` on are not stored) and `nt` <= TILE
+// tokens (from t0) into y [n, rows].
+template <int TILE, int R>
+__device__ __forceinline__ void rows_store(const float* acc, int r0, int rows, int t0, int nt,
+                                           float* __restrict__ y) {
+    const int lane = threadIdx.x & (WARP - 1);
+#pragma unroll
+    for (int t = 0; t < TILE; t++) {
+#pragma unroll
+        for (int r = 0; r < R; r++) {
+            const float v = warp_sum(acc[r * TILE + t]);
+            if (t < nt && lane == 0 && r0 + r < rows) y[(i64)(t0 + t) * rows + r0 + r] = v;
+        }
+    }
+}
+
 // `matvec_rows` R rows a warp (rows R i .. R i + R - 1 for warp i), for the float formats and
 // q4_k at a few tokens: each x value a lane loads feeds all R rows' sums, dividing the L1
 // traffic of x by R (at four tokens and one row it is eight times the weights' bytes for the
@@ -67,29 +113,7 @@ __device__ void matvec_rows_r(const u8* __restrict__ w, i64 rb, int rows, int co
                 uint4 q[R];
 #pragma unroll
                 for (int r = 0; r < R; r++) q[r] = ((const uint4*)row[r])[j];
-                // A quarter of the 16 bytes at a time (4 values a row), for every token: each
-                // sum still takes its products in row_dots' order, in fewer registers.
-#pragma unroll
-                for (int h = 0; h < per / 4; h++) {
-                    float v[R][4];
-#pragma unroll
-                    for (int r = 0; r < R; r++) widen4<FMT>(q[r], h, v[r]);
-#pragma unroll
-                    for (int t = 0; t < TILE; t++) {
-                        if (t < nt) {
-                            const float4 a =
-                                *(const float4*)(xt + (i64)t * cols + (i64)j * per + 4 * h);
-#pragma unroll
-                            for (int r = 0; r < R; r++) {
-                                float& s = acc[r * TILE + t];
-                                s = fmaf(v[r][0], a.x, s);
-                                s = fmaf(v[r][1], a.y, s);
-                                s = fmaf(v[r][2], a.z, s);
-                                s = fmaf(v[r][3], a.w, s);
-                            }
-                        }
-                    }
-                }
+                rows_pass16<FMT, TILE, R>(q, xt, cols, j, nt, acc);
             }
         } else {
             // What row_dots takes for these rows alone (the same alignment: rb is a multiple
@@ -98,14 +122,7 @@ __device__ void matvec_rows_r(const u8* __restrict__ w, i64 rb, int rows, int co
             for (int r = 0; r < R; r++)
                 float_row_dots_scalar<FMT, TILE>(row[r], cols, xt, cols, nt, acc + r * TILE);
         }
-#pragma unroll
-        for (int t = 0; t < TILE; t++) {
-#pragma unroll
-            for (int r = 0; r < R; r++) {
-                const float v = warp_sum(acc[r * TILE + t]);
-                if (t < nt && lane == 0 && r0 + r < rows) y[(i64)(t0 + t) * rows + r0 + r] = v;
-            }
-        }
+        rows_store<TILE, R>(acc, r0, rows, t0, nt, y);
     }
 }
 
@@ -180,27 +197,7 @@ __device__ void matvec_rows_async(const u8* __restrict__ w, i64 rb, int rows, in
                 asm volatile("ld.shared.v4.u32 {%0, %1, %2, %3}, [%4];\n"
                              : "=r"(q[r].x), "=r"(q[r].y), "=r"(q[r].z), "=r"(q[r].w)
                              : "r"(slot(s, r)));
-#pragma unroll
-            for (int h = 0; h < per / 4; h++) {
-                float v[R][4];
-#pragma unroll
-                for (int r = 0; r < R; r++) widen4<FMT>(q[r], h, v[r]);
-#pragma unroll
-                for (int t = 0; t < TILE; t++) {
-                    if (t < nt) {
-                        const float4 a =
-                            *(const float4*)(xt + (i64)t * cols + (i64)j * per + 4 * h);
-#pragma unroll
-                        for (int r = 0; r < R; r++) {
-                            float& acc_rt = acc[r * TILE + t];
-                            acc_rt = fmaf(v[r][0], a.x, acc_rt);
-                            acc_rt = fmaf(v[r][1], a.y, acc_rt);
-                            acc_rt = fmaf(v[r][2], a.z, acc_rt);
-                            acc_rt = fmaf(v[r][3], a.w, acc_rt);
-                        }
-                    }
-                }
-            }
+            rows_pass16<FMT, TILE, R>(q, xt, cols, j, nt, acc);
             // Stage s is read (its values are in registers): refill it with pass i + S.
             if (i + S < iters) {
 #pragma unroll
@@ -210,14 +207,7 @@ __device__ void matvec_rows_async(const u8* __restrict__ w, i64 rb, int rows, in
             cp_async_commit();
         }
         cp_async_wait<0>();
-#pragma unroll
-        for (int t = 0; t < TILE; t++) {
-#pragma unroll
-            for (int r = 0; r < R; r++) {
-                const float v = warp_sum(acc[r * TILE + t]);
-                if (t < nt && lane == 0 && r0 + r < rows) y[(i64)(t0 + t) * rows + r0 + r] = v;
-            }
-        }
+        rows_store<TILE, R>(acc, r0, rows, t0, nt, y);
     }
 }
 
