@@ -131,12 +131,15 @@ __device__ void matvec_rows_r(const u8* __restrict__ w, i64 rb, int rows, int co
 
 // Stages of the float formats' weight pipeline through shared memory (`matvec_rows_async`) at
 // one token and at four; 0: none, the weights loaded to registers (`matvec_rows`,
-// `matvec_rows_r`). Tuning knobs (GLMFLASH_KERNEL_DEFINES).
+// `matvec_rows_r`). Tuning knobs (GLMFLASH_KERNEL_DEFINES). On an H100 (session 41) four
+// stages at four tokens took issue 17's four-stream step from 3.45 to 3.12 ms; stages at one
+// token made it slower (the 4,096- and 12,288-row products), so T1_STAGES stays off. The ring
+// is static shared memory: T4_STAGES x T4_ROWS x 2 KiB, at most 48 KiB (8 x 4 is refused).
 #ifndef T1_STAGES
 #define T1_STAGES 0
 #endif
 #ifndef T4_STAGES
-#define T4_STAGES 0
+#define T4_STAGES 4
 #endif
 
 // Copies 16 bytes from global memory to shared-space address `at` without passing through
@@ -300,6 +303,8 @@ __device__ void matvec_float(const u8* __restrict__ w, int fmt, int rows, int co
     constexpr int S = SPLIT ? 0 : T == 1 ? T1_STAGES : T == 4 ? T4_STAGES : 0;
     constexpr int R = T == 1 ? 1 : T == 2 ? 2 : T4_ROWS;
     // One ring for whichever format runs (S stages of R rows' 16 bytes a thread).
+    static_assert(S * R * ROW_THREADS * 16 <= 48 * 1024,
+                  "T1_STAGES / T4_STAGES x rows: the ring is static shared memory, at most 48 KiB");
     __shared__ uint4 ring[S > 0 ? S * R * ROW_THREADS : 1];
     switch (fmt) {
         case FMT_F32: matvec_float_rows<FMT_F32, T, SPLIT>(w, rb, rows, cols, x, n, y, ring); break;
