@@ -244,6 +244,7 @@ impl Cuda {
         let (major, minor) = ctx.compute_capability()?;
         let arch = format!("sm_{major}{minor}");
         let name = ctx.name()?;
+        supported_arch(&name, major, minor)?;
         // A stream of its own, not the legacy default stream: that one synchronises with every
         // blocking stream and cannot be captured into a graph (issue 17 item 1). Nothing here
         // relied on its implicit ordering: the copy stream is non-blocking, ordered by events.
@@ -632,8 +633,34 @@ fn norm_config(rows: usize, width: usize) -> LaunchConfig {
     }
 }
 
+/// The kernels need compute capability 8.0 or newer (Ampere; the RTX 3090 is 8.6): cp.async,
+/// f16x2 conversions and bf16 arithmetic. An older device is refused here with its name, not
+/// by a PTX assembler error at the first module.
+fn supported_arch(name: &str, major: i32, minor: i32) -> Result<(), CudaError> {
+    if major < 8 {
+        return Err(CudaError::Unavailable(format!(
+            "{name} has compute capability {major}.{minor}; glmflash's kernels need 8.0 or newer \
+             (Ampere: A100, RTX 30xx, or later)"
+        )));
+    }
+    Ok(())
+}
+
 #[cfg(test)]
 mod tests {
+    #[test]
+    fn devices_before_ampere_are_refused_by_name() {
+        let err = super::supported_arch("Tesla T4", 7, 5)
+            .unwrap_err()
+            .to_string();
+        assert!(
+            err.contains("Tesla T4") && err.contains("7.5") && err.contains("8.0"),
+            "{err}"
+        );
+        assert!(super::supported_arch("NVIDIA GeForce RTX 3090", 8, 6).is_ok());
+        assert!(super::supported_arch("NVIDIA H100 80GB HBM3", 9, 0).is_ok());
+    }
+
     /// Every kernel a wrapper launches by name is in the kernel crate's lists: a missing one
     /// would only show at its first launch, on a GPU.
     #[test]
