@@ -29,6 +29,9 @@ __device__ void matvec_rows(const u8* __restrict__ w, i64 rb, int rows, int cols
 #ifndef T4_ROWS
 #define T4_ROWS 4
 #endif
+#if T4_ROWS != 2 && T4_ROWS != 4
+#error "T4_ROWS: 2 or 4 (the values the host's grid follows)"
+#endif
 
 // Lane pass j of R float-format rows (their 16 bytes q[r], values j per .. j per + per - 1)
 // against `nt` <= TILE token rows of x (`xt + t cols`, 16-byte aligned), added into

@@ -11,6 +11,9 @@
 #ifndef GATE_UP_ROWS
 #define GATE_UP_ROWS 1
 #endif
+#if GATE_UP_ROWS != 1 && GATE_UP_ROWS != 2
+#error "GATE_UP_ROWS: 1 or 2 (the values the host's grid follows)"
+#endif
 
 // gate_up_rows<FMT_Q4_K, false> P gate rows and their up rows a warp (rows P i .. P i + P - 1 for
 // warp i), a pick at a time: the 2 P rows share each x value a lane loads, and each row's sum
@@ -117,6 +120,9 @@ __device__ void gate_up_rows(const u8* __restrict__ arena, const i64* __restrict
 // (GLMFLASH_KERNEL_DEFINES): 1, 2 or 4.
 #ifndef DOWN_ROWS
 #define DOWN_ROWS 2
+#endif
+#if DOWN_ROWS != 1 && DOWN_ROWS != 2 && DOWN_ROWS != 4
+#error "DOWN_ROWS: 1, 2 or 4 (the values the host's grid follows)"
 #endif
 
 // down_rows<FMT_Q4_K, false> R rows a warp (rows R i .. R i + R - 1 for warp i), a pick at a
