@@ -65,4 +65,12 @@ timeout 200 $NCU --clock-control none -k regex:'^(moe_gate_up|moe_down|lane32_x)
 log "rc=$?"
 python3 $D/ncu_sections.py $P/ncu_s.csv.gz > $P/ncu_s.txt
 grep -iE "^==|duration|throughput|wavefront|registers|achieved occupancy|warp cycles per issued|excessive" $P/ncu_s.txt | head -50
+log "S8 ncu sections of the bf16 four-token products (matvec_t4), dperm: is L1 (x's loads) their limit?"
+timeout 150 $NCU --clock-control none -k regex:'^matvec_t4$' --launch-count 24 \
+  --section SpeedOfLight --section Occupancy --section WarpStateStats \
+  --section MemoryWorkloadAnalysis --section MemoryWorkloadAnalysis_Tables --csv --page details --print-units base \
+  $X $FLASH --warmup-tokens 1 --decode-tokens 2 2> $P/ncu_t4.err | gzip > $P/ncu_t4.csv.gz
+log "rc=$?"
+python3 $D/ncu_sections.py $P/ncu_t4.csv.gz > $P/ncu_t4.txt
+grep -iE "^==|duration|throughput|wavefront|achieved occupancy|warp cycles per issued|excessive" $P/ncu_t4.txt | head -40
 log "DONE"
