@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # Session 43: branch dperm (xperm's five commits, then the q4_k dense products reading x in
-# lane-of-32 order) checked, and timed against main, on one warm machine, as a background job
+# lane-of-32 order; session 44: the bf16 products at 2 and 4 tokens in lane-of-8 order under the
+# knob FLOAT_XL=1) checked, and timed against main, on one warm machine, as a background job
 # (`watch.sh s43`): logs in /root/s43 (P.log the progress). Binaries, gzipped in .device:
 # glmflash-node (main), glmflash-node-dperm (the branch). Steps in order of need: checks, issue 17's
 # benchmark, the products' speeds, then profiles.
@@ -33,17 +34,19 @@ grep -E "^route|select" $P/s1.log | grep -v " ok" | head -5
 wait $s4_pid; log "S4 rc=$?"; summ $P/s4.log
 wait $store_pid; log "S0 done"; tail -2 $P/b0/flash.log
 i=0
-for v in main dperm main dperm; do
+for v in main dperm dperm:FLOAT_XL=1 main dperm dperm:FLOAT_XL=1; do
   i=$((i+1))
   log "S3.$i bench_flash vram $v"
   GLMFLASH_KERNEL_DEFINES="$(defs $v)" BIN=$(bin $v) timeout 200 bash e2e/cuda/bench_flash.sh $P/b$i > $P/b$i.out 2>&1
   log "rc=$?"
   python3 $D/flash_summary.py $P/b$i/flash.json
 done
-for v in dperm main; do
-  log "S5 $v cuda-check --wide --only matvec (its checks, and the products' speeds alone on the GPU)"
-  timeout 240 $(bin $v) cuda-check --wide --only matvec > $P/mv_$v.log 2>&1; log "rc=$?"
-  summ $P/mv_$v.log 4; grep -E "^matvec .*fitted" $P/mv_$v.log
+i=0
+for v in dperm dperm:FLOAT_XL=1 main; do
+  i=$((i+1))
+  log "S5.$i $v cuda-check --wide --only matvec (its checks, and the products' speeds alone on the GPU)"
+  GLMFLASH_KERNEL_DEFINES="$(defs $v)" timeout 240 $(bin $v) cuda-check --wide --only matvec > $P/mv$i.log 2>&1; log "rc=$?"
+  summ $P/mv$i.log 4; grep -E "^matvec .*fitted" $P/mv$i.log
 done
 log "S2 moe-speed"
 for v in main dperm dperm:GATE_UP_ROWS=2; do
