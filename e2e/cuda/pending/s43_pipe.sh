@@ -48,6 +48,9 @@ for v in dperm dperm:FLOAT_XL=1 main; do
   GLMFLASH_KERNEL_DEFINES="$(defs $v)" timeout 240 $(bin $v) cuda-check --wide --only matvec > $P/mv$i.log 2>&1; log "rc=$?"
   summ $P/mv$i.log 4; grep -E "^matvec .*fitted" $P/mv$i.log
 done
+log "S4b dperm FLOAT_XL=1 cuda-check --wide --only decode,graph (the step with the bf16 products in lane-of-8 order)"
+GLMFLASH_KERNEL_DEFINES=FLOAT_XL=1 GLMFLASH_KERNEL_CACHE=/tmp/kc4 timeout 300 $X cuda-check --wide --only decode,graph > $P/s4b.log 2>&1
+log "rc=$?"; summ $P/s4b.log
 log "S2 moe-speed"
 for v in main dperm dperm:GATE_UP_ROWS=2; do
   echo "-- $v"
