@@ -34,7 +34,7 @@ grep -E "^route|select" $P/s1.log | grep -v " ok" | head -5
 wait $s4_pid; log "S4 rc=$?"; summ $P/s4.log
 wait $store_pid; log "S0 done"; tail -2 $P/b0/flash.log
 i=0
-for v in main dperm dperm:FLOAT_XL=1 main dperm dperm:FLOAT_XL=1; do
+for v in main dperm dperm:FLOAT_XL=1 dperm:FLOAT_XL=2 main dperm dperm:FLOAT_XL=1 dperm:FLOAT_XL=2; do
   i=$((i+1))
   log "S3.$i bench_flash vram $v"
   GLMFLASH_KERNEL_DEFINES="$(defs $v)" BIN=$(bin $v) timeout 200 bash e2e/cuda/bench_flash.sh $P/b$i > $P/b$i.out 2>&1
@@ -42,14 +42,14 @@ for v in main dperm dperm:FLOAT_XL=1 main dperm dperm:FLOAT_XL=1; do
   python3 $D/flash_summary.py $P/b$i/flash.json
 done
 i=0
-for v in dperm dperm:FLOAT_XL=1 main; do
+for v in dperm dperm:FLOAT_XL=2 main; do
   i=$((i+1))
   log "S5.$i $v cuda-check --wide --only matvec (its checks, and the products' speeds alone on the GPU)"
   GLMFLASH_KERNEL_DEFINES="$(defs $v)" timeout 240 $(bin $v) cuda-check --wide --only matvec > $P/mv$i.log 2>&1; log "rc=$?"
   summ $P/mv$i.log 4; grep -E "^matvec .*fitted" $P/mv$i.log
 done
-log "S4b dperm FLOAT_XL=1 cuda-check --wide --only decode,graph (the step with the bf16 products in lane-of-8 order)"
-GLMFLASH_KERNEL_DEFINES=FLOAT_XL=1 GLMFLASH_KERNEL_CACHE=/tmp/kc4 timeout 300 $X cuda-check --wide --only decode,graph > $P/s4b.log 2>&1
+log "S4b dperm FLOAT_XL=2 cuda-check --wide --only decode,graph (the step with the bf16 products in lane-of-8 order)"
+GLMFLASH_KERNEL_DEFINES=FLOAT_XL=2 GLMFLASH_KERNEL_CACHE=/tmp/kc4 timeout 300 $X cuda-check --wide --only decode,graph > $P/s4b.log 2>&1
 log "rc=$?"; summ $P/s4b.log
 log "S2 moe-speed"
 for v in main dperm dperm:GATE_UP_ROWS=2; do
@@ -71,12 +71,14 @@ timeout 200 $NCU --clock-control none -k regex:'^(moe_gate_up|moe_down|lane32_x)
 log "rc=$?"
 python3 $D/ncu_sections.py $P/ncu_s.csv.gz > $P/ncu_s.txt
 grep -iE "^==|duration|throughput|wavefront|registers|achieved occupancy|warp cycles per issued|excessive" $P/ncu_s.txt | head -50
-log "S8 ncu sections of the bf16 four-token products (matvec_t4), dperm: is L1 (x's loads) their limit?"
-timeout 150 $NCU --clock-control none -k regex:'^matvec_t4$' --launch-count 24 \
-  --section SpeedOfLight --section Occupancy --section WarpStateStats \
-  --section MemoryWorkloadAnalysis --section MemoryWorkloadAnalysis_Tables --csv --page details --print-units base \
-  $X $FLASH --warmup-tokens 1 --decode-tokens 2 2> $P/ncu_t4.err | gzip > $P/ncu_t4.csv.gz
-log "rc=$?"
-python3 $D/ncu_sections.py $P/ncu_t4.csv.gz > $P/ncu_t4.txt
-grep -iE "^==|duration|throughput|wavefront|achieved occupancy|warp cycles per issued|excessive" $P/ncu_t4.txt | head -40
+for k in 0 2; do
+  log "S8.$k ncu sections of the bf16 one- and four-token products, dperm FLOAT_XL=$k: is L1 (x's loads) their limit?"
+  GLMFLASH_KERNEL_DEFINES=FLOAT_XL=$k timeout 150 $NCU --clock-control none -k regex:'^matvec_(xl_)?t[14]$' --launch-count 24 \
+    --section SpeedOfLight --section Occupancy --section WarpStateStats \
+    --section MemoryWorkloadAnalysis --section MemoryWorkloadAnalysis_Tables --csv --page details --print-units base \
+    $X $FLASH --warmup-tokens 1 --decode-tokens 2 2> $P/ncu_t$k.err | gzip > $P/ncu_t$k.csv.gz
+  log "rc=$?"
+  python3 $D/ncu_sections.py $P/ncu_t$k.csv.gz > $P/ncu_t$k.txt
+  grep -iE "^==|duration|throughput|wavefront|achieved occupancy|warp cycles per issued|excessive" $P/ncu_t$k.txt | head -40
+done
 log "DONE"
