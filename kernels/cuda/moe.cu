@@ -314,8 +314,8 @@ extern "C" __global__ void moe_combine(const float* __restrict__ yp, const float
 
 // Groups picks `ids[0 .. picks)` (expert ids of `tokens * k` picks) by their slot
 // `slot_of[id]` as the host does: groups in order of first appearance, each group's picks in
-// pick order. An id outside `0 .. experts` counts as expert 0 (the router writes -1 only for a
-// token whose scores are all NaN). One block of MOE_GROUP_MAX threads; picks <= MOE_GROUP_MAX.
+// pick order. An id outside `0 .. experts` counts as expert 0 (the router writes none; ids from
+// elsewhere may). One block of MOE_GROUP_MAX threads; picks <= MOE_GROUP_MAX.
 extern "C" __global__ void moe_group(const int* __restrict__ ids, const int* __restrict__ slot_of,
                                      int experts, int picks, int k, i64 slot_bytes, int cap,
                                      i64* __restrict__ longs, int* __restrict__ ints) {

@@ -23,8 +23,7 @@ impl Cuda {
         Ok((ids, self.download(&weights)?))
     }
 
-    /// [`Cuda::route`] leaving the ids (int32; -1 for a pick no expert ranked for, when a
-    /// token's scores are all NaN) and weights on the device.
+    /// [`Cuda::route`] leaving the ids (int32) and weights on the device.
     pub fn route_dev(
         &self,
         logits: &CudaSlice<f32>,
@@ -75,6 +74,7 @@ impl Cuda {
             .arg(&mut weights);
         let cfg = LaunchConfig {
             grid_dim: (tokens as u32, 1, 1),
+            // router.cu's ROUTE_THREADS.
             block_dim: (256, 1, 1),
             shared_mem_bytes: 0,
         };

@@ -603,17 +603,27 @@ pub(super) fn check_router(
     rng: &mut ChaCha8Rng,
     cases: &mut Vec<Case>,
 ) -> anyhow::Result<()> {
-    for (experts, groups, topk_groups, k, normalize) in [
-        (16usize, 1usize, 1usize, 4usize, true),
-        (64, 8, 4, 8, true),
-        (288, 1, 1, 8, true),
-        (288, 8, 4, 8, false),
+    // The last three: exact ties (no bias, logits of a few values, sigmoid saturating to 1 and
+    // 0 at +-inf and beyond ~17), groups of one expert, and every expert picked.
+    for (experts, groups, topk_groups, k, normalize, ties) in [
+        (16usize, 1usize, 1usize, 4usize, true, false),
+        (64, 8, 4, 8, true, false),
+        (288, 1, 1, 8, true, false),
+        (288, 8, 4, 8, false, false),
+        (288, 1, 1, 8, true, true),
+        (8, 8, 4, 2, true, true),
+        (16, 1, 1, 16, true, false),
     ] {
         let tokens = 37;
         let hidden = 8;
+        let bias = if ties {
+            vec![0.0; experts]
+        } else {
+            randn(rng, experts, 0.1)
+        };
         let router = Router::new(
             Matrix::from_f32(experts, hidden, randn(rng, experts * hidden, 1.0)),
-            randn(rng, experts, 0.1),
+            bias,
             k,
             groups,
             topk_groups,
@@ -621,8 +631,22 @@ pub(super) fn check_router(
             2.5,
         );
         let mut logits = randn(rng, tokens * experts, 4.0);
+        if ties {
+            let special = [f32::INFINITY, f32::NEG_INFINITY, 30.0, -30.0];
+            for (i, v) in logits.iter_mut().enumerate() {
+                *v = if i % 7 == 0 {
+                    special[(i / 7) % special.len()]
+                } else {
+                    (*v / 2.0).round()
+                };
+            }
+        }
         // Exact ties in the choice must go to the lower index, as on the CPU.
         logits[3] = logits[5];
+        let name = format!(
+            "route E={experts} groups={groups}/{topk_groups} k={k}{}",
+            if ties { " ties" } else { "" }
+        );
         let want = router.choose(&logits, tokens);
         let (dl, db) = (cuda.upload(&logits)?, cuda.upload(router.bias())?);
         let spec = RouteSpec {
@@ -634,7 +658,6 @@ pub(super) fn check_router(
             scale: 2.5,
         };
         let (ids, weights) = cuda.route(&dl, &db, spec, tokens)?;
-        let name = format!("route E={experts} groups={groups}/{topk_groups} k={k}");
         let same_ids = ids == want.ids;
         cases.push(Case {
             name: format!("{name} ids"),
