@@ -163,7 +163,10 @@ __device__ u32 block_exclusive_scan(u32 v, u32* total) {
 // One block per query (TOPK_THREADS threads). Keeps the best min(budget_pools, candidates[b])
 // of scores[b, 0 .. candidates[b]] (larger first, ties to the lower pool), and writes their
 // tokens ascending at tokens[out_off[b] ..], then, when select_tail, the incomplete tail
-// pool's tokens (visible[b] % kpool of them, up to visible[b]).
+// pool's tokens (visible[b] % kpool of them, up to visible[b]). A query with no more pools
+// than the budget keeps them all (no selection: what it would keep). The radix select's bins
+// are searched by a warp (a lane 8 of them), not one thread (256 in a row a pass: ~18 us a
+// call in session 41's profile).
 extern "C" __global__ void dsa_topk_tokens(const float* __restrict__ scores,
                                            const int* __restrict__ candidates,
                                            const int* __restrict__ visible,
@@ -178,7 +181,9 @@ extern "C" __global__ void dsa_topk_tokens(const float* __restrict__ scores,
     const float* sc = scores + (i64)b * max_cand;
     u32* out = tokens + out_off[b];
 
-    if (budget > 0) {
+    if (budget > 0 && budget == cand) {
+        for (int i = tid; i < cand * kpool; i += blockDim.x) out[i] = (u32)i;
+    } else if (budget > 0) {
         // Radix select of the budget-th largest key, 8 bits at a time from the top:
         // afterwards every key above `s_prefix` is kept, and the first `s_remaining` keys
         // equal to it (in pool order).
@@ -196,16 +201,37 @@ extern "C" __global__ void dsa_topk_tokens(const float* __restrict__ scores,
                 if ((k & mask) == prefix) atomicAdd(&hist[(k >> shift) & 255u], 1u);
             }
             __syncthreads();
-            if (tid == 0) {
+            // The largest digit d whose keys and those above reach s_remaining: lane l holds
+            // bins 255 - 8 l down to 248 - 8 l, the keys above its bins an exclusive scan over
+            // the lanes; the first lane with a hit has the largest d.
+            if (tid < WARP) {
                 const u32 rem = s_remaining;
-                u32 above = 0;
-                for (int d = 255; d >= 0; d--) {
-                    if (above + hist[d] >= rem) {
-                        s_prefix = prefix | ((u32)d << shift);
-                        s_remaining = rem - above;
-                        break;
+                u32 h8[8], mine = 0;
+#pragma unroll
+                for (int i = 0; i < 8; i++) {
+                    h8[i] = hist[255 - 8 * tid - i];
+                    mine += h8[i];
+                }
+                u32 incl = mine;
+#pragma unroll
+                for (int o = 1; o < WARP; o <<= 1) {
+                    const u32 v = __shfl_up_sync(0xffffffffu, incl, o);
+                    if (tid >= o) incl += v;
+                }
+                u32 above = incl - mine, hit_above = 0;
+                int hit = -1;
+#pragma unroll
+                for (int i = 0; i < 8; i++) {
+                    if (hit < 0 && above + h8[i] >= rem) {
+                        hit = i;
+                        hit_above = above;
                     }
-                    above += hist[d];
+                    above += h8[i];
+                }
+                const u32 lanes = __ballot_sync(0xffffffffu, hit >= 0);
+                if (lanes != 0 && tid == __ffs(lanes) - 1) {
+                    s_prefix = prefix | ((u32)(255 - 8 * tid - hit) << shift);
+                    s_remaining = rem - hit_above;
                 }
             }
             __syncthreads();
