@@ -160,6 +160,27 @@ __device__ __forceinline__ void q4_k_chunk_scales(const u32 (&head)[4], int c, f
 }
 
 // One lane's raw share of a super-block: its 16-byte header and its 16 bytes of quants.
+// Copies 16 bytes from global memory to shared-space address `at` without passing through
+// registers (sm_80+); done for this thread at a `cp_async_wait` that covers its group.
+__device__ __forceinline__ void cp_async16(u32 at, const void* src) {
+    asm volatile("cp.async.cg.shared.global [%0], [%1], 16;\n" ::"r"(at), "l"(src));
+}
+__device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;\n" ::); }
+// Waits until at most N of this thread's copy groups are still in flight.
+template <int N>
+__device__ __forceinline__ void cp_async_wait() {
+    asm volatile("cp.async.wait_group %0;\n" ::"n"(N));
+}
+
+// 16 bytes of shared memory at shared-space address `at` (a `cp_async16` target).
+__device__ __forceinline__ uint4 ld_shared16(u32 at) {
+    uint4 q;
+    asm volatile("ld.shared.v4.u32 {%0, %1, %2, %3}, [%4];\n"
+                 : "=r"(q.x), "=r"(q.y), "=r"(q.z), "=r"(q.w)
+                 : "r"(at));
+    return q;
+}
+
 struct Q4kRaw {
     u32 head[4], q[4];
 };
@@ -279,6 +300,63 @@ __device__ __forceinline__ void q4_k_lane32_rows(const u8* const* w, int blocks,
             }
         }
     }
+}
+
+// q4_k_lane32_rows' 16-byte path with each lane's header and quants streamed through a ring of
+// S stages in shared memory (`ring`: S * R * 2 * THREADS 16-byte slots, THREADS the block's
+// threads), so a warp has S passes of loads in flight instead of the registers' one. Each lane
+// copies and reads back only its own slots (its copy groups complete for it at the wait; no
+// barrier), and takes its super-blocks in q4_k_lane32_rows' order: the same bits. Only for
+// TILE <= 4, 16-byte-aligned rows and x, and ldx a multiple of four (else q4_k_lane32_rows).
+template <int TILE, int R, int S, int THREADS>
+__device__ __forceinline__ void q4_k_lane32_rows_async(const u8* const* w, int blocks,
+                                                       const float* __restrict__ x, i64 ldx,
+                                                       int nt, float* acc, uint4* ring) {
+    const int lane = threadIdx.x & (WARP - 1), sub = lane >> 3;
+    const int c = (lane & 7) >> 1, h = lane & 1;
+    unsigned long long addr = (unsigned long long)x;
+#pragma unroll
+    for (int r = 0; r < R; r++) addr |= (unsigned long long)w[r];
+    if (TILE > 4 || (addr & 15) != 0 || (ldx & 3) != 0) {
+        q4_k_lane32_rows<TILE, R>(w, blocks, x, ldx, nt, acc);
+        return;
+    }
+    // Pass i is super-block 4 i + sub: its header (part 0) and this lane's quants (part 1).
+    const int iters = sub < blocks ? (blocks - sub + 3) / 4 : 0;
+    const u32 base = (u32)__cvta_generic_to_shared(ring) + 16u * threadIdx.x;
+    auto slot = [&](int s, int r, int part) {
+        return base + 16u * THREADS * (u32)((s * R + r) * 2 + part);
+    };
+    auto fetch = [&](int s, int i) {
+#pragma unroll
+        for (int r = 0; r < R; r++) {
+            const u8* blk = w[r] + (i64)(4 * i + sub) * 144;
+            cp_async16(slot(s, r, 0), blk);
+            cp_async16(slot(s, r, 1), blk + 16 + 32 * c + 16 * h);
+        }
+    };
+#pragma unroll
+    for (int s = 0; s < S; s++) {
+        if (s < iters) fetch(s, s);
+        cp_async_commit();
+    }
+    for (int i = 0; i < iters; i++) {
+        cp_async_wait<S - 1>();
+        const int s = i % S;
+        Q4kRaw raw[R];
+#pragma unroll
+        for (int r = 0; r < R; r++) {
+            const uint4 hv = ld_shared16(slot(s, r, 0)), qv = ld_shared16(slot(s, r, 1));
+            raw[r].head[0] = hv.x, raw[r].head[1] = hv.y, raw[r].head[2] = hv.z,
+            raw[r].head[3] = hv.w;
+            raw[r].q[0] = qv.x, raw[r].q[1] = qv.y, raw[r].q[2] = qv.z, raw[r].q[3] = qv.w;
+        }
+        q4_k_lane32_dots<TILE, true, R>(raw, 4 * i + sub, x, ldx, nt, acc);
+        // Stage s is read (its values are in registers): refill it with pass i + S.
+        if (i + S < iters) fetch(s, i + S);
+        cp_async_commit();
+    }
+    cp_async_wait<0>();
 }
 
 // The values of 16 bytes of a float-format row (4 for f32, 8 for f16 and bf16) as f32.

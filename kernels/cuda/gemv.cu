@@ -145,18 +145,6 @@ __device__ void matvec_rows_r(const u8* __restrict__ w, i64 rb, int rows, int co
 #define T4_STAGES 4
 #endif
 
-// Copies 16 bytes from global memory to shared-space address `at` without passing through
-// registers (sm_80+); done for this thread at a `cp_async_wait` that covers its group.
-__device__ __forceinline__ void cp_async16(u32 at, const void* src) {
-    asm volatile("cp.async.cg.shared.global [%0], [%1], 16;\n" ::"r"(at), "l"(src));
-}
-__device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;\n" ::); }
-// Waits until at most N of this thread's copy groups are still in flight.
-template <int N>
-__device__ __forceinline__ void cp_async_wait() {
-    asm volatile("cp.async.wait_group %0;\n" ::"n"(N));
-}
-
 // `matvec_rows_r`'s 16-byte path for the float formats with each lane's weights streamed through
 // a ring of S stages in shared memory (`ring`: S * R * ROW_THREADS 16-byte slots), so a warp
 // has S * R * 512 bytes of loads in flight instead of R * 512 in registers. Each lane copies and
@@ -199,10 +187,7 @@ __device__ void matvec_rows_async(const u8* __restrict__ w, i64 rb, int rows, in
             const int s = i % S, j = lane + WARP * i;
             uint4 q[R];
 #pragma unroll
-            for (int r = 0; r < R; r++)
-                asm volatile("ld.shared.v4.u32 {%0, %1, %2, %3}, [%4];\n"
-                             : "=r"(q[r].x), "=r"(q[r].y), "=r"(q[r].z), "=r"(q[r].w)
-                             : "r"(slot(s, r)));
+            for (int r = 0; r < R; r++) q[r] = ld_shared16(slot(s, r));
             rows_pass16<FMT, TILE, R>(q, xt, cols, j, nt, acc);
             // Stage s is read (its values are in registers): refill it with pass i + S.
             if (i + S < iters) {

@@ -15,6 +15,29 @@
 #error "GATE_UP_ROWS: 1 or 2 (the values the host's grid follows)"
 #endif
 
+// Stages of the q4_k rows' loads through shared memory in moe_gate_up and moe_down without WIDE
+// (q4_k_lane32_rows_async); 0: none (q4_k_lane32_rows). A tuning knob (GLMFLASH_KERNEL_DEFINES).
+#ifndef MOE_Q4K_STAGES
+#define MOE_Q4K_STAGES 0
+#endif
+// Threads of a moe_gate_up / moe_down block: the host's ROW_BLOCK.
+#define MOE_ROW_THREADS 128
+
+// q4_k_lane32_rows, or with MOE_Q4K_STAGES its ring (one a kernel, declared here).
+template <int R>
+__device__ __forceinline__ void moe_q4k_rows(const u8* const* w, int blocks,
+                                             const float* __restrict__ x, float* acc) {
+    if constexpr (MOE_Q4K_STAGES > 0) {
+        static_assert(MOE_Q4K_STAGES * R * 2 * MOE_ROW_THREADS * 16 <= 48 * 1024,
+                      "MOE_Q4K_STAGES x rows: the ring is static shared memory, at most 48 KiB");
+        __shared__ uint4 ring[MOE_Q4K_STAGES * R * 2 * MOE_ROW_THREADS];
+        q4_k_lane32_rows_async<1, R, MOE_Q4K_STAGES, MOE_ROW_THREADS>(w, blocks, x, 0, 1, acc,
+                                                                      ring);
+    } else {
+        q4_k_lane32_rows<1, R>(w, blocks, x, 0, 1, acc);
+    }
+}
+
 // gate_up_rows<FMT_Q4_K, false> P gate rows and their up rows a warp (rows P i .. P i + P - 1 for
 // warp i), a pick at a time: the 2 P rows share each x value a lane loads, and each row's sum
 // takes its products in the order of the row alone (the same bits).
@@ -43,7 +66,7 @@ __device__ void gate_up_q4k_rows(const u8* __restrict__ arena, const i64* __rest
         float acc[2 * P];
 #pragma unroll
         for (int i = 0; i < 2 * P; i++) acc[i] = 0.0f;
-        q4_k_lane32_rows<1, 2 * P>(rows, hidden / 256, x + (i64)(p / k) * hidden, 0, 1, acc);
+        moe_q4k_rows<2 * P>(rows, hidden / 256, x + (i64)(p / k) * hidden, acc);
 #pragma unroll
         for (int i = 0; i < P; i++) {
             const float gv = warp_sum(acc[2 * i]), uv = warp_sum(acc[2 * i + 1]);
@@ -151,7 +174,7 @@ __device__ void down_q4k_rows(const u8* __restrict__ arena, const i64* __restric
         float acc[R];
 #pragma unroll
         for (int r = 0; r < R; r++) acc[r] = 0.0f;
-        q4_k_lane32_rows<1, R>(rows, inter / 256, act + (i64)p * inter, 0, 1, acc);
+        moe_q4k_rows<R>(rows, inter / 256, act + (i64)p * inter, acc);
 #pragma unroll
         for (int r = 0; r < R; r++) {
             const float v = warp_sum(acc[r]);

@@ -134,7 +134,7 @@ const SPLIT_BELOW_ROWS: usize = 2048;
 const SPLIT_THREADS: u32 = 256;
 
 /// Threads per block of the warp-per-row kernels (4 warps: 4 rows per block; gemv.cu's
-/// ROW_THREADS).
+/// ROW_THREADS, moe.cu's MOE_ROW_THREADS: their rings of shared memory are sized by it).
 const ROW_BLOCK: u32 = 128;
 const ROWS_PER_BLOCK: u32 = ROW_BLOCK / 32;
 
