@@ -359,26 +359,7 @@ __device__ __forceinline__ void q4_k_lane32_rows_async(const u8* const* w, int b
     cp_async_wait<0>();
 }
 
-// The values of 16 bytes of a float-format row (4 for f32, 8 for f16 and bf16) as f32.
-template <int FMT>
-__device__ __forceinline__ void widen16(const uint4 q, float v[8]) {
-    if (FMT == FMT_F32) {
-        v[0] = __uint_as_float(q.x);
-        v[1] = __uint_as_float(q.y);
-        v[2] = __uint_as_float(q.z);
-        v[3] = __uint_as_float(q.w);
-    } else {
-        const u32 words[4] = {q.x, q.y, q.z, q.w};
-#pragma unroll
-        for (int e = 0; e < 4; e++) {
-            const u16 lo = (u16)(words[e] & 0xFFFF), hi = (u16)(words[e] >> 16);
-            v[2 * e] = FMT == FMT_F16 ? f16_to_f32(lo) : bf16_to_f32(lo);
-            v[2 * e + 1] = FMT == FMT_F16 ? f16_to_f32(hi) : bf16_to_f32(hi);
-        }
-    }
-}
-
-// Values 4 h .. 4 h + 3 of 16 bytes of a float-format row as f32 (widen16's, a quarter at a
+// Values 4 h .. 4 h + 3 of 16 bytes of a float-format row as f32 (a quarter of widen16's at a
 // time; h < 1 for f32, < 2 for f16 and bf16).
 template <int FMT>
 __device__ __forceinline__ void widen4(const uint4 q, int h, float v[4]) {
@@ -396,6 +377,13 @@ __device__ __forceinline__ void widen4(const uint4 q, int h, float v[4]) {
             v[2 * e + 1] = FMT == FMT_F16 ? f16_to_f32(hi) : bf16_to_f32(hi);
         }
     }
+}
+
+// The values of 16 bytes of a float-format row (4 for f32, 8 for f16 and bf16) as f32.
+template <int FMT>
+__device__ __forceinline__ void widen16(const uint4 q, float v[8]) {
+    widen4<FMT>(q, 0, v);
+    if (FMT != FMT_F32) widen4<FMT>(q, 1, v + 4);
 }
 
 // row_dots of a float-format row without 16-byte loads (a misaligned row or x, or cols not a
