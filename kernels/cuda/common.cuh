@@ -206,6 +206,24 @@ __device__ __forceinline__ void q4_k_lane32_load(const u8* w, int b, Q4kRaw& raw
     }
 }
 
+// Where the four values 64 c + 32 p + 16 h + 4 k .. + 3 of super-block b of a row of x lie
+// (q4_k_lane32_dots' chunk c, half h, step k; p: the low nibbles' values 0, the high ones' 1): in
+// order (XL false), or in lane-of-32 order (XL), where step k's low (then high) values of the
+// eight lanes of a super-block are eight float4s in a row, (2 k + p) * 8 + 2 c + h: a warp's
+// load of them touches four 128-byte lines, not sixteen. `lane32_x` writes that order.
+template <bool XL>
+__device__ __forceinline__ i64 lane32_x_at(int b, int c, int h, int k, int p) {
+    return (i64)b * 256 +
+           (XL ? 4 * ((2 * k + p) * 8 + 2 * c + h) : 64 * c + 32 * p + 16 * h + 4 * k);
+}
+
+// Where value i of a row (of a multiple of 256 values) lies in lane-of-32 order.
+__device__ __forceinline__ i64 lane32_x_pos(i64 i) {
+    const int f = (int)(i & 255);
+    return (i - f) + lane32_x_at<true>(0, f >> 6, (f >> 4) & 1, (f >> 2) & 3, (f >> 5) & 1) +
+           (f & 3);
+}
+
 // Q4_K's step: lane l takes 32 values of one super-block of each group of four (super-block
 // l / 8 of the group, 32-byte quant chunk c = (l % 8) / 2, its half h = l % 2), its header's
 // scales decoded once for them: this lane's 32 values of super-block b of each of R rows
@@ -216,7 +234,8 @@ __device__ __forceinline__ void q4_k_lane32_load(const u8* w, int b, Q4kRaw& raw
 // take the products in the order one row alone takes them: the same bits for any R. With V
 // (the rows and x 16-byte aligned, x's stride a multiple of four) the quants and header come as
 // one 16-byte load each and x as float4s; the products and their order are the same either way.
-template <int TILE, bool V, int R = 1>
+// With XL, x's rows are in lane-of-32 order (lane32_x_at): the same values from other addresses.
+template <int TILE, bool V, int R = 1, bool XL = false>
 __device__ __forceinline__ void q4_k_lane32_dots(const Q4kRaw* raw, int b,
                                                  const float* __restrict__ x, i64 ldx, int nt,
                                                  float* acc) {
@@ -225,16 +244,17 @@ __device__ __forceinline__ void q4_k_lane32_dots(const Q4kRaw* raw, int b,
     float ds[R][2], dm[R][2];
 #pragma unroll
     for (int r = 0; r < R; r++) q4_k_chunk_scales(raw[r].head, c, ds[r], dm[r]);
-    const i64 base = (i64)b * 256 + 64 * c + 16 * h;
 #pragma unroll
     for (int k = 0; k < 4; k++) {
+        // This lane's values 64 c + 16 h + 4 k .. + 3 (low nibbles) and 32 later (high).
+        const i64 lo_at = lane32_x_at<XL>(b, c, h, k, 0), hi_at = lane32_x_at<XL>(b, c, h, k, 1);
         float4 xl[TILE], xh[TILE];
         if constexpr (V) {
 #pragma unroll
             for (int t = 0; t < TILE; t++) {
                 if (t < nt) {
-                    xl[t] = *(const float4*)(x + t * ldx + base + 4 * k);
-                    xh[t] = *(const float4*)(x + t * ldx + base + 32 + 4 * k);
+                    xl[t] = *(const float4*)(x + t * ldx + lo_at);
+                    xh[t] = *(const float4*)(x + t * ldx + hi_at);
                 }
             }
         }
@@ -258,8 +278,8 @@ __device__ __forceinline__ void q4_k_lane32_dots(const Q4kRaw* raw, int b,
                             a = e == 0 ? xl[t].x : e == 1 ? xl[t].y : e == 2 ? xl[t].z : xl[t].w;
                             z = e == 0 ? xh[t].x : e == 1 ? xh[t].y : e == 2 ? xh[t].z : xh[t].w;
                         } else {
-                            a = x[t * ldx + base + 4 * k + e];
-                            z = x[t * ldx + base + 32 + 4 * k + e];
+                            a = x[t * ldx + lo_at + e];
+                            z = x[t * ldx + hi_at + e];
                         }
                         acc[r * TILE + t] = fmaf(lo, a, acc[r * TILE + t]);
                         acc[r * TILE + t] = fmaf(hi, z, acc[r * TILE + t]);
@@ -272,7 +292,7 @@ __device__ __forceinline__ void q4_k_lane32_dots(const Q4kRaw* raw, int b,
 
 // Q4_K's rows: this lane's super-blocks (one of each group of four) of R rows in order
 // (acc as q4_k_lane32_dots'), V chosen from the pointers' alignment.
-template <int TILE, int R = 1>
+template <int TILE, int R = 1, bool XL = false>
 __device__ __forceinline__ void q4_k_lane32_rows(const u8* const* w, int blocks,
                                                  const float* __restrict__ x, i64 ldx, int nt,
                                                  float* acc) {
@@ -287,7 +307,7 @@ __device__ __forceinline__ void q4_k_lane32_rows(const u8* const* w, int blocks,
                 Q4kRaw raw[R];
 #pragma unroll
                 for (int r = 0; r < R; r++) q4_k_lane32_load<TILE <= 4>(w[r], g + sub, raw[r]);
-                q4_k_lane32_dots<TILE, TILE <= 4, R>(raw, g + sub, x, ldx, nt, acc);
+                q4_k_lane32_dots<TILE, TILE <= 4, R, XL>(raw, g + sub, x, ldx, nt, acc);
             }
         }
     } else {
@@ -296,7 +316,7 @@ __device__ __forceinline__ void q4_k_lane32_rows(const u8* const* w, int blocks,
                 Q4kRaw raw[R];
 #pragma unroll
                 for (int r = 0; r < R; r++) q4_k_lane32_load<false>(w[r], g + sub, raw[r]);
-                q4_k_lane32_dots<TILE, false, R>(raw, g + sub, x, ldx, nt, acc);
+                q4_k_lane32_dots<TILE, false, R, XL>(raw, g + sub, x, ldx, nt, acc);
             }
         }
     }
@@ -308,7 +328,7 @@ __device__ __forceinline__ void q4_k_lane32_rows(const u8* const* w, int blocks,
 // copies and reads back only its own slots (its copy groups complete for it at the wait; no
 // barrier), and takes its super-blocks in q4_k_lane32_rows' order: the same bits. Only for
 // TILE <= 4, 16-byte-aligned rows and x, and ldx a multiple of four (else q4_k_lane32_rows).
-template <int TILE, int R, int S, int THREADS>
+template <int TILE, int R, int S, int THREADS, bool XL = false>
 __device__ __forceinline__ void q4_k_lane32_rows_async(const u8* const* w, int blocks,
                                                        const float* __restrict__ x, i64 ldx,
                                                        int nt, float* acc, uint4* ring) {
@@ -318,7 +338,7 @@ __device__ __forceinline__ void q4_k_lane32_rows_async(const u8* const* w, int b
 #pragma unroll
     for (int r = 0; r < R; r++) addr |= (unsigned long long)w[r];
     if (TILE > 4 || (addr & 15) != 0 || (ldx & 3) != 0) {
-        q4_k_lane32_rows<TILE, R>(w, blocks, x, ldx, nt, acc);
+        q4_k_lane32_rows<TILE, R, XL>(w, blocks, x, ldx, nt, acc);
         return;
     }
     // Pass i is super-block 4 i + sub: its header (part 0) and this lane's quants (part 1).
@@ -351,7 +371,7 @@ __device__ __forceinline__ void q4_k_lane32_rows_async(const u8* const* w, int b
             raw[r].head[3] = hv.w;
             raw[r].q[0] = qv.x, raw[r].q[1] = qv.y, raw[r].q[2] = qv.z, raw[r].q[3] = qv.w;
         }
-        q4_k_lane32_dots<TILE, true, R>(raw, 4 * i + sub, x, ldx, nt, acc);
+        q4_k_lane32_dots<TILE, true, R, XL>(raw, 4 * i + sub, x, ldx, nt, acc);
         // Stage s is read (its values are in registers): refill it with pass i + S.
         if (i + S < iters) fetch(s, i + S);
         cp_async_commit();

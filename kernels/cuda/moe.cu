@@ -23,7 +23,8 @@
 // Threads of a moe_gate_up / moe_down block: the host's ROW_BLOCK.
 #define MOE_ROW_THREADS 128
 
-// q4_k_lane32_rows, or with MOE_Q4K_STAGES its ring (one a kernel, declared here).
+// q4_k_lane32_rows, or with MOE_Q4K_STAGES its ring (one a kernel, declared here); x (a token's
+// row, or a pick's activations) in lane-of-32 order (lane32_x).
 template <int R>
 __device__ __forceinline__ void moe_q4k_rows(const u8* const* w, int blocks,
                                              const float* __restrict__ x, float* acc) {
@@ -31,10 +32,10 @@ __device__ __forceinline__ void moe_q4k_rows(const u8* const* w, int blocks,
         static_assert(MOE_Q4K_STAGES * R * 2 * MOE_ROW_THREADS * 16 <= 48 * 1024,
                       "MOE_Q4K_STAGES x rows: the ring is static shared memory, at most 48 KiB");
         __shared__ uint4 ring[MOE_Q4K_STAGES * R * 2 * MOE_ROW_THREADS];
-        q4_k_lane32_rows_async<1, R, MOE_Q4K_STAGES, MOE_ROW_THREADS>(w, blocks, x, 0, 1, acc,
-                                                                      ring);
+        q4_k_lane32_rows_async<1, R, MOE_Q4K_STAGES, MOE_ROW_THREADS, true>(w, blocks, x, 0, 1,
+                                                                            acc, ring);
     } else {
-        q4_k_lane32_rows<1, R>(w, blocks, x, 0, 1, acc);
+        q4_k_lane32_rows<1, R, true>(w, blocks, x, 0, 1, acc);
     }
 }
 
@@ -47,7 +48,8 @@ __device__ void gate_up_q4k_rows(const u8* __restrict__ arena, const i64* __rest
                                  const int* __restrict__ group_len,
                                  const int* __restrict__ pick_list, const int* __restrict__ count,
                                  i64 up_off, int inter, int hidden, int k, float limit,
-                                 const float* __restrict__ x, float* __restrict__ act) {
+                                 const float* __restrict__ x, float* __restrict__ act,
+                                 int act_xl) {
     const int warps = blockDim.x / WARP, lane = threadIdx.x & (WARP - 1);
     const int r0 = P * (blockIdx.x * warps + threadIdx.x / WARP);
     const int g = blockIdx.y;
@@ -71,7 +73,7 @@ __device__ void gate_up_q4k_rows(const u8* __restrict__ arena, const i64* __rest
         for (int i = 0; i < P; i++) {
             const float gv = warp_sum(acc[2 * i]), uv = warp_sum(acc[2 * i + 1]);
             if (lane == 0 && r0 + i < inter)
-                act[(i64)p * inter + r0 + i] =
+                act[(i64)p * inter + (act_xl ? lane32_x_pos(r0 + i) : r0 + i)] =
                     silu(fminf(gv, limit)) * fminf(fmaxf(uv, -limit), limit);
         }
     }
@@ -89,10 +91,10 @@ __device__ void gate_up_rows(const u8* __restrict__ arena, const i64* __restrict
                              const int* __restrict__ pick_list, const int* __restrict__ count,
                              i64 up_off, int inter, int hidden,
                              int k, float limit, const float* __restrict__ x,
-                             float* __restrict__ act) {
+                             float* __restrict__ act, int act_xl) {
     if constexpr (!WIDE && FMT == FMT_Q4_K) {
         gate_up_q4k_rows<GATE_UP_ROWS>(arena, group_base, group_start, group_len, pick_list,
-                                       count, up_off, inter, hidden, k, limit, x, act);
+                                       count, up_off, inter, hidden, k, limit, x, act, act_xl);
         return;
     }
     const int warps = blockDim.x / WARP;
@@ -133,7 +135,8 @@ __device__ void gate_up_rows(const u8* __restrict__ arena, const i64* __restrict
             const float uv = warp_sum(ua[t]);
             if (t < nt && (threadIdx.x & (WARP - 1)) == 0) {
                 const int at = WIDE ? start + p0 + t : pick_list[start + p0 + t];
-                act[(i64)at * inter + r] = silu(fminf(gv, limit)) * fminf(fmaxf(uv, -limit), limit);
+                act[(i64)at * inter + (act_xl ? lane32_x_pos(r) : r)] =
+                    silu(fminf(gv, limit)) * fminf(fmaxf(uv, -limit), limit);
             }
         }
     }
@@ -231,20 +234,20 @@ __device__ void down_rows(const u8* __restrict__ arena, const i64* __restrict__ 
 }
 
 // act[p, :] = silu(min(gate x_t, L)) * clamp(up x_t, -L, L) for every pick p of every group
-// (`*count` groups: the tables `moe_group` writes, or the host's).
+// (`*count` groups: the tables `moe_group` writes, or the host's); with act_xl, each row of act
+// in lane-of-32 order (lane32_x: for moe_down's q4_k rows). x: for q4_k, in lane-of-32 order.
 // Grid: (ceil(inter / warps per block), room for the groups); for q4_k, ceil(inter /
-// GATE_UP_ROWS) warps.
-extern "C" __global__ void moe_gate_up(const u8* __restrict__ arena, int fmt,
-                                       const i64* __restrict__ group_base,
-                                       const int* __restrict__ group_start,
-                                       const int* __restrict__ group_len,
-                                       const int* __restrict__ pick_list,
-                                       const int* __restrict__ count, i64 up_off, int inter,
-                                       int hidden, int k, float limit, const float* __restrict__ x,
-                                       float* __restrict__ act) {
+// GATE_UP_ROWS) warps. Six blocks an SM: ptxas would take ~120 registers (four) for x's loads
+// issued ahead, without spilling at 80.
+extern "C" __global__ void __launch_bounds__(MOE_ROW_THREADS, 6) moe_gate_up(
+    const u8* __restrict__ arena, int fmt, const i64* __restrict__ group_base,
+    const int* __restrict__ group_start, const int* __restrict__ group_len,
+    const int* __restrict__ pick_list, const int* __restrict__ count, i64 up_off, int inter,
+    int hidden, int k, float limit, const float* __restrict__ x, float* __restrict__ act,
+    int act_xl) {
 #define CALL(F)                                                                              \
     gate_up_rows<F, false>(arena, group_base, group_start, group_len, pick_list, count, up_off, \
-                           inter, hidden, k, limit, x, act)
+                           inter, hidden, k, limit, x, act, act_xl)
     DISPATCH_FORMAT(fmt, CALL)
 #undef CALL
 }
@@ -260,21 +263,19 @@ extern "C" __global__ void moe_gate_up_wide(const u8* __restrict__ arena, int fm
                                             const float* __restrict__ xg, float* __restrict__ act) {
 #define CALL(F)                                                                              \
     gate_up_rows<F, true>(arena, group_base, group_start, group_len, pick_list, count, up_off, \
-                          inter, hidden, k, limit, xg, act)
+                          inter, hidden, k, limit, xg, act, 0)
     DISPATCH_FORMAT(fmt, CALL)
 #undef CALL
 }
 
-// yp[p, :] = down act[p, :]. Grid: (ceil(hidden / warps per block), room for the groups);
-// for q4_k, ceil(hidden / DOWN_ROWS) warps.
-extern "C" __global__ void moe_down(const u8* __restrict__ arena, int fmt,
-                                    const i64* __restrict__ group_base,
-                                    const int* __restrict__ group_start,
-                                    const int* __restrict__ group_len,
-                                    const int* __restrict__ pick_list,
-                                    const int* __restrict__ count, i64 down_off, int hidden,
-                                    int inter, const float* __restrict__ act,
-                                    float* __restrict__ yp) {
+// yp[p, :] = down act[p, :] (for q4_k, act in lane-of-32 order). Grid: (ceil(hidden / warps per
+// block), room for the groups); for q4_k, ceil(hidden / DOWN_ROWS) warps. Six blocks an SM, as
+// moe_gate_up.
+extern "C" __global__ void __launch_bounds__(MOE_ROW_THREADS, 6) moe_down(
+    const u8* __restrict__ arena, int fmt, const i64* __restrict__ group_base,
+    const int* __restrict__ group_start, const int* __restrict__ group_len,
+    const int* __restrict__ pick_list, const int* __restrict__ count, i64 down_off, int hidden,
+    int inter, const float* __restrict__ act, float* __restrict__ yp) {
 #define CALL(F)                                                                                \
     down_rows<F, false>(arena, group_base, group_start, group_len, pick_list, count, down_off, \
                         hidden, inter, act, yp)
@@ -296,6 +297,18 @@ extern "C" __global__ void moe_down_wide(const u8* __restrict__ arena, int fmt,
                        hidden, inter, act, yp)
     DISPATCH_FORMAT(fmt, CALL)
 #undef CALL
+}
+
+// xp = x with each run of 256 values in lane-of-32 order (lane32_x_at): the token rows that
+// moe_gate_up's q4_k rows read. n values (rows of a multiple of 256 laid end to end), a float4 a
+// thread.
+extern "C" __global__ void lane32_x(const float* __restrict__ x, i64 n, float* __restrict__ xp) {
+    const i64 q = (i64)blockIdx.x * blockDim.x + threadIdx.x;  // xp's float4
+    if (q >= n / 4) return;
+    // xp's float4 (2 k + p) * 8 + 2 c + h of a run holds x's values 64 c + 32 p + 16 h + 4 k ..
+    const int d = (int)(q & 63), j = d & 7, m = d >> 3;
+    const i64 at = 4 * (q - d) + lane32_x_at<false>(0, j >> 1, j & 1, m >> 1, m & 1);
+    ((float4*)xp)[q] = *(const float4*)(x + at);
 }
 
 // yp[list[e], :] = y[e, :] for `entries` rows of y (a group's outputs, computed by cuBLAS,

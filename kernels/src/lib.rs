@@ -58,6 +58,7 @@ pub const SOURCES: &[(&str, &str, &[&str])] = &[
             "moe_down_wide",
             "moe_gather",
             "moe_scatter",
+            "lane32_x",
             "moe_combine",
             "moe_group",
         ],

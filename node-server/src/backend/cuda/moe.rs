@@ -364,7 +364,7 @@ impl Cuda {
 /// A routed-expert step in progress (see [`Cuda::moe_begin`]).
 pub struct MoeRun {
     pub(super) layout: MoeLayout,
-    tokens: usize,
+    pub(super) tokens: usize,
     pub(super) k: usize,
     /// Token rows `[tokens, hidden]`.
     pub(super) x: CudaSlice<f32>,

@@ -51,9 +51,27 @@ impl Cuda {
         } else {
             None
         };
-        let (gate_up_kernel, down_kernel, x) = match &gathered {
-            Some(xg) => ("moe_gate_up_wide", "moe_down_wide", xg),
-            None => ("moe_gate_up", "moe_down", &run.x),
+        // q4_k rows a pick at a time read x, and moe_down's read act, in lane-of-32 order
+        // (moe.cu's `lane32_x`): a warp's loads of x then touch a quarter of the lines.
+        let lane32 = |f: Format| gathered.is_none() && f == Format::Q4K;
+        let ordered = if lane32(gate_up) {
+            let n = run.tokens * hidden;
+            let mut xl = self.alloc_f32(n)?;
+            let n_i = n as i64;
+            let mut b = s.launch_builder(self.kernel("lane32_x"));
+            b.arg(&run.x).arg(&n_i).arg(&mut xl);
+            // SAFETY: x and xl hold n values (tokens rows of hidden, a multiple of 256 for
+            // q4_k rows), a float4 a thread.
+            unsafe { b.launch(LaunchConfig::for_num_elems((n / 4) as u32)) }?;
+            Some(xl)
+        } else {
+            None
+        };
+        let act_lane32 = i32::from(lane32(down));
+        let (gate_up_kernel, down_kernel, x) = match (&gathered, &ordered) {
+            (Some(xg), _) => ("moe_gate_up_wide", "moe_down_wide", xg),
+            (None, Some(xl)) => ("moe_gate_up", "moe_down", xl),
+            (None, None) => ("moe_gate_up", "moe_down", &run.x),
         };
 
         let mut b = s.launch_builder(self.kernel(gate_up_kernel));
@@ -71,6 +89,9 @@ impl Cuda {
             .arg(&limit)
             .arg(x)
             .arg(&mut run.act);
+        if gathered.is_none() {
+            b.arg(&act_lane32);
+        }
         // q4_k rows a pick at a time: GATE_UP_ROWS gate rows (and their up rows) a warp,
         // moe.cu's `gate_up_q4k_rows`.
         let warps = if gathered.is_none() && gate_up == Format::Q4K {

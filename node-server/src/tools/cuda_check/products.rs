@@ -162,6 +162,7 @@ pub(super) fn check_moe(
             (Format::Q8_0, Format::Q8_0),
             (Format::Q4K, Format::Q4K),
             (Format::Q4K, Format::Q8_0),
+            (Format::Q8_0, Format::Q4K),
         ]
         .map(|(gu, down)| ExpertForm::Rows(gu, down));
         // EXL3 (tile words, codebook) of gate/up and of down: 3 bpw mul1 as the seed's
