@@ -86,9 +86,11 @@ __device__ __forceinline__ void rows_store(const float* acc, int r0, int rows, i
 // Each row's sums take the same products in the same order as `row_dots` gives a row alone:
 // the same bits. Rows past the last compute the last row again and store nothing; the host's
 // grid covers 1 / R as many warps.
-template <int FMT, int TILE, int R>
+// With XL (q4_k only) x's token rows are in lane-of-32 order (lane32_x_at).
+template <int FMT, int TILE, int R, bool XL = false>
 __device__ void matvec_rows_r(const u8* __restrict__ w, i64 rb, int rows, int cols,
                               const float* __restrict__ x, int n, float* __restrict__ y) {
+    static_assert(!XL || FMT == FMT_Q4_K, "lane-of-32 x only for q4_k rows");
     const int warps = blockDim.x / WARP, lane = threadIdx.x & (WARP - 1);
     const int r0 = R * (blockIdx.x * warps + threadIdx.x / WARP);
     if (r0 >= rows) return;
@@ -108,7 +110,7 @@ __device__ void matvec_rows_r(const u8* __restrict__ w, i64 rb, int rows, int co
 #pragma unroll
         for (int i = 0; i < R * TILE; i++) acc[i] = 0.0f;
         if constexpr (FMT == FMT_Q4_K) {
-            q4_k_lane32_rows<TILE, R>(row, cols / 256, xt, cols, nt, acc);
+            q4_k_lane32_rows<TILE, R, XL>(row, cols / 256, xt, cols, nt, acc);
         } else if (vec) {
             const int nv = cols / per;
 #pragma unroll(TILE * R <= 4 ? 2 : 1)
@@ -327,7 +329,9 @@ extern "C" __global__ void matvec_split_t4(MATVEC_ARGS) {
 // Q4_K at one token two rows a warp (rows 2 i and 2 i + 1 for warp i), each x value a lane
 // loads feeding both rows' sums: each row's sum takes `row_dots`' products in its order, so the
 // same bits as `matvec_rows`. A last row without a partner computes itself twice and stores
-// once. (`matvec_rows_r<FMT_Q4_K, 1, 2>` in fewer registers: no loop over token tiles.)
+// once. (`matvec_rows_r<FMT_Q4_K, 1, 2>` in fewer registers: no loop over token tiles.) XL: x
+// in lane-of-32 order.
+template <bool XL>
 __device__ void matvec_q4k_pairs(const u8* __restrict__ w, i64 rb, int rows, int cols,
                                  const float* __restrict__ x, float* __restrict__ y) {
     const int warps = blockDim.x / WARP, lane = threadIdx.x & (WARP - 1);
@@ -337,7 +341,7 @@ __device__ void matvec_q4k_pairs(const u8* __restrict__ w, i64 rb, int rows, int
     const u8* row0 = w + (i64)r0 * rb;
     const u8* const pair[2] = {row0, two ? row0 + rb : row0};
     float acc[2] = {0.0f, 0.0f};
-    q4_k_lane32_rows<1, 2>(pair, cols / 256, x, 0, 1, acc);
+    q4_k_lane32_rows<1, 2, XL>(pair, cols / 256, x, 0, 1, acc);
     const float v0 = warp_sum(acc[0]), v1 = warp_sum(acc[1]);
     if (lane == 0) {
         y[r0] = v0;
@@ -361,7 +365,7 @@ __device__ void matvec_quant(const u8* __restrict__ w, int fmt, int rows, int co
     } else if (SPLIT) {
         matvec_split_row<FMT_Q4_K, T>(w, rb, cols, x, n, y, rows);
     } else if (T == 1) {
-        matvec_q4k_pairs(w, rb, rows, cols, x, y);
+        matvec_q4k_pairs<false>(w, rb, rows, cols, x, y);
     } else {
         matvec_rows_r<FMT_Q4_K, T, T == 2 ? 2 : T4_ROWS>(w, rb, rows, cols, x, n, y);
     }
@@ -388,7 +392,33 @@ extern "C" __global__ void matvec_q_split_t2(MATVEC_ARGS) {
 extern "C" __global__ void matvec_q_split_t4(MATVEC_ARGS) {
     matvec_quant<4, true>(w, fmt, rows, cols, x, n, y);
 }
+
+// q4_k's `matvec_q_t*` (cols a multiple of 256) with x's token rows in lane-of-32 order
+// (`lane32_x`): a warp's float4 loads of x touch four 128-byte lines where in order they touch
+// sixteen (at four tokens and four rows a warp x was ~0.9 of the L1 lines a pass). The same
+// products in the same order: the same bits as `matvec_q_t*`. `fmt` is q4_k's (unread).
+extern "C" __global__ void matvec_q4k_xl_t1(MATVEC_ARGS) {
+    matvec_q4k_pairs<true>(w, row_bytes(FMT_Q4_K, cols), rows, cols, x, y);
+}
+extern "C" __global__ void matvec_q4k_xl_t2(MATVEC_ARGS) {
+    matvec_rows_r<FMT_Q4_K, 2, 2, true>(w, row_bytes(FMT_Q4_K, cols), rows, cols, x, n, y);
+}
+extern "C" __global__ void matvec_q4k_xl_t4(MATVEC_ARGS) {
+    matvec_rows_r<FMT_Q4_K, 4, T4_ROWS, true>(w, row_bytes(FMT_Q4_K, cols), rows, cols, x, n, y);
+}
 #undef MATVEC_ARGS
+
+// xp = x with each run of 256 values in lane-of-32 order (lane32_x_at): the token rows that q4_k
+// rows read as `matvec_q4k_xl_t*` and moe_gate_up read them. n values (rows of a multiple of 256
+// laid end to end), a float4 a thread.
+extern "C" __global__ void lane32_x(const float* __restrict__ x, i64 n, float* __restrict__ xp) {
+    const i64 q = (i64)blockIdx.x * blockDim.x + threadIdx.x;  // xp's float4
+    if (q >= n / 4) return;
+    // xp's float4 (2 k + p) * 8 + 2 c + h of a run holds x's values 64 c + 32 p + 16 h + 4 k ..
+    const int d = (int)(q & 63), j = d & 7, m = d >> 3;
+    const i64 at = 4 * (q - d) + lane32_x_at<false>(0, j >> 1, j & 1, m >> 1, m & 1);
+    ((float4*)xp)[q] = *(const float4*)(x + at);
+}
 
 // out[i] = value i of an f16 or bf16 run of weights (a tile widened for cuBLAS SGEMM, so
 // products of many tokens keep f32 activations). Grid-stride over `count` values.

@@ -299,18 +299,6 @@ extern "C" __global__ void moe_down_wide(const u8* __restrict__ arena, int fmt,
 #undef CALL
 }
 
-// xp = x with each run of 256 values in lane-of-32 order (lane32_x_at): the token rows that
-// moe_gate_up's q4_k rows read. n values (rows of a multiple of 256 laid end to end), a float4 a
-// thread.
-extern "C" __global__ void lane32_x(const float* __restrict__ x, i64 n, float* __restrict__ xp) {
-    const i64 q = (i64)blockIdx.x * blockDim.x + threadIdx.x;  // xp's float4
-    if (q >= n / 4) return;
-    // xp's float4 (2 k + p) * 8 + 2 c + h of a run holds x's values 64 c + 32 p + 16 h + 4 k ..
-    const int d = (int)(q & 63), j = d & 7, m = d >> 3;
-    const i64 at = 4 * (q - d) + lane32_x_at<false>(0, j >> 1, j & 1, m >> 1, m & 1);
-    ((float4*)xp)[q] = *(const float4*)(x + at);
-}
-
 // yp[list[e], :] = y[e, :] for `entries` rows of y (a group's outputs, computed by cuBLAS,
 // back to their picks' rows). A block per entry.
 extern "C" __global__ void moe_scatter(const float* __restrict__ y, const int* __restrict__ list,

@@ -283,16 +283,39 @@ impl Cuda {
             (_, false, _) => "matvec",
             (_, true, _) => "matvec_split",
         };
+        // q4_k rows a warp at a time read x in lane-of-32 order (gemv.cu's `lane32_x`,
+        // `matvec_q4k_xl_t*`): a warp's loads of x then touch a quarter of the 128-byte lines.
+        // The same bits as `matvec_q_t*`.
+        let lane32 = format == Format::Q4K && !split && matches!(tile, 1 | 2 | 4);
+        let (name, ordered) = if lane32 {
+            let values = n * cols;
+            let mut xl = self.alloc_f32(values)?;
+            let values_i = values as i64;
+            let mut b = self.stream.launch_builder(self.kernel("lane32_x"));
+            b.arg(x).arg(&values_i).arg(&mut xl);
+            // SAFETY: x (checked above) and xl hold n rows of cols values, cols a multiple of
+            // 256 for q4_k rows; a float4 a thread.
+            unsafe { b.launch(LaunchConfig::for_num_elems((values / 4) as u32)) }?;
+            let name = match tile {
+                1 => "matvec_q4k_xl_t1",
+                2 => "matvec_q4k_xl_t2",
+                _ => "matvec_q4k_xl_t4",
+            };
+            (name, Some(xl))
+        } else {
+            (name, None)
+        };
+        let x = ordered.as_ref().unwrap_or(x);
         let cfg = if split {
             LaunchConfig {
                 grid_dim: (rows as u32, 1, 1),
                 block_dim: (SPLIT_THREADS, 1, 1),
                 shared_mem_bytes: 0,
             }
-        } else if name == "matvec_t4" || (name == "matvec_q_t4" && format == Format::Q4K) {
+        } else if name == "matvec_t4" || name == "matvec_q4k_xl_t4" {
             // T4_ROWS rows a warp (gemv.cu's `matvec_rows_r`).
             rows_config(rows.div_ceil(t4_rows()), 1)
-        } else if name == "matvec_t2" || (name.starts_with("matvec_q_t") && format == Format::Q4K) {
+        } else if name == "matvec_t2" || lane32 {
             // Two rows a warp (gemv.cu's `matvec_rows_r`, `matvec_q4k_pairs`).
             rows_config(rows.div_ceil(2), 1)
         } else {
@@ -307,10 +330,11 @@ impl Cuda {
             .arg(&n_i)
             .arg(y);
         // SAFETY: every one of these kernels takes `matvec`'s argument list in gemv.cu
-        // (`matvec_t*` only float formats, `matvec_q_*` only q8_0 and q4_k, which `name`
-        // keeps to); the sizes were checked above, and the grid covers `rows` rows (a warp
-        // each, two rows a warp for `matvec_t2` and q4_k's `matvec_q_t1`/`_t2`, T4_ROWS for
-        // `matvec_t4` and q4_k's `matvec_q_t4`, or a block of SPLIT_WARPS warps each).
+        // (`matvec_t*` only float formats, `matvec_q_*` only q8_0 and q4_k, `matvec_q4k_xl_*`
+        // only q4_k, which `name` keeps to); the sizes were checked above, and the grid covers
+        // `rows` rows (a warp each, two rows a warp for `matvec_t2` and q4_k's
+        // `matvec_q4k_xl_t1`/`_t2`, T4_ROWS for `matvec_t4` and `matvec_q4k_xl_t4`, or a block
+        // of SPLIT_WARPS warps each).
         unsafe { b.launch(cfg) }?;
         Ok(())
     }
