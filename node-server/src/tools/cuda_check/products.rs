@@ -70,19 +70,35 @@ pub(super) fn check_matvec(
 }
 
 /// Prints `matvec`'s time and weight bytes read per second for GLM-5.3-Flash-width bf16 and
-/// q4_k matrices (the lm head, the dense MLP's gate, a KDA projection) at 1 and 4 tokens, with the
-/// token tile fitted to the tokens and with the widest (the kernel before the fitted tiles),
-/// against the device's copy rate (bytes read plus written a second: what HBM moves).
+/// q4_k matrices (the lm head, the dense MLP's gate and down, KDA's projections and output, the
+/// shared expert's gate and down, a square one) at 1 and 4 tokens, with the token tile fitted to
+/// the tokens and with the widest (the kernel before the fitted tiles), against the device's
+/// copy rate (bytes read plus written a second: what HBM moves). Calls rotate over enough copies
+/// of a matrix to pass `ROTATE_BYTES`, so a matrix smaller than the L2 cache is read from HBM
+/// as in a step, not from the cache its last call filled.
 fn matvec_speed(cuda: &Cuda, rng: &mut ChaCha8Rng) -> anyhow::Result<()> {
+    const ROTATE_BYTES: usize = 192 << 20;
     let copy = copy_rate_for_speeds(cuda)?;
     for format in [Format::Bf16, Format::Q4K] {
-        for (rows, cols) in [(154_880usize, 4096usize), (12_288, 4096), (4096, 4096)] {
+        for (rows, cols) in [
+            (154_880usize, 4096usize),
+            (12_288, 4096),
+            (4096, 12_288),
+            (8192, 4096),
+            (4096, 8192),
+            (4096, 4096),
+            (2048, 4096),
+            (4096, 2048),
+        ] {
             // A random row repeated: the values do not matter to the speed.
             let row = random_matrix(rng, 1, cols, format)?
                 .to_bytes()
                 .context("a row-format matrix")?;
             let bytes = row.repeat(rows);
-            let w = cuda.upload(&bytes)?;
+            let copies = ROTATE_BYTES.div_ceil(bytes.len()).max(1);
+            let ws = (0..copies)
+                .map(|_| cuda.upload(&bytes))
+                .collect::<Result<Vec<_>, _>>()?;
             let size = bytes.len() as f64;
             drop(bytes);
             for n in [1usize, 4] {
@@ -90,11 +106,13 @@ fn matvec_speed(cuda: &Cuda, rng: &mut ChaCha8Rng) -> anyhow::Result<()> {
                 let mut dy = cuda.alloc_f32(n * rows)?;
                 for wide_tile in [false, true] {
                     cuda.set_matvec_wide_tile(wide_tile);
-                    let secs = seconds_per_call(cuda, 30, || {
-                        cuda.matvec(&w, format, rows, cols, &dx, n, &mut dy)
+                    let mut call = 0;
+                    let secs = seconds_per_call(cuda, 30.max(2 * copies), || {
+                        call += 1;
+                        cuda.matvec(&ws[call % copies], format, rows, cols, &dx, n, &mut dy)
                     })?;
                     println!(
-                        "matvec {} {rows}x{cols} n={n} {} tile: {:.1} us, {:.0} GB/s of weights ({:.2} of the copy rate)",
+                        "matvec {} {rows}x{cols} n={n} {} tile: {:.1} us, {:.0} GB/s of weights ({:.2} of the copy rate; {copies} copies)",
                         format.name(),
                         if wide_tile { "widest" } else { "fitted" },
                         secs * 1e6,
