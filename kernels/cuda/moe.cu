@@ -20,6 +20,17 @@
 #ifndef MOE_Q4K_STAGES
 #define MOE_Q4K_STAGES 0
 #endif
+
+// Whether the q4_k rows read x (and moe_down's act) in lane-of-32 order (1, the host's
+// `lane32_x`), or in order (0; the host then permutes nothing), and the blocks an SM the
+// kernels' registers are bounded for. Tuning knobs (GLMFLASH_KERNEL_DEFINES); the host reads
+// MOE_XL too. Session 44 (H100): the order did not speed the kernels up.
+#ifndef MOE_XL
+#define MOE_XL 1
+#endif
+#ifndef MOE_MIN_BLOCKS
+#define MOE_MIN_BLOCKS 6
+#endif
 // Threads of a moe_gate_up / moe_down block: the host's ROW_BLOCK.
 #define MOE_ROW_THREADS 128
 
@@ -32,10 +43,10 @@ __device__ __forceinline__ void moe_q4k_rows(const u8* const* w, int blocks,
         static_assert(MOE_Q4K_STAGES * R * 2 * MOE_ROW_THREADS * 16 <= 48 * 1024,
                       "MOE_Q4K_STAGES x rows: the ring is static shared memory, at most 48 KiB");
         __shared__ uint4 ring[MOE_Q4K_STAGES * R * 2 * MOE_ROW_THREADS];
-        q4_k_lane32_rows_async<1, R, MOE_Q4K_STAGES, MOE_ROW_THREADS, true>(w, blocks, x, 0, 1,
+        q4_k_lane32_rows_async<1, R, MOE_Q4K_STAGES, MOE_ROW_THREADS, (MOE_XL != 0)>(w, blocks, x, 0, 1,
                                                                             acc, ring);
     } else {
-        q4_k_lane32_rows<1, R, true>(w, blocks, x, 0, 1, acc);
+        q4_k_lane32_rows<1, R, (MOE_XL != 0)>(w, blocks, x, 0, 1, acc);
     }
 }
 
@@ -239,7 +250,7 @@ __device__ void down_rows(const u8* __restrict__ arena, const i64* __restrict__ 
 // Grid: (ceil(inter / warps per block), room for the groups); for q4_k, ceil(inter /
 // GATE_UP_ROWS) warps. Six blocks an SM: ptxas would take ~120 registers (four) for x's loads
 // issued ahead, without spilling at 80.
-extern "C" __global__ void __launch_bounds__(MOE_ROW_THREADS, 6) moe_gate_up(
+extern "C" __global__ void __launch_bounds__(MOE_ROW_THREADS, MOE_MIN_BLOCKS) moe_gate_up(
     const u8* __restrict__ arena, int fmt, const i64* __restrict__ group_base,
     const int* __restrict__ group_start, const int* __restrict__ group_len,
     const int* __restrict__ pick_list, const int* __restrict__ count, i64 up_off, int inter,
@@ -271,7 +282,7 @@ extern "C" __global__ void moe_gate_up_wide(const u8* __restrict__ arena, int fm
 // yp[p, :] = down act[p, :] (for q4_k, act in lane-of-32 order). Grid: (ceil(hidden / warps per
 // block), room for the groups); for q4_k, ceil(hidden / DOWN_ROWS) warps. Six blocks an SM, as
 // moe_gate_up.
-extern "C" __global__ void __launch_bounds__(MOE_ROW_THREADS, 6) moe_down(
+extern "C" __global__ void __launch_bounds__(MOE_ROW_THREADS, MOE_MIN_BLOCKS) moe_down(
     const u8* __restrict__ arena, int fmt, const i64* __restrict__ group_base,
     const int* __restrict__ group_start, const int* __restrict__ group_len,
     const int* __restrict__ pick_list, const int* __restrict__ count, i64 down_off, int hidden,

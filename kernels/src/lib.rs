@@ -19,6 +19,7 @@ pub const SOURCES: &[(&str, &str, &[&str])] = &[
             "matvec_t1",
             "matvec_t2",
             "matvec_t4",
+            "matvec_t4_r2",
             "matvec_split_t1",
             "matvec_split_t2",
             "matvec_split_t4",

@@ -53,7 +53,7 @@ impl Cuda {
         };
         // q4_k rows a pick at a time read x, and moe_down's read act, in lane-of-32 order
         // (moe.cu's `lane32_x`): a warp's loads of x then touch a quarter of the lines.
-        let lane32 = |f: Format| gathered.is_none() && f == Format::Q4K;
+        let lane32 = |f: Format| gathered.is_none() && f == Format::Q4K && moe_xl();
         let ordered = if lane32(gate_up) {
             let n = run.tokens * hidden;
             let mut xl = self.alloc_f32(n)?;
