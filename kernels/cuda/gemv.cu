@@ -267,13 +267,12 @@ extern "C" __global__ void matvec_split(const u8* __restrict__ w, int fmt, int r
 // Split (a block per row): `matvec_split_row`. One token: a row a warp (`matvec_rows`); two:
 // two rows a warp, four: T4_ROWS (`matvec_rows_r`; the host's grid covers as many fewer warps).
 // With T1_STAGES / T4_STAGES set, `matvec_rows_async` where the rows and x allow 16-byte loads.
-// R4 / S4: the rows a warp and stages at four tokens.
-template <int FMT, int T, bool SPLIT, int R4 = T4_ROWS, int S4 = T4_STAGES>
+template <int FMT, int T, bool SPLIT>
 __device__ void matvec_float_rows(const u8* __restrict__ w, i64 rb, int rows, int cols,
                                   const float* __restrict__ x, int n, float* __restrict__ y,
                                   uint4* ring) {
-    constexpr int R = T == 1 ? 1 : T == 2 ? 2 : R4;
-    constexpr int S = T == 1 ? T1_STAGES : T == 4 ? S4 : 0;
+    constexpr int R = T == 1 ? 1 : T == 2 ? 2 : T4_ROWS;
+    constexpr int S = T == 1 ? T1_STAGES : T == 4 ? T4_STAGES : 0;
     const int per = FMT == FMT_F32 ? 4 : 8;
     const bool vec = ((((unsigned long long)w | (unsigned long long)x) & 15) == 0 &&
                       (cols & 3) == 0 && cols % per == 0);
@@ -287,26 +286,20 @@ __device__ void matvec_float_rows(const u8* __restrict__ w, i64 rb, int rows, in
         matvec_rows_r<FMT, T, R>(w, rb, rows, cols, x, n, y);
 }
 
-template <int T, bool SPLIT, int R4 = T4_ROWS, int S4 = T4_STAGES>
+template <int T, bool SPLIT>
 __device__ void matvec_float(const u8* __restrict__ w, int fmt, int rows, int cols,
                              const float* __restrict__ x, int n, float* __restrict__ y) {
     const i64 rb = row_bytes(fmt, cols);
-    constexpr int S = SPLIT ? 0 : T == 1 ? T1_STAGES : T == 4 ? S4 : 0;
-    constexpr int R = T == 1 ? 1 : T == 2 ? 2 : R4;
+    constexpr int S = SPLIT ? 0 : T == 1 ? T1_STAGES : T == 4 ? T4_STAGES : 0;
+    constexpr int R = T == 1 ? 1 : T == 2 ? 2 : T4_ROWS;
     // One ring for whichever format runs (S stages of R rows' 16 bytes a thread).
     static_assert(S * R * ROW_THREADS * 16 <= 48 * 1024,
                   "T1_STAGES / T4_STAGES x rows: the ring is static shared memory, at most 48 KiB");
     __shared__ uint4 ring[S > 0 ? S * R * ROW_THREADS : 1];
     switch (fmt) {
-        case FMT_F32:
-            matvec_float_rows<FMT_F32, T, SPLIT, R4, S4>(w, rb, rows, cols, x, n, y, ring);
-            break;
-        case FMT_F16:
-            matvec_float_rows<FMT_F16, T, SPLIT, R4, S4>(w, rb, rows, cols, x, n, y, ring);
-            break;
-        default:
-            matvec_float_rows<FMT_BF16, T, SPLIT, R4, S4>(w, rb, rows, cols, x, n, y, ring);
-            break;
+        case FMT_F32: matvec_float_rows<FMT_F32, T, SPLIT>(w, rb, rows, cols, x, n, y, ring); break;
+        case FMT_F16: matvec_float_rows<FMT_F16, T, SPLIT>(w, rb, rows, cols, x, n, y, ring); break;
+        default: matvec_float_rows<FMT_BF16, T, SPLIT>(w, rb, rows, cols, x, n, y, ring); break;
     }
 }
 
@@ -321,15 +314,6 @@ extern "C" __global__ void matvec_t2(MATVEC_ARGS) {
 }
 extern "C" __global__ void matvec_t4(MATVEC_ARGS) {
     matvec_float<4, false>(w, fmt, rows, cols, x, n, y);
-}
-// `matvec_t4` two rows a warp, with the stages that keep a warp's bytes in flight: twice the
-// warps for a product of few rows (at 4,096 rows and four a warp an H100's SM holds ~8 warps;
-// session 44 measured such products at 0.52-0.67 of the copy rate, 8,192 and more at ~0.79).
-// The rows a warp do not change a row's products or their order: the same bits. Chosen by the
-// host for products of fewer rows than the knob T4_R2_BELOW (GLMFLASH_KERNEL_DEFINES; unset:
-// never) until measured.
-extern "C" __global__ void matvec_t4_r2(MATVEC_ARGS) {
-    matvec_float<4, false, 2, T4_STAGES * T4_ROWS / 2>(w, fmt, rows, cols, x, n, y);
 }
 extern "C" __global__ void matvec_split_t1(MATVEC_ARGS) {
     matvec_float<1, true>(w, fmt, rows, cols, x, n, y);

@@ -21,12 +21,14 @@
 #define MOE_Q4K_STAGES 0
 #endif
 
-// Whether the q4_k rows read x (and moe_down's act) in lane-of-32 order (1, the host's
+// Whether the q4_k rows read x (and moe_down's act) in lane-of-32 order (1, after the host's
 // `lane32_x`), or in order (0; the host then permutes nothing), and the blocks an SM the
 // kernels' registers are bounded for. Tuning knobs (GLMFLASH_KERNEL_DEFINES); the host reads
-// MOE_XL too. Session 44 (H100): the order did not speed the kernels up.
+// MOE_XL too. Session 44 (H100, issue 17's step and moe-speed): the lane-of-32 order was ~5%
+// slower for the MoE kernels (the x loads' L1 lines were not their limit), so it is off; six
+// blocks an SM was ~8% faster than no bound.
 #ifndef MOE_XL
-#define MOE_XL 1
+#define MOE_XL 0
 #endif
 #ifndef MOE_MIN_BLOCKS
 #define MOE_MIN_BLOCKS 6

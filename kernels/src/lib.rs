@@ -19,7 +19,6 @@ pub const SOURCES: &[(&str, &str, &[&str])] = &[
             "matvec_t1",
             "matvec_t2",
             "matvec_t4",
-            "matvec_t4_r2",
             "matvec_split_t1",
             "matvec_split_t2",
             "matvec_split_t4",

@@ -270,7 +270,6 @@ impl Cuda {
         let name = match (float, split, tile) {
             (true, false, 1) => "matvec_t1",
             (true, false, 2) => "matvec_t2",
-            (true, false, 4) if rows < t4_r2_below() => "matvec_t4_r2",
             (true, false, 4) => "matvec_t4",
             (true, true, 1) => "matvec_split_t1",
             (true, true, 2) => "matvec_split_t2",
@@ -316,7 +315,7 @@ impl Cuda {
         } else if name == "matvec_t4" || name == "matvec_q4k_xl_t4" {
             // T4_ROWS rows a warp (gemv.cu's `matvec_rows_r`).
             rows_config(rows.div_ceil(t4_rows()), 1)
-        } else if name == "matvec_t2" || name == "matvec_t4_r2" || lane32 {
+        } else if name == "matvec_t2" || lane32 {
             // Two rows a warp (gemv.cu's `matvec_rows_r`, `matvec_q4k_pairs`).
             rows_config(rows.div_ceil(2), 1)
         } else {
@@ -333,7 +332,7 @@ impl Cuda {
         // SAFETY: every one of these kernels takes `matvec`'s argument list in gemv.cu
         // (`matvec_t*` only float formats, `matvec_q_*` only q8_0 and q4_k, `matvec_q4k_xl_*`
         // only q4_k, which `name` keeps to); the sizes were checked above, and the grid covers
-        // `rows` rows (a warp each, two rows a warp for `matvec_t2`, `matvec_t4_r2` and q4_k's
+        // `rows` rows (a warp each, two rows a warp for `matvec_t2` and q4_k's
         // `matvec_q4k_xl_t1`/`_t2`, T4_ROWS for `matvec_t4` and `matvec_q4k_xl_t4`, or a block
         // of SPLIT_WARPS warps each).
         unsafe { b.launch(cfg) }?;

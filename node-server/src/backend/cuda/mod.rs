@@ -600,16 +600,10 @@ fn t4_rows() -> usize {
     }
 }
 
-/// Products at four tokens of fewer rows than this take `matvec_t4_r2` (two rows a warp): the
-/// knob T4_R2_BELOW, 0 (never) until measured.
-fn t4_r2_below() -> usize {
-    compile::kernel_knob("T4_R2_BELOW").map_or(0, |v| v.max(0) as usize)
-}
-
-/// Whether the q4_k MoE rows read x and act in lane-of-32 order (moe.cu's MOE_XL: 1, or the
-/// knob's 0).
+/// Whether the q4_k MoE rows read x and act in lane-of-32 order (moe.cu's MOE_XL: 0, or the
+/// knob's 1).
 fn moe_xl() -> bool {
-    compile::kernel_knob("MOE_XL") != Some(0)
+    compile::kernel_knob("MOE_XL") == Some(1)
 }
 
 /// Rows a warp of `moe_down`'s q4_k rows (moe.cu's DOWN_ROWS: 2, or the knob's 1, 2 or 4).

@@ -51,8 +51,9 @@ impl Cuda {
         } else {
             None
         };
-        // q4_k rows a pick at a time read x, and moe_down's read act, in lane-of-32 order
-        // (moe.cu's `lane32_x`): a warp's loads of x then touch a quarter of the lines.
+        // Under the knob MOE_XL=1, q4_k rows a pick at a time read x, and moe_down's read act,
+        // in lane-of-32 order (`lane32_x`): a warp's loads of x then touch a quarter of the
+        // lines. Off: session 44 measured the MoE kernels ~5% slower that way.
         let lane32 = |f: Format| gathered.is_none() && f == Format::Q4K && moe_xl();
         let ordered = if lane32(gate_up) {
             let n = run.tokens * hidden;
