@@ -1,0 +1,42 @@
+#!/usr/bin/env bash
+# Session 45: the bf16/f16 products reading x in lane-of-8 order (knob FLOAT_XL, s45.mbox), with
+# session 44's codegen fault mended, checked and timed against the landed code in one binary.
+# `watch.sh s45 SECONDS`; logs in /root/s45 (P.log the progress). Binary: .device/glmflash-node-s45
+# (s45.mbox applied to main, stripped, gzipped).
+set -uo pipefail
+cd "$(dirname "$0")/../../.."
+D=e2e/cuda/pending
+P=/root/s45; mkdir -p $P /root/bin
+exec > $P/P.log 2>&1
+export GLMFLASH_KERNEL_CACHE=/tmp/glmflash-kernel-cache
+BIN=.device/glmflash-node-s45 source e2e/cuda/nvrtc_path.sh; cp .device/glmflash-node-s45 /root/bin/
+X=/root/bin/glmflash-node-s45
+T0=$(date +%s)
+log() { echo "[+$(( $(date +%s) - T0 ))s] $*"; }
+summ() { grep -E "^[0-9]+ cases|FAIL" "$1" | tail -${2:-8}; }
+sha256sum $X | cut -c1-16
+nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
+export SCRATCH=/root/bf LAYERS=3 RUNS=vram DECODERS=gpu WARMUP=8 DECODE=64
+log "S0 the benchmark's model and store (background); C1 FLOAT_XL=2 --wide --only matvec, C2 FLOAT_XL=1 --wide --only decode,graph"
+RUNS=vram DECODE=1 WARMUP=1 BIN=$X bash e2e/cuda/bench_flash.sh $P/b0 > $P/b0.out 2>&1 &
+s0=$!
+GLMFLASH_KERNEL_DEFINES=FLOAT_XL=2 GLMFLASH_KERNEL_CACHE=/tmp/kc1 timeout 200 $X cuda-check --wide --only matvec > $P/c1.log 2>&1 &
+c1=$!
+GLMFLASH_KERNEL_DEFINES=FLOAT_XL=1 GLMFLASH_KERNEL_CACHE=/tmp/kc2 timeout 200 $X cuda-check --wide --only decode,graph > $P/c2.log 2>&1 &
+c2=$!
+wait $c1; log "C1 rc=$?"; summ $P/c1.log
+wait $c2; log "C2 rc=$?"; summ $P/c2.log
+wait $s0; log "S0 done"
+i=0
+for v in "" FLOAT_XL=1 FLOAT_XL=1,T4_ROWS=2,T4_STAGES=8 "" FLOAT_XL=1 FLOAT_XL=1,T4_ROWS=2,T4_STAGES=8; do
+  i=$((i+1))
+  log "B$i bench_flash vram [${v:-landed}]"
+  GLMFLASH_KERNEL_DEFINES="$v" BIN=$X timeout 120 bash e2e/cuda/bench_flash.sh $P/b$i > $P/b$i.out 2>&1
+  log "rc=$?"
+  python3 $D/flash_summary.py $P/b$i/flash.json
+done
+for v in "" FLOAT_XL=1 FLOAT_XL=1,T4_ROWS=2,T4_STAGES=8; do
+  log "matvec speeds [${v:-landed}]"
+  GLMFLASH_KERNEL_DEFINES="$v" timeout 120 $X cuda-check --wide --only matvec 2>&1 | grep -E "^[0-9]+ cases|^matvec bf16 .*n=4 fitted"
+done
+log "DONE"
