@@ -37,7 +37,7 @@
 #define MOE_ROW_THREADS 128
 
 // q4_k_lane32_rows, or with MOE_Q4K_STAGES its ring (one a kernel, declared here); x (a token's
-// row, or a pick's activations) in lane-of-32 order (lane32_x).
+// row, or a pick's activations) in lane-of-32 order with MOE_XL (lane32_x), else in order.
 template <int R>
 __device__ __forceinline__ void moe_q4k_rows(const u8* const* w, int blocks,
                                              const float* __restrict__ x, float* acc) {
@@ -45,8 +45,8 @@ __device__ __forceinline__ void moe_q4k_rows(const u8* const* w, int blocks,
         static_assert(MOE_Q4K_STAGES * R * 2 * MOE_ROW_THREADS * 16 <= 48 * 1024,
                       "MOE_Q4K_STAGES x rows: the ring is static shared memory, at most 48 KiB");
         __shared__ uint4 ring[MOE_Q4K_STAGES * R * 2 * MOE_ROW_THREADS];
-        q4_k_lane32_rows_async<1, R, MOE_Q4K_STAGES, MOE_ROW_THREADS, (MOE_XL != 0)>(w, blocks, x, 0, 1,
-                                                                            acc, ring);
+        q4_k_lane32_rows_async<1, R, MOE_Q4K_STAGES, MOE_ROW_THREADS, (MOE_XL != 0)>(
+            w, blocks, x, 0, 1, acc, ring);
     } else {
         q4_k_lane32_rows<1, R, (MOE_XL != 0)>(w, blocks, x, 0, 1, acc);
     }
@@ -248,7 +248,8 @@ __device__ void down_rows(const u8* __restrict__ arena, const i64* __restrict__ 
 
 // act[p, :] = silu(min(gate x_t, L)) * clamp(up x_t, -L, L) for every pick p of every group
 // (`*count` groups: the tables `moe_group` writes, or the host's); with act_xl, each row of act
-// in lane-of-32 order (lane32_x: for moe_down's q4_k rows). x: for q4_k, in lane-of-32 order.
+// in lane-of-32 order (lane32_x: for moe_down's q4_k rows under MOE_XL). x: for q4_k under
+// MOE_XL, in lane-of-32 order.
 // Grid: (ceil(inter / warps per block), room for the groups); for q4_k, ceil(inter /
 // GATE_UP_ROWS) warps. Six blocks an SM: ptxas would take ~120 registers (four) for x's loads
 // issued ahead, without spilling at 80.
@@ -281,9 +282,9 @@ extern "C" __global__ void moe_gate_up_wide(const u8* __restrict__ arena, int fm
 #undef CALL
 }
 
-// yp[p, :] = down act[p, :] (for q4_k, act in lane-of-32 order). Grid: (ceil(hidden / warps per
-// block), room for the groups); for q4_k, ceil(hidden / DOWN_ROWS) warps. Six blocks an SM, as
-// moe_gate_up.
+// yp[p, :] = down act[p, :] (for q4_k under MOE_XL, act in lane-of-32 order). Grid:
+// (ceil(hidden / warps per block), room for the groups); for q4_k, ceil(hidden / DOWN_ROWS)
+// warps. Six blocks an SM (MOE_MIN_BLOCKS), as moe_gate_up.
 extern "C" __global__ void __launch_bounds__(MOE_ROW_THREADS, MOE_MIN_BLOCKS) moe_down(
     const u8* __restrict__ arena, int fmt, const i64* __restrict__ group_base,
     const int* __restrict__ group_start, const int* __restrict__ group_len,
