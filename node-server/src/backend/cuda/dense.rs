@@ -263,10 +263,15 @@ impl Cuda {
         // or fewer (decode) every format takes the kernel of the fewest accumulators that
         // hold them: the same bits, more warps resident (gemv.cu's `matvec_t*` for the float
         // formats, at two and four tokens two and four rows a warp sharing their loads of x;
-        // `matvec_q_t*` for q8_0 and q4_k, q4_k two rows a warp, four at four tokens).
+        // `matvec_q_t*` for q8_0, `matvec_q4k_xl_t*` for q4_k, two rows a warp, four at four
+        // tokens).
         let split = rows < SPLIT_BELOW_ROWS;
         let float = matches!(format, Format::F32 | Format::F16 | Format::Bf16);
         let tile = self.matvec_tile(n);
+        // q4_k rows a warp at a time read x in lane-of-32 order (gemv.cu's `lane32_x`,
+        // `matvec_q4k_xl_t*`): a warp's loads of x then touch a quarter of the 128-byte lines.
+        // The same bits as `matvec_q_t*`.
+        let lane32 = format == Format::Q4K && !split && matches!(tile, 1 | 2 | 4);
         let name = match (float, split, tile) {
             (true, false, 1) => "matvec_t1",
             (true, false, 2) => "matvec_t2",
@@ -274,6 +279,9 @@ impl Cuda {
             (true, true, 1) => "matvec_split_t1",
             (true, true, 2) => "matvec_split_t2",
             (true, true, 4) => "matvec_split_t4",
+            (false, false, 1) if lane32 => "matvec_q4k_xl_t1",
+            (false, false, 2) if lane32 => "matvec_q4k_xl_t2",
+            (false, false, 4) if lane32 => "matvec_q4k_xl_t4",
             (false, false, 1) => "matvec_q_t1",
             (false, false, 2) => "matvec_q_t2",
             (false, false, 4) => "matvec_q_t4",
@@ -283,11 +291,7 @@ impl Cuda {
             (_, false, _) => "matvec",
             (_, true, _) => "matvec_split",
         };
-        // q4_k rows a warp at a time read x in lane-of-32 order (gemv.cu's `lane32_x`,
-        // `matvec_q4k_xl_t*`): a warp's loads of x then touch a quarter of the 128-byte lines.
-        // The same bits as `matvec_q_t*`.
-        let lane32 = format == Format::Q4K && !split && matches!(tile, 1 | 2 | 4);
-        let (name, ordered) = if lane32 {
+        let ordered = if lane32 {
             let values = n * cols;
             let mut xl = self.alloc_f32(values)?;
             let values_i = values as i64;
@@ -296,14 +300,9 @@ impl Cuda {
             // SAFETY: x (checked above) and xl hold n rows of cols values, cols a multiple of
             // 256 for q4_k rows; a float4 a thread.
             unsafe { b.launch(LaunchConfig::for_num_elems((values / 4) as u32)) }?;
-            let name = match tile {
-                1 => "matvec_q4k_xl_t1",
-                2 => "matvec_q4k_xl_t2",
-                _ => "matvec_q4k_xl_t4",
-            };
-            (name, Some(xl))
+            Some(xl)
         } else {
-            (name, None)
+            None
         };
         let x = ordered.as_ref().unwrap_or(x);
         let cfg = if split {
