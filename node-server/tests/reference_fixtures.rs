@@ -15,15 +15,23 @@ use errors::rel_max;
 const FIXTURES: [&str; 4] = ["tiny_mixed", "tiny_nested", "tiny_bf16", "tiny_fused"];
 /// Max |ours - ref| / max |ref| allowed against the reference.
 const REF_TOLERANCE: f32 = 1e-4;
-/// Between two forms of our own computation (batched vs alone, chunked vs whole, ...).
+/// Between two forms of our own computation that do the same arithmetic in another order
+/// (batched vs alone, ...).
 const SELF_TOLERANCE: f32 = 1e-5;
-/// Between a cached decode (KDA's recurrent form, attention over the cache) and the full
-/// recompute (the chunked form over the whole sequence): each sits within a few 1e-6 of
-/// transformers, on either side, so the two can be twice that apart. CI's fixtures of seed
-/// 931532970 (tiny_mixed, step 5): cached vs recomputed 1.19e-5, the cached logits within
-/// 2.9e-6 of transformers' and the recompute within 5.9e-6 (`compare_dumps.py`: no op
-/// diverges); transformers' own cached path differs from its recompute by 8.9e-6 there.
-const CACHED_TOLERANCE: f32 = 3e-5;
+/// Between two forms of KDA's delta rule over the same tokens: the recurrent form (a cached
+/// decode, `KdaMode::Recurrent`) or the chunked form with its chunks starting elsewhere (a
+/// chunked prefill's second part starts a chunk at its first token, from the carried state),
+/// against the one-pass chunked form. Each is a few 1e-6 from transformers on most rows, but
+/// a row whose KDA output nearly cancels (rms 1e-3 where the others are 1e-2, before the
+/// gated RMSNorm scales it up) carries its f32 rounding 10-30x higher. CI's seed 931532970
+/// (tiny_mixed, cached vs recomputed): 1.19e-5, each within 2.9e-6 / 5.9e-6 of transformers.
+/// Seed 19 (tiny_bf16, chunked vs one pass): 1.92e-5, all of it in the last row of
+/// layer 3's KDA; with that layer's delta rule in f64 the two forms agree to 1.9e-6 and both
+/// sit 1.1e-5 from transformers' f32 (so the exact value is as far from the reference as our
+/// f32 forms are from each other). Over 120 random seeds x 4 fixtures the largest were
+/// 1.92e-5 (chunked) and 1.43e-5 (recurrent+absorbed). A wrong handoff is far above: the
+/// carried state's term missing the first token's decay gave 0.86 (seed 19, tiny_mixed).
+const FORMS_TOLERANCE: f32 = 5e-5;
 
 #[derive(Deserialize)]
 struct Reference {
@@ -108,7 +116,7 @@ fn cached_decode_equals_full_recompute() {
             let (full, _) = model.prefill(&seq).unwrap();
             let err = rel_max(&cached[step], &full);
             assert!(
-                err < CACHED_TOLERANCE,
+                err < FORMS_TOLERANCE,
                 "{name} step {step}: cached vs recomputed rel err {err:.3e}"
             );
         }
@@ -138,7 +146,7 @@ fn chunked_prefill_equals_one_pass() {
         }
         let err = rel_max(&chunks, &one);
         assert!(
-            err < SELF_TOLERANCE,
+            err < FORMS_TOLERANCE,
             "{name}: chunked prefill rel err {err:.3e}"
         );
     }
@@ -235,7 +243,7 @@ fn kernel_forms_agree() {
         let other = all_logits(&model, &r.prompt);
         let err = rel_max(&other, &auto);
         assert!(
-            err < SELF_TOLERANCE,
+            err < FORMS_TOLERANCE,
             "{name}: recurrent+absorbed vs chunked+expanded rel err {err:.3e}"
         );
     }
