@@ -7,7 +7,8 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 seed="${1:-$(( (RANDOM << 15) | RANDOM ))}"
 dir="$(mktemp -d)"
-trap 'rm -rf "$dir"' EXIT
+# On failure the seed is said last too (CI shows the end of the log): rerun with it.
+trap 'rc=$?; rm -rf "$dir"; [ $rc = 0 ] || echo "fixtures check FAILED with seed $seed (rerun: e2e/fixtures_check.sh $seed)"' EXIT
 echo "fixtures check: seed $seed, dir $dir"
 python3 e2e/make_fixtures.py --out "$dir" --seed "$seed"
 GLMFLASH_FIXTURES="$dir" cargo test -q -p glmflash-node --test reference_fixtures -- --nocapture

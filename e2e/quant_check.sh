@@ -13,7 +13,8 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 seed="${1:-$(( (RANDOM << 15) | RANDOM ))}"
 dir="$(mktemp -d)"
-trap 'rm -rf "$dir"' EXIT
+# On failure the seed is said last too (CI shows the end of the log): rerun with it.
+trap 'rc=$?; rm -rf "$dir"; [ $rc = 0 ] || echo "quant check FAILED with seed $seed (rerun: e2e/quant_check.sh $seed)"' EXIT
 echo "quant check: seed $seed, dir $dir"
 GLMFLASH_QUANT_OURS_OUT="$dir" cargo test -q -p glmflash-node --test quant_gguf export_our_blocks
 python3 e2e/quant_reference.py --out "$dir" --seed "$seed" \
