@@ -14,6 +14,22 @@ typedef long long i64;
 #define FMT_Q8_0 3
 #define FMT_Q4_K 4
 
+// Programmatic dependent launch (the knob PDL=1, sm_90 and later; the host then makes the
+// step graph's edges between two of these kernels programmatic): a kernel may be started while
+// the one before it finishes, so every kernel begins with `grid_wait`, which returns once the
+// kernels before it have completed and their writes are visible, and touches no memory
+// before it. It then lets the kernel after it be started (`launch_dependents`). Launched any
+// other way, or with PDL unset, it does nothing.
+#ifndef PDL
+#define PDL 0
+#endif
+__device__ __forceinline__ void grid_wait() {
+#if PDL && defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+    asm volatile("griddepcontrol.wait;\n" ::: "memory");
+    asm volatile("griddepcontrol.launch_dependents;\n" ::: "memory");
+#endif
+}
+
 #define WARP 32
 // Tokens one warp carries through a row at once (accumulators in registers).
 #define TOK_TILE 8

@@ -37,6 +37,7 @@ extern "C" __global__ void dsa_pool_keys(const u8* __restrict__ keys,
                                          const u8* __restrict__ gates, int fmt,
                                          const float* __restrict__ ape, int di, int kpool,
                                          int first_pool, int pools, float* __restrict__ out) {
+    grid_wait();
     const i64 t = (i64)blockIdx.x * blockDim.x + threadIdx.x;
     if (t >= (i64)pools * di) return;
     const int p = (int)(t / di), c = (int)(t % di);
@@ -51,6 +52,7 @@ extern "C" __global__ void dsa_pool_step(const u8* __restrict__ keys,
                                          const float* __restrict__ ape, int di, int kpool,
                                          i64 tokens0, const int* __restrict__ step,
                                          u8* __restrict__ pool_keys) {
+    grid_wait();
     const int c = blockIdx.x * blockDim.x + threadIdx.x;
     const i64 tokens = tokens0 + *step;
     if (c >= di || tokens % kpool != 0) return;
@@ -66,6 +68,7 @@ extern "C" __global__ void dsa_plan(i64 vis0, const int* __restrict__ step, int 
                                     int kpool, int budget_pools, int select_tail,
                                     int* __restrict__ candidates, int* __restrict__ visible,
                                     i64* __restrict__ out_off, int* __restrict__ sel_off) {
+    grid_wait();
     if (blockIdx.x != 0 || threadIdx.x != 0) return;
     i64 off = 0;
     for (int b = 0; b < queries; b++) {
@@ -109,6 +112,7 @@ extern "C" __global__ void dsa_scores(const float* __restrict__ q, const float* 
                                       const u8* __restrict__ pool_keys, int keys_fmt,
                                       const int* __restrict__ candidates, int heads, int di,
                                       float scale, int max_cand, float* __restrict__ scores) {
+    grid_wait();
     const int warps = blockDim.x / WARP;
     const int p = blockIdx.x * warps + threadIdx.x / WARP;
     const int b = blockIdx.y;
@@ -173,6 +177,7 @@ extern "C" __global__ void dsa_topk_tokens(const float* __restrict__ scores,
                                            const i64* __restrict__ out_off, int max_cand,
                                            int budget_pools, int kpool, int select_tail,
                                            u32* __restrict__ tokens) {
+    grid_wait();
     __shared__ u32 hist[256];
     __shared__ u32 s_prefix, s_remaining;
     const int b = blockIdx.x, tid = threadIdx.x;

@@ -232,6 +232,7 @@ __device__ __forceinline__ void exl3_store_planes(float val, u16* __restrict__ p
 extern "C" __global__ void exl3_rotate_input(const float* __restrict__ x,
                                              const float* __restrict__ suh, int k, int split,
                                              float* __restrict__ xr) {
+    grid_wait();
     __shared__ float v[128];
     const int i = threadIdx.x;
     const i64 at = (i64)blockIdx.y * k + blockIdx.x * 128 + i;
@@ -249,6 +250,7 @@ extern "C" __global__ void exl3_rotate_output(const float* __restrict__ part, in
                                               int tokens, int n, const float* __restrict__ svh,
                                               const float* __restrict__ bias, int has_bias,
                                               float* __restrict__ y) {
+    grid_wait();
     __shared__ float v[128];
     const int i = threadIdx.x, c = blockIdx.x * 128 + i;
     const i64 at = (i64)blockIdx.y * n + c;
@@ -575,6 +577,7 @@ extern "C" __global__ void __launch_bounds__(256, EXL3_GEMV_MIN_BLOCKS) exl3_gem
     const float* __restrict__ svh, const float* __restrict__ bias, int has_bias,
     u32* __restrict__ tickets, float* __restrict__ y, const float* __restrict__ x,
     const float* __restrict__ suh, int rotate) {
+    grid_wait();
     __shared__ __align__(16) u32 ring[EXL3_GEMV_WARPS][EXL3_RING][EXL3_SLOT_WORDS];
     __shared__ float scratch[EXL3_GEMV_WARPS * 128];  // the input rotation's, a warp's 128
     extern __shared__ __align__(16) u32 xsh[];
@@ -647,6 +650,7 @@ __device__ void exl3_reconstruct_tile_f16(const u32* __restrict__ trellis, int n
 extern "C" __global__ void exl3_reconstruct(const u32* __restrict__ trellis, int halves,
                                             int codebook, int n, int kt0, int kt1, int half,
                                             float* __restrict__ out) {
+    grid_wait();
 #define CALL(H, CB)                                                                    \
     if (half)                                                                          \
         exl3_reconstruct_tile_f16<H, CB>(trellis, n, kt0, kt1, (u16*)out);             \
@@ -672,6 +676,7 @@ extern "C" __global__ void exl3_moe_rotate_in(const u8* __restrict__ arena,
                                               const int* __restrict__ row,
                                               const float* __restrict__ x, int k, int entries,
                                               float* __restrict__ xr) {
+    grid_wait();
     __shared__ float v[128];
     const int i = threadIdx.x, e = blockIdx.x, z = blockIdx.z, c = blockIdx.y * 128 + i;
     const float* suh = (const float*)(arena + entry_base[e] + (z ? suh_off1 : suh_off0));
@@ -719,6 +724,7 @@ extern "C" __global__ void __launch_bounds__(256, EXL3_GEMV_MIN_BLOCKS) exl3_moe
     const int* __restrict__ count, int cap, i64 trellis_off0,
     i64 trellis_off1, int k, int n, int per, const u32* __restrict__ xr, int entries,
     float* __restrict__ part) {
+    grid_wait();
     exl3_moe_gemv_body<1>(arena, halves, codebook, group_base, group_start, group_len, count,
                           cap, trellis_off0, trellis_off1, k, n, per, xr, entries, part);
 }
@@ -731,6 +737,7 @@ extern "C" __global__ void __launch_bounds__(256, 2) exl3_moe_gemv_wide(
     const int* __restrict__ count, int cap, i64 trellis_off0,
     i64 trellis_off1, int k, int n, int per, const u32* __restrict__ xr, int entries,
     float* __restrict__ part) {
+    grid_wait();
     exl3_moe_gemv_body<EXL3_WIDE_SWEEP>(arena, halves, codebook, group_base, group_start,
                                         group_len, count, cap, trellis_off0, trellis_off1, k, n,
                                         per, xr, entries, part);
@@ -746,6 +753,7 @@ extern "C" __global__ void exl3_moe_act(const u8* __restrict__ arena,
                                         i64 svh_up_off, i64 suh_down_off,
                                         const float* __restrict__ part, int splits, int entries,
                                         int inter, float limit, float* __restrict__ xd) {
+    grid_wait();
     __shared__ float v[128];
     const int i = threadIdx.x, e = blockIdx.x, c = blockIdx.y * 128 + i;
     const u8* slot = arena + entry_base[e];
@@ -776,6 +784,7 @@ extern "C" __global__ void exl3_moe_rotate_out(const u8* __restrict__ arena,
                                                const float* __restrict__ part, int splits,
                                                int entries, int n, const int* __restrict__ pick,
                                                float* __restrict__ yp) {
+    grid_wait();
     __shared__ float v[128];
     const int i = threadIdx.x, e = blockIdx.x, c = blockIdx.y * 128 + i;
     float acc = 0.0f;

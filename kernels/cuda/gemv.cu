@@ -207,6 +207,7 @@ __device__ void matvec_rows_async(const u8* __restrict__ w, i64 rb, int rows, in
 // x: [n, cols] f32; y: [n, rows] f32; w: rows x row_bytes(fmt, cols) bytes.
 extern "C" __global__ void matvec(const u8* __restrict__ w, int fmt, int rows, int cols,
                                   const float* __restrict__ x, int n, float* __restrict__ y) {
+    grid_wait();
     const i64 rb = row_bytes(fmt, cols);
 #define CALL(F) matvec_rows<F, TOK_TILE>(w, rb, rows, cols, x, n, y)
     DISPATCH_FORMAT(fmt, CALL)
@@ -253,6 +254,7 @@ __device__ void matvec_split_row(const u8* __restrict__ w, i64 rb, int cols,
 extern "C" __global__ void matvec_split(const u8* __restrict__ w, int fmt, int rows, int cols,
                                         const float* __restrict__ x, int n,
                                         float* __restrict__ y) {
+    grid_wait();
     const i64 rb = row_bytes(fmt, cols);
 #define CALL(F) matvec_split_row<F, TOK_TILE>(w, rb, cols, x, n, y, rows)
     DISPATCH_FORMAT(fmt, CALL)
@@ -307,21 +309,27 @@ __device__ void matvec_float(const u8* __restrict__ w, int fmt, int rows, int co
     const u8 *__restrict__ w, int fmt, int rows, int cols, const float *__restrict__ x, \
         int n, float *__restrict__ y
 extern "C" __global__ void matvec_t1(MATVEC_ARGS) {
+    grid_wait();
     matvec_float<1, false>(w, fmt, rows, cols, x, n, y);
 }
 extern "C" __global__ void matvec_t2(MATVEC_ARGS) {
+    grid_wait();
     matvec_float<2, false>(w, fmt, rows, cols, x, n, y);
 }
 extern "C" __global__ void matvec_t4(MATVEC_ARGS) {
+    grid_wait();
     matvec_float<4, false>(w, fmt, rows, cols, x, n, y);
 }
 extern "C" __global__ void matvec_split_t1(MATVEC_ARGS) {
+    grid_wait();
     matvec_float<1, true>(w, fmt, rows, cols, x, n, y);
 }
 extern "C" __global__ void matvec_split_t2(MATVEC_ARGS) {
+    grid_wait();
     matvec_float<2, true>(w, fmt, rows, cols, x, n, y);
 }
 extern "C" __global__ void matvec_split_t4(MATVEC_ARGS) {
+    grid_wait();
     matvec_float<4, true>(w, fmt, rows, cols, x, n, y);
 }
 #undef MATVEC_ARGS
@@ -375,21 +383,27 @@ __device__ void matvec_quant(const u8* __restrict__ w, int fmt, int rows, int co
     const u8 *__restrict__ w, int fmt, int rows, int cols, const float *__restrict__ x, \
         int n, float *__restrict__ y
 extern "C" __global__ void matvec_q_t1(MATVEC_ARGS) {
+    grid_wait();
     matvec_quant<1, false>(w, fmt, rows, cols, x, n, y);
 }
 extern "C" __global__ void matvec_q_t2(MATVEC_ARGS) {
+    grid_wait();
     matvec_quant<2, false>(w, fmt, rows, cols, x, n, y);
 }
 extern "C" __global__ void matvec_q_t4(MATVEC_ARGS) {
+    grid_wait();
     matvec_quant<4, false>(w, fmt, rows, cols, x, n, y);
 }
 extern "C" __global__ void matvec_q_split_t1(MATVEC_ARGS) {
+    grid_wait();
     matvec_quant<1, true>(w, fmt, rows, cols, x, n, y);
 }
 extern "C" __global__ void matvec_q_split_t2(MATVEC_ARGS) {
+    grid_wait();
     matvec_quant<2, true>(w, fmt, rows, cols, x, n, y);
 }
 extern "C" __global__ void matvec_q_split_t4(MATVEC_ARGS) {
+    grid_wait();
     matvec_quant<4, true>(w, fmt, rows, cols, x, n, y);
 }
 
@@ -398,12 +412,15 @@ extern "C" __global__ void matvec_q_split_t4(MATVEC_ARGS) {
 // sixteen (at four tokens and four rows a warp x was ~0.9 of the L1 lines a pass). The same
 // products in the same order: the same bits as `matvec_q_t*`. `fmt` is q4_k's (unread).
 extern "C" __global__ void matvec_q4k_xl_t1(MATVEC_ARGS) {
+    grid_wait();
     matvec_q4k_pairs<true>(w, row_bytes(FMT_Q4_K, cols), rows, cols, x, y);
 }
 extern "C" __global__ void matvec_q4k_xl_t2(MATVEC_ARGS) {
+    grid_wait();
     matvec_rows_r<FMT_Q4_K, 2, 2, true>(w, row_bytes(FMT_Q4_K, cols), rows, cols, x, n, y);
 }
 extern "C" __global__ void matvec_q4k_xl_t4(MATVEC_ARGS) {
+    grid_wait();
     matvec_rows_r<FMT_Q4_K, 4, T4_ROWS, true>(w, row_bytes(FMT_Q4_K, cols), rows, cols, x, n, y);
 }
 #undef MATVEC_ARGS
@@ -412,6 +429,7 @@ extern "C" __global__ void matvec_q4k_xl_t4(MATVEC_ARGS) {
 // rows read as `matvec_q4k_xl_t*` and moe_gate_up read them. n values (rows of a multiple of 256
 // laid end to end), a float4 a thread.
 extern "C" __global__ void lane32_x(const float* __restrict__ x, i64 n, float* __restrict__ xp) {
+    grid_wait();
     const i64 q = (i64)blockIdx.x * blockDim.x + threadIdx.x;  // xp's float4
     if (q >= n / 4) return;
     // xp's float4 (2 k + p) * 8 + 2 c + h of a run holds x's values 64 c + 32 p + 16 h + 4 k ..
@@ -424,6 +442,7 @@ extern "C" __global__ void lane32_x(const float* __restrict__ x, i64 n, float* _
 // products of many tokens keep f32 activations). Grid-stride over `count` values.
 extern "C" __global__ void widen_f32(const u16* __restrict__ w, int fmt, i64 count,
                                      float* __restrict__ out) {
+    grid_wait();
     for (i64 i = blockIdx.x * (i64)blockDim.x + threadIdx.x; i < count;
          i += (i64)gridDim.x * blockDim.x)
         out[i] = fmt == FMT_F16 ? f16_to_f32(w[i]) : bf16_to_f32(w[i]);
@@ -463,6 +482,7 @@ __device__ __forceinline__ float row_value(const u8* __restrict__ row, int i) {
 // expert's matrix widened for cuBLAS SGEMM over a prompt chunk's picks). A block per row.
 extern "C" __global__ void dequant_rows(const u8* __restrict__ w, int fmt, int rows, int cols,
                                         float* __restrict__ out) {
+    grid_wait();
     const u8* row = w + (i64)blockIdx.x * row_bytes(fmt, cols);
     float* dst = out + (i64)blockIdx.x * cols;
 #define CALL(F)                                                               \
@@ -477,6 +497,7 @@ extern "C" __global__ void dequant_rows(const u8* __restrict__ w, int fmt, int r
 // exponent range). Grid-stride.
 extern "C" __global__ void split_bf16x3(const float* __restrict__ x, i64 count,
                                         u16* __restrict__ planes) {
+    grid_wait();
     for (i64 i = blockIdx.x * (i64)blockDim.x + threadIdx.x; i < count;
          i += (i64)gridDim.x * blockDim.x) {
         const float v = x[i];

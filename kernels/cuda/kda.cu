@@ -79,6 +79,7 @@ __device__ __forceinline__ void conv_channel(const float* __restrict__ qkv, cons
 extern "C" __global__ void kda_conv(const float* __restrict__ qkv, float* state,
                                     const float* __restrict__ taps, int len, int w, int kernel,
                                     int advance, float* __restrict__ out) {
+    grid_wait();
     const int ch = blockIdx.x * blockDim.x + threadIdx.x;
     if (ch >= w) return;
     const int t0 = blockIdx.y * KDA_CONV_SEG;
@@ -92,6 +93,7 @@ extern "C" __global__ void kda_conv(const float* __restrict__ qkv, float* state,
 extern "C" __global__ void kda_conv_seqs(const float* __restrict__ qkv, float* const* states,
                                          const float* __restrict__ taps, int w, int kernel,
                                          float* __restrict__ out) {
+    grid_wait();
     const int ch = blockIdx.x * blockDim.x + threadIdx.x;
     if (ch >= w) return;
     const i64 row = (i64)blockIdx.y * w;
@@ -104,6 +106,7 @@ extern "C" __global__ void kda_conv_seqs(const float* __restrict__ qkv, float* c
 // a `kda_conv` of several token segments. Grid ceil(w / blockDim.x).
 extern "C" __global__ void kda_conv_state(float* __restrict__ state, const float* __restrict__ qkv,
                                           int len, int w, int kernel) {
+    grid_wait();
     const int ch = blockIdx.x * blockDim.x + threadIdx.x;
     if (ch >= w) return;
     conv_advance(state, qkv, ch, len, w, kernel);
@@ -201,6 +204,7 @@ extern "C" __global__ void kda_recurrent(const float* __restrict__ mixed,
                                          const float* __restrict__ beta, int len, int heads, int d,
                                          float scale, float eps, float* __restrict__ state,
                                          float* __restrict__ out) {
+    grid_wait();
     extern __shared__ float sh[];
     recurrent_span(mixed, g, beta, len, heads, d, scale, eps, state, out, sh);
 }
@@ -214,6 +218,7 @@ extern "C" __global__ void kda_recurrent_seqs(const float* __restrict__ mixed,
                                               const float* __restrict__ beta, int heads, int d,
                                               float scale, float eps, float* const* states,
                                               float* __restrict__ out) {
+    grid_wait();
     extern __shared__ float sh[];
     const i64 s = blockIdx.z, c = (i64)heads * d;
     recurrent_span(mixed + s * 3 * c, g + s * c, beta + s * heads, 1, heads, d, scale, eps,
@@ -251,6 +256,7 @@ extern "C" __global__ void kda_chunked(const float* __restrict__ mixed,
                                        const float* __restrict__ beta, int len, int heads, int d,
                                        float scale, float eps, float* __restrict__ state,
                                        float* __restrict__ out) {
+    grid_wait();
     extern __shared__ float sh[];
     const int ld = d | 1;
     float* s = sh;                           // [d][KDA_COLS]
@@ -422,6 +428,7 @@ extern "C" __global__ void kda_gates(float* __restrict__ g, const float* __restr
                                      const float* __restrict__ a_log, int head_dim,
                                      int channels, int has_bound, float bound,
                                      float* __restrict__ beta, int heads) {
+    grid_wait();
     const int i = blockIdx.x * blockDim.x + threadIdx.x;
     g += (i64)blockIdx.y * channels;
     beta += (i64)blockIdx.y * heads;
@@ -443,6 +450,7 @@ extern "C" __global__ void kda_gates(float* __restrict__ g, const float* __restr
 extern "C" __global__ void interleave3(const float* __restrict__ a, const float* __restrict__ b,
                                        const float* __restrict__ c, int tokens, int width,
                                        float* __restrict__ out) {
+    grid_wait();
     const i64 i = (i64)blockIdx.x * blockDim.x + threadIdx.x;
     if (i >= (i64)tokens * width) return;
     const i64 t = i / width, k = i % width;

@@ -182,6 +182,7 @@ __device__ __forceinline__ void mhc_project_rows(const W* __restrict__ proj,
 extern "C" __global__ void __launch_bounds__(MHC_PROJECT_THREADS) mhc_project(
     const float* __restrict__ proj, const float* __restrict__ x, int rows, int width, float eps,
     float* __restrict__ part, u32* __restrict__ tickets, float* __restrict__ logits) {
+    grid_wait();
     mhc_project_rows(proj, x, rows, width, eps, part, tickets, logits);
 }
 
@@ -189,6 +190,7 @@ extern "C" __global__ void __launch_bounds__(MHC_PROJECT_THREADS) mhc_project(
 extern "C" __global__ void __launch_bounds__(MHC_PROJECT_THREADS) mhc_project_bf16(
     const u16* __restrict__ proj, const float* __restrict__ x, int rows, int width, float eps,
     float* __restrict__ part, u32* __restrict__ tickets, float* __restrict__ logits) {
+    grid_wait();
     mhc_project_rows(proj, x, rows, width, eps, part, tickets, logits);
 }
 
@@ -214,6 +216,7 @@ extern "C" __global__ void mhc_collapse(const float* __restrict__ logits,
                                         const float* __restrict__ norm_weight, float norm_eps,
                                         float* __restrict__ collapsed, float* __restrict__ post,
                                         float* __restrict__ comb) {
+    grid_wait();
     __shared__ float w_pre[MHC_MAX_N], w_post[MHC_MAX_N], w_comb[MHC_MAX_N * MHC_MAX_N];
     const int t = blockIdx.y;
     const float* l = logits + (i64)t * (2 + n) * n;
@@ -283,6 +286,7 @@ extern "C" __global__ void mhc_collapse(const float* __restrict__ logits,
 // Grid (ceil(d / blockDim.x), T).
 extern "C" __global__ void mhc_expand(const float* post, const float* comb, const float* streams,
                                       const float* y, int n, int d, float* out) {
+    grid_wait();
     __shared__ float c[MHC_MAX_N * MHC_MAX_N], p[MHC_MAX_N];
     const int t = blockIdx.y;
     for (int i = threadIdx.x; i < n * n; i += blockDim.x) c[i] = comb[(i64)t * n * n + i];

@@ -36,6 +36,7 @@ __device__ float attn_block_reduce(float v, bool is_max) {
 // `*step * n` further on: each step pushes n values.
 extern "C" __global__ void cache_store(const float* __restrict__ src, u8* __restrict__ cache,
                                        int fmt, i64 at, i64 n, const int* __restrict__ step) {
+    grid_wait();
     const i64 i = (i64)blockIdx.x * blockDim.x + threadIdx.x;
     if (i >= n) return;
     const i64 base = step ? at + (i64)*step * n : at;
@@ -46,6 +47,7 @@ extern "C" __global__ void cache_store(const float* __restrict__ src, u8* __rest
 // planned on the device (offsets of[s][0 .. 2]); sel_off gets them as one list (n + 1 values).
 extern "C" __global__ void sel_offsets_gather(const unsigned long long* __restrict__ of, int n,
                                               int* __restrict__ sel_off) {
+    grid_wait();
     if (blockIdx.x != 0 || threadIdx.x != 0) return;
     int off = 0;
     sel_off[0] = 0;
@@ -74,6 +76,7 @@ extern "C" __global__ void mla_sparse_attend(const float* __restrict__ q,
                                              float* __restrict__ out,
                                              const unsigned long long* __restrict__ kv_of,
                                              const unsigned long long* __restrict__ picks_of) {
+    grid_wait();
     __shared__ float qs[ATTN_MAX_DK];
     const int row = blockIdx.x;
     const int query = row / heads, head = row % heads;
@@ -259,6 +262,7 @@ extern "C" __global__ void __launch_bounds__(256) mla_attend_shared(const float*
                       const u32* __restrict__ picks, const int* __restrict__ sel_off,
                       int heads, int d, i64 stride, float scale, int max_picks,
                       float* __restrict__ scratch, float* __restrict__ out) {
+    grid_wait();
     // Phase 1: qs [SH_CK][SH_QPAD] query channels, ks [SH_CK][SH_KPAD] token channels;
     // phase 3: qs [SH_VT][SH_QPAD] probabilities, ks [SH_VT][SH_KPAD] value channels.
     __shared__ __align__(16) float qs[SH_CK * SH_QPAD];
@@ -361,6 +365,7 @@ extern "C" __global__ void __launch_bounds__(256) mla_attend_shared(const float*
 extern "C" __global__ void mla_absorb_q(const float* __restrict__ q,
                                         const float* __restrict__ kv_b, int nope, int vd,
                                         int rank, float* __restrict__ q_lat) {
+    grid_wait();
     const int c = blockIdx.x * blockDim.x + threadIdx.x;
     const int head = blockIdx.y;
     if (c >= rank) return;
@@ -379,6 +384,7 @@ extern "C" __global__ void mla_absorb_q(const float* __restrict__ q,
 extern "C" __global__ void mla_absorb_out(const float* __restrict__ o_lat,
                                           const float* __restrict__ kv_b, int heads, int nope,
                                           int vd, int rank, float* __restrict__ out) {
+    grid_wait();
     const int warps = blockDim.x / WARP;
     const int r = blockIdx.x * warps + threadIdx.x / WARP;
     if (r >= heads * vd) return;

@@ -259,6 +259,7 @@ extern "C" __global__ void __launch_bounds__(MOE_ROW_THREADS, MOE_MIN_BLOCKS) mo
     const int* __restrict__ pick_list, const int* __restrict__ count, i64 up_off, int inter,
     int hidden, int k, float limit, const float* __restrict__ x, float* __restrict__ act,
     int act_xl) {
+    grid_wait();
 #define CALL(F)                                                                              \
     gate_up_rows<F, false>(arena, group_base, group_start, group_len, pick_list, count, up_off, \
                            inter, hidden, k, limit, x, act, act_xl)
@@ -275,6 +276,7 @@ extern "C" __global__ void moe_gate_up_wide(const u8* __restrict__ arena, int fm
                                             const int* __restrict__ count, i64 up_off, int inter,
                                             int hidden, int k, float limit,
                                             const float* __restrict__ xg, float* __restrict__ act) {
+    grid_wait();
 #define CALL(F)                                                                              \
     gate_up_rows<F, true>(arena, group_base, group_start, group_len, pick_list, count, up_off, \
                           inter, hidden, k, limit, xg, act, 0)
@@ -290,6 +292,7 @@ extern "C" __global__ void __launch_bounds__(MOE_ROW_THREADS, MOE_MIN_BLOCKS) mo
     const int* __restrict__ group_start, const int* __restrict__ group_len,
     const int* __restrict__ pick_list, const int* __restrict__ count, i64 down_off, int hidden,
     int inter, const float* __restrict__ act, float* __restrict__ yp) {
+    grid_wait();
 #define CALL(F)                                                                                \
     down_rows<F, false>(arena, group_base, group_start, group_len, pick_list, count, down_off, \
                         hidden, inter, act, yp)
@@ -306,6 +309,7 @@ extern "C" __global__ void moe_down_wide(const u8* __restrict__ arena, int fmt,
                                          const int* __restrict__ count, i64 down_off, int hidden,
                                          int inter, const float* __restrict__ act,
                                          float* __restrict__ yp) {
+    grid_wait();
 #define CALL(F)                                                                                \
     down_rows<F, true>(arena, group_base, group_start, group_len, pick_list, count, down_off, \
                        hidden, inter, act, yp)
@@ -317,6 +321,7 @@ extern "C" __global__ void moe_down_wide(const u8* __restrict__ arena, int fmt,
 // back to their picks' rows). A block per entry.
 extern "C" __global__ void moe_scatter(const float* __restrict__ y, const int* __restrict__ list,
                                        int hidden, float* __restrict__ yp) {
+    grid_wait();
     const float* src = y + (i64)blockIdx.x * hidden;
     float* dst = yp + (i64)list[blockIdx.x] * hidden;
     for (int c = threadIdx.x; c < hidden; c += blockDim.x) dst[c] = src[c];
@@ -327,6 +332,7 @@ extern "C" __global__ void moe_scatter(const float* __restrict__ y, const int* _
 // 65,535).
 extern "C" __global__ void moe_gather(const float* __restrict__ x, const int* __restrict__ rows,
                                       int hidden, float* __restrict__ xg) {
+    grid_wait();
     const float* src = x + (i64)rows[blockIdx.x] * hidden;
     float* dst = xg + (i64)blockIdx.x * hidden;
     for (int c = threadIdx.x; c < hidden; c += blockDim.x) dst[c] = src[c];
@@ -335,6 +341,7 @@ extern "C" __global__ void moe_gather(const float* __restrict__ x, const int* __
 // out[t, h] = sum over j = 0..k-1, in that order, of w[t, j] * yp[t * k + j, h].
 extern "C" __global__ void moe_combine(const float* __restrict__ yp, const float* __restrict__ w,
                                        int tokens, int k, int hidden, float* __restrict__ out) {
+    grid_wait();
     const i64 i = (i64)blockIdx.x * blockDim.x + threadIdx.x;
     if (i >= (i64)tokens * hidden) return;
     const i64 t = i / hidden, h = i % hidden;
@@ -357,6 +364,7 @@ extern "C" __global__ void moe_combine(const float* __restrict__ yp, const float
 extern "C" __global__ void moe_group(const int* __restrict__ ids, const int* __restrict__ slot_of,
                                      int experts, int picks, int k, i64 slot_bytes, int cap,
                                      i64* __restrict__ longs, int* __restrict__ ints) {
+    grid_wait();
     __shared__ int slot[MOE_GROUP_MAX], first[MOE_GROUP_MAX], glen[MOE_GROUP_MAX],
         gstart[MOE_GROUP_MAX];
     const int i = threadIdx.x;

@@ -5,6 +5,7 @@
 // x: [rows, width] in place; weight: [width], read only when has_weight.
 extern "C" __global__ void rms_norm(float* __restrict__ x, const float* __restrict__ weight,
                                     int has_weight, int width, float eps) {
+    grid_wait();
     float* row = x + (i64)blockIdx.x * width;
     float ss = 0.0f;
     for (int i = threadIdx.x; i < width; i += blockDim.x) ss = fmaf(row[i], row[i], ss);
@@ -16,6 +17,7 @@ extern "C" __global__ void rms_norm(float* __restrict__ x, const float* __restri
 // x, gate: [rows, width]; x = rms_norm(x) * weight * sigmoid(gate), in place.
 extern "C" __global__ void gated_rms_norm(float* __restrict__ x, const float* __restrict__ gate,
                                           const float* __restrict__ weight, int width, float eps) {
+    grid_wait();
     float* row = x + (i64)blockIdx.x * width;
     const float* g = gate + (i64)blockIdx.x * width;
     float ss = 0.0f;
@@ -29,6 +31,7 @@ extern "C" __global__ void gated_rms_norm(float* __restrict__ x, const float* __
 // variance, eps inside the root). One block per row.
 extern "C" __global__ void layer_norm(float* __restrict__ x, const float* __restrict__ weight,
                                       const float* __restrict__ bias, int width, float eps) {
+    grid_wait();
     float* row = x + (i64)blockIdx.x * width;
     float s = 0.0f;
     for (int i = threadIdx.x; i < width; i += blockDim.x) s += row[i];

@@ -33,6 +33,7 @@ __device__ __forceinline__ u64 warp_min_u64(u64 v) {
 extern "C" __global__ void route(const float* __restrict__ logits, const float* __restrict__ bias,
                                  int experts, int groups, int topk_groups, int k, int normalize,
                                  float scale, int* __restrict__ ids, float* __restrict__ weights) {
+    grid_wait();
     __shared__ float score[MAX_EXPERTS];
     __shared__ float choice[MAX_EXPERTS];
     __shared__ u64 gkey[MAX_EXPERTS];

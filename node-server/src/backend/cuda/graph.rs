@@ -4,14 +4,15 @@
 //! pageable host memory ([`Cuda::upload`] and the downloads refuse); values that change from
 //! one replay to the next come from device memory the host writes before each launch.
 
-use super::{Cuda, CudaError};
-use cudarc::driver::sys::{self, CUgraphInstantiate_flags, CUstreamCaptureMode};
-use cudarc::driver::{CudaGraph, CudaSlice, DevicePtr, PinnedHostSlice};
+use super::{Cuda, CudaError, compile};
+use cudarc::driver::sys::{self, CUstreamCaptureMode};
+use cudarc::driver::{CudaSlice, CudaStream, DevicePtr, PinnedHostSlice};
+use std::sync::Arc;
 use std::sync::atomic::Ordering::Relaxed;
 
 /// A captured graph and the page-locked host buffer its last copy writes (the step's output).
 pub struct StepGraph {
-    graph: CudaGraph,
+    graph: Graph,
     out: PinnedHostSlice<f32>,
     /// Values of `out` the graph writes.
     out_len: usize,
@@ -201,11 +202,19 @@ impl Cuda {
         // fail the end of the capture before it ends, leaving the stream capturing: it belongs
         // to this capture.
         let left = self.ctx.check_err();
-        let graph = self.stream.end_capture(CUgraphInstantiate_flags(0));
+        let graph = Graph::end_capture(&self.stream);
+        let [made, refused] = self
+            .settings
+            .programmatic
+            .each_ref()
+            .map(|c| c.swap(0, Relaxed));
+        if made + refused > 0 {
+            tracing::info!(made, refused, "step graph: programmatic edges (PDL)");
+        }
         let tables = self.tables.lock().unwrap_or_else(|e| e.into_inner()).take();
         captured?;
         left?;
-        let graph = graph?.ok_or_else(|| anyhow::anyhow!("the stream capture made no graph"))?;
+        let graph = graph?;
         Ok(StepGraph {
             graph,
             out,
@@ -222,5 +231,152 @@ impl StepGraph {
         self.graph.launch()?;
         cuda.stream.synchronize()?;
         Ok(f(&self.out.as_slice()?[..self.out_len]))
+    }
+}
+
+/// Whether the step graph's kernels follow one another by programmatic dependent launch: the
+/// knob PDL=1 (GLMFLASH_KERNEL_DEFINES, which also compiles `grid_wait` into every kernel);
+/// off until measured.
+fn pdl() -> bool {
+    compile::kernel_knob("PDL") == Some(1)
+}
+
+/// A graph ended from a stream capture and its executable.
+struct Graph {
+    graph: sys::CUgraph,
+    exec: sys::CUgraphExec,
+    stream: Arc<CudaStream>,
+}
+
+impl Graph {
+    /// Ends `stream`'s capture and instantiates what it made.
+    fn end_capture(stream: &Arc<CudaStream>) -> anyhow::Result<Graph> {
+        stream.context().bind_to_thread()?;
+        let mut graph = std::ptr::null_mut();
+        // SAFETY: the stream is capturing (begun by the caller); the graph handle is ours.
+        unsafe { sys::cuStreamEndCapture(stream.cu_stream(), &mut graph) }.result()?;
+        if graph.is_null() {
+            anyhow::bail!("the stream capture made no graph");
+        }
+        let mut exec = std::ptr::null_mut();
+        // SAFETY: `graph` is a valid graph handle, not launched; `exec` receives the executable.
+        if let Err(e) = unsafe { sys::cuGraphInstantiateWithFlags(&mut exec, graph, 0) }.result() {
+            // SAFETY: the graph is ours and nothing else holds it.
+            unsafe { sys::cuGraphDestroy(graph) };
+            return Err(e.into());
+        }
+        Ok(Graph {
+            graph,
+            exec,
+            stream: stream.clone(),
+        })
+    }
+
+    fn launch(&self) -> Result<(), CudaError> {
+        self.stream.context().bind_to_thread()?;
+        // SAFETY: the executable is ours and was made on this stream's context.
+        Ok(unsafe { sys::cuGraphLaunch(self.exec, self.stream.cu_stream()) }.result()?)
+    }
+}
+
+impl Drop for Graph {
+    fn drop(&mut self) {
+        let ctx = self.stream.context();
+        if ctx.bind_to_thread().is_ok() {
+            // SAFETY: both handles are ours; the owner synchronised each launch.
+            unsafe {
+                ctx.record_err(sys::cuGraphExecDestroy(self.exec).result());
+                ctx.record_err(sys::cuGraphDestroy(self.graph).result());
+            }
+        }
+    }
+}
+
+/// Where `stream` is capturing and its next node's only dependency is one of glmflash's
+/// kernels (every one begins with `grid_wait`), makes that dependency programmatic: the node
+/// captured next, which the caller makes one of glmflash's kernels, may then start while the
+/// kernel before it finishes, and waits for it in its `grid_wait`. A stream capture's edges
+/// must be given so as they are made: a graph holding memory allocations refuses changes to
+/// its edges afterwards (`CUDA_ERROR_NOT_SUPPORTED`). Returns whether the edge was made.
+///
+/// # Safety
+/// `stream` is a live stream of the current context.
+unsafe fn programmatic_dependency(stream: sys::CUstream) -> Result<bool, sys::CUresult> {
+    use sys::{CUgraphDependencyType as Dep, CUgraphNodeType as Node, CUresult as R};
+    let ok = |r: R| if r == R::CUDA_SUCCESS { Ok(()) } else { Err(r) };
+    let mut status = sys::CUstreamCaptureStatus::CU_STREAM_CAPTURE_STATUS_NONE;
+    let (mut id, mut graph, mut n) = (0, std::ptr::null_mut(), 0usize);
+    let (mut deps, mut data) = (std::ptr::null(), std::ptr::null());
+    // SAFETY: every out-pointer is a local; the arrays the driver gives are read below only.
+    ok(unsafe {
+        sys::cuStreamGetCaptureInfo_v3(
+            stream,
+            &mut status,
+            &mut id,
+            &mut graph,
+            &mut deps,
+            &mut data,
+            &mut n,
+        )
+    })?;
+    if status != sys::CUstreamCaptureStatus::CU_STREAM_CAPTURE_STATUS_ACTIVE || n != 1 {
+        return Ok(false);
+    }
+    // SAFETY: the driver's arrays of `n` (1) entries; no edge data means a plain edge.
+    let (mut node, plain) = unsafe {
+        (
+            *deps,
+            data.is_null() || (*data).type_ == Dep::CU_GRAPH_DEPENDENCY_TYPE_DEFAULT as u8,
+        )
+    };
+    let mut kind = Node::CU_GRAPH_NODE_TYPE_EMPTY;
+    ok(unsafe { sys::cuGraphNodeGetType(node, &mut kind) })?;
+    if !plain || kind != Node::CU_GRAPH_NODE_TYPE_KERNEL {
+        return Ok(false);
+    }
+    // SAFETY: plain data the call fills.
+    let mut params: sys::CUDA_KERNEL_NODE_PARAMS = unsafe { std::mem::zeroed() };
+    ok(unsafe { sys::cuGraphKernelNodeGetParams_v2(node, &mut params) })?;
+    if params.func.is_null() {
+        return Ok(false);
+    }
+    let mut name = std::ptr::null();
+    ok(unsafe { sys::cuFuncGetName(&mut name, params.func) })?;
+    // SAFETY: the driver's NUL-terminated name of a loaded function.
+    let name = unsafe { std::ffi::CStr::from_ptr(name) }.to_string_lossy();
+    let ours = glmflash_kernels::SOURCES
+        .iter()
+        .any(|(_, _, kernels)| kernels.contains(&name.as_ref()));
+    if !ours {
+        return Ok(false);
+    }
+    // SAFETY: plain data (ports and type).
+    let mut edge: sys::CUgraphEdgeData = unsafe { std::mem::zeroed() };
+    edge.from_port = sys::CU_GRAPH_KERNEL_NODE_PORT_PROGRAMMATIC as u8;
+    edge.type_ = Dep::CU_GRAPH_DEPENDENCY_TYPE_PROGRAMMATIC as u8;
+    let set = sys::CUstreamUpdateCaptureDependencies_flags::CU_STREAM_SET_CAPTURE_DEPENDENCIES;
+    ok(unsafe {
+        sys::cuStreamUpdateCaptureDependencies_v2(stream, &mut node, &edge, 1, set as u32)
+    })?;
+    Ok(true)
+}
+
+impl Cuda {
+    /// Before each of glmflash's kernels is launched ([`Cuda::kernel`]): under PDL, while
+    /// capturing, its dependency on the kernel before it made programmatic
+    /// ([`programmatic_dependency`]). A refusal leaves the edge plain and is counted.
+    pub(super) fn before_launch(&self) {
+        if !self.capturing() || !pdl() {
+            return;
+        }
+        // SAFETY: the compute stream of this handle's context, bound by the caller's launch.
+        match unsafe { programmatic_dependency(self.stream.cu_stream()) } {
+            Ok(true) => self.settings.programmatic[0].fetch_add(1, Relaxed),
+            Ok(false) => 0,
+            Err(e) => {
+                tracing::debug!(error = ?e, "a programmatic edge refused; the edge stays plain");
+                self.settings.programmatic[1].fetch_add(1, Relaxed)
+            }
+        };
     }
 }

@@ -194,6 +194,8 @@ struct Settings {
     /// for the device or copy from pageable host memory, and the ops that read a decode
     /// step's position take it from the graph's step count.
     capturing: Arc<std::sync::atomic::AtomicBool>,
+    /// Programmatic edges made and refused in the capture under way (PDL; graph.rs).
+    programmatic: Arc<[std::sync::atomic::AtomicUsize; 2]>,
 }
 
 /// Tickets [`Cuda`] keeps: groups one launch may count (one per token row of a grid).
@@ -263,6 +265,7 @@ impl Cuda {
             gemv_blocks: Arc::new(exl3::GEMV_BLOCKS.into()),
             matvec_wide_tile: Default::default(),
             capturing: Default::default(),
+            programmatic: Default::default(),
         };
         Cuda::on_stream(ctx, stream, copy, (name, arch), kernels, settings)
     }
@@ -435,7 +438,10 @@ impl Cuda {
         Ok(blas.lock().unwrap_or_else(|e| e.into_inner()))
     }
 
+    /// A kernel about to be launched on this handle's stream (every launch names its kernel
+    /// here, right before it: see [`Cuda::before_launch`]).
     fn kernel(&self, name: &str) -> &CudaFunction {
+        self.before_launch();
         self.kernels
             .get(name)
             .unwrap_or_else(|| panic!("kernel {name} is listed in glmflash_kernels::SOURCES"))
