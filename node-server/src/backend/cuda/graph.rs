@@ -293,11 +293,12 @@ impl Drop for Graph {
 }
 
 /// Where `stream` is capturing and its next node's only dependency is one of glmflash's
-/// kernels (every one begins with `grid_wait`), makes that dependency programmatic: the node
-/// captured next, which the caller makes one of glmflash's kernels, may then start while the
-/// kernel before it finishes, and waits for it in its `grid_wait`. A stream capture's edges
-/// must be given so as they are made: a graph holding memory allocations refuses changes to
-/// its edges afterwards (`CUDA_ERROR_NOT_SUPPORTED`). Returns whether the edge was made.
+/// kernels (every one begins with `grid_wait`) that nothing depends on yet, makes that
+/// dependency programmatic: the node captured next, which the caller makes one of glmflash's
+/// kernels, may then start while the kernel before it finishes, and waits for it in its
+/// `grid_wait`. The edges are given as the capture makes them: a graph holding memory
+/// allocations refuses changes to its edges afterwards (`CUDA_ERROR_NOT_SUPPORTED`, session
+/// 46). Returns whether the edge was made.
 ///
 /// # Safety
 /// `stream` is a live stream of the current context.
@@ -332,6 +333,16 @@ unsafe fn programmatic_dependency(stream: sys::CUstream) -> Result<bool, sys::CU
     let mut kind = Node::CU_GRAPH_NODE_TYPE_EMPTY;
     ok(unsafe { sys::cuGraphNodeGetType(node, &mut kind) })?;
     if !plain || kind != Node::CU_GRAPH_NODE_TYPE_KERNEL {
+        return Ok(false);
+    }
+    // One programmatic edge out of a kernel at most, as a stream makes (a second queue that
+    // forked from this kernel already depends on it: this edge stays plain).
+    let mut dependents = 0usize;
+    let (none, no_data) = (std::ptr::null_mut(), std::ptr::null_mut());
+    // (A count the driver will not give without the edges' data means a dependent too.)
+    let counted =
+        unsafe { sys::cuGraphNodeGetDependentNodes_v2(node, none, no_data, &mut dependents) };
+    if counted != R::CUDA_SUCCESS || dependents > 0 {
         return Ok(false);
     }
     // SAFETY: plain data the call fills.
