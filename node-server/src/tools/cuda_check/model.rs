@@ -105,10 +105,9 @@ pub(super) fn prefill_cases(
     let prompt = random(CACHE_SPARE_TOKENS + 60);
     let mut cpu = model.new_cache();
     let mut gpu = decoder.sequence(&model.new_cache())?;
-    for (c, chunk) in [&prompt[..13], &prompt[13..200], &prompt[200..]]
-        .into_iter()
-        .enumerate()
-    {
+    let chunks = [&prompt[..13], &prompt[13..200], &prompt[200..]];
+    let mut first_run = Vec::with_capacity(chunks.len());
+    for (c, chunk) in chunks.into_iter().enumerate() {
         let want = model
             .forward(
                 &mut [Step {
@@ -122,9 +121,32 @@ pub(super) fn prefill_cases(
         let got = decoder.forward(model, &mut [&mut gpu], &[chunk])?.remove(0);
         let label = format!("prefill {name} chunk {c} ({} tokens)", chunk.len());
         cases.push(case(format!("{label} logits"), &got, &want, DECODE_BOUND));
+        first_run.push(got);
     }
     let host = decoder.to_host(&gpu)?;
     compare_caches(&format!("prefill {name}"), &host, &cpu, cases);
+
+    // The same chunks again on a fresh sequence: the same bits, logits and caches (a race
+    // between launches, or a buffer read before it is written, shows here in one run).
+    let mut again = decoder.sequence(&model.new_cache())?;
+    let mut same = true;
+    for (chunk, first) in chunks.into_iter().zip(&first_run) {
+        let got = decoder
+            .forward(model, &mut [&mut again], &[chunk])?
+            .remove(0);
+        same &= got
+            .iter()
+            .map(|v| v.to_bits())
+            .eq(first.iter().map(|v| v.to_bits()));
+    }
+    cases.push(exact_case(
+        format!("prefill {name} again: same logits bits"),
+        same,
+    ));
+    cases.push(exact_case(
+        format!("prefill {name} again: same caches"),
+        decoder.to_host(&again)? == host,
+    ));
 
     // A prompt and a decode token in one call.
     let other = random(DECODE_PROMPT / 2 + 5);
