@@ -23,7 +23,8 @@ done
 echo "every kernel compiles for sm_86 and sm_90"
 
 # Programmatic dependent launch (PDL=1, sm_90): a kernel may start before the one it follows has
-# finished, so each must reach griddepcontrol.wait before it touches global memory.
+# finished, so each must reach griddepcontrol.wait before it touches global memory (loads,
+# stores, atomics, cp.async copies from it).
 for f in kernels/cuda/*.cu; do
   ptx="$out/$(basename "$f" .cu).pdl.ptx"
   "$nvcc" -ptx -arch=sm_90 -std=c++17 -Ikernels/cuda -DPDL=1 -Werror all-warnings -o "$ptx" "$f"
@@ -31,7 +32,7 @@ for f in kernels/cuda/*.cu; do
     /^\.visible \.entry/ { if (k != "" && !w) { print file ": " k " never waits"; bad = 1 }
                             k = $3; sub(/\(.*/, "", k); w = 0 }
     /griddepcontrol\.wait/ { w = 1 }
-    k != "" && !w && $1 ~ /^(ld|st|atom|red|prefetch)\./ && $1 !~ /^(ld\.param|ld\.shared|st\.shared|ld\.local|st\.local)/ {
+    k != "" && !w && $1 ~ /^(ld|ldu|st|atom|red|prefetch|cp\.async|cp\.reduce|tex|suld|sust)\./ && $1 !~ /^(ld\.param|ld\.shared|st\.shared|ld\.local|st\.local|cp\.async\.(commit|wait))/ {
       print file ": " k " touches memory before its grid_wait: " $0; bad = 1 }
     END { if (k != "" && !w) { print file ": " k " never waits"; bad = 1 } exit bad }' "$ptx" || exit 1
 done
