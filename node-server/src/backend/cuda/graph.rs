@@ -5,14 +5,13 @@
 //! one replay to the next come from device memory the host writes before each launch.
 
 use super::{Cuda, CudaError, compile};
-use cudarc::driver::sys::{self, CUstreamCaptureMode};
-use cudarc::driver::{CudaSlice, CudaStream, DevicePtr, PinnedHostSlice};
-use std::sync::Arc;
+use cudarc::driver::sys::{self, CUgraphInstantiate_flags, CUstreamCaptureMode};
+use cudarc::driver::{CudaGraph, CudaSlice, DevicePtr, PinnedHostSlice};
 use std::sync::atomic::Ordering::Relaxed;
 
 /// A captured graph and the page-locked host buffer its last copy writes (the step's output).
 pub struct StepGraph {
-    graph: Graph,
+    graph: CudaGraph,
     out: PinnedHostSlice<f32>,
     /// Values of `out` the graph writes.
     out_len: usize,
@@ -202,7 +201,7 @@ impl Cuda {
         // fail the end of the capture before it ends, leaving the stream capturing: it belongs
         // to this capture.
         let left = self.ctx.check_err();
-        let graph = Graph::end_capture(&self.stream);
+        let graph = self.stream.end_capture(CUgraphInstantiate_flags(0));
         let [made, refused] = self
             .settings
             .programmatic
@@ -214,7 +213,7 @@ impl Cuda {
         let tables = self.tables.lock().unwrap_or_else(|e| e.into_inner()).take();
         captured?;
         left?;
-        let graph = graph?;
+        let graph = graph?.ok_or_else(|| anyhow::anyhow!("the stream capture made no graph"))?;
         Ok(StepGraph {
             graph,
             out,
@@ -239,57 +238,6 @@ impl StepGraph {
 /// off until measured.
 fn pdl() -> bool {
     compile::kernel_knob("PDL") == Some(1)
-}
-
-/// A graph ended from a stream capture and its executable.
-struct Graph {
-    graph: sys::CUgraph,
-    exec: sys::CUgraphExec,
-    stream: Arc<CudaStream>,
-}
-
-impl Graph {
-    /// Ends `stream`'s capture and instantiates what it made.
-    fn end_capture(stream: &Arc<CudaStream>) -> anyhow::Result<Graph> {
-        stream.context().bind_to_thread()?;
-        let mut graph = std::ptr::null_mut();
-        // SAFETY: the stream is capturing (begun by the caller); the graph handle is ours.
-        unsafe { sys::cuStreamEndCapture(stream.cu_stream(), &mut graph) }.result()?;
-        if graph.is_null() {
-            anyhow::bail!("the stream capture made no graph");
-        }
-        let mut exec = std::ptr::null_mut();
-        // SAFETY: `graph` is a valid graph handle, not launched; `exec` receives the executable.
-        if let Err(e) = unsafe { sys::cuGraphInstantiateWithFlags(&mut exec, graph, 0) }.result() {
-            // SAFETY: the graph is ours and nothing else holds it.
-            unsafe { sys::cuGraphDestroy(graph) };
-            return Err(e.into());
-        }
-        Ok(Graph {
-            graph,
-            exec,
-            stream: stream.clone(),
-        })
-    }
-
-    fn launch(&self) -> Result<(), CudaError> {
-        self.stream.context().bind_to_thread()?;
-        // SAFETY: the executable is ours and was made on this stream's context.
-        Ok(unsafe { sys::cuGraphLaunch(self.exec, self.stream.cu_stream()) }.result()?)
-    }
-}
-
-impl Drop for Graph {
-    fn drop(&mut self) {
-        let ctx = self.stream.context();
-        if ctx.bind_to_thread().is_ok() {
-            // SAFETY: both handles are ours; the owner synchronised each launch.
-            unsafe {
-                ctx.record_err(sys::cuGraphExecDestroy(self.exec).result());
-                ctx.record_err(sys::cuGraphDestroy(self.graph).result());
-            }
-        }
-    }
 }
 
 /// Where `stream` is capturing and its next node's only dependency is one of glmflash's
